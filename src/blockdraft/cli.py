@@ -1,0 +1,70 @@
+"""The `blockdraft` command line: a thin layer; each command parses options and calls one library function."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from blockdraft.config import ConfigError
+from blockdraft.store.artifact import ArtifactError, State
+from blockdraft.store.base import StoreError
+
+app = typer.Typer(
+    help="Train DFlash speculative-decoding drafters end to end, with every handoff verified at the destination.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+# Errors a user can cause: one line naming the cause and the fix, never a traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, StoreError, ArtifactError, FileNotFoundError)
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@app.callback()
+def _root() -> None:
+    """blockdraft: completions -> tokenize -> push/pull -> train -> eval/export, every step verified."""
+
+
+ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="blockdraft TOML config file.")]
+
+
+@app.command()
+@user_errors
+def verify(url: Annotated[str, typer.Argument(help="Artifact folder, file:// or s3:// URL.")], config: ConfigOpt = None) -> None:
+    """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum."""
+    from blockdraft.config import load_config
+    from blockdraft.store import open_store
+    from blockdraft.store.artifact import verify_artifact
+
+    cfg = load_config(config)
+    report = verify_artifact(open_store(url, cfg.store), check_inputs=True)
+    kind = report.manifest.kind if report.manifest else "-"
+    color = "green" if report.state is State.VERIFIED else "red"
+    print(f"{report.state.value}\t{kind}\t{url}")
+    console.print(f"[{color}]{report.state.value}[/]: {report.summary()}", highlight=False)
+    for problem in report.problems:
+        console.print(f"  {problem.state.value}: {problem.path}: {problem.detail}", highlight=False, markup=False)
+    if report.state is not State.VERIFIED:
+        raise typer.Exit(1)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    sys.exit(app())

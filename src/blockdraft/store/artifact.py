@@ -1,0 +1,229 @@
+"""Artifacts and their manifests: the one definition of "done" that every stage and `status` use.
+
+An artifact is a set of files under one store root plus `MANIFEST_NAME`, written last. It is done only when the
+manifest is at the destination and every file it lists is there with the listed size and CRC64NVME checksum,
+as read back from the destination (../shared/STORE.md).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from blockdraft import __version__
+from blockdraft.store.base import ObjectInfo, Store
+
+MANIFEST_NAME = "blockdraft-manifest.json"
+MANIFEST_FORMAT = "blockdraft-manifest/1"
+
+
+class State(str, Enum):
+    VERIFIED = "verified"
+    INCOMPLETE = "incomplete"
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+    STALE = "stale"
+
+
+class FileEntry(BaseModel):
+    path: str
+    size: int
+    checksum: str  # base64 CRC64NVME
+
+
+class InputRef(BaseModel):
+    """One input of an artifact, by content.
+
+    kind "manifest": another artifact, pinned by the sha256 of its manifest bytes.
+    kind "raw": a file without a manifest (completions someone else uploaded), pinned by size and checksum/ETag.
+    """
+
+    kind: str
+    url: str
+    sha256: str | None = None
+    size: int | None = None
+    checksum: str | None = None
+    etag: str | None = None
+
+
+class Manifest(BaseModel):
+    format: str = MANIFEST_FORMAT
+    kind: str
+    created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    tool_version: str = __version__
+    config: dict[str, Any] = Field(default_factory=dict)
+    lineage: list[InputRef] = Field(default_factory=list)
+    files: list[FileEntry] = Field(default_factory=list)
+    counts: dict[str, Any] = Field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()
+
+
+def manifest_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_manifest(store: Store) -> tuple[Manifest, bytes] | None:
+    """The artifact's manifest as read from the destination, or None if there is none."""
+    try:
+        data = store.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        return None
+    return Manifest.model_validate_json(data), data
+
+
+def manifest_input(store: Store) -> InputRef:
+    """Lineage entry for an input artifact; refuses an input that is not verified."""
+    report = verify_artifact(store)
+    if report.state is not State.VERIFIED:
+        raise ArtifactError(f"input {store.url} is {report.state.value}: {report.summary()}; fix or regenerate it first")
+    return InputRef(kind="manifest", url=store.url, sha256=report.manifest_sha256)
+
+
+def raw_input(store: Store, info: ObjectInfo) -> InputRef:
+    return InputRef(kind="raw", url=f"{store.url.rstrip('/')}/{info.key}", size=info.size, checksum=info.checksum, etag=info.etag)
+
+
+class ArtifactError(RuntimeError):
+    """An artifact is not what a stage needs (not verified, wrong kind): one clear line."""
+
+
+@dataclass
+class FileProblem:
+    path: str
+    state: State
+    detail: str
+
+
+@dataclass
+class VerifyReport:
+    url: str
+    state: State
+    manifest: Manifest | None = None
+    manifest_sha256: str | None = None
+    problems: list[FileProblem] = field(default_factory=list)
+    verified_files: int = 0
+    verified_bytes: int = 0
+
+    def summary(self) -> str:
+        if self.state is State.VERIFIED:
+            return f"{self.verified_files} files, {self.verified_bytes} bytes verified at the destination"
+        if not self.problems:
+            return "no manifest at the destination" if self.state is State.INCOMPLETE else self.state.value
+        head = "; ".join(f"{p.path}: {p.detail}" for p in self.problems[:5])
+        more = f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+        return head + more
+
+
+def _check_file(store: Store, entry: FileEntry) -> FileProblem | None:
+    info = store.head(entry.path)
+    if info is None:
+        return FileProblem(entry.path, State.MISSING, "absent at the destination")
+    if info.size != entry.size:
+        return FileProblem(entry.path, State.CORRUPT, f"size {info.size} != listed {entry.size}")
+    checksum = info.checksum
+    if checksum is None:
+        # No checksum in the metadata proves nothing: read the object back and recompute.
+        size, checksum = store.checksum_by_reading(entry.path)
+        if size != entry.size:
+            return FileProblem(entry.path, State.CORRUPT, f"size {size} != listed {entry.size}")
+    if checksum != entry.checksum:
+        return FileProblem(entry.path, State.CORRUPT, f"crc64nvme {checksum} != listed {entry.checksum}")
+    return None
+
+
+def _input_changed(ref: InputRef, open_url: Callable[[str], Store]) -> str | None:
+    if ref.kind != "manifest":
+        return None
+    try:
+        found = read_manifest(open_url(ref.url))
+    except Exception as exc:  # an unreachable input cannot be confirmed unchanged
+        return f"input {ref.url} unreadable ({type(exc).__name__})"
+    if found is None:
+        return f"input {ref.url} has no manifest any more"
+    if manifest_sha256(found[1]) != ref.sha256:
+        return f"input {ref.url} changed since"
+    return None
+
+
+def verify_artifact(store: Store, check_inputs: bool = False, open_url: Callable[[str], Store] | None = None) -> VerifyReport:
+    """Read the manifest and every listed file back from the destination; report one of the five states.
+
+    Precedence: no manifest -> incomplete; any absent file -> missing; any size/checksum mismatch -> corrupt;
+    with `check_inputs`, an input manifest that changed -> stale; else verified.
+    """
+    found = read_manifest(store)
+    if found is None:
+        return VerifyReport(url=store.url, state=State.INCOMPLETE)
+    manifest, raw = found
+    report = VerifyReport(url=store.url, state=State.VERIFIED, manifest=manifest, manifest_sha256=manifest_sha256(raw))
+    for entry in manifest.files:
+        problem = _check_file(store, entry)
+        if problem is None:
+            report.verified_files += 1
+            report.verified_bytes += entry.size
+        else:
+            report.problems.append(problem)
+    states = {p.state for p in report.problems}
+    if State.MISSING in states:
+        report.state = State.MISSING
+    elif State.CORRUPT in states:
+        report.state = State.CORRUPT
+    elif check_inputs:
+        if open_url is None:
+            from blockdraft.store import open_store as open_url
+        for ref in manifest.lineage:
+            reason = _input_changed(ref, open_url)
+            if reason:
+                report.problems.append(FileProblem(ref.url, State.STALE, reason))
+        if report.problems:
+            report.state = State.STALE
+    return report
+
+
+def uncommit(store: Store) -> None:
+    """Remove the manifest before rewriting an artifact, so no reader sees an old manifest over new files."""
+    store.delete(MANIFEST_NAME)
+
+
+def commit_artifact(
+    store: Store,
+    kind: str,
+    files: Iterable[FileEntry],
+    config: dict[str, Any] | None = None,
+    lineage: Iterable[InputRef] = (),
+    counts: dict[str, Any] | None = None,
+) -> VerifyReport:
+    """Write the manifest last, then verify the whole artifact at the destination.
+
+    `files` carry the checksums computed while the writer produced them; each is compared with what the
+    destination holds before the manifest is written, and the artifact is verified again after, so the
+    report returned is read from the destination, never assumed.
+    """
+    files = sorted(files, key=lambda e: e.path)
+    for entry in files:
+        problem = _check_file(store, entry)
+        if problem is not None:
+            raise ArtifactError(f"{store.url}/{entry.path} did not verify before commit: {problem.detail}")
+    manifest = Manifest(kind=kind, config=config or {}, lineage=list(lineage), files=files, counts=counts or {})
+    store.put_bytes(MANIFEST_NAME, manifest.to_bytes())
+    report = verify_artifact(store)
+    if report.state is not State.VERIFIED:
+        raise ArtifactError(f"{store.url} did not verify after commit: {report.summary()}")
+    return report
+
+
+def entry_for_local_file(root: Path, path: Path) -> FileEntry:
+    from blockdraft.store.checksum import crc64nvme_file
+
+    size, checksum = crc64nvme_file(path)
+    return FileEntry(path=path.relative_to(root).as_posix(), size=size, checksum=checksum)

@@ -1,0 +1,88 @@
+"""The store interface: a flat key space under one root URL (a local folder or an S3 prefix).
+
+Artifacts, manifests and verification (`blockdraft.store.artifact`) are written once against this interface;
+each backend only moves bytes and reports what is at the destination.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+
+class StoreError(RuntimeError):
+    """A user-facing store problem (bad URL, missing credentials, unreachable endpoint): one clear line."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the destination says about one object. `checksum` is base64 CRC64NVME, or None when it has none."""
+
+    key: str
+    size: int
+    checksum: str | None = None
+    etag: str | None = None
+
+
+class Store(abc.ABC):
+    """Objects addressed by keys relative to `url` ('a/b.arrow'), '/'-separated."""
+
+    url: str
+
+    @abc.abstractmethod
+    def child(self, key_prefix: str) -> Store:
+        """A store rooted at `url/key_prefix`."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with `prefix`, recursively, sizes included (checksums may be None)."""
+
+    @abc.abstractmethod
+    def head(self, key: str) -> ObjectInfo | None:
+        """Size and checksum as read from the destination, or None if the object is absent.
+
+        A backend that cannot get the checksum from metadata returns checksum None; callers then read
+        the object back (`checksum_by_reading`) and never count an absent checksum as a match.
+        """
+
+    @abc.abstractmethod
+    def open_read(self, key: str) -> BinaryIO:
+        """A binary stream of the object's bytes; raises FileNotFoundError if absent."""
+
+    @abc.abstractmethod
+    def put_file(self, key: str, local_path: Path, checksum: str | None = None) -> None:
+        """Upload a whole local file; appears at `key` only when complete. `checksum` lets the server reject corruption."""
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object atomically."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove an object; absent is not an error."""
+
+    def read_bytes(self, key: str) -> bytes:
+        with self.open_read(key) as f:
+            return f.read()
+
+    def exists(self, key: str) -> bool:
+        return self.head(key) is not None
+
+    def checksum_by_reading(self, key: str) -> tuple[int, str]:
+        """(size, checksum) recomputed from the bytes read back from the destination."""
+        from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
+
+        crc = Crc64Nvme()
+        size = 0
+        with self.open_read(key) as f:
+            while chunk := f.read(READ_CHUNK):
+                crc.update(chunk)
+                size += len(chunk)
+        return size, crc.b64
+
+    def local_path(self) -> Path | None:
+        """The folder behind a local store; None for remote stores."""
+        return None

@@ -1,0 +1,85 @@
+"""The embedded default store: a local folder, with the same keys, manifests and verification as S3."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from blockdraft.store.base import ObjectInfo, Store
+from blockdraft.store.checksum import crc64nvme_file
+
+TMP_PREFIX = ".tmp-"
+
+
+class LocalStore(Store):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).absolute()
+        self.url = "file://" + str(self.root)
+
+    def child(self, key_prefix: str) -> LocalStore:
+        return LocalStore(self.root / key_prefix)
+
+    def local_path(self) -> Path:
+        return self.root
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        if not self.root.is_dir():
+            return
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if name.startswith(TMP_PREFIX):
+                    continue  # an unfinished write, not an object
+                path = Path(dirpath) / name
+                key = path.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    yield ObjectInfo(key=key, size=path.stat().st_size)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        # A folder has no checksum metadata: the read-back is the check (STORE.md).
+        size, checksum = crc64nvme_file(path)
+        return ObjectInfo(key=key, size=size, checksum=checksum)
+
+    def open_read(self, key: str) -> BinaryIO:
+        return open(self._path(key), "rb")
+
+    def _atomic_target(self, key: str) -> tuple[Path, Path]:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=dest.parent)
+        os.close(fd)
+        return dest, Path(tmp)
+
+    def put_file(self, key: str, local_path: Path, checksum: str | None = None) -> None:
+        dest, tmp = self._atomic_target(key)
+        try:
+            shutil.copyfile(local_path, tmp)
+            if checksum is not None and crc64nvme_file(tmp)[1] != checksum:
+                raise OSError(f"checksum mismatch writing {key}: the copy differs from the source")
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        dest, tmp = self._atomic_target(key)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
