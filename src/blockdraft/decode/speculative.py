@@ -1,0 +1,208 @@
+"""Greedy speculative decoding, exactly as ../shared/DFLASH.md "Decode loop" specifies, and target-only greedy decoding.
+
+One sequence at a time (batch 1), like the reference implementation the golden vectors come from. The loop is written
+once (`run_speculative`) and takes the drafter as a `Proposer`, so the DFlash drafter and the n-gram baseline are
+verified by the very same target code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from blockdraft.decode.target import CachedTarget, check_rollback_supported, top2_margin
+
+
+class Proposer(Protocol):
+    """Drafts the B-1 tokens after an anchor."""
+
+    block_size: int
+    mask_token_id: int
+    layer_ids: list[int] | None  # target layers whose features it reads; None: it reads none
+
+    def propose(self, tokens: list[int], new_features: torch.Tensor | None, start: int) -> list[int]:
+        """`tokens`: every committed token, positions 0..start (the anchor last). `new_features` [1, n, K*H]: target
+        features of positions start-n..start-1 not given before (None when `layer_ids` is None). Returns B-1 drafts
+        for positions start+1..start+B-1."""
+
+
+@dataclass
+class Cycle:
+    """One draft/verify cycle: anchor position, accepted drafts a (a+1 tokens committed), seconds spent in each half."""
+
+    start: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]  # prompt + new tokens, truncated to P + max_new_tokens and after the first stop token
+    prompt_len: int
+    acceptance_lengths: list[int]  # a + 1 per cycle, the last cycle included
+    cycles: list[Cycle] = field(default_factory=list)
+    target_forwards: int = 0  # the prefill and one verify per cycle
+    wall_s: float = 0.0
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+
+@dataclass
+class GreedyResult:
+    tokens: list[int]
+    prompt_len: int
+    margins: list[float]  # target's top-2 logit margin at each generated position, in order
+    target_forwards: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prompt_tensor(prompt_ids: Iterable[int] | torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    ids = prompt_ids.reshape(-1).tolist() if isinstance(prompt_ids, torch.Tensor) else [int(t) for t in prompt_ids]
+    if not ids:
+        raise ValueError("empty prompt: eval needs at least one prompt token")
+    return ids, torch.tensor([ids], dtype=torch.long)
+
+
+def _truncate(tokens: list[int], prompt_len: int, max_new_tokens: int, stops: set[int]) -> list[int]:
+    tokens = tokens[: prompt_len + max_new_tokens]
+    for i in range(prompt_len, len(tokens)):
+        if tokens[i] in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+@torch.inference_mode()
+def run_speculative(
+    target_hf_model, proposer: Proposer, prompt_ids, max_new_tokens: int, stop_token_ids: Iterable[int] = ()
+) -> SpecResult:
+    """Prefill, then draft / verify / accept / crop until P + max_new_tokens positions are filled or a stop token appears."""
+    check_rollback_supported(target_hf_model.config)
+    prompt, prompt_t = _prompt_tensor(prompt_ids)
+    stops = set(int(t) for t in stop_token_ids)
+    block_size = proposer.block_size
+    target = CachedTarget(target_hf_model, proposer.layer_ids)
+    began = time.perf_counter()
+
+    # 1. Prefill: positions 0..P-1; the greedy token goes to position P; all P positions are the first new context.
+    logits, features = target.forward(prompt_t, 0)
+    tokens = prompt + [int(logits[0, -1].argmax())]
+    prompt_len = len(prompt)
+    max_length = prompt_len + max_new_tokens
+    start = prompt_len
+    lengths: list[int] = []
+    cycles: list[Cycle] = []
+    checked = prompt_len
+
+    while start < max_length:
+        # 2a. Draft B-1 tokens after the anchor at `start`.
+        t0 = time.perf_counter()
+        drafts = proposer.propose(tokens, features, start)
+        _sync(target.device)
+        t1 = time.perf_counter()
+        # 2b. Verify: one target forward over [anchor, drafts] at positions start..start+B-1.
+        block = torch.tensor([[tokens[start], *drafts]], dtype=torch.long)
+        logits, block_features = target.forward(block, start)
+        posterior = logits[0].argmax(dim=-1).tolist()
+        # 2c. Accept the longest prefix with draft[k] == posterior[k-1]; posterior[a] is the bonus token.
+        accepted = 0
+        while accepted < block_size - 1 and drafts[accepted] == posterior[accepted]:
+            accepted += 1
+        tokens.extend(drafts[:accepted])
+        tokens.append(posterior[accepted])
+        # 2d. Commit a+1 positions; the bonus is not in the cache, it is the next anchor.
+        start += accepted + 1
+        target.crop(start)
+        features = None if block_features is None else block_features[:, : accepted + 1]
+        _sync(target.device)
+        cycles.append(Cycle(start=start - accepted - 1, accepted=accepted, draft_s=t1 - t0, verify_s=time.perf_counter() - t1))
+        lengths.append(accepted + 1)
+        # 2e. Stop once a stop token is among the committed new tokens (the first cycle also sees the prefill's token).
+        if stops and any(t in stops for t in tokens[checked:]):
+            break
+        checked = len(tokens)
+
+    return SpecResult(
+        tokens=_truncate(tokens, prompt_len, max_new_tokens, stops),
+        prompt_len=prompt_len,
+        acceptance_lengths=lengths,
+        cycles=cycles,
+        target_forwards=target.forwards,
+        wall_s=time.perf_counter() - began,
+    )
+
+
+@torch.inference_mode()
+def greedy_generate(target_hf_model, prompt_ids, max_new_tokens: int, stop_token_ids: Iterable[int] = ()) -> GreedyResult:
+    """Target-only greedy decoding with a KV cache, one token per forward; records each position's top-2 margin."""
+    prompt, prompt_t = _prompt_tensor(prompt_ids)
+    stops = set(int(t) for t in stop_token_ids)
+    target = CachedTarget(target_hf_model)
+    began = time.perf_counter()
+    logits, _ = target.forward(prompt_t, 0, last_only=True)
+    tokens = list(prompt)
+    margins: list[float] = []
+    while True:
+        last = logits[0, -1]
+        tokens.append(int(last.argmax()))
+        margins.append(float(top2_margin(last)))
+        if len(tokens) - len(prompt) >= max_new_tokens or tokens[-1] in stops:
+            break
+        logits, _ = target.forward(torch.tensor([[tokens[-1]]], dtype=torch.long), len(tokens) - 1)
+    _sync(target.device)
+    return GreedyResult(tokens, len(prompt), margins, target.forwards, time.perf_counter() - began)
+
+
+class DFlashProposer:
+    """The DFlash drafter as a `Proposer`: one `draft_step` over the new context and [anchor, m x (B-1)].
+
+    `target_head` supplies the target's embedding and LM head on the drafter's device (`blockdraft.model.target.TargetHead`).
+    """
+
+    def __init__(self, drafter, target_head):
+        from blockdraft.model.drafter import DraftCache
+
+        self.drafter = drafter
+        self.head = target_head
+        self.block_size = drafter.spec.block_size
+        self.mask_token_id = drafter.spec.mask_token_id
+        self.layer_ids = list(drafter.spec.target_layer_ids)
+        self.cache = DraftCache()
+        param = next(drafter.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+    def propose(self, tokens: list[int], new_features: torch.Tensor | None, start: int) -> list[int]:
+        from blockdraft.model.drafter import draft_step
+
+        block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=self.device)
+        block[0, 0] = tokens[start]
+        features = new_features.to(device=self.device, dtype=self.dtype)
+        # draft_step crops its cache back to `start` itself: context K/V only, never the block's.
+        hidden = draft_step(self.drafter, self.cache, features, self.head.embed(block), start)  # [1, B, H]
+        return self.head.logits(hidden[:, 1:]).argmax(dim=-1)[0].tolist()
+
+
+def speculative_generate(
+    target_hf_model, drafter, target_head, prompt_ids, max_new_tokens: int, stop_token_ids: Iterable[int] = ()
+) -> SpecResult:
+    """Greedy speculative decoding of one prompt with a DFlash drafter; output equals `greedy_generate`'s up to near-ties."""
+    return run_speculative(target_hf_model, DFlashProposer(drafter, target_head), prompt_ids, max_new_tokens, stop_token_ids)
