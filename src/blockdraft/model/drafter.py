@@ -1,0 +1,269 @@
+"""The DFlash drafter: Qwen3-style layers whose keys/values also cover the projected target context (KV injection).
+
+Parameter names are exactly the export format's (`fc`, `hidden_norm`, `layers.{i}.…`, `norm`), so `state_dict()` is
+the export tensor set. Shapes: b = batch, S = context length, Q = block (query) length, H = hidden size,
+K = number of target feature layers, h/g = query/KV heads, d = head dim.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from blockdraft.model.spec import DrafterSpec, SpecError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: statistics in fp32, scale applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [b, n, d] for absolute positions [b, n], computed in fp32 (no cached buffer a dtype cast could degrade)."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = positions.float()[..., None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [b, heads, n, d] by cos/sin [b, n, d] (rotate-half convention of Qwen3/Llama)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Block queries attend to [injected context K/V ; block K/V]; q_norm/k_norm per head, RoPE, GQA."""
+
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        h, g, d, hidden = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, spec.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = h, g, d, spec.rope_theta
+        self.q_proj = nn.Linear(hidden, h * d, bias=False)
+        self.k_proj = nn.Linear(hidden, g * d, bias=False)
+        self.v_proj = nn.Linear(hidden, g * d, bias=False)
+        self.o_proj = nn.Linear(h * d, hidden, bias=False)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """[b, n, heads*d] -> [b, heads, n, d]."""
+        b, n, _ = x.shape
+        return x.view(b, n, n_heads, self.head_dim).transpose(1, 2)
+
+    def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (k_norm, RoPE) and V [b, g, n, d] of x [b, n, H]; the same for context and block entries."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [b, Q, H] (already input_layernorm'd), ctx_k/ctx_v [b, g, S, d], mask [b, 1, Q, S+Q] bool or None -> [b, Q, H]."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        k, v = self.key_value(x, cos, sin)
+        k = torch.cat((ctx_k, k), dim=2)
+        v = torch.cat((ctx_v, v), dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        b, _, n, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual layer; the context enters only as extra K/V of the attention."""
+
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
+
+    def forward(self, hidden, ctx_k, ctx_v, cos, sin, mask):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx_k, ctx_v, cos, sin, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDrafter(nn.Module):
+    """The drafter. Its embeddings and LM head are the target's (see `blockdraft.model.target.TargetHead`)."""
+
+    def __init__(self, spec: DrafterSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        k, hidden = spec.num_target_features, spec.hidden_size
+        self.fc = nn.Linear(k * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(hidden, spec.rms_norm_eps)
+
+    def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Target features [b, S, K*H] -> context C [b, S, H] (fc, then hidden_norm)."""
+        return self.hidden_norm(self.fc(target_features))
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, dtype)
+
+    def context_key_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's K/V [b, g, S, d] of context C [b, S, H] at positions [b, S]; C enters k/v_proj as it is."""
+        cos, sin = self._rope(positions, context.dtype)
+        return [layer.self_attn.key_value(context, cos, sin) for layer in self.layers]
+
+    def run_block(
+        self,
+        block_hidden: torch.Tensor,
+        block_positions: torch.Tensor,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Block embeddings [b, Q, H] at positions [b, Q] with per-layer context K/V -> hidden [b, Q, H] after `norm`."""
+        cos, sin = self._rope(block_positions, block_hidden.dtype)
+        hidden = block_hidden
+        for layer, (ctx_k, ctx_v) in zip(self.layers, context_kv, strict=True):
+            hidden = layer(hidden, ctx_k, ctx_v, cos, sin, attention_mask)
+        return self.norm(hidden)
+
+    def forward(
+        self,
+        block_hidden: torch.Tensor,
+        context: torch.Tensor,
+        block_positions: torch.Tensor,
+        context_positions: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """block_hidden [b, Q, H], context C [b, S, H] (from `project_context`), positions [b, Q] / [b, S] long,
+        attention_mask [b, 1, Q, S+Q] bool (True = may attend; keys are context then block) or None (see everything)
+        -> hidden [b, Q, H] after the final norm."""
+        return self.run_block(block_hidden, block_positions, self.context_key_values(context, context_positions), attention_mask)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> DFlashDrafter:
+        """Load the export format (config.json + model.safetensors); strict: every tensor present, nothing extra."""
+        path = Path(path)
+        config_path = path / CONFIG_NAME
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no {CONFIG_NAME} in {path}; pass a drafter folder in the export format")
+        spec = DrafterSpec.from_export_config(json.loads(config_path.read_text()))
+        model = cls(spec)
+        state = load_file(str(path / WEIGHTS_NAME))
+        expected = model.state_dict()
+        missing = sorted(set(expected) - set(state))
+        extra = sorted(set(state) - set(expected))
+        if missing or extra:
+            raise SpecError(f"{path / WEIGHTS_NAME} does not match its config: missing {missing[:3]}, unexpected {extra[:3]}")
+        wrong = [n for n, t in state.items() if t.shape != expected[n].shape]
+        if wrong:
+            raise SpecError(f"{path / WEIGHTS_NAME}: tensor {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
+                            f"config needs {tuple(expected[wrong[0]].shape)}")
+        model.load_state_dict(state, strict=True)
+        return model.to(device=device, dtype=dtype)
+
+    def save_pretrained(self, path: str | Path) -> list[Path]:
+        """Write config.json + model.safetensors (the export format); returns the two paths."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
+        config = self.spec.to_export_config()
+        config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        weights = path / WEIGHTS_NAME
+        save_file(state, str(weights), metadata={"format": "pt"})
+        config_path = path / CONFIG_NAME
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+        return [config_path, weights]
+
+
+class DraftCache:
+    """Per-layer context K/V [b, g, length, d] (after k_norm and RoPE). Holds context entries only, never block K/V."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not self.keys:
+            self.keys = [k for k, _ in new_kv]
+            self.values = [v for _, v in new_kv]
+            return
+        self.keys = [torch.cat((old, k), dim=2) for old, (k, _) in zip(self.keys, new_kv, strict=True)]
+        self.values = [torch.cat((old, v), dim=2) for old, (_, v) in zip(self.values, new_kv, strict=True)]
+
+    def crop(self, n: int) -> None:
+        """Keep the first n context positions."""
+        self.keys = [k[:, :, :n] for k in self.keys]
+        self.values = [v[:, :, :n] for v in self.values]
+
+    def layer_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.keys, self.values, strict=True))
+
+
+@torch.no_grad()
+def draft_step(
+    drafter: DFlashDrafter,
+    cache: DraftCache,
+    new_target_features: torch.Tensor,
+    block_hidden: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """One draft: new context features [b, n, K*H] for positions cache.length..start-1, block embeddings [b, B, H] at
+    positions start..start+B-1 -> hidden [b, B, H] after `norm`. The block sees all cached context and the whole
+    block; afterwards the cache holds context 0..start-1 only."""
+    b, n, _ = new_target_features.shape
+    if cache.length + n != start:
+        raise ValueError(f"draft_step: cache holds {cache.length} positions + {n} new != start {start}")
+    device = block_hidden.device
+    if n:
+        positions = torch.arange(cache.length, start, device=device).expand(b, n)
+        cache.append(drafter.context_key_values(drafter.project_context(new_target_features), positions))
+    block_len = block_hidden.shape[1]
+    block_positions = torch.arange(start, start + block_len, device=device).expand(b, block_len)
+    hidden = drafter.run_block(block_hidden, block_positions, cache.layer_kv())
+    cache.crop(start)
+    return hidden

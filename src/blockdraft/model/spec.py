@@ -1,0 +1,273 @@
+"""The drafter's shape and its DFlash parameters, derived from the target's config (../shared/DFLASH.md).
+
+A `DrafterSpec` is everything needed to build a `DFlashDrafter` and to write or read the z-lab export `config.json`
+that SGLang (`--speculative-algorithm DFLASH`) and vLLM (`method: dflash`) load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Loss decay per block size (DFLASH.md, training batch construction step 5); other sizes need gamma configured.
+_DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+class SpecError(ValueError):
+    """A drafter/target mismatch a user can fix: the message names the field and the fix."""
+
+
+def default_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
+    """Layer ids spread evenly over 1..L-3 with Python's round (half to even); one id -> the middle layer L // 2.
+
+    Layer id i is the output of decoder layer i, i.e. `hidden_states[i + 1]` of HF's output_hidden_states.
+    """
+    if num_target_layers < 4 and num_ids > 1:
+        raise SpecError(f"target has {num_target_layers} layers, too few to spread {num_ids} feature layers; set dflash.target_layer_ids")
+    if num_ids == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_ids - 1)) for i in range(num_ids)]
+
+
+def hybrid_layer_ids(layer_types: list[str], num_ids: int) -> list[int]:
+    """For hybrid-attention targets: each even-spread id moved to the nearest full-attention layer (ties go lower).
+
+    Published drafters for such targets read full-attention outputs; for Qwen3.5-27B (64 layers, full attention
+    every fourth) this gives [3, 15, 31, 47, 59], the published choice.
+    """
+    num_layers = len(layer_types)
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention" and i <= num_layers - 2]
+    if not full:
+        raise SpecError("hybrid target has no full-attention layer below its last; set dflash.target_layer_ids")
+    ids = [min(full, key=lambda f: (abs(f - i), f)) for i in default_layer_ids(num_layers, num_ids)]
+    if len(set(ids)) != len(ids):
+        raise SpecError(f"hybrid target: default layer ids collide ({ids}); set dflash.target_layer_ids explicitly")
+    return ids
+
+
+def default_gamma(block_size: int) -> float:
+    """The loss-weight decay for a block size: 7 for 16, 5 for 10, 4 for 8."""
+    if block_size not in _DEFAULT_GAMMA:
+        raise SpecError(f"dflash.gamma has no default for block_size {block_size} (defaults exist for 8, 10, 16); set dflash.gamma")
+    return _DEFAULT_GAMMA[block_size]
+
+
+def _text_config(hf_config: Any) -> Any:
+    getter = getattr(hf_config, "get_text_config", None)
+    return getter() if getter is not None else hf_config
+
+
+def _rope_theta(cfg: Any) -> float:
+    """rope_theta from either spelling; a multimodal M-RoPE section is ignored on purpose (the drafter is text-only Qwen3)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if "rope_theta" not in params and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(cfg, "rope_theta", None) or 10000.0)
+
+
+@dataclass
+class TargetShape:
+    """What the drafter must agree with in a target: hidden size, layer count, embedding rows."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    layer_types: list[str] | None = None
+
+    @classmethod
+    def from_config(cls, hf_config: Any) -> TargetShape:
+        cfg = _text_config(hf_config)
+        return cls(cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, list(getattr(cfg, "layer_types", None) or []) or None)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.layer_types is not None and any(t != "full_attention" for t in self.layer_types)
+
+
+@dataclass
+class DrafterSpec:
+    """Shapes and DFlash parameters of one drafter. vocab_size = the target's embedding rows (config.vocab_size)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    num_target_layers: int = 0
+    gamma: float | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Internal consistency; raises SpecError naming the field."""
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise SpecError(
+                f"dflash.mask_token_id {self.mask_token_id} is not a row of the target's embedding (vocab_size {self.vocab_size}, "
+                "from the target config, not len(tokenizer)); pick an existing reserved token id below it"
+            )
+        if not self.target_layer_ids:
+            raise SpecError("dflash.target_layer_ids is empty; give at least one target layer id")
+        bad = [i for i in self.target_layer_ids if not 0 <= i <= self.num_target_layers - 2]
+        if bad:
+            raise SpecError(
+                f"dflash.target_layer_ids {bad} outside the target's valid ids 0..{self.num_target_layers - 2} "
+                f"(target has {self.num_target_layers} layers; id i = output of layer i); fix the ids"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise SpecError(
+                f"dflash.num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_key_value_heads}; fix the head counts"
+            )
+        if self.block_size < 2:
+            raise SpecError(f"dflash.block_size {self.block_size} must be at least 2")
+
+    @property
+    def num_target_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def check_target(self, hf_config: Any) -> None:
+        """Refuse a target this drafter cannot serve with: mask id, layer ids, hidden size (one clear line each)."""
+        target = TargetShape.from_config(hf_config)
+        if self.hidden_size != target.hidden_size:
+            raise SpecError(
+                f"drafter hidden_size {self.hidden_size} differs from the target's {target.hidden_size}; "
+                "the drafter must be built for this target"
+            )
+        if self.mask_token_id >= target.vocab_size:
+            raise SpecError(
+                f"dflash.mask_token_id {self.mask_token_id} >= the target's embedding rows {target.vocab_size} "
+                "(config.vocab_size, not len(tokenizer)); pick an existing reserved token id"
+            )
+        bad = [i for i in self.target_layer_ids if not 0 <= i <= target.num_layers - 2]
+        if bad:
+            raise SpecError(
+                f"dflash.target_layer_ids {bad} outside the target's valid ids 0..{target.num_layers - 2} "
+                f"(target has {target.num_layers} layers); fix the ids"
+            )
+        if self.num_target_layers != target.num_layers:
+            raise SpecError(
+                f"drafter num_target_layers {self.num_target_layers} differs from the target's {target.num_layers} layers; "
+                "use the target the drafter was trained with"
+            )
+
+    @classmethod
+    def from_target_config(cls, hf_config: Any, dflash_cfg: Any) -> DrafterSpec:
+        """Defaults per DFLASH.md from the target's HF config and a `blockdraft.config.DFlashConfig`."""
+        cfg = _text_config(hf_config)
+        target = TargetShape.from_config(hf_config)
+        if dflash_cfg.mask_token_id is None:
+            raise SpecError(
+                "dflash.mask_token_id is not set; set it to a reserved token id that is a row of the target's embedding "
+                "(Qwen3: 151669, Qwen3.5/3.6: 248070)"
+            )
+        num_layers = dflash_cfg.num_draft_layers
+        if dflash_cfg.target_layer_ids is not None:
+            layer_ids = list(dflash_cfg.target_layer_ids)
+        elif target.is_hybrid:
+            layer_ids = hybrid_layer_ids(target.layer_types, num_layers)
+        else:
+            layer_ids = default_layer_ids(target.num_layers, num_layers)
+        heads = dflash_cfg.num_attention_heads or cfg.num_attention_heads
+        kv_heads = dflash_cfg.num_key_value_heads or getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = dflash_cfg.head_dim or getattr(cfg, "head_dim", None) or target.hidden_size // heads
+        gamma = dflash_cfg.gamma if dflash_cfg.gamma is not None else default_gamma(dflash_cfg.block_size)
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=dflash_cfg.intermediate_size or cfg.intermediate_size,
+            num_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(cfg),
+            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
+            vocab_size=target.vocab_size,
+            block_size=dflash_cfg.block_size,
+            mask_token_id=dflash_cfg.mask_token_id,
+            target_layer_ids=layer_ids,
+            num_target_layers=target.num_layers,
+            gamma=gamma,
+        )
+
+    def to_export_config(self) -> dict[str, Any]:
+        """The z-lab `config.json` (DFLASH.md, export format): Qwen3 fields, both rope spellings, block_size twice."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "layer_types": ["full_attention"] * self.num_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+            },
+        }
+
+    @classmethod
+    def from_export_config(cls, config: dict[str, Any], gamma: float | None = None) -> DrafterSpec:
+        """Read a z-lab `config.json` dict (either rope spelling); refuses features the drafter does not implement."""
+        dflash = config.get("dflash_config") or {}
+        missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
+        if missing:
+            raise SpecError(f"drafter config.json lacks dflash_config.{missing[0]}; it is not a DFlash export")
+        if config.get("attention_bias"):
+            raise SpecError("drafter config.json has attention_bias true; blockdraft drafters have no attention bias")
+        if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or []):
+            raise SpecError("drafter config.json uses sliding-window layers; only full-attention drafters are supported")
+        block_size = dflash.get("block_size", config.get("block_size"))
+        if block_size is None:
+            raise SpecError("drafter config.json has no block_size (top level or dflash_config); it is not a DFlash export")
+        heads = config["num_attention_heads"]
+        rope = config.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        return cls(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position_embeddings=config.get("max_position_embeddings", 32768),
+            vocab_size=config["vocab_size"],
+            block_size=int(block_size),
+            mask_token_id=int(dflash["mask_token_id"]),
+            target_layer_ids=[int(i) for i in dflash["target_layer_ids"]],
+            num_target_layers=int(config.get("num_target_layers", max(dflash["target_layer_ids"]) + 2)),
+            gamma=gamma,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,114 @@
+"""The frozen target: hidden-state features for the drafter, and drafter-side copies of its embedding and LM head.
+
+Works for any HF causal LM, hybrid-attention ones included: only the outputs of decoder layers are read.
+Layer id i means the output of decoder layer i, which is `hidden_states[i + 1]` in HF's output_hidden_states tuple.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockdraft.model.spec import SpecError, TargetShape
+
+
+class TargetHead(nn.Module):
+    """Frozen, bit-equal copies of the target's embedding [V, H] and LM head [V, H] (+ bias if any) on the drafter's device.
+
+    Held as buffers: never parameters, so never in an optimizer or a DDP gradient bucket, and never exported.
+    """
+
+    def __init__(self, embed_tokens: nn.Embedding, lm_head: nn.Linear, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.register_buffer("embed_weight", embed_tokens.weight.detach().to(device=device, copy=True))
+        self.register_buffer("lm_head_weight", lm_head.weight.detach().to(device=device, copy=True))
+        bias = getattr(lm_head, "bias", None)
+        self.register_buffer("lm_head_bias", None if bias is None else bias.detach().to(device=device, copy=True))
+
+    @classmethod
+    def from_target(cls, hf_model: nn.Module, device: torch.device | str | None = None) -> TargetHead:
+        return cls(hf_model.get_input_embeddings(), hf_model.get_output_embeddings(), device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [...] long -> embeddings [..., H]."""
+        return F.embedding(ids, self.embed_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden [..., H] -> logits [..., V]; the caller chunks over positions where V is large."""
+        return F.linear(hidden, self.lm_head_weight, self.lm_head_bias)
+
+
+class _StopForward(Exception):
+    """Raised by a hook once the deepest needed layer has run: the remaining layers and the LM head are skipped."""
+
+
+def _decoder_layers(hf_model: nn.Module, num_layers: int) -> nn.ModuleList | None:
+    """The model's stack of decoder layers: the first ModuleList with one entry per layer."""
+    for module in hf_model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return module
+    return None
+
+
+class TargetModel:
+    """Wraps an HF AutoModelForCausalLM (frozen, eval mode) and returns the hidden states at `layer_ids`."""
+
+    def __init__(self, hf_model: nn.Module, layer_ids: list[int]) -> None:
+        self.model = hf_model.eval().requires_grad_(False)
+        self.shape = TargetShape.from_config(hf_model.config)
+        bad = [i for i in layer_ids if not 0 <= i <= self.shape.num_layers - 2]
+        if bad:
+            raise SpecError(
+                f"target layer ids {bad} outside 0..{self.shape.num_layers - 2} for a {self.shape.num_layers}-layer target; fix dflash.target_layer_ids"
+            )
+        self.layer_ids = list(layer_ids)
+        self.layers = _decoder_layers(hf_model, self.shape.num_layers)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [b, S] -> concatenated outputs of decoder layers `layer_ids` [b, S, K*H]."""
+        if self.layers is None:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+            return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        captured: dict[int, torch.Tensor] = {}
+        deepest = max(self.layer_ids)
+
+        def capture(index: int):
+            def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+                captured[index] = output[0] if isinstance(output, tuple) else output
+                if index == deepest:
+                    raise _StopForward
+
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(capture(i)) for i in set(self.layer_ids)]
+        try:
+            self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+
+
+def load_target(
+    path: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32, attn_implementation: str | None = None
+) -> nn.Module:
+    """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    kwargs = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.to(device).eval().requires_grad_(False)

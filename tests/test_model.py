@@ -1,0 +1,199 @@
+"""The drafter against the reference implementation's golden vectors, and the conventions DFLASH.md pins."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from blockdraft.config import DFlashConfig
+from blockdraft.model import (
+    DFlashDrafter,
+    DraftCache,
+    DrafterSpec,
+    SpecError,
+    TargetHead,
+    TargetModel,
+    default_gamma,
+    default_layer_ids,
+    draft_step,
+    load_target,
+)
+from blockdraft.model.spec import hybrid_layer_ids
+
+GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
+# fp32, but SDPA vs the reference's eager attention and a different summation order: ~1e-6 relative.
+TOL = {"rtol": 1e-5, "atol": 5e-5}
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return load_file(str(GOLDEN / "golden.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(str(GOLDEN / "target"), attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return DFlashDrafter.from_pretrained(GOLDEN / "drafter").eval()
+
+
+def _block(golden, head, mask_id, size):
+    ids = torch.tensor([[int(golden["anchor_id"].item())] + [mask_id] * (size - 1)])
+    return head.embed(ids)
+
+
+def test_golden_target_features(golden, target, drafter):
+    features = TargetModel(target, drafter.spec.target_layer_ids).features(golden["context_ids"])
+    # the golden features are ~40 in magnitude; 1e-4 absolute is ~2e-6 relative
+    torch.testing.assert_close(features, golden["target_features"], rtol=1e-5, atol=1e-4)
+
+
+def test_layer_id_means_hidden_states_i_plus_1(golden, target):
+    ids = golden["context_ids"]
+    states = target(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(states) == target.config.num_hidden_layers + 1
+    for layer_id in (0, 3, target.config.num_hidden_layers - 2):
+        features = TargetModel(target, [layer_id]).features(ids)
+        assert torch.equal(features, states[layer_id + 1])
+        assert not torch.allclose(features, states[layer_id])
+
+
+def test_golden_forward_without_mask(golden, target, drafter):
+    head = TargetHead.from_target(target)
+    spec = drafter.spec
+    block = _block(golden, head, spec.mask_token_id, spec.block_size)
+    context = drafter.project_context(golden["target_features"])
+    with torch.no_grad():
+        hidden = drafter(block, context, torch.arange(11, 11 + spec.block_size)[None], torch.arange(11)[None])
+        full = torch.ones(1, 1, spec.block_size, 11 + spec.block_size, dtype=torch.bool)
+        masked = drafter(block, context, torch.arange(11, 11 + spec.block_size)[None], torch.arange(11)[None], full)
+    torch.testing.assert_close(hidden, golden["draft_hidden"], **TOL)
+    torch.testing.assert_close(head.logits(hidden[:, 1:]), golden["draft_logits"], **TOL)
+    assert torch.equal(hidden, masked)
+
+
+def test_golden_draft_step_with_cache(golden, target, drafter):
+    head = TargetHead.from_target(target)
+    spec = drafter.spec
+    block = _block(golden, head, spec.mask_token_id, spec.block_size)
+    cache = DraftCache()
+    hidden = draft_step(drafter, cache, golden["target_features"], block, start=11)
+    assert cache.length == 11
+    torch.testing.assert_close(hidden, golden["draft_hidden"], **TOL)
+    torch.testing.assert_close(head.logits(hidden[:, 1:]), golden["draft_logits"], **TOL)
+
+    # The same context fed in two steps (as the decode loop does) gives the same block output.
+    cache = DraftCache()
+    draft_step(drafter, cache, golden["target_features"][:, :7], block, start=7)
+    assert cache.length == 7
+    again = draft_step(drafter, cache, golden["target_features"][:, 7:], block, start=11)
+    torch.testing.assert_close(again, hidden, **TOL)
+    with pytest.raises(ValueError, match="start"):
+        draft_step(drafter, cache, golden["target_features"][:, :2], block, start=11)
+
+
+def test_golden_end_to_end_from_token_ids(golden, target, drafter):
+    """Features from the wrapper, embeddings from the frozen head, the cached draft step: the golden logits."""
+    head = TargetHead.from_target(target)
+    features = TargetModel(target, drafter.spec.target_layer_ids).features(golden["context_ids"])
+    hidden = draft_step(drafter, DraftCache(), features, _block(golden, head, 511, 4), start=11)
+    torch.testing.assert_close(head.logits(hidden[:, 1:]), golden["draft_logits"], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "expected"),
+    [
+        (28, [1, 7, 13, 19, 25]),
+        (36, [1, 9, 17, 25, 33]),
+        (40, [1, 10, 19, 28, 37]),
+        (48, [1, 12, 23, 34, 45]),
+        (64, [1, 16, 31, 46, 61]),
+        (94, [1, 24, 46, 68, 91]),  # 23.5 -> 24 and 68.5 -> 68: Python's half-to-even round
+    ],
+)
+def test_default_layer_ids(num_layers, expected):
+    assert default_layer_ids(num_layers, 5) == expected
+    assert default_layer_ids(num_layers, 5) == [round(1 + i * (num_layers - 4) / 4) for i in range(5)]
+    assert default_layer_ids(num_layers, 1) == [num_layers // 2]
+
+
+def test_hybrid_default_layer_ids_take_full_attention_layers():
+    # Qwen3.5-27B: 64 layers, full attention every fourth layer; the published drafter reads [3, 15, 31, 47, 59].
+    types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(64)]
+    assert hybrid_layer_ids(types, 5) == [3, 15, 31, 47, 59]
+
+
+def test_gamma_defaults():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    with pytest.raises(SpecError, match="dflash.gamma"):
+        default_gamma(4)
+
+
+def test_spec_from_target_config_matches_golden(target, drafter):
+    cfg = DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0,
+                       intermediate_size=96)
+    spec = DrafterSpec.from_target_config(target.config, cfg)
+    golden = drafter.spec
+    assert spec.to_export_config() == golden.to_export_config()
+    assert spec.gamma == 3.0
+    spec.check_target(target.config)
+    defaulted = DrafterSpec.from_target_config(target.config, DFlashConfig(block_size=16, mask_token_id=511))
+    assert defaulted.target_layer_ids == [1, 2, 3, 4, 5]  # 8 layers: spread over 1..5
+    assert (defaulted.num_layers, defaulted.gamma, defaulted.intermediate_size) == (5, 7.0, 128)
+
+
+def test_refusals_name_the_field(target, drafter):
+    with pytest.raises(SpecError, match=r"mask_token_id 512 .*vocab_size 512"):
+        DrafterSpec.from_target_config(target.config, DFlashConfig(mask_token_id=512))
+    with pytest.raises(SpecError, match="dflash.mask_token_id is not set"):
+        DrafterSpec.from_target_config(target.config, DFlashConfig())
+    with pytest.raises(SpecError, match=r"target_layer_ids \[7\] outside .* 0\.\.6"):
+        DrafterSpec.from_target_config(target.config, DFlashConfig(mask_token_id=511, target_layer_ids=[1, 7]))
+    with pytest.raises(SpecError, match=r"target layer ids \[8\]"):
+        TargetModel(target, [8])
+
+    other = DrafterSpec(**{**drafter.spec.to_dict(), "hidden_size": 128})
+    with pytest.raises(SpecError, match="hidden_size 128 differs from the target's 64"):
+        other.check_target(target.config)
+    bigger_vocab = DrafterSpec(**{**drafter.spec.to_dict(), "vocab_size": 1024, "mask_token_id": 700})
+    with pytest.raises(SpecError, match=r"mask_token_id 700 >= the target's embedding rows 512"):
+        bigger_vocab.check_target(target.config)
+    deeper = DrafterSpec(**{**drafter.spec.to_dict(), "num_target_layers": 40, "target_layer_ids": [1, 20, 37]})
+    with pytest.raises(SpecError, match=r"target_layer_ids \[20, 37\] outside .* 0\.\.6"):
+        deeper.check_target(target.config)
+
+
+def test_target_head_frozen_bit_equal_copies(golden, target, drafter):
+    head = TargetHead.from_target(target)
+    embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    assert torch.equal(head.embed_weight, embed) and torch.equal(head.lm_head_weight, lm_head)
+    assert head.embed_weight.data_ptr() != embed.data_ptr()  # a copy, not a view of the target's storage
+    assert not head.embed_weight.requires_grad and not head.lm_head_weight.requires_grad
+    assert list(head.parameters()) == []  # nothing for an optimizer or DDP to pick up
+
+    train_drafter = DFlashDrafter(drafter.spec)
+    train_drafter.load_state_dict(drafter.state_dict())
+    optimizer = torch.optim.AdamW(train_drafter.parameters(), lr=1e-2)
+    block = _block(golden, head, 511, 4)
+    for _ in range(3):
+        hidden = train_drafter(block, train_drafter.project_context(golden["target_features"]),
+                               torch.arange(11, 15)[None], torch.arange(11)[None])
+        loss = torch.nn.functional.cross_entropy(head.logits(hidden[0, 1:]), golden["context_ids"][0, :3])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert not torch.equal(train_drafter.fc.weight, drafter.fc.weight)
+    assert torch.equal(head.embed_weight, embed) and torch.equal(head.lm_head_weight, lm_head)
+
+
+def test_state_dict_is_the_export_tensor_set(drafter):
+    names = set(drafter.state_dict())
+    assert len(names) == 11 * drafter.spec.num_layers + 3
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.2.self_attn.k_norm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n for n in names)
