@@ -98,6 +98,8 @@ class EvalConfig(_Section):
     num_prompts: int = Field(default=32, ge=1)
     divergence_margin_fp32: float = 1e-4
     divergence_margin_bf16: float = 0.5
+    # Also decode with a freshly initialised drafter of the same shape: the floor a trained drafter must clearly beat.
+    untrained_baseline: bool = True
 
 
 class GenerateConfig(_Section):
