@@ -39,6 +39,8 @@ class TokenizeConfig(_Section):
     held_out_fraction: float = Field(default=0.01, ge=0.0, lt=1.0)
     workers: int = Field(default=1, ge=1)
     rows_per_shard: int = Field(default=20000, ge=1)
+    # The token that ends an assistant turn; supervision runs through it (Qwen: <|im_end|>).
+    end_of_turn: str = "<|im_end|>"
 
 
 class DFlashConfig(_Section):
@@ -90,6 +92,7 @@ class TrainConfig(_Section):
     deterministic: bool = False
     lm_head_chunk_blocks: int = Field(default=64, ge=1)
     log_every: int = Field(default=10, ge=1)
+    log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (also copied into each checkpoint)
 
 
 class EvalConfig(_Section):

@@ -1,0 +1,253 @@
+"""Reading completions: JSONL (plain, .gz, .zst), a JSON array, or Parquet, normalised to one internal form.
+
+Accepted variants (../shared/DATA.md): `messages` or `conversations`; OpenAI `role`/`content` or ShareGPT
+`from`/`value` (`human`/`gpt`); reasoning in `reasoning_content` (or `reasoning`) or inline as a leading
+`<think>...</think>` in the content; optional `tools`; optional generator token ids (`prompt_token_ids` +
+`completion_token_ids`, or `prompt_ids` + `completion_ids`), which are then used as they are.
+
+A row that cannot be normalised raises `RowRejected` with a short reason code; the caller quarantines it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
+PARQUET_BATCH_ROWS = 256
+
+_ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+_ID_KEYS = ("id", "source_id", "conversation_id", "uuid")
+_IDS_KEYS = (("prompt_token_ids", "completion_token_ids"), ("prompt_ids", "completion_ids"))
+
+
+class RowRejected(ValueError):
+    """A row (or one assistant turn of it) that must not be trained; `reason` is the code counted in the manifest."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class RawRecord:
+    """One row as read: its position in the input (1-based line or row number), the parsed object or None, its text."""
+
+    position: int
+    data: Any
+    text: str
+
+
+@dataclass
+class Conversation:
+    """A normalised conversation.
+
+    `messages`: dicts with `role` (system/user/assistant/tool) and `content` (str); assistant messages also carry
+    `reasoning_content` (str, "" when none) and, when present, `tool_calls`; tool messages keep `name`/`tool_call_id`.
+    `prompt_ids`/`completion_ids`: generator token ids, when the row carries them.
+    """
+
+    source_id: str
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None = None
+    prompt_ids: list[int] | None = None
+    completion_ids: list[int] | None = None
+    assistant_indices: list[int] = field(default_factory=list)
+
+
+def is_completions_file(key: str) -> bool:
+    return key.lower().endswith(SUFFIXES)
+
+
+class _CountingReader(io.RawIOBase):
+    """Wraps a binary stream and counts the (compressed) bytes read, for progress by input bytes."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw = raw
+        self.bytes_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._raw.read(len(buffer))
+        n = len(data)
+        buffer[:n] = data
+        self.bytes_read += n
+        return n
+
+
+def iter_records(stream: BinaryIO, key: str, counter: list[int] | None = None) -> Iterator[RawRecord]:
+    """Every row of one completions file, in order. `key` (its name) selects the format by suffix.
+
+    `stream` is any readable binary file-like (a local file, a store object); Parquet needs it seekable.
+    `counter[0]`, when given, is kept equal to the input bytes consumed so far.
+    """
+    name = key.lower()
+    if name.endswith(".parquet"):
+        yield from _iter_parquet(stream, counter)
+        return
+    reader = _CountingReader(stream)
+    buffered: BinaryIO = io.BufferedReader(reader, buffer_size=1 << 20)
+    if name.endswith(".gz"):
+        buffered = gzip.GzipFile(fileobj=buffered)  # type: ignore[assignment]
+    elif name.endswith(".zst"):
+        import zstandard
+
+        buffered = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(buffered), buffer_size=1 << 20)  # type: ignore[assignment]
+    first = buffered.peek(64)[:64].lstrip() if hasattr(buffered, "peek") else b""
+    if first.startswith(b"["):
+        # A JSON array, not JSON Lines: it has to be parsed whole.
+        text = buffered.read().decode("utf-8", errors="replace")
+        if counter is not None:
+            counter[0] = reader.bytes_read
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            yield RawRecord(1, None, f"invalid JSON array: {exc}")
+            return
+        for i, row in enumerate(rows, 1):
+            yield RawRecord(i, row, json.dumps(row, ensure_ascii=False))
+        return
+    for lineno, line in enumerate(buffered, 1):
+        if counter is not None:
+            counter[0] = reader.bytes_read
+        if not line.strip():
+            continue
+        text = line.decode("utf-8", errors="replace").rstrip("\r\n")
+        try:
+            data = json.loads(line)
+        except ValueError:
+            data = None
+        yield RawRecord(lineno, data, text)
+
+
+def _iter_parquet(stream: BinaryIO, counter: list[int] | None) -> Iterator[RawRecord]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(stream)
+    total = pf.metadata.num_rows or 1
+    size = stream.seek(0, io.SEEK_END)
+    position = 0
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        for row in batch.to_pylist():
+            position += 1
+            if counter is not None:
+                counter[0] = size * position // total
+            yield RawRecord(position, row, json.dumps(row, ensure_ascii=False, default=str))
+
+
+def fallback_source_id(text: str) -> str:
+    """A stable id for a row without one: the hash of its text, so the split does not depend on file layout."""
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _split_inline_reasoning(content: str) -> tuple[str, str]:
+    """(reasoning, content) from content that may start with `<think>...</think>`."""
+    has_open, has_close = "<think>" in content, "</think>" in content
+    if not has_open and not has_close:
+        return "", content
+    if has_close and not has_open:
+        raise RowRejected("lone_think_close", "assistant content has </think> without <think>")
+    if has_open and not has_close:
+        raise RowRejected("unclosed_think", "assistant content has <think> without </think>")
+    if content.count("<think>") != 1 or content.count("</think>") != 1:
+        raise RowRejected("unclosed_think", "assistant content has more than one <think> block")
+    before, rest = content.split("<think>", 1)
+    reasoning, after = rest.split("</think>", 1)
+    if before.strip() or "<think>" in after:
+        raise RowRejected("unclosed_think", "the <think> block is not at the start of the assistant content")
+    return reasoning.strip("\n"), after.lstrip("\n")
+
+
+def _normalise_message(raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise RowRejected("bad_message", f"a message is a {type(raw).__name__}, not an object")
+    role_raw = raw.get("role", raw.get("from"))
+    role = _ROLE_ALIASES.get(str(role_raw).lower()) if role_raw is not None else None
+    if role is None:
+        raise RowRejected("unknown_role", f"role {role_raw!r}")
+    content = raw.get("content", raw.get("value"))
+    tool_calls = raw.get("tool_calls") or None
+    if content is None and (tool_calls or role == "assistant"):
+        content = ""
+    if not isinstance(content, str):
+        raise RowRejected("non_string_content", f"{role} content is a {type(content).__name__}")
+    msg: dict[str, Any] = {"role": role, "content": content}
+    if role == "assistant":
+        reasoning = raw.get("reasoning_content", raw.get("reasoning"))
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise RowRejected("non_string_content", f"reasoning is a {type(reasoning).__name__}")
+        if reasoning:
+            if "<think>" in content or "</think>" in content:
+                raise RowRejected("unclosed_think", "reasoning given both as a field and inline in the content")
+            msg["reasoning_content"] = reasoning.strip("\n")
+        else:
+            inline, visible = _split_inline_reasoning(content)
+            msg["reasoning_content"], msg["content"] = inline, visible
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+    elif role == "tool":
+        for key in ("name", "tool_call_id"):
+            if raw.get(key) is not None:
+                msg[key] = raw[key]
+    return msg
+
+
+def _token_ids(data: dict[str, Any]) -> tuple[list[int], list[int]] | None:
+    for prompt_key, completion_key in _IDS_KEYS:
+        if data.get(prompt_key) is not None and data.get(completion_key) is not None:
+            prompt, completion = data[prompt_key], data[completion_key]
+            ok = all(isinstance(x, list) and all(isinstance(t, int) and t >= 0 for t in x) for x in (prompt, completion))
+            if not ok or not prompt or len(completion) < 2:
+                raise RowRejected("bad_token_ids", f"{prompt_key}/{completion_key} must be non-empty lists of token ids")
+            return list(prompt), list(completion)
+    return None
+
+
+def normalise(record: RawRecord) -> Conversation:
+    """One raw row -> `Conversation`, or `RowRejected` naming why it cannot be trained."""
+    data = record.data
+    if data is None:
+        raise RowRejected("bad_json", record.text[:120])
+    if not isinstance(data, dict):
+        raise RowRejected("bad_json", f"a row is a {type(data).__name__}, not an object")
+    source_id = next((str(data[k]) for k in _ID_KEYS if data.get(k) is not None), None) or fallback_source_id(record.text)
+    ids = _token_ids(data)
+    raw_messages = data.get("messages", data.get("conversations"))
+    if raw_messages is None and ids is not None:
+        return Conversation(source_id, [], prompt_ids=ids[0], completion_ids=ids[1])
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise RowRejected("no_messages", "no 'messages' or 'conversations' list")
+    messages = [_normalise_message(m) for m in raw_messages]
+    roles = [m["role"] for m in messages]
+    if "system" in roles[1:]:
+        raise RowRejected("system_not_first", f"system message at position {roles.index('system', 1)}")
+    if "user" not in roles:
+        raise RowRejected("no_user_turn")
+    assistant = [i for i, r in enumerate(roles) if r == "assistant"]
+    if not assistant:
+        raise RowRejected("no_assistant_turn")
+    tools = data.get("tools") or None
+    if tools is not None and not isinstance(tools, list):
+        raise RowRejected("bad_message", "'tools' is not a list")
+    conv = Conversation(source_id, messages, tools=tools, assistant_indices=assistant)
+    if ids is not None:
+        conv.prompt_ids, conv.completion_ids = ids
+    return conv
