@@ -66,5 +66,28 @@ def verify(url: Annotated[str, typer.Argument(help="Artifact folder, file:// or 
         raise typer.Exit(1)
 
 
+@app.command()
+@user_errors
+def export(
+    checkpoint: Annotated[str, typer.Argument(help="Verified checkpoint (folder or URL), or a training output holding step-* checkpoints.")],
+    out: Annotated[str, typer.Argument(help="Export destination: a folder, file:// or s3:// URL.")],
+    config: ConfigOpt = None,
+    target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (default: the checkpoint's target.path).")] = None,
+) -> None:
+    """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, as a verified artifact; print the serving settings."""
+    from blockdraft.config import load_config
+    from blockdraft.export import ExportError
+    from blockdraft.export import export as export_checkpoint
+    from blockdraft.model.spec import SpecError
+
+    try:
+        result = export_checkpoint(checkpoint, out, load_config(config), target=target)
+    except (SpecError, ExportError) as exc:
+        raise ConfigError(str(exc)) from None
+    console.print(f"[green]verified[/]: {result.report.summary()} at {result.url}", highlight=False)
+    print(f"SGLang: {result.serving['sglang_command']}")
+    print(f"vLLM:   {result.serving['vllm_command']}")
+
+
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())

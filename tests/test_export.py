@@ -1,0 +1,193 @@
+"""`export`: the z-lab format engines load, checked against the golden drafter, round-tripped, refused when wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
+from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
+from blockdraft.export import EXPORT_KIND, PROVENANCE_NAME, SERVING_NAME, export, export_drafter
+from blockdraft.model import DFlashDrafter, DraftCache, DrafterSpec, SpecError, TargetHead, draft_step, load_target
+from blockdraft.store import open_store
+from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, manifest_input, verify_artifact
+from blockdraft.train.checkpoint import save_checkpoint
+
+GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
+# What SGLang/vLLM read from config.json: every one must match the reference export.
+DFLASH_FIELDS = [
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size",
+    "tie_word_embeddings", "attention_bias", "layer_types", "use_sliding_window", "sliding_window", "rope_theta",
+    "rope_scaling", "rope_parameters", "num_target_layers", "block_size", "dflash_config",
+]
+
+
+@pytest.fixture(scope="module")
+def target_config():
+    return AutoConfig.from_pretrained(GOLDEN / "target")
+
+
+@pytest.fixture(scope="module")
+def golden_drafter():
+    return DFlashDrafter.from_pretrained(GOLDEN / "drafter").eval()
+
+
+def _draft_logits(drafter: DFlashDrafter, head: TargetHead, golden: dict) -> torch.Tensor:
+    ids = torch.tensor([[int(golden["anchor_id"].item())] + [drafter.spec.mask_token_id] * (drafter.spec.block_size - 1)])
+    hidden = draft_step(drafter, DraftCache(), golden["target_features"], head.embed(ids), start=golden["target_features"].shape[1])
+    return head.logits(hidden[:, 1:])
+
+
+def test_export_of_golden_drafter_equals_reference_files(tmp_path, golden_drafter, target_config):
+    result = export_drafter(golden_drafter, target_config, open_store(tmp_path / "out"))
+    out = tmp_path / "out"
+    written, reference = load_file(str(out / "model.safetensors")), load_file(str(GOLDEN / "drafter" / "model.safetensors"))
+    assert sorted(written) == sorted(reference)
+    for name, tensor in reference.items():
+        assert written[name].shape == tensor.shape and torch.equal(written[name], tensor), name
+    config = json.loads((out / "config.json").read_text())
+    golden_config = json.loads((GOLDEN / "drafter" / "config.json").read_text())
+    for field in DFLASH_FIELDS:
+        assert config[field] == golden_config[field], field
+    report = verify_artifact(open_store(out))
+    assert report.state is State.VERIFIED and report.manifest.kind == EXPORT_KIND
+    assert {f.path for f in report.manifest.files} == {"config.json", "model.safetensors", PROVENANCE_NAME, SERVING_NAME}
+    assert result.report.state is State.VERIFIED
+
+
+def test_export_round_trip_gives_identical_logits(tmp_path, golden_drafter):
+    target = load_target(str(GOLDEN / "target"), attn_implementation="eager")
+    head = TargetHead.from_target(target)
+    golden = load_file(str(GOLDEN / "golden.safetensors"))
+    # a drafter that is not the golden one, so the round trip is not trivially the fixture's files
+    spec = DrafterSpec.from_target_config(target.config, DFlashConfig(block_size=8, mask_token_id=500, num_draft_layers=2))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(spec).eval()
+    for param in drafter.parameters():
+        torch.nn.init.normal_(param, std=0.05)
+    export_drafter(drafter, target.config, open_store(tmp_path / "out"))
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "out").eval()
+    assert loaded.spec.to_export_config() == spec.to_export_config()
+    spec_features = golden["target_features"][..., : 64 * len(spec.target_layer_ids)]
+    assert torch.equal(_draft_logits(loaded, head, {**golden, "target_features": spec_features}),
+                       _draft_logits(drafter, head, {**golden, "target_features": spec_features}))
+
+
+def test_export_schema_five_layers(tmp_path, target_config):
+    spec = DrafterSpec.from_target_config(target_config, DFlashConfig(block_size=16, mask_token_id=511))
+    result = export_drafter(DFlashDrafter(spec), target_config, open_store(tmp_path / "out"), location="/srv/drafter")
+    tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    h, k, d, inner = 64, 5, 16, 128
+    expected = {"fc.weight": (h, k * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for i in range(5):
+        expected |= {
+            f"layers.{i}.input_layernorm.weight": (h,), f"layers.{i}.post_attention_layernorm.weight": (h,),
+            f"layers.{i}.self_attn.q_proj.weight": (4 * d, h), f"layers.{i}.self_attn.k_proj.weight": (2 * d, h),
+            f"layers.{i}.self_attn.v_proj.weight": (2 * d, h), f"layers.{i}.self_attn.o_proj.weight": (h, 4 * d),
+            f"layers.{i}.self_attn.q_norm.weight": (d,), f"layers.{i}.self_attn.k_norm.weight": (d,),
+            f"layers.{i}.mlp.gate_proj.weight": (inner, h), f"layers.{i}.mlp.up_proj.weight": (inner, h),
+            f"layers.{i}.mlp.down_proj.weight": (h, inner),
+        }
+    assert len(tensors) == 58
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == expected
+    assert not any("embed_tokens" in n or "lm_head" in n or n.startswith("model.") for n in tensors)
+
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == 16 and config["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [1, 2, 3, 4, 5], "block_size": 16}
+    assert config["rope_theta"] == 10000.0 and config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    assert "rope_scaling" in config and config["num_target_layers"] == 8 and config["vocab_size"] == 512
+    assert config["num_hidden_layers"] == 5 and config["layer_types"] == ["full_attention"] * 5
+    assert config["tie_word_embeddings"] is False and config["hidden_act"] == "silu"
+
+    serving = json.loads((tmp_path / "out" / SERVING_NAME).read_text())
+    assert serving == result.serving
+    assert "--speculative-algorithm DFLASH" in serving["sglang_args"]
+    assert "--speculative-draft-model-path /srv/drafter --speculative-num-draft-tokens 16" in serving["sglang_args"]
+    assert serving["vllm_speculative_config"] == {"method": "dflash", "model": "/srv/drafter", "num_speculative_tokens": 15}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"vocab_size": 500}, r"mask_token_id 511 >= the target's embedding rows 500 \(config.vocab_size"),
+        ({"num_hidden_layers": 5, "layer_types": ["full_attention"] * 5}, r"target_layer_ids \[5\] outside the target's valid ids 0\.\.3"),
+        ({"hidden_size": 128}, r"hidden_size 64 differs from the target's 128"),
+    ],
+)
+def test_export_refuses_a_mismatched_target(tmp_path, golden_drafter, target_config, change, message):
+    other = AutoConfig.from_pretrained(GOLDEN / "target", **change)
+    with pytest.raises(SpecError, match=message):
+        export_drafter(golden_drafter, other, open_store(tmp_path / "out"))
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def _data_artifact(root: Path):
+    """A committed stand-in for the tokenized dataset: its manifest records the template hash and thinking mode."""
+    root.mkdir(parents=True)
+    (root / "rows.txt").write_text("rows\n")
+    store = open_store(root)
+    entry = entry_for_local_file(root, root / "rows.txt")
+    config = {"tokenize": {"thinking": "auto"}, "chat_template_sha256": "ab" * 32}
+    commit_artifact(store, "tokenized", [entry], config=config, counts={"thinking_rows": {"on": 3, "off": 1}})
+    return manifest_input(store)
+
+
+def _checkpoint(tmp_path: Path, golden_drafter: DFlashDrafter, mask_token_id: int = 511) -> Path:
+    cfg = BlockdraftConfig(
+        target=TargetConfig(path=str(GOLDEN / "target")),
+        dflash=DFlashConfig(block_size=4, mask_token_id=mask_token_id, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+    )
+    run = tmp_path / "run"
+    data = _data_artifact(tmp_path / "data")
+    for step in (10, 20):
+        save_checkpoint(open_store(run), step, golden_drafter, {"step": step}, cfg.resolved(), [data], {"step": step})
+    return run
+
+
+def test_export_from_training_run_records_provenance(tmp_path, golden_drafter):
+    run = _checkpoint(tmp_path, golden_drafter)
+    (run / "step-00000020" / MANIFEST_NAME).unlink()  # the newest push never committed: export must take step 10
+    out = tmp_path / "export"
+    result = export(str(run), str(out))
+    assert verify_artifact(open_store(out)).state is State.VERIFIED
+    assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], golden_drafter.fc.weight)
+    assert result.report.manifest.lineage[0].url == open_store(run / "step-00000010").url
+    provenance = json.loads((out / PROVENANCE_NAME).read_text())
+    assert provenance["dflash"] == {"mask_token_id": 511, "target_layer_ids": [1, 3, 5], "block_size": 4,
+                                    "num_target_layers": 8, "gamma": 3.0}
+    assert provenance["config"]["target"]["path"] == str(GOLDEN / "target")
+    (data,) = provenance["data"]
+    assert data["kind_of_input"] == "tokenized" and len(data["sha256"]) == 64
+    assert data["config.chat_template_sha256"] == "ab" * 32
+    assert data["config.tokenize.thinking"] == "auto" and data["counts.thinking_rows"] == {"on": 3, "off": 1}
+
+
+def test_export_cli_prints_serving_settings_and_refuses_bad_input(tmp_path, golden_drafter):
+    run = _checkpoint(tmp_path, golden_drafter)
+    runner = CliRunner()
+    ok = runner.invoke(app, ["export", str(run / "step-00000020"), str(tmp_path / "export")])
+    assert ok.exit_code == 0, ok.output
+    assert "--speculative-algorithm DFLASH" in ok.output and '"num_speculative_tokens": 3' in ok.output
+
+    # a checkpoint whose pinned config contradicts its config.json
+    bad = _checkpoint(tmp_path / "bad", golden_drafter, mask_token_id=510)
+    refused = runner.invoke(app, ["export", str(bad), str(tmp_path / "bad-export")])
+    assert refused.exit_code == 2
+    assert "dflash.mask_token_id is 510" in refused.output and "Traceback" not in refused.output
+
+    # a target with fewer embedding rows than the mask id
+    small = tmp_path / "small-target"
+    AutoConfig.from_pretrained(GOLDEN / "target", vocab_size=300).save_pretrained(small)
+    refused = runner.invoke(app, ["export", str(run), str(tmp_path / "small-export"), "--target", str(small)])
+    assert refused.exit_code == 2 and "mask_token_id 511 >= the target's embedding rows 300" in refused.output
+
+    unverified = runner.invoke(app, ["export", str(tmp_path / "nowhere"), str(tmp_path / "x")])
+    assert unverified.exit_code == 2 and "not a verified checkpoint" in unverified.output
