@@ -11,6 +11,7 @@ import datetime as _dt
 import hashlib
 import json
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -124,7 +125,8 @@ class VerifyReport:
         return head + more
 
 
-def _check_file(store: Store, entry: FileEntry) -> FileProblem | None:
+def check_file(store: Store, entry: FileEntry) -> FileProblem | None:
+    """None when the destination holds `entry` with its size and checksum; else what is wrong."""
     info = store.head(entry.path)
     if info is None:
         return FileProblem(entry.path, State.MISSING, "absent at the destination")
@@ -139,6 +141,17 @@ def _check_file(store: Store, entry: FileEntry) -> FileProblem | None:
     if checksum != entry.checksum:
         return FileProblem(entry.path, State.CORRUPT, f"crc64nvme {checksum} != listed {entry.checksum}")
     return None
+
+
+VERIFY_WORKERS = 8
+
+
+def check_files(store: Store, entries: list[FileEntry]) -> list[FileProblem | None]:
+    """`check_file` for each entry, in order; run in parallel because each is a round trip (S3 HEAD) or a read."""
+    if len(entries) <= 1:
+        return [check_file(store, e) for e in entries]
+    with ThreadPoolExecutor(min(VERIFY_WORKERS, len(entries))) as pool:
+        return list(pool.map(lambda e: check_file(store, e), entries))
 
 
 def _input_changed(ref: InputRef, open_url: Callable[[str], Store]) -> str | None:
@@ -166,8 +179,7 @@ def verify_artifact(store: Store, check_inputs: bool = False, open_url: Callable
         return VerifyReport(url=store.url, state=State.INCOMPLETE)
     manifest, raw = found
     report = VerifyReport(url=store.url, state=State.VERIFIED, manifest=manifest, manifest_sha256=manifest_sha256(raw))
-    for entry in manifest.files:
-        problem = _check_file(store, entry)
+    for entry, problem in zip(manifest.files, check_files(store, manifest.files)):
         if problem is None:
             report.verified_files += 1
             report.verified_bytes += entry.size
@@ -210,12 +222,21 @@ def commit_artifact(
     report returned is read from the destination, never assumed.
     """
     files = sorted(files, key=lambda e: e.path)
-    for entry in files:
-        problem = _check_file(store, entry)
-        if problem is not None:
-            raise ArtifactError(f"{store.url}/{entry.path} did not verify before commit: {problem.detail}")
     manifest = Manifest(kind=kind, config=config or {}, lineage=list(lineage), files=files, counts=counts or {})
-    store.put_bytes(MANIFEST_NAME, manifest.to_bytes())
+    return commit_manifest(store, manifest.to_bytes())
+
+
+def commit_manifest(store: Store, raw: bytes) -> VerifyReport:
+    """Commit an existing manifest byte for byte (a pushed or pulled artifact keeps its lineage digest).
+
+    Every listed file is checked at the destination first, the manifest is written last, and the artifact
+    is verified again from the destination.
+    """
+    manifest = Manifest.model_validate_json(raw)
+    for entry, problem in zip(manifest.files, check_files(store, manifest.files)):
+        if problem is not None:
+            raise ArtifactError(f"{store.url.rstrip('/')}/{entry.path} did not verify before commit: {problem.detail}")
+    store.put_bytes(MANIFEST_NAME, raw)
     report = verify_artifact(store)
     if report.state is not State.VERIFIED:
         raise ArtifactError(f"{store.url} did not verify after commit: {report.summary()}")

@@ -83,6 +83,36 @@ class Store(abc.ABC):
                 size += len(chunk)
         return size, crc.b64
 
+    def get_file(self, key: str, local_path: Path) -> tuple[int, str]:
+        """Download to `local_path`, atomically (a temp name renamed when whole).
+
+        Returns (size, base64 CRC64NVME) of the bytes as received, for the caller to compare with the manifest.
+        """
+        import os
+        import uuid
+
+        from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
+
+        local_path = Path(local_path)
+        local_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local_path.parent / f".tmp-{local_path.name}.{uuid.uuid4().hex[:8]}"
+        crc = Crc64Nvme()
+        size = 0
+        try:
+            with self.open_read(key) as src, open(tmp, "wb") as dst:
+                while chunk := src.read(READ_CHUNK):
+                    crc.update(chunk)
+                    dst.write(chunk)
+                    size += len(chunk)
+            os.replace(tmp, local_path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return size, crc.b64
+
+    def abort_partial_uploads(self) -> int:
+        """Drop unfinished uploads under this root (S3 multipart uploads); returns how many. Nothing to do by default."""
+        return 0
+
     def local_path(self) -> Path | None:
         """The folder behind a local store; None for remote stores."""
         return None

@@ -1,0 +1,114 @@
+"""`status`: every artifact under a prefix, its kind, lineage and state, as read from the destination.
+
+An artifact root is a folder holding a manifest. Files that no manifest covers form `incomplete` artifacts,
+grouped under the highest folder that contains no committed artifact (so `ckpt/step-200/` beside a committed
+`ckpt/step-100/` is its own incomplete artifact). `--progress` renders the same facts as Markdown.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from blockdraft.store.artifact import MANIFEST_NAME, InputRef, State, VerifyReport, verify_artifact
+from blockdraft.store.base import Store
+
+
+@dataclass
+class ArtifactStatus:
+    """One artifact: `root` is its key prefix relative to the status URL ('' = the URL itself)."""
+
+    root: str
+    url: str
+    report: VerifyReport
+
+    @property
+    def state(self) -> State:
+        return self.report.state
+
+    @property
+    def kind(self) -> str:
+        return self.report.manifest.kind if self.report.manifest else "-"
+
+    @property
+    def lineage(self) -> list[InputRef]:
+        return self.report.manifest.lineage if self.report.manifest else []
+
+
+def _parent(key: str) -> str:
+    parent = str(PurePosixPath(key).parent)
+    return "" if parent == "." else parent
+
+
+def _within(key: str, root: str) -> bool:
+    return root == "" or key == root or key.startswith(root + "/")
+
+
+def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
+    """(committed roots, incomplete roots) among object keys, each root a '/'-joined folder ('' = top)."""
+    committed = sorted({_parent(k) for k in keys if PurePosixPath(k).name == MANIFEST_NAME})
+    incomplete: set[str] = set()
+    for key in keys:
+        if any(_within(key, root) for root in committed):
+            continue
+        parts = PurePosixPath(key).parts[:-1]
+        # The highest folder on the key's path that holds no committed artifact; else the key's own folder.
+        candidates = ["/".join(parts[:depth]) for depth in range(len(parts) + 1)]
+        root = next((c for c in candidates if not any(_within(r, c) for r in committed)), candidates[-1])
+        incomplete.add(root)
+    return committed, sorted(incomplete)
+
+
+def status(store: Store) -> list[ArtifactStatus]:
+    """Every artifact under `store`, verified from the destination (inputs checked too, for `stale`)."""
+    keys = [info.key for info in store.list()]
+    committed, incomplete = find_artifact_roots(keys)
+    out = []
+    for root in sorted(committed + incomplete):
+        child = store.child(root) if root else store
+        report = verify_artifact(child, check_inputs=True)
+        out.append(ArtifactStatus(root=root, url=child.url, report=report))
+    return out
+
+
+def format_lineage(refs: list[InputRef]) -> str:
+    if not refs:
+        return "-"
+    parts = []
+    for ref in refs:
+        pin = f"sha256:{ref.sha256[:12]}" if ref.sha256 else f"{ref.size} B {ref.checksum or ref.etag or ''}".strip()
+        parts.append(f"{ref.url} ({pin})")
+    return ", ".join(parts)
+
+
+def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
+    """A Markdown status page; every claim on it was just read from the destination."""
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    counts = {state: sum(a.state is state for a in artifacts) for state in State}
+    lines = [
+        f"# blockdraft status: {url}",
+        "",
+        f"Checked at {now} by reading every manifest and every listed file's size and CRC64NVME checksum at the destination.",
+        "",
+        ", ".join(f"{n} {state.value}" for state, n in counts.items() if n) or "no artifacts found",
+        "",
+        "| artifact | kind | state | files verified | bytes verified | counts | made from |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for a in artifacts:
+        manifest = a.report.manifest
+        listed = len(manifest.files) if manifest else 0
+        counts_text = ", ".join(f"{k}={v}" for k, v in sorted(manifest.counts.items()) if not isinstance(v, dict)) if manifest else ""
+        lines.append(
+            f"| `{a.root or '.'}` | {a.kind} | **{a.state.value}** | {a.report.verified_files}/{listed} | {a.report.verified_bytes} "
+            f"| {counts_text or '-'} | {format_lineage(a.lineage)} |"
+        )
+    problems = [(a, p) for a in artifacts for p in a.report.problems]
+    if problems:
+        lines += ["", "## Problems", ""]
+        lines += [f"- `{a.root or '.'}`: {p.state.value}: `{p.path}`: {p.detail}" for a, p in problems]
+    incomplete = [a for a in artifacts if a.state is State.INCOMPLETE]
+    if incomplete:
+        lines += ["", "Incomplete means files without a manifest: an interrupted or running stage. Nothing in them is verified.", ""]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,234 @@
+"""Verified transfer of one artifact between a local folder and a store: `push` and `pull`.
+
+Both follow the artifact rule (../shared/STORE.md): the manifest moves last, byte for byte (so lineage digests
+stay valid on every machine), and the report says only what was read back from the destination.
+Both resume: files already verified at the destination are skipped; anything else is redone.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from blockdraft.store import open_store
+from blockdraft.store.artifact import (
+    MANIFEST_NAME,
+    ArtifactError,
+    FileEntry,
+    FileProblem,
+    State,
+    VerifyReport,
+    check_file,
+    check_files,
+    commit_manifest,
+    manifest_sha256,
+    read_manifest,
+    uncommit,
+    verify_artifact,
+)
+from blockdraft.store.base import Store, StoreError
+from blockdraft.store.checksum import crc64nvme_file
+from blockdraft.store.local import LocalStore
+from blockdraft.store.preflight import preflight
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+@dataclass
+class TransferReport:
+    """What one push or pull moved, skipped and verified. Byte counts in bytes, time in seconds."""
+
+    source: str
+    destination: str
+    moved: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    moved_bytes: int = 0
+    aborted_uploads: int = 0
+    seconds: float = 0.0
+    verify: VerifyReport | None = None
+
+    def summary(self) -> str:
+        verified = self.verify.summary() if self.verify else "not verified"
+        rate = self.moved_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+        return (
+            f"{self.destination}: {len(self.moved)} files moved ({self.moved_bytes} bytes, {rate:.0f} MB/s), "
+            f"{len(self.skipped)} already verified and skipped; {verified}"
+        )
+
+
+def _concurrency(settings: object | None) -> int:
+    return int(getattr(settings, "concurrency", 8))
+
+
+def _run_all(fn: Callable[[FileEntry], None], entries: list[FileEntry], workers: int) -> None:
+    """Run fn over entries on `workers` threads; the first failure is raised after the others finish."""
+    if not entries:
+        return
+    with ThreadPoolExecutor(max(1, min(workers, len(entries))), thread_name_prefix="transfer") as pool:
+        for future in [pool.submit(fn, e) for e in entries]:
+            future.result()
+
+
+def push(local_dir: str | Path, url: str, settings: object | None = None) -> TransferReport:
+    """Upload the committed artifact in `local_dir` to `url`, verify every file there, then commit its manifest.
+
+    Raises ArtifactError when the local folder holds no manifest or a file that does not match it, and
+    StoreError (after a preflight that takes seconds) when the destination cannot be written.
+    """
+    start = time.monotonic()
+    source = LocalStore(local_dir)
+    found = read_manifest(source)
+    if found is None:
+        raise ArtifactError(f"{source.root} has no {MANIFEST_NAME}: only committed artifacts are pushed; run the stage that makes it first")
+    manifest, raw = found
+    for entry in manifest.files:
+        path = source.root / entry.path
+        if not path.is_file() or path.stat().st_size != entry.size:
+            raise ArtifactError(f"local artifact {source.root} is not intact: {entry.path} is absent or has the wrong size; run `blockdraft verify` on it")
+
+    dest = open_store(url, settings)
+    preflight(dest)
+    report = TransferReport(source=source.url, destination=dest.url)
+    remote = read_manifest(dest)
+    if remote is not None:
+        if remote[1] == raw:
+            current = verify_artifact(dest)
+            if current.state is State.VERIFIED:
+                report.skipped = [e.path for e in manifest.files]
+                report.verify, report.seconds = current, time.monotonic() - start
+                return report
+        # Different content (or damaged): no reader may see the old manifest over the new files.
+        uncommit(dest)
+    report.aborted_uploads = dest.abort_partial_uploads()
+
+    problems = check_files(dest, manifest.files)
+    todo = [e for e, p in zip(manifest.files, problems) if p is not None]
+    report.skipped = [e.path for e, p in zip(manifest.files, problems) if p is None]
+
+    def upload(entry: FileEntry) -> None:
+        dest.put_file(entry.path, source.root / entry.path, entry.checksum)
+        problem = check_file(dest, entry)
+        if problem is not None:
+            raise ArtifactError(f"{dest.url.rstrip('/')}/{entry.path} did not verify after upload: {problem.detail}; rerun the push")
+
+    _run_all(upload, todo, _concurrency(settings))
+    report.moved = [e.path for e in todo]
+    report.moved_bytes = sum(e.size for e in todo)
+    report.verify = commit_manifest(dest, raw)
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _local_matches(path: Path, entry: FileEntry) -> bool:
+    if not path.is_file() or path.stat().st_size != entry.size:
+        return False
+    return crc64nvme_file(path)[1] == entry.checksum
+
+
+def _refuse(url: str, problems: list[FileProblem]) -> ArtifactError:
+    listed = "; ".join(f"{p.path} ({p.state.value}: {p.detail})" for p in problems)
+    return ArtifactError(f"refusing to pull {url}: {len(problems)} file(s) do not verify: {listed}")
+
+
+def _free_bytes(folder: Path) -> int:
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def pull(url: str, local_dir: str | Path, settings: object | None = None) -> TransferReport:
+    """Download the artifact at `url` into `local_dir`, recomputing every checksum, and write its manifest last.
+
+    Refuses (ArtifactError listing the bad files) an artifact with no manifest or with files that do not
+    match it; a full disk is one StoreError line and leaves no local manifest.
+    """
+    start = time.monotonic()
+    source = open_store(url, settings)
+    found = read_manifest(source)
+    if found is None:
+        raise ArtifactError(f"refusing to pull {source.url}: no manifest there, so it is incomplete (nothing was verified)")
+    manifest, raw = found
+    dest = LocalStore(local_dir)
+    report = TransferReport(source=source.url, destination=dest.url)
+    local = read_manifest(dest)
+    if local is not None:
+        if local[1] == raw:
+            current = verify_artifact(dest)
+            if current.state is State.VERIFIED:
+                report.skipped = [e.path for e in manifest.files]
+                report.verify, report.seconds = current, time.monotonic() - start
+                return report
+        uncommit(dest)
+
+    bad = _source_problems(source, manifest.files, _concurrency(settings))
+    if bad:
+        raise _refuse(source.url, bad)
+
+    present = [_local_matches(dest.root / e.path, e) for e in manifest.files]
+    todo = [e for e, ok in zip(manifest.files, present) if not ok]
+    report.skipped = [e.path for e, ok in zip(manifest.files, present) if ok]
+    need = sum(e.size for e in todo)
+    free = _free_bytes(dest.root)
+    if need > free:
+        raise StoreError(f"not enough local disk space in {dest.root}: the pull needs {need} bytes, {free} are free; free space or pull elsewhere")
+
+    def download(entry: FileEntry) -> None:
+        target = dest.root / entry.path
+        try:
+            size, checksum = source.get_file(entry.path, target)
+        except OSError as exc:
+            if exc.errno in DISK_FULL:
+                raise StoreError(
+                    f"local disk full writing {target.name} into {dest.root} ({exc.strerror}); free space or pull elsewhere; no manifest was written"
+                ) from None
+            raise
+        if size != entry.size or checksum != entry.checksum:
+            target.unlink(missing_ok=True)
+            bad.append(FileProblem(entry.path, State.CORRUPT, f"received {size} bytes crc64nvme {checksum} != listed {entry.size} bytes {entry.checksum}"))
+
+    _run_all(download, todo, _concurrency(settings))
+    if bad:
+        raise _refuse(source.url, sorted(bad, key=lambda p: p.path))
+    report.moved = [e.path for e in todo]
+    report.moved_bytes = need
+    dest.put_bytes(MANIFEST_NAME, raw)
+    # Every file was just checksummed locally: downloaded ones on the very bytes written, skipped ones by
+    # reading them from disk. Reading them all once more would only re-read the page cache.
+    report.verify = VerifyReport(
+        url=dest.url,
+        state=State.VERIFIED,
+        manifest=manifest,
+        manifest_sha256=manifest_sha256(raw),
+        verified_files=len(manifest.files),
+        verified_bytes=sum(e.size for e in manifest.files),
+    )
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _source_problems(source: Store, files: list[FileEntry], workers: int) -> list[FileProblem]:
+    """What the source's metadata already proves wrong, found before any byte moves.
+
+    Presence and sizes come from one listing; a remote store's HEAD checksums add a cheap early check.
+    Objects without a metadata checksum (and local folders) are judged by the recomputation while downloading.
+    """
+    sizes = {info.key: info.size for info in source.list()}
+    heads = [None] * len(files)
+    if source.local_path() is None:
+        with ThreadPoolExecutor(max(1, min(workers, len(files) or 1))) as pool:
+            heads = list(pool.map(lambda e: source.head(e.path) if e.path in sizes else None, files))
+    bad = []
+    for entry, info in zip(files, heads):
+        if entry.path not in sizes:
+            bad.append(FileProblem(entry.path, State.MISSING, "absent at the source"))
+        elif sizes[entry.path] != entry.size:
+            bad.append(FileProblem(entry.path, State.CORRUPT, f"size {sizes[entry.path]} != listed {entry.size}"))
+        elif info is not None and info.checksum is not None and info.checksum != entry.checksum:
+            bad.append(FileProblem(entry.path, State.CORRUPT, f"crc64nvme {info.checksum} != listed {entry.checksum}"))
+    return bad
