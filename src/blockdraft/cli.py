@@ -68,6 +68,31 @@ def verify(url: Annotated[str, typer.Argument(help="Artifact folder, file:// or 
 
 @app.command()
 @user_errors
+def tokenize(
+    input: Annotated[str, typer.Argument(help="Completions: a JSONL (.gz/.zst) or Parquet file, a folder of them, or a completions artifact.")],
+    output: Annotated[str, typer.Argument(help="Output folder for the tokenized artifact (Arrow shards + manifest).")],
+    config: ConfigOpt = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (default: the target's, from the config).")] = None,
+    chat_template: Annotated[str | None, typer.Option(help="Jinja chat template file (default: the target's own).")] = None,
+    thinking: Annotated[str | None, typer.Option(help="auto (per turn: on when it has reasoning), on or off.")] = None,
+    max_length: Annotated[int | None, typer.Option(help="Clip rows to this many tokens (after masking).")] = None,
+    held_out_fraction: Annotated[float | None, typer.Option(help="Fraction of conversations in the held-out split.")] = None,
+    workers: Annotated[int | None, typer.Option(help="Worker processes (one input shard each at a time).")] = None,
+) -> None:
+    """Completions -> one row per assistant turn with an exact loss mask, as Arrow shards `datasets.load_from_disk` reads."""
+    from blockdraft.config import load_config
+    from blockdraft.data.tokenize import tokenize_dataset
+    from blockdraft.data.tokenize_report import RichTokenizeProgress, print_tokenize_summary
+
+    overrides = {"tokenize": {"thinking": thinking, "max_length": max_length, "held_out_fraction": held_out_fraction, "workers": workers}}
+    cfg = load_config(config, overrides)
+    with RichTokenizeProgress(console) as progress:
+        summary = tokenize_dataset(input, output, cfg, tokenizer=tokenizer, chat_template=chat_template, progress=progress)
+    print_tokenize_summary(console, summary)
+
+
+@app.command()
+@user_errors
 def export(
     checkpoint: Annotated[str, typer.Argument(help="Verified checkpoint (folder or URL), or a training output holding step-* checkpoints.")],
     out: Annotated[str, typer.Argument(help="Export destination: a folder, file:// or s3:// URL.")],

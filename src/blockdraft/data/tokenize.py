@@ -21,6 +21,7 @@ import concurrent.futures
 import functools
 import hashlib
 import json
+import logging
 import multiprocessing
 import os
 import queue
@@ -142,6 +143,10 @@ class TokenizeProgress:
 
     def advance(self, nbytes: int, rows: int, tokens: int) -> None:
         """Called as workers consume input and write rows."""
+
+    def warn(self, message: str) -> None:
+        """A problem the user must see before the run goes on (a template that is not the target's)."""
+        logging.getLogger("blockdraft.tokenize").warning(message)
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer, template
@@ -651,6 +656,8 @@ def tokenize_dataset(
     progress = progress or TokenizeProgress()
     opts = config.tokenize
     src, warnings = resolve_tokenizer(config, tokenizer, chat_template)
+    for message in warnings:
+        progress.warn(message)
     eot_id = _eot_id(src.tokenizer_json, opts.end_of_turn)
     digest = _config_digest(config, src, eot_id)
     out_store = open_store(output, config.store)
