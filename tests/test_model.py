@@ -197,3 +197,59 @@ def test_state_dict_is_the_export_tensor_set(drafter):
     assert len(names) == 11 * drafter.spec.num_layers + 3
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.2.self_attn.k_norm.weight"} <= names
     assert not any("embed" in n or "lm_head" in n for n in names)
+
+
+def test_target_features_stop_after_deepest_layer(golden, target):
+    wrapper = TargetModel(target, [3, 1])
+    ran = []
+    handles = [layer.register_forward_hook(lambda *_, i=i: ran.append(i)) for i, layer in enumerate(wrapper.layers)]
+    handles.append(target.get_output_embeddings().register_forward_hook(lambda *_: ran.append("lm_head")))
+    try:
+        features = wrapper.features(golden["context_ids"])
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert ran == [0, 1, 2, 3]  # layers 4..7 and the LM head are skipped
+    states = target(input_ids=golden["context_ids"], output_hidden_states=True).hidden_states
+    assert torch.equal(features, torch.cat([states[4], states[2]], dim=-1))  # the order of layer_ids is kept
+    assert not features.requires_grad
+
+
+def test_hybrid_attention_target_features():
+    """Qwen3.5-style target (linear-attention layers, full attention every fourth): hidden states only, same convention."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    spec = DrafterSpec.from_target_config(model.config, DFlashConfig(mask_token_id=255, num_draft_layers=2, block_size=8))
+    assert spec.target_layer_ids == [3, 7]  # even spread [1, 9] moved to the full-attention layers
+    with pytest.raises(SpecError, match="collide"):
+        DrafterSpec.from_target_config(model.config, DFlashConfig(mask_token_id=255, num_draft_layers=4, block_size=8))
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        states = model(input_ids=ids, output_hidden_states=True).hidden_states
+    features = TargetModel(model, spec.target_layer_ids).features(ids)
+    assert torch.equal(features, torch.cat([states[4], states[8]], dim=-1))
+
+
+def test_bf16_drafter_with_packed_mask(drafter, golden):
+    """bf16 weights and a bool mask that hides part of the context: finite, bf16 out, and the hidden keys do not matter."""
+    model = DFlashDrafter(drafter.spec)
+    model.load_state_dict(drafter.state_dict())
+    model = model.to(torch.bfloat16)
+    block = torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    features = golden["target_features"].to(torch.bfloat16)
+    mask = torch.ones(1, 1, 4, 15, dtype=torch.bool)
+    mask[..., 5:11] = False  # context positions 5..10 hidden
+    changed = features.clone()
+    changed[:, 5:] += 1.0
+    with torch.no_grad():
+        out = model(block, model.project_context(features), torch.arange(11, 15)[None], torch.arange(11)[None], mask)
+        same = model(block, model.project_context(changed), torch.arange(11, 15)[None], torch.arange(11)[None], mask)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert torch.equal(out, same)
