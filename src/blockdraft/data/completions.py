@@ -197,7 +197,7 @@ def _normalise_message(raw: Any) -> dict[str, Any]:
         if reasoning:
             if "<think>" in content or "</think>" in content:
                 raise RowRejected("unclosed_think", "reasoning given both as a field and inline in the content")
-            msg["reasoning_content"] = reasoning.strip("\n")
+            msg["reasoning_content"] = reasoning
         else:
             inline, visible = _split_inline_reasoning(content)
             msg["reasoning_content"], msg["content"] = inline, visible

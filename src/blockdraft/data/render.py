@@ -146,7 +146,8 @@ def _has_adjacent_pair(mask: np.ndarray) -> bool:
 def mask_turn(planned: PlannedTurn, encoding: Any, eot_id: int, max_length: int) -> TurnRow | TurnRejection:
     """Build the row from `encoding` (a `tokenizers.Encoding` of `planned.full`, no special tokens added).
 
-    Rejections: `boundary_merge`, `no_end_of_turn`, `too_long` (fewer than 2 adjacent supervised tokens after clipping).
+    Rejections: `boundary_merge`, `no_end_of_turn`, `empty_turn`, `too_long` (fewer than 2 adjacent supervised tokens
+    left after clipping).
     """
     boundary = len(planned.prompt)
     first = encoding.char_to_token(boundary)
@@ -163,11 +164,19 @@ def mask_turn(planned: PlannedTurn, encoding: Any, eot_id: int, max_length: int)
     last = first + int(ends[-1])
     mask = np.zeros(ids.shape[0], dtype=np.uint8)
     mask[first : last + 1] = 1
-    if ids.shape[0] > max_length:
-        ids, mask = ids[:max_length], mask[:max_length]
+    return _clip(planned.turn, "on" if planned.thinking else "off", ids, mask, max_length)
+
+
+def _clip(turn: int, thinking: str, ids: np.ndarray, mask: np.ndarray, max_length: int) -> TurnRow | TurnRejection:
+    """Clip to `max_length` after masking; a row needs 2 adjacent supervised tokens (one prediction to train)."""
     if not _has_adjacent_pair(mask):
-        return TurnRejection(planned.turn, "too_long", f"{len(encoding.ids)} tokens > max_length {max_length} leaves < 2 supervised tokens")
-    return TurnRow(planned.turn, "on" if planned.thinking else "off", ids, mask)
+        return TurnRejection(turn, "empty_turn", "fewer than 2 supervised tokens: the turn emits nothing but its end")
+    if ids.shape[0] > max_length:
+        total = ids.shape[0]
+        ids, mask = ids[:max_length], mask[:max_length]
+        if not _has_adjacent_pair(mask):
+            return TurnRejection(turn, "too_long", f"{total} tokens > max_length {max_length} leaves < 2 supervised tokens")
+    return TurnRow(turn, thinking, ids, mask)
 
 
 def row_from_generator_ids(conv: Conversation, max_length: int, vocab_size: int) -> TurnRow | TurnRejection:
@@ -179,9 +188,4 @@ def row_from_generator_ids(conv: Conversation, max_length: int, vocab_size: int)
         return TurnRejection(turn, "bad_token_ids", f"token id {int(ids.max())} >= vocabulary size {vocab_size}")
     mask = np.zeros(ids.shape[0], dtype=np.uint8)
     mask[len(conv.prompt_ids) :] = 1
-    ids32 = ids.astype(np.int32)
-    if ids32.shape[0] > max_length:
-        ids32, mask = ids32[:max_length], mask[:max_length]
-    if not _has_adjacent_pair(mask):
-        return TurnRejection(turn, "too_long", f"{ids.shape[0]} tokens > max_length {max_length} leaves < 2 supervised tokens")
-    return TurnRow(turn, "generator", ids32, mask)
+    return _clip(turn, "generator", ids.astype(np.int32), mask, max_length)
