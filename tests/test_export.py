@@ -191,3 +191,10 @@ def test_export_cli_prints_serving_settings_and_refuses_bad_input(tmp_path, gold
 
     unverified = runner.invoke(app, ["export", str(tmp_path / "nowhere"), str(tmp_path / "x")])
     assert unverified.exit_code == 2 and "not a verified checkpoint" in unverified.output
+
+
+def test_export_refuses_an_artifact_that_is_not_a_checkpoint(tmp_path):
+    data = tmp_path / "data"
+    _data_artifact(data)
+    with pytest.raises(Exception, match="'tokenized' artifact, not a drafter checkpoint"):
+        export(str(data), str(tmp_path / "out"))

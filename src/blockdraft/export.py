@@ -29,6 +29,7 @@ from blockdraft.store.artifact import (
     uncommit,
     verify_artifact,
 )
+from blockdraft.train.checkpoint import CHECKPOINT_KIND, find_resumable
 
 EXPORT_KIND = "drafter-export"
 PROVENANCE_NAME = "blockdraft-export.json"
@@ -163,10 +164,10 @@ def _checkpoint_store(url: str, store_settings: Any) -> tuple[Store, VerifyRepor
     store = open_store(url, store_settings)
     report = verify_artifact(store)
     if report.state is State.VERIFIED:
+        if report.manifest.kind not in (CHECKPOINT_KIND, EXPORT_KIND):
+            raise ArtifactError(f"{url} is a '{report.manifest.kind}' artifact, not a drafter checkpoint; pass a training checkpoint")
         return store, report
     if report.state is State.INCOMPLETE and not report.problems:
-        from blockdraft.train.checkpoint import find_resumable
-
         found = find_resumable(store)
         if found is not None:
             return found.store, found.report
@@ -182,8 +183,6 @@ def export(checkpoint: str, out: str, settings: Any = None, target: str | None =
     target model's config is read from (default: target.path pinned in the checkpoint)."""
     from transformers import AutoConfig
 
-    from blockdraft.train.data import fetch_verified
-
     store_settings = getattr(settings, "store", None)
     ckpt_store, report = _checkpoint_store(checkpoint, store_settings)
     if ckpt_store.url.rstrip("/") == open_store(out, store_settings).url.rstrip("/"):
@@ -193,7 +192,9 @@ def export(checkpoint: str, out: str, settings: Any = None, target: str | None =
         folder = ckpt_store.local_path()
         if folder is None:
             folder = Path(tmp)
-            fetch_verified(ckpt_store, folder)
+            from blockdraft.store.transfer import pull  # checksums recomputed from the bytes received
+
+            pull(ckpt_store.url, folder, store_settings)
         if (folder / CHECKPOINT_CONFIG_NAME).is_file():
             resolved = json.loads((folder / CHECKPOINT_CONFIG_NAME).read_text())
         drafter = DFlashDrafter.from_pretrained(folder)

@@ -182,7 +182,9 @@ class DFlashDrafter(nn.Module):
     def from_pretrained(
         cls, path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> DFlashDrafter:
-        """Load the export format (config.json + model.safetensors); strict: every tensor present, nothing extra."""
+        """Load the export format (config.json + model.safetensors); strict: every tensor present, nothing extra.
+
+        `dtype` None keeps the stored dtype."""
         path = Path(path)
         config_path = path / CONFIG_NAME
         if not config_path.is_file():
@@ -200,7 +202,8 @@ class DFlashDrafter(nn.Module):
             raise SpecError(f"{path / WEIGHTS_NAME}: tensor {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
                             f"config needs {tuple(expected[wrong[0]].shape)}")
         model.load_state_dict(state, strict=True)
-        return model.to(device=device, dtype=dtype)
+        # keep the stored precision unless asked otherwise (load_state_dict copied it into fp32 parameters)
+        return model.to(device=device, dtype=dtype or state["fc.weight"].dtype)
 
     def save_pretrained(self, path: str | Path) -> list[Path]:
         """Write config.json + model.safetensors (the export format); returns the two paths."""

@@ -130,6 +130,8 @@ class DrafterSpec:
                 f"dflash.num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
                 f"{self.num_key_value_heads}; fix the head counts"
             )
+        if self.head_dim % 2:
+            raise SpecError(f"dflash.head_dim {self.head_dim} must be even (RoPE rotates pairs)")
         if self.block_size < 2:
             raise SpecError(f"dflash.block_size {self.block_size} must be at least 2")
 
@@ -245,6 +247,8 @@ class DrafterSpec:
             raise SpecError("drafter config.json has attention_bias true; blockdraft drafters have no attention bias")
         if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or []):
             raise SpecError("drafter config.json uses sliding-window layers; only full-attention drafters are supported")
+        if "num_target_layers" not in config:
+            raise SpecError("drafter config.json lacks num_target_layers (the target's layer count); add it from the target's config")
         block_size = dflash.get("block_size", config.get("block_size"))
         if block_size is None:
             raise SpecError("drafter config.json has no block_size (top level or dflash_config); it is not a DFlash export")
@@ -265,7 +269,7 @@ class DrafterSpec:
             block_size=int(block_size),
             mask_token_id=int(dflash["mask_token_id"]),
             target_layer_ids=[int(i) for i in dflash["target_layer_ids"]],
-            num_target_layers=int(config.get("num_target_layers", max(dflash["target_layer_ids"]) + 2)),
+            num_target_layers=int(config["num_target_layers"]),
             gamma=gamma,
         )
 

@@ -1,0 +1,42 @@
+"""`export` from a checkpoint on S3 to S3 (a real SeaweedFS server on 127.0.0.1): pulled with checksums, pushed as an artifact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
+from blockdraft.export import EXPORT_KIND, SERVING_NAME, export
+from blockdraft.model import DFlashDrafter
+from blockdraft.store import open_store
+from blockdraft.store.artifact import State, verify_artifact
+from blockdraft.store.transfer import pull
+from blockdraft.train.checkpoint import save_checkpoint
+
+GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
+
+
+def test_export_s3_checkpoint_to_s3(s3_bucket, tmp_path):
+    drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter")
+    cfg = BlockdraftConfig(
+        target=TargetConfig(path=str(GOLDEN / "target")),
+        dflash=DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+    )
+    run = f"s3://{s3_bucket}/runs/r1"
+    save_checkpoint(open_store(run, cfg.store), 5, drafter, {"step": 5}, cfg.resolved(), [], {"step": 5})
+
+    out = f"s3://{s3_bucket}/exports/r1"
+    result = export(run, out, cfg)
+    report = verify_artifact(open_store(out, cfg.store))
+    assert report.state is State.VERIFIED and report.manifest.kind == EXPORT_KIND
+    assert result.serving["vllm_speculative_config"]["model"] == out
+
+    local = tmp_path / "pulled"
+    pull(out, local, cfg.store)
+    written, reference = load_file(str(local / "model.safetensors")), load_file(str(GOLDEN / "drafter" / "model.safetensors"))
+    assert sorted(written) == sorted(reference) and all(torch.equal(written[n], t) for n, t in reference.items())
+    assert json.loads((local / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [1, 3, 5]
+    assert json.loads((local / SERVING_NAME).read_text()) == result.serving
