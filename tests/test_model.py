@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,18 @@ def test_bf16_drafter_with_packed_mask(drafter, golden):
         same = model(block, model.project_context(changed), torch.arange(11, 15)[None], torch.arange(11)[None], mask)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert torch.equal(out, same)
+
+
+def test_from_export_config_refuses_what_is_not_a_dflash_export():
+    config = DrafterSpec.from_export_config(json.loads((GOLDEN / "drafter" / "config.json").read_text())).to_export_config()
+    with pytest.raises(SpecError, match="lacks dflash_config.mask_token_id"):
+        DrafterSpec.from_export_config({**config, "dflash_config": {"target_layer_ids": [1]}})
+    with pytest.raises(SpecError, match="lacks num_target_layers"):
+        DrafterSpec.from_export_config({k: v for k, v in config.items() if k != "num_target_layers"})
+    with pytest.raises(SpecError, match="sliding-window"):
+        DrafterSpec.from_export_config({**config, "layer_types": ["sliding_attention"] * 3})
+    # transformers 4 configs carry only rope_theta; transformers 5 only rope_parameters: both read the same
+    old_style = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 5e5}
+    new_style = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")} | {
+        "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
+    assert DrafterSpec.from_export_config(old_style).rope_theta == DrafterSpec.from_export_config(new_style).rope_theta == 5e5

@@ -123,6 +123,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
 
     def forward(self, hidden, ctx_k, ctx_v, cos, sin, mask):
+        """hidden [b, Q, H] -> [b, Q, H]; ctx_k/ctx_v [b, g, S, d] this layer's context K/V; cos/sin [b, Q, d]."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx_k, ctx_v, cos, sin, mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 

@@ -96,7 +96,8 @@ class TargetModel:
         finally:
             for handle in handles:
                 handle.remove()
-        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        # a target split over devices (device_map) leaves layer outputs on different devices: gather on the input's
+        return torch.cat([captured[i].to(input_ids.device) for i in self.layer_ids], dim=-1)
 
 
 def load_target(
