@@ -114,5 +114,28 @@ def export(
     print(f"vLLM:   {result.serving['vllm_command']}")
 
 
+@app.command("eval")
+@user_errors
+def eval_command(
+    checkpoint: Annotated[str, typer.Option("--checkpoint", help="Checkpoint or export artifact: folder, file:// or s3:// URL.")],
+    config: ConfigOpt = None,
+    prompts: Annotated[str | None, typer.Option("--prompts", help="Prompts JSONL, or a tokenized artifact (its held-out rows).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", min=1, help="New tokens per prompt.")] = None,
+    output: Annotated[str | None, typer.Option("--output", help="Where the eval artifact goes (default: STORE/eval/<hash>).")] = None,
+) -> None:
+    """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy."""
+    from blockdraft.config import load_config
+    from blockdraft.decode.eval import run_eval, summary_lines
+
+    cfg = load_config(config, {"eval": {"max_new_tokens": max_new_tokens}})
+    report, url = run_eval(cfg, checkpoint, prompts=prompts, max_new_tokens=max_new_tokens, output=output)
+    for line in summary_lines(report):
+        print(line)
+    print(f"report\t{url}")
+    if not report["lossless"]["ok"]:
+        console.print("[bold red]error:[/] speculative output diverged from target-only greedy beyond the tolerance (see report)")
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())
