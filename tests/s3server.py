@@ -146,7 +146,8 @@ class SeaweedS3:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=5)
+                # A clean shutdown can take 10 s (the filer); the data dir is a throwaway, so do not wait long.
+                self.proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

@@ -137,5 +137,100 @@ def eval_command(
         raise typer.Exit(1)
 
 
+EndpointOpt = Annotated[
+    str | None, typer.Option("--endpoint-url", help="S3 endpoint (beats store.endpoint_url, AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL).")
+]
+
+
+def _store_config(config: str | None, endpoint_url: str | None, concurrency: int | None = None, part_size_mib: int | None = None):
+    from blockdraft.config import load_config
+
+    overrides = {"endpoint_url": endpoint_url, "concurrency": concurrency, "part_size_mib": part_size_mib}
+    return load_config(config, {"store": overrides}).store
+
+
+ConcurrencyOpt = Annotated[int | None, typer.Option("--concurrency", min=1, help="Parts in flight (memory ~ part size x this).")]
+PartSizeOpt = Annotated[int | None, typer.Option("--part-size-mib", min=5, help="Multipart part size in MiB.")]
+
+
+@app.command()
+@user_errors
+def push(
+    local_dir: Annotated[str, typer.Argument(help="Folder holding a committed artifact (with its manifest).")],
+    url: Annotated[str, typer.Argument(help="Destination: s3://bucket/prefix or file:// folder.")],
+    config: ConfigOpt = None,
+    endpoint_url: EndpointOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    part_size_mib: PartSizeOpt = None,
+) -> None:
+    """Upload an artifact, verify every file at the destination, then write its manifest there (last)."""
+    from blockdraft.store.transfer import push as push_artifact
+
+    report = push_artifact(local_dir, url, _store_config(config, endpoint_url, concurrency, part_size_mib))
+    print(f"verified\t{report.verify.manifest.kind}\t{report.destination}")
+    console.print(f"[green]pushed[/]: {report.summary()}", highlight=False)
+
+
+@app.command()
+@user_errors
+def pull(
+    url: Annotated[str, typer.Argument(help="Source artifact: s3://bucket/prefix or file:// folder.")],
+    local_dir: Annotated[str, typer.Argument(help="Local folder to fill; its manifest is written last.")],
+    config: ConfigOpt = None,
+    endpoint_url: EndpointOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    part_size_mib: PartSizeOpt = None,
+) -> None:
+    """Download an artifact, recompute every checksum, and write the local manifest last; refuse one that does not verify."""
+    from blockdraft.store.transfer import pull as pull_artifact
+
+    report = pull_artifact(url, local_dir, _store_config(config, endpoint_url, concurrency, part_size_mib))
+    print(f"verified\t{report.verify.manifest.kind}\t{report.destination}")
+    console.print(f"[green]pulled[/]: {report.summary()}", highlight=False)
+
+
+@app.command()
+@user_errors
+def status(
+    url: Annotated[str, typer.Argument(help="Prefix to survey: s3://bucket/prefix or a folder.")],
+    config: ConfigOpt = None,
+    endpoint_url: EndpointOpt = None,
+    progress: Annotated[str | None, typer.Option("--progress", help="Also write these facts as a Markdown page (e.g. PROGRESS.md).")] = None,
+) -> None:
+    """Every artifact under a prefix: kind, lineage and state (verified/incomplete/missing/corrupt/stale), read from the destination."""
+    from pathlib import Path
+
+    from blockdraft.store import open_store
+    from blockdraft.store.status import format_lineage, render_progress
+    from blockdraft.store.status import status as survey
+
+    store = open_store(url, _store_config(config, endpoint_url))
+    artifacts = survey(store)
+    for a in artifacts:
+        print(f"{a.state.value}\t{a.kind}\t{a.url}\t{format_lineage(a.lineage)}")
+    if progress:
+        Path(progress).write_text(render_progress(store.url, artifacts))
+    if not artifacts:
+        console.print(f"no artifacts under {store.url}", highlight=False, markup=False)
+    if any(a.state is not State.VERIFIED for a in artifacts):
+        raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def preflight(
+    url: Annotated[str, typer.Argument(help="Store to check: s3://bucket/prefix or a folder.")],
+    config: ConfigOpt = None,
+    endpoint_url: EndpointOpt = None,
+) -> None:
+    """Write, read back and delete a probe object: fails in seconds naming what is missing (credentials, bucket, permission, endpoint)."""
+    from blockdraft.store import open_store
+    from blockdraft.store.preflight import preflight as run_preflight
+
+    report = run_preflight(open_store(url, _store_config(config, endpoint_url)))
+    print(f"ok\t{report.url}")
+    console.print(f"[green]preflight ok[/]: {report.summary()}", highlight=False)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from blockdraft.store.base import ObjectInfo, Store
+from blockdraft.store.base import ObjectInfo, Store, StoreError
 from blockdraft.store.checksum import crc64nvme_file
 
 TMP_PREFIX = ".tmp-"
@@ -64,8 +64,11 @@ class LocalStore(Store):
         dest, tmp = self._atomic_target(key)
         try:
             shutil.copyfile(local_path, tmp)
-            if checksum is not None and crc64nvme_file(tmp)[1] != checksum:
-                raise OSError(f"checksum mismatch writing {key}: the copy differs from the source")
+            if checksum is not None and (got := crc64nvme_file(tmp)[1]) != checksum:
+                raise StoreError(
+                    f"the bytes copied from {local_path.name} to {key} do not match its expected checksum (crc64nvme {got} != {checksum}); "
+                    "the source changed or the copy is bad"
+                )
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ Memory: at most `concurrency` parts of `part_size` bytes in flight, shared by ev
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import threading
 import uuid
@@ -70,17 +71,28 @@ class _Connection:
             return self._pool
 
 
+@functools.cache
+def _shared_loader() -> Any:
+    """One botocore data loader per process: the S3 service model is parsed once, not per store (~150 ms each)."""
+    import botocore.loaders
+
+    return botocore.loaders.create_loader()
+
+
 def _make_connection(settings: object | None) -> _Connection:
     import boto3
     import botocore.exceptions
+    import botocore.session
     from botocore.config import Config
 
     endpoint = resolve_endpoint(getattr(settings, "endpoint_url", None))
     profile = getattr(settings, "profile", None)
     part_size = int(getattr(settings, "part_size_mib", 64)) * MIB
     concurrency = int(getattr(settings, "concurrency", 8))
+    core = botocore.session.get_session()
+    core.register_component("data_loader", _shared_loader())
     try:
-        session = boto3.session.Session(profile_name=profile)
+        session = boto3.session.Session(botocore_session=core, profile_name=profile)
     except botocore.exceptions.ProfileNotFound:
         raise StoreError(f"AWS profile '{profile}' not found; fix store.profile / AWS_PROFILE or add it to ~/.aws/config") from None
     region = getattr(settings, "region", None) or session.region_name or "us-east-1"
@@ -100,6 +112,13 @@ def _make_connection(settings: object | None) -> _Connection:
     )
     client = session.client("s3", endpoint_url=endpoint, config=config)
     return _Connection(client=client, endpoint=endpoint, part_size=part_size, concurrency=concurrency)
+
+
+_PERMISSIONS = (
+    (("writing", "uploading", "starting an upload", "completing", "deleting", "aborting"), "write"),
+    (("reading", "downloading"), "read"),
+    (("listing",), "list"),
+)
 
 
 def describe_error(exc: BaseException, url: str, endpoint: str | None, action: str) -> StoreError | None:
@@ -131,7 +150,8 @@ def describe_error(exc: BaseException, url: str, endpoint: str | None, action: s
         if code == "NoSuchBucket":
             return StoreError(f"no such bucket '{bucket}' at {where}; create it or fix the URL {url}")
         if code == "AccessDenied" or (status == 403 and code in ("403", "Forbidden")):
-            return StoreError(f"access denied on {url} while {action}: these credentials lack that permission; use an identity allowed to do it")
+            perm = next((p for verbs, p in _PERMISSIONS if action.startswith(verbs)), "the needed")
+            return StoreError(f"access denied: no {perm} permission on {url} for these credentials (while {action}); use an identity allowed to {perm} there")
         if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"):
             return StoreError(f"{where} rejected the bytes of {url} while {action}: checksum mismatch in transit ({code}); retry")
         message = str(err.get("Message", ""))[:200]
@@ -250,7 +270,7 @@ class S3Store(Store):
             data = f.read()
         crc = _b64(checksums.crc64nvme(data))
         if len(data) != size or (expected is not None and crc != expected):
-            raise StoreError(f"local file {path.name} does not match its manifest entry (crc64nvme {crc} != {expected}); the local artifact is corrupt")
+            raise StoreError(f"local file {path.name} does not match its expected checksum (crc64nvme {crc} != {expected}); the local artifact is corrupt")
         self._call("uploading", key, self.conn.client.put_object, Key=self._key(key), Body=data, ChecksumCRC64NVME=crc)
 
     def _put_part(self, key: str, upload_id: str, number: int, fd: int, offset: int, length: int) -> tuple[int, dict]:
@@ -287,7 +307,7 @@ class S3Store(Store):
             for (crc, _), offset in zip(results, range(0, size, part_size)):
                 full = crc if offset == 0 else checksums.combine_crc64nvme(full, crc, min(part_size, size - offset))
             if expected is not None and _b64(full) != expected:
-                raise StoreError(f"local file {path.name} does not match its manifest entry (crc64nvme {_b64(full)} != {expected}); the local artifact is corrupt")
+                raise StoreError(f"local file {path.name} does not match its expected checksum (crc64nvme {_b64(full)} != {expected}); the local artifact is corrupt")
             self._call(
                 "completing the upload of",
                 key,

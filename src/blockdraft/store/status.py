@@ -1,8 +1,8 @@
 """`status`: every artifact under a prefix, its kind, lineage and state, as read from the destination.
 
 An artifact root is a folder holding a manifest. Files that no manifest covers form `incomplete` artifacts,
-grouped under the highest folder that contains no committed artifact (so `ckpt/step-200/` beside a committed
-`ckpt/step-100/` is its own incomplete artifact). `--progress` renders the same facts as Markdown.
+grouped under the highest folder below the surveyed prefix that contains no committed artifact (so `ckpt/step-200/`
+beside a committed `ckpt/step-100/` is its own incomplete artifact). `--progress` renders the same facts as Markdown.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
         if any(_within(key, root) for root in committed):
             continue
         parts = PurePosixPath(key).parts[:-1]
-        # The highest folder on the key's path that holds no committed artifact; else the key's own folder.
-        candidates = ["/".join(parts[:depth]) for depth in range(len(parts) + 1)]
+        # The highest folder below the top on the key's path that holds no committed artifact; else the
+        # key's own folder (files directly under the top belong to the top).
+        candidates = ["/".join(parts[:depth]) for depth in range(1, len(parts) + 1)] or [""]
         root = next((c for c in candidates if not any(_within(r, c) for r in committed)), candidates[-1])
         incomplete.add(root)
     return committed, sorted(incomplete)

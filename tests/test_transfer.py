@@ -1,0 +1,224 @@
+"""push / pull / verify / status on both stores (a real SeaweedFS S3 server and a local folder): the same
+fault suite, each case with nothing lost and no false "verified"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
+from blockdraft.store import open_store
+from blockdraft.store.artifact import MANIFEST_NAME, ArtifactError, State, manifest_input, verify_artifact
+from blockdraft.store.status import render_progress, status
+from blockdraft.store.transfer import pull, push
+
+MIB = 1024 * 1024
+
+
+def payload(seed: int, size: int) -> bytes:
+    """Deterministic incompressible-looking bytes."""
+    import random
+
+    return random.Random(seed).randbytes(size)
+
+
+@pytest.fixture
+def artifact(tmp_path, make_artifact):
+    # One multipart file (3 parts of 5 MiB), one single-part file, an empty one, one in a subfolder.
+    files = {"shard-0.arrow": payload(0, 11 * MIB + 7), "shard-1.arrow": payload(1, 300_000), "empty.txt": b"", "meta/info.json": b'{"rows": 3}'}
+    return make_artifact(tmp_path / "local", files, kind="tokenized")
+
+
+def state_of(url: str, settings) -> State:
+    return verify_artifact(open_store(url, settings), check_inputs=True).state
+
+
+def test_push_pull_roundtrip_and_rerun_skips(dest, artifact, tmp_path):
+    url = dest.sub("tok")
+    first = push(artifact, url, dest.settings)
+    assert first.verify.state is State.VERIFIED
+    assert sorted(first.moved) == ["empty.txt", "meta/info.json", "shard-0.arrow", "shard-1.arrow"]
+    assert state_of(url, dest.settings) is State.VERIFIED
+    # The manifest at the destination is the local one byte for byte: lineage digests stay valid everywhere.
+    assert open_store(url, dest.settings).read_bytes(MANIFEST_NAME) == (artifact / MANIFEST_NAME).read_bytes()
+
+    again = push(artifact, url, dest.settings)
+    assert again.moved == [] and len(again.skipped) == 4
+
+    out = tmp_path / "pulled"
+    got = pull(url, out, dest.settings)
+    assert got.verify.state is State.VERIFIED and len(got.moved) == 4
+    for rel in first.moved:
+        assert (out / rel).read_bytes() == (artifact / rel).read_bytes()
+    assert verify_artifact(open_store(out)).state is State.VERIFIED
+    assert not [p for p in out.rglob(".tmp-*")]
+    assert pull(url, out, dest.settings).moved == []
+
+
+def test_pull_resumes_keeping_files_that_verify(dest, artifact, tmp_path):
+    url = dest.sub("tok")
+    push(artifact, url, dest.settings)
+    out = tmp_path / "pulled"
+    out.mkdir()
+    (out / "shard-0.arrow").write_bytes((artifact / "shard-0.arrow").read_bytes())
+    (out / "shard-1.arrow").write_bytes(b"partial leftover")
+    got = pull(url, out, dest.settings)
+    assert got.skipped == ["shard-0.arrow"]
+    assert sorted(got.moved) == ["empty.txt", "meta/info.json", "shard-1.arrow"]
+    assert (out / "shard-1.arrow").read_bytes() == (artifact / "shard-1.arrow").read_bytes()
+
+
+def test_destination_corruption_is_reported_and_pull_refuses(dest, artifact, tmp_path):
+    url = dest.sub("tok")
+    push(artifact, url, dest.settings)
+    original = (artifact / "shard-1.arrow").read_bytes()
+    tampered = bytes([original[0] ^ 0xFF]) + original[1:]  # same size, different bytes
+    dest.overwrite("tok/shard-1.arrow", tampered)
+
+    report = verify_artifact(open_store(url, dest.settings))
+    assert report.state is State.CORRUPT and [p.path for p in report.problems] == ["shard-1.arrow"]
+    [entry] = status(open_store(dest.url, dest.settings))
+    assert entry.state is State.CORRUPT
+
+    out = tmp_path / "pulled"
+    with pytest.raises(ArtifactError, match=r"shard-1\.arrow") as caught:
+        pull(url, out, dest.settings)
+    assert "do not verify" in str(caught.value)
+    assert not (out / MANIFEST_NAME).exists()
+
+    # A rerun of push repairs the destination: only the bad file moves.
+    fixed = push(artifact, url, dest.settings)
+    assert fixed.moved == ["shard-1.arrow"] and fixed.verify.state is State.VERIFIED
+
+
+def test_corruption_without_metadata_checksum_is_caught_by_reading_back(dest, artifact, tmp_path):
+    """A raw client writes a same-size object without CRC64NVME: HEAD proves nothing, the read-back does."""
+    url = dest.sub("tok")
+    push(artifact, url, dest.settings)
+    data = bytearray((artifact / "shard-0.arrow").read_bytes())
+    data[-1] ^= 0x01
+    dest.overwrite("tok/shard-0.arrow", bytes(data))
+    assert state_of(url, dest.settings) is State.CORRUPT
+    with pytest.raises(ArtifactError, match=r"shard-0\.arrow"):
+        pull(url, tmp_path / "pulled", dest.settings)
+    assert not (tmp_path / "pulled" / MANIFEST_NAME).exists()
+
+
+def test_missing_file(dest, artifact, tmp_path):
+    url = dest.sub("tok")
+    push(artifact, url, dest.settings)
+    dest.remove("tok/meta/info.json")
+    assert state_of(url, dest.settings) is State.MISSING
+    [entry] = status(open_store(dest.url, dest.settings))
+    assert entry.state is State.MISSING
+    with pytest.raises(ArtifactError, match=r"meta/info\.json \(missing"):
+        pull(url, tmp_path / "pulled", dest.settings)
+
+
+def test_interrupted_push_is_incomplete_never_verified(dest, artifact):
+    """A push that stops before its manifest (here: a local file rotted after commit) leaves `incomplete`."""
+    url = dest.sub("tok")
+    good = (artifact / "shard-0.arrow").read_bytes()
+    (artifact / "shard-0.arrow").write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(Exception, match="not match its expected checksum"):
+        push(artifact, url, dest.settings)
+    assert not dest.exists(f"tok/{MANIFEST_NAME}")
+    [entry] = status(open_store(dest.url, dest.settings))
+    assert entry.state is State.INCOMPLETE and entry.root == "tok"
+
+
+def test_repush_with_different_content_uncommits_first(dest, artifact, make_artifact, tmp_path):
+    url = dest.sub("tok")
+    push(artifact, url, dest.settings)
+    newer = make_artifact(tmp_path / "newer", {"shard-0.arrow": payload(9, 6 * MIB), "other.bin": b"new"}, kind="tokenized")
+    # The new push dies after uploading part of its files: the old manifest must already be gone.
+    (newer / "other.bin").write_bytes(b"NEW")
+    with pytest.raises(Exception, match="not match its expected checksum"):
+        push(newer, url, dest.settings)
+    assert not dest.exists(f"tok/{MANIFEST_NAME}")
+    assert state_of(url, dest.settings) is State.INCOMPLETE
+    (newer / "other.bin").write_bytes(b"new")
+    assert push(newer, url, dest.settings).verify.state is State.VERIFIED
+
+
+def test_status_lineage_stale_and_progress_page(dest, artifact, make_artifact, tmp_path):
+    comp_local = make_artifact(tmp_path / "comp", {"part-0.jsonl": b'{"messages": []}\n'}, kind="completions")
+    comp_url = dest.sub("completions")
+    push(comp_local, comp_url, dest.settings)
+    tok_local = make_artifact(tmp_path / "tok", {"s.arrow": b"rows"}, kind="tokenized", lineage=[manifest_input(open_store(comp_url, dest.settings))])
+    push(tok_local, dest.sub("tokenized"), dest.settings)
+    by_root = {a.root: a for a in status(open_store(dest.url, dest.settings))}
+    assert by_root["tokenized"].state is State.VERIFIED
+    assert [ref.url for ref in by_root["tokenized"].lineage] == [open_store(comp_url, dest.settings).url]
+
+    # The input is regenerated with different content: everything made from it is now stale.
+    newer = make_artifact(tmp_path / "comp2", {"part-0.jsonl": b'{"messages": [1]}\n'}, kind="completions")
+    push(newer, comp_url, dest.settings)
+    by_root = {a.root: a for a in status(open_store(dest.url, dest.settings))}
+    assert by_root["completions"].state is State.VERIFIED
+    assert by_root["tokenized"].state is State.STALE
+
+    page_path = tmp_path / "PROGRESS.md"
+    result = CliRunner().invoke(app, ["status", dest.url, "--progress", str(page_path)])
+    assert result.exit_code == 1  # not everything is verified
+    page = page_path.read_text()
+    assert "| `tokenized` | tokenized | **stale** |" in page
+    assert "| `completions` | completions | **verified** | 1/1 |" in page
+    assert "changed since" in page
+    assert render_progress("x", []).count("no artifacts found") == 1
+
+
+def test_full_disk_during_pull_is_one_clear_error_and_no_manifest(dest, artifact, tmp_path):
+    """RLIMIT_FSIZE in a child process: writes past 1 MiB fail with EFBIG, as a full disk fails with ENOSPC."""
+    url = dest.sub("tok")
+    push(artifact, url, dest.settings)
+    out = tmp_path / "pulled"
+
+    def limit_file_size() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (MIB, MIB))
+
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "blockdraft"), "pull", url, str(out), "--part-size-mib", "5"],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "400"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "local disk full" in proc.stderr and "no manifest was written" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (out / MANIFEST_NAME).exists()
+    assert not list(out.rglob(".tmp-*"))
+
+
+def test_push_refuses_a_folder_without_manifest(dest, tmp_path):
+    (tmp_path / "loose").mkdir()
+    (tmp_path / "loose" / "a.bin").write_bytes(b"x")
+    result = CliRunner().invoke(app, ["push", str(tmp_path / "loose"), dest.sub("x")])
+    assert result.exit_code == 2
+    assert "only committed artifacts are pushed" in result.stderr
+
+
+def test_cli_push_pull_verify(dest, artifact, tmp_path):
+    runner = CliRunner()
+    url = dest.sub("tok")
+    pushed = runner.invoke(app, ["push", str(artifact), url, "--part-size-mib", "5"])
+    assert pushed.exit_code == 0, pushed.stderr
+    assert pushed.stdout.startswith("verified\ttokenized\t")
+    checked = runner.invoke(app, ["verify", url])
+    assert checked.exit_code == 0 and checked.stdout.startswith("verified")
+    pulled = runner.invoke(app, ["pull", url, str(tmp_path / "p")])
+    assert pulled.exit_code == 0, pulled.stderr
+    assert (tmp_path / "p" / MANIFEST_NAME).read_bytes() == (artifact / MANIFEST_NAME).read_bytes()
+    listing = runner.invoke(app, ["status", dest.url])
+    assert listing.exit_code == 0 and listing.stdout.startswith("verified\ttokenized\t")
