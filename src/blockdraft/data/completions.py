@@ -153,9 +153,12 @@ def _iter_parquet(stream: BinaryIO, counter: list[int] | None) -> Iterator[RawRe
             yield RawRecord(position, row, json.dumps(row, ensure_ascii=False, default=str))
 
 
-def fallback_source_id(text: str) -> str:
-    """A stable id for a row without one: the hash of its text, so the split does not depend on file layout."""
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]
+def source_id_of(record: RawRecord) -> str | None:
+    """The row's conversation id; for a row without one, the hash of its text, so the split does not depend on file layout."""
+    if not isinstance(record.data, dict):
+        return None
+    found = next((record.data[k] for k in _ID_KEYS if record.data.get(k) is not None), None)
+    return str(found) if found is not None else "sha256:" + hashlib.sha256(record.text.encode()).hexdigest()[:32]
 
 
 def _split_inline_reasoning(content: str) -> tuple[str, str]:
@@ -228,7 +231,8 @@ def normalise(record: RawRecord) -> Conversation:
         raise RowRejected("bad_json", record.text[:120])
     if not isinstance(data, dict):
         raise RowRejected("bad_json", f"a row is a {type(data).__name__}, not an object")
-    source_id = next((str(data[k]) for k in _ID_KEYS if data.get(k) is not None), None) or fallback_source_id(record.text)
+    source_id = source_id_of(record)
+    assert source_id is not None
     ids = _token_ids(data)
     raw_messages = data.get("messages", data.get("conversations"))
     if raw_messages is None and ids is not None:

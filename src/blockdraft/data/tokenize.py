@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from blockdraft.config import BlockdraftConfig, ConfigError
-from blockdraft.data.completions import RawRecord, RowRejected, is_completions_file, iter_records, normalise
+from blockdraft.data.completions import RawRecord, RowRejected, is_completions_file, iter_records, normalise, source_id_of
 from blockdraft.data.render import (
     ChatTemplate,
     PlannedTurn,
@@ -70,6 +70,7 @@ SPLITS = ("train", "held_out")
 RECORDS_DIR = ".blockdraft-shards"
 QUARANTINE_DIR = "quarantine"
 RECORD_FORMAT = "blockdraft-tokenize-shard/1"
+EMPTY_SPLIT_FILE = "empty.arrow"
 # Conversations rendered and encoded together; small enough that a worker's memory stays flat.
 CONVERSATION_BATCH = 32
 # Rows per Arrow record batch written.
@@ -224,6 +225,7 @@ def resolve_tokenizer(cfg: BlockdraftConfig, tokenizer: str | None, chat_templat
     return src, warnings
 
 
+@functools.lru_cache(maxsize=8)
 def _eot_id(tokenizer_json: str, token: str) -> int:
     from tokenizers import Tokenizer
 
@@ -341,7 +343,7 @@ def _worker_init(progress_queue: Any) -> None:
 
 
 def _worker_tools(settings: WorkerSettings) -> tuple[Any, ChatTemplate]:
-    key = (settings.config_digest, hashlib.sha256(settings.tokenizer_json.encode()).hexdigest())
+    key = (hashlib.sha256(settings.tokenizer_json.encode()).hexdigest(), settings.template_text)
     if _WORKER.get("key") != key:
         from tokenizers import Tokenizer
 
@@ -453,7 +455,7 @@ def _process_batch(
             conv = normalise(record)
         except RowRejected as exc:
             counts.c["rejected_rows"] += 1
-            reject(record, None, None, exc.reason, exc.detail)
+            reject(record, source_id_of(record), None, exc.reason, exc.detail)
             continue
         if conv.prompt_ids is not None:
             counts.c["turns_in"] += 1
@@ -576,6 +578,12 @@ def _write_split_metadata(out: Path, records: list[dict[str, Any]], schema: pa.S
         files = [f["path"].split("/", 1)[1] for r in records for f in r["files"] if f["split"] == split]
         folder = out / split
         folder.mkdir(parents=True, exist_ok=True)
+        if not files:
+            # `load_from_disk` needs at least one table per split: an empty split gets one schema-only file.
+            empty = folder / EMPTY_SPLIT_FILE
+            with pa.ipc.new_stream(str(empty), schema):
+                pass
+            files, written = [EMPTY_SPLIT_FILE], [*written, empty]
         fingerprint = hashlib.sha256(json.dumps([split, *files, *(f["checksum"] for r in records for f in r["files"])]).encode()).hexdigest()[:16]
         state = {
             "_data_files": [{"filename": name} for name in files],

@@ -1,0 +1,353 @@
+"""The tokenize stage end to end with the real Qwen3 tokenizer: input variants, bad rows, split, workers, resume, verify."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
+from blockdraft.config import load_config
+from blockdraft.data.tokenize import RECORDS_DIR, is_held_out, tokenize_dataset
+from blockdraft.store import open_store
+from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TOKENIZER_DIR = FIXTURES / "qwen3-tokenizer"
+TEMPLATES = FIXTURES / "chat-templates"
+
+
+def conversation(i: int, turns: int = 1, reasoning: bool = True) -> dict:
+    """A conversation with `turns` user/assistant exchanges; ids c<i>."""
+    messages = [{"role": "system", "content": "You are a careful assistant."}] if i % 3 == 0 else []
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Question {i}.{t}: what is {i} times {t + 2}?"})
+        answer = {"role": "assistant", "content": f"The answer is {i * (t + 2)}."}
+        if reasoning:
+            answer["reasoning_content"] = f"I multiply {i} by {t + 2}.\nThat gives {i * (t + 2)}; check: yes."
+        messages.append(answer)
+    return {"id": f"c{i}", "messages": messages}
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    if path.name.endswith(".gz"):
+        path.write_bytes(gzip.compress(lines.encode()))
+    elif path.name.endswith(".zst"):
+        path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    else:
+        path.write_text(lines)
+    return path
+
+
+def make_corpus(folder: Path, files: int = 3, per_file: int = 30) -> Path:
+    n = 0
+    for f in range(files):
+        rows = []
+        for _ in range(per_file):
+            rows.append(conversation(n, turns=1 + n % 3, reasoning=n % 4 != 1))
+            n += 1
+        write_jsonl(folder / f"part-{f:02d}.jsonl", rows)
+    return folder
+
+
+def config(**tokenize):
+    return load_config(None, {"target": {"path": str(TOKENIZER_DIR)}, "tokenize": tokenize})
+
+
+def rows_of(output: Path) -> dict[str, list[dict]]:
+    dd = datasets.load_from_disk(str(output))
+    return {split: dd[split].to_list() for split in dd}
+
+
+def quarantine_lines(output: Path) -> list[dict]:
+    return [json.loads(line) for p in sorted((output / "quarantine").glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def test_rows_load_with_datasets_and_carry_exact_columns(tmp_path):
+    corpus = make_corpus(tmp_path / "in", files=1, per_file=12)
+    summary = tokenize_dataset(str(corpus), str(tmp_path / "out"), config(held_out_fraction=0.0))
+    assert summary.report.state is State.VERIFIED
+    rows = rows_of(tmp_path / "out")
+    assert rows["held_out"] == []
+    train = rows["train"]
+    assert len(train) == summary.counts["rows_out"] == sum(1 + i % 3 for i in range(12))
+    ds = datasets.load_from_disk(str(tmp_path / "out"))["train"]
+    assert ds.features["input_ids"].feature.dtype == "int32" and ds.features["loss_mask"].feature.dtype == "uint8"
+    for row in train:
+        assert row["num_tokens"] == len(row["input_ids"]) == len(row["loss_mask"])
+        assert row["num_supervised"] == sum(row["loss_mask"])
+    assert [(r["source_id"], r["turn"]) for r in train if r["source_id"] == "c2"] == [("c2", 0), ("c2", 1), ("c2", 2)]
+    assert summary.counts["tokens"] == sum(r["num_tokens"] for r in train)
+    assert summary.counts["supervised_tokens"] == sum(r["num_supervised"] for r in train)
+
+
+def test_input_variants_normalise_to_the_same_rows(tmp_path):
+    canonical = [conversation(i, turns=2) for i in range(6)]
+    reference = tokenize_dataset(str(write_jsonl(tmp_path / "ref.jsonl", canonical)), str(tmp_path / "ref"), config())
+    expected = rows_of(tmp_path / "ref")
+    assert reference.counts["rows_out"] == 12
+
+    def sharegpt(conv):
+        role = {"system": "system", "user": "human", "assistant": "gpt"}
+        return {"id": conv["id"], "conversations": [
+            {"from": role[m["role"]], "value": f"<think>\n{m['reasoning_content']}\n</think>\n\n{m['content']}" if "reasoning_content" in m else m["content"]}
+            for m in conv["messages"]]}
+
+    variants = {
+        "a.jsonl.gz": canonical,
+        "b.jsonl.zst": canonical,
+        "c.json": None,  # a JSON array
+        "d.parquet": None,
+        "e.jsonl": [{"id": c["id"], "conversations": c["messages"]} for c in canonical],
+        "f.jsonl": [sharegpt(c) for c in canonical],
+    }
+    for name, rows in variants.items():
+        path = tmp_path / "variants" / name
+        if name.endswith(".json"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(canonical))
+        elif name.endswith(".parquet"):
+            pq.write_table(pa.Table.from_pylist(canonical), path)
+        else:
+            write_jsonl(path, rows)
+        tokenize_dataset(str(path), str(tmp_path / f"out-{name}"), config())
+        assert rows_of(tmp_path / f"out-{name}") == expected, name
+
+
+def test_generator_token_ids_are_used_directly(tmp_path):
+    rows = [
+        {"id": "g1", "prompt_token_ids": [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198],
+         "completion_token_ids": [13048, 0, 151645]},
+        {"id": "g2", "prompt_ids": [1, 2, 3], "completion_ids": [4, 5]},
+        {"id": "g3", "prompt_token_ids": [1, 2], "completion_token_ids": [3, 10**9]},
+    ]
+    summary = tokenize_dataset(str(write_jsonl(tmp_path / "ids.jsonl", rows)), str(tmp_path / "out"), config(held_out_fraction=0.0))
+    train = rows_of(tmp_path / "out")["train"]
+    assert [r["input_ids"] for r in train] == [rows[0]["prompt_token_ids"] + rows[0]["completion_token_ids"], [1, 2, 3, 4, 5]]
+    assert [r["loss_mask"] for r in train] == [[0] * 9 + [1] * 3, [0, 0, 0, 1, 1]]
+    assert summary.counts["rejected"] == {"bad_token_ids": 1}
+    assert summary.counts["thinking"] == {"generator": 2}
+
+
+BAD_ROWS = {
+    "bad_json": '{"id": "broken", "messages": [',
+    "no_assistant_turn": {"id": "b1", "messages": [{"role": "user", "content": "hi"}]},
+    "no_user_turn": {"id": "b2", "messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}]},
+    "system_not_first": {"id": "b3", "messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
+                                                  {"role": "assistant", "content": "a"}]},
+    "non_string_content": {"id": "b4", "messages": [{"role": "user", "content": {"text": "q"}}, {"role": "assistant", "content": "a"}]},
+    "lone_think_close": {"id": "b5", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r</think>a"}]},
+    "unclosed_think": {"id": "b6", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r"}]},
+    "empty_turn": {"id": "b7", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
+    "too_long": {"id": "b8", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "a b c"}]},
+}
+
+
+def test_every_bad_row_class_is_quarantined_with_its_reason_and_counted(tmp_path):
+    good = [conversation(i, reasoning=False) for i in range(4)]
+    rows = good[:2] + list(BAD_ROWS.values()) + good[2:]
+    summary = tokenize_dataset(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"), config(max_length=120))
+    assert summary.report.state is State.VERIFIED
+    assert summary.counts["rejected"] == {reason: 1 for reason in BAD_ROWS}
+    quarantined = quarantine_lines(tmp_path / "out")
+    assert sorted(q["reason"] for q in quarantined) == sorted(BAD_ROWS)
+    by_reason = {q["reason"]: q for q in quarantined}
+    assert by_reason["system_not_first"]["source_id"] == "b3" and by_reason["too_long"]["turn"] == 0
+    assert by_reason["bad_json"]["row"] == BAD_ROWS["bad_json"] and by_reason["bad_json"]["position"] == 3
+    out = rows_of(tmp_path / "out")
+    assert sorted(r["source_id"] for split in out.values() for r in split) == [f"c{i}" for i in range(4)]
+    assert summary.counts["rows_in"] == len(rows)
+    assert summary.counts["rows_out"] + sum(summary.counts["rejected"].values()) == len(rows)
+    assert read_manifest(open_store(tmp_path / "out"))[0].counts["rejected"] == summary.counts["rejected"]
+
+
+DROPS_CONTENT = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role != 'assistant' %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATE_ERROR_ROW = {"id": "te", "messages": [  # Qwen3.6 iterates tool-call arguments with |items: a list raises
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": ["not", "a", "mapping"]}}]}]}
+
+
+@pytest.mark.parametrize(
+    ("template", "thinking", "rows", "expected"),
+    [
+        ("trl_qwen3_instruct_2507", "auto", [conversation(1), conversation(2, reasoning=False)], {"template_dropped_reasoning": 1}),
+        ("qwenlm_qwen3_nonthinking", "auto", [conversation(1), conversation(2, reasoning=False)], {"render_not_prefix": 1}),
+        ("trl_qwen3_6", "on", [conversation(1), conversation(2, reasoning=False), TEMPLATE_ERROR_ROW],
+         {"boundary_merge": 1, "template_error": 1}),
+        (DROPS_CONTENT, "auto", [conversation(2, reasoning=False), conversation(3, reasoning=False)], {"template_dropped_content": 2}),
+    ],
+    ids=["2507-drops-reasoning", "nonthinking-not-prefix", "qwen3.6-merge-and-error", "drops-content"],
+)
+def test_template_caused_rejections_are_quarantined(tmp_path, template, thinking, rows, expected):
+    if template.startswith("{%"):
+        path = tmp_path / "custom.jinja"
+        path.write_text(template)
+    else:
+        path = TEMPLATES / f"{template}.jinja"
+    summary = tokenize_dataset(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"), config(thinking=thinking),
+                               chat_template=str(path))
+    assert summary.report.state is State.VERIFIED
+    assert summary.counts["rejected"] == expected
+    assert Counter(q["reason"] for q in quarantine_lines(tmp_path / "out")) == expected
+    assert summary.counts["rows_out"] == summary.counts["turns_in"] - sum(expected.values())
+
+
+def test_held_out_split_is_by_conversation_and_recorded(tmp_path):
+    corpus = make_corpus(tmp_path / "in", files=2, per_file=60)
+    summary = tokenize_dataset(str(corpus), str(tmp_path / "out"), config(held_out_fraction=0.25))
+    out = rows_of(tmp_path / "out")
+    train_ids = {r["source_id"] for r in out["train"]}
+    held_ids = {r["source_id"] for r in out["held_out"]}
+    assert not train_ids & held_ids
+    assert all(is_held_out(s, 0.25) for s in held_ids) and not any(is_held_out(s, 0.25) for s in train_ids)
+    assert 15 <= len(held_ids) <= 45  # 120 conversations at 25%
+    manifest = read_manifest(open_store(tmp_path / "out"))[0]
+    assert manifest.counts["held_out_fraction"] == 0.25 and manifest.config["tokenize"]["held_out_fraction"] == 0.25
+    assert manifest.counts["held_out_rows"] == len(out["held_out"]) == summary.counts["held_out_rows"]
+
+
+def test_manifest_holds_template_hash_thinking_mode_counts_and_lineage(tmp_path):
+    corpus = make_corpus(tmp_path / "in", files=2, per_file=8)
+    summary = tokenize_dataset(str(corpus), str(tmp_path / "out"), config(thinking="auto"))
+    manifest, raw = read_manifest(open_store(tmp_path / "out"))
+    run = manifest.config["tokenize_run"]
+    own_template = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())["chat_template"]
+    assert run["template_sha256"] == hashlib.sha256(own_template.encode()).hexdigest()
+    assert run["template_matches_target"] is True and run["thinking"] == "auto" and run["end_of_turn_id"] == 151645
+    thinking = manifest.counts["thinking"]
+    assert thinking["on"] > 0 and thinking["off"] > 0 and thinking["on"] + thinking["off"] == manifest.counts["rows_out"]
+    assert [Path(ref.url).name for ref in manifest.lineage] == ["part-00.jsonl", "part-01.jsonl"]
+    assert all(ref.kind == "raw" and ref.checksum and ref.size for ref in manifest.lineage)
+    listed = {f.path for f in manifest.files}
+    assert {"dataset_dict.json", "train/state.json", "quarantine/shard-00000.jsonl"} <= listed
+    # A rerun with the same config and inputs finds the artifact verified and leaves its manifest untouched.
+    again = tokenize_dataset(str(corpus), str(tmp_path / "out"), config(thinking="auto"))
+    assert again.already_committed and read_manifest(open_store(tmp_path / "out"))[1] == raw
+    assert summary.report.manifest_sha256 == again.report.manifest_sha256
+
+
+def test_two_workers_match_one_worker_row_for_row(tmp_path):
+    corpus = make_corpus(tmp_path / "in", files=4, per_file=20)
+    one = tokenize_dataset(str(corpus), str(tmp_path / "one"), config(workers=1, held_out_fraction=0.1))
+    two = tokenize_dataset(str(corpus), str(tmp_path / "two"), config(workers=2, held_out_fraction=0.1))
+    assert two.report.state is State.VERIFIED and len(two.worker_peak_rss_mib) == 4
+    assert rows_of(tmp_path / "two") == rows_of(tmp_path / "one")
+    assert one.counts == two.counts
+
+
+def half_finished(output: Path, shard: str) -> None:
+    """The state a run killed before `shard` finished leaves: no manifest, no record or files for that shard."""
+    (output / MANIFEST_NAME).unlink()
+    (output / RECORDS_DIR / f"{shard}.json").unlink()
+    for p in output.glob(f"*/{shard}*"):
+        p.unlink()
+
+
+def files_of(output: Path) -> dict[str, bytes]:
+    return {p.relative_to(output).as_posix(): p.read_bytes() for p in output.rglob("*")
+            if p.is_file() and p.name != MANIFEST_NAME and p.parent.name != RECORDS_DIR}
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"tokenize": {"max_length": 4096}}, {"tokenize": {"max_length": 40}}),
+        ({"chat_template": "trl_qwen3"}, {"chat_template": "trl_qwen3_training"}),
+        ({}, {}),
+    ],
+    ids=["max_length-changed", "template-changed", "same-config-resumes"],
+)
+def test_rerun_over_half_finished_output_redoes_only_mismatched_shards(tmp_path, first, second):
+    corpus = make_corpus(tmp_path / "in", files=3, per_file=10)
+
+    def run(spec, output):
+        template = spec.get("chat_template")
+        cfg = config(**spec.get("tokenize", {}))
+        return tokenize_dataset(str(corpus), str(output), cfg, chat_template=str(TEMPLATES / f"{template}.jinja") if template else None)
+
+    run(first, tmp_path / "out")
+    half_finished(tmp_path / "out", "shard-00001")
+    resumed = run(second, tmp_path / "out")
+    fresh = run(second, tmp_path / "fresh")
+    assert resumed.report.state is State.VERIFIED
+    assert resumed.shards_skipped == (2 if first == second else 0)
+    assert rows_of(tmp_path / "out") == rows_of(tmp_path / "fresh")
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "fresh")
+    assert resumed.counts == fresh.counts
+
+
+def test_verify_reports_corrupt_missing_incomplete_on_tokenized_output(tmp_path):
+    corpus = make_corpus(tmp_path / "in", files=1, per_file=10)
+    out = tmp_path / "out"
+    runner = CliRunner()
+    result = runner.invoke(app, ["tokenize", str(corpus), str(out), "--tokenizer", str(TOKENIZER_DIR), "--held-out-fraction", "0"])
+    assert result.exit_code == 0, result.output
+    assert "verified" in result.output
+    result = runner.invoke(app, ["verify", str(out)])
+    assert result.exit_code == 0 and result.stdout.startswith("verified\ttokenized")
+
+    shard = out / "train" / "shard-00000-part-000.arrow"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = runner.invoke(app, ["verify", str(out)])
+    assert result.exit_code == 1 and result.stdout.startswith("corrupt") and "train/shard-00000-part-000.arrow" in result.output
+
+    shard.unlink()
+    result = runner.invoke(app, ["verify", str(out)])
+    assert result.exit_code == 1 and result.stdout.startswith("missing")
+
+    (out / MANIFEST_NAME).unlink()
+    result = runner.invoke(app, ["verify", str(out)])
+    assert result.exit_code == 1 and result.stdout.startswith("incomplete")
+
+
+def test_a_template_that_is_not_the_targets_is_announced_loudly(tmp_path):
+    corpus = make_corpus(tmp_path / "in", files=1, per_file=4)
+    config_file = tmp_path / "blockdraft.toml"
+    config_file.write_text(f'[target]\npath = "{TOKENIZER_DIR.as_posix()}"\n')
+    result = CliRunner().invoke(app, ["tokenize", str(corpus), str(tmp_path / "out"), "--config", str(config_file),
+                                      "--chat-template", str(TEMPLATES / "trl_qwen3_6.jinja")])
+    assert result.exit_code == 0, result.output
+    assert "WARNING" in result.output and "differs from the target's own" in result.output
+    manifest = read_manifest(open_store(tmp_path / "out"))[0]
+    assert manifest.config["tokenize_run"]["template_matches_target"] is False
+
+
+def test_bad_user_input_is_one_clear_line(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["tokenize", str(tmp_path / "nope"), str(tmp_path / "out"), "--tokenizer", str(TOKENIZER_DIR)])
+    assert result.exit_code == 2 and "does not exist" in result.output and "Traceback" not in result.output
+    (tmp_path / "empty").mkdir()
+    result = runner.invoke(app, ["tokenize", str(tmp_path / "empty"), str(tmp_path / "out")])
+    assert result.exit_code == 2 and "--tokenizer" in result.output
+    result = runner.invoke(app, ["tokenize", str(tmp_path / "empty"), str(tmp_path / "out"), "--tokenizer", str(TOKENIZER_DIR),
+                                 "--thinking", "maybe"])
+    assert result.exit_code == 2 and "thinking" in result.output
+
+
+def test_shards_are_streamed_in_bounded_record_batches_and_rotated(tmp_path):
+    """What keeps a worker's memory flat: rows leave in record batches of at most 256, files rotate every rows_per_shard."""
+    corpus = make_corpus(tmp_path / "in", files=1, per_file=600)
+    tokenize_dataset(str(corpus), str(tmp_path / "out"), config(held_out_fraction=0.0, rows_per_shard=300))
+    files = sorted((tmp_path / "out" / "train").glob("*.arrow"))
+    assert len(files) >= 3  # rotated every 300 rows
+    for path in files:
+        with pa.ipc.open_stream(path) as reader:
+            sizes = [b.num_rows for b in reader]
+        assert max(sizes) <= 256 and sum(sizes) <= 300
+    assert len(rows_of(tmp_path / "out")["train"]) == sum(1 + i % 3 for i in range(600))
