@@ -1,0 +1,214 @@
+"""`eval` end to end: a committed checkpoint, real decoding against target-only greedy, the report artifact, and the
+refusals (checkpoint vs config, hybrid targets)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
+from blockdraft.config import load_config
+from blockdraft.data.tokenize import tokenize_dataset
+from blockdraft.decode.eval import (
+    EvalError,
+    check_checkpoint_matches,
+    first_divergence,
+    open_checkpoint,
+    prompts_from_tokenized,
+    run_eval,
+    summary_lines,
+)
+from blockdraft.decode.speculative import GreedyResult, SpecResult
+from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.store import open_store
+from blockdraft.store.artifact import State, manifest_input, verify_artifact
+from blockdraft.train.checkpoint import save_checkpoint
+from blockdraft.train.loop import resolved_training_config
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GOLDEN = FIXTURES / "dflash-golden"
+TOKENIZER_DIR = FIXTURES / "qwen3-tokenizer"
+GOLDEN_DFLASH = {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3, "gamma": 4.0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models decode one token at a time: a second intra-op thread only adds contention on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def golden_config(tmp: Path, **sections):
+    data = {"target": {"path": str(GOLDEN / "target")}, "dflash": dict(GOLDEN_DFLASH), "store": {"url": str(tmp / "store")}}
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return load_config(None, data)
+
+
+def conversation(i: int) -> dict:
+    return {
+        "id": f"c{i}",
+        "messages": [
+            {"role": "user", "content": f"What is {i} plus {i + 3}?"},
+            {"role": "assistant", "content": f"It is {2 * i + 3}.", "reasoning_content": f"{i} + {i + 3} = {2 * i + 3}."},
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory) -> str:
+    """A real tokenize output (Qwen3 tokenizer and its own template) with a held-out split."""
+    tmp = tmp_path_factory.mktemp("tokenized")
+    (tmp / "in").mkdir()
+    (tmp / "in" / "part-00.jsonl").write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(24)))
+    cfg = load_config(None, {"target": {"path": str(TOKENIZER_DIR)}, "tokenize": {"held_out_fraction": 0.5}})
+    tokenize_dataset(str(tmp / "in"), str(tmp / "out"), cfg)
+    return str(tmp / "out")
+
+
+@pytest.fixture(scope="module")
+def golden_run(tmp_path_factory, tokenized) -> Path:
+    """A training output holding one committed checkpoint of the golden drafter, its data lineage the tokenized artifact."""
+    tmp = tmp_path_factory.mktemp("run")
+    drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter")
+    cfg = golden_config(tmp, train={"data": tokenized})
+    resolved = resolved_training_config(cfg, drafter.spec, str(tmp / "ckpt"))
+    save_checkpoint(open_store(tmp / "ckpt"), 40, drafter, {}, resolved, [manifest_input(open_store(tokenized))], {"step": 40})
+    return tmp / "ckpt"
+
+
+def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tmp_path, golden_run):
+    golden = json.loads((GOLDEN / "golden.json").read_text())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": case["prompt"]}) + "\n" for case in golden["decode"]))
+    config = tmp_path / "blockdraft.toml"
+    config.write_text(
+        f'[target]\npath = "{(GOLDEN / "target").as_posix()}"\n'
+        "[dflash]\nblock_size = 4\nmask_token_id = 511\nnum_draft_layers = 3\n"  # layer ids: the default spread, [1, 3, 5]
+        f'[store]\nurl = "{(tmp_path / "store").as_posix()}"\n'
+    )
+    out = tmp_path / "report"
+    result = CliRunner().invoke(
+        app,
+        ["eval", "--config", str(config), "--checkpoint", str(golden_run), "--prompts", str(prompts),
+         "--max-new-tokens", "24", "--output", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    assert "lossless\tok" in result.output and "dflash\ttau 3.8" in result.output
+
+    verified = verify_artifact(open_store(out), check_inputs=True)
+    assert verified.state is State.VERIFIED, verified.summary()
+    assert verified.manifest.kind == "eval"
+    assert {f.path for f in verified.manifest.files} == {"report.json", "tau_histogram.png", "position_acceptance.png"}
+    assert [Path(ref.url).name for ref in verified.manifest.lineage] == ["step-00000040", "prompts.jsonl"]
+    for png in ("tau_histogram.png", "position_acceptance.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    report = json.loads((out / "report.json").read_text())
+    assert [p["acceptance_lengths_dflash"] for p in report["prompts"]] == [c["acceptance_lengths"] for c in golden["decode"]]
+    assert report["lossless"] == {"ok": True, "tolerance": 1e-4, "divergences": []}
+    cycles = [n for c in golden["decode"] for n in c["acceptance_lengths"]]
+    dflash = report["drafters"]["dflash"]
+    assert dflash["tau"] == pytest.approx(sum(cycles) / len(cycles))
+    assert dflash["histogram"] == {str(j): cycles.count(j) for j in range(1, 5)}
+    assert dflash["position_acceptance"][0] == pytest.approx(sum(n >= 2 for n in cycles) / len(cycles))
+    assert dflash["target_forwards"] == len(cycles) + 4  # one prefill per prompt
+    assert dflash["new_tokens"] == report["greedy"]["new_tokens"] == 4 * 24
+    assert report["greedy"]["target_forwards_per_token"] == 1.0
+    assert dflash["target_forwards_per_token"] == pytest.approx((len(cycles) + 4) / 96)
+    # The trained golden drafter beats both baselines run on the same prompts.
+    assert report["drafters"]["untrained"]["tau"] < 1.5 and report["drafters"]["ngram"]["tau"] < dflash["tau"]
+    assert all(m["tokens_per_s"] > 0 and m["speedup"] > 0 for m in report["drafters"].values())
+
+
+@pytest.mark.parametrize(
+    "dflash,field",
+    [
+        ({"block_size": 8}, "dflash.block_size"),
+        ({"mask_token_id": 510}, "dflash.mask_token_id"),
+        ({"target_layer_ids": [1, 2, 5]}, "dflash.target_layer_ids"),
+        ({"target_layer_ids": None, "num_draft_layers": 2}, "dflash.target_layer_ids"),  # default spread [1, 5]
+    ],
+)
+def test_eval_refuses_a_checkpoint_that_contradicts_the_config(tmp_path, golden_run, dflash, field):
+    cfg = golden_config(tmp_path, dflash=dflash)
+    with pytest.raises(EvalError, match=rf"trained with {field} = .*set {field} = "):
+        run_eval(cfg, str(golden_run), prompts=str(tmp_path / "unused.jsonl"))
+
+
+def test_eval_refuses_a_chat_template_other_than_the_training_rows(tmp_path, golden_run):
+    other = FIXTURES / "chat-templates" / "trl_qwen3_5_think.jinja"
+    cfg = golden_config(tmp_path, target={"tokenizer": str(TOKENIZER_DIR), "chat_template": str(other)})
+    with pytest.raises(EvalError, match=r"chat template sha256 \w{12}.*set target\.chat_template"):
+        run_eval(cfg, str(golden_run), prompts=str(tmp_path / "unused.jsonl"))
+    # The tokenizer's own template is the one the rows were rendered with: accepted.
+    same = golden_config(tmp_path, target={"tokenizer": str(TOKENIZER_DIR)})
+    from transformers import AutoConfig
+
+    ckpt = open_checkpoint(str(golden_run), same, tmp_path)
+    assert ckpt.template_sha256 is not None
+    check_checkpoint_matches(same, ckpt, AutoConfig.from_pretrained(GOLDEN / "target"))
+
+
+def test_eval_command_refuses_with_one_line_naming_the_field(tmp_path, golden_run):
+    config = tmp_path / "blockdraft.toml"
+    config.write_text(f'[target]\npath = "{(GOLDEN / "target").as_posix()}"\n[dflash]\nblock_size = 6\nmask_token_id = 511\nnum_draft_layers = 3\n')
+    result = CliRunner().invoke(app, ["eval", "--config", str(config), "--checkpoint", str(golden_run)])
+    assert result.exit_code == 2
+    assert "dflash.block_size" in result.output and "Traceback" not in result.output
+
+
+def test_eval_refuses_hybrid_attention_targets(tmp_path, golden_run):
+    from transformers import Qwen3NextConfig
+
+    Qwen3NextConfig(num_hidden_layers=8).save_pretrained(tmp_path / "hybrid")
+    cfg = golden_config(tmp_path, target={"path": str(tmp_path / "hybrid")})
+    with pytest.raises(EvalError, match="hybrid attention.*until state snapshot/rollback exists"):
+        run_eval(cfg, str(golden_run))
+
+
+def test_eval_refuses_an_artifact_that_is_not_a_drafter(tmp_path, tokenized):
+    with pytest.raises(EvalError, match="'tokenized' artifact, not a drafter"):
+        open_checkpoint(tokenized, golden_config(tmp_path), tmp_path)
+
+
+def test_prompts_come_from_the_held_out_rows_up_to_the_first_supervised_token(tmp_path, tokenized):
+    import datasets
+    from transformers import AutoTokenizer
+
+    cfg = golden_config(tmp_path)
+    prompts, lineage = prompts_from_tokenized(tokenized, cfg, limit=100, workdir=tmp_path)
+    held = datasets.load_from_disk(tokenized)["held_out"]
+    assert 0 < len(prompts) == len(held) < 24
+    assert lineage.kind == "manifest" and lineage.sha256
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    for ids, row in zip(prompts, held):
+        assert row["input_ids"][: len(ids)] == ids and row["loss_mask"][len(ids)] == 1 and not any(row["loss_mask"][: len(ids)])
+        assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    limited, _ = prompts_from_tokenized(tokenized, cfg, limit=2, workdir=tmp_path)
+    assert limited == prompts[:2]
+
+
+def test_divergences_are_reported_with_margin_and_fail_beyond_tolerance():
+    greedy = GreedyResult(tokens=[1, 2, 3, 4, 5], prompt_len=2, margins=[0.5, 3e-7, 0.8])
+    same = SpecResult(tokens=[1, 2, 3, 4, 5], prompt_len=2, acceptance_lengths=[2, 1])
+    assert first_divergence("dflash", 0, same, greedy, 1e-4) is None
+    near_tie = first_divergence("dflash", 0, SpecResult([1, 2, 3, 9, 5], 2, [3]), greedy, 1e-4)
+    assert (near_tie.position, near_tie.new_token_index, near_tie.spec_token, near_tie.target_token) == (3, 1, 9, 4)
+    assert near_tie.margin == 3e-7 and near_tie.tolerated
+    real = first_divergence("ngram", 1, SpecResult([1, 2, 7, 4, 5], 2, [3]), greedy, 1e-4)
+    assert real.position == 2 and real.margin == 0.5 and not real.tolerated
+    report = {
+        "greedy": {"tokens_per_s": 1.0, "target_forwards_per_token": 1.0},
+        "drafters": {},
+        "lossless": {"ok": False, "tolerance": 1e-4, "divergences": [vars(near_tie), vars(real)]},
+    }
+    lines = summary_lines(report)
+    assert "lossless\tFAILED\t2 divergence(s)" in lines[1]
+    assert "near-tie" in lines[2] and "ngram prompt 1 position 2" in lines[3] and "beyond tolerance" in lines[3]
