@@ -67,6 +67,8 @@ class StoreConfig(_Section):
     profile: str | None = None
     part_size_mib: int = Field(default=64, ge=5)
     concurrency: int = Field(default=8, ge=1)
+    # A stage whose output is s3:// writes here first (staging_dir/bucket/prefix), pushing pieces as they finish.
+    staging_dir: str = "./blockdraft-staging"
 
 
 class PlacementConfig(_Section):
