@@ -18,6 +18,8 @@ reads back with the recorded size and checksum; anything else is redone from scr
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import fcntl
 import functools
 import hashlib
 import json
@@ -26,6 +28,8 @@ import multiprocessing
 import os
 import queue
 import resource
+import signal
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -75,6 +79,7 @@ EMPTY_SPLIT_FILE = "empty.arrow"
 CONVERSATION_BATCH = 32
 # Rows per Arrow record batch written.
 ARROW_BATCH_ROWS = 256
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -336,10 +341,15 @@ class _ShardCounts:
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(progress_queue: Any) -> None:
+def _worker_init(progress_queue: Any, parent_pid: int) -> None:
     # The tokenizer's own thread pool deadlocks in forked children and does not scale on few cores: one process = one core.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER["queue"] = progress_queue
+    if sys.platform == "linux":
+        # A worker must not outlive a killed parent: it would keep writing shard files under a rerun's feet.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent died before the line above took effect
+            os._exit(1)
 
 
 def _worker_tools(settings: WorkerSettings) -> tuple[Any, ChatTemplate]:
@@ -513,14 +523,18 @@ def list_input(input_url: str, settings: Any) -> tuple[Store, list[tuple[str, in
     if not keys:
         raise ConfigError(f"input {input_url} has no completions files ({', '.join(_suffix_names())}); point INPUT at a file or folder of them")
     files, lineage = [], []
-    for key in sorted(keys):
-        info = store.head(key)
+    keys = sorted(keys)
+    # One round trip per object on S3 (a full read on a folder): in parallel.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        infos = list(pool.map(store.head, keys))
+    for key, info in zip(keys, infos):
         if info is None:
             raise ConfigError(f"input {input_url}/{key} disappeared while listing; retry when the input is complete")
-        if info.checksum is None:
+        if info.checksum is None and info.etag is None:
             size, checksum = store.checksum_by_reading(key)
             info = type(info)(key=key, size=size, checksum=checksum, etag=info.etag)
-        files.append((key, info.size, info.checksum or ""))
+        # An object uploaded without CRC64NVME is pinned by its ETag (recorded as lineage), not re-read whole.
+        files.append((key, info.size, info.checksum or f"etag:{info.etag}"))
         lineage.append(raw_input(store, info))
     return store, files, lineage
 
@@ -603,6 +617,18 @@ def _write_split_metadata(out: Path, records: list[dict[str, Any]], schema: pa.S
     return written
 
 
+def _lock_output(out_dir: Path) -> int:
+    """An exclusive lock on the output folder for this run (released when the process dies, even by SIGKILL)."""
+    (out_dir / RECORDS_DIR).mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir / RECORDS_DIR / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"another tokenize is writing {out_dir}; wait for it to finish or pick another OUTPUT") from None
+    return fd
+
+
 def _merge_counts(records: list[dict[str, Any]]) -> dict[str, Any]:
     total: Counter[str] = Counter()
     rejected: Counter[str] = Counter()
@@ -624,7 +650,7 @@ def _run_shards(pending: list[ShardTask], settings: WorkerSettings, workers: int
     progress_queue = ctx.Queue()
     results = []
     with concurrent.futures.ProcessPoolExecutor(
-        max_workers=min(workers, len(pending)), mp_context=ctx, initializer=_worker_init, initargs=(progress_queue,)
+        max_workers=min(workers, len(pending)), mp_context=ctx, initializer=_worker_init, initargs=(progress_queue, os.getpid())
     ) as pool:
         futures = [pool.submit(tokenize_shard, task, settings) for task in pending]
         waiting = set(futures)
@@ -645,6 +671,15 @@ def _drain(progress_queue: Any, progress: TokenizeProgress) -> None:
         progress.advance(nbytes, rows, tokens)
 
 
+def finished_shard_entries(out_dir: Path) -> list[FileEntry]:
+    """Every file of the shards finished so far in `out_dir`, as their completion records (written last) list them."""
+    entries = []
+    for path in sorted((out_dir / RECORDS_DIR).glob("shard-*.json")):
+        record = json.loads(path.read_text())
+        entries += [FileEntry(path=f["path"], size=f["size"], checksum=f["checksum"]) for f in [*record["files"], record["quarantine"]]]
+    return entries
+
+
 def tokenize_dataset(
     input: str,
     output: str,
@@ -660,6 +695,17 @@ def tokenize_dataset(
     Arrow file, end_of_turn); `tokenizer`/`chat_template` override the target's (`config.target`). Resumes: shards whose
     completion record matches this run are kept, the rest redone. Returns what was verified at the destination.
     """
+    if open_store(output, config.store).local_path() is None:
+        # A remote OUTPUT (s3://): preflight in seconds, tokenize into a local staging folder while finished shards
+        # are pushed, then push the rest, verify it all there and commit the manifest last.
+        from blockdraft.store.transfer import stage_and_push
+
+        def run_locally(local: Path) -> TokenizeSummary:
+            return tokenize_dataset(input, str(local), config, tokenizer=tokenizer, chat_template=chat_template, progress=progress)
+
+        summary, pushed = stage_and_push(output, config.store, run_locally, finished_shard_entries)
+        summary.output, summary.report = pushed.destination, pushed.verify
+        return summary
     started = time.monotonic()
     progress = progress or TokenizeProgress()
     opts = config.tokenize
@@ -696,51 +742,55 @@ def tokenize_dataset(
         template_matches_target=run_config["tokenize_run"]["template_matches_target"], warnings=warnings,
     )
 
-    existing = verify_artifact(out_store)
-    if existing.state is State.VERIFIED and existing.manifest is not None:
-        m = existing.manifest
-        same_run = m.kind == KIND and m.config.get("tokenize_run", {}).get("config_digest") == digest
-        if same_run and [ref.model_dump() for ref in m.lineage] == [ref.model_dump() for ref in lineage]:
-            # Already done with this config and these inputs: rewriting the manifest would only make dependents look stale.
-            summary.report, summary.counts, summary.already_committed = existing, m.counts, True
-            summary.shards_skipped = len(tasks)
-            summary.seconds = time.monotonic() - started
-            return summary
-    if (out_dir / MANIFEST_NAME).exists():
-        uncommit(out_store)
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    records: dict[str, dict[str, Any]] = {}
-    for task in tasks:
-        record = _record_matches(out_store, task, digest)
-        if record is not None:
-            records[task.name] = record
-    kept = {f["path"] for r in records.values() for f in [*r["files"], r["quarantine"]]}
-    kept |= {f"{RECORDS_DIR}/{name}.json" for name in records}
-    _clean_leftovers(out_dir, kept)
-    pending = [t for t in tasks if t.name not in records]
-    summary.shards_skipped = len(tasks) - len(pending)
-    progress.start(sum(t.size for t in pending), len(tasks), summary.shards_skipped)
+    lock = _lock_output(out_dir)
+    try:
+        existing = verify_artifact(out_store)
+        if existing.state is State.VERIFIED and existing.manifest is not None:
+            m = existing.manifest
+            same_run = m.kind == KIND and m.config.get("tokenize_run", {}).get("config_digest") == digest
+            if same_run and [ref.model_dump() for ref in m.lineage] == [ref.model_dump() for ref in lineage]:
+                # Already done with this config and these inputs: rewriting the manifest would only make dependents look stale.
+                summary.report, summary.counts, summary.already_committed = existing, m.counts, True
+                summary.shards_skipped = len(tasks)
+                summary.seconds = time.monotonic() - started
+                return summary
+        if (out_dir / MANIFEST_NAME).exists():
+            uncommit(out_store)
 
-    schema = output_schema()
-    settings = WorkerSettings(
-        tokenizer_json=src.tokenizer_json, template_text=src.template.text, thinking=opts.thinking, max_length=opts.max_length,
-        held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, eot_id=eot_id, vocab_size=src.vocab_size,
-        config_digest=digest, input_url=in_store.url, store_settings=config.store.model_dump(mode="json"), output_dir=str(out_dir),
-        schema=schema,
-    )
-    for record in _run_shards(pending, settings, opts.workers, progress):
-        summary.worker_peak_rss_mib.append(record.pop("peak_rss_mib"))
-        records[record["shard"]] = record
+        records: dict[str, dict[str, Any]] = {}
+        for task in tasks:
+            record = _record_matches(out_store, task, digest)
+            if record is not None:
+                records[task.name] = record
+        kept = {f["path"] for r in records.values() for f in [*r["files"], r["quarantine"]]}
+        kept |= {f"{RECORDS_DIR}/{name}.json" for name in records}
+        _clean_leftovers(out_dir, kept)
+        pending = [t for t in tasks if t.name not in records]
+        summary.shards_skipped = len(tasks) - len(pending)
+        progress.start(sum(t.size for t in pending), len(tasks), summary.shards_skipped)
 
-    ordered = [records[t.name] for t in tasks]
-    metadata = _write_split_metadata(out_dir, ordered, schema)
-    entries = [FileEntry(path=f["path"], size=f["size"], checksum=f["checksum"]) for r in ordered for f in [*r["files"], r["quarantine"]]]
-    entries += [entry_for_local_file(out_dir, p) for p in metadata]
-    counts = _merge_counts(ordered)
-    counts["shards"] = len(tasks)
-    counts["held_out_fraction"] = opts.held_out_fraction
-    summary.counts = counts
-    summary.report = commit_artifact(out_store, KIND, entries, config=run_config, lineage=lineage, counts=counts)
-    summary.seconds = time.monotonic() - started
-    return summary
+        schema = output_schema()
+        settings = WorkerSettings(
+            tokenizer_json=src.tokenizer_json, template_text=src.template.text, thinking=opts.thinking, max_length=opts.max_length,
+            held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, eot_id=eot_id, vocab_size=src.vocab_size,
+            config_digest=digest, input_url=in_store.url, store_settings=config.store.model_dump(mode="json"), output_dir=str(out_dir),
+            schema=schema,
+        )
+        for record in _run_shards(pending, settings, opts.workers, progress):
+            summary.worker_peak_rss_mib.append(record.pop("peak_rss_mib"))
+            records[record["shard"]] = record
+
+        ordered = [records[t.name] for t in tasks]
+        metadata = _write_split_metadata(out_dir, ordered, schema)
+        entries = [FileEntry(path=f["path"], size=f["size"], checksum=f["checksum"]) for r in ordered for f in [*r["files"], r["quarantine"]]]
+        entries += [entry_for_local_file(out_dir, p) for p in metadata]
+        counts = _merge_counts(ordered)
+        counts["shards"] = len(tasks)
+        counts["held_out_fraction"] = opts.held_out_fraction
+        summary.counts = counts
+        summary.report = commit_artifact(out_store, KIND, entries, config=run_config, lineage=lineage, counts=counts)
+        summary.seconds = time.monotonic() - started
+        return summary
+    finally:
+        os.close(lock)
