@@ -232,3 +232,76 @@ def _source_problems(source: Store, files: list[FileEntry], workers: int) -> lis
         elif info is not None and info.checksum is not None and info.checksum != entry.checksum:
             bad.append(FileProblem(entry.path, State.CORRUPT, f"crc64nvme {info.checksum} != listed {entry.checksum}"))
     return bad
+
+
+def staging_folder(url: str, settings: object | None) -> Path:
+    """Local folder where a stage writes an output bound for `url` (s3://bucket/prefix -> STAGING/bucket/prefix)."""
+    base = Path(getattr(settings, "staging_dir", "./blockdraft-staging"))
+    return base.joinpath(*[part for part in url.split("://", 1)[1].split("/") if part])
+
+
+class _FinishedPiecePusher:
+    """Uploads the pieces a running stage reports finished, so the push at the end finds them verified.
+
+    Best effort: an upload that fails here is simply redone by the final `push`, which checks every file.
+    """
+
+    def __init__(self, local: Path, remote: Store, finished: Callable[[Path], list[FileEntry]], poll_s: float) -> None:
+        import threading
+
+        self.local, self.remote, self.finished, self.poll_s = local, remote, finished, poll_s
+        self.pushed: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="push-finished", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._push_new()
+
+    def _push_new(self) -> None:
+        try:
+            entries = self.finished(self.local)
+        except (OSError, ValueError):
+            return  # a record being written right now; the next poll reads it
+        for entry in entries:
+            if self._stop.is_set() or entry.path in self.pushed:
+                continue
+            try:
+                self.remote.put_file(entry.path, self.local / entry.path, entry.checksum)
+                if check_file(self.remote, entry) is None:
+                    self.pushed.add(entry.path)
+            except (StoreError, OSError):
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def stage_and_push(
+    url: str,
+    settings: object | None,
+    run_stage: Callable[[Path], object],
+    finished: Callable[[Path], list[FileEntry]],
+    poll_s: float = 0.5,
+) -> tuple[object, TransferReport]:
+    """Run a stage whose output is the remote `url`: preflight, stage locally, push finished pieces meanwhile, then push.
+
+    `run_stage(local_dir)` writes and commits the artifact locally; `finished(local_dir)` lists the files it has
+    completed so far (with their checksums). The remote's old manifest is removed before the first upload, so
+    no reader sees it over new files; the final `push` verifies everything and writes the manifest last.
+    Returns (what run_stage returned, the push report).
+    """
+    remote = open_store(url, settings)
+    preflight(remote)
+    local = staging_folder(url, settings)
+    local.mkdir(parents=True, exist_ok=True)
+    uncommit(remote)
+    pusher = _FinishedPiecePusher(local, remote, finished, poll_s)
+    try:
+        result = run_stage(local)
+    finally:
+        pusher.stop()
+    report = push(local, url, settings)
+    return result, report

@@ -1,0 +1,146 @@
+"""Verified transfer vs s5cmd on the same local SeaweedFS: push + verify against `s5cmd cp` up, pull + verify
+against `s5cmd cp` down, for one artifact of about 1 GiB in several files.
+
+    .venv/bin/python bench/transfer.py [--gib 1] [--files 8] [--repeats 3]
+
+Each transfer runs in its own child process, whose peak RSS (VmHWM) is sampled while it runs. blockdraft's time
+is the library call (`push` / `pull`, verification included) timed inside the child, without interpreter
+start-up; s5cmd's is the whole process (it starts in milliseconds). Ratios are throughput ratios
+(blockdraft MB/s ÷ s5cmd MB/s, best run of each): above 1.0 blockdraft is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from s3server import SeaweedS3  # noqa: E402
+
+MIB = 1024 * 1024
+
+
+def child(op: str, src: str, dst: str) -> None:
+    """Run one push or pull in this process and print its wall time (seconds) as JSON."""
+    from blockdraft.config import StoreConfig
+    from blockdraft.store.transfer import pull, push
+
+    settings = StoreConfig()
+    start = time.perf_counter()
+    report = (push if op == "push" else pull)(src, dst, settings)
+    seconds = time.perf_counter() - start
+    assert report.verify is not None and report.verify.state.value == "verified", report.summary()
+    print(json.dumps({"seconds": seconds, "moved": len(report.moved)}))
+
+
+def _peak_rss_mib(pid: int) -> int | None:
+    """The process's own high-water RSS (VmHWM; wait4's ru_maxrss would include the forking parent's)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_measured(argv: list[str], env: dict[str, str]) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS in MiB sampled every 10 ms, stdout) of one child process."""
+    os.sync()
+    out = tempfile.TemporaryFile()
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _peak_rss_mib(proc.pid) or 0)
+        time.sleep(0.01)
+    seconds = time.perf_counter() - start
+    out.seek(0)
+    text = out.read().decode()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv[0]} failed ({proc.returncode}): {text[-2000:]}")
+    return seconds, peak, text
+
+
+def make_artifact(root: Path, total: int, files: int) -> int:
+    from blockdraft.store import open_store
+    from blockdraft.store.artifact import commit_artifact, entry_for_local_file
+
+    root.mkdir(parents=True)
+    each = total // files
+    for i in range(files):
+        with open(root / f"shard-{i:03d}.arrow", "wb") as f:
+            for _ in range(each // (16 * MIB)):
+                f.write(os.urandom(16 * MIB))
+            f.write(os.urandom(each % (16 * MIB)))
+    entries = [entry_for_local_file(root, p) for p in sorted(root.glob("shard-*"))]
+    commit_artifact(open_store(root), "bench", entries)
+    return sum(e.size for e in entries)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", nargs=3, metavar=("OP", "SRC", "DST"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(*args.child)
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="bd-bench-"))
+    s5cmd = str(Path(sys.executable).parent / "s5cmd")
+    try:
+        with SeaweedS3(work / "server") as server:
+            env = {**os.environ, **server.admin.env(server.endpoint)}
+            server.client().create_bucket(Bucket="bench")
+            local = work / "artifact"
+            total = make_artifact(local, int(args.gib * 1024 * MIB), args.files)
+            shards = str(local / "shard-*")
+            me = [sys.executable, str(Path(__file__).resolve()), "--child"]
+            results: dict[str, list[tuple[float, int]]] = {k: [] for k in ("push", "s5cmd_up", "pull", "s5cmd_down")}
+            for rep in range(args.repeats):
+                # Fresh destinations each round, so nothing is skipped as already verified.
+                t, rss, _ = run_measured([s5cmd, "--endpoint-url", server.endpoint, "cp", shards, f"s3://bench/s5-{rep}/"], env)
+                results["s5cmd_up"].append((t, rss))
+                _, rss, out = run_measured(me + ["push", str(local), f"s3://bench/bd-{rep}"], env)
+                results["push"].append((json.loads(out.strip().splitlines()[-1])["seconds"], rss))
+
+                down = work / f"down-s5-{rep}"
+                t, rss, _ = run_measured([s5cmd, "--endpoint-url", server.endpoint, "cp", f"s3://bench/s5-{rep}/*", f"{down}/"], env)
+                results["s5cmd_down"].append((t, rss))
+                shutil.rmtree(down)
+                pulled = work / f"down-bd-{rep}"
+                _, rss, out = run_measured(me + ["pull", f"s3://bench/bd-{rep}", str(pulled)], env)
+                results["pull"].append((json.loads(out.strip().splitlines()[-1])["seconds"], rss))
+                shutil.rmtree(pulled)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    def best(name: str) -> tuple[float, int]:
+        seconds = min(t for t, _ in results[name])
+        return total / seconds / 1e6, max(r for _, r in results[name])
+
+    print(f"artifact: {total / MIB:.0f} MiB in {args.files} files; best of {args.repeats}; MB/s = 1e6 bytes/s")
+    print(f"{'transfer':<22}{'MB/s':>8}{'peak RSS MiB':>14}   all runs (s)")
+    for name, label in [("push", "push + verify"), ("s5cmd_up", "s5cmd cp up"), ("pull", "pull + verify"), ("s5cmd_down", "s5cmd cp down")]:
+        rate, rss = best(name)
+        runs = " ".join(f"{t:.2f}" for t, _ in results[name])
+        print(f"{label:<22}{rate:>8.0f}{rss:>14}   {runs}")
+    print(f"ratio push+verify / s5cmd up:   {best('push')[0] / best('s5cmd_up')[0]:.2f} (target >= 1.0)")
+    print(f"ratio pull+verify / s5cmd down: {best('pull')[0] / best('s5cmd_down')[0]:.2f} (target >= 0.6)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""tokenize with S3 on both ends: raw completions read from an s3:// prefix (no manifest; key, size and ETag as
+lineage), output to an s3:// URL (preflight first, shards pushed as they finish, verified there, manifest last)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from blockdraft.config import load_config
+from blockdraft.data.tokenize import tokenize_dataset
+from blockdraft.store import StoreError, open_store
+from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
+from blockdraft.store.transfer import pull
+
+TOKENIZER_DIR = Path(__file__).parent / "fixtures" / "qwen3-tokenizer"
+
+
+def jsonl(first: int, n: int) -> bytes:
+    rows = []
+    for i in range(first, first + n):
+        rows.append({"id": f"c{i}", "messages": [{"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": f"It is {i + 1}."}]})
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def s3_config(tmp_path: Path, **tokenize):
+    return load_config(
+        None,
+        {"target": {"path": str(TOKENIZER_DIR)}, "tokenize": tokenize, "store": {"staging_dir": str(tmp_path / "staging"), "part_size_mib": 5}},
+    )
+
+
+def upload_raw(server, bucket: str) -> list[str]:
+    """Completions as someone else uploaded them: a raw client, no manifest, no CRC64NVME."""
+    raw = server.client()
+    keys = [f"raw/part-{i}.jsonl" for i in range(3)]
+    for i, key in enumerate(keys):
+        raw.put_object(Bucket=bucket, Key=key, Body=jsonl(10 * i, 10))
+    return keys
+
+
+def test_tokenize_reads_raw_s3_completions_and_writes_a_verified_s3_artifact(s3_bucket, s3_env, tmp_path):
+    keys = upload_raw(s3_env, s3_bucket)
+    out_url = f"s3://{s3_bucket}/tokenized"
+    summary = tokenize_dataset(f"s3://{s3_bucket}/raw", out_url, s3_config(tmp_path))
+    assert summary.report.state is State.VERIFIED
+    assert summary.output == open_store(out_url).url
+    remote = open_store(out_url)
+    assert verify_artifact(remote).state is State.VERIFIED
+    manifest = read_manifest(remote)[0]
+    assert manifest.counts["rows_in"] == 30 and manifest.counts["shards"] == 3
+
+    # Lineage pins each raw object by key, size and ETag as the server reports them.
+    heads = {k: s3_env.client().head_object(Bucket=s3_bucket, Key=k) for k in keys}
+    assert [(ref.kind, ref.url, ref.size, ref.etag) for ref in manifest.lineage] == [
+        ("raw", f"s3://{s3_bucket}/{k}", heads[k]["ContentLength"], heads[k]["ETag"]) for k in keys
+    ]
+    # The tokenized artifact pulls to another folder and verifies there.
+    assert pull(out_url, tmp_path / "pulled").verify.state is State.VERIFIED
+
+
+def test_tokenize_to_s3_pushes_finished_shards_before_the_end(s3_bucket, s3_env, tmp_path, monkeypatch):
+    """The first shard is at the destination, verified, while a later shard is still being tokenized."""
+    import blockdraft.data.tokenize as tokenize_module
+
+    upload_raw(s3_env, s3_bucket)
+    out_url = f"s3://{s3_bucket}/tokenized"
+    seen_at_destination: list[int] = []
+    real = tokenize_module.tokenize_shard
+
+    def observing_shard(task, settings, progress=None):
+        if task.index == 2:
+            # Give the pusher (polling every 0.1 s) time to find shards 0 and 1 finished.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                listed = s3_env.client().list_objects_v2(Bucket=s3_bucket, Prefix="tokenized/train/").get("Contents", [])
+                if any("shard-00000" in o["Key"] for o in listed):
+                    break
+                time.sleep(0.05)
+            seen_at_destination.append(len(listed))
+        return real(task, settings, progress)
+
+    monkeypatch.setattr(tokenize_module, "tokenize_shard", observing_shard)
+    from blockdraft.store import transfer
+
+    original = transfer.stage_and_push
+    monkeypatch.setattr(transfer, "stage_and_push", lambda *a, **k: original(*a, **{**k, "poll_s": 0.1}))
+    summary = tokenize_dataset(f"s3://{s3_bucket}/raw", out_url, s3_config(tmp_path, workers=1))
+    assert summary.report.state is State.VERIFIED
+    assert seen_at_destination and seen_at_destination[0] >= 1
+    assert open_store(out_url).exists(MANIFEST_NAME)
+
+
+def test_tokenize_to_s3_with_a_wrong_secret_fails_before_any_work(s3_bucket, s3_env, tmp_path, monkeypatch):
+    upload_raw(s3_env, s3_bucket)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    start = time.monotonic()
+    with pytest.raises(StoreError, match="wrong secret key"):
+        tokenize_dataset(f"s3://{s3_bucket}/raw", f"s3://{s3_bucket}/tokenized", s3_config(tmp_path))
+    assert time.monotonic() - start < 10
+    assert not (tmp_path / "staging").exists()
