@@ -232,5 +232,21 @@ def preflight(
     console.print(f"[green]preflight ok[/]: {report.summary()}", highlight=False)
 
 
+@app.command()
+@user_errors
+def train(
+    config: ConfigOpt = None,
+    nproc: Annotated[
+        int | None, typer.Option("--nproc", help="Processes to start with torchrun (one per placement.drafter_devices entry).")
+    ] = None,
+) -> None:
+    """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
+    from blockdraft.train.loop import launch
+
+    status = launch(config, nproc)
+    if status:
+        raise typer.Exit(status)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())

@@ -26,13 +26,6 @@ class SlotStats:
     def accuracy(self) -> list[float]:
         return (self.correct / self.total.clamp_min(1)).tolist()
 
-    def all_reduce(self) -> SlotStats:
-        if dist.is_available() and dist.is_initialized():
-            both = torch.stack([self.correct, self.total])
-            dist.all_reduce(both)
-            return SlotStats(both[0], both[1])
-        return self
-
 
 @dataclass
 class LossOutput:

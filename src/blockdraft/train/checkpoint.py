@@ -1,0 +1,136 @@
+"""Training checkpoints as artifacts: written locally, pushed, verified at the destination, committed last.
+
+Layout under the run's output store: `step-00000500/` per checkpoint, each its own artifact holding the drafter in the
+export format (`config.json`, `model.safetensors`), `training-state.pt` (optimizer, scheduler, RNG states, data
+position), the resolved config (`blockdraft-config.json`), and the metrics so far. Resume reads only checkpoints that
+verify; one whose push never completed (no manifest) or whose files differ is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockdraft.store import Store
+from blockdraft.store.artifact import (
+    MANIFEST_NAME,
+    InputRef,
+    State,
+    VerifyReport,
+    commit_artifact,
+    entry_for_local_file,
+    uncommit,
+    verify_artifact,
+)
+
+CHECKPOINT_KIND = "drafter-checkpoint"
+STATE_NAME = "training-state.pt"
+CONFIG_NAME = "blockdraft-config.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})/" + re.escape(MANIFEST_NAME) + "$")
+
+
+def checkpoint_key(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def save_checkpoint(
+    store: Store,
+    step: int,
+    drafter: torch.nn.Module,
+    training_state: dict[str, Any],
+    resolved_config: dict[str, Any],
+    lineage: Iterable[InputRef],
+    counts: dict[str, Any],
+    extra_files: Iterable[Path] = (),
+) -> VerifyReport:
+    """Write, push and commit the checkpoint of `step`; returns the destination's verify report.
+
+    Raises ArtifactError (or the store's error) when the push does not verify: such a checkpoint has no manifest
+    and resume never uses it.
+    """
+    dest = store.child(checkpoint_key(step))
+    uncommit(dest)  # a resumed run rewrites checkpoints after its resume point
+    with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
+        root = Path(tmp)
+        paths = list(drafter.save_pretrained(root))
+        torch.save(training_state, root / STATE_NAME)
+        (root / CONFIG_NAME).write_text(json.dumps(resolved_config, indent=2, sort_keys=True) + "\n")
+        paths += [root / STATE_NAME, root / CONFIG_NAME]
+        for extra in extra_files:
+            if extra.is_file():
+                shutil.copyfile(extra, root / extra.name)
+                paths.append(root / extra.name)
+        entries = []
+        for path in paths:
+            entry = entry_for_local_file(root, path)
+            dest.put_file(entry.path, path, checksum=entry.checksum)
+            entries.append(entry)
+        return commit_artifact(dest, CHECKPOINT_KIND, entries, config=resolved_config, lineage=lineage, counts=counts)
+
+
+@dataclass
+class Resumable:
+    step: int
+    store: Store
+    report: VerifyReport
+    skipped: list[str]
+
+
+def find_resumable(store: Store) -> Resumable | None:
+    """The newest checkpoint under `store` that verifies at the destination, or None; `skipped` names newer ones that did not."""
+    steps = sorted({int(m.group(1)) for info in store.list("step-") if (m := _STEP_DIR.match(info.key))}, reverse=True)
+    skipped = []
+    for step in steps:
+        child = store.child(checkpoint_key(step))
+        report = verify_artifact(child)
+        if report.state is State.VERIFIED and report.manifest.kind == CHECKPOINT_KIND:
+            return Resumable(step, child, report, skipped)
+        skipped.append(f"{checkpoint_key(step)} ({report.state.value}: {report.summary()})")
+    return None
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint read back into memory; `folder` stays valid until `close()`."""
+
+    folder: Path
+    drafter_state: dict[str, torch.Tensor]
+    training_state: dict[str, Any]
+    config: dict[str, Any]
+    _tmp: Path | None = None
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def load_checkpoint(found: Resumable, settings: object | None = None) -> LoadedCheckpoint:
+    """Read a verified checkpoint, pulling it (checksums recomputed) from a remote store; `settings` is the StoreConfig."""
+    from safetensors.torch import load_file
+
+    folder = found.store.local_path()
+    tmp = None
+    if folder is None:
+        from blockdraft.store.transfer import pull
+
+        tmp = Path(tempfile.mkdtemp(prefix="blockdraft-resume-"))
+        pull(found.store.url, tmp, settings)
+        folder = tmp
+    return LoadedCheckpoint(
+        folder=folder,
+        drafter_state=load_file(str(folder / "model.safetensors")),
+        training_state=torch.load(folder / STATE_NAME, weights_only=True),
+        config=json.loads((folder / CONFIG_NAME).read_text()),
+        _tmp=tmp,
+    )
+
+
+__all__ = ["CHECKPOINT_KIND", "LoadedCheckpoint", "Resumable", "checkpoint_key", "find_resumable", "load_checkpoint", "save_checkpoint"]

@@ -1,0 +1,213 @@
+"""`train` end to end on CPU: a tokenized artifact, the golden tiny target, checkpoints as verified artifacts.
+
+Rows are the golden target's own greedy continuations (learnable, as regenerated data is); prompts are unsupervised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockdraft.config import load_config
+from blockdraft.model import load_target
+from blockdraft.store import open_store
+from blockdraft.store.artifact import State, commit_artifact, entry_for_local_file, verify_artifact
+from blockdraft.train.checkpoint import CHECKPOINT_KIND, checkpoint_key, find_resumable
+from blockdraft.train.loop import train
+
+GOLDEN_TARGET = Path(__file__).parent / "fixtures" / "dflash-golden" / "target"
+
+
+def _make_rows(num_rows: int, prompt_len: int, new_tokens: int, seed: int) -> list[dict]:
+    model = load_target(str(GOLDEN_TARGET), "cpu", torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(num_rows):
+        prompt = torch.randint(0, 500, (1, prompt_len), generator=g)
+        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0]
+        mask = [0] * prompt_len + [1] * (out.numel() - prompt_len)
+        rows.append({"input_ids": out.tolist(), "loss_mask": mask, "source_id": f"row-{i}"})
+    return rows
+
+
+def _write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[dict]) -> str:
+    """A tokenized artifact in the layout `tokenize` writes: a DatasetDict (train, held_out) plus the manifest."""
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"train": Dataset.from_list(train_rows), "held_out": Dataset.from_list(held_out_rows)}).save_to_disk(str(folder))
+    entries = [entry_for_local_file(folder, p) for p in sorted(folder.rglob("*")) if p.is_file()]
+    commit_artifact(open_store(folder), "tokenized", entries, config={}, counts={"train_rows": len(train_rows)})
+    return str(folder)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is many times faster than two contending ones."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def data_url(tmp_path_factory) -> str:
+    rows = _make_rows(6, prompt_len=6, new_tokens=40, seed=0)
+    return _write_tokenized(tmp_path_factory.mktemp("tokenized"), rows[:4], rows[4:])
+
+
+def _config_file(tmp: Path, data: str, **train) -> Path:
+    placement = train.pop("drafters", ["cpu"])
+    settings = {
+        "max_steps": 12, "batch_size": 2, "lr": 3e-3, "warmup_ratio": 0.1, "checkpoint_every": 4, "log_every": 1,
+        "lm_head_chunk_blocks": 3, "seed": 0, "deterministic": True, **train,
+    }
+    lines = [
+        "[target]", f'path = "{GOLDEN_TARGET.as_posix()}"',
+        "[dflash]", "block_size = 4", "mask_token_id = 511", "num_draft_layers = 2", "gamma = 4.0", "num_anchors = 8",
+        "intermediate_size = 96",
+        "[placement]", f"drafter_devices = {json.dumps(placement)}",
+        "[store]", f'url = "{(tmp / "store").as_posix()}"',
+        "[train]", f'data = "{data}"', f'output = "{(tmp / "ckpt").as_posix()}"', f'log_dir = "{(tmp / "logs").as_posix()}"',
+    ]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    path = tmp / "blockdraft.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _losses(log_dir: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_url):
+    cfg = load_config(_config_file(tmp_path, data_url, max_steps=60, checkpoint_every=30, batch_size=4, lr=5e-3))
+    result = train(cfg)
+    losses = [e["loss"] for e in result.metrics]
+    assert losses[-1] < 0.15 * losses[0]
+    assert sum(losses[-5:]) < 0.2 * sum(losses[:5])
+    last = result.metrics[-5:]
+    assert sum(e["slot_accuracy"][0] for e in last) / 5 >= 0.85  # slot 1: the first draft token
+    assert last[-1]["tau_estimate"] > 3.0  # of at most B = 4
+
+    # The drafter-side embedding and LM head stayed bit-equal to the target's.
+    target = load_target(str(GOLDEN_TARGET), "cpu", torch.float32)
+    assert torch.equal(result.head.embed_weight, target.get_input_embeddings().weight)
+    assert torch.equal(result.head.lm_head_weight, target.get_output_embeddings().weight)
+
+    store = open_store(tmp_path / "ckpt")
+    for step in (30, 60):
+        report = verify_artifact(store.child(checkpoint_key(step)), check_inputs=True)
+        assert report.state is State.VERIFIED, report.summary()
+        assert report.manifest.kind == CHECKPOINT_KIND
+        names = {f.path for f in report.manifest.files}
+        assert {"config.json", "model.safetensors", "training-state.pt", "blockdraft-config.json", "metrics.jsonl",
+                "training-curves.png"} <= names
+    exported = json.loads((tmp_path / "ckpt" / checkpoint_key(60) / "config.json").read_text())
+    assert exported["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [1, 5], "block_size": 4}
+    pinned = json.loads((tmp_path / "ckpt" / checkpoint_key(60) / "blockdraft-config.json").read_text())
+    assert pinned["dflash"]["gamma"] == 4.0 and pinned["dflash"]["target_layer_ids"] == [1, 5]
+    assert (tmp_path / "logs" / "training-curves.png").stat().st_size > 1000
+
+
+BLOCKDRAFT = str(Path(sys.executable).with_name("blockdraft"))  # the installed console script
+
+
+def _run(args: list[str], tmp: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `args` (the blockdraft CLI when args[0] is "train", else a Python script) in a fresh process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [BLOCKDRAFT, *args] if args[0] == "train" else [sys.executable, *args]
+    proc = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def test_two_gloo_ranks_stay_in_sync_and_match_one_process(tmp_path, data_url):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    steps = 6
+    _run(["train", "--config", str(_config_file(one, data_url, max_steps=steps, batch_size=2))], one)
+    # Two drafter devices -> `train` starts torchrun with two processes, one row per rank: the same global batch.
+    cfg2 = _config_file(two, data_url, max_steps=steps, batch_size=1, drafters=["cpu", "cpu"])
+    _run(["train", "--config", str(cfg2), "--nproc", "2"], two)
+
+    store1, store2 = open_store(one / "ckpt"), open_store(two / "ckpt")
+    final1 = verify_artifact(store1.child(checkpoint_key(steps)))
+    final2 = verify_artifact(store2.child(checkpoint_key(steps)))
+    assert final1.state is State.VERIFIED and final2.state is State.VERIFIED
+    assert final2.manifest.counts["ranks_in_sync"] == 2  # both replicas' parameters were compared bit for bit
+    from safetensors.torch import load_file
+
+    w1 = load_file(str(one / "ckpt" / checkpoint_key(steps) / "model.safetensors"))
+    w2 = load_file(str(two / "ckpt" / checkpoint_key(steps) / "model.safetensors"))
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=2e-5, rtol=1e-4, msg=name)
+    l1, l2 = _losses(one / "logs"), _losses(two / "logs")
+    assert sorted(l1) == sorted(l2) == list(range(1, steps + 1))
+    for step in l1:
+        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
+
+
+KILLER = """
+import os, signal, sys
+from blockdraft.config import load_config
+from blockdraft.train.loop import train
+
+def die(step, entry):
+    if step == int(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+train(load_config(sys.argv[1]), step_callback=die)
+"""
+
+
+def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupted_losses(tmp_path, data_url):
+    steady, crashed = tmp_path / "steady", tmp_path / "crashed"
+    steady.mkdir(), crashed.mkdir()
+    settings = {"max_steps": 10, "checkpoint_every": 2, "batch_size": 1}
+    _run(["train", "--config", str(_config_file(steady, data_url, **settings))], steady)
+
+    cfg = _config_file(crashed, data_url, **settings)
+    (crashed / "killer.py").write_text(KILLER)
+    killed = _run(["killer.py", str(cfg), "7"], crashed, check=False)
+    assert killed.returncode == -9
+    ckpt = open_store(crashed / "ckpt")
+    assert find_resumable(ckpt).step == 6
+    assert not (crashed / "ckpt" / checkpoint_key(8)).exists()
+    # Step 6's push "did not verify": its weights differ from what the manifest lists. Resume must skip it.
+    weights = crashed / "ckpt" / checkpoint_key(6) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert verify_artifact(ckpt.child(checkpoint_key(6))).state is State.CORRUPT
+
+    resumed = _run(["train", "--config", str(cfg)], crashed)
+    assert "step-00000006 (corrupt" in resumed.stderr.replace("\n", "")
+    assert "(step 4)" in resumed.stderr
+    expected, got = _losses(steady / "logs"), _losses(crashed / "logs")
+    assert sorted(got) == list(range(1, 11))
+    assert [got[s] for s in range(5, 11)] == [expected[s] for s in range(5, 11)]  # deterministic mode: bit-equal
+    for step in (6, 8, 10):
+        assert verify_artifact(ckpt.child(checkpoint_key(step))).state is State.VERIFIED
+
+
+def test_train_refuses_unverified_data_and_mismatched_nproc(tmp_path, data_url):
+    import shutil
+
+    from blockdraft.config import ConfigError
+    from blockdraft.store.artifact import ArtifactError, uncommit
+
+    broken = tmp_path / "broken"
+    shutil.copytree(data_url, broken)
+    uncommit(open_store(broken))
+    with pytest.raises(ArtifactError, match="incomplete"):
+        train(load_config(_config_file(tmp_path, str(broken))))
+    proc = _run(["train", "--config", str(_config_file(tmp_path, data_url)), "--nproc", "2"], tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "--nproc 2 but placement.drafter_devices lists 1" in proc.stderr
