@@ -96,10 +96,9 @@ class TokenizerSource:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """Everything a worker process needs; picklable, so spawn-started workers rebuild the tokenizer from it."""
+    """Everything a worker needs for one shard besides the tokenizer and template (installed once per process, `tools_key`)."""
 
-    tokenizer_json: str
-    template_text: str
+    tools_key: str
     thinking: str
     max_length: int
     held_out_fraction: float
@@ -126,7 +125,11 @@ class ShardTask:
 
 @dataclass
 class TokenizeSummary:
-    """What a tokenize run left at the destination, as verified there (`report`)."""
+    """What a tokenize run left at the destination, as verified there (`report`).
+
+    Timings (seconds) are of this call: `shard_phase_seconds` wall time of the shards it ran, `worker_seconds` one
+    per shard it ran (time inside the worker), `worker_peak_rss_mib` that worker's peak resident memory.
+    """
 
     output: str
     report: VerifyReport
@@ -138,6 +141,8 @@ class TokenizeSummary:
     template_matches_target: bool | None
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    shard_phase_seconds: float = 0.0
+    worker_seconds: list[float] = field(default_factory=list)
     worker_peak_rss_mib: list[float] = field(default_factory=list)
 
 
@@ -341,7 +346,21 @@ class _ShardCounts:
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(progress_queue: Any, parent_pid: int) -> None:
+def _tools_key(tokenizer_sha256: str, template: ChatTemplate) -> str:
+    return f"{tokenizer_sha256}:{template.sha256}"
+
+
+def _install_tools(tokenizer_json: str, template_text: str) -> None:
+    """Build this process's tokenizer and compiled template once (a pool worker does it while the parent lists inputs)."""
+    template = compile_chat_template(template_text)
+    key = _tools_key(hashlib.sha256(tokenizer_json.encode()).hexdigest(), template)
+    if _WORKER.get("key") != key:
+        from tokenizers import Tokenizer
+
+        _WORKER["tools"], _WORKER["key"] = (Tokenizer.from_str(tokenizer_json), template), key
+
+
+def _worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, template_text: str) -> None:
     # The tokenizer's own thread pool deadlocks in forked children and does not scale on few cores: one process = one core.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER["queue"] = progress_queue
@@ -350,16 +369,7 @@ def _worker_init(progress_queue: Any, parent_pid: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent_pid:  # the parent died before the line above took effect
             os._exit(1)
-
-
-def _worker_tools(settings: WorkerSettings) -> tuple[Any, ChatTemplate]:
-    key = (hashlib.sha256(settings.tokenizer_json.encode()).hexdigest(), settings.template_text)
-    if _WORKER.get("key") != key:
-        from tokenizers import Tokenizer
-
-        _WORKER["tools"] = (Tokenizer.from_str(settings.tokenizer_json), compile_chat_template(settings.template_text))
-        _WORKER["key"] = key
-    return _WORKER["tools"]
+    _install_tools(tokenizer_json, template_text)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -392,7 +402,10 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = No
         def progress(nbytes: int, rows: int, tokens: int) -> None:
             q.put((nbytes, rows, tokens))
 
-    tokenizer, template = _worker_tools(settings)
+    started = time.monotonic()
+    if _WORKER.get("key") != settings.tools_key:
+        raise RuntimeError("tokenize_shard called in a process without this run's tokenizer and template installed")
+    tokenizer, template = _WORKER["tools"]
     out = Path(settings.output_dir)
     _remove_shard_outputs(out, task.name)
     writers = {split: _SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file) for split in SPLITS}
@@ -437,8 +450,21 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = No
     }
     # The record is written last: its presence is the shard's "done", and it names exactly the files it made.
     _write_atomic(out / RECORDS_DIR / f"{task.name}.json", json.dumps(record, indent=1, sort_keys=True).encode())
-    record["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    record["peak_rss_mib"] = _peak_rss_mib()
+    record["seconds"] = time.monotonic() - started
     return record
+
+
+def _peak_rss_mib() -> float:
+    """This process's own high-water resident memory (VmHWM; ru_maxrss would count a spawning parent's after exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _store_settings(data: dict[str, Any]) -> Any:
@@ -642,33 +668,51 @@ def _merge_counts(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {**{k: total.get(k, 0) for k in keys}, "rejected": dict(sorted(rejected.items())), "thinking": dict(sorted(thinking.items()))}
 
 
-def _run_shards(pending: list[ShardTask], settings: WorkerSettings, workers: int, progress: TokenizeProgress) -> list[dict[str, Any]]:
-    if workers <= 1 or len(pending) <= 1:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        return [tokenize_shard(task, settings, progress.advance) for task in pending]
-    ctx = multiprocessing.get_context("spawn")
-    progress_queue = ctx.Queue()
-    results = []
-    with concurrent.futures.ProcessPoolExecutor(
-        max_workers=min(workers, len(pending)), mp_context=ctx, initializer=_worker_init, initargs=(progress_queue, os.getpid())
-    ) as pool:
-        futures = [pool.submit(tokenize_shard, task, settings) for task in pending]
+class _ShardRunner:
+    """Runs shard tasks: in this process for one worker, else in a pool of spawned processes.
+
+    The pool starts (and each worker builds its tokenizer) as soon as the runner exists, so that start-up overlaps
+    the parent's listing and checksumming of the inputs.
+    """
+
+    def __init__(self, workers: int, src: TokenizerSource) -> None:
+        self.pool: concurrent.futures.ProcessPoolExecutor | None = None
+        if workers <= 1:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            _install_tools(src.tokenizer_json, src.template.text)
+            return
+        ctx = multiprocessing.get_context("spawn")
+        self.queue = ctx.Queue()
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers, mp_context=ctx, initializer=_worker_init,
+            initargs=(self.queue, os.getpid(), src.tokenizer_json, src.template.text),
+        )
+        # Ask for every worker now: the executor starts processes lazily otherwise.
+        for _ in range(workers):
+            self.pool.submit(os.getpid)
+
+    def run(self, pending: list[ShardTask], settings: WorkerSettings, progress: TokenizeProgress) -> list[dict[str, Any]]:
+        if self.pool is None:
+            return [tokenize_shard(task, settings, progress.advance) for task in pending]
+        futures = [self.pool.submit(tokenize_shard, task, settings) for task in pending]
         waiting = set(futures)
         while waiting:
-            done, waiting = concurrent.futures.wait(waiting, timeout=0.2)
-            _drain(progress_queue, progress)
-        _drain(progress_queue, progress)
-        results = [f.result() for f in futures]
-    return results
+            _, waiting = concurrent.futures.wait(waiting, timeout=0.2)
+            self._drain(progress)
+        self._drain(progress)
+        return [f.result() for f in futures]
 
+    def _drain(self, progress: TokenizeProgress) -> None:
+        while True:
+            try:
+                nbytes, rows, tokens = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            progress.advance(nbytes, rows, tokens)
 
-def _drain(progress_queue: Any, progress: TokenizeProgress) -> None:
-    while True:
-        try:
-            nbytes, rows, tokens = progress_queue.get_nowait()
-        except queue.Empty:
-            return
-        progress.advance(nbytes, rows, tokens)
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def finished_shard_entries(out_dir: Path) -> list[FileEntry]:
@@ -716,9 +760,34 @@ def tokenize_dataset(
     digest = _config_digest(config, src, eot_id)
     out_store = open_store(output, config.store)
     out_dir = out_store.local_path()
-    if out_dir is None:
-        raise ConfigError(f"tokenize writes its output to a local folder; give a local OUTPUT and push it to {output} afterwards")
+    assert out_dir is not None, "remote outputs are staged in a local folder above"
     in_store, files, lineage = list_input(input, config.store)
+    runner = _ShardRunner(opts.workers, src)
+    try:
+        return _tokenize_locked(
+            config, src, eot_id, digest, out_store, out_dir, in_store, files, lineage, runner, progress, warnings, started
+        )
+    finally:
+        runner.close()
+
+
+def _tokenize_locked(
+    config: BlockdraftConfig,
+    src: TokenizerSource,
+    eot_id: int,
+    digest: str,
+    out_store: Store,
+    out_dir: Path,
+    in_store: Store,
+    files: list[tuple[str, int, str]],
+    lineage: list[InputRef],
+    runner: _ShardRunner,
+    progress: TokenizeProgress,
+    warnings: list[str],
+    started: float,
+) -> TokenizeSummary:
+    """The part of `tokenize_dataset` that holds the output lock: skip or redo each shard, then commit."""
+    opts = config.tokenize
     tasks = [ShardTask(i, f"shard-{i:05d}", key, size, checksum) for i, (key, size, checksum) in enumerate(files)]
     run_config = {
         **config.resolved(),
@@ -772,14 +841,17 @@ def tokenize_dataset(
 
         schema = output_schema()
         settings = WorkerSettings(
-            tokenizer_json=src.tokenizer_json, template_text=src.template.text, thinking=opts.thinking, max_length=opts.max_length,
+            tools_key=_tools_key(src.tokenizer_sha256, src.template), thinking=opts.thinking, max_length=opts.max_length,
             held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, eot_id=eot_id, vocab_size=src.vocab_size,
             config_digest=digest, input_url=in_store.url, store_settings=config.store.model_dump(mode="json"), output_dir=str(out_dir),
             schema=schema,
         )
-        for record in _run_shards(pending, settings, opts.workers, progress):
+        shards_started = time.monotonic()
+        for record in runner.run(pending, settings, progress):
             summary.worker_peak_rss_mib.append(record.pop("peak_rss_mib"))
+            summary.worker_seconds.append(record.pop("seconds"))
             records[record["shard"]] = record
+        summary.shard_phase_seconds = time.monotonic() - shards_started
 
         ordered = [records[t.name] for t in tasks]
         metadata = _write_split_metadata(out_dir, ordered, schema)

@@ -1,0 +1,170 @@
+"""Tokenize throughput against the tokenizer's own speed, on one synthetic corpus shaped like the reference workload.
+
+    .venv/bin/python bench/tokenize.py [--conversations 1600] [--files 4] [--tokenizer tests/fixtures/qwen3-tokenizer]
+
+The corpus: reasoning-heavy completions averaging about 2,000 tokens per assistant turn, a fifth of them multi-turn,
+in `--files` JSONL shards. On the same rows it measures, in this one run:
+
+- raw `encode_batch` tok/s on one core: the exact texts the stage encodes (rendered beforehand, outside the timing),
+  in batches of the stage's size, `TOKENIZERS_PARALLELISM=false`;
+- end-to-end tok/s per core with 1 worker: read + normalise + render + encode + mask + Arrow write + quarantine,
+  timed inside the worker (tokens / worker seconds);
+- 1 worker versus 2 workers: wall time of the shard phase (2 spawned processes, one shard each at a time);
+- peak RSS (VmHWM) per worker process.
+
+Ratios printed: end-to-end / raw per core (goal >= 0.75, beyond this issue 0.85) and 2 workers / 1 worker (goal >= 1.8).
+Tokens are the rows' tokens (each row is a turn with its whole prompt), the same count for every measurement.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# This file is named like the standard library's `tokenize`: keep its folder off the import path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+REPO = Path(__file__).resolve().parent.parent
+
+_SYLLABLES = ["ka", "lo", "mi", "ren", "ta", "vo", "sel", "dri", "an", "tor", "pe", "qui", "us", "el", "ma", "no", "ist", "ver"]
+_STEPS = ["First,", "Next,", "So", "Then", "Wait,", "Let me check:", "Therefore", "Hmm,", "Alternatively,", "Now"]
+
+
+def _words(rng: random.Random, n: int) -> str:
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.08:
+            out.append(str(rng.randint(0, 99999)))
+        elif r < 0.12:
+            out.append(f"x_{rng.randint(0, 9)} = {rng.randint(1, 99)} * {rng.choice('abcnk')}^{rng.randint(2, 5)}")
+        elif r < 0.2:
+            out.append(rng.choice(_STEPS))
+        else:
+            out.append("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))))
+    return " ".join(out)
+
+
+def _paragraphs(rng: random.Random, words: int) -> str:
+    parts, left = [], words
+    while left > 0:
+        n = min(left, rng.randint(30, 90))
+        parts.append(_words(rng, n) + ".")
+        left -= n
+    return "\n\n".join(parts)
+
+
+def synthetic_conversation(rng: random.Random, i: int) -> dict:
+    """Reasoning-heavy: ~660 words (~2,000 tokens) of reasoning and answer per assistant turn; 20% with 2-3 turns."""
+    turns = 1 if rng.random() < 0.8 else rng.randint(2, 3)
+    messages = [{"role": "system", "content": "You are a helpful assistant."}] if rng.random() < 0.3 else []
+    for _ in range(turns):
+        messages.append({"role": "user", "content": _words(rng, rng.randint(20, 120)) + "?"})
+        reasoning_words = max(60, int(rng.gauss(560, 180)))
+        messages.append({
+            "role": "assistant",
+            "reasoning_content": _paragraphs(rng, reasoning_words),
+            "content": _paragraphs(rng, rng.randint(40, 160)),
+        })
+    return {"id": f"bench-{i}", "messages": messages}
+
+
+def write_corpus(folder: Path, conversations: int, files: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = [synthetic_conversation(rng, i) for i in range(conversations)]
+    folder.mkdir(parents=True, exist_ok=True)
+    per_file = -(-conversations // files)
+    for f in range(files):
+        with open(folder / f"part-{f:03d}.jsonl", "w") as out:
+            for row in rows[f * per_file : (f + 1) * per_file]:
+                out.write(json.dumps(row) + "\n")
+    return rows
+
+
+def raw_encode(rows: list[dict], tokenizer_dir: str, template_path: str | None, repeats: int) -> tuple[int, float]:
+    """(tokens, best seconds) of `encode_batch` over the exact texts the stage encodes, one process, no threads."""
+    from tokenizers import Tokenizer
+
+    from blockdraft.data.completions import RawRecord, normalise
+    from blockdraft.data.render import PlannedTurn, compile_chat_template, plan_turns
+    from blockdraft.data.tokenize import CONVERSATION_BATCH, _load_tokenizer
+
+    tokenizer_json, _, own_template = _load_tokenizer(tokenizer_dir)
+    template = compile_chat_template(Path(template_path).read_text() if template_path else own_template)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    texts = []
+    for i, row in enumerate(rows):
+        for p in plan_turns(normalise(RawRecord(i, row, "")), template, "auto"):
+            if isinstance(p, PlannedTurn):
+                texts.append(p.full)
+    batches = [texts[i : i + CONVERSATION_BATCH] for i in range(0, len(texts), CONVERSATION_BATCH)]
+    best, tokens = float("inf"), 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = sum(len(e.ids) for batch in batches for e in tokenizer.encode_batch(batch, add_special_tokens=False))
+        best = min(best, time.perf_counter() - start)
+    return tokens, best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--conversations", type=int, default=1600)
+    ap.add_argument("--files", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tokenizer", default=str(REPO / "tests/fixtures/qwen3-tokenizer"))
+    ap.add_argument("--chat-template", default=None)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
+    try:
+        run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    from blockdraft.config import load_config
+    from blockdraft.data.tokenize import tokenize_dataset
+
+    rows = write_corpus(work / "in", args.conversations, args.files)
+    tokens, raw_s = raw_encode(rows, args.tokenizer, args.chat_template, args.repeats)
+    raw_rate = tokens / raw_s
+    print(f"corpus: {len(rows)} conversations in {args.files} files, {tokens:,} row tokens "
+          f"({tokens / sum(1 for r in rows for m in r['messages'] if m['role'] == 'assistant'):,.0f} per row)")
+    print(f"raw encode_batch, 1 core:        {raw_rate / 1e6:.3f} M tok/s  ({raw_s:.2f} s)")
+
+    results = {}
+    for workers in (1, 2):
+        best = None
+        for r in range(args.repeats):
+            # No clipping, so every measurement counts the same tokens.
+            cfg = load_config(None, {"target": {"path": args.tokenizer}, "tokenize": {"workers": workers, "max_length": 1 << 20}})
+            out = work / f"out-{workers}-{r}"
+            s = tokenize_dataset(str(work / "in"), str(out), cfg, chat_template=args.chat_template)
+            assert s.report.state.value == "verified" and s.counts["tokens"] == tokens, (s.report.state, s.counts["tokens"], tokens)
+            if best is None or s.shard_phase_seconds < best.shard_phase_seconds:
+                best = s
+        results[workers] = best
+        per_core = tokens / sum(best.worker_seconds)
+        print(f"end-to-end, {workers} worker(s):       {tokens / best.shard_phase_seconds / 1e6:.3f} M tok/s wall "
+              f"({best.shard_phase_seconds:.2f} s shard phase, {best.seconds:.2f} s whole call incl. load+verify+commit), "
+              f"{per_core / 1e6:.3f} M tok/s per core, peak RSS per worker "
+              f"{', '.join(f'{m:.0f}' for m in best.worker_peak_rss_mib)} MiB")
+
+    per_core_e2e = tokens / sum(results[1].worker_seconds)
+    print(f"RATIO end-to-end / raw encode per core: {per_core_e2e / raw_rate:.3f}   (goal >= 0.75)")
+    print(f"RATIO 2 workers / 1 worker:             {results[1].shard_phase_seconds / results[2].shard_phase_seconds:.3f}   (goal >= 1.8)")
+    print(f"(load average now: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
+
+
+if __name__ == "__main__":
+    main()
