@@ -23,6 +23,8 @@ from blockdraft.store.status import render_progress, status
 from blockdraft.store.transfer import push
 from s3server import RO_SECRET_KEY, SECRET_KEY
 
+pytestmark = pytest.mark.s3
+
 MIB = 1024 * 1024
 WRONG_SECRET = "wrong-sEcReT-that-must-never-appear-0000"
 SMALL_PARTS = StoreConfig(part_size_mib=5, concurrency=2)
@@ -144,7 +146,7 @@ def test_server_killed_mid_push_then_rerun_completes_without_reuploading(own_s3_
         monkeypatch.setenv(key, value)
     bucket = "killtest"
     server.client().create_bucket(Bucket=bucket)
-    files = {f"shard-{i}.arrow": os.urandom(6 * MIB) for i in range(8)}
+    files = {f"shard-{i:02d}.arrow": os.urandom(6 * MIB) for i in range(12)}
     local = make_artifact(tmp_path / "tok", files, kind="tokenized")
     url = f"s3://{bucket}/tok"
     env = {**os.environ, "COLUMNS": "400"}

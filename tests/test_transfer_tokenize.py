@@ -15,6 +15,8 @@ from blockdraft.store import StoreError, open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
 from blockdraft.store.transfer import pull
 
+pytestmark = pytest.mark.s3
+
 TOKENIZER_DIR = Path(__file__).parent / "fixtures" / "qwen3-tokenizer"
 
 
