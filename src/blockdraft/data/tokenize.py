@@ -18,6 +18,7 @@ reads back with the recorded size and checksum; anything else is redone from scr
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -32,6 +33,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,8 +129,9 @@ class ShardTask:
 class TokenizeSummary:
     """What a tokenize run left at the destination, as verified there (`report`).
 
-    Timings (seconds) are of this call: `shard_phase_seconds` wall time of the shards it ran, `worker_seconds` one
-    per shard it ran (time inside the worker), `worker_peak_rss_mib` that worker's peak resident memory.
+    Timings (seconds) are of this call: `shard_phase_seconds` wall time of the shards it ran; per shard it ran,
+    `worker_seconds` (wall) and `worker_cpu_seconds` (CPU) inside the worker and `worker_peak_rss_mib`, that worker's
+    peak resident memory.
     """
 
     output: str
@@ -143,6 +146,7 @@ class TokenizeSummary:
     seconds: float = 0.0
     shard_phase_seconds: float = 0.0
     worker_seconds: list[float] = field(default_factory=list)
+    worker_cpu_seconds: list[float] = field(default_factory=list)
     worker_peak_rss_mib: list[float] = field(default_factory=list)
 
 
@@ -245,6 +249,7 @@ def _eot_id(tokenizer_json: str, token: str) -> int:
     return token_id
 
 
+@functools.lru_cache(maxsize=1)
 def output_schema() -> pa.Schema:
     """The Arrow schema of the rows, with the `datasets` feature metadata so `load_from_disk` restores the types."""
     import datasets
@@ -402,7 +407,7 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = No
         def progress(nbytes: int, rows: int, tokens: int) -> None:
             q.put((nbytes, rows, tokens))
 
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     if _WORKER.get("key") != settings.tools_key:
         raise RuntimeError("tokenize_shard called in a process without this run's tokenizer and template installed")
     tokenizer, template = _WORKER["tools"]
@@ -452,6 +457,7 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = No
     _write_atomic(out / RECORDS_DIR / f"{task.name}.json", json.dumps(record, indent=1, sort_keys=True).encode())
     record["peak_rss_mib"] = _peak_rss_mib()
     record["seconds"] = time.monotonic() - started
+    record["cpu_seconds"] = time.process_time() - cpu_started
     return record
 
 
@@ -643,16 +649,19 @@ def _write_split_metadata(out: Path, records: list[dict[str, Any]], schema: pa.S
     return written
 
 
-def _lock_output(out_dir: Path) -> int:
+@contextlib.contextmanager
+def _output_lock(out_dir: Path) -> Iterator[None]:
     """An exclusive lock on the output folder for this run (released when the process dies, even by SIGKILL)."""
     (out_dir / RECORDS_DIR).mkdir(parents=True, exist_ok=True)
     fd = os.open(out_dir / RECORDS_DIR / "lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"another tokenize is writing {out_dir}; wait for it to finish or pick another OUTPUT") from None
+        yield
+    finally:
         os.close(fd)
-        raise ConfigError(f"another tokenize is writing {out_dir}; wait for it to finish or pick another OUTPUT") from None
-    return fd
 
 
 def _merge_counts(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -751,7 +760,40 @@ def tokenize_dataset(
         summary.output, summary.report = pushed.destination, pushed.verify
         return summary
     started = time.monotonic()
-    progress = progress or TokenizeProgress()
+    run = _prepare(input, output, config, tokenizer, chat_template, progress or TokenizeProgress())
+    runner = _ShardRunner(config.tokenize.workers, run.src)
+    try:
+        with _output_lock(run.out_dir):
+            if not _already_committed(run):
+                records, pending = _resume(run)
+                _run_pending(run, runner, records, pending)
+                _commit(run, records)
+    finally:
+        runner.close()
+    run.summary.seconds = time.monotonic() - started
+    return run.summary
+
+
+@dataclass
+class _Run:
+    """One tokenize run, resolved: what it reads, what it writes, and the config digest its shards are keyed on."""
+
+    config: BlockdraftConfig
+    src: TokenizerSource
+    eot_id: int
+    digest: str
+    out_store: Store
+    out_dir: Path
+    in_store: Store
+    tasks: list[ShardTask]
+    lineage: list[InputRef]
+    run_config: dict[str, Any]
+    progress: TokenizeProgress
+    summary: TokenizeSummary
+
+
+def _prepare(input: str, output: str, config: BlockdraftConfig, tokenizer: str | None, chat_template: str | None,
+             progress: TokenizeProgress) -> _Run:
     opts = config.tokenize
     src, warnings = resolve_tokenizer(config, tokenizer, chat_template)
     for message in warnings:
@@ -760,35 +802,10 @@ def tokenize_dataset(
     digest = _config_digest(config, src, eot_id)
     out_store = open_store(output, config.store)
     out_dir = out_store.local_path()
-    assert out_dir is not None, "remote outputs are staged in a local folder above"
+    assert out_dir is not None, "remote outputs are staged in a local folder by tokenize_dataset"
     in_store, files, lineage = list_input(input, config.store)
-    runner = _ShardRunner(opts.workers, src)
-    try:
-        return _tokenize_locked(
-            config, src, eot_id, digest, out_store, out_dir, in_store, files, lineage, runner, progress, warnings, started
-        )
-    finally:
-        runner.close()
-
-
-def _tokenize_locked(
-    config: BlockdraftConfig,
-    src: TokenizerSource,
-    eot_id: int,
-    digest: str,
-    out_store: Store,
-    out_dir: Path,
-    in_store: Store,
-    files: list[tuple[str, int, str]],
-    lineage: list[InputRef],
-    runner: _ShardRunner,
-    progress: TokenizeProgress,
-    warnings: list[str],
-    started: float,
-) -> TokenizeSummary:
-    """The part of `tokenize_dataset` that holds the output lock: skip or redo each shard, then commit."""
-    opts = config.tokenize
     tasks = [ShardTask(i, f"shard-{i:05d}", key, size, checksum) for i, (key, size, checksum) in enumerate(files)]
+    matches = None if src.target_template_sha256 is None else src.target_template_sha256 == src.template.sha256
     run_config = {
         **config.resolved(),
         "tokenize_run": {
@@ -797,72 +814,79 @@ def _tokenize_locked(
             "template_sha256": src.template.sha256,
             "template_source": src.template_source,
             "target_template_sha256": src.target_template_sha256,
-            "template_matches_target": None if src.target_template_sha256 is None else src.target_template_sha256 == src.template.sha256,
+            "template_matches_target": matches,
             "tokenizer_sha256": src.tokenizer_sha256,
             "end_of_turn": opts.end_of_turn,
             "end_of_turn_id": eot_id,
             "split_rule": "held_out iff int(sha256(source_id)[:8 bytes], big-endian) < held_out_fraction * 2**64",
         },
     }
-    run_config["tokenize"].pop("workers")
+    run_config["tokenize"].pop("workers")  # how many processes ran does not change the rows
     summary = TokenizeSummary(
         output=out_store.url, report=VerifyReport(url=out_store.url, state=State.INCOMPLETE), counts={}, shards_total=len(tasks),
-        shards_skipped=0, already_committed=False, template_sha256=src.template.sha256,
-        template_matches_target=run_config["tokenize_run"]["template_matches_target"], warnings=warnings,
+        shards_skipped=0, already_committed=False, template_sha256=src.template.sha256, template_matches_target=matches,
+        warnings=warnings,
     )
+    return _Run(config, src, eot_id, digest, out_store, out_dir, in_store, tasks, lineage, run_config, progress, summary)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock = _lock_output(out_dir)
-    try:
-        existing = verify_artifact(out_store)
-        if existing.state is State.VERIFIED and existing.manifest is not None:
-            m = existing.manifest
-            same_run = m.kind == KIND and m.config.get("tokenize_run", {}).get("config_digest") == digest
-            if same_run and [ref.model_dump() for ref in m.lineage] == [ref.model_dump() for ref in lineage]:
-                # Already done with this config and these inputs: rewriting the manifest would only make dependents look stale.
-                summary.report, summary.counts, summary.already_committed = existing, m.counts, True
-                summary.shards_skipped = len(tasks)
-                summary.seconds = time.monotonic() - started
-                return summary
-        if (out_dir / MANIFEST_NAME).exists():
-            uncommit(out_store)
 
-        records: dict[str, dict[str, Any]] = {}
-        for task in tasks:
-            record = _record_matches(out_store, task, digest)
-            if record is not None:
-                records[task.name] = record
-        kept = {f["path"] for r in records.values() for f in [*r["files"], r["quarantine"]]}
-        kept |= {f"{RECORDS_DIR}/{name}.json" for name in records}
-        _clean_leftovers(out_dir, kept)
-        pending = [t for t in tasks if t.name not in records]
-        summary.shards_skipped = len(tasks) - len(pending)
-        progress.start(sum(t.size for t in pending), len(tasks), summary.shards_skipped)
+def _already_committed(run: _Run) -> bool:
+    """True (and the summary filled from the destination) when the output is verified for this very config and input."""
+    existing = verify_artifact(run.out_store)
+    m = existing.manifest
+    if existing.state is State.VERIFIED and m is not None and m.kind == KIND:
+        same_config = m.config.get("tokenize_run", {}).get("config_digest") == run.digest
+        if same_config and [ref.model_dump() for ref in m.lineage] == [ref.model_dump() for ref in run.lineage]:
+            # Rewriting the manifest would change its sha256 and make every dependent artifact look stale.
+            run.summary.report, run.summary.counts, run.summary.already_committed = existing, m.counts, True
+            run.summary.shards_skipped = len(run.tasks)
+            return True
+    return False
 
-        schema = output_schema()
-        settings = WorkerSettings(
-            tools_key=_tools_key(src.tokenizer_sha256, src.template), thinking=opts.thinking, max_length=opts.max_length,
-            held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, eot_id=eot_id, vocab_size=src.vocab_size,
-            config_digest=digest, input_url=in_store.url, store_settings=config.store.model_dump(mode="json"), output_dir=str(out_dir),
-            schema=schema,
-        )
-        shards_started = time.monotonic()
-        for record in runner.run(pending, settings, progress):
-            summary.worker_peak_rss_mib.append(record.pop("peak_rss_mib"))
-            summary.worker_seconds.append(record.pop("seconds"))
-            records[record["shard"]] = record
-        summary.shard_phase_seconds = time.monotonic() - shards_started
 
-        ordered = [records[t.name] for t in tasks]
-        metadata = _write_split_metadata(out_dir, ordered, schema)
-        entries = [FileEntry(path=f["path"], size=f["size"], checksum=f["checksum"]) for r in ordered for f in [*r["files"], r["quarantine"]]]
-        entries += [entry_for_local_file(out_dir, p) for p in metadata]
-        counts = _merge_counts(ordered)
-        counts["shards"] = len(tasks)
-        counts["held_out_fraction"] = opts.held_out_fraction
-        summary.counts = counts
-        summary.report = commit_artifact(out_store, KIND, entries, config=run_config, lineage=lineage, counts=counts)
-        summary.seconds = time.monotonic() - started
-        return summary
-    finally:
-        os.close(lock)
+def _resume(run: _Run) -> tuple[dict[str, dict[str, Any]], list[ShardTask]]:
+    """Uncommit, keep the shards whose records match this run, delete every other leftover; return (kept, pending)."""
+    if (run.out_dir / MANIFEST_NAME).exists():
+        uncommit(run.out_store)
+    records: dict[str, dict[str, Any]] = {}
+    for task in run.tasks:
+        record = _record_matches(run.out_store, task, run.digest)
+        if record is not None:
+            records[task.name] = record
+    kept = {f["path"] for r in records.values() for f in [*r["files"], r["quarantine"]]}
+    kept |= {f"{RECORDS_DIR}/{name}.json" for name in records}
+    _clean_leftovers(run.out_dir, kept)
+    pending = [t for t in run.tasks if t.name not in records]
+    run.summary.shards_skipped = len(run.tasks) - len(pending)
+    return records, pending
+
+
+def _run_pending(run: _Run, runner: _ShardRunner, records: dict[str, dict[str, Any]], pending: list[ShardTask]) -> None:
+    opts = run.config.tokenize
+    run.progress.start(sum(t.size for t in pending), len(run.tasks), run.summary.shards_skipped)
+    settings = WorkerSettings(
+        tools_key=_tools_key(run.src.tokenizer_sha256, run.src.template), thinking=opts.thinking, max_length=opts.max_length,
+        held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, eot_id=run.eot_id,
+        vocab_size=run.src.vocab_size, config_digest=run.digest, input_url=run.in_store.url,
+        store_settings=run.config.store.model_dump(mode="json"), output_dir=str(run.out_dir), schema=output_schema(),
+    )
+    started = time.monotonic()
+    for record in runner.run(pending, settings, run.progress):
+        run.summary.worker_peak_rss_mib.append(record.pop("peak_rss_mib"))
+        run.summary.worker_seconds.append(record.pop("seconds"))
+        run.summary.worker_cpu_seconds.append(record.pop("cpu_seconds"))
+        records[record["shard"]] = record
+    run.summary.shard_phase_seconds = time.monotonic() - started
+
+
+def _commit(run: _Run, records: dict[str, dict[str, Any]]) -> None:
+    """Split metadata, then the manifest via `commit_artifact` (which verifies every file at the destination first)."""
+    ordered = [records[t.name] for t in run.tasks]
+    metadata = _write_split_metadata(run.out_dir, ordered, output_schema())
+    entries = [FileEntry(path=f["path"], size=f["size"], checksum=f["checksum"]) for r in ordered for f in [*r["files"], r["quarantine"]]]
+    entries += [entry_for_local_file(run.out_dir, p) for p in metadata]
+    counts = _merge_counts(ordered)
+    counts["shards"] = len(run.tasks)
+    counts["held_out_fraction"] = run.config.tokenize.held_out_fraction
+    run.summary.counts = counts
+    run.summary.report = commit_artifact(run.out_store, KIND, entries, config=run.run_config, lineage=run.lineage, counts=counts)
