@@ -68,7 +68,9 @@ def test_pull_resumes_keeping_files_that_verify(dest, artifact, tmp_path):
     out.mkdir()
     (out / "shard-0.arrow").write_bytes((artifact / "shard-0.arrow").read_bytes())
     (out / "shard-1.arrow").write_bytes(b"partial leftover")
+    (out / ".tmp-shard-0.arrow.dead1234").write_bytes(b"left by a killed pull")
     got = pull(url, out, dest.settings)
+    assert not list(out.rglob(".tmp-*"))
     assert got.skipped == ["shard-0.arrow"]
     assert sorted(got.moved) == ["empty.txt", "meta/info.json", "shard-1.arrow"]
     assert (out / "shard-1.arrow").read_bytes() == (artifact / "shard-1.arrow").read_bytes()

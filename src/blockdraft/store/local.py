@@ -84,5 +84,14 @@ class LocalStore(Store):
         finally:
             tmp.unlink(missing_ok=True)
 
+    def abort_partial_uploads(self) -> int:
+        """Remove temp files left by a killed writer (a rename never happened, so they are nobody's data)."""
+        if not self.root.is_dir():
+            return 0
+        leftovers = [p for p in self.root.rglob(TMP_PREFIX + "*") if p.is_file()]
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+        return len(leftovers)
+
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)

@@ -170,6 +170,7 @@ def pull(url: str, local_dir: str | Path, settings: object | None = None) -> Tra
     if bad:
         raise _refuse(source.url, bad)
 
+    dest.abort_partial_uploads()  # temp files of an interrupted pull
     present = [_local_matches(dest.root / e.path, e) for e in manifest.files]
     todo = [e for e, ok in zip(manifest.files, present) if not ok]
     report.skipped = [e.path for e, ok in zip(manifest.files, present) if ok]
