@@ -26,9 +26,10 @@ from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
     ArtifactError,
     InputRef,
+    State,
+    VerifyReport,
     commit_artifact,
     entry_for_local_file,
-    manifest_input,
     raw_input,
     uncommit,
     verify_artifact,
@@ -164,11 +165,10 @@ class Checkpoint:
     template_sha256: str | None  # of the chat template its training rows were rendered with, from the data's manifest
 
 
-def _fetch(store: Store, dest: Path, names: Sequence[str]) -> None:
+def _fetch(store: Store, report: VerifyReport, dest: Path, names: Sequence[str]) -> None:
     """Copy the listed files of a verified remote artifact, checking each one's CRC64NVME on the bytes received."""
     from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
 
-    report = verify_artifact(store)
     listed = {e.path: e for e in report.manifest.files}
     for name in names:
         entry = listed[name]
@@ -220,7 +220,9 @@ def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoin
         if found is None:
             raise EvalError(f"{url} holds no committed checkpoint (no manifest, no verified step-* checkpoint); pass a checkpoint, a training output or an export")
         store, report = found.store, found.report
-    lineage = manifest_input(store)  # refuses anything that does not verify, naming the problem
+    if report.state is not State.VERIFIED:
+        raise ArtifactError(f"checkpoint {store.url} is {report.state.value}: {report.summary()}; fix or re-push it first")
+    lineage = InputRef(kind="manifest", url=store.url, sha256=report.manifest_sha256)
     kind = report.manifest.kind
     pinned_name = {CHECKPOINT_KIND: PINNED_CONFIG_NAME, EXPORT_KIND: PROVENANCE_NAME}.get(kind)
     if pinned_name is None:
@@ -232,7 +234,7 @@ def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoin
     folder = store.local_path()
     if folder is None:
         folder = workdir / "checkpoint"
-        _fetch(store, folder, needed)
+        _fetch(store, report, folder, needed)
     pinned = json.loads((folder / pinned_name).read_text())
     if kind == EXPORT_KIND:
         pinned = pinned.get("config") or {}
@@ -399,12 +401,14 @@ def _held_out_rows(root: Path):
 def prompts_from_tokenized(url: str, cfg: BlockdraftConfig, limit: int, workdir: Path) -> tuple[list[list[int]], InputRef]:
     """Prompts from the held-out split of a verified tokenized artifact: each row's ids before its first supervised token."""
     store = open_store(url, cfg.store)
-    lineage = manifest_input(store)
+    report = verify_artifact(store)
+    if report.state is not State.VERIFIED:
+        raise ArtifactError(f"prompts artifact {url} is {report.state.value}: {report.summary()}; fix or regenerate it first")
+    lineage = InputRef(kind="manifest", url=store.url, sha256=report.manifest_sha256)
     local = store.local_path()
     if local is None:
         local = workdir / "prompts"
-        local.mkdir(parents=True)
-        _fetch(store, local, [e.path for e in verify_artifact(store).manifest.files])
+        _fetch(store, report, local, [e.path for e in report.manifest.files])
     ds = _held_out_rows(local)
     if ds is None or len(ds) == 0:
         raise EvalError(f"tokenized artifact {url} has no held-out rows; tokenize with tokenize.held_out_fraction > 0 or pass --prompts FILE")
