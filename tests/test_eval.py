@@ -212,3 +212,10 @@ def test_divergences_are_reported_with_margin_and_fail_beyond_tolerance():
     lines = summary_lines(report)
     assert "lossless\tFAILED\t2 divergence(s)" in lines[1]
     assert "near-tie" in lines[2] and "ngram prompt 1 position 2" in lines[3] and "beyond tolerance" in lines[3]
+
+
+def test_eval_refuses_prompts_tokenized_for_another_model(tmp_path, golden_run, tokenized):
+    # Qwen3-tokenized held-out rows hold ids far beyond the golden target's 512-row embedding.
+    cfg = golden_config(tmp_path, train={"data": tokenized})
+    with pytest.raises(EvalError, match=r"prompt token id \d+ is outside the target's vocabulary \(0\.\.511\)"):
+        run_eval(cfg, str(golden_run))
