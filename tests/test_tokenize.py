@@ -351,3 +351,20 @@ def test_shards_are_streamed_in_bounded_record_batches_and_rotated(tmp_path):
             sizes = [b.num_rows for b in reader]
         assert max(sizes) <= 256 and sum(sizes) <= 300
     assert len(rows_of(tmp_path / "out")["train"]) == sum(1 + i % 3 for i in range(600))
+
+
+def test_a_completions_artifact_is_read_through_its_manifest_and_pinned_by_it(tmp_path):
+    from blockdraft.store.artifact import commit_artifact, entry_for_local_file
+
+    src = tmp_path / "completions"
+    write_jsonl(src / "shard-0.jsonl.zst", [conversation(i) for i in range(5)])
+    (src / "notes.txt").write_text("not a completions file")
+    commit_artifact(open_store(src), "completions", [entry_for_local_file(src, src / "shard-0.jsonl.zst")], config={"k": 1})
+    summary = tokenize_dataset(str(src), str(tmp_path / "out"), config())
+    assert summary.counts["rows_out"] == 5
+    manifest = read_manifest(open_store(tmp_path / "out"))[0]
+    [ref] = manifest.lineage
+    assert ref.kind == "manifest" and ref.sha256 == hashlib.sha256((src / MANIFEST_NAME).read_bytes()).hexdigest()
+    # The input artifact changes: the tokenized output is reported stale, by content, not by path or time.
+    commit_artifact(open_store(src), "completions", [entry_for_local_file(src, src / "shard-0.jsonl.zst")], config={"k": 2})
+    assert verify_artifact(open_store(tmp_path / "out"), check_inputs=True).state is State.STALE
