@@ -104,7 +104,7 @@ def run_speculative(
     began = time.perf_counter()
 
     # 1. Prefill: positions 0..P-1; the greedy token goes to position P; all P positions are the first new context.
-    logits, features = target.forward(prompt_t, 0)
+    logits, features = target.forward(prompt_t, 0, last_only=True)  # [1, 1, V]: P x V logits can be gigabytes
     tokens = prompt + [int(logits[0, -1].argmax())]
     prompt_len = len(prompt)
     max_length = prompt_len + max_new_tokens
