@@ -128,7 +128,7 @@ def iter_records(stream: BinaryIO, key: str, counter: list[int] | None = None) -
     for lineno, line in enumerate(buffered, 1):
         if counter is not None:
             counter[0] = reader.bytes_read
-        if not line.strip():
+        if not line or line.isspace():  # isspace stops at the first non-blank byte; strip would copy the line
             continue
         text = line.decode("utf-8", errors="replace").rstrip("\r\n")
         try:
