@@ -128,11 +128,12 @@ def _run(args: list[str], tmp: Path, check: bool = True) -> subprocess.Completed
     return proc
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_stay_in_sync_and_match_one_process(tmp_path, data_url):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     steps = 6
-    _run(["train", "--config", str(_config_file(one, data_url, max_steps=steps, batch_size=2))], one)
+    train(load_config(_config_file(one, data_url, max_steps=steps, batch_size=2)))
     # Two drafter devices -> `train` starts torchrun with two processes, one row per rank: the same global batch.
     cfg2 = _config_file(two, data_url, max_steps=steps, batch_size=1, drafters=["cpu", "cpu"])
     _run(["train", "--config", str(cfg2), "--nproc", "2"], two)
@@ -167,11 +168,12 @@ train(load_config(sys.argv[1]), step_callback=die)
 """
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupted_losses(tmp_path, data_url):
     steady, crashed = tmp_path / "steady", tmp_path / "crashed"
     steady.mkdir(), crashed.mkdir()
     settings = {"max_steps": 10, "checkpoint_every": 2, "batch_size": 1}
-    _run(["train", "--config", str(_config_file(steady, data_url, **settings))], steady)
+    train(load_config(_config_file(steady, data_url, **settings)))
 
     cfg = _config_file(crashed, data_url, **settings)
     (crashed / "killer.py").write_text(KILLER)
@@ -208,6 +210,10 @@ def test_train_refuses_unverified_data_and_mismatched_nproc(tmp_path, data_url):
     uncommit(open_store(broken))
     with pytest.raises(ArtifactError, match="incomplete"):
         train(load_config(_config_file(tmp_path, str(broken))))
-    proc = _run(["train", "--config", str(_config_file(tmp_path, data_url)), "--nproc", "2"], tmp_path, check=False)
-    assert proc.returncode == 2
-    assert "--nproc 2 but placement.drafter_devices lists 1" in proc.stderr
+    from typer.testing import CliRunner
+
+    from blockdraft.cli import app
+
+    result = CliRunner().invoke(app, ["train", "--config", str(_config_file(tmp_path, data_url)), "--nproc", "2"])
+    assert result.exit_code == 2
+    assert "--nproc 2 but placement.drafter_devices lists 1" in result.output

@@ -29,10 +29,10 @@ from blockdraft.config import BlockdraftConfig, ConfigError, load_config
 from blockdraft.model import DFlashDrafter, DrafterSpec, SpecError, TargetHead, TargetModel, load_target
 from blockdraft.store import Store, StoreError, open_store
 from blockdraft.store.artifact import ArtifactError
-from blockdraft.train.batch import anchor_generator, build_block_batch, expected_acceptance
+from blockdraft.train.batch import BlockBatch, anchor_generator, build_block_batch, expected_acceptance
 from blockdraft.train.checkpoint import find_resumable, load_checkpoint, save_checkpoint
 from blockdraft.train.data import TrainRows, load_train_rows, step_rows, steps_per_epoch
-from blockdraft.train.loss import block_loss
+from blockdraft.train.loss import LossOutput, block_loss
 from blockdraft.train.metrics import MetricsLog
 
 console = Console(stderr=True)
@@ -160,6 +160,37 @@ def _preflight(store: Store) -> None:
     preflight(store)
 
 
+def forward_backward(
+    model: nn.Module,
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    batch: BlockBatch,
+    features: torch.Tensor,
+    chunk_blocks: int,
+    grad_clip: float,
+) -> tuple[LossOutput, torch.Tensor]:
+    """One step's gradients: drafter forward (bf16 autocast on GPU), chunked loss, backward, clipping.
+
+    model is the drafter's `_DraftForward` (DDP-wrapped under torchrun); features [b, S, K*H] on the drafter's device.
+    Returns the loss and the total gradient norm before clipping; the caller steps the optimizer.
+    """
+    device = features.device
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    lm_dtype = head.lm_head_weight.dtype
+
+    def lm_head(hidden: torch.Tensor) -> torch.Tensor:
+        return head.logits(hidden.to(lm_dtype))
+
+    block_hidden = head.embed(batch.block_ids).float()
+    with autocast:
+        hidden = model(features.float(), block_hidden, batch.block_positions, batch.context_positions, batch.attention_mask)
+        out = block_loss(hidden, batch.labels, batch.weights, lm_head, drafter.spec.block_size, chunk_blocks)
+    for p in drafter.parameters():
+        p.grad = None
+    out.loss.backward()
+    return out, torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
+
+
 @dataclass
 class TrainResult:
     """steps: optimizer steps done in total; metrics: every step of this run (all ranks); drafter: the trained module;
@@ -233,14 +264,6 @@ def _train(config: BlockdraftConfig, place: RankPlacement, step_callback) -> Tra
     if start_step == 0 and is_main:
         log.start_fresh()
 
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if place.drafter_device.type == "cuda" else nullcontext()
-    )
-    lm_dtype = head.lm_head_weight.dtype
-
-    def lm_head(hidden: torch.Tensor) -> torch.Tensor:
-        return head.logits(hidden.to(lm_dtype))
-
     metrics: list[dict[str, Any]] = []
     last_url = None
     progress = _progress(is_main)
@@ -261,13 +284,7 @@ def _train(config: BlockdraftConfig, place: RankPlacement, step_callback) -> Tra
             features = target.features(
                 batch.input_ids.to(place.target_device), batch.attention_mask_context.long().to(place.target_device)
             ).to(place.drafter_device, torch.float32)
-            block_hidden = head.embed(batch.block_ids).float()
-            with autocast:
-                hidden = model(features, block_hidden, batch.block_positions, batch.context_positions, batch.attention_mask)
-                out = block_loss(hidden, batch.labels, batch.weights, lm_head, spec.block_size, tc.lm_head_chunk_blocks)
-            optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
+            out, grad_norm = forward_backward(model, drafter, head, batch, features, tc.lm_head_chunk_blocks, tc.grad_clip)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
@@ -416,4 +433,4 @@ def launch(config_path: str | None, nproc: int | None = None) -> int:
     return subprocess.call(command)
 
 
-__all__ = ["RankPlacement", "TrainResult", "launch", "parameter_fingerprint", "resolve_placement", "train", "warmup_cosine"]
+__all__ = ["RankPlacement", "TrainResult", "forward_backward", "launch", "parameter_fingerprint", "resolve_placement", "train", "warmup_cosine"]
