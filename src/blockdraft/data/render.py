@@ -50,24 +50,27 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """A compiled chat template. `sha256` is of the template text, recorded in the manifest."""
+    """A compiled chat template. `sha256` is of the template text, recorded in the manifest; `variables` are the
+    tokenizer's special tokens (`bos_token`, `eos_token`, ...), which templates may use, as Hugging Face passes them."""
 
     text: str
     sha256: str
+    variables: dict[str, str]
     _template: jinja2.Template
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool, enable_thinking: bool) -> str:
         return self._template.render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+            **self.variables, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
         )
 
 
-def compile_chat_template(text: str) -> ChatTemplate:
+def compile_chat_template(text: str, variables: dict[str, str] | None = None) -> ChatTemplate:
     """Compile Jinja chat-template text with the environment Hugging Face tokenizers use (trim/lstrip blocks, sandboxed)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    return ChatTemplate(text=text, sha256=hashlib.sha256(text.encode()).hexdigest(), _template=env.from_string(text))
+    return ChatTemplate(text=text, sha256=hashlib.sha256(text.encode()).hexdigest(), variables=dict(variables or {}),
+                        _template=env.from_string(text))
 
 
 @dataclass

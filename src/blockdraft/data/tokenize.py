@@ -91,7 +91,7 @@ class TokenizerSource:
     tokenizer_json: str
     tokenizer_sha256: str
     vocab_size: int
-    template: ChatTemplate
+    template: ChatTemplate  # compiled with the tokenizer's special tokens as variables
     template_source: str
     target_template_sha256: str | None
 
@@ -168,8 +168,11 @@ class TokenizeProgress:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_tokenizer(path: str) -> tuple[str, int, str | None]:
-    """(tokenizer JSON, vocabulary size, its own chat template) of a tokenizer folder; cached per process."""
+def _load_tokenizer(path: str) -> tuple[str, int, str | None, dict[str, str]]:
+    """(tokenizer JSON, vocabulary size, its own chat template, its special tokens by name) of a tokenizer folder.
+
+    Cached per process: loading converts vocab/merges when the folder has no tokenizer.json (seconds).
+    """
     if not Path(path).is_dir():
         raise ConfigError(f"tokenizer folder {path} does not exist; set target.path/target.tokenizer or pass --tokenizer DIR")
     from transformers import AutoTokenizer
@@ -181,7 +184,8 @@ def _load_tokenizer(path: str) -> tuple[str, int, str | None]:
     if not getattr(tok, "is_fast", False):
         raise ConfigError(f"the tokenizer in {path} has no fast (Rust) version; offsets need one, give a folder with tokenizer.json")
     template = tok.chat_template if isinstance(tok.chat_template, str) else None
-    return tok.backend_tokenizer.to_str(), len(tok), template
+    special = {name: str(value) for name, value in tok.special_tokens_map.items() if isinstance(value, str)}
+    return tok.backend_tokenizer.to_str(), len(tok), template, special
 
 
 def _read_template_file(path: str) -> str:
@@ -206,7 +210,7 @@ def resolve_tokenizer(cfg: BlockdraftConfig, tokenizer: str | None, chat_templat
     tok_path = tokenizer or cfg.target.tokenizer or cfg.target.path
     if not tok_path:
         raise ConfigError("no tokenizer: set target.path (or target.tokenizer) in the config, or pass --tokenizer DIR")
-    tokenizer_json, vocab_size, own_template = _load_tokenizer(str(tok_path))
+    tokenizer_json, vocab_size, own_template, special_tokens = _load_tokenizer(str(tok_path))
     target_text = _target_template(cfg)
     if chat_template:
         text, source = _read_template_file(chat_template), f"file {Path(chat_template).name}"
@@ -216,7 +220,7 @@ def resolve_tokenizer(cfg: BlockdraftConfig, tokenizer: str | None, chat_templat
         text, source = own_template, f"tokenizer {Path(tok_path).name}"
     else:
         raise ConfigError(f"the tokenizer in {tok_path} has no chat template; pass one with --chat-template FILE")
-    template = compile_chat_template(text)
+    template = compile_chat_template(text, special_tokens)
     target_sha = hashlib.sha256(target_text.encode()).hexdigest() if target_text is not None else None
     warnings = []
     if target_sha is None:
@@ -352,12 +356,12 @@ _WORKER: dict[str, Any] = {}
 
 
 def _tools_key(tokenizer_sha256: str, template: ChatTemplate) -> str:
-    return f"{tokenizer_sha256}:{template.sha256}"
+    return hashlib.sha256(json.dumps([tokenizer_sha256, template.sha256, template.variables], sort_keys=True).encode()).hexdigest()
 
 
-def _install_tools(tokenizer_json: str, template_text: str) -> None:
+def _install_tools(tokenizer_json: str, template_text: str, variables: dict[str, str]) -> None:
     """Build this process's tokenizer and compiled template once (a pool worker does it while the parent lists inputs)."""
-    template = compile_chat_template(template_text)
+    template = compile_chat_template(template_text, variables)
     key = _tools_key(hashlib.sha256(tokenizer_json.encode()).hexdigest(), template)
     if _WORKER.get("key") != key:
         from tokenizers import Tokenizer
@@ -365,7 +369,7 @@ def _install_tools(tokenizer_json: str, template_text: str) -> None:
         _WORKER["tools"], _WORKER["key"] = (Tokenizer.from_str(tokenizer_json), template), key
 
 
-def _worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, template_text: str) -> None:
+def _worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, template_text: str, variables: dict[str, str]) -> None:
     # The tokenizer's own thread pool deadlocks in forked children and does not scale on few cores: one process = one core.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER["queue"] = progress_queue
@@ -374,7 +378,7 @@ def _worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, temp
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent_pid:  # the parent died before the line above took effect
             os._exit(1)
-    _install_tools(tokenizer_json, template_text)
+    _install_tools(tokenizer_json, template_text, variables)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -581,7 +585,8 @@ def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> 
     """What the rows depend on (not `workers`): tokenize options, tokenizer, template, end-of-turn id, record format."""
     options = cfg.resolved()["tokenize"]
     options.pop("workers")
-    data = {"tokenize": options, "tokenizer": src.tokenizer_sha256, "template": src.template.sha256, "eot_id": eot_id, "format": RECORD_FORMAT}
+    data = {"tokenize": options, "tokenizer": src.tokenizer_sha256, "template": src.template.sha256,
+            "template_variables": src.template.variables, "eot_id": eot_id, "format": RECORD_FORMAT}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -688,13 +693,13 @@ class _ShardRunner:
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
         if workers <= 1:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            _install_tools(src.tokenizer_json, src.template.text)
+            _install_tools(src.tokenizer_json, src.template.text, src.template.variables)
             return
         ctx = multiprocessing.get_context("spawn")
         self.queue = ctx.Queue()
         self.pool = concurrent.futures.ProcessPoolExecutor(
             max_workers=workers, mp_context=ctx, initializer=_worker_init,
-            initargs=(self.queue, os.getpid(), src.tokenizer_json, src.template.text),
+            initargs=(self.queue, os.getpid(), src.tokenizer_json, src.template.text, src.template.variables),
         )
         # Ask for every worker now: the executor starts processes lazily otherwise.
         for _ in range(workers):
