@@ -260,12 +260,11 @@ def _train(config: BlockdraftConfig, place: RankPlacement, step_callback) -> Tra
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, total=total_steps))
 
     log = MetricsLog(Path(tc.log_dir))
-    start_step, resumed_from = _resume(out_store, config.store, drafter, optimizer, scheduler, identity, log, place)
+    start_step, resumed_from, last_url = _resume(out_store, config.store, drafter, optimizer, scheduler, identity, log, place)
     if start_step == 0 and is_main:
         log.start_fresh()
 
     metrics: list[dict[str, Any]] = []
-    last_url = None
     progress = _progress(is_main)
     with progress:
         task = progress.add_task("train", total=total_steps, completed=start_step)
@@ -368,14 +367,16 @@ def _push_checkpoint(
     return report.url
 
 
-def _resume(out_store, settings, drafter, optimizer, scheduler, identity, log: MetricsLog, place: RankPlacement) -> tuple[int, int | None]:
-    """Load the newest verified checkpoint into every rank; returns (start step, resumed step or None)."""
+def _resume(
+    out_store, settings, drafter, optimizer, scheduler, identity, log: MetricsLog, place: RankPlacement
+) -> tuple[int, int | None, str | None]:
+    """Load the newest verified checkpoint into every rank; returns (start step, resumed step or None, its URL or None)."""
     found = find_resumable(out_store)
     if place.rank == 0:
         for skipped in found.skipped if found else []:
             console.print(f"[yellow]not resuming from {skipped}[/]", highlight=False)
     if found is None:
-        return 0, None
+        return 0, None, None
     manifest = found.report.manifest
     if manifest.counts.get("run") != identity:
         old, new = manifest.counts.get("run") or {}, identity
@@ -395,9 +396,7 @@ def _resume(out_store, settings, drafter, optimizer, scheduler, identity, log: M
             console.print(f"resuming from verified checkpoint {found.store.url} (step {found.step})", highlight=False)
     finally:
         loaded.close()
-    return found.step, found.step
-
-
+    return found.step, found.step, found.store.url
 
 
 def launch(config_path: str | None, nproc: int | None = None) -> int:
@@ -416,12 +415,13 @@ def launch(config_path: str | None, nproc: int | None = None) -> int:
         except SpecError as exc:  # a drafter/target mismatch the user fixes in the config
             raise ConfigError(str(exc)) from None
         if int(os.environ.get("RANK", "0")) == 0:
-            last = result.metrics[-1] if result.metrics else {}
-            console.print(
-                f"trained {result.steps} steps; loss {last.get('loss', float('nan')):.4f}, "
-                f"tau estimate {last.get('tau_estimate', float('nan')):.2f}",
-                highlight=False,
-            )
+            if result.metrics:
+                last = result.metrics[-1]
+                console.print(
+                    f"trained {result.steps} steps; loss {last['loss']:.4f}, tau estimate {last['tau_estimate']:.2f}", highlight=False
+                )
+            else:
+                console.print(f"nothing to train: the verified checkpoint already holds all {result.steps} steps", highlight=False)
             print(result.checkpoint_url)
         return 0
     if config_path is None:
