@@ -608,14 +608,15 @@ def _record_matches(out: Store, task: ShardTask, digest: str) -> dict[str, Any] 
 
 
 def _clean_leftovers(out: Path, keep: set[str]) -> None:
-    """Remove temporary files of killed runs and any shard output no current record names."""
+    """Remove temporary files of killed runs, records that do not match this run, the files no kept record names,
+    and split metadata (rewritten at commit), so the folder holds nothing a reader could mix with this run's rows."""
     for sub in (*SPLITS, QUARANTINE_DIR, RECORDS_DIR):
         folder = out / sub
         if not folder.is_dir():
             continue
         for p in folder.iterdir():
             rel = f"{sub}/{p.name}"
-            if p.name.startswith(TMP_PREFIX) or (p.suffix in (".arrow", ".jsonl") and rel not in keep):
+            if p.name.startswith(TMP_PREFIX) or (p.suffix in (".arrow", ".jsonl", ".json") and rel not in keep):
                 p.unlink()
 
 
