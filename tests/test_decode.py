@@ -186,3 +186,31 @@ def test_hybrid_attention_target_is_refused():
     with pytest.raises(DecodeError, match="hybrid attention.*linear_attention"):
         check_rollback_supported(Qwen3NextConfig())
     check_rollback_supported(Qwen3Config())
+
+
+def test_cached_drafts_equal_a_fresh_full_context_draft_at_every_cycle():
+    """The drafter cache grows by the committed positions only: each cycle's draft equals one computed from scratch over
+    the target features of every committed position (features from one uncached target forward over the final text)."""
+    from blockdraft.decode.speculative import DFlashProposer
+    from blockdraft.model.target import TargetModel
+
+    target = _random_target(5, 64, 6, init=0.3)
+    drafter = _untrained_drafter(target, 4, 5)
+    head = TargetHead.from_target(target)
+    seen: list[tuple[int, list[int], list[int]]] = []
+
+    class Recording(DFlashProposer):
+        def propose(self, tokens, new_features, start):
+            drafts = super().propose(tokens, new_features, start)
+            seen.append((start, tokens[start], drafts))
+            return drafts
+
+    result = run_speculative(target, Recording(drafter, head), [3, 14, 15, 9, 26], 30)
+    features = TargetModel(target, drafter.spec.target_layer_ids).features(torch.tensor([result.tokens]))
+    assert len(seen) == len(result.acceptance_lengths) > 5
+    for start, anchor, drafts in seen:
+        block = torch.tensor([[anchor] + [drafter.spec.mask_token_id] * 3])
+        with torch.no_grad():
+            hidden = drafter(head.embed(block), drafter.project_context(features[:, :start]),
+                             torch.arange(start, start + 4)[None], torch.arange(start)[None])
+        assert head.logits(hidden[:, 1:]).argmax(-1)[0].tolist() == drafts
