@@ -108,13 +108,23 @@ class EvalConfig(_Section):
 
 
 class GenerateConfig(_Section):
+    """Regenerating completions with the target: `hf` runs it locally; `openai` calls vLLM/SGLang at `base_url` (.../v1).
+
+    `model` None: the served model (openai) or target.path (hf). `thinking` auto follows the dropped final turn (on when it
+    had reasoning), else the template's default. The API key is read from the environment variable `api_key_env`.
+    """
+
     engine: Literal["hf", "openai"] = "hf"
     base_url: str | None = None
     model: str | None = None
     max_new_tokens: int = Field(default=512, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
     concurrency: int = Field(default=8, ge=1)
     timeout_s: float = Field(default=120.0, gt=0)
     max_retries: int = Field(default=4, ge=0)
+    retry_backoff_s: float = Field(default=1.0, ge=0.0)
+    request_token_ids: bool = True
+    api_key_env: str = "OPENAI_API_KEY"
     batch_size: int = Field(default=8, ge=1)
     thinking: Literal["auto", "on", "off"] = "auto"
     rows_per_shard: int = Field(default=1000, ge=1)
