@@ -214,3 +214,19 @@ def test_cached_drafts_equal_a_fresh_full_context_draft_at_every_cycle():
             hidden = drafter(head.embed(block), drafter.project_context(features[:, :start]),
                              torch.arange(start, start + 4)[None], torch.arange(start)[None])
         assert head.logits(hidden[:, 1:]).argmax(-1)[0].tolist() == drafts
+
+
+def test_bf16_divergences_are_near_ties_within_the_bf16_tolerance(golden):
+    from blockdraft.config import BlockdraftConfig
+    from blockdraft.decode.eval import divergence_tolerance
+
+    tolerance = divergence_tolerance(BlockdraftConfig(), torch.bfloat16)
+    assert tolerance == BlockdraftConfig().eval.divergence_margin_bf16 > divergence_tolerance(BlockdraftConfig(), torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(GOLDEN / "target", dtype=torch.bfloat16).eval()
+    drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter", dtype=torch.bfloat16).eval()
+    head = TargetHead.from_target(target)
+    for i, case in enumerate(golden["decode"]):
+        reference = greedy_generate(target, case["prompt"], 40)
+        result = speculative_generate(target, drafter, head, case["prompt"], 40)
+        found = first_divergence("dflash", i, result, reference, tolerance)
+        assert found is None or found.tolerated, found
