@@ -510,7 +510,7 @@ def commit_report(
 # The stage
 
 
-def _timed_warmup(hf_model, proposer, prompt: list[int]) -> None:
+def _warm_up(hf_model, proposer, prompt: list[int]) -> None:
     """One short run of each path first, so one-time costs (allocations, kernel selection) do not land in one timing."""
     greedy_generate(hf_model, prompt, 2)
     run_speculative(hf_model, proposer, prompt, 2)
@@ -543,7 +543,7 @@ def evaluate(
         untrained = DFlashDrafter(spec).to(device=param.device, dtype=param.dtype).eval()
         makers["untrained"] = lambda: DFlashProposer(untrained, head)
 
-    _timed_warmup(hf_model, makers["dflash"](), list(prompts[0]))
+    _warm_up(hf_model, makers["dflash"](), list(prompts[0]))
     greedy: list[GreedyResult] = []
     spec_results: dict[str, list[SpecResult]] = {name: [] for name in makers}
     divergences: list[Divergence] = []
