@@ -131,14 +131,15 @@ def test_expected_acceptance():
     assert expected_acceptance([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
 
 
-def test_chunked_loss_equals_dense_loss_and_gradient():
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_loss_equals_dense_loss_and_gradient(bias):
     torch.manual_seed(0)
     b, n, bs, h, v = 2, 5, 4, 8, 33
-    head = torch.nn.Linear(h, v, bias=False)
+    head = torch.nn.Linear(h, v, bias=bias).requires_grad_(False)
     hidden = torch.randn(b, n * bs, h, requires_grad=True)
     labels = torch.randint(0, v, (b, n * bs))
     weights = torch.rand(b, n * bs) * (torch.arange(n * bs) % bs != 0)
-    out = block_loss(hidden, labels, weights, head, block_size=bs, chunk_blocks=2)
+    out = block_loss(hidden, labels, weights, head.weight, head.bias, block_size=bs, chunk_blocks=2)
     out.loss.backward()
     g_chunked = hidden.grad.clone()
     hidden.grad = None
@@ -154,8 +155,8 @@ def test_chunked_loss_equals_dense_loss_and_gradient():
 
 
 def test_all_padded_batch_has_zero_finite_loss():
-    head = torch.nn.Linear(4, 7, bias=False)
+    head = torch.nn.Linear(4, 7, bias=False).requires_grad_(False)
     hidden = torch.randn(1, 8, 4, requires_grad=True)
-    out = block_loss(hidden, torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8), head, block_size=4, chunk_blocks=1)
+    out = block_loss(hidden, torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8), head.weight, None, block_size=4, chunk_blocks=1)
     out.loss.backward()
     assert out.loss.item() == 0.0 and torch.isfinite(hidden.grad).all()

@@ -120,7 +120,7 @@ def test_short_and_long_rows_give_the_loss_of_each_alone_globally_normalised(gol
                                   mask_token_id=spec.mask_token_id, gamma=3.0, generators=gens)
         features = target.features(batch.input_ids, batch.attention_mask_context.long())
         hidden = _training_forward(drafter, head, features, batch)
-        return block_loss(hidden, batch.labels, batch.weights, head.logits, spec.block_size, chunk_blocks=3), batch
+        return block_loss(hidden, batch.labels, batch.weights, head.lm_head_weight, None, spec.block_size, chunk_blocks=3), batch
 
     both, batch = loss_of([short_ids, long_ids], [short_mask, long_mask], [anchor_generator(0, 0, 0), anchor_generator(0, 0, 1)])
     assert not batch.keep[0].all(), "the short row must get padded blocks"

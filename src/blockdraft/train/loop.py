@@ -176,15 +176,12 @@ def forward_backward(
     """
     device = features.device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    lm_dtype = head.lm_head_weight.dtype
-
-    def lm_head(hidden: torch.Tensor) -> torch.Tensor:
-        return head.logits(hidden.to(lm_dtype))
-
     block_hidden = head.embed(batch.block_ids).float()
     with autocast:
         hidden = model(features.float(), block_hidden, batch.block_positions, batch.context_positions, batch.attention_mask)
-        out = block_loss(hidden, batch.labels, batch.weights, lm_head, drafter.spec.block_size, chunk_blocks)
+        out = block_loss(
+            hidden, batch.labels, batch.weights, head.lm_head_weight, head.lm_head_bias, drafter.spec.block_size, chunk_blocks
+        )
     for p in drafter.parameters():
         p.grad = None
     out.loss.backward()

@@ -7,13 +7,11 @@ global batch, and so does gradient clipping.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -37,11 +35,39 @@ class LossOutput:
     slots: SlotStats
 
 
-def _chunk_ce(hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]):
-    logits = lm_head(hidden).float()  # [rows, V]
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    correct = (logits.argmax(dim=-1) == labels).float()
-    return (weights * ce).sum(), correct
+class _ChunkedHeadCE(torch.autograd.Function):
+    """sum(w * CE(hidden @ W^T + bias, labels)) with the LM head applied chunk by chunk, and argmax hits per row.
+
+    Each chunk's [rows, V] logits live only inside `forward`, which also computes that chunk's gradient with respect to
+    the hidden states ((softmax - onehot) * w @ W): backward only scales it. So the logits are never kept nor recomputed,
+    and the head costs one forward and one input-gradient matmul. W and bias are frozen (no gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, weights, chunk_rows):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        hits = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        for start in range(0, hidden.shape[0], chunk_rows):
+            sl = slice(start, start + chunk_rows)
+            logits = F.linear(hidden[sl].to(weight.dtype), weight, bias).float()  # [rows, V], matmul in the head's dtype
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, labels[sl, None])[:, 0]
+            total += (weights[sl] * (lse - picked)).sum()
+            hits[sl] = logits.argmax(dim=-1) == labels[sl]
+            if grad is not None:
+                probs = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of the logits
+                probs.scatter_add_(1, labels[sl, None], torch.full_like(picked[:, None], -1.0))
+                probs.mul_(weights[sl, None])
+                grad[sl] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(hits)
+        return total, hits
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_hits):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None
 
 
 def global_weight_sum(weights: torch.Tensor) -> torch.Tensor:
@@ -56,31 +82,22 @@ def block_loss(
     hidden: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
-    lm_head: Callable[[torch.Tensor], torch.Tensor],
+    head_weight: torch.Tensor,
+    head_bias: torch.Tensor | None,
     block_size: int,
     chunk_blocks: int,
 ) -> LossOutput:
     """Weighted CE of the drafter's block outputs, globally normalised.
 
-    hidden [b, Q, H] (after the drafter's final norm), labels [b, Q] long, weights [b, Q] float, Q = N*B.
-    The [chunk_blocks*B, V] logits of one chunk exist only inside a checkpointed call: they are recomputed in
-    backward rather than kept, so peak memory is one chunk's logits, not [Q, V] per row.
+    hidden [b, Q, H] (after the drafter's final norm), labels [b, Q] long, weights [b, Q] float, Q = N*B;
+    head_weight [V, H] (+ head_bias [V]) the frozen LM head. Peak extra memory is one chunk's logits
+    [chunk_blocks*B, V] in fp32, never [Q, V] per row.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     w = weights.reshape(-1).float()
-    rows = chunk_blocks * block_size
-    weighted_ce = h.new_zeros((), dtype=torch.float32)
-    correct = []
-    for start in range(0, h.shape[0], rows):
-        sl = slice(start, start + rows)
-        if h.requires_grad:
-            part, hit = checkpoint(_chunk_ce, h[sl], y[sl], w[sl], lm_head, use_reentrant=False)
-        else:
-            part, hit = _chunk_ce(h[sl], y[sl], w[sl], lm_head)
-        weighted_ce = weighted_ce + part
-        correct.append(hit.detach())
-    hits = torch.cat(correct).reshape(-1, block_size)[:, 1:]  # [b*N, B-1]
+    weighted_ce, hits = _ChunkedHeadCE.apply(h, head_weight, head_bias, y, w, chunk_blocks * block_size)
+    hits = hits.float().reshape(-1, block_size)[:, 1:]  # [b*N, B-1]
     supervised = (w.reshape(-1, block_size)[:, 1:] > 0).float()
     slots = SlotStats(correct=(hits * supervised).sum(0), total=supervised.sum(0))
 
