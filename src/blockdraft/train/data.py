@@ -7,9 +7,7 @@ resumed at any step consumes exactly the rows and anchors an uninterrupted run w
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,51 +16,53 @@ from blockdraft.store import open_store
 from blockdraft.store.artifact import ArtifactError, InputRef, State, verify_artifact
 
 TOKENIZED_KIND = "tokenized"
-
 TRAIN_SPLIT = "train"
 
 
 def _load_dataset(root: Path):
-    """The train rows under an artifact folder in `datasets.save_to_disk` layout: a DatasetDict with a train split,
-    a Dataset with a `split` column, or a `train/` sub-folder."""
-    from datasets import Dataset, DatasetDict, load_from_disk
+    """The train split of a tokenize output folder (`datasets.save_to_disk` layout of a DatasetDict, DATA.md)."""
+    from datasets import DatasetDict, load_from_disk
 
-    for candidate in (root, root / TRAIN_SPLIT):
-        if (candidate / "dataset_dict.json").is_file() or (candidate / "state.json").is_file():
-            ds = load_from_disk(str(candidate))
-            break
-    else:
-        raise ArtifactError(f"{root} holds no dataset saved with datasets.save_to_disk; pass a tokenized artifact as train.data")
-    if isinstance(ds, DatasetDict):
-        if TRAIN_SPLIT not in ds:
-            raise ArtifactError(f"tokenized artifact {root} has splits {sorted(ds)} but no '{TRAIN_SPLIT}'; re-run tokenize")
-        ds = ds[TRAIN_SPLIT]
-    assert isinstance(ds, Dataset)
-    if "split" in ds.column_names:
-        ds = ds.filter(lambda s: s == TRAIN_SPLIT, input_columns="split")
+    if not (root / "dataset_dict.json").is_file():
+        raise ArtifactError(f"{root} holds no DatasetDict saved by tokenize (no dataset_dict.json); pass a tokenized artifact as train.data")
+    ds = load_from_disk(str(root))
+    if not isinstance(ds, DatasetDict) or TRAIN_SPLIT not in ds:
+        raise ArtifactError(f"tokenized artifact {root} has no '{TRAIN_SPLIT}' split; re-run tokenize")
+    ds = ds[TRAIN_SPLIT]
     missing = {"input_ids", "loss_mask"} - set(ds.column_names)
     if missing:
         raise ArtifactError(f"tokenized artifact {root} lacks column(s) {sorted(missing)}; it is not a tokenize output")
     return ds.select_columns(["input_ids", "loss_mask"])
 
 
-@dataclass
 class TrainRows:
-    """The train rows in memory: ids and loss masks as lists of int tensors, plus the data artifact's lineage entry."""
+    """The train rows, memory-mapped from the artifact's Arrow files (read one row at a time, never all at once),
+    plus the data artifact's lineage entry."""
 
-    input_ids: list[torch.Tensor]
-    loss_mask: list[torch.Tensor]
-    lineage: InputRef
+    def __init__(self, dataset, lineage: InputRef, max_length: int) -> None:
+        self.dataset = dataset
+        self.lineage = lineage
+        self.max_length = max_length
 
     def __len__(self) -> int:
-        return len(self.input_ids)
+        return len(self.dataset)
 
     def row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.input_ids[index], self.loss_mask[index]
+        """(input_ids, loss_mask) [<= max_length] long of row `index`."""
+        r = self.dataset[index]
+        ids = torch.as_tensor(r["input_ids"][: self.max_length], dtype=torch.long)
+        return ids, torch.as_tensor(r["loss_mask"][: self.max_length], dtype=torch.long)
 
 
-def load_train_rows(url: str, store_settings: object, max_length: int) -> TrainRows:
-    """Verify the tokenized artifact at `url` (local or s3://), fetch it if remote, and load its train rows clipped to max_length."""
+def load_train_rows(
+    url: str, store_settings: object, max_length: int, cache_dir: Path, fetch: bool = True, wait: Callable[[], None] = lambda: None
+) -> TrainRows:
+    """Verify the tokenized artifact at `url` (local or s3://) and open its train rows, clipped to max_length.
+
+    A remote artifact is pulled (every checksum recomputed) into `cache_dir/data-<manifest digest>`, where a rerun
+    finds it already verified. Of the processes on one machine only the one with `fetch` pulls; every process then
+    calls `wait` (a barrier) before reading.
+    """
     store = open_store(url, store_settings)
     report = verify_artifact(store)
     if report.state is not State.VERIFIED:
@@ -71,23 +71,17 @@ def load_train_rows(url: str, store_settings: object, max_length: int) -> TrainR
         raise ArtifactError(f"train.data {store.url} is a '{report.manifest.kind}' artifact; point it at a tokenize output")
     lineage = InputRef(kind="manifest", url=store.url, sha256=report.manifest_sha256)
     local = store.local_path()
-    tmp = None
-    try:
-        if local is None:
-            from blockdraft.store.transfer import pull
+    if local is None:
+        from blockdraft.store.transfer import pull
 
-            tmp = Path(tempfile.mkdtemp(prefix="blockdraft-data-"))
-            pull(url, tmp, store_settings)
-            local = tmp
-        ds = _load_dataset(local).with_format("torch")
-        ids = [r[:max_length].long() for r in ds["input_ids"]]
-        mask = [r[:max_length].long() for r in ds["loss_mask"]]
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if not ids:
+        local = cache_dir / f"data-{report.manifest_sha256[:16]}"
+        if fetch:
+            pull(url, local, store_settings)
+    wait()
+    dataset = _load_dataset(local)
+    if len(dataset) == 0:
         raise ArtifactError(f"tokenized artifact {url} has no train rows; tokenize more data or lower tokenize.held_out_fraction")
-    return TrainRows(ids, mask, lineage)
+    return TrainRows(dataset, lineage, max_length)
 
 
 def steps_per_epoch(num_rows: int, global_batch: int) -> int:

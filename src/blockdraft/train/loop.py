@@ -236,7 +236,9 @@ def _train(config: BlockdraftConfig, place: RankPlacement, step_callback) -> Tra
     if is_main:
         _preflight(out_store)
 
-    rows: TrainRows = load_train_rows(tc.data, config.store, tc.max_length)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    barrier = dist.barrier if place.world_size > 1 else (lambda: None)
+    rows: TrainRows = load_train_rows(tc.data, config.store, tc.max_length, Path(tc.log_dir), local_rank == 0, barrier)
     hf_target = load_target(config.target.path, place.target_device, config.target.dtype)
     spec = DrafterSpec.from_target_config(hf_target.config, config.dflash)
     target = TargetModel(hf_target, spec.target_layer_ids)
