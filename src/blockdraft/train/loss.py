@@ -39,7 +39,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
     """sum(w * CE(hidden @ W^T + bias, labels)) with the LM head applied chunk by chunk, and argmax hits per row.
 
     Each chunk's [rows, V] logits live only inside `forward`, which also computes that chunk's gradient with respect to
-    the hidden states ((softmax - onehot) * w @ W): backward only scales it. So the logits are never kept nor recomputed,
+    the hidden states (w * (softmax @ W - W[label])): backward only scales it. So the logits are never kept nor recomputed,
     and the head costs one forward and one input-gradient matmul. W and bias are frozen (no gradient).
     """
 
@@ -56,10 +56,10 @@ class _ChunkedHeadCE(torch.autograd.Function):
             total += (weights[sl] * (lse - picked)).sum()
             hits[sl] = logits.argmax(dim=-1) == labels[sl]
             if grad is not None:
-                probs = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of the logits
-                probs.scatter_add_(1, labels[sl, None], torch.full_like(picked[:, None], -1.0))
-                probs.mul_(weights[sl, None])
-                grad[sl] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+                # d(w * CE)/dh = w * (softmax @ W - W[label]); the one-hot part is a row lookup, not a scatter.
+                probs = torch.exp(logits.sub_(lse[:, None])).mul_(weights[sl, None])  # in place of the logits
+                grad_chunk = probs.to(weight.dtype) @ weight - weights[sl, None].to(weight.dtype) * weight[labels[sl]]
+                grad[sl] = grad_chunk.to(hidden.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(hits)
         return total, hits
