@@ -6,20 +6,27 @@ against `s5cmd cp` down, for one artifact of about 1 GiB in several files.
 Each transfer runs in its own child process, whose peak RSS (VmHWM) is sampled while it runs. blockdraft's time
 is the library call (`push` / `pull`, verification included) timed inside the child, without interpreter
 start-up; s5cmd's is the whole process (it starts in milliseconds). Ratios are throughput ratios
-(blockdraft MB/s ÷ s5cmd MB/s, best run of each): above 1.0 blockdraft is faster.
+(blockdraft MB/s ÷ s5cmd MB/s, best run of each): above 1.0 blockdraft is faster. CPU s/GiB (user+sys of
+the client process, from wait4) is less sensitive to a busy machine than wall time.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shutil
-import subprocess
+import os.path
 import sys
-import tempfile
-import time
-from pathlib import Path
+
+# bench/ holds a tokenize.py (the tokenize benchmark) that would shadow the standard library's tokenize.
+_HERE = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _HERE]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -54,22 +61,26 @@ def _peak_rss_mib(pid: int) -> int | None:
     return None
 
 
-def run_measured(argv: list[str], env: dict[str, str]) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS in MiB sampled every 10 ms, stdout) of one child process."""
+def run_measured(argv: list[str], env: dict[str, str]) -> tuple[float, int, float, str]:
+    """(wall seconds, peak RSS MiB sampled every 10 ms, CPU seconds user+sys, stdout) of one child process."""
     os.sync()
     out = tempfile.TemporaryFile()
     start = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     peak = 0
-    while proc.poll() is None:
+    while True:
         peak = max(peak, _peak_rss_mib(proc.pid) or 0)
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
         time.sleep(0.01)
     seconds = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
     out.seek(0)
     text = out.read().decode()
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[0]} failed ({proc.returncode}): {text[-2000:]}")
-    return seconds, peak, text
+    return seconds, peak, usage.ru_utime + usage.ru_stime, text
 
 
 def make_artifact(root: Path, total: int, files: int) -> int:
@@ -109,35 +120,48 @@ def main() -> None:
             total = make_artifact(local, int(args.gib * 1024 * MIB), args.files)
             shards = str(local / "shard-*")
             me = [sys.executable, str(Path(__file__).resolve()), "--child"]
-            results: dict[str, list[tuple[float, int]]] = {k: [] for k in ("push", "s5cmd_up", "pull", "s5cmd_down")}
-            for rep in range(args.repeats):
-                # Fresh destinations each round, so nothing is skipped as already verified.
-                t, rss, _ = run_measured([s5cmd, "--endpoint-url", server.endpoint, "cp", shards, f"s3://bench/s5-{rep}/"], env)
-                results["s5cmd_up"].append((t, rss))
-                _, rss, out = run_measured(me + ["push", str(local), f"s3://bench/bd-{rep}"], env)
-                results["push"].append((json.loads(out.strip().splitlines()[-1])["seconds"], rss))
+            results: dict[str, list[tuple[float, int, float]]] = {k: [] for k in ("push", "s5cmd_up", "pull", "s5cmd_down")}
 
+            def ours(op: str, src: str, dst: str) -> tuple[float, int, float]:
+                _, rss, cpu, out = run_measured(me + [op, src, dst], env)
+                return json.loads(out.strip().splitlines()[-1])["seconds"], rss, cpu
+
+            def s5(src: str, dst: str) -> tuple[float, int, float]:
+                seconds, rss, cpu, _ = run_measured([s5cmd, "--endpoint-url", server.endpoint, "cp", src, dst], env)
+                return seconds, rss, cpu
+
+            def s5_down(rep: int) -> None:
                 down = work / f"down-s5-{rep}"
-                t, rss, _ = run_measured([s5cmd, "--endpoint-url", server.endpoint, "cp", f"s3://bench/s5-{rep}/*", f"{down}/"], env)
-                results["s5cmd_down"].append((t, rss))
+                results["s5cmd_down"].append(s5(f"s3://bench/s5-{rep}/*", f"{down}/"))
                 shutil.rmtree(down)
+
+            def our_pull(rep: int) -> None:
                 pulled = work / f"down-bd-{rep}"
-                _, rss, out = run_measured(me + ["pull", f"s3://bench/bd-{rep}", str(pulled)], env)
-                results["pull"].append((json.loads(out.strip().splitlines()[-1])["seconds"], rss))
+                results["pull"].append(ours("pull", f"s3://bench/bd-{rep}", str(pulled)))
                 shutil.rmtree(pulled)
+
+            for rep in range(args.repeats):
+                # Fresh destinations each round (nothing is skipped as already verified); the order alternates so
+                # neither tool always runs right after the server has just absorbed an upload.
+                up = [lambda: results["s5cmd_up"].append(s5(shards, f"s3://bench/s5-{rep}/"))]
+                up.append(lambda: results["push"].append(ours("push", str(local), f"s3://bench/bd-{rep}")))
+                down = [lambda: s5_down(rep), lambda: our_pull(rep)]
+                for step in (up + down) if rep % 2 == 0 else (up[::-1] + down[::-1]):
+                    step()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    def best(name: str) -> tuple[float, int]:
-        seconds = min(t for t, _ in results[name])
-        return total / seconds / 1e6, max(r for _, r in results[name])
+    def best(name: str) -> tuple[float, int, float]:
+        """(MB/s of the fastest run, peak RSS MiB over runs, CPU seconds per GiB of the fastest run)."""
+        seconds, _, cpu = min(results[name])
+        return total / seconds / 1e6, max(r for _, r, _ in results[name]), cpu / (total / 1024**3)
 
     print(f"artifact: {total / MIB:.0f} MiB in {args.files} files; best of {args.repeats}; MB/s = 1e6 bytes/s")
-    print(f"{'transfer':<22}{'MB/s':>8}{'peak RSS MiB':>14}   all runs (s)")
+    print(f"{'transfer':<18}{'MB/s':>7}{'peak RSS MiB':>14}{'CPU s/GiB':>11}   all runs (s)")
     for name, label in [("push", "push + verify"), ("s5cmd_up", "s5cmd cp up"), ("pull", "pull + verify"), ("s5cmd_down", "s5cmd cp down")]:
-        rate, rss = best(name)
-        runs = " ".join(f"{t:.2f}" for t, _ in results[name])
-        print(f"{label:<22}{rate:>8.0f}{rss:>14}   {runs}")
+        rate, rss, cpu = best(name)
+        runs = " ".join(f"{t:.2f}" for t, _, _ in results[name])
+        print(f"{label:<18}{rate:>7.0f}{rss:>14}{cpu:>11.2f}   {runs}")
     print(f"ratio push+verify / s5cmd up:   {best('push')[0] / best('s5cmd_up')[0]:.2f} (target >= 1.0)")
     print(f"ratio pull+verify / s5cmd down: {best('pull')[0] / best('s5cmd_down')[0]:.2f} (target >= 0.6)")
 

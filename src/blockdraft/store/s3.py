@@ -335,10 +335,11 @@ class S3Store(Store):
     # ---- downloads ----
 
     def get_file(self, key: str, local_path: Path) -> tuple[int, str]:
-        """Ranged GETs on the shared pool into a preallocated temp file, renamed when whole.
+        """Ranged GETs on the shared pool, written at their offsets into a temp file renamed when whole.
 
-        Returns (size, base64 CRC64NVME) of the bytes received. Preallocation makes a full disk fail
-        before any transfer; If-Match pins every range to the same object version.
+        Returns (size, base64 CRC64NVME) of the bytes received. If-Match pins every range to the same object
+        version. No preallocation: writing into fallocated (unwritten) ext4 extents measured 2-3x slower here;
+        `pull` checks free space before it starts instead.
         """
         info = self._call("reading metadata of", key, self.conn.client.head_object, Key=self._key(key))
         size, etag = info["ContentLength"], info.get("ETag")
@@ -348,8 +349,6 @@ class S3Store(Store):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         part_size = self.conn.part_size
         try:
-            if size:
-                os.posix_fallocate(fd, 0, size)
             ranges = [(off, min(part_size, size - off)) for off in range(0, size, part_size)]
             futures = [self.conn.pool.submit(self._get_range, key, etag, fd, off, length) for off, length in ranges]
             try:
