@@ -21,7 +21,7 @@ import torch
 
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead
 from blockdraft.train.batch import anchor_generator, build_block_batch
-from blockdraft.train.loop import _DraftForward, forward_backward
+from blockdraft.train.loop import DraftForward, forward_backward
 
 PRESETS = {
     "cpu-small": dict(layers=2, hidden=256, heads=8, kv_heads=4, intermediate=768, vocab=8192, seq_len=512, anchors=64,
@@ -96,7 +96,7 @@ def main() -> None:
     embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size).to(device, head_dtype)
     lm_head = torch.nn.Linear(spec.hidden_size, spec.vocab_size, bias=False).to(device, head_dtype)
     head = TargetHead(embed, lm_head, device)
-    model = _DraftForward(drafter)
+    model = DraftForward(drafter)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
 
     s, n = cfg["seq_len"], cfg["anchors"]

@@ -14,7 +14,7 @@ import torch
 
 from blockdraft.model import DFlashDrafter, DraftCache, TargetHead, TargetModel, draft_step, load_target
 from blockdraft.train.batch import anchor_generator, build_block_batch, sample_anchors
-from blockdraft.train.loop import _DraftForward
+from blockdraft.train.loop import DraftForward
 from blockdraft.train.loss import block_loss
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
@@ -35,7 +35,7 @@ def _row(length: int, seed: int) -> torch.Tensor:
 
 def _training_forward(drafter, head, features, batch):
     block_hidden = head.embed(batch.block_ids)
-    return _DraftForward(drafter)(features, block_hidden, batch.block_positions, batch.context_positions, batch.attention_mask)
+    return DraftForward(drafter)(features, block_hidden, batch.block_positions, batch.context_positions, batch.attention_mask)
 
 
 def _batch(rows, masks, num_anchors, spec, epoch=0):

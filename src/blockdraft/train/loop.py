@@ -42,22 +42,26 @@ console = Console(stderr=True)
 class RankPlacement:
     rank: int
     world_size: int
+    local_rank: int
     drafter_device: torch.device
     target_device: torch.device
 
 
 def resolve_placement(config: BlockdraftConfig) -> RankPlacement:
-    """This process's devices: drafter_devices[rank], and target_devices[rank] (one each) or the single target device."""
+    """This process's devices: drafter_devices[local rank], and target_devices[local rank] (one each) or the single
+    target device. The device lists describe one machine; torchrun across machines runs the same lists on each."""
     drafters, targets = config.placement.drafter_devices, config.placement.target_devices
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world != len(drafters):
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if local_world != len(drafters):
         raise ConfigError(
-            f"placement.drafter_devices lists {len(drafters)} device(s) but {world} process(es) run; "
+            f"placement.drafter_devices lists {len(drafters)} device(s) but {local_world} process(es) run on this machine; "
             f"launch one process per drafter device (blockdraft train --nproc {len(drafters)})"
         )
     if len(targets) == len(drafters):
-        target = targets[rank]
+        target = targets[local_rank]
     elif len(targets) == 1:
         target = targets[0]
     else:
@@ -65,10 +69,10 @@ def resolve_placement(config: BlockdraftConfig) -> RankPlacement:
             f"placement.target_devices lists {len(targets)} devices for {len(drafters)} drafter devices; "
             "give one target device per drafter device, or a single one that every rank uses"
         )
-    return RankPlacement(rank, world, torch.device(drafters[rank]), torch.device(target))
+    return RankPlacement(rank, world, local_rank, torch.device(drafters[local_rank]), torch.device(target))
 
 
-class _DraftForward(nn.Module):
+class DraftForward(nn.Module):
     """The drafter's whole differentiable path in one forward, so DDP sees every parameter use."""
 
     def __init__(self, drafter: DFlashDrafter) -> None:
@@ -171,7 +175,7 @@ def forward_backward(
 ) -> tuple[LossOutput, torch.Tensor]:
     """One step's gradients: drafter forward (bf16 autocast on GPU), chunked loss, backward, clipping.
 
-    model is the drafter's `_DraftForward` (DDP-wrapped under torchrun); features [b, S, K*H] on the drafter's device.
+    model is the drafter's `DraftForward` (DDP-wrapped under torchrun); features [b, S, K*H] on the drafter's device.
     Returns the loss and the total gradient norm before clipping; the caller steps the optimizer.
     """
     device = features.device
@@ -236,9 +240,8 @@ def _train(config: BlockdraftConfig, place: RankPlacement, step_callback) -> Tra
     if is_main:
         _preflight(out_store)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     barrier = dist.barrier if place.world_size > 1 else (lambda: None)
-    rows: TrainRows = load_train_rows(tc.data, config.store, tc.max_length, Path(tc.log_dir), local_rank == 0, barrier)
+    rows: TrainRows = load_train_rows(tc.data, config.store, tc.max_length, Path(tc.log_dir), place.local_rank == 0, barrier)
     hf_target = load_target(config.target.path, place.target_device, config.target.dtype)
     spec = DrafterSpec.from_target_config(hf_target.config, config.dflash)
     target = TargetModel(hf_target, spec.target_layer_ids)
@@ -248,7 +251,7 @@ def _train(config: BlockdraftConfig, place: RankPlacement, step_callback) -> Tra
 
     torch.manual_seed(tc.seed)
     drafter = DFlashDrafter(spec).to(place.drafter_device)
-    model: nn.Module = _DraftForward(drafter)
+    model: nn.Module = DraftForward(drafter)
     if place.world_size > 1:
         device_ids = [place.drafter_device] if place.drafter_device.type == "cuda" else None
         model = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
@@ -432,4 +435,4 @@ def launch(config_path: str | None, nproc: int | None = None) -> int:
     return subprocess.call(command)
 
 
-__all__ = ["RankPlacement", "TrainResult", "forward_backward", "launch", "parameter_fingerprint", "resolve_placement", "train", "warmup_cosine"]
+__all__ = ["DraftForward", "RankPlacement", "TrainResult", "forward_backward", "launch", "parameter_fingerprint", "resolve_placement", "train", "warmup_cosine"]
