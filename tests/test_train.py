@@ -6,6 +6,7 @@ Rows are the golden target's own greedy continuations (learnable, as regenerated
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -215,3 +216,22 @@ def test_train_refuses_unverified_data_and_mismatched_nproc(tmp_path, data_url):
     result = CliRunner().invoke(app, ["train", "--config", str(_config_file(tmp_path, data_url)), "--nproc", "2"])
     assert result.exit_code == 2
     assert "--nproc 2 but placement.drafter_devices lists 1" in result.output
+
+
+def test_trains_on_a_hybrid_attention_target(tmp_path, data_url):
+    """Qwen3.5-style target (linear attention, full attention every fourth layer): training needs only its hidden states."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hybrid")
+    cfg_path = _config_file(tmp_path, data_url, max_steps=3, checkpoint_every=3)
+    cfg_path.write_text(cfg_path.read_text().replace(f'path = "{GOLDEN_TARGET.as_posix()}"', f'path = "{(tmp_path / "hybrid").as_posix()}"'))
+    result = train(load_config(cfg_path))
+    assert all(math.isfinite(e["loss"]) for e in result.metrics) and len(result.metrics) == 3
+    pinned = json.loads((tmp_path / "ckpt" / checkpoint_key(3) / "blockdraft-config.json").read_text())
+    assert pinned["dflash"]["target_layer_ids"] == [3, 7]  # the full-attention layers' outputs
