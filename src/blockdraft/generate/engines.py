@@ -1,0 +1,291 @@
+"""Engines that complete prompts with the target: `hf` (local transformers, batched greedy) and `openai` (any
+OpenAI-compatible server: vLLM, SGLang, or `blockdraft.generate.server` in tests).
+
+An engine turns `Prompt`s into `Completion`s or `Failure`s and yields each as it finishes; it never drops one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import random
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# Statuses worth another try: the server is overloaded, restarting or timed out on its side.
+RETRYABLE_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class Prompt:
+    """One prompt: normalised messages ending with a user (or tool) turn; `enable_thinking` None = the template's default."""
+
+    id: str
+    messages: list[dict[str, Any]]
+    enable_thinking: bool | None = None
+
+
+@dataclass
+class Completion:
+    """The target's answer. Token ids, when known, are the exact prompt and completion (end-of-turn token included when it stopped)."""
+
+    id: str
+    content: str
+    reasoning_content: str
+    finish_reason: str
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+
+
+@dataclass
+class Failure:
+    """A prompt the engine could not complete: `reason` is a short code counted in the summary, `detail` one line."""
+
+    id: str
+    reason: str
+    detail: str
+    attempts: int
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning_content, content) of generated assistant text, split at `</think>` the way Qwen3 reasoning parsers do.
+
+    Handles both template families: the model emits `<think>` itself (Qwen3 hybrid) or the prompt already ends with it
+    (Qwen3.5/3.6), so the text starts inside the reasoning.
+    """
+    if "</think>" not in text:
+        return "", text.strip()
+    head, _, tail = text.partition("</think>")
+    return head.replace("<think>", "", 1).strip("\n"), tail.lstrip("\n")
+
+
+def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
+    kwargs = {} if prompt.enable_thinking is None else {"enable_thinking": prompt.enable_thinking}
+    return tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def greedy_generate(model: Any, tokenizer: Any, prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[Completion]:
+    """Complete `prompts` in one left-padded batch with `model.generate`; greedy unless `temperature` > 0.
+
+    The end-of-turn token is the generation config's eos (the tokenizer's as a fallback).
+    """
+    import torch
+
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+    encoded = [tokenizer(render_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(len(e) for e in encoded)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e) :] = torch.tensor(e)
+        attn[i, width - len(e) :] = 1
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids.to(model.device), attention_mask=attn.to(model.device), max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(eos_ids), pad_token_id=pad, **sampling,
+        )
+    results = []
+    for i, (prompt, e) in enumerate(zip(prompts, encoded)):
+        new = out[i, width:].tolist()
+        stop = next((k for k, t in enumerate(new) if t in eos_ids), None)
+        new = new[: stop + 1] if stop is not None else new
+        text = tokenizer.decode(new[:stop] if stop is not None else new, skip_special_tokens=True)
+        reasoning, content = split_reasoning(text)
+        results.append(Completion(prompt.id, content, reasoning, "stop" if stop is not None else "length", e, new))
+    return results
+
+
+class HFEngine:
+    """Local transformers generation for small targets: `batch_size` prompts per `generate` call, greedy by default."""
+
+    def __init__(self, model_path: str, tokenizer_path: str | None, dtype: str, max_new_tokens: int, batch_size: int,
+                 temperature: float = 0.0, device: str = "cpu") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.max_new_tokens = max_new_tokens
+        self.batch_size = batch_size
+        self.temperature = temperature
+
+    def run(self, prompts: Iterable[Prompt]) -> Iterator[Completion | Failure]:
+        batch: list[Prompt] = []
+        for prompt in prompts:
+            batch.append(prompt)
+            if len(batch) == self.batch_size:
+                yield from self._run_batch(batch)
+                batch = []
+        if batch:
+            yield from self._run_batch(batch)
+
+    def _run_batch(self, batch: list[Prompt]) -> Iterator[Completion | Failure]:
+        # A prompt the template rejects fails alone, not with its whole batch.
+        renderable: list[Prompt] = []
+        for prompt in batch:
+            try:
+                render_prompt(self.tokenizer, prompt)
+                renderable.append(prompt)
+            except Exception as exc:
+                yield Failure(prompt.id, "template_error", f"{type(exc).__name__}: {exc}"[:300], 1)
+        if renderable:
+            yield from greedy_generate(self.model, self.tokenizer, renderable, self.max_new_tokens, self.temperature)
+
+
+class RequestError(Exception):
+    def __init__(self, reason: str, detail: str, retryable: bool) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+        self.retryable = retryable
+
+
+def parse_chat_response(prompt_id: str, data: Any) -> Completion:
+    """A `Completion` from an OpenAI chat-completions response body.
+
+    Reads `reasoning_content` (vLLM/SGLang reasoning parsers; `reasoning` in newer vLLM), or splits an inline
+    `<think>` block when the server runs without a parser; token ids from vLLM's `return_token_ids`
+    (`prompt_token_ids` at the top level, `token_ids` in the choice).
+    """
+    try:
+        choice = data["choices"][0]
+        message = choice["message"]
+    except (KeyError, IndexError, TypeError):
+        raise RequestError("bad_response", "the response has no choices[0].message", retryable=True) from None
+    content = message.get("content") or ""
+    reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+    if not reasoning and "</think>" in content:
+        reasoning, content = split_reasoning(content)
+    prompt_ids = data.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    completion_ids = choice.get("token_ids")
+    if not (isinstance(prompt_ids, list) and isinstance(completion_ids, list)):
+        prompt_ids = completion_ids = None
+    return Completion(prompt_id, content, reasoning, choice.get("finish_reason") or "stop", prompt_ids, completion_ids)
+
+
+class OpenAIEngine:
+    """Chat completions from an OpenAI-compatible server.
+
+    At most `concurrency` requests in flight; each has a `timeout_s` deadline; 5xx/429/timeouts/connection errors are
+    retried up to `max_retries` times with exponential backoff (`backoff_s` * 2^attempt, jittered, capped at 30 s);
+    other 4xx answers are the prompt's fault and are not retried. The API key comes from the environment variable
+    `api_key_env` and is sent only in the Authorization header.
+    """
+
+    def __init__(self, base_url: str, model: str | None, max_new_tokens: int, concurrency: int, timeout_s: float,
+                 max_retries: int, backoff_s: float, temperature: float = 0.0, request_token_ids: bool = True,
+                 api_key_env: str = "OPENAI_API_KEY", seed: int = 0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.max_new_tokens = max_new_tokens
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.temperature = temperature
+        self.request_token_ids = request_token_ids
+        self._api_key = os.environ.get(api_key_env) or None
+        self._jitter = random.Random(seed)
+        self.model = model or self._served_model()
+
+    def _headers(self, prompt_id: str | None = None) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        if prompt_id is not None:
+            headers["X-Request-Id"] = prompt_id  # vLLM uses it as the request id in its logs
+        return headers
+
+    def _served_model(self) -> str:
+        from blockdraft.config import ConfigError
+
+        try:
+            data = self._call("GET", "/models", None, None)
+            return str(data["data"][0]["id"])
+        except (RequestError, KeyError, IndexError, TypeError) as exc:
+            detail = exc.detail if isinstance(exc, RequestError) else "no model listed"
+            raise ConfigError(
+                f"cannot ask {self.base_url}/models which model it serves ({detail}); start the server or set generate.model"
+            ) from None
+
+    def _call(self, method: str, path: str, body: dict | None, prompt_id: str | None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.base_url + path, data=data, method=method, headers=self._headers(prompt_id))
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            message = _error_message(exc)
+            raise RequestError(f"http_{exc.code}", f"HTTP {exc.code}: {message}", exc.code in RETRYABLE_STATUSES) from None
+        except (TimeoutError, socket.timeout):
+            raise RequestError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True) from None
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, (TimeoutError, socket.timeout)):
+                raise RequestError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True) from None
+            raise RequestError("connection", f"cannot reach {self.base_url}: {exc.reason}", retryable=True) from None
+        except (ConnectionError, http.client.HTTPException) as exc:
+            raise RequestError("connection", f"connection to {self.base_url} lost: {type(exc).__name__}", retryable=True) from None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise RequestError("bad_response", "the server answered with invalid JSON", retryable=True) from None
+
+    def request_body(self, prompt: Prompt) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model, "messages": prompt.messages, "max_tokens": self.max_new_tokens, "temperature": self.temperature,
+        }
+        if prompt.enable_thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": prompt.enable_thinking}
+        if self.request_token_ids:
+            body["return_token_ids"] = True
+        return body
+
+    def complete(self, prompt: Prompt) -> Completion | Failure:
+        """One prompt, with retries; never raises for a server or network problem."""
+        body = self.request_body(prompt)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return parse_chat_response(prompt.id, self._call("POST", "/chat/completions", body, prompt.id))
+            except RequestError as exc:
+                if not exc.retryable or attempt > self.max_retries:
+                    return Failure(prompt.id, exc.reason, exc.detail[:300], attempt)
+            delay = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempt - 1)) * (0.75 + 0.5 * self._jitter.random())
+            time.sleep(delay)
+
+    def run(self, prompts: Iterable[Prompt]) -> Iterator[Completion | Failure]:
+        """Results in completion order; at most `concurrency` requests in flight and 2x that many prompts held."""
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="generate") as pool:
+            pending: set[concurrent.futures.Future] = set()
+            for prompt in prompts:
+                pending.add(pool.submit(self.complete, prompt))
+                if len(pending) >= 2 * self.concurrency:
+                    done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                    for future in done:
+                        yield future.result()
+            for future in concurrent.futures.as_completed(pending):
+                yield future.result()
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    """The server's error message (OpenAI `{"error": {"message": ...}}` or FastAPI `{"detail": ...}`), one line."""
+    try:
+        body = json.loads(exc.read() or b"{}")
+    except (ValueError, OSError):
+        return exc.reason or "error"
+    if not isinstance(body, dict):
+        return exc.reason or "error"
+    error = body.get("error")
+    message = error.get("message") if isinstance(error, dict) else (error or body.get("detail") or body.get("message"))
+    return " ".join(str(message or exc.reason).split())[:200]
