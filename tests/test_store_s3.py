@@ -223,3 +223,15 @@ def test_pull_from_s3_is_refused_without_manifest(s3_bucket, s3_env, tmp_path):
     result = CliRunner().invoke(app, ["pull", f"s3://{s3_bucket}/half", str(tmp_path / "out")])
     assert result.exit_code == 2 and "no manifest" in result.stderr
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_objects_without_checksum_metadata_are_read_back_never_trusted(s3_bucket, s3_env, make_artifact, tmp_path):
+    """Another client uploaded a file without CRC64NVME: push reads it back, and skips it only because the bytes match."""
+    local = make_artifact(tmp_path / "a", {"same.bin": os.urandom(2 * MIB), "differs.bin": os.urandom(2 * MIB)})
+    raw = s3_env.client()
+    raw.put_object(Bucket=s3_bucket, Key="a/same.bin", Body=(local / "same.bin").read_bytes())
+    raw.put_object(Bucket=s3_bucket, Key="a/differs.bin", Body=os.urandom(2 * MIB))
+    assert open_store(f"s3://{s3_bucket}/a").head("same.bin").checksum is None
+    report = push(local, f"s3://{s3_bucket}/a", SMALL_PARTS)
+    assert report.skipped == ["same.bin"] and report.moved == ["differs.bin"]
+    assert report.verify.state is State.VERIFIED

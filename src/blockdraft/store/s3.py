@@ -134,10 +134,13 @@ def describe_error(exc: BaseException, url: str, endpoint: str | None, action: s
             f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE / store.profile "
             "naming a profile in ~/.aws/credentials"
         )
-    if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ConnectionClosedError)):
-        return StoreError(f"S3 endpoint {where} unreachable while {action} ({type(exc).__name__}); check store.endpoint_url / AWS_ENDPOINT_URL and that the server runs")
     if isinstance(exc, bex.ReadTimeoutError):
         return StoreError(f"S3 endpoint {where} stopped answering while {action} (read timeout); retry, or check the server")
+    if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ConnectionClosedError, bex.HTTPClientError)):
+        return StoreError(
+            f"S3 endpoint {where} unreachable or connection lost while {action} ({type(exc).__name__}); "
+            "check store.endpoint_url / AWS_ENDPOINT_URL and that the server runs, then rerun (verified files are kept)"
+        )
     if isinstance(exc, bex.ClientError):
         err = exc.response.get("Error", {})
         code = str(err.get("Code", "")) or "?"
