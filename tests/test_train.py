@@ -170,7 +170,7 @@ train(load_config(sys.argv[1]), step_callback=die)
 def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupted_losses(tmp_path, data_url, capsys):
     steady, crashed = tmp_path / "steady", tmp_path / "crashed"
     steady.mkdir(), crashed.mkdir()
-    settings = {"max_steps": 10, "checkpoint_every": 2, "batch_size": 1}
+    settings = {"max_steps": 10, "checkpoint_every": 2, "batch_size": 1, "keep_checkpoints": 2}
     train(load_config(_config_file(steady, data_url, **settings)))
 
     cfg = _config_file(crashed, data_url, **settings)
@@ -180,6 +180,7 @@ def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupte
     ckpt = open_store(crashed / "ckpt")
     assert find_resumable(ckpt).step == 6
     assert not (crashed / "ckpt" / checkpoint_key(8)).exists()
+    assert not list(ckpt.child(checkpoint_key(2)).list())  # keep_checkpoints = 2: only 4 and 6 remain
     # Step 6's push "did not verify": its weights differ from what the manifest lists. Resume must skip it.
     weights = crashed / "ckpt" / checkpoint_key(6) / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -194,8 +195,9 @@ def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupte
     expected, got = _losses(steady / "logs"), _losses(crashed / "logs")
     assert sorted(got) == list(range(1, 11))
     assert [got[s] for s in range(5, 11)] == [expected[s] for s in range(5, 11)]  # deterministic mode: bit-equal
-    for step in (6, 8, 10):
+    for step in (8, 10):
         assert verify_artifact(ckpt.child(checkpoint_key(step))).state is State.VERIFIED
+    assert sorted(p.name for p in (crashed / "ckpt").iterdir() if any(p.iterdir())) == [checkpoint_key(8), checkpoint_key(10)]
 
 
 def test_train_refuses_unverified_data_and_mismatched_nproc(tmp_path, data_url):

@@ -95,6 +95,7 @@ class TrainConfig(_Section):
     lm_head_chunk_blocks: int = Field(default=64, ge=1)
     log_every: int = Field(default=10, ge=1)
     log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (also copied into each checkpoint)
+    keep_checkpoints: int | None = Field(default=None, ge=1)  # newest verified checkpoints kept; None keeps all
 
 
 class EvalConfig(_Section):

@@ -97,6 +97,29 @@ def find_resumable(store: Store) -> Resumable | None:
     return None
 
 
+def prune_checkpoints(store: Store, keep: int) -> list[int]:
+    """Delete all but the newest `keep` checkpoints that verify; returns the deleted steps.
+
+    Runs only after a new checkpoint verified, so the newest kept one is always resumable. Older checkpoints are
+    uncommitted before their files go, so a reader never sees a manifest over missing files.
+    """
+    steps = sorted({int(m.group(1)) for info in store.list("step-") if (m := _STEP_DIR.match(info.key))}, reverse=True)
+    kept = 0
+    for index, step in enumerate(steps):  # newest first; older than the keep-th verified one goes
+        kept += verify_artifact(store.child(checkpoint_key(step))).state is State.VERIFIED
+        if kept == keep:
+            doomed = steps[index + 1 :]
+            break
+    else:
+        return []
+    for step in doomed:
+        child = store.child(checkpoint_key(step))
+        uncommit(child)
+        for info in list(child.list()):
+            child.delete(info.key)
+    return doomed
+
+
 @dataclass
 class LoadedCheckpoint:
     """A checkpoint read back into memory; `folder` stays valid until `close()`."""
@@ -133,4 +156,4 @@ def load_checkpoint(found: Resumable, settings: object | None = None) -> LoadedC
     )
 
 
-__all__ = ["CHECKPOINT_KIND", "LoadedCheckpoint", "Resumable", "checkpoint_key", "find_resumable", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CHECKPOINT_KIND", "LoadedCheckpoint", "Resumable", "checkpoint_key", "find_resumable", "load_checkpoint", "prune_checkpoints", "save_checkpoint"]

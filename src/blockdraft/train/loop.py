@@ -30,7 +30,7 @@ from blockdraft.model import DFlashDrafter, DrafterSpec, SpecError, TargetHead, 
 from blockdraft.store import Store, StoreError, open_store
 from blockdraft.store.artifact import ArtifactError
 from blockdraft.train.batch import BlockBatch, anchor_generator, build_block_batch, expected_acceptance
-from blockdraft.train.checkpoint import find_resumable, load_checkpoint, save_checkpoint
+from blockdraft.train.checkpoint import find_resumable, load_checkpoint, prune_checkpoints, save_checkpoint
 from blockdraft.train.data import TrainRows, load_train_rows, step_rows, steps_per_epoch
 from blockdraft.train.loss import LossOutput, block_loss
 from blockdraft.train.metrics import MetricsLog
@@ -334,7 +334,7 @@ def _train(config: BlockdraftConfig, place: RankPlacement, step_callback) -> Tra
                 }
                 url = _push_checkpoint(
                     out_store, done, drafter, state, resolved, rows, identity, log, final=done == total_steps,
-                    ranks_in_sync=place.world_size,
+                    ranks_in_sync=place.world_size, keep=tc.keep_checkpoints,
                 )
                 last_url = url or last_url
     return TrainResult(total_steps, resumed_from, last_url, metrics, drafter, head)
@@ -350,11 +350,11 @@ def _progress(enabled: bool):
 
 
 def _push_checkpoint(
-    out_store, step, drafter, state, resolved, rows, identity, log: MetricsLog, final: bool, ranks_in_sync: int
+    out_store, step, drafter, state, resolved, rows, identity, log: MetricsLog, final: bool, ranks_in_sync: int, keep: int | None
 ) -> str | None:
     """Save and verify one checkpoint; a failed intermediate push is reported and training goes on, a failed final one raises.
 
-    `ranks_in_sync`: how many replicas were checked bit-equal just before (1 without DDP).
+    `ranks_in_sync`: how many replicas were checked bit-equal just before (1 without DDP); `keep`: train.keep_checkpoints.
     """
     log.plot()
     counts = {"step": step, "run": identity, "ranks_in_sync": ranks_in_sync, "last": log.entries[-1] if log.entries else None}
@@ -366,6 +366,10 @@ def _push_checkpoint(
         console.print(f"[yellow]checkpoint of step {step} did not verify ({exc}); it will not be resumed from[/]", highlight=False)
         return None
     console.print(f"checkpoint step {step}: {report.summary()} at {report.url}", highlight=False)
+    if keep is not None:
+        pruned = prune_checkpoints(out_store, keep)
+        if pruned:
+            console.print(f"removed older checkpoints of steps {pruned} (train.keep_checkpoints = {keep})", highlight=False)
     return report.url
 
 
