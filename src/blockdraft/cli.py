@@ -248,5 +248,38 @@ def train(
         raise typer.Exit(status)
 
 
+@app.command()
+@user_errors
+def generate(
+    input: Annotated[str, typer.Argument(help="Prompts or conversations: JSONL (.gz/.zst) or Parquet file, folder or artifact, local or s3://.")],
+    output: Annotated[str, typer.Argument(help="Output completions artifact: a folder, file:// or s3:// URL.")],
+    config: ConfigOpt = None,
+    engine: Annotated[str | None, typer.Option(help="hf (local transformers) or openai (vLLM/SGLang server).")] = None,
+    base_url: Annotated[str | None, typer.Option(help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")] = None,
+    model: Annotated[str | None, typer.Option(help="Served model name (default: the server's first).")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Completion length limit in tokens.")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Requests in flight (openai engine).")] = None,
+    thinking: Annotated[str | None, typer.Option(help="auto (follow the dropped turn), on or off.")] = None,
+) -> None:
+    """Regenerate each prompt's final assistant turn with the target; a rerun generates only what is missing."""
+    from rich.progress import Progress
+
+    from blockdraft.config import load_config
+    from blockdraft.generate.stage import generate as run_generate
+    from blockdraft.generate.stage import summary_lines
+
+    overrides = {"generate": {"engine": engine, "base_url": base_url, "model": model, "max_new_tokens": max_new_tokens,
+                              "concurrency": concurrency, "thinking": thinking}}
+    cfg = load_config(config, overrides)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("generate", total=None)
+        summary = run_generate(input, output, cfg, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    for line in summary_lines(summary):
+        console.print(line, highlight=False, markup=False)
+    if summary.failed:
+        console.print(f"[yellow]{summary.failed} requests failed[/] (reasons above, rows in failures.jsonl); rerun the same command to retry only them")
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())
