@@ -48,14 +48,16 @@ ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="blockdraf
 
 @app.command()
 @user_errors
-def verify(url: Annotated[str, typer.Argument(help="Artifact folder, file:// or s3:// URL.")], config: ConfigOpt = None) -> None:
+def verify(
+    url: Annotated[str, typer.Argument(help="Artifact folder, file:// or s3:// URL.")],
+    config: ConfigOpt = None,
+    endpoint_url: EndpointOpt = None,
+) -> None:
     """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum."""
-    from blockdraft.config import load_config
     from blockdraft.store import open_store
     from blockdraft.store.artifact import verify_artifact
 
-    cfg = load_config(config)
-    report = verify_artifact(open_store(url, cfg.store), check_inputs=True)
+    report = verify_artifact(open_store(url, _store_config(config, endpoint_url)), check_inputs=True)
     kind = report.manifest.kind if report.manifest else "-"
     color = "green" if report.state is State.VERIFIED else "red"
     print(f"{report.state.value}\t{kind}\t{url}")
