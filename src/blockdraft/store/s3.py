@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import io
 import os
 import threading
 import uuid
@@ -232,8 +233,14 @@ class S3Store(Store):
         return ObjectInfo(key=key, size=resp["ContentLength"], checksum=resp.get("ChecksumCRC64NVME"), etag=resp.get("ETag"))
 
     def open_read(self, key: str) -> BinaryIO:
+        """A buffered, seekable stream of the object (Parquet needs seeks); sequential reads are one streaming GET."""
+        info = self._call("reading metadata of", key, self.conn.client.head_object, Key=self._key(key))
+        return io.BufferedReader(_ObjectReader(self, key, info["ContentLength"], info.get("ETag")), buffer_size=STREAM_CHUNK)
+
+    def read_bytes(self, key: str) -> bytes:
         resp = self._call("reading", key, self.conn.client.get_object, Key=self._key(key))
-        return resp["Body"]
+        with self._errors("reading", key), resp["Body"] as body:
+            return body.read()
 
     def delete(self, key: str) -> None:
         self._call("deleting", key, self.conn.client.delete_object, Key=self._key(key))
@@ -389,3 +396,57 @@ class S3Store(Store):
         if pos - offset != length:
             raise StoreError(f"short read downloading {self.url}{key}: {pos - offset} of {length} bytes at offset {offset}; retry the pull")
         return crc
+
+
+class _ObjectReader(io.RawIOBase):
+    """Reads one S3 object from a position: a streaming GET of `bytes=pos-`, reopened only after a seek.
+
+    If-Match pins every GET to the version first seen, so a concurrent overwrite fails loudly instead of mixing.
+    """
+
+    def __init__(self, store: S3Store, key: str, size: int, etag: str | None) -> None:
+        self._store, self._key, self._size, self._etag = store, key, size, etag
+        self._pos = 0
+        self._body: Any = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self._size + offset}[whence]
+        if target < 0:
+            raise ValueError(f"negative seek position {target}")
+        if target != self._pos:
+            self._drop()
+            self._pos = target
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        if self._pos >= self._size or len(buffer) == 0:
+            return 0
+        if self._body is None:
+            extra = {"IfMatch": self._etag} if self._etag else {}
+            store = self._store
+            resp = store._call("reading", self._key, store.conn.client.get_object, Key=store._key(self._key), Range=f"bytes={self._pos}-", **extra)
+            self._body = resp["Body"]
+        with self._store._errors("reading", self._key):
+            data = self._body.read(len(buffer))
+        n = len(data)
+        buffer[:n] = data
+        self._pos += n
+        return n
+
+    def _drop(self) -> None:
+        if self._body is not None:
+            self._body.close()
+            self._body = None
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
