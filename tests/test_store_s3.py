@@ -235,3 +235,32 @@ def test_objects_without_checksum_metadata_are_read_back_never_trusted(s3_bucket
     report = push(local, f"s3://{s3_bucket}/a", SMALL_PARTS)
     assert report.skipped == ["same.bin"] and report.moved == ["differs.bin"]
     assert report.verify.state is State.VERIFIED
+
+
+CHILD_PUSH = """
+import sys
+from blockdraft.config import StoreConfig
+from blockdraft.store import open_store
+from blockdraft.store.transfer import push
+
+def hwm_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmHWM:"))
+
+settings = StoreConfig(part_size_mib=5, concurrency=2)
+open_store(sys.argv[2], settings).list()  # client and models loaded before the baseline
+before = hwm_mib()
+report = push(sys.argv[1], sys.argv[2], settings)
+print(before, hwm_mib(), report.verify.state.value)
+"""
+
+
+def test_push_memory_is_bounded_by_part_size_times_concurrency(s3_bucket, s3_env, make_artifact, tmp_path):
+    """Two 48 MiB files through 5 MiB x 2 parts: peak memory grows by about 10 MiB, never by a whole file."""
+    local = make_artifact(tmp_path / "a", {f"f{i}.bin": os.urandom(48 * MIB) for i in range(2)})
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD_PUSH, str(local), f"s3://{s3_bucket}/mem"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    before, after, state = int(out[0]), int(out[1]), out[2]
+    assert state == "verified"
+    assert after - before < 30, f"peak RSS grew {after - before} MiB for 5 MiB x 2 parts"
