@@ -266,8 +266,18 @@ def _check_settings(out: Store, settings: dict[str, Any], output: str) -> None:
 
 
 def _input_lineage(input_url: str, cfg: BlockdraftConfig) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
+    """(store, [(key, size, checksum)], lineage) of the input: one object, a folder or prefix, or an artifact."""
+    from blockdraft.data.completions import is_completions_file
     from blockdraft.data.tokenize import list_input
+    from blockdraft.store.artifact import raw_input
 
+    if input_url.startswith("s3://") and is_completions_file(input_url):
+        parent, key = input_url.rsplit("/", 1)
+        store = open_store(parent, cfg.store)
+        info = store.head(key)
+        if info is None:
+            raise ConfigError(f"input {input_url} does not exist; pass an existing object, prefix or artifact")
+        return store, [(key, info.size, info.checksum or f"etag:{info.etag}")], [raw_input(store, info)]
     return list_input(input_url, cfg.store)
 
 
