@@ -237,3 +237,28 @@ def test_trains_on_a_hybrid_attention_target(tmp_path, data_url):
     assert all(math.isfinite(e["loss"]) for e in result.metrics) and len(result.metrics) == 3
     pinned = json.loads((tmp_path / "ckpt" / checkpoint_key(3) / "blockdraft-config.json").read_text())
     assert pinned["dflash"]["target_layer_ids"] == [3, 7]  # the full-attention layers' outputs
+
+
+def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch):
+    from blockdraft.config import BlockdraftConfig, ConfigError
+    from blockdraft.train.loop import resolve_placement
+
+    cfg = BlockdraftConfig.model_validate(
+        {"placement": {"target_devices": ["cuda:0", "cuda:1"], "drafter_devices": ["cuda:2", "cuda:3"]}}
+    )
+    for rank in (0, 1):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        place = resolve_placement(cfg)
+        assert (str(place.target_device), str(place.drafter_device)) == (f"cuda:{rank}", f"cuda:{rank + 2}")
+    # A second machine running the same lists: global rank 3 is local rank 1 there.
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    place = resolve_placement(cfg)
+    assert (place.rank, place.world_size, str(place.drafter_device)) == (3, 4, "cuda:3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="lists 2 device"):
+        resolve_placement(cfg)
