@@ -86,6 +86,8 @@ def tokenize(
     from blockdraft.data.tokenize import tokenize_dataset
     from blockdraft.data.tokenize_report import RichTokenizeProgress, print_tokenize_summary
 
+    if thinking not in (None, "auto", "on", "off"):
+        raise typer.BadParameter(f"{thinking!r}; use auto, on or off", param_hint="--thinking")
     overrides = {"tokenize": {"thinking": thinking, "max_length": max_length, "held_out_fraction": held_out_fraction, "workers": workers}}
     cfg = load_config(config, overrides)
     with RichTokenizeProgress(console) as progress:
