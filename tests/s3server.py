@@ -109,8 +109,6 @@ class SeaweedS3:
 
     def start(self, timeout: float = 30.0) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        # weed leaves its gRPC sockets in the temp folder: keep them in ours.
-        env["TMPDIR"] = str(self.workdir)
         out = open(self.logs / "stdout.txt", "ab")
         self.proc = subprocess.Popen(self._argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         out.close()
@@ -152,6 +150,13 @@ class SeaweedS3:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+        self._remove_grpc_sockets()
+
+    def _remove_grpc_sockets(self) -> None:
+        """weed puts seaweedfs-<service>-grpc-<port>.sock in /tmp whatever TMPDIR says; ours carry our gRPC ports."""
+        for _, grpc in self.ports.values():
+            for sock in Path("/tmp").glob(f"seaweedfs-*-grpc-{grpc}.sock"):
+                sock.unlink(missing_ok=True)
 
     def __enter__(self) -> SeaweedS3:
         self.start()
