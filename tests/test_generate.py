@@ -205,6 +205,13 @@ def test_hf_engine_regenerates_the_final_turn_with_exact_token_ids(tmp_path):
     again = generate(str(tmp_path / "in.jsonl"), str(tmp_path / "out"), cfg)
     assert again.already_complete and again.reused == 5
 
+    # The artifact is tokenize's input as it is: every row trained from the generator's token ids, nothing rejected.
+    from blockdraft.data.tokenize import tokenize_dataset
+
+    tokenized = tokenize_dataset(str(tmp_path / "out"), str(tmp_path / "tok"), cfg)
+    assert tokenized.counts["rows_out"] == 5 and tokenized.counts["rejected"] == {}
+    assert tokenized.counts["thinking"] == {"generator": 5}
+
 
 def test_generate_cli_refuses_other_settings_on_the_same_output(tmp_path):
     ids = write_prompts(tmp_path / "p.jsonl", 2)

@@ -281,7 +281,7 @@ def generate(
     for line in summary_lines(summary):
         console.print(line, highlight=False, markup=False)
     if summary.failed:
-        console.print(f"[yellow]{summary.failed} requests failed[/] (reasons above, rows in failures.jsonl); rerun the same command to retry only them")
+        console.print(f"[yellow]{summary.failed} requests failed[/] (reasons above, rows in failures.ndjson); rerun the same command to retry only them")
         raise typer.Exit(1)
 
 
