@@ -6,6 +6,7 @@ resumed at any step consumes exactly the rows and anchors an uninterrupted run w
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -20,15 +21,18 @@ TRAIN_SPLIT = "train"
 
 
 def _load_dataset(root: Path):
-    """The train split of a tokenize output folder (`datasets.save_to_disk` layout of a DatasetDict, DATA.md)."""
-    from datasets import DatasetDict, load_from_disk
+    """The train split of a tokenize output folder (`datasets.save_to_disk` layout of a DatasetDict, DATA.md).
 
-    if not (root / "dataset_dict.json").is_file():
+    Only the train split is opened: the held-out split may be empty, and training never reads it.
+    """
+    from datasets import Dataset
+
+    listing = root / "dataset_dict.json"
+    if not listing.is_file():
         raise ArtifactError(f"{root} holds no DatasetDict saved by tokenize (no dataset_dict.json); pass a tokenized artifact as train.data")
-    ds = load_from_disk(str(root))
-    if not isinstance(ds, DatasetDict) or TRAIN_SPLIT not in ds:
+    if TRAIN_SPLIT not in json.loads(listing.read_text()).get("splits", []):
         raise ArtifactError(f"tokenized artifact {root} has no '{TRAIN_SPLIT}' split; re-run tokenize")
-    ds = ds[TRAIN_SPLIT]
+    ds = Dataset.load_from_disk(str(root / TRAIN_SPLIT))
     missing = {"input_ids", "loss_mask"} - set(ds.column_names)
     if missing:
         raise ArtifactError(f"tokenized artifact {root} lacks column(s) {sorted(missing)}; it is not a tokenize output")
