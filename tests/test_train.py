@@ -262,3 +262,15 @@ def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="lists 2 device"):
         resolve_placement(cfg)
+
+
+def test_train_rows_clip_to_max_length_and_need_no_held_out_rows(tmp_path):
+    from blockdraft.train.data import load_train_rows
+
+    rows = [{"input_ids": list(range(10)), "loss_mask": [0, 0] + [1] * 8, "source_id": "a"}]
+    (tmp_path / "tok").mkdir()
+    url = _write_tokenized(tmp_path / "tok", rows, [])
+    loaded = load_train_rows(url, None, max_length=6, cache_dir=tmp_path / "cache")
+    ids, mask = loaded.row(0)
+    assert len(loaded) == 1 and ids.tolist() == list(range(6)) and mask.tolist() == [0, 0, 1, 1, 1, 1]
+    assert loaded.lineage.sha256 == verify_artifact(open_store(url)).manifest_sha256
