@@ -133,3 +133,17 @@ def test_s3_object_reader_seeks_and_reads_like_a_file(s3_bucket, s3_env):
         assert f.read(2_000_000) == data[1_000_000:3_000_000]
     with pytest.raises(FileNotFoundError):
         open_store(f"s3://{s3_bucket}").open_read("absent.bin")
+
+
+def test_tokenized_artifact_is_stale_once_a_raw_input_object_changes(s3_bucket, s3_env, tmp_path):
+    from blockdraft.store.status import status
+
+    upload_raw(s3_env, s3_bucket)
+    out_url = f"s3://{s3_bucket}/tokenized"
+    tokenize_dataset(f"s3://{s3_bucket}/raw", out_url, s3_config(tmp_path))
+    assert verify_artifact(open_store(out_url), check_inputs=True).state is State.VERIFIED
+    s3_env.client().put_object(Bucket=s3_bucket, Key="raw/part-1.jsonl", Body=jsonl(100, 10))
+    report = verify_artifact(open_store(out_url), check_inputs=True)
+    assert report.state is State.STALE and "raw/part-1.jsonl" in report.problems[0].path
+    by_root = {a.root: a.state for a in status(open_store(f"s3://{s3_bucket}/"))}
+    assert by_root["tokenized"] is State.STALE

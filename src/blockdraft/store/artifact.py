@@ -154,7 +154,29 @@ def check_files(store: Store, entries: list[FileEntry]) -> list[FileProblem | No
         return list(pool.map(lambda e: check_file(store, e), entries))
 
 
+def _raw_input_changed(ref: InputRef, open_url: Callable[[str], Store]) -> str | None:
+    """A raw input (no manifest) is pinned by size and its checksum, or its ETag when it had no checksum."""
+    parent, _, key = ref.url.rpartition("/")
+    try:
+        info = open_url(parent).head(key)
+    except Exception as exc:  # an unreachable input cannot be confirmed unchanged
+        return f"input {ref.url} unreadable ({type(exc).__name__})"
+    if info is None:
+        return f"input {ref.url} is gone"
+    if info.size != ref.size:
+        return f"input {ref.url} changed since (size {info.size} != {ref.size})"
+    if ref.checksum is not None:
+        current = info.checksum if info.checksum is not None else open_url(parent).checksum_by_reading(key)[1]
+        if current != ref.checksum:
+            return f"input {ref.url} changed since (crc64nvme differs)"
+    elif ref.etag is not None and info.etag != ref.etag:
+        return f"input {ref.url} changed since (ETag differs)"
+    return None
+
+
 def _input_changed(ref: InputRef, open_url: Callable[[str], Store]) -> str | None:
+    if ref.kind == "raw":
+        return _raw_input_changed(ref, open_url)
     if ref.kind != "manifest":
         return None
     try:
