@@ -100,3 +100,20 @@ def test_distinct_ngram_ratio():
     assert distinct_ngram_ratio([1, 2, 3, 4, 5]) == 1.0
     assert distinct_ngram_ratio([7] * 10) == 1 / 7
     assert distinct_ngram_ratio([1, 2]) == 1.0
+
+
+def test_build_tiny_target_by_time_budget_writes_a_loadable_target(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from blockdraft.fixtures.tiny import TinySize, build_tiny_target
+
+    size = TinySize(hidden_size=32, intermediate_size=64, num_hidden_layers=2, train_conversations=300, batch_size=8)
+    report = build_tiny_target(tmp_path / "t", seconds_budget=3.0, seed=1, size=size, held_out_prompts=3, completions=2)
+    assert report.steps >= 6  # fixed from the time of the first steps, then recorded
+    recorded = json.loads((tmp_path / "t" / "fixture.json").read_text())
+    assert recorded["steps"] == report.steps and recorded["mask_token_id"] == report.tokenizer_size
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "t")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "t")
+    assert model.config.num_hidden_layers == 2 and len(tok) == report.mask_token_id < model.config.vocab_size
+    assert len((tmp_path / "t" / "prompts.jsonl").read_text().splitlines()) == 3
+    assert len((tmp_path / "t" / "completions.jsonl").read_text().splitlines()) == 2

@@ -265,8 +265,12 @@ class OpenAIEngine:
             time.sleep(delay)
 
     def run(self, prompts: Iterable[Prompt]) -> Iterator[Completion | Failure]:
-        """Results in completion order; at most `concurrency` requests in flight and 2x that many prompts held."""
-        with concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="generate") as pool:
+        """Results in completion order; at most `concurrency` requests in flight and 2x that many prompts held.
+
+        When the caller stops early (Ctrl-C), queued prompts are cancelled; only the requests in flight are awaited.
+        """
+        pool = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="generate")
+        try:
             pending: set[concurrent.futures.Future] = set()
             for prompt in prompts:
                 pending.add(pool.submit(self.complete, prompt))
@@ -276,6 +280,8 @@ class OpenAIEngine:
                         yield future.result()
             for future in concurrent.futures.as_completed(pending):
                 yield future.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
