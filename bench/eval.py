@@ -1,13 +1,18 @@
-"""Speculative decoding vs target-only greedy on a small CPU target: tau, tokens/s and wall-clock speedup, for the
+"""Speculative decoding vs target-only greedy on small CPU targets: tau, tokens/s and wall-clock speedup, for the
 DFlash drafter, the n-gram baseline and an untrained drafter, all on the same prompts in the same process.
 
-    .venv/bin/python bench/eval.py [--target DIR] [--drafter DIR] [--prompts 8] [--max-new-tokens 64] [--repeats 3] [--threads 1]
+    .venv/bin/python bench/eval.py [--suite all|golden|tiny] [--repeats 3] [--threads 1] [--train-steps 300]
 
-Defaults: the golden tiny target and its briefly trained drafter (tests/fixtures/dflash-golden), on two prompt sets:
-`golden`, the four prompts whose continuations the drafter was trained on (24 new tokens, as in golden.json), and
-`random`, seeded random token ids it never saw (--max-new-tokens). Each repeat runs every prompt through greedy and each drafter in turn (interleaved, so machine noise hits
-all paths alike); the figures are from the repeat with the fastest greedy run, and speedup = greedy wall / spec wall
-within that repeat. Every run is also checked token for token against greedy: a bench never reports a lossy speedup.
+Suites:
+- `golden`: the golden tiny target (8 layers, hidden 64) and its briefly trained drafter (tests/fixtures/dflash-golden, B=4), on
+  `golden`, the four prompts whose continuations the drafter was trained on (24 new tokens, as in golden.json), and on `random`,
+  seeded random token ids it never saw (--max-new-tokens).
+- `tiny`: the tiny target fixture (8 layers, hidden 128, tests/fixtures/tiny-target). A drafter (2 layers, B=8) is trained here
+  on the target's own completions (tokenize + train, --train-steps), then evaluated on held-out prompts from prompts.jsonl
+  (chat template, stop at <|im_end|>).
+Each repeat runs every prompt through greedy and each drafter in turn (interleaved, so machine noise hits all paths alike);
+the figures are from the repeat with the fastest greedy run, and speedup = greedy wall / spec wall within that repeat. Every
+run is also checked token for token against greedy: a bench never reports a lossy speedup.
 """
 
 from __future__ import annotations
@@ -15,54 +20,103 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+import tempfile
+import time
 from pathlib import Path
 
-import torch
+# Python puts this script's folder first on sys.path, and bench/tokenize.py would shadow the standard library's tokenize.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "fixtures" / "dflash-golden"
+TINY = REPO / "tests" / "fixtures" / "tiny-target"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=str(GOLDEN / "target"))
-    parser.add_argument("--drafter", default=str(GOLDEN / "drafter"))
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--suite", choices=["all", "golden", "tiny"], default="all")
+    parser.add_argument("--prompts", type=int, default=8, help="random prompts (golden suite)")
     parser.add_argument("--prompt-len", type=int, default=12)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="random prompts (golden suite)")
+    parser.add_argument("--tiny-prompts", type=int, default=16)
+    parser.add_argument("--tiny-max-new-tokens", type=int, default=160)
+    parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: tiny models, shared cores)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.suite in ("all", "golden"):
+        golden_suite(args)
+    if args.suite in ("all", "tiny"):
+        tiny_suite(args)
 
+
+def golden_suite(args) -> None:
     from blockdraft.model.drafter import DFlashDrafter
     from blockdraft.model.target import load_target
 
-    torch.set_num_threads(args.threads)
-    target = load_target(args.target, "cpu", torch.float32)
-    drafter = DFlashDrafter.from_pretrained(args.drafter).eval()
+    target = load_target(str(GOLDEN / "target"), "cpu", torch.float32)
+    drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter").eval()
     rng = random.Random(args.seed)
     vocab = drafter.spec.vocab_size
-    prompt_sets = {}
-    if Path(args.drafter) == GOLDEN / "drafter":  # the golden prompts mean something only to the golden drafter
-        golden = json.loads((GOLDEN / "golden.json").read_text())["decode"]
-        prompt_sets["golden"] = ([case["prompt"] for case in golden], 24)
-    prompt_sets["random"] = ([[rng.randrange(vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)], args.max_new_tokens)
+    golden = json.loads((GOLDEN / "golden.json").read_text())["decode"]
+    prompt_sets = {
+        "golden": ([case["prompt"] for case in golden], 24),
+        "random": ([[rng.randrange(vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)], args.max_new_tokens),
+    }
     for label, (prompts, max_new_tokens) in prompt_sets.items():
-        report_set(label, target, drafter, prompts, max_new_tokens, args.repeats, args.threads)
+        report_set(label, target, drafter, prompts, max_new_tokens, [], args.repeats, args.threads)
 
 
-def report_set(label, target, drafter, prompts, max_new_tokens, repeats, threads) -> None:
+def tiny_suite(args) -> None:
+    from blockdraft.config import load_config
+    from blockdraft.data.tokenize import tokenize_dataset
+    from blockdraft.decode.eval import load_tokenizer, prompts_from_jsonl, stop_token_ids
+    from blockdraft.model.drafter import DFlashDrafter
+    from blockdraft.model.target import load_target
+    from blockdraft.store import open_store
+    from blockdraft.train.checkpoint import find_resumable
+    from blockdraft.train.loop import train
+
+    fixture = json.loads((TINY / "fixture.json").read_text())
+    with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
+        work = Path(tmp)
+        base = {"target": {"path": str(TINY)}, "store": {"url": str(work / "store")}, "tokenize": {"held_out_fraction": 0.0}}
+        tokenize_dataset(str(TINY / "completions.jsonl"), str(work / "tokenized"), load_config(None, base))
+        cfg = load_config(None, {
+            **base,
+            "dflash": {"block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_draft_layers": 2, "num_anchors": 32},
+            "train": {"data": str(work / "tokenized"), "output": str(work / "run"), "log_dir": str(work / "logs"),
+                      "max_steps": args.train_steps, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05,
+                      "checkpoint_every": args.train_steps, "seed": args.seed},
+        })
+        started = time.perf_counter()
+        train(cfg)
+        print(f"\n[tiny] trained a 2-layer B=8 drafter for {args.train_steps} steps in {time.perf_counter() - started:.0f} s")
+        found = find_resumable(open_store(work / "run"))
+        drafter = DFlashDrafter.from_pretrained(found.store.local_path()).eval()
+    target = load_target(str(TINY), "cpu", torch.float32)
+    tokenizer = load_tokenizer(cfg)
+    prompts = prompts_from_jsonl(TINY / "prompts.jsonl", tokenizer, cfg, args.tiny_prompts)
+    stops = stop_token_ids(target, tokenizer)
+    report_set("tiny", target, drafter, prompts, args.tiny_max_new_tokens, stops, args.repeats, args.threads)
+
+
+def report_set(label, target, drafter, prompts, max_new_tokens, stops, repeats, threads) -> None:
     from blockdraft.decode.eval import evaluate
 
     runs = []
     for _ in range(repeats):
-        report = evaluate(target, drafter, prompts, max_new_tokens, stops=[], tolerance=1e-4)
+        report = evaluate(target, drafter, prompts, max_new_tokens, stops=stops, tolerance=1e-4)
         assert report["lossless"]["ok"], report["lossless"]
         runs.append(report)
     best = min(runs, key=lambda r: r["greedy"]["wall_s"])
     greedy = best["greedy"]
-    print(f"\n[{label}] {len(prompts)} prompts x {max_new_tokens} new tokens, B={best['block_size']}, {threads} thread(s), "
+    print(f"\n[{label}] {len(prompts)} prompts x up to {max_new_tokens} new tokens, B={best['block_size']}, {threads} thread(s), "
           f"best of {repeats}")
     print(f"{'path':10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'fwd/tok':>8} {'draft%':>7} {'exact':>6}")
     print(f"{'greedy':10} {'-':>6} {greedy['tokens_per_s']:8.1f} {1.0:8.2f} {greedy['target_forwards_per_token']:8.3f} {'-':>7} {'-':>6}")
