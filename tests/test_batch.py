@@ -50,6 +50,11 @@ def test_anchors_resampled_each_epoch_and_reproducible():
     assert not torch.equal(e0, other_row)
 
 
+def test_large_seeds_are_accepted():
+    mask = torch.ones(50, dtype=torch.long)
+    assert sample_anchors(mask, 4, anchor_generator(2**62, 10**6, 10**9))[1].all()
+
+
 def test_anchor_sampling_is_uniform_over_eligible_positions():
     mask = torch.tensor([0] * 5 + [1] * 20)
     counts = torch.zeros(25)

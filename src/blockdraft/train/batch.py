@@ -44,7 +44,7 @@ def anchor_generator(seed: int, epoch: int, row: int) -> torch.Generator:
     uninterrupted run would, and every epoch draws new ones.
     """
     g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + epoch) * 1_000_000_007 + row)
+    g.manual_seed(((seed * 1_000_003 + epoch) * 1_000_000_007 + row) % 2**63)  # manual_seed takes 64 bits
     return g
 
 

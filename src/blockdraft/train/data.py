@@ -99,7 +99,7 @@ def step_rows(num_rows: int, seed: int, epoch: int, step_in_epoch: int, global_b
     (a rank without rows would stall DDP).
     """
     g = torch.Generator()
-    g.manual_seed(seed * 1_000_003 + epoch)
+    g.manual_seed((seed * 1_000_003 + epoch) % 2**63)
     order = torch.randperm(num_rows, generator=g)
     first = step_in_epoch * global_batch + rank * per_rank
     return [int(order[i % num_rows]) for i in range(first, first + per_rank)]
