@@ -18,7 +18,8 @@ import zstandard
 
 from blockdraft.config import load_config
 from blockdraft.generate.stage import FAILURES_NAME, SHARDS_DIR, generate
-from blockdraft.store.artifact import State
+from blockdraft.store import open_store
+from blockdraft.store.artifact import State, verify_artifact
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-target"
 
@@ -217,11 +218,11 @@ def test_generate_cli_refuses_other_settings_on_the_same_output(tmp_path):
     ids = write_prompts(tmp_path / "p.jsonl", 2)
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text(f'[target]\npath = "{TINY.as_posix()}"\n[generate]\nengine = "hf"\nmax_new_tokens = 8\n')
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [str(Path(sys.executable).parent / "blockdraft"), "generate", str(tmp_path / "p.jsonl"), str(tmp_path / "o"), "--config", str(cfg_file)]
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert first.returncode == 0, first.stderr
-    assert "generated 2" in first.stderr and len(output_rows(tmp_path / "o")) == len(ids)
-    other = subprocess.run(cmd + ["--max-new-tokens", "9"], capture_output=True, text=True, env=env)
+    first = generate(str(tmp_path / "p.jsonl"), str(tmp_path / "o"), load_config(cfg_file))
+    assert first.generated == 2 and len(output_rows(tmp_path / "o")) == len(ids)
+    cmd = [str(Path(sys.executable).parent / "blockdraft"), "generate", str(tmp_path / "p.jsonl"), str(tmp_path / "o"),
+           "--config", str(cfg_file), "--max-new-tokens", "9"]
+    other = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert other.returncode == 2
     assert "other generate settings (max_new_tokens)" in other.stderr and "Traceback" not in other.stderr
+    assert verify_artifact(open_store(str(tmp_path / "o"))).state is State.VERIFIED  # left as it was
