@@ -139,6 +139,16 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
     rows = output_rows(out)
     assert sorted(r["id"] for r in rows) == sorted(ids)  # every prompt exactly once
     assert all(r["messages"][-1]["role"] == "assistant" and r["completion_token_ids"] for r in rows)
+    # Each prompt's thinking mode reached the server's chat template as chat_template_kwargs.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    modes = {r["id"]: r["enable_thinking"] for r in map(json.loads, (tmp_path / "prompts.jsonl").read_text().splitlines())}
+    assert set(modes.values()) == {True, False}
+    for r in rows:
+        assert r["thinking"] == ("on" if modes[r["id"]] else "off")
+        served_prompt = tok.decode(r["prompt_token_ids"])
+        assert served_prompt.endswith("<think>\n\n</think>\n\n") != modes[r["id"]]
     assert run2.report.state is State.VERIFIED and run2.report.manifest.counts["rows"] == 12
     assert (out / FAILURES_NAME).read_text() == ""
 
