@@ -31,7 +31,7 @@ from blockdraft.data.completions import RowRejected, _normalise_message, iter_re
 from blockdraft.generate.engines import Completion, Failure, HFEngine, OpenAIEngine, Prompt
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
-    FileEntry, InputRef, State, VerifyReport, commit_artifact, entry_for_local_file, read_manifest, uncommit, verify_artifact,
+    FileEntry, InputRef, State, VerifyReport, commit_artifact, entry_for_local_file, uncommit, verify_artifact,
 )
 
 KIND = "completions"
@@ -52,7 +52,11 @@ class BadPrompt:
 
 @dataclass
 class GenerateSummary:
-    """What a generate run left at the destination (`report` is read back from it)."""
+    """What a generate run left at the destination (`report` is read back from it).
+
+    `reused`: completions already there before this run; `generated`/`failed`: this run's; `bad_prompts`: input rows that
+    are no prompt; `reasons`: counts per reason of both; `truncated`/`with_token_ids`: rows of the whole artifact.
+    """
 
     output: str
     report: VerifyReport | None
