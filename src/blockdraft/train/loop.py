@@ -266,29 +266,39 @@ def _train(config: BlockdraftConfig, place: RankPlacement, step_callback) -> Tra
     if start_step == 0 and is_main:
         log.start_fresh()
 
+    def inputs_of(step: int) -> tuple[BlockBatch, torch.Tensor]:
+        """The batch of `step` on the drafter's device, and its target features [b, S, K*H] fp32 (queued, not awaited)."""
+        epoch, in_epoch = divmod(step, per_epoch)
+        idx = step_rows(len(rows), tc.seed, epoch, in_epoch, tc.batch_size * place.world_size, place.rank, tc.batch_size)
+        batch = build_block_batch(
+            [rows.row(i) for i in idx],
+            num_anchors=config.dflash.num_anchors,
+            block_size=spec.block_size,
+            mask_token_id=spec.mask_token_id,
+            gamma=spec.gamma,
+            generators=[anchor_generator(tc.seed, epoch, i) for i in idx],
+        ).to(place.drafter_device)
+        features = target.features(
+            batch.input_ids.to(place.target_device), batch.attention_mask_context.long().to(place.target_device)
+        ).to(place.drafter_device, torch.float32)
+        return batch, features
+
     metrics: list[dict[str, Any]] = []
     progress = _progress(is_main)
+    next_inputs = inputs_of(start_step) if start_step < total_steps else None
     with progress:
         task = progress.add_task("train", total=total_steps, completed=start_step)
         for step in range(start_step, total_steps):
             t0 = time.perf_counter()
-            epoch, in_epoch = divmod(step, per_epoch)
-            idx = step_rows(len(rows), tc.seed, epoch, in_epoch, tc.batch_size * place.world_size, place.rank, tc.batch_size)
-            batch = build_block_batch(
-                [rows.row(i) for i in idx],
-                num_anchors=config.dflash.num_anchors,
-                block_size=spec.block_size,
-                mask_token_id=spec.mask_token_id,
-                gamma=spec.gamma,
-                generators=[anchor_generator(tc.seed, epoch, i) for i in idx],
-            ).to(place.drafter_device)
-            features = target.features(
-                batch.input_ids.to(place.target_device), batch.attention_mask_context.long().to(place.target_device)
-            ).to(place.drafter_device, torch.float32)
+            epoch = step // per_epoch
+            batch, features = next_inputs
             out, grad_norm = forward_backward(model, drafter, head, batch, features, tc.lm_head_chunk_blocks, tc.grad_clip)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()
+            # The next step's target forward is queued before this step's metrics wait for the drafter's device, so a
+            # target on its own GPUs runs while the drafter finishes its backward and optimizer step.
+            next_inputs = inputs_of(step + 1) if step + 1 < total_steps else None
 
             totals = torch.cat([out.weighted_ce.reshape(1), out.slots.correct, out.slots.total,
                                 torch.tensor([float(batch.num_tokens)], device=out.weighted_ce.device)])
