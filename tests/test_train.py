@@ -211,6 +211,15 @@ def test_train_refuses_unverified_data_and_mismatched_nproc(tmp_path, data_url):
     uncommit(open_store(broken))
     with pytest.raises(ArtifactError, match="incomplete"):
         train(load_config(_config_file(tmp_path, str(broken))))
+    # A checkpoint of another run (here: another gamma) under train.output is refused, not silently continued.
+    done = tmp_path / "done"
+    done.mkdir()
+    train(load_config(_config_file(done, data_url, max_steps=2, checkpoint_every=2)))
+    changed = _config_file(done, data_url, max_steps=4, checkpoint_every=2)
+    changed.write_text(changed.read_text().replace("gamma = 4.0", "gamma = 5.0"))
+    with pytest.raises(ConfigError, match="another run .differs in dflash"):
+        train(load_config(changed))
+
     from typer.testing import CliRunner
 
     from blockdraft.cli import app
