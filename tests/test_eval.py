@@ -113,6 +113,7 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
     report = json.loads((out / "report.json").read_text())
     assert [p["acceptance_lengths_dflash"] for p in report["prompts"]] == [c["acceptance_lengths"] for c in golden["decode"]]
     assert report["lossless"] == {"ok": True, "tolerance": 1e-4, "divergences": []}
+    assert len(report["template_sha256"]) == 64  # pinned through the checkpoint's data lineage
     cycles = [n for c in golden["decode"] for n in c["acceptance_lengths"]]
     dflash = report["drafters"]["dflash"]
     assert dflash["tau"] == pytest.approx(sum(cycles) / len(cycles))

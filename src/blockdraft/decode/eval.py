@@ -650,6 +650,8 @@ def run_eval(
         report["checkpoint"] = checkpoint
         report["target"] = cfg.target.path
         report["prompts_source"] = source
+        # What the consistency check compared, so a reader can trace the figures to the data and template they hold for.
+        report["template_sha256"] = ckpt.template_sha256
         output = output or _default_output(cfg, ckpt, prompt_ids, max_new_tokens)
         commit_report(cfg, output, report, [ckpt.lineage, prompt_ref], workdir)
         return report, output
