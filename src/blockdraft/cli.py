@@ -285,5 +285,32 @@ def generate(
         raise typer.Exit(1)
 
 
+@app.command()
+@user_errors
+def demo(
+    workdir: Annotated[str, typer.Option(help="Folder for the demo's local files (created).")] = "demo-work",
+    store: Annotated[str | None, typer.Option(help="Store URL (default: a folder inside --workdir); s3://bucket/prefix works too.")] = None,
+    endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint for an S3-compatible server.")] = None,
+    profile: Annotated[str, typer.Option(help="full (the README's main job, a few minutes) or ci (the same pipeline, smaller, <60 s).")] = "full",
+) -> None:
+    """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
+    from blockdraft.demo import SIZES, run_demo
+
+    if profile not in SIZES:
+        raise typer.BadParameter(f"--profile must be one of {', '.join(SIZES)}, not {profile!r}")
+    result = run_demo(workdir, store, profile, endpoint_url, say=lambda line: console.print(line, highlight=False, markup=False))
+    print("\nartifact\tstate")
+    for root, state in result.states.items():
+        print(f"{root}\t{state}")
+    tau = result.tau
+    print(f"\ntau dflash {tau.get('dflash', 0):.2f}   n-gram {tau.get('ngram', 0):.2f}   untrained {tau.get('untrained', 0):.2f}"
+          f"   (block size {result.eval_report['block_size']})")
+    print(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: {'yes' if result.lossless else 'NO'}")
+    print(f"target's answers, distinct-4-gram ratio: {result.distinct_4gram:.2f}")
+    print(f"wall time {sum(result.stage_seconds.values()):.1f}s, peak RSS {result.peak_rss_mib:.0f} MiB; status page: {result.workdir / 'PROGRESS.md'}")
+    if not result.lossless or any(state != "verified" for state in result.states.values()):
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())
