@@ -43,8 +43,11 @@ def test_eval_reads_checkpoint_and_export_from_s3_and_commits_the_report_there(s
     exported = f"s3://{s3_bucket}/exports/r1"
     export(run, exported, cfg)
 
-    for source in (run, exported):
-        report, url = run_eval(cfg, source, prompts=str(prompts), max_new_tokens=24)
+    remote_prompts = f"s3://{s3_bucket}/prompts"
+    open_store(remote_prompts, cfg.store).put_file("held-out.jsonl", prompts)
+
+    for source, prompt_url in ((run, str(prompts)), (exported, f"{remote_prompts}/held-out.jsonl")):
+        report, url = run_eval(cfg, source, prompts=prompt_url, max_new_tokens=24)
         assert url.startswith(f"s3://{s3_bucket}/store/eval/")
         verified = verify_artifact(open_store(url, cfg.store))
         assert verified.state is State.VERIFIED and verified.manifest.kind == "eval", verified.summary()
@@ -52,3 +55,4 @@ def test_eval_reads_checkpoint_and_export_from_s3_and_commits_the_report_there(s
         assert [p["acceptance_lengths_dflash"] for p in stored["prompts"]] == [c["acceptance_lengths"] for c in golden[:2]]
         assert stored["lossless"]["ok"] and set(stored["drafters"]) == {"dflash", "ngram"}
         assert report["checkpoint"] == source
+        assert verified.manifest.lineage[1].url.endswith(Path(prompt_url).name) and verified.manifest.lineage[1].size

@@ -422,6 +422,26 @@ def prompts_from_tokenized(url: str, cfg: BlockdraftConfig, limit: int, workdir:
     return prompts, lineage
 
 
+def fetch_prompts_file(url: str, cfg: BlockdraftConfig, workdir: Path) -> tuple[Path, InputRef]:
+    """A prompts JSONL (a local path, file:// or s3:// URL) as a local file, plus its lineage entry (key, size, checksum)."""
+    from blockdraft.store.checksum import crc64nvme_file
+
+    parent_url, _, name = url.rstrip("/").rpartition("/")
+    store = open_store(parent_url or ".", cfg.store)
+    info = store.head(name)
+    if info is None:
+        raise EvalError(f"prompts file {url} does not exist; pass an existing JSONL file")
+    local = store.local_path()
+    if local is not None:
+        return local / name, raw_input(store, info)
+    path = workdir / "prompts.jsonl"
+    path.write_bytes(store.read_bytes(name))
+    size, checksum = crc64nvme_file(path)
+    if size != info.size or (info.checksum is not None and checksum != info.checksum):
+        raise ArtifactError(f"prompts file {url} changed while downloading (size {size}); retry")
+    return path, raw_input(store, info)
+
+
 def stop_token_ids(hf_model, tokenizer) -> list[int]:
     """End-of-sequence ids: the generation config's eos ids, plus the tokenizer's eos token."""
     ids: set[int] = set()
@@ -617,13 +637,9 @@ def run_eval(
         source = prompts or cfg.eval.prompts or cfg.train.data
         if source is None:
             raise EvalError("no prompts: pass --prompts FILE.jsonl, set eval.prompts, or set train.data to a tokenized artifact")
-        if source.endswith((".jsonl", ".json")):
-            path = Path(source.removeprefix("file://"))
-            if not path.is_file():
-                raise EvalError(f"prompts file {path} does not exist; pass an existing JSONL file")
+        if source.endswith(".jsonl"):
+            path, prompt_ref = fetch_prompts_file(source, cfg, workdir)
             prompt_ids = prompts_from_jsonl(path, tokenizer, cfg, cfg.eval.num_prompts)
-            parent = open_store(path.parent)
-            prompt_ref = raw_input(parent, parent.head(path.name))
         else:
             prompt_ids, prompt_ref = prompts_from_tokenized(source, cfg, cfg.eval.num_prompts, workdir)
         if not prompt_ids:
