@@ -7,7 +7,7 @@ Suites:
 - `golden`: the golden tiny target (8 layers, hidden 64) and its briefly trained drafter (tests/fixtures/dflash-golden, B=4), on
   `golden`, the four prompts whose continuations the drafter was trained on (24 new tokens, as in golden.json), and on `random`,
   seeded random token ids it never saw (--max-new-tokens).
-- `tiny`: the tiny target fixture (8 layers, hidden 128, tests/fixtures/tiny-target). A drafter (2 layers, B=8) is trained here
+- `tiny`: the tiny target fixture (8 layers, hidden 128, src/blockdraft/assets/tiny-target). A drafter (2 layers, B=8) is trained here
   on the target's own completions (tokenize + train, --train-steps), then evaluated on held-out prompts from prompts.jsonl
   (chat template, stop at <|im_end|>).
 Each repeat runs every prompt through greedy and each drafter in turn (interleaved, so machine noise hits all paths alike);
@@ -30,9 +30,11 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import torch  # noqa: E402
 
+from blockdraft.fixtures.tiny import TINY_TARGET_DIR  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "fixtures" / "dflash-golden"
-TINY = REPO / "tests" / "fixtures" / "tiny-target"
+TINY = TINY_TARGET_DIR
 
 
 def main() -> None:

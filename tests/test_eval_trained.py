@@ -12,9 +12,10 @@ import torch
 from blockdraft.config import load_config
 from blockdraft.data.tokenize import tokenize_dataset
 from blockdraft.decode.eval import run_eval
+from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.train.loop import train
 
-TINY = Path(__file__).parent / "fixtures" / "tiny-target"
+TINY = TINY_TARGET_DIR
 
 
 @pytest.fixture(scope="module", autouse=True)

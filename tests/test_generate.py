@@ -17,11 +17,12 @@ import torch
 import zstandard
 
 from blockdraft.config import load_config
+from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.generate.stage import FAILURES_NAME, SHARDS_DIR, generate
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
 
-TINY = Path(__file__).parent / "fixtures" / "tiny-target"
+TINY = TINY_TARGET_DIR
 
 
 @pytest.fixture(autouse=True)

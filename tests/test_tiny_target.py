@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from blockdraft.fixtures.corpus import synthetic_conversations
-from blockdraft.fixtures.tiny import CI_SIZE, bpe_training_texts, build_tokenizer, distinct_ngram_ratio
+from blockdraft.fixtures.tiny import TINY_TARGET_DIR, CI_SIZE, bpe_training_texts, build_tokenizer, distinct_ngram_ratio
 from blockdraft.generate.engines import Prompt, greedy_generate
 
-TINY = Path(__file__).parent / "fixtures" / "tiny-target"
+TINY = TINY_TARGET_DIR
 
 
 @pytest.fixture(autouse=True)
