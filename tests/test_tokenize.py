@@ -368,3 +368,23 @@ def test_a_completions_artifact_is_read_through_its_manifest_and_pinned_by_it(tm
     # The input artifact changes: the tokenized output is reported stale, by content, not by path or time.
     commit_artifact(open_store(src), "completions", [entry_for_local_file(src, src / "shard-0.jsonl.zst")], config={"k": 2})
     assert verify_artifact(open_store(tmp_path / "out"), check_inputs=True).state is State.STALE
+
+
+def test_an_input_that_changes_after_listing_fails_the_shard_instead_of_recording_it(tmp_path):
+    """The record names the input's checksum; the worker proves the bytes it read have it, so a record never lies."""
+    from blockdraft.data import tokenize as stage
+    from blockdraft.store.artifact import ArtifactError
+
+    corpus = make_corpus(tmp_path / "in", files=2, per_file=5)
+    run = stage._prepare(str(corpus), str(tmp_path / "out"), config(), None, None, stage.TokenizeProgress())
+    with (corpus / "part-01.jsonl").open("a") as f:
+        f.write(json.dumps(conversation(99)) + "\n")  # appended between listing and reading
+    runner = stage._ShardRunner(1, run.src)
+    with stage._output_lock(run.out_dir):
+        records, pending = stage._resume(run)
+        with pytest.raises(ArtifactError, match="part-01.jsonl changed while it was tokenized"):
+            stage._run_pending(run, runner, records, pending)
+    assert [p.name for p in (tmp_path / "out" / RECORDS_DIR).glob("shard-*.json")] == ["shard-00000.json"]
+    # The rerun lists the input afresh, keeps shard 0 and redoes shard 1 with the new row.
+    summary = tokenize_dataset(str(corpus), str(tmp_path / "out"), config())
+    assert summary.shards_skipped == 1 and summary.counts["rows_in"] == 11

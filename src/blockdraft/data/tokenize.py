@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -56,6 +56,7 @@ from blockdraft.data.render import (
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
     MANIFEST_NAME,
+    ArtifactError,
     FileEntry,
     InputRef,
     State,
@@ -68,7 +69,7 @@ from blockdraft.store.artifact import (
     uncommit,
     verify_artifact,
 )
-from blockdraft.store.checksum import crc64nvme_file
+from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme, crc64nvme_file
 from blockdraft.store.local import TMP_PREFIX
 
 KIND = "tokenized"
@@ -400,6 +401,29 @@ def _remove_shard_outputs(out: Path, name: str) -> None:
     (out / QUARANTINE_DIR / f"{name}.jsonl").unlink(missing_ok=True)
 
 
+class _ChecksummedStream:
+    """Reads a stream front to back while computing its size and CRC64NVME, to prove the bytes read are the listed input."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self._raw, self._crc, self.size = raw, Crc64Nvme(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._raw.read(n)
+        self._crc.update(data)
+        self.size += len(data)
+        return data
+
+    def finish(self, task: ShardTask) -> None:
+        """Read what the parser left (a trailer) and compare with the listing; a mismatch means the input changed."""
+        while self.read(READ_CHUNK):
+            pass
+        if (self.size, self._crc.b64) != (task.size, task.checksum):
+            raise ArtifactError(
+                f"input {task.key} changed while it was tokenized (read {self.size} bytes, crc64nvme {self._crc.b64}; "
+                f"listed {task.size}, {task.checksum}); rerun when the input is complete"
+            )
+
+
 def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = None) -> dict[str, Any]:
     """Tokenize one input file into its Arrow files and quarantine file; return (and write, last) its completion record.
 
@@ -425,7 +449,9 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = No
     bytes_read = [0]
     reported = 0
     store = open_store(settings.input_url, _store_settings(settings.store_settings))
-    with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.key) as stream:
+    with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.key) as raw:
+        # Parquet is read by seeking (footer first), so only streamed formats are checksummed as they are read.
+        stream = raw if task.key.lower().endswith(".parquet") else _ChecksummedStream(raw)
 
         def reject(record: RawRecord, source_id: str | None, turn: int | None, reason: str, detail: str) -> None:
             counts.rejected[reason] += 1
@@ -443,6 +469,8 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = No
                     progress(bytes_read[0] - reported, rows, tokens)
                     reported = bytes_read[0]
         rows, tokens = _process_batch(batch, tokenizer, template, settings, writers, counts, reject)
+        if isinstance(stream, _ChecksummedStream):
+            stream.finish(task)
         if progress is not None:
             progress(task.size - reported, rows, tokens)
     os.replace(quarantine_tmp, quarantine_path)
