@@ -20,7 +20,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from blockdraft.data.completions import Conversation, RowRejected
+from blockdraft.data.completions import Conversation
 
 ThinkingMode = Literal["auto", "on", "off"]
 

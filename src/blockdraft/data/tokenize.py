@@ -42,7 +42,15 @@ import numpy as np
 import pyarrow as pa
 
 from blockdraft.config import BlockdraftConfig, ConfigError
-from blockdraft.data.completions import RawRecord, RowRejected, is_completions_file, iter_records, normalise, source_id_of
+from blockdraft.data.completions import (
+    SUFFIXES,
+    RawRecord,
+    RowRejected,
+    is_completions_file,
+    iter_records,
+    normalise,
+    source_id_of,
+)
 from blockdraft.data.render import (
     ChatTemplate,
     PlannedTurn,
@@ -583,11 +591,11 @@ def list_input(input_url: str, settings: Any) -> tuple[Store, list[tuple[str, in
             ref = manifest_input(store)
             files = [(f.path, f.size, f.checksum) for f in found[0].files if is_completions_file(f.path)]
             if not files:
-                raise ConfigError(f"input artifact {input_url} lists no completions files ({', '.join(_suffix_names())})")
+                raise ConfigError(f"input artifact {input_url} lists no completions files ({', '.join(SUFFIXES)})")
             return store, files, [ref]
         keys = [info.key for info in store.list() if is_completions_file(info.key) and not info.key.startswith(".")]
     if not keys:
-        raise ConfigError(f"input {input_url} has no completions files ({', '.join(_suffix_names())}); point INPUT at a file or folder of them")
+        raise ConfigError(f"input {input_url} has no completions files ({', '.join(SUFFIXES)}); point INPUT at a file or folder of them")
     files, lineage = [], []
     keys = sorted(keys)
     # One round trip per object on S3 (a full read on a folder): in parallel.
@@ -603,12 +611,6 @@ def list_input(input_url: str, settings: Any) -> tuple[Store, list[tuple[str, in
         files.append((key, info.size, info.checksum or f"etag:{info.etag}"))
         lineage.append(raw_input(store, info))
     return store, files, lineage
-
-
-def _suffix_names() -> list[str]:
-    from blockdraft.data.completions import SUFFIXES
-
-    return list(SUFFIXES)
 
 
 def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> str:
