@@ -97,7 +97,8 @@ def raw_encode(rows: list[dict], tokenizer_dir: str, template_path: str | None, 
 
     from blockdraft.data.completions import RawRecord, normalise
     from blockdraft.data.render import PlannedTurn, compile_chat_template, plan_turns
-    from blockdraft.data.tokenize import CONVERSATION_BATCH, _load_tokenizer
+    from blockdraft.data.shard import CONVERSATION_BATCH
+    from blockdraft.data.tokenize import _load_tokenizer
 
     tokenizer_json, _, own_template, special_tokens = _load_tokenizer(tokenizer_dir)
     template = compile_chat_template(Path(template_path).read_text() if template_path else own_template, special_tokens)

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import load_config
-from blockdraft.data.tokenize import RECORDS_DIR, is_held_out, tokenize_dataset
+from blockdraft.data.shard import RECORDS_DIR, is_held_out
+from blockdraft.data.tokenize import tokenize_dataset
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
 

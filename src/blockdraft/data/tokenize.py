@@ -9,8 +9,7 @@ Layout of the output folder (`datasets.load_from_disk(OUTPUT)` gives a DatasetDi
     .blockdraft-shards/shard-00000.json                per-shard completion records (resume)
     blockdraft-manifest.json                           written last, by `commit_artifact`
 
-One shard = one input file, processed start to end by one worker process, streaming: a worker holds one batch
-of conversations and one Arrow record batch at a time. A shard is skipped on a rerun only when its completion
+One shard = one input file, processed start to end by one worker process (`blockdraft.data.shard`). A shard is skipped on a rerun only when its completion
 record names this run's config digest and the same input file (key, size, checksum) and every file it lists
 reads back with the recorded size and checksum; anything else is redone from scratch.
 """
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import fcntl
 import functools
 import hashlib
@@ -28,43 +26,35 @@ import logging
 import multiprocessing
 import os
 import queue
-import resource
-import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from blockdraft.config import BlockdraftConfig, ConfigError
-from blockdraft.data.completions import (
-    SUFFIXES,
-    RawRecord,
-    RowRejected,
-    is_completions_file,
-    iter_records,
-    normalise,
-    source_id_of,
-)
-from blockdraft.data.render import (
-    ChatTemplate,
-    PlannedTurn,
-    TurnRejection,
-    TurnRow,
-    compile_chat_template,
-    mask_turn,
-    plan_turns,
-    row_from_generator_ids,
+from blockdraft.data.completions import SUFFIXES, is_completions_file
+from blockdraft.data.render import ChatTemplate, compile_chat_template
+from blockdraft.data.shard import (
+    QUARANTINE_DIR,
+    RECORD_FORMAT,
+    RECORDS_DIR,
+    SPLITS,
+    ShardTask,
+    WorkerSettings,
+    install_tools,
+    output_schema,
+    tokenize_shard,
+    tools_key,
+    worker_init,
+    write_atomic,
 )
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
     MANIFEST_NAME,
-    ArtifactError,
     FileEntry,
     InputRef,
     State,
@@ -77,20 +67,10 @@ from blockdraft.store.artifact import (
     uncommit,
     verify_artifact,
 )
-from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme, crc64nvme_file
 from blockdraft.store.local import TMP_PREFIX
 
 KIND = "tokenized"
-SPLITS = ("train", "held_out")
-RECORDS_DIR = ".blockdraft-shards"
-QUARANTINE_DIR = "quarantine"
-RECORD_FORMAT = "blockdraft-tokenize-shard/1"
 EMPTY_SPLIT_FILE = "empty.arrow"
-# Conversations rendered and encoded together; small enough that a worker's memory stays flat.
-CONVERSATION_BATCH = 32
-# Rows per Arrow record batch written.
-ARROW_BATCH_ROWS = 256
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -103,35 +83,6 @@ class TokenizerSource:
     template: ChatTemplate  # compiled with the tokenizer's special tokens as variables
     template_source: str
     target_template_sha256: str | None
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """Everything a worker needs for one shard besides the tokenizer and template (installed once per process, `tools_key`)."""
-
-    tools_key: str
-    thinking: str
-    max_length: int
-    held_out_fraction: float
-    rows_per_file: int
-    eot_id: int
-    vocab_size: int
-    config_digest: str
-    input_url: str
-    store_settings: dict[str, Any]
-    output_dir: str
-    schema: pa.Schema
-
-
-@dataclass(frozen=True)
-class ShardTask:
-    """One input file: `name` (shard-00003) names its outputs and record."""
-
-    index: int
-    name: str
-    key: str
-    size: int
-    checksum: str
 
 
 @dataclass
@@ -262,318 +213,7 @@ def _eot_id(tokenizer_json: str, token: str) -> int:
     return token_id
 
 
-@functools.lru_cache(maxsize=1)
-def output_schema() -> pa.Schema:
-    """The Arrow schema of the rows, with the `datasets` feature metadata so `load_from_disk` restores the types."""
-    import datasets
-
-    return datasets.Features(
-        {
-            "input_ids": datasets.List(datasets.Value("int32")),
-            "loss_mask": datasets.List(datasets.Value("uint8")),
-            "num_tokens": datasets.Value("int32"),
-            "num_supervised": datasets.Value("int32"),
-            "source_id": datasets.Value("string"),
-            "turn": datasets.Value("int32"),
-        }
-    ).arrow_schema
-
-
-def is_held_out(source_id: str, fraction: float) -> bool:
-    """Deterministic split by conversation: the first 8 bytes of sha256(source_id) as a fraction of 2**64."""
-    h = int.from_bytes(hashlib.sha256(source_id.encode()).digest()[:8], "big")
-    return h < fraction * 2**64
-
-
-# ---------------------------------------------------------------------------------------------- worker side
-
-
-class _SplitWriter:
-    """Arrow stream files of one split of one shard, rotated every `rows_per_file` rows, renamed only when whole."""
-
-    def __init__(self, split_dir: Path, stem: str, schema: pa.Schema, rows_per_file: int) -> None:
-        self.dir, self.stem, self.schema, self.rows_per_file = split_dir, stem, schema, rows_per_file
-        self.files: list[dict[str, Any]] = []
-        self._writer: pa.ipc.RecordBatchStreamWriter | None = None
-        self._tmp: Path | None = None
-        self._rows_in_file = 0
-        self._pending: list[tuple[TurnRow, str]] = []
-
-    def add(self, row: TurnRow, source_id: str) -> None:
-        self._pending.append((row, source_id))
-        if len(self._pending) >= ARROW_BATCH_ROWS or self._rows_in_file + len(self._pending) >= self.rows_per_file:
-            self._flush()
-
-    def _flush(self) -> None:
-        while self._pending:
-            if self._writer is None:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                self._tmp = self.dir / f"{TMP_PREFIX}{self.stem}-part-{len(self.files):03d}.arrow"
-                self._writer = pa.ipc.new_stream(str(self._tmp), self.schema)
-            room = self.rows_per_file - self._rows_in_file
-            chunk, self._pending = self._pending[:room], self._pending[room:]
-            self._writer.write_batch(_record_batch(chunk, self.schema))
-            self._rows_in_file += len(chunk)
-            if self._rows_in_file >= self.rows_per_file:
-                self._close_file()
-
-    def _close_file(self) -> None:
-        assert self._writer is not None and self._tmp is not None
-        self._writer.close()
-        final = self.dir / self._tmp.name.removeprefix(TMP_PREFIX)
-        os.replace(self._tmp, final)
-        size, checksum = crc64nvme_file(final)
-        self.files.append({"path": f"{self.dir.name}/{final.name}", "size": size, "checksum": checksum, "rows": self._rows_in_file})
-        self._writer, self._tmp, self._rows_in_file = None, None, 0
-
-    def close(self) -> list[dict[str, Any]]:
-        self._flush()
-        if self._writer is not None:
-            self._close_file()
-        return self.files
-
-
-def _record_batch(rows: list[tuple[TurnRow, str]], schema: pa.Schema) -> pa.RecordBatch:
-    lengths = np.fromiter((len(r.input_ids) for r, _ in rows), dtype=np.int64, count=len(rows))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    supervised = np.fromiter((int(r.loss_mask.sum()) for r, _ in rows), dtype=np.int32, count=len(rows))
-    ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate([r.input_ids for r, _ in rows])))
-    mask = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate([r.loss_mask for r, _ in rows])))
-    columns = [
-        ids,
-        mask,
-        pa.array(lengths.astype(np.int32)),
-        pa.array(supervised),
-        pa.array([s for _, s in rows], type=pa.string()),
-        pa.array(np.fromiter((r.turn for r, _ in rows), dtype=np.int32, count=len(rows))),
-    ]
-    return pa.RecordBatch.from_arrays(columns, schema=schema)
-
-
-class _ShardCounts:
-    def __init__(self) -> None:
-        self.c: Counter[str] = Counter()
-        self.rejected: Counter[str] = Counter()
-        self.thinking: Counter[str] = Counter()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**dict(self.c), "rejected": dict(self.rejected), "thinking": dict(self.thinking)}
-
-
-_WORKER: dict[str, Any] = {}
-
-
-def _tools_key(tokenizer_sha256: str, template: ChatTemplate) -> str:
-    return hashlib.sha256(json.dumps([tokenizer_sha256, template.sha256, template.variables], sort_keys=True).encode()).hexdigest()
-
-
-def _install_tools(tokenizer_json: str, template_text: str, variables: dict[str, str]) -> None:
-    """Build this process's tokenizer and compiled template once (a pool worker does it while the parent lists inputs)."""
-    template = compile_chat_template(template_text, variables)
-    key = _tools_key(hashlib.sha256(tokenizer_json.encode()).hexdigest(), template)
-    if _WORKER.get("key") != key:
-        from tokenizers import Tokenizer
-
-        _WORKER["tools"], _WORKER["key"] = (Tokenizer.from_str(tokenizer_json), template), key
-
-
-def _worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, template_text: str, variables: dict[str, str]) -> None:
-    # The tokenizer's own thread pool deadlocks in forked children and does not scale on few cores: one process = one core.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER["queue"] = progress_queue
-    if sys.platform == "linux":
-        # A worker must not outlive a killed parent: it would keep writing shard files under a rerun's feet.
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent_pid:  # the parent died before the line above took effect
-            os._exit(1)
-    _install_tools(tokenizer_json, template_text, variables)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(TMP_PREFIX + path.name)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _remove_shard_outputs(out: Path, name: str) -> None:
-    """Delete every output of one shard (record first, so a crash in between never leaves a record over missing files)."""
-    (out / RECORDS_DIR / f"{name}.json").unlink(missing_ok=True)
-    for split in SPLITS:
-        for p in (out / split).glob(f"{name}-part-*.arrow"):
-            p.unlink()
-    (out / QUARANTINE_DIR / f"{name}.jsonl").unlink(missing_ok=True)
-
-
-class _ChecksummedStream:
-    """Reads a stream front to back while computing its size and CRC64NVME, to prove the bytes read are the listed input."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self._raw, self._crc, self.size = raw, Crc64Nvme(), 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._raw.read(n)
-        self._crc.update(data)
-        self.size += len(data)
-        return data
-
-    def finish(self, task: ShardTask) -> None:
-        """Read what the parser left (a trailer) and compare with the listing; a mismatch means the input changed."""
-        while self.read(READ_CHUNK):
-            pass
-        # An object listed by its ETag only (S3 without a stored checksum) can be compared by size only.
-        listed_crc = None if task.checksum.startswith("etag:") else task.checksum
-        if self.size != task.size or listed_crc not in (None, self._crc.b64):
-            raise ArtifactError(
-                f"input {task.key} changed while it was tokenized (read {self.size} bytes, crc64nvme {self._crc.b64}; "
-                f"listed {task.size}, {task.checksum}); rerun when the input is complete"
-            )
-
-
-def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = None) -> dict[str, Any]:
-    """Tokenize one input file into its Arrow files and quarantine file; return (and write, last) its completion record.
-
-    `progress(nbytes, rows, tokens)` is called as it goes; in a pool worker, progress goes to the parent's queue.
-    """
-    if progress is None and "queue" in _WORKER:
-        q = _WORKER["queue"]
-
-        def progress(nbytes: int, rows: int, tokens: int) -> None:
-            q.put((nbytes, rows, tokens))
-
-    started, cpu_started = time.monotonic(), time.process_time()
-    if _WORKER.get("key") != settings.tools_key:
-        raise RuntimeError("tokenize_shard called in a process without this run's tokenizer and template installed")
-    tokenizer, template = _WORKER["tools"]
-    out = Path(settings.output_dir)
-    _remove_shard_outputs(out, task.name)
-    writers = {split: _SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file) for split in SPLITS}
-    counts = _ShardCounts()
-    quarantine_path = out / QUARANTINE_DIR / f"{task.name}.jsonl"
-    quarantine_path.parent.mkdir(parents=True, exist_ok=True)
-    quarantine_tmp = quarantine_path.with_name(TMP_PREFIX + quarantine_path.name)
-    bytes_read = [0]
-    reported = 0
-    store = open_store(settings.input_url, _store_settings(settings.store_settings))
-    with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.key) as raw:
-        # Parquet is read by seeking (footer first), so only streamed formats are checksummed as they are read.
-        stream = raw if task.key.lower().endswith(".parquet") else _ChecksummedStream(raw)
-
-        def reject(record: RawRecord, source_id: str | None, turn: int | None, reason: str, detail: str) -> None:
-            counts.rejected[reason] += 1
-            entry = {"source_id": source_id, "turn": turn, "reason": reason, "detail": detail, "input": task.key,
-                     "position": record.position, "row": record.text}
-            quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
-
-        batch: list[RawRecord] = []
-        for record in iter_records(stream, task.key, bytes_read):
-            batch.append(record)
-            if len(batch) >= CONVERSATION_BATCH:
-                rows, tokens = _process_batch(batch, tokenizer, template, settings, writers, counts, reject)
-                batch = []
-                if progress is not None:
-                    progress(bytes_read[0] - reported, rows, tokens)
-                    reported = bytes_read[0]
-        rows, tokens = _process_batch(batch, tokenizer, template, settings, writers, counts, reject)
-        if isinstance(stream, _ChecksummedStream):
-            stream.finish(task)
-        if progress is not None:
-            progress(task.size - reported, rows, tokens)
-    os.replace(quarantine_tmp, quarantine_path)
-    files = [dict(f, split=split) for split in SPLITS for f in writers[split].close()]
-    q_size, q_checksum = crc64nvme_file(quarantine_path)
-    record = {
-        "format": RECORD_FORMAT,
-        "shard": task.name,
-        "input": {"key": task.key, "size": task.size, "checksum": task.checksum},
-        "config_digest": settings.config_digest,
-        "files": files,
-        "quarantine": {"path": f"{QUARANTINE_DIR}/{quarantine_path.name}", "size": q_size, "checksum": q_checksum},
-        "counts": counts.as_dict(),
-    }
-    # The record is written last: its presence is the shard's "done", and it names exactly the files it made.
-    _write_atomic(out / RECORDS_DIR / f"{task.name}.json", json.dumps(record, indent=1, sort_keys=True).encode())
-    record["peak_rss_mib"] = _peak_rss_mib()
-    record["seconds"] = time.monotonic() - started
-    record["cpu_seconds"] = time.process_time() - cpu_started
-    return record
-
-
-def _peak_rss_mib() -> float:
-    """This process's own high-water resident memory (VmHWM; ru_maxrss would count a spawning parent's after exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _store_settings(data: dict[str, Any]) -> Any:
-    from blockdraft.config import StoreConfig
-
-    return StoreConfig.model_validate(data)
-
-
-def _process_batch(
-    batch: list[RawRecord],
-    tokenizer: Any,
-    template: ChatTemplate,
-    settings: WorkerSettings,
-    writers: dict[str, _SplitWriter],
-    counts: _ShardCounts,
-    reject: Any,
-) -> tuple[int, int]:
-    """Normalise, render, encode (one `encode_batch` for the batch) and mask; write rows; return (rows, tokens) written."""
-    planned: list[tuple[RawRecord, str, PlannedTurn]] = []
-    ready: list[tuple[RawRecord, str, TurnRow | TurnRejection]] = []
-    for record in batch:
-        counts.c["rows_in"] += 1
-        try:
-            conv = normalise(record)
-        except RowRejected as exc:
-            counts.c["rejected_rows"] += 1
-            reject(record, source_id_of(record), None, exc.reason, exc.detail)
-            continue
-        if conv.prompt_ids is not None:
-            counts.c["turns_in"] += 1
-            ready.append((record, conv.source_id, row_from_generator_ids(conv, settings.max_length, settings.vocab_size)))
-            continue
-        for item in plan_turns(conv, template, settings.thinking):  # type: ignore[arg-type]
-            counts.c["turns_in"] += 1
-            if isinstance(item, PlannedTurn):
-                planned.append((record, conv.source_id, item))
-            else:
-                ready.append((record, conv.source_id, item))
-    if planned:
-        encodings = tokenizer.encode_batch([p.full for _, _, p in planned], add_special_tokens=False)
-        for (record, source_id, p), enc in zip(planned, encodings):
-            ready.append((record, source_id, mask_turn(p, enc, settings.eot_id, settings.max_length)))
-    rows = tokens = 0
-    for record, source_id, result in ready:
-        if isinstance(result, TurnRejection):
-            counts.c["rejected_turns"] += 1
-            reject(record, source_id, result.turn, result.reason, result.detail)
-            continue
-        split = "held_out" if is_held_out(source_id, settings.held_out_fraction) else "train"
-        writers[split].add(result, source_id)
-        n, s = int(result.input_ids.shape[0]), int(result.loss_mask.sum())
-        counts.c["rows_out"] += 1
-        counts.c[f"{split}_rows"] += 1
-        counts.c["tokens"] += n
-        counts.c["supervised_tokens"] += s
-        counts.thinking[result.thinking] += 1
-        rows, tokens = rows + 1, tokens + n
-    return rows, tokens
-
-
-# ---------------------------------------------------------------------------------------------- parent side
+# ---------------------------------------------------------------------------------------------- the stage
 
 
 def list_input(input_url: str, settings: Any) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
@@ -680,9 +320,9 @@ def _write_split_metadata(out: Path, records: list[dict[str, Any]], schema: pa.S
         }
         info = {"citation": "", "description": "", "features": features.to_dict(), "homepage": "", "license": ""}
         for name, data in (("state.json", state), ("dataset_info.json", info)):
-            _write_atomic(folder / name, json.dumps(data, indent=2, sort_keys=True).encode())
+            write_atomic(folder / name, json.dumps(data, indent=2, sort_keys=True).encode())
             written.append(folder / name)
-    _write_atomic(out / "dataset_dict.json", json.dumps({"splits": list(SPLITS)}).encode())
+    write_atomic(out / "dataset_dict.json", json.dumps({"splits": list(SPLITS)}).encode())
     written.append(out / "dataset_dict.json")
     return written
 
@@ -726,12 +366,12 @@ class _ShardRunner:
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
         if workers <= 1:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            _install_tools(src.tokenizer_json, src.template.text, src.template.variables)
+            install_tools(src.tokenizer_json, src.template.text, src.template.variables)
             return
         ctx = multiprocessing.get_context("spawn")
         self.queue = ctx.Queue()
         self.pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=workers, mp_context=ctx, initializer=_worker_init,
+            max_workers=workers, mp_context=ctx, initializer=worker_init,
             initargs=(self.queue, os.getpid(), src.tokenizer_json, src.template.text, src.template.variables),
         )
         # Ask for every worker now: the executor starts processes lazily otherwise.
@@ -903,7 +543,7 @@ def _run_pending(run: _Run, runner: _ShardRunner, records: dict[str, dict[str, A
     opts = run.config.tokenize
     run.progress.start(sum(t.size for t in pending), len(run.tasks), run.summary.shards_skipped)
     settings = WorkerSettings(
-        tools_key=_tools_key(run.src.tokenizer_sha256, run.src.template), thinking=opts.thinking, max_length=opts.max_length,
+        tools_key=tools_key(run.src.tokenizer_sha256, run.src.template), thinking=opts.thinking, max_length=opts.max_length,
         held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, eot_id=run.eot_id,
         vocab_size=run.src.vocab_size, config_digest=run.digest, input_url=run.in_store.url,
         store_settings=run.config.store.model_dump(mode="json"), output_dir=str(run.out_dir), schema=output_schema(),
