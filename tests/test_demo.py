@@ -1,0 +1,55 @@
+"""The demo's pipeline (`--profile ci`) end to end: every artifact verified at the destination, eval lossless.
+
+The same pipeline runs on the embedded local-folder store and on a real S3 server (SeaweedFS), as `blockdraft demo`
+with `--store s3://...` would.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import new_bucket
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
+from blockdraft.demo import run_demo
+
+STAGES = {"completions", "tokenized", "eval", "export"}
+
+
+def _check(result) -> None:
+    roots = set(result.states)
+    assert STAGES <= roots, result.states
+    assert any(root.startswith("checkpoints/step-") for root in roots), result.states
+    assert set(result.states.values()) == {"verified"}, result.states
+    assert result.lossless
+    assert set(result.tau) >= {"dflash", "ngram", "untrained"}
+    assert result.speedup > 0
+    # The status page is rendered from the same destination reads.
+    page = (result.workdir / "PROGRESS.md").read_text()
+    assert page.count("**verified**") == len(result.states)
+
+
+def test_demo_ci_profile_on_the_local_store(tmp_path):
+    runner = CliRunner()
+    out = runner.invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--profile", "ci"])
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    assert "speedup over target-only greedy" in out.stdout and "lossless: yes" in out.stdout
+    table = dict(line.split("\t") for line in lines if "\t" in line)
+    assert table.pop("artifact") == "state"
+    assert STAGES <= set(table) and set(table.values()) == {"verified"}, table
+    # The store is a folder inside the workdir by default, and the export is what SGLang/vLLM load.
+    export = tmp_path / "work" / "store" / "export"
+    assert json.loads((export / "config.json").read_text())["dflash_config"]["block_size"] == 8
+
+
+@pytest.mark.s3
+def test_demo_ci_profile_against_s3(tmp_path, s3_env):
+    bucket = new_bucket(s3_env)
+    result = run_demo(tmp_path / "work", f"s3://{bucket}/demo", "ci", say=lambda line: None)
+    _check(result)
+    assert result.store_url == f"s3://{bucket}/demo"
+    keys = {o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket)["Contents"]}
+    assert "demo/export/config.json" in keys and "demo/export/blockdraft-manifest.json" in keys
