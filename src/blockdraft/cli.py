@@ -307,7 +307,7 @@ def demo(
           f"   (block size {result.eval_report['block_size']})")
     print(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: {'yes' if result.lossless else 'NO'}")
     print(f"target's answers, distinct-4-gram ratio: {result.distinct_4gram:.2f}")
-    print(f"wall time {sum(result.stage_seconds.values()):.1f}s, peak RSS {result.peak_rss_mib:.0f} MiB; status page: {result.workdir / 'PROGRESS.md'}")
+    print(f"wall time {result.wall_s:.1f}s, peak RSS {result.peak_rss_mib:.0f} MiB; status page: {result.workdir / 'PROGRESS.md'}")
     if not result.lossless or any(state != "verified" for state in result.states.values()):
         raise typer.Exit(1)
 

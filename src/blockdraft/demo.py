@@ -55,6 +55,7 @@ class DemoResult:
     lossless: bool = False
     distinct_4gram: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
     peak_rss_mib: float = 0.0
     eval_report: dict[str, Any] = field(default_factory=dict)
 
@@ -174,6 +175,7 @@ def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str
     write_toml(config_path, demo_config(workdir, store_url, size, endpoint_url))
     cfg = load_config(config_path)
     result = DemoResult(workdir=workdir, store_url=store_url)
+    began = time.perf_counter()
     torch.manual_seed(0)
 
     def stage(name: str, fn: Callable[[], Any]) -> Any:
@@ -209,5 +211,6 @@ def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str
     result.tau = {name: m["tau"] for name, m in report["drafters"].items()}
     result.speedup = report["drafters"]["dflash"]["speedup"]
     result.lossless = bool(report["lossless"]["ok"])
+    result.wall_s = time.perf_counter() - began
     result.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
