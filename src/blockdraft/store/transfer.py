@@ -200,7 +200,13 @@ def pull(url: str, local_dir: str | Path, settings: object | None = None) -> Tra
     report.moved_bytes = need
     dest.put_bytes(MANIFEST_NAME, raw)
     # Every file was just checksummed locally: downloaded ones on the very bytes written, skipped ones by
-    # reading them from disk. Reading them all once more would only re-read the page cache.
+    # reading them from disk; re-reading them all would only re-read the page cache. What is read back here is
+    # the committed manifest and every file's size, so the report still comes from the destination.
+    back = read_manifest(dest)
+    wrong_size = [e.path for e in manifest.files if (dest.root / e.path).stat().st_size != e.size]
+    if back is None or back[1] != raw or wrong_size:
+        uncommit(dest)
+        raise ArtifactError(f"pulled copy in {dest.root} did not read back as written ({wrong_size[:3] or 'manifest'}); pull again")
     report.verify = VerifyReport(
         url=dest.url,
         state=State.VERIFIED,
