@@ -78,7 +78,8 @@ def golden_run(tmp_path_factory, tokenized) -> Path:
     tmp = tmp_path_factory.mktemp("run")
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter")
     cfg = golden_config(tmp, train={"data": tokenized})
-    resolved = resolved_training_config(cfg, drafter.spec, str(tmp / "ckpt"))
+    data = verify_artifact(open_store(tokenized)).manifest.config["tokenize_run"]  # what train pins from its data
+    resolved = resolved_training_config(cfg, drafter.spec, str(tmp / "ckpt"), data)
     save_checkpoint(open_store(tmp / "ckpt"), 40, drafter, {}, resolved, [manifest_input(open_store(tokenized))], {"step": 40})
     return tmp / "ckpt"
 
@@ -113,7 +114,7 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
     report = json.loads((out / "report.json").read_text())
     assert [p["acceptance_lengths_dflash"] for p in report["prompts"]] == [c["acceptance_lengths"] for c in golden["decode"]]
     assert report["lossless"] == {"ok": True, "tolerance": 1e-4, "divergences": []}
-    assert len(report["template_sha256"]) == 64  # pinned through the checkpoint's data lineage
+    assert len(report["template_sha256"]) == 64  # pinned in the checkpoint from its data
     cycles = [n for c in golden["decode"] for n in c["acceptance_lengths"]]
     dflash = report["drafters"]["dflash"]
     assert dflash["tau"] == pytest.approx(sum(cycles) / len(cycles))

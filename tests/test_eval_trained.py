@@ -44,5 +44,6 @@ def test_trained_drafter_doubles_untrained_tau_and_beats_ngram_on_held_out_promp
     tau = {name: m["tau"] for name, m in report["drafters"].items()}
     print("tau", tau, "speedup", {name: round(m["speedup"], 2) for name, m in report["drafters"].items()})
     assert report["lossless"]["ok"], report["lossless"]
+    assert len(report["template_sha256"]) == 64  # train pinned the tokenized rows' template into the checkpoint
     assert tau["dflash"] >= 2 * tau["untrained"], tau
     assert tau["dflash"] > tau["ngram"], tau

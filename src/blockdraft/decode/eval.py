@@ -183,29 +183,6 @@ def _fetch(store: Store, report: VerifyReport, dest: Path, names: Sequence[str])
             raise ArtifactError(f"{store.url}/{name} changed while downloading (size {size}, crc64nvme {crc.b64}); retry")
 
 
-def _template_sha256_from_lineage(refs: Sequence[InputRef], store_settings: Any, depth: int = 3) -> str | None:
-    """The chat-template hash recorded by the tokenize stage in an input manifest (checkpoint -> data, export -> checkpoint -> data)."""
-    from blockdraft.store.artifact import read_manifest
-
-    for ref in refs:
-        if ref.kind != "manifest" or depth == 0:
-            continue
-        try:
-            found = read_manifest(open_store(ref.url, store_settings))
-        except Exception:  # an input that cannot be read any more cannot pin anything; the other checks still run
-            continue
-        if found is None:
-            continue
-        manifest = found[0]
-        value = (manifest.config.get("tokenize_run") or {}).get("template_sha256")
-        if value:
-            return str(value)
-        value = _template_sha256_from_lineage(manifest.lineage, store_settings, depth - 1)
-        if value:
-            return value
-    return None
-
-
 def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoint:
     """The verified drafter at `url` (folder, file:// or s3://): a training checkpoint, a training run's output (its
     newest verified step-* checkpoint) or an export; its drafter files are fetched with checksums when remote."""
@@ -244,7 +221,7 @@ def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoin
         pinned=pinned,
         export_config=json.loads((folder / CONFIG_NAME).read_text()),
         lineage=lineage,
-        template_sha256=_template_sha256_from_lineage(report.manifest.lineage, cfg.store),
+        template_sha256=(pinned.get("data") or {}).get("template_sha256"),
     )
 
 

@@ -41,12 +41,13 @@ def _load_dataset(root: Path):
 
 class TrainRows:
     """The train rows, memory-mapped from the artifact's Arrow files (read one row at a time, never all at once),
-    plus the data artifact's lineage entry."""
+    plus the data artifact's lineage entry and what its tokenize run recorded (template hash, thinking mode, ...)."""
 
-    def __init__(self, dataset, lineage: InputRef, max_length: int) -> None:
+    def __init__(self, dataset, lineage: InputRef, max_length: int, tokenize_run: dict | None = None) -> None:
         self.dataset = dataset
         self.lineage = lineage
         self.max_length = max_length
+        self.tokenize_run = tokenize_run or {}
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -85,7 +86,7 @@ def load_train_rows(
     dataset = _load_dataset(local)
     if len(dataset) == 0:
         raise ArtifactError(f"tokenized artifact {url} has no train rows; tokenize more data or lower tokenize.held_out_fraction")
-    return TrainRows(dataset, lineage, max_length)
+    return TrainRows(dataset, lineage, max_length, report.manifest.config.get("tokenize_run"))
 
 
 def steps_per_epoch(num_rows: int, global_batch: int) -> int:

@@ -91,9 +91,19 @@ def warmup_cosine(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def resolved_training_config(config: BlockdraftConfig, spec: DrafterSpec, output_url: str) -> dict[str, Any]:
-    """The config with every derived DFlash value pinned (mask id, layer ids, gamma, shapes), as written into checkpoints."""
+PINNED_DATA_FIELDS = ("template_sha256", "thinking", "tokenizer_sha256", "end_of_turn_id")
+
+
+def resolved_training_config(
+    config: BlockdraftConfig, spec: DrafterSpec, output_url: str, tokenize_run: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The config with every derived DFlash value pinned (mask id, layer ids, gamma, shapes), as written into checkpoints.
+
+    `tokenize_run` (what the tokenized data's manifest records: chat-template hash, thinking mode, tokenizer hash) is
+    pinned under "data", so eval and export read the template a drafter was trained for from the checkpoint itself.
+    """
     data = config.resolved()
+    data["data"] = {key: (tokenize_run or {}).get(key) for key in PINNED_DATA_FIELDS}
     data["dflash"].update(
         mask_token_id=spec.mask_token_id,
         target_layer_ids=list(spec.target_layer_ids),
@@ -246,7 +256,7 @@ def _train(config: BlockdraftConfig, place: RankPlacement, step_callback) -> Tra
     spec = DrafterSpec.from_target_config(hf_target.config, config.dflash)
     target = TargetModel(hf_target, spec.target_layer_ids)
     head = TargetHead.from_target(hf_target, place.drafter_device)
-    resolved = resolved_training_config(config, spec, output_url)
+    resolved = resolved_training_config(config, spec, output_url, rows.tokenize_run)
     identity = _run_identity(resolved, place.world_size, rows.lineage.sha256)
 
     torch.manual_seed(tc.seed)
