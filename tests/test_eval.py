@@ -221,3 +221,17 @@ def test_eval_refuses_prompts_tokenized_for_another_model(tmp_path, golden_run, 
     cfg = golden_config(tmp_path, train={"data": tokenized})
     with pytest.raises(EvalError, match=r"prompt token id \d+ is outside the target's vocabulary \(0\.\.511\)"):
         run_eval(cfg, str(golden_run))
+
+
+@pytest.mark.parametrize("command", ["eval", "train"])
+def test_a_wrong_target_path_is_one_line_naming_the_field(tmp_path, command):
+    config = tmp_path / "blockdraft.toml"
+    config.write_text(
+        f'[target]\npath = "{(tmp_path / "no-such-model").as_posix()}"\n[dflash]\nmask_token_id = 5\n'
+        f'[store]\nurl = "{(tmp_path / "store").as_posix()}"\n'
+        f'[train]\ndata = "{(tmp_path / "data").as_posix()}"\nlog_dir = "{(tmp_path / "logs").as_posix()}"\n'
+    )
+    args = ["eval", "--config", str(config), "--checkpoint", str(tmp_path / "ckpt")] if command == "eval" else ["train", "--config", str(config)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "target.path" in result.output and "Traceback" not in result.output

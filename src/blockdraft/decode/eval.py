@@ -591,16 +591,14 @@ def run_eval(
 ) -> tuple[dict[str, Any], str]:
     """The `eval` stage. `prompts`: a JSONL file, or a tokenized artifact URL (its held-out rows); default eval.prompts,
     else the held-out rows of train.data. Returns (report, URL of the committed eval artifact)."""
-    from transformers import AutoConfig
-
     from blockdraft.model.drafter import DFlashDrafter
     from blockdraft.model.spec import SpecError
-    from blockdraft.model.target import load_target
+    from blockdraft.model.target import load_target, load_target_config
 
     if not cfg.target.path:
         raise EvalError("target.path is not set; eval needs the target model the drafter was trained for")
     max_new_tokens = max_new_tokens or cfg.eval.max_new_tokens
-    hf_config = AutoConfig.from_pretrained(cfg.target.path)
+    hf_config = load_target_config(cfg.target.path)
     try:
         check_rollback_supported(hf_config)
     except DecodeError as exc:

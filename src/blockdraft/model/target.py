@@ -111,5 +111,23 @@ def load_target(
     kwargs = {"dtype": dtype}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.to(device).eval().requires_grad_(False)
+
+
+def load_target_config(path: str | None):
+    """The target's HF config; a missing or unreadable target is a ConfigError naming target.path."""
+    from transformers import AutoConfig
+
+    from blockdraft.config import ConfigError
+
+    if not path:
+        raise ConfigError("target.path is not set; set it in the config to the target model's folder or hub id")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot read the target model's config at target.path = {path} ({type(exc).__name__}); set target.path to a "
+            "folder with config.json (or a hub id available offline)"
+        ) from None

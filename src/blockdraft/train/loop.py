@@ -27,6 +27,7 @@ from torch import nn
 
 from blockdraft.config import BlockdraftConfig, ConfigError, load_config
 from blockdraft.model import DFlashDrafter, DrafterSpec, SpecError, TargetHead, TargetModel, load_target
+from blockdraft.model.target import load_target_config
 from blockdraft.store import Store, StoreError, open_store
 from blockdraft.store.artifact import ArtifactError
 from blockdraft.train.batch import BlockBatch, anchor_generator, build_block_batch, expected_acceptance
@@ -243,8 +244,7 @@ def _train(config: BlockdraftConfig, place: RankPlacement, step_callback) -> Tra
     is_main = place.rank == 0
     if tc.data is None:
         raise ConfigError("train.data is not set; set it to a tokenized artifact (a folder, file:// or s3:// URL)")
-    if config.target.path is None:
-        raise ConfigError("target.path is not set; set it to the target model's folder or hub id")
+    load_target_config(config.target.path)  # a missing target fails in seconds, before any data moves
     output_url = tc.output or config.store.url.rstrip("/") + "/train"
     out_store = open_store(output_url, config.store)
     if is_main:
