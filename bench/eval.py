@@ -1,7 +1,7 @@
 """Speculative decoding vs target-only greedy on small CPU targets: tau, tokens/s and wall-clock speedup, for the
 DFlash drafter, the n-gram baseline and an untrained drafter, all on the same prompts in the same process.
 
-    .venv/bin/python bench/eval.py [--suite all|golden|tiny] [--repeats 3] [--threads 1] [--train-steps 300]
+    .venv/bin/python -m bench.eval [--suite all|golden|tiny] [--repeats 3] [--threads 1] [--train-steps 300]
 
 Suites:
 - `golden`: the golden tiny target (8 layers, hidden 64) and its briefly trained drafter (tests/fixtures/dflash-golden, B=4), on
@@ -25,12 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# Python puts this script's folder first on sys.path, and bench/tokenize.py would shadow the standard library's tokenize.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import torch
 
-import torch  # noqa: E402
-
-from blockdraft.fixtures.tiny import TINY_TARGET_DIR  # noqa: E402
+from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "fixtures" / "dflash-golden"

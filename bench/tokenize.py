@@ -1,6 +1,6 @@
 """Tokenize throughput against the tokenizer's own speed, on one synthetic corpus shaped like the reference workload.
 
-    .venv/bin/python bench/tokenize.py [--conversations 1600] [--files 4] [--tokenizer tests/fixtures/qwen3-tokenizer]
+    .venv/bin/python -m bench.tokenize [--conversations 1600] [--files 4] [--tokenizer tests/fixtures/qwen3-tokenizer]
 
 The corpus: reasoning-heavy completions averaging about 2,000 tokens per assistant turn, a fifth of them multi-turn,
 in `--files` JSONL shards. On the same rows it measures, in this one run:
@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-# This file is named like the standard library's `tokenize`: keep its folder off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse
 import json

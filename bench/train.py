@@ -1,13 +1,12 @@
 """Benchmark one DFlash training step (drafter forward, chunked LM head + CE, backward, clip, AdamW) on random data.
 
 Prints step time, context tokens/s and the achieved FLOP rate as a fraction of a plain GEMM measured in the same process
-(and, on a GPU, MFU against the chip's bf16 dense peak). `-P` keeps bench/ off sys.path (bench/tokenize.py would
-shadow the standard library's tokenize module). The target is not run: its features are random, so the
+(and, on a GPU, MFU against the chip's bf16 dense peak). The target is not run: its features are random, so the
 figures are the drafter side alone, which is what the drafter devices spend their time on.
 
-    python -P bench/train.py --preset cpu-small
-    python -P bench/train.py --preset qwen3-8b                   # on a GPU: 5 layers, H 4096, 32/8 heads, 512 anchors, B 16
-    python -P bench/train.py --preset qwen3-8b --device cpu --hidden 128 --heads 4 --kv-heads 2 --intermediate 384 \\
+    python -m bench.train --preset cpu-small
+    python -m bench.train --preset qwen3-8b                   # on a GPU: 5 layers, H 4096, 32/8 heads, 512 anchors, B 16
+    python -m bench.train --preset qwen3-8b --device cpu --hidden 128 --heads 4 --kv-heads 2 --intermediate 384 \\
         --vocab 2048 --seq-len 256 --anchors 32                  # the GPU path's code, checked at toy scale on a CPU
 """
 

@@ -1,7 +1,7 @@
 """Verified transfer vs s5cmd on the same local SeaweedFS: push + verify against `s5cmd cp` up, pull + verify
 against `s5cmd cp` down, for one artifact of about 1 GiB in several files.
 
-    .venv/bin/python bench/transfer.py [--gib 1] [--files 8] [--repeats 3]
+    .venv/bin/python -m bench.transfer [--gib 1] [--files 8] [--repeats 3]
 
 Each transfer runs in its own child process, whose peak RSS (VmHWM) is sampled while it runs. blockdraft's time
 is the library call (`push` / `pull`, verification included) timed inside the child, without interpreter
@@ -12,21 +12,15 @@ the client process, from wait4) is less sensitive to a busy machine than wall ti
 
 from __future__ import annotations
 
-import os.path
+import argparse
+import json
+import os
+import shutil
+import subprocess
 import sys
-
-# bench/ holds a tokenize.py (the tokenize benchmark) that would shadow the standard library's tokenize.
-_HERE = os.path.dirname(os.path.realpath(__file__))
-sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != _HERE]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import tempfile
+import time
+from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
