@@ -164,6 +164,7 @@ def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str
     from blockdraft.export import export
     from blockdraft.generate.stage import generate
     from blockdraft.store import open_store
+    from blockdraft.store.artifact import ArtifactError, State, verify_artifact
     from blockdraft.store.preflight import preflight
     from blockdraft.store.status import render_progress, status
     from blockdraft.store.transfer import pull, push
@@ -178,31 +179,40 @@ def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str
     began = time.perf_counter()
     torch.manual_seed(0)
 
-    def stage(name: str, fn: Callable[[], Any]) -> Any:
+    def stage(name: str, fn: Callable[[], Any], produces: str | Callable[[Any], str] | None = None) -> Any:
+        """Run one stage; where it produces an artifact (a URL, or a function of the stage's result giving one), say what
+        its destination verifies, not what the stage returned."""
         say(f"[{name}] ...")
         start = time.perf_counter()
         value = fn()
-        result.stage_seconds[name] = time.perf_counter() - start
-        say(f"[{name}] done in {result.stage_seconds[name]:.1f}s")
+        result.stage_seconds[name] = seconds = time.perf_counter() - start
+        if produces is None:
+            say(f"[{name}] done in {seconds:.1f}s")
+            return value
+        if callable(produces):
+            produces = produces(value)
+        report = verify_artifact(open_store(produces, cfg.store))
+        if report.state is not State.VERIFIED:
+            raise ArtifactError(f"{name} left {produces} {report.state.value}: {report.summary()}")
+        say(f"[{name}] {report.manifest.kind}: {report.summary()} ({seconds:.1f}s)")
         return value
 
     stage("preflight", lambda: preflight(open_store(store_url, cfg.store)))
     prompts = _regeneration_prompts(workdir, size.conversations)
     completions = f"{store_url}/completions"
-    stage("generate", lambda: generate(str(prompts), completions, cfg))
+    stage("generate", lambda: generate(str(prompts), completions, cfg), completions)
     result.distinct_4gram = _distinct_4gram(completions, cfg)
     say(f"[generate] distinct-4-gram ratio of the target's answers: {result.distinct_4gram:.2f}")
 
     local_tokenized = workdir / "tokenized"
-    stage("tokenize", lambda: tokenize_dataset(completions, str(local_tokenized), cfg))
-    stage("push", lambda: push(local_tokenized, f"{store_url}/tokenized", cfg.store))
-    stage("pull", lambda: pull(f"{store_url}/tokenized", cfg.train.data, cfg.store))
-    trained = stage("train", lambda: train(cfg))
-    say(f"[train] {trained.steps} steps, checkpoint {trained.checkpoint_url}")
+    stage("tokenize", lambda: tokenize_dataset(completions, str(local_tokenized), cfg), str(local_tokenized))
+    stage("push", lambda: push(local_tokenized, f"{store_url}/tokenized", cfg.store), f"{store_url}/tokenized")
+    stage("pull", lambda: pull(f"{store_url}/tokenized", cfg.train.data, cfg.store), cfg.train.data)
+    stage("train", lambda: train(cfg), lambda trained: trained.checkpoint_url)
 
     held_out = str(TINY_TARGET_DIR / "prompts.jsonl")  # prompts the target never trained on, absent from the completions
-    report, _ = stage("eval", lambda: run_eval(cfg, cfg.train.output, prompts=held_out, output=f"{store_url}/eval"))
-    stage("export", lambda: export(cfg.train.output, f"{store_url}/export", cfg))
+    report, _ = stage("eval", lambda: run_eval(cfg, cfg.train.output, prompts=held_out, output=f"{store_url}/eval"), f"{store_url}/eval")
+    stage("export", lambda: export(cfg.train.output, f"{store_url}/export", cfg), f"{store_url}/export")
 
     artifacts = stage("status", lambda: status(open_store(store_url, cfg.store)))
     (workdir / "PROGRESS.md").write_text(render_progress(store_url, artifacts))
