@@ -18,7 +18,6 @@ Tokens are the rows' tokens (each row is a turn with its whole prompt), the same
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import argparse

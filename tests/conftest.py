@@ -14,6 +14,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from s3server import SeaweedS3  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """Every model in these tests is tiny: a second intra-op thread gains nothing and, on a busy 2-core machine,
+    spinning OpenMP threads make it many times slower. Subprocesses (torchrun ranks, killed CLIs) set their own."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     with SeaweedS3(tmp_path_factory.mktemp("seaweedfs")) as server:

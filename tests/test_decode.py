@@ -23,14 +23,6 @@ GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 FP32_TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models decode one token at a time: a second intra-op thread only adds contention on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def golden_target():

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
@@ -34,14 +33,6 @@ GOLDEN = FIXTURES / "dflash-golden"
 TOKENIZER_DIR = FIXTURES / "qwen3-tokenizer"
 GOLDEN_DFLASH = {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3, "gamma": 4.0}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models decode one token at a time: a second intra-op thread only adds contention on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def golden_config(tmp: Path, **sections):

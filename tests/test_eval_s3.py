@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-import torch
 
 from blockdraft.config import load_config
 from blockdraft.decode.eval import run_eval
@@ -20,15 +18,8 @@ from blockdraft.train.checkpoint import save_checkpoint
 GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
-
-def test_eval_reads_checkpoint_and_export_from_s3_and_commits_the_report_there(s3_bucket, tmp_path, one_thread):
+def test_eval_reads_checkpoint_and_export_from_s3_and_commits_the_report_there(s3_bucket, tmp_path):
     golden = json.loads((GOLDEN / "golden.json").read_text())["decode"]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": case["prompt"]}) + "\n" for case in golden[:2]))

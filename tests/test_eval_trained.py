@@ -4,10 +4,8 @@ evaluate it on held-out prompts beside an untrained drafter and the n-gram basel
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from blockdraft.config import load_config
 from blockdraft.data.tokenize import tokenize_dataset
@@ -17,13 +15,6 @@ from blockdraft.train.loop import train
 
 TINY = TINY_TARGET_DIR
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.slow

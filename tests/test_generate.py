@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import zstandard
 
 from blockdraft.config import load_config
@@ -24,14 +23,6 @@ from blockdraft.store.artifact import State, verify_artifact
 
 TINY = TINY_TARGET_DIR
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    # Spinning OpenMP threads make a busy 2-core machine many times slower; the server processes use 1 thread too.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Endpoint:

@@ -4,7 +4,6 @@ template behaves like Qwen3's, a mask row exists, and its greedy outputs follow 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,14 +14,6 @@ from blockdraft.generate.engines import Prompt, greedy_generate
 
 TINY = TINY_TARGET_DIR
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    # Spinning OpenMP threads make a busy 2-core machine many times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

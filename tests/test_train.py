@@ -44,14 +44,6 @@ def _write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[d
     return str(folder)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is many times faster than two contending ones."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def data_url(tmp_path_factory) -> str:

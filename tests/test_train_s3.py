@@ -4,7 +4,6 @@ verified there, resume pulled back from there; a checkpoint whose upload never c
 from __future__ import annotations
 
 import pytest
-import torch
 
 from blockdraft.config import load_config
 from blockdraft.store import open_store
@@ -17,15 +16,8 @@ from test_train import _config_file, _losses, _make_rows, _write_tokenized
 pytestmark = pytest.mark.s3
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
-
-def test_train_from_and_to_s3_resumes_from_the_last_committed_checkpoint(s3_bucket, tmp_path, one_thread):
+def test_train_from_and_to_s3_resumes_from_the_last_committed_checkpoint(s3_bucket, tmp_path):
     local_data = tmp_path / "tokenized"
     local_data.mkdir()
     rows = _make_rows(3, prompt_len=5, new_tokens=24, seed=1)
