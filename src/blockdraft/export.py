@@ -29,12 +29,11 @@ from blockdraft.store.artifact import (
     uncommit,
     verify_artifact,
 )
-from blockdraft.train.checkpoint import CHECKPOINT_KIND, find_resumable
+from blockdraft.train.checkpoint import CHECKPOINT_KIND, PINNED_CONFIG_NAME, find_resumable
 
 EXPORT_KIND = "drafter-export"
 PROVENANCE_NAME = "blockdraft-export.json"
 SERVING_NAME = "serving.json"
-CHECKPOINT_CONFIG_NAME = "blockdraft-config.json"  # the resolved config a training checkpoint carries
 
 
 class ExportError(ValueError):
@@ -154,7 +153,7 @@ def _check_pinned(spec: DrafterSpec, dflash: dict[str, Any]) -> None:
     for name, value in pinned.items():
         if dflash.get(name) is not None and dflash[name] != value:
             raise ExportError(
-                f"checkpoint is inconsistent: dflash.{name} is {dflash[name]} in its {CHECKPOINT_CONFIG_NAME} but {value} in its "
+                f"checkpoint is inconsistent: dflash.{name} is {dflash[name]} in its {PINNED_CONFIG_NAME} but {value} in its "
                 f"{CONFIG_NAME}; re-save the checkpoint from training"
             )
 
@@ -195,8 +194,8 @@ def export(checkpoint: str, out: str, settings: Any = None, target: str | None =
             from blockdraft.store.transfer import pull  # checksums recomputed from the bytes received
 
             pull(ckpt_store.url, folder, store_settings)
-        if (folder / CHECKPOINT_CONFIG_NAME).is_file():
-            resolved = json.loads((folder / CHECKPOINT_CONFIG_NAME).read_text())
+        if (folder / PINNED_CONFIG_NAME).is_file():
+            resolved = json.loads((folder / PINNED_CONFIG_NAME).read_text())
         drafter = DFlashDrafter.from_pretrained(folder)
     dflash = resolved.get("dflash", {})
     _check_pinned(drafter.spec, dflash)

@@ -20,7 +20,13 @@ import torch
 
 from blockdraft.config import BlockdraftConfig, ConfigError
 from blockdraft.decode.ngram import NgramProposer
-from blockdraft.decode.speculative import DFlashProposer, GreedyResult, SpecResult, greedy_generate, run_speculative
+from blockdraft.decode.speculative import (
+    DFlashProposer,
+    GreedyResult,
+    SpecResult,
+    greedy_generate,
+    run_speculative,
+)
 from blockdraft.decode.target import DecodeError, check_rollback_supported
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
@@ -34,8 +40,8 @@ from blockdraft.store.artifact import (
     uncommit,
     verify_artifact,
 )
+from blockdraft.train.checkpoint import PINNED_CONFIG_NAME
 
-PINNED_CONFIG_NAME = "blockdraft-config.json"
 REPORT_NAME = "report.json"
 TAU_PLOT_NAME = "tau_histogram.png"
 POSITION_PLOT_NAME = "position_acceptance.png"
@@ -243,7 +249,12 @@ def check_checkpoint_matches(cfg: BlockdraftConfig, checkpoint: Checkpoint, hf_c
     what the drafter was trained with (its config.json, and the resolved config pinned beside it). A field the given
     config leaves unset without a default (mask id) is taken from the checkpoint.
     """
-    from blockdraft.model.spec import SpecError, TargetShape, default_layer_ids, hybrid_layer_ids
+    from blockdraft.model.spec import (
+        SpecError,
+        TargetShape,
+        default_layer_ids,
+        hybrid_layer_ids,
+    )
 
     dflash = checkpoint.export_config.get("dflash_config") or {}
     pinned_dflash = checkpoint.pinned.get("dflash") or {}

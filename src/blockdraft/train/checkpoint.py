@@ -33,7 +33,7 @@ from blockdraft.store.artifact import (
 
 CHECKPOINT_KIND = "drafter-checkpoint"
 STATE_NAME = "training-state.pt"
-CONFIG_NAME = "blockdraft-config.json"
+PINNED_CONFIG_NAME = "blockdraft-config.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})/" + re.escape(MANIFEST_NAME) + "$")
 
 
@@ -62,8 +62,8 @@ def save_checkpoint(
         root = Path(tmp)
         paths = list(drafter.save_pretrained(root))
         torch.save(training_state, root / STATE_NAME)
-        (root / CONFIG_NAME).write_text(json.dumps(resolved_config, indent=2, sort_keys=True) + "\n")
-        paths += [root / STATE_NAME, root / CONFIG_NAME]
+        (root / PINNED_CONFIG_NAME).write_text(json.dumps(resolved_config, indent=2, sort_keys=True) + "\n")
+        paths += [root / STATE_NAME, root / PINNED_CONFIG_NAME]
         for extra in extra_files:
             if extra.is_file():
                 shutil.copyfile(extra, root / extra.name)
@@ -151,7 +151,7 @@ def load_checkpoint(found: Resumable, settings: object | None = None) -> LoadedC
         folder=folder,
         drafter_state=load_file(str(folder / "model.safetensors")),
         training_state=torch.load(folder / STATE_NAME, weights_only=True),
-        config=json.loads((folder / CONFIG_NAME).read_text()),
+        config=json.loads((folder / PINNED_CONFIG_NAME).read_text()),
         _tmp=tmp,
     )
 
