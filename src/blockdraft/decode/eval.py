@@ -173,20 +173,13 @@ class Checkpoint:
 
 def _fetch(store: Store, report: VerifyReport, dest: Path, names: Sequence[str]) -> None:
     """Copy the listed files of a verified remote artifact, checking each one's CRC64NVME on the bytes received."""
-    from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
-
     listed = {e.path: e for e in report.manifest.files}
     for name in names:
         entry = listed[name]
-        (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        crc, size = Crc64Nvme(), 0
-        with store.open_read(name) as src, open(dest / name, "wb") as out:
-            while chunk := src.read(READ_CHUNK):
-                crc.update(chunk)
-                size += len(chunk)
-                out.write(chunk)
-        if size != entry.size or crc.b64 != entry.checksum:
-            raise ArtifactError(f"{store.url}/{name} changed while downloading (size {size}, crc64nvme {crc.b64}); retry")
+        size, checksum = store.get_file(name, dest / name)
+        if size != entry.size or checksum != entry.checksum:
+            (dest / name).unlink(missing_ok=True)
+            raise ArtifactError(f"{store.url}/{name} changed while downloading (size {size}, crc64nvme {checksum}); retry")
 
 
 def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoint:
