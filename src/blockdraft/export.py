@@ -18,20 +18,16 @@ from blockdraft.model.drafter import CONFIG_NAME, DFlashDrafter
 from blockdraft.model.spec import DrafterSpec, SpecError, default_gamma
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
-    ArtifactError,
     InputRef,
-    State,
     VerifyReport,
     commit_artifact,
     entry_for_local_file,
     manifest_input,
     read_manifest,
     uncommit,
-    verify_artifact,
 )
-from blockdraft.train.checkpoint import CHECKPOINT_KIND, PINNED_CONFIG_NAME, find_resumable
+from blockdraft.train.checkpoint import EXPORT_KIND, PINNED_CONFIG_NAME, open_drafter_artifact
 
-EXPORT_KIND = "drafter-export"
 PROVENANCE_NAME = "blockdraft-export.json"
 SERVING_NAME = "serving.json"
 
@@ -158,24 +154,6 @@ def _check_pinned(spec: DrafterSpec, dflash: dict[str, Any]) -> None:
             )
 
 
-def _checkpoint_store(url: str, store_settings: Any) -> tuple[Store, VerifyReport]:
-    """The checkpoint artifact at `url`, or the newest verified checkpoint of a training run's output there."""
-    store = open_store(url, store_settings)
-    report = verify_artifact(store)
-    if report.state is State.VERIFIED:
-        if report.manifest.kind not in (CHECKPOINT_KIND, EXPORT_KIND):
-            raise ArtifactError(f"{url} is a '{report.manifest.kind}' artifact, not a drafter checkpoint; pass a training checkpoint")
-        return store, report
-    if report.state is State.INCOMPLETE and not report.problems:
-        found = find_resumable(store)
-        if found is not None:
-            return found.store, found.report
-    raise ArtifactError(
-        f"{url} is not a verified checkpoint ({report.state.value}: {report.summary()}) and holds no verified step-* checkpoint; "
-        "pass a checkpoint folder or URL that `blockdraft verify` reports as verified"
-    )
-
-
 def export(checkpoint: str, out: str, settings: Any = None, target: str | None = None) -> ExportResult:
     """Export the verified checkpoint at `checkpoint` (a folder or URL, or a training output holding step-* checkpoints)
     to `out` (a folder or s3:// URL). `settings` is a BlockdraftConfig (store access); `target` overrides where the
@@ -183,7 +161,7 @@ def export(checkpoint: str, out: str, settings: Any = None, target: str | None =
     from transformers import AutoConfig
 
     store_settings = getattr(settings, "store", None)
-    ckpt_store, report = _checkpoint_store(checkpoint, store_settings)
+    ckpt_store, report = open_drafter_artifact(open_store(checkpoint, store_settings))
     if ckpt_store.url.rstrip("/") == open_store(out, store_settings).url.rstrip("/"):
         raise ExportError(f"export destination {out} is the checkpoint itself; pass another folder or URL")
     resolved = report.manifest.config or {}

@@ -185,24 +185,17 @@ def _fetch(store: Store, report: VerifyReport, dest: Path, names: Sequence[str])
 def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoint:
     """The verified drafter at `url` (folder, file:// or s3://): a training checkpoint, a training run's output (its
     newest verified step-* checkpoint) or an export; its drafter files are fetched with checksums when remote."""
-    from blockdraft.export import EXPORT_KIND, PROVENANCE_NAME
+    from blockdraft.export import PROVENANCE_NAME
     from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
-    from blockdraft.train.checkpoint import CHECKPOINT_KIND, find_resumable
+    from blockdraft.train.checkpoint import CHECKPOINT_KIND, EXPORT_KIND, open_drafter_artifact
 
-    store = open_store(url, cfg.store)
-    report = verify_artifact(store)
-    if report.manifest is None and not report.problems:
-        found = find_resumable(store)
-        if found is None:
-            raise EvalError(f"{url} holds no committed checkpoint (no manifest, no verified step-* checkpoint); pass a checkpoint, a training output or an export")
-        store, report = found.store, found.report
-    if report.state is not State.VERIFIED:
-        raise ArtifactError(f"checkpoint {store.url} is {report.state.value}: {report.summary()}; fix or re-push it first")
+    try:
+        store, report = open_drafter_artifact(open_store(url, cfg.store))
+    except ArtifactError as exc:
+        raise EvalError(str(exc)) from None
     lineage = InputRef(kind="manifest", url=store.url, sha256=report.manifest_sha256)
     kind = report.manifest.kind
-    pinned_name = {CHECKPOINT_KIND: PINNED_CONFIG_NAME, EXPORT_KIND: PROVENANCE_NAME}.get(kind)
-    if pinned_name is None:
-        raise EvalError(f"{store.url} is a '{kind}' artifact, not a drafter; pass a checkpoint ({CHECKPOINT_KIND}) or export ({EXPORT_KIND})")
+    pinned_name = {CHECKPOINT_KIND: PINNED_CONFIG_NAME, EXPORT_KIND: PROVENANCE_NAME}[kind]
     needed = [CONFIG_NAME, WEIGHTS_NAME, pinned_name]
     absent = [n for n in needed if n not in {e.path for e in report.manifest.files}]
     if absent:

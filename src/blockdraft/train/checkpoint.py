@@ -22,6 +22,7 @@ import torch
 from blockdraft.store import Store
 from blockdraft.store.artifact import (
     MANIFEST_NAME,
+    ArtifactError,
     InputRef,
     State,
     VerifyReport,
@@ -32,6 +33,7 @@ from blockdraft.store.artifact import (
 )
 
 CHECKPOINT_KIND = "drafter-checkpoint"
+EXPORT_KIND = "drafter-export"
 STATE_NAME = "training-state.pt"
 PINNED_CONFIG_NAME = "blockdraft-config.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})/" + re.escape(MANIFEST_NAME) + "$")
@@ -95,6 +97,27 @@ def find_resumable(store: Store) -> Resumable | None:
             return Resumable(step, child, report, skipped)
         skipped.append(f"{checkpoint_key(step)} ({report.state.value}: {report.summary()})")
     return None
+
+
+def open_drafter_artifact(store: Store) -> tuple[Store, VerifyReport]:
+    """The verified drafter at `store`: a checkpoint or an export there, else the newest verified step-* checkpoint of a
+    training output there. Raises ArtifactError naming what was found instead."""
+    report = verify_artifact(store)
+    if report.state is State.VERIFIED:
+        if report.manifest.kind not in (CHECKPOINT_KIND, EXPORT_KIND):
+            raise ArtifactError(
+                f"{store.url} is a '{report.manifest.kind}' artifact, not a drafter checkpoint or export; pass a training "
+                "checkpoint, a training output or an export"
+            )
+        return store, report
+    if report.state is State.INCOMPLETE and not report.problems:
+        found = find_resumable(store)
+        if found is not None:
+            return found.store, found.report
+    raise ArtifactError(
+        f"{store.url} is not a verified checkpoint ({report.state.value}: {report.summary()}) and holds no verified step-* "
+        "checkpoint; pass a checkpoint, training output or export that `blockdraft verify` reports as verified"
+    )
 
 
 def prune_checkpoints(store: Store, keep: int) -> list[int]:
