@@ -20,13 +20,16 @@ from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
     InputRef,
     VerifyReport,
-    commit_artifact,
-    entry_for_local_file,
     manifest_input,
+    publish_artifact,
     read_manifest,
     uncommit,
 )
-from blockdraft.train.checkpoint import EXPORT_KIND, PINNED_CONFIG_NAME, open_drafter_artifact
+from blockdraft.train.checkpoint import (
+    EXPORT_KIND,
+    PINNED_CONFIG_NAME,
+    open_drafter_artifact,
+)
 
 PROVENANCE_NAME = "blockdraft-export.json"
 SERVING_NAME = "serving.json"
@@ -133,13 +136,8 @@ def export_drafter(
         for name, payload in ((PROVENANCE_NAME, provenance), (SERVING_NAME, serving)):
             (root / name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
             paths.append(root / name)
-        entries = []
-        for path in paths:
-            entry = entry_for_local_file(root, path)
-            out.put_file(entry.path, path, checksum=entry.checksum)
-            entries.append(entry)
-    counts = {"tensors": len(drafter.state_dict()), "parameters": sum(p.numel() for p in drafter.parameters())}
-    report = commit_artifact(out, EXPORT_KIND, entries, config=resolved_config or {}, lineage=lineage, counts=counts)
+        counts = {"tensors": len(drafter.state_dict()), "parameters": sum(p.numel() for p in drafter.parameters())}
+        report = publish_artifact(out, EXPORT_KIND, root, paths, config=resolved_config or {}, lineage=lineage, counts=counts)
     return ExportResult(out.url, report, serving, provenance)
 
 
@@ -169,7 +167,9 @@ def export(checkpoint: str, out: str, settings: Any = None, target: str | None =
         folder = ckpt_store.local_path()
         if folder is None:
             folder = Path(tmp)
-            from blockdraft.store.transfer import pull  # checksums recomputed from the bytes received
+            from blockdraft.store.transfer import (
+                pull,  # checksums recomputed from the bytes received
+            )
 
             pull(ckpt_store.url, folder, store_settings)
         if (folder / PINNED_CONFIG_NAME).is_file():

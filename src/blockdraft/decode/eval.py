@@ -34,8 +34,7 @@ from blockdraft.store.artifact import (
     InputRef,
     State,
     VerifyReport,
-    commit_artifact,
-    entry_for_local_file,
+    publish_artifact,
     raw_input,
     uncommit,
     verify_artifact,
@@ -487,17 +486,12 @@ def commit_report(
     paths[0].write_text(json.dumps(report, indent=2) + "\n")
     store = open_store(output, cfg.store)
     uncommit(store)  # a reader must never see an older manifest over the new files
-    entries = []
-    for path in paths:
-        entry = entry_for_local_file(folder, path)
-        store.put_file(entry.path, path, checksum=entry.checksum)
-        entries.append(entry)
     counts = {
         "prompts": report["num_prompts"],
         "lossless": report["lossless"]["ok"],
         **{f"tau_{name}": round(m["tau"], 4) for name, m in report["drafters"].items()},
     }
-    commit_artifact(store, "eval", entries, config=cfg.resolved(), lineage=lineage, counts=counts)
+    publish_artifact(store, "eval", folder, paths, config=cfg.resolved(), lineage=lineage, counts=counts)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -26,8 +26,7 @@ from blockdraft.store.artifact import (
     InputRef,
     State,
     VerifyReport,
-    commit_artifact,
-    entry_for_local_file,
+    publish_artifact,
     uncommit,
     verify_artifact,
 )
@@ -70,12 +69,7 @@ def save_checkpoint(
             if extra.is_file():
                 shutil.copyfile(extra, root / extra.name)
                 paths.append(root / extra.name)
-        entries = []
-        for path in paths:
-            entry = entry_for_local_file(root, path)
-            dest.put_file(entry.path, path, checksum=entry.checksum)
-            entries.append(entry)
-        return commit_artifact(dest, CHECKPOINT_KIND, entries, config=resolved_config, lineage=lineage, counts=counts)
+        return publish_artifact(dest, CHECKPOINT_KIND, root, paths, config=resolved_config, lineage=lineage, counts=counts)
 
 
 @dataclass
