@@ -46,7 +46,13 @@ class _StopForward(Exception):
 
 
 def _decoder_layers(hf_model: nn.Module, num_layers: int) -> nn.ModuleList | None:
-    """The model's stack of decoder layers: the first ModuleList with one entry per layer."""
+    """The model's stack of decoder layers: the text decoder's `layers` where HF names it (multimodal targets also hold
+    vision blocks), else the first ModuleList with one entry per layer."""
+    get_decoder = getattr(hf_model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+        return layers
     for module in hf_model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == num_layers:
             return module
