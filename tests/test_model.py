@@ -264,6 +264,10 @@ def test_from_export_config_refuses_what_is_not_a_dflash_export():
         DrafterSpec.from_export_config({k: v for k, v in config.items() if k != "num_target_layers"})
     with pytest.raises(SpecError, match="sliding-window"):
         DrafterSpec.from_export_config({**config, "layer_types": ["sliding_attention"] * 3})
+    with pytest.raises(SpecError, match="rope_type 'yarn'"):
+        DrafterSpec.from_export_config({**config, "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(SpecError, match="rope_type 'linear'"):
+        DrafterSpec.from_export_config({**config, "rope_scaling": {"type": "linear", "factor": 2.0}})
     # transformers 4 configs carry only rope_theta; transformers 5 only rope_parameters: both read the same
     old_style = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 5e5}
     new_style = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")} | {

@@ -254,6 +254,13 @@ class DrafterSpec:
             raise SpecError("drafter config.json has no block_size (top level or dflash_config); it is not a DFlash export")
         heads = config["num_attention_heads"]
         rope = config.get("rope_parameters") or {}
+        scaling = config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise SpecError(
+                f"drafter config.json uses rope_type '{rope_type}'; blockdraft drafters implement default RoPE only, so loading it "
+                "would silently change its positions"
+            )
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         return cls(
             hidden_size=config["hidden_size"],
