@@ -255,7 +255,8 @@ class DrafterSpec:
         heads = config["num_attention_heads"]
         rope = config.get("rope_parameters") or {}
         scaling = config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        rope_types = {rope.get("rope_type") or "default", scaling.get("rope_type") or scaling.get("type") or "default"}
+        rope_type = next((t for t in sorted(rope_types) if t != "default"), "default")
         if rope_type != "default":
             raise SpecError(
                 f"drafter config.json uses rope_type '{rope_type}'; blockdraft drafters implement default RoPE only, so loading it "
