@@ -147,3 +147,24 @@ def test_tokenized_artifact_is_stale_once_a_raw_input_object_changes(s3_bucket, 
     assert report.state is State.STALE and "raw/part-1.jsonl" in report.problems[0].path
     by_root = {a.root: a.state for a in status(open_store(f"s3://{s3_bucket}/"))}
     assert by_root["tokenized"] is State.STALE
+
+
+def test_a_failed_rerun_over_a_committed_s3_output_that_changes_nothing_leaves_it_committed(s3_bucket, s3_env, tmp_path):
+    from blockdraft.data.tokenize import finished_shard_entries
+    from blockdraft.store.transfer import stage_and_push
+
+    upload_raw(s3_env, s3_bucket)
+    out_url = f"s3://{s3_bucket}/tokenized"
+    cfg = s3_config(tmp_path)
+    tokenize_dataset(f"s3://{s3_bucket}/raw", out_url, cfg)
+    before = read_manifest(open_store(out_url))[1]
+
+    def crash(local: Path) -> None:
+        time.sleep(1.0)  # the pusher polls the staged (unchanged) shards meanwhile: all already at the destination
+        raise RuntimeError("stage died")
+
+    with pytest.raises(RuntimeError, match="stage died"):
+        stage_and_push(out_url, cfg.store, crash, finished_shard_entries, poll_s=0.1)
+    # Nothing was replaced, so nothing was uncommitted: readers still see the verified artifact.
+    assert verify_artifact(open_store(out_url)).state is State.VERIFIED
+    assert read_manifest(open_store(out_url))[1] == before

@@ -258,6 +258,7 @@ class _FinishedPiecePusher:
 
         self.local, self.remote, self.finished, self.poll_s = local, remote, finished, poll_s
         self.pushed: set[str] = set()
+        self.uncommitted = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="push-finished", daemon=True)
         self._thread.start()
@@ -275,6 +276,12 @@ class _FinishedPiecePusher:
             if self._stop.is_set() or entry.path in self.pushed:
                 continue
             try:
+                if check_file(self.remote, entry) is None:  # already there, as a rerun finds it: nothing changes
+                    self.pushed.add(entry.path)
+                    continue
+                if not self.uncommitted:  # the first byte that replaces the remote's content uncommits it first
+                    uncommit(self.remote)
+                    self.uncommitted = True
                 self.remote.put_file(entry.path, self.local / entry.path, entry.checksum)
                 if check_file(self.remote, entry) is None:
                     self.pushed.add(entry.path)
@@ -296,15 +303,15 @@ def stage_and_push(
     """Run a stage whose output is the remote `url`: preflight, stage locally, push finished pieces meanwhile, then push.
 
     `run_stage(local_dir)` writes and commits the artifact locally; `finished(local_dir)` lists the files it has
-    completed so far (with their checksums). The remote's old manifest is removed before the first upload, so
-    no reader sees it over new files; the final `push` verifies everything and writes the manifest last.
+    completed so far (with their checksums). The remote's old manifest is removed before the first upload that
+    changes anything there (so a rerun over a committed output that uploads nothing leaves it committed), and no
+    reader sees it over new files; the final `push` verifies everything and writes the manifest last.
     Returns (what run_stage returned, the push report).
     """
     remote = open_store(url, settings)
     preflight(remote)
     local = staging_folder(url, settings)
     local.mkdir(parents=True, exist_ok=True)
-    uncommit(remote)
     pusher = _FinishedPiecePusher(local, remote, finished, poll_s)
     try:
         result = run_stage(local)
