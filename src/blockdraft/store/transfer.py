@@ -21,6 +21,7 @@ from blockdraft.store.artifact import (
     ArtifactError,
     FileEntry,
     FileProblem,
+    Manifest,
     State,
     VerifyReport,
     check_file,
@@ -74,6 +75,22 @@ def _run_all(fn: Callable[[FileEntry], None], entries: list[FileEntry], workers:
             future.result()
 
 
+def _already_there(dest: Store, manifest: Manifest, raw: bytes, report: TransferReport, start: float) -> bool:
+    """True (and `report` filled) when `dest` already holds this very manifest and verifies; otherwise uncommit any
+    other manifest there, since no reader may see it over the new files about to be written."""
+    found = read_manifest(dest)
+    if found is None:
+        return False
+    if found[1] == raw:
+        current = verify_artifact(dest)
+        if current.state is State.VERIFIED:
+            report.skipped = [e.path for e in manifest.files]
+            report.verify, report.seconds = current, time.monotonic() - start
+            return True
+    uncommit(dest)
+    return False
+
+
 def push(local_dir: str | Path, url: str, settings: object | None = None) -> TransferReport:
     """Upload the committed artifact in `local_dir` to `url`, verify every file there, then commit its manifest.
 
@@ -94,16 +111,8 @@ def push(local_dir: str | Path, url: str, settings: object | None = None) -> Tra
     dest = open_store(url, settings)
     preflight(dest)
     report = TransferReport(source=source.url, destination=dest.url)
-    remote = read_manifest(dest)
-    if remote is not None:
-        if remote[1] == raw:
-            current = verify_artifact(dest)
-            if current.state is State.VERIFIED:
-                report.skipped = [e.path for e in manifest.files]
-                report.verify, report.seconds = current, time.monotonic() - start
-                return report
-        # Different content (or damaged): no reader may see the old manifest over the new files.
-        uncommit(dest)
+    if _already_there(dest, manifest, raw, report, start):
+        return report
     report.aborted_uploads = dest.abort_partial_uploads()
 
     problems = check_files(dest, manifest.files)
@@ -156,15 +165,8 @@ def pull(url: str, local_dir: str | Path, settings: object | None = None) -> Tra
     manifest, raw = found
     dest = LocalStore(local_dir)
     report = TransferReport(source=source.url, destination=dest.url)
-    local = read_manifest(dest)
-    if local is not None:
-        if local[1] == raw:
-            current = verify_artifact(dest)
-            if current.state is State.VERIFIED:
-                report.skipped = [e.path for e in manifest.files]
-                report.verify, report.seconds = current, time.monotonic() - start
-                return report
-        uncommit(dest)
+    if _already_there(dest, manifest, raw, report, start):
+        return report
 
     bad = _source_problems(source, manifest.files, _concurrency(settings))
     if bad:
