@@ -179,7 +179,7 @@ def _split_inline_reasoning(content: str) -> tuple[str, str]:
     return reasoning.strip("\n"), after.lstrip("\n")
 
 
-def _normalise_message(raw: Any) -> dict[str, Any]:
+def normalise_message(raw: Any) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise RowRejected("bad_message", f"a message is a {type(raw).__name__}, not an object")
     role_raw = raw.get("role", raw.get("from"))
@@ -239,7 +239,7 @@ def normalise(record: RawRecord) -> Conversation:
         return Conversation(source_id, [], prompt_ids=ids[0], completion_ids=ids[1])
     if not isinstance(raw_messages, list) or not raw_messages:
         raise RowRejected("no_messages", "no 'messages' or 'conversations' list")
-    messages = [_normalise_message(m) for m in raw_messages]
+    messages = [normalise_message(m) for m in raw_messages]
     roles = [m["role"] for m in messages]
     if "system" in roles[1:]:
         raise RowRejected("system_not_first", f"system message at position {roles.index('system', 1)}")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from blockdraft.config import BlockdraftConfig, ConfigError
-from blockdraft.data.completions import RowRejected, _normalise_message, iter_records, source_id_of
+from blockdraft.data.completions import RowRejected, normalise_message, iter_records, source_id_of
 from blockdraft.generate.engines import Completion, Failure, HFEngine, OpenAIEngine, Prompt
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
@@ -88,7 +88,7 @@ def _prompt_from_row(data: Any, source_id: str, thinking: str) -> Prompt:
         raw = [{"role": "user", "content": data["prompt"]}]
     if not isinstance(raw, list) or not raw:
         raise RowRejected("no_messages", "no 'messages', 'conversations' or 'prompt'")
-    messages = [_normalise_message(m) for m in raw]
+    messages = [normalise_message(m) for m in raw]
     dropped = messages.pop() if messages[-1]["role"] == "assistant" else None
     if not messages or messages[-1]["role"] not in ("user", "tool"):
         raise RowRejected("no_user_turn", "nothing to answer: the prompt does not end with a user or tool turn")
