@@ -27,11 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from blockdraft.config import BlockdraftConfig, ConfigError
-from blockdraft.data.completions import RowRejected, normalise_message, iter_records, source_id_of
+from blockdraft.data.completions import RowRejected, iter_records, normalise_message, source_id_of
 from blockdraft.generate.engines import Completion, Failure, HFEngine, OpenAIEngine, Prompt
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
-    FileEntry, InputRef, State, VerifyReport, commit_artifact, entry_for_local_file, uncommit, verify_artifact,
+    FileEntry,
+    InputRef,
+    State,
+    VerifyReport,
+    commit_artifact,
+    entry_for_local_file,
+    uncommit,
+    verify_artifact,
 )
 
 KIND = "completions"
