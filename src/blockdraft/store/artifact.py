@@ -200,13 +200,7 @@ def verify_artifact(store: Store, check_inputs: bool = False, open_url: Callable
     if found is None:
         return VerifyReport(url=store.url, state=State.INCOMPLETE)
     manifest, raw = found
-    report = VerifyReport(url=store.url, state=State.VERIFIED, manifest=manifest, manifest_sha256=manifest_sha256(raw))
-    for entry, problem in zip(manifest.files, check_files(store, manifest.files)):
-        if problem is None:
-            report.verified_files += 1
-            report.verified_bytes += entry.size
-        else:
-            report.problems.append(problem)
+    report = _files_report(store, manifest, raw, check_files(store, manifest.files))
     states = {p.state for p in report.problems}
     if State.MISSING in states:
         report.state = State.MISSING
@@ -224,6 +218,18 @@ def verify_artifact(store: Store, check_inputs: bool = False, open_url: Callable
     return report
 
 
+def _files_report(store: Store, manifest: Manifest, raw: bytes, problems: list[FileProblem | None]) -> VerifyReport:
+    """A report of `manifest`'s files from their destination checks (one per file, None = verified)."""
+    report = VerifyReport(url=store.url, state=State.VERIFIED, manifest=manifest, manifest_sha256=manifest_sha256(raw))
+    for entry, problem in zip(manifest.files, problems):
+        if problem is None:
+            report.verified_files += 1
+            report.verified_bytes += entry.size
+        else:
+            report.problems.append(problem)
+    return report
+
+
 def uncommit(store: Store) -> None:
     """Remove the manifest before rewriting an artifact, so no reader sees an old manifest over new files."""
     store.delete(MANIFEST_NAME)
@@ -237,11 +243,10 @@ def commit_artifact(
     lineage: Iterable[InputRef] = (),
     counts: dict[str, Any] | None = None,
 ) -> VerifyReport:
-    """Write the manifest last, then verify the whole artifact at the destination.
+    """Write the manifest last, after every file verified at the destination (see `commit_manifest`).
 
     `files` carry the checksums computed while the writer produced them; each is compared with what the
-    destination holds before the manifest is written, and the artifact is verified again after, so the
-    report returned is read from the destination, never assumed.
+    destination holds, so the report returned is read from the destination, never assumed.
     """
     files = sorted(files, key=lambda e: e.path)
     manifest = Manifest(kind=kind, config=config or {}, lineage=list(lineage), files=files, counts=counts or {})
@@ -251,18 +256,19 @@ def commit_artifact(
 def commit_manifest(store: Store, raw: bytes) -> VerifyReport:
     """Commit an existing manifest byte for byte (a pushed or pulled artifact keeps its lineage digest).
 
-    Every listed file is checked at the destination first, the manifest is written last, and the artifact
-    is verified again from the destination.
+    Every listed file is checked at the destination first (each is read or HEADed once, not twice: on a
+    folder store a check reads the whole file), then the manifest is written last and read back byte for byte.
     """
     manifest = Manifest.model_validate_json(raw)
-    for entry, problem in zip(manifest.files, check_files(store, manifest.files)):
+    problems = check_files(store, manifest.files)
+    for entry, problem in zip(manifest.files, problems):
         if problem is not None:
             raise ArtifactError(f"{store.url.rstrip('/')}/{entry.path} did not verify before commit: {problem.detail}")
     store.put_bytes(MANIFEST_NAME, raw)
-    report = verify_artifact(store)
-    if report.state is not State.VERIFIED:
-        raise ArtifactError(f"{store.url} did not verify after commit: {report.summary()}")
-    return report
+    back = read_manifest(store)
+    if back is None or back[1] != raw:
+        raise ArtifactError(f"{store.url}/{MANIFEST_NAME} did not read back as written; rerun the stage")
+    return _files_report(store, manifest, raw, problems)
 
 
 def entry_for_local_file(root: Path, path: Path) -> FileEntry:
