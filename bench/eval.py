@@ -72,13 +72,13 @@ def golden_suite(args) -> None:
 
 def tiny_suite(args) -> None:
     from blockdraft.config import load_config
-    from blockdraft.data.tokenize import tokenize_dataset
-    from blockdraft.decode.eval import load_tokenizer, prompts_from_jsonl, stop_token_ids
     from blockdraft.model.drafter import DFlashDrafter
+    from blockdraft.model.formats import find_resumable
     from blockdraft.model.target import load_target
+    from blockdraft.stages.eval.stage import load_tokenizer, prompts_from_jsonl, stop_token_ids
+    from blockdraft.stages.tokenize.stage import tokenize_dataset
+    from blockdraft.stages.train.loop import train
     from blockdraft.store import open_store
-    from blockdraft.train.checkpoint import find_resumable
-    from blockdraft.train.loop import train
 
     fixture = json.loads((TINY / "fixture.json").read_text())
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
@@ -105,7 +105,7 @@ def tiny_suite(args) -> None:
 
 
 def report_set(label, target, drafter, prompts, max_new_tokens, stops, repeats, threads) -> None:
-    from blockdraft.decode.eval import evaluate
+    from blockdraft.stages.eval.stage import evaluate
 
     runs = []
     for _ in range(repeats):

@@ -18,8 +18,6 @@ Tokens are the rows' tokens (each row is a turn with its whole prompt), the same
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import argparse
 import json
 import os
@@ -27,6 +25,7 @@ import random
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
@@ -93,10 +92,10 @@ def raw_encode(rows: list[dict], tokenizer_dir: str, template_path: str | None, 
 
     from blockdraft.data.completions import RawRecord, normalise
     from blockdraft.data.render import PlannedTurn, compile_chat_template, plan_turns
-    from blockdraft.data.shard import CONVERSATION_BATCH
-    from blockdraft.data.tokenize import _load_tokenizer
+    from blockdraft.data.tokenizer import load_tokenizer
+    from blockdraft.stages.tokenize.shard import CONVERSATION_BATCH
 
-    tokenizer_json, _, own_template, special_tokens = _load_tokenizer(tokenizer_dir)
+    tokenizer_json, _, own_template, special_tokens = load_tokenizer(tokenizer_dir)
     template = compile_chat_template(Path(template_path).read_text() if template_path else own_template, special_tokens)
     tokenizer = Tokenizer.from_str(tokenizer_json)
     texts = []
@@ -130,7 +129,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, work: Path) -> None:
     from blockdraft.config import load_config
-    from blockdraft.data.tokenize import tokenize_dataset
+    from blockdraft.stages.tokenize.stage import tokenize_dataset
 
     rows = write_corpus(work / "in", args.conversations, args.files)
     turns = sum(1 for r in rows for m in r["messages"] if m["role"] == "assistant")

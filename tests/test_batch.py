@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blockdraft.train.batch import (
+from blockdraft.stages.train.batch import (
     anchor_generator,
     block_attention_mask,
     build_block_batch,
@@ -17,7 +17,7 @@ from blockdraft.train.batch import (
     sample_anchors,
     slot_decay,
 )
-from blockdraft.train.loss import block_loss
+from blockdraft.stages.train.loss import block_loss
 
 MASK = 99
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from blockdraft.model import DFlashDrafter, DraftCache, TargetHead, TargetModel, draft_step, load_target
-from blockdraft.train.batch import anchor_generator, build_block_batch, sample_anchors
-from blockdraft.train.loop import DraftForward
-from blockdraft.train.loss import block_loss
+from blockdraft.stages.train.batch import anchor_generator, build_block_batch, sample_anchors
+from blockdraft.stages.train.loop import DraftForward
+from blockdraft.stages.train.loss import block_loss
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 

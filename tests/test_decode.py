@@ -11,13 +11,13 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from blockdraft.config import DFlashConfig
-from blockdraft.decode.eval import first_divergence
+from blockdraft.decode.cached_target import CachedTarget, DecodeError, check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer, ngram_generate
 from blockdraft.decode.speculative import greedy_generate, run_speculative, speculative_generate
-from blockdraft.decode.target import CachedTarget, DecodeError, check_rollback_supported
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.spec import DrafterSpec
 from blockdraft.model.target import TargetHead
+from blockdraft.stages.eval.stage import first_divergence
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 FP32_TOLERANCE = 1e-4
@@ -210,7 +210,7 @@ def test_cached_drafts_equal_a_fresh_full_context_draft_at_every_cycle():
 
 def test_bf16_divergences_are_near_ties_within_the_bf16_tolerance(golden):
     from blockdraft.config import BlockdraftConfig
-    from blockdraft.decode.eval import divergence_tolerance
+    from blockdraft.stages.eval.stage import divergence_tolerance
 
     tolerance = divergence_tolerance(BlockdraftConfig(), torch.bfloat16)
     assert tolerance == BlockdraftConfig().eval.divergence_margin_bf16 > divergence_tolerance(BlockdraftConfig(), torch.float32)

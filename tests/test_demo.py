@@ -13,7 +13,7 @@ from conftest import new_bucket
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
-from blockdraft.demo import run_demo
+from blockdraft.pipeline import run_demo
 
 STAGES = {"completions", "tokenized", "eval", "export"}
 

@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import load_config
-from blockdraft.data.tokenize import tokenize_dataset
-from blockdraft.decode.eval import (
+from blockdraft.decode.speculative import GreedyResult, SpecResult
+from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.stages.eval.stage import (
     EvalError,
     check_checkpoint_matches,
     first_divergence,
@@ -21,12 +22,11 @@ from blockdraft.decode.eval import (
     run_eval,
     summary_lines,
 )
-from blockdraft.decode.speculative import GreedyResult, SpecResult
-from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.stages.tokenize.stage import tokenize_dataset
+from blockdraft.stages.train.checkpoint import save_checkpoint
+from blockdraft.stages.train.loop import resolved_training_config
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, manifest_input, verify_artifact
-from blockdraft.train.checkpoint import save_checkpoint
-from blockdraft.train.loop import resolved_training_config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = FIXTURES / "dflash-golden"

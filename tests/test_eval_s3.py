@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from blockdraft.config import load_config
-from blockdraft.decode.eval import run_eval
-from blockdraft.export import export
 from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.stages.eval.stage import run_eval
+from blockdraft.stages.export.stage import export
+from blockdraft.stages.train.checkpoint import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
-from blockdraft.train.checkpoint import save_checkpoint
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from blockdraft.config import load_config
-from blockdraft.data.tokenize import tokenize_dataset
-from blockdraft.decode.eval import run_eval
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
-from blockdraft.train.loop import train
+from blockdraft.stages.eval.stage import run_eval
+from blockdraft.stages.tokenize.stage import tokenize_dataset
+from blockdraft.stages.train.loop import train
 
 TINY = TINY_TARGET_DIR
 

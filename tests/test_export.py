@@ -13,11 +13,12 @@ from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
-from blockdraft.export import EXPORT_KIND, PROVENANCE_NAME, SERVING_NAME, export, export_drafter
 from blockdraft.model import DFlashDrafter, DraftCache, DrafterSpec, SpecError, TargetHead, draft_step, load_target
+from blockdraft.model.formats import EXPORT_KIND, PROVENANCE_NAME
+from blockdraft.stages.export.stage import SERVING_NAME, export, export_drafter
+from blockdraft.stages.train.checkpoint import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, manifest_input, verify_artifact
-from blockdraft.train.checkpoint import save_checkpoint
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 # What SGLang/vLLM read from config.json: every one must match the reference export.

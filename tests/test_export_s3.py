@@ -9,12 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
-from blockdraft.export import EXPORT_KIND, SERVING_NAME, export
 from blockdraft.model import DFlashDrafter
+from blockdraft.model.formats import EXPORT_KIND
+from blockdraft.stages.export.stage import SERVING_NAME, export
+from blockdraft.stages.train.checkpoint import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
 from blockdraft.store.transfer import pull
-from blockdraft.train.checkpoint import save_checkpoint
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 

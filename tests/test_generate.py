@@ -17,7 +17,7 @@ import zstandard
 
 from blockdraft.config import load_config
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
-from blockdraft.generate.stage import FAILURES_NAME, SHARDS_DIR, generate
+from blockdraft.stages.generate.stage import FAILURES_NAME, SHARDS_DIR, generate
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
 
@@ -26,11 +26,11 @@ TINY = TINY_TARGET_DIR
 
 
 class Endpoint:
-    """`python -m blockdraft.generate.server` as a child process; `url` is its /v1 base."""
+    """`python -m blockdraft.stages.generate.server` as a child process; `url` is its /v1 base."""
 
     def __init__(self, log: Path, faults: str = "", delay_s: float = 0.0) -> None:
         self.log = log
-        cmd = [sys.executable, "-m", "blockdraft.generate.server", str(TINY), "--port", "0", "--request-log", str(log),
+        cmd = [sys.executable, "-m", "blockdraft.stages.generate.server", str(TINY), "--port", "0", "--request-log", str(log),
                "--faults", faults, "--delay-s", str(delay_s)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()  # blocks until the server listens (or dies)
@@ -209,7 +209,7 @@ def test_hf_engine_regenerates_the_final_turn_with_exact_token_ids(tmp_path):
     assert again.already_complete and again.reused == 5
 
     # The artifact is tokenize's input as it is: every row trained from the generator's token ids, nothing rejected.
-    from blockdraft.data.tokenize import tokenize_dataset
+    from blockdraft.stages.tokenize.stage import tokenize_dataset
 
     tokenized = tokenize_dataset(str(tmp_path / "out"), str(tmp_path / "tok"), cfg)
     assert tokenized.counts["rows_out"] == 5 and tokenized.counts["rejected"] == {}

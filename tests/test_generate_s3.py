@@ -15,10 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from test_generate import TINY, Endpoint
 
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
-from test_generate import TINY, Endpoint
 
 pytestmark = pytest.mark.s3
 

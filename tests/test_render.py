@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from blockdraft.data.completions import RawRecord, normalise
 from blockdraft.data.render import PlannedTurn, TurnRejection, TurnRow, compile_chat_template, mask_turn, plan_turns
-from blockdraft.data.tokenize import _load_tokenizer
+from blockdraft.data.tokenizer import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TOKENIZER_DIR = FIXTURES / "qwen3-tokenizer"
@@ -28,7 +28,7 @@ IM_END = 151645
 
 @functools.lru_cache(maxsize=1)
 def qwen3_tokenizer() -> Tokenizer:
-    return Tokenizer.from_str(_load_tokenizer(str(TOKENIZER_DIR))[0])
+    return Tokenizer.from_str(load_tokenizer(str(TOKENIZER_DIR))[0])
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from s3server import RO_SECRET_KEY, SECRET_KEY
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
@@ -21,7 +22,6 @@ from blockdraft.store.preflight import PROBE_PREFIX, preflight
 from blockdraft.store.s3 import resolve_endpoint
 from blockdraft.store.status import render_progress, status
 from blockdraft.store.transfer import push
-from s3server import RO_SECRET_KEY, SECRET_KEY
 
 pytestmark = pytest.mark.s3
 

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import load_config
-from blockdraft.data.shard import RECORDS_DIR, is_held_out
-from blockdraft.data.tokenize import tokenize_dataset
+from blockdraft.stages.tokenize.shard import RECORDS_DIR, is_held_out
+from blockdraft.stages.tokenize.stage import tokenize_dataset
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
 
@@ -373,7 +373,7 @@ def test_a_completions_artifact_is_read_through_its_manifest_and_pinned_by_it(tm
 
 def test_an_input_that_changes_after_listing_fails_the_shard_instead_of_recording_it(tmp_path):
     """The record names the input's checksum; the worker proves the bytes it read have it, so a record never lies."""
-    from blockdraft.data import tokenize as stage
+    from blockdraft.stages.tokenize import stage
     from blockdraft.store.artifact import ArtifactError
 
     corpus = make_corpus(tmp_path / "in", files=2, per_file=5)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from test_tokenize import TOKENIZER_DIR, config, files_of, make_corpus, rows_of
 
-from blockdraft.data.shard import RECORDS_DIR
-from blockdraft.data.tokenize import tokenize_dataset
+from blockdraft.stages.tokenize.shard import RECORDS_DIR
+from blockdraft.stages.tokenize.stage import tokenize_dataset
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 

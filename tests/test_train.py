@@ -17,10 +17,10 @@ import torch
 
 from blockdraft.config import load_config
 from blockdraft.model import load_target
+from blockdraft.model.formats import CHECKPOINT_KIND, checkpoint_key, find_resumable
+from blockdraft.stages.train.loop import train
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, commit_artifact, entry_for_local_file, verify_artifact
-from blockdraft.train.checkpoint import CHECKPOINT_KIND, checkpoint_key, find_resumable
-from blockdraft.train.loop import train
 
 GOLDEN_TARGET = Path(__file__).parent / "fixtures" / "dflash-golden" / "target"
 
@@ -148,7 +148,7 @@ def test_two_gloo_ranks_stay_in_sync_and_match_one_process(tmp_path, data_url):
 KILLER = """
 import os, signal, sys
 from blockdraft.config import load_config
-from blockdraft.train.loop import train
+from blockdraft.stages.train.loop import train
 
 def die(step, entry):
     if step == int(sys.argv[2]):
@@ -242,7 +242,7 @@ def test_trains_on_a_hybrid_attention_target(tmp_path, data_url):
 
 def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch):
     from blockdraft.config import BlockdraftConfig, ConfigError
-    from blockdraft.train.loop import resolve_placement
+    from blockdraft.stages.train.loop import resolve_placement
 
     cfg = BlockdraftConfig.model_validate(
         {"placement": {"target_devices": ["cuda:0", "cuda:1"], "drafter_devices": ["cuda:2", "cuda:3"]}}
@@ -266,7 +266,7 @@ def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch
 
 
 def test_train_rows_clip_to_max_length_and_need_no_held_out_rows(tmp_path):
-    from blockdraft.train.data import load_train_rows
+    from blockdraft.stages.train.data import load_train_rows
 
     rows = [{"input_ids": list(range(10)), "loss_mask": [0, 0] + [1] * 8, "source_id": "a"}]
     (tmp_path / "tok").mkdir()

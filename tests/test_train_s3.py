@@ -4,14 +4,14 @@ verified there, resume pulled back from there; a checkpoint whose upload never c
 from __future__ import annotations
 
 import pytest
+from test_train import _config_file, _losses, _make_rows, _write_tokenized
 
 from blockdraft.config import load_config
+from blockdraft.model.formats import checkpoint_key, find_resumable
+from blockdraft.stages.train.loop import train
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, uncommit, verify_artifact
 from blockdraft.store.transfer import push
-from blockdraft.train.checkpoint import checkpoint_key, find_resumable
-from blockdraft.train.loop import train
-from test_train import _config_file, _losses, _make_rows, _write_tokenized
 
 pytestmark = pytest.mark.s3
 

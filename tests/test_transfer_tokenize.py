@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from blockdraft.config import load_config
-from blockdraft.data.tokenize import tokenize_dataset
+from blockdraft.stages.tokenize.stage import tokenize_dataset
 from blockdraft.store import StoreError, open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
 from blockdraft.store.transfer import pull
@@ -65,7 +65,7 @@ def test_tokenize_reads_raw_s3_completions_and_writes_a_verified_s3_artifact(s3_
 
 def test_tokenize_to_s3_pushes_finished_shards_before_the_end(s3_bucket, s3_env, tmp_path, monkeypatch):
     """The first shard is at the destination, verified, while a later shard is still being tokenized."""
-    import blockdraft.data.tokenize as tokenize_module
+    import blockdraft.stages.tokenize.stage as tokenize_module
 
     upload_raw(s3_env, s3_bucket)
     out_url = f"s3://{s3_bucket}/tokenized"
@@ -150,7 +150,7 @@ def test_tokenized_artifact_is_stale_once_a_raw_input_object_changes(s3_bucket, 
 
 
 def test_a_failed_rerun_over_a_committed_s3_output_that_changes_nothing_leaves_it_committed(s3_bucket, s3_env, tmp_path):
-    from blockdraft.data.tokenize import finished_shard_entries
+    from blockdraft.stages.tokenize.stage import finished_shard_entries
     from blockdraft.store.transfer import stage_and_push
 
     upload_raw(s3_env, s3_bucket)

@@ -83,8 +83,8 @@ def tokenize(
 ) -> None:
     """Completions -> one row per assistant turn with an exact loss mask, as Arrow shards `datasets.load_from_disk` reads."""
     from blockdraft.config import load_config
-    from blockdraft.data.tokenize import tokenize_dataset
-    from blockdraft.data.tokenize_report import RichTokenizeProgress, print_tokenize_summary
+    from blockdraft.stages.tokenize.report import RichTokenizeProgress, print_tokenize_summary
+    from blockdraft.stages.tokenize.stage import tokenize_dataset
 
     if thinking not in (None, "auto", "on", "off"):
         raise typer.BadParameter(f"{thinking!r}; use auto, on or off", param_hint="--thinking")
@@ -105,9 +105,9 @@ def export(
 ) -> None:
     """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, as a verified artifact; print the serving settings."""
     from blockdraft.config import load_config
-    from blockdraft.export import ExportError
-    from blockdraft.export import export as export_checkpoint
     from blockdraft.model.spec import SpecError
+    from blockdraft.stages.export.stage import ExportError
+    from blockdraft.stages.export.stage import export as export_checkpoint
 
     try:
         result = export_checkpoint(checkpoint, out, load_config(config), target=target)
@@ -129,7 +129,7 @@ def eval_command(
 ) -> None:
     """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy."""
     from blockdraft.config import load_config
-    from blockdraft.decode.eval import run_eval, summary_lines
+    from blockdraft.stages.eval.stage import run_eval, summary_lines
 
     cfg = load_config(config, {"eval": {"max_new_tokens": max_new_tokens}})
     report, url = run_eval(cfg, checkpoint, prompts=prompts, max_new_tokens=max_new_tokens, output=output)
@@ -245,7 +245,7 @@ def train(
     ] = None,
 ) -> None:
     """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
-    from blockdraft.train.loop import launch
+    from blockdraft.stages.train.loop import launch
 
     status = launch(config, nproc)
     if status:
@@ -269,8 +269,8 @@ def generate(
     from rich.progress import Progress
 
     from blockdraft.config import load_config
-    from blockdraft.generate.stage import generate as run_generate
-    from blockdraft.generate.stage import summary_lines
+    from blockdraft.stages.generate.stage import generate as run_generate
+    from blockdraft.stages.generate.stage import summary_lines
 
     overrides = {"generate": {"engine": engine, "base_url": base_url, "model": model, "max_new_tokens": max_new_tokens,
                               "concurrency": concurrency, "thinking": thinking}}
@@ -294,7 +294,7 @@ def demo(
     profile: Annotated[str, typer.Option(help="full (the README's main job, a few minutes) or ci (the same pipeline, smaller, <60 s).")] = "full",
 ) -> None:
     """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
-    from blockdraft.demo import SIZES, run_demo
+    from blockdraft.pipeline import SIZES, run_demo
 
     if profile not in SIZES:
         raise typer.BadParameter(f"--profile must be one of {', '.join(SIZES)}, not {profile!r}")

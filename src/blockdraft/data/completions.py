@@ -10,6 +10,7 @@ A row that cannot be normalised raises `RowRejected` with a short reason code; t
 
 from __future__ import annotations
 
+import concurrent.futures
 import gzip
 import hashlib
 import io
@@ -17,6 +18,10 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
+
+from blockdraft.config import ConfigError
+from blockdraft.store import Store, open_store
+from blockdraft.store.artifact import InputRef, manifest_input, raw_input, read_manifest
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
 PARQUET_BATCH_ROWS = 256
@@ -255,3 +260,40 @@ def normalise(record: RawRecord) -> Conversation:
     if ids is not None:
         conv.prompt_ids, conv.completion_ids = ids
     return conv
+
+
+def list_completions(input_url: str, settings: Any) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
+    """(store, [(key, size, checksum)], lineage) of the completions at `input_url`: a file, a folder or an artifact."""
+    store = open_store(input_url, settings)
+    local = store.local_path()
+    if local is not None and local.is_file():
+        store = open_store(local.parent, settings)
+        keys = [local.name]
+    elif local is not None and not local.exists():
+        raise ConfigError(f"input {input_url} does not exist; pass a completions file or folder")
+    else:
+        found = read_manifest(store)
+        if found is not None:
+            ref = manifest_input(store)
+            files = [(f.path, f.size, f.checksum) for f in found[0].files if is_completions_file(f.path)]
+            if not files:
+                raise ConfigError(f"input artifact {input_url} lists no completions files ({', '.join(SUFFIXES)})")
+            return store, files, [ref]
+        keys = [info.key for info in store.list() if is_completions_file(info.key) and not info.key.startswith(".")]
+    if not keys:
+        raise ConfigError(f"input {input_url} has no completions files ({', '.join(SUFFIXES)}); point INPUT at a file or folder of them")
+    files, lineage = [], []
+    keys = sorted(keys)
+    # One round trip per object on S3 (a full read on a folder): in parallel.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        infos = list(pool.map(store.head, keys))
+    for key, info in zip(keys, infos):
+        if info is None:
+            raise ConfigError(f"input {input_url}/{key} disappeared while listing; retry when the input is complete")
+        if info.checksum is None and info.etag is None:
+            size, checksum = store.checksum_by_reading(key)
+            info = type(info)(key=key, size=size, checksum=checksum, etag=info.etag)
+        # An object uploaded without CRC64NVME is pinned by its ETag (recorded as lineage), not re-read whole.
+        files.append((key, info.size, info.checksum or f"etag:{info.etag}"))
+        lineage.append(raw_input(store, info))
+    return store, files, lineage

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from blockdraft.decode.target import CachedTarget, check_rollback_supported, top2_margin
+from blockdraft.decode.cached_target import CachedTarget, check_rollback_supported, top2_margin
 
 
 class Proposer(Protocol):

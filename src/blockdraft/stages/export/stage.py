@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockdraft.model.drafter import CONFIG_NAME, DFlashDrafter
+from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.model.formats import CONFIG_NAME, EXPORT_KIND, PINNED_CONFIG_NAME, PROVENANCE_NAME, open_drafter_artifact
 from blockdraft.model.spec import DrafterSpec, SpecError, default_gamma
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
@@ -25,13 +26,7 @@ from blockdraft.store.artifact import (
     read_manifest,
     uncommit,
 )
-from blockdraft.train.checkpoint import (
-    EXPORT_KIND,
-    PINNED_CONFIG_NAME,
-    open_drafter_artifact,
-)
 
-PROVENANCE_NAME = "blockdraft-export.json"
 SERVING_NAME = "serving.json"
 
 

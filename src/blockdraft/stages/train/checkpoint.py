@@ -9,7 +9,6 @@ verify; one whose push never completed (no manifest) or whose files differ is sk
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -19,10 +18,9 @@ from typing import Any
 
 import torch
 
+from blockdraft.model.formats import CHECKPOINT_KIND, PINNED_CONFIG_NAME, STATE_NAME, STEP_MANIFEST, Resumable, checkpoint_key
 from blockdraft.store import Store
 from blockdraft.store.artifact import (
-    MANIFEST_NAME,
-    ArtifactError,
     InputRef,
     State,
     VerifyReport,
@@ -30,16 +28,6 @@ from blockdraft.store.artifact import (
     uncommit,
     verify_artifact,
 )
-
-CHECKPOINT_KIND = "drafter-checkpoint"
-EXPORT_KIND = "drafter-export"
-STATE_NAME = "training-state.pt"
-PINNED_CONFIG_NAME = "blockdraft-config.json"
-_STEP_DIR = re.compile(r"^step-(\d{8})/" + re.escape(MANIFEST_NAME) + "$")
-
-
-def checkpoint_key(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def save_checkpoint(
@@ -72,55 +60,13 @@ def save_checkpoint(
         return publish_artifact(dest, CHECKPOINT_KIND, root, paths, config=resolved_config, lineage=lineage, counts=counts)
 
 
-@dataclass
-class Resumable:
-    step: int
-    store: Store
-    report: VerifyReport
-    skipped: list[str]
-
-
-def find_resumable(store: Store) -> Resumable | None:
-    """The newest checkpoint under `store` that verifies at the destination, or None; `skipped` names newer ones that did not."""
-    steps = sorted({int(m.group(1)) for info in store.list("step-") if (m := _STEP_DIR.match(info.key))}, reverse=True)
-    skipped = []
-    for step in steps:
-        child = store.child(checkpoint_key(step))
-        report = verify_artifact(child)
-        if report.state is State.VERIFIED and report.manifest.kind == CHECKPOINT_KIND:
-            return Resumable(step, child, report, skipped)
-        skipped.append(f"{checkpoint_key(step)} ({report.state.value}: {report.summary()})")
-    return None
-
-
-def open_drafter_artifact(store: Store) -> tuple[Store, VerifyReport]:
-    """The verified drafter at `store`: a checkpoint or an export there, else the newest verified step-* checkpoint of a
-    training output there. Raises ArtifactError naming what was found instead."""
-    report = verify_artifact(store)
-    if report.state is State.VERIFIED:
-        if report.manifest.kind not in (CHECKPOINT_KIND, EXPORT_KIND):
-            raise ArtifactError(
-                f"{store.url} is a '{report.manifest.kind}' artifact, not a drafter checkpoint or export; pass a training "
-                "checkpoint, a training output or an export"
-            )
-        return store, report
-    if report.state is State.INCOMPLETE and not report.problems:
-        found = find_resumable(store)
-        if found is not None:
-            return found.store, found.report
-    raise ArtifactError(
-        f"{store.url} is not a verified checkpoint ({report.state.value}: {report.summary()}) and holds no verified step-* "
-        "checkpoint; pass a checkpoint, training output or export that `blockdraft verify` reports as verified"
-    )
-
-
 def prune_checkpoints(store: Store, keep: int) -> list[int]:
     """Delete all but the newest `keep` checkpoints that verify; returns the deleted steps.
 
     Runs only after a new checkpoint verified, so the newest kept one is always resumable. Older checkpoints are
     uncommitted before their files go, so a reader never sees a manifest over missing files.
     """
-    steps = sorted({int(m.group(1)) for info in store.list("step-") if (m := _STEP_DIR.match(info.key))}, reverse=True)
+    steps = sorted({int(m.group(1)) for info in store.list("step-") if (m := STEP_MANIFEST.match(info.key))}, reverse=True)
     kept = 0
     for index, step in enumerate(steps):  # newest first; older than the keep-th verified one goes
         kept += verify_artifact(store.child(checkpoint_key(step))).state is State.VERIFIED
@@ -173,4 +119,4 @@ def load_checkpoint(found: Resumable, settings: object | None = None) -> LoadedC
     )
 
 
-__all__ = ["CHECKPOINT_KIND", "LoadedCheckpoint", "Resumable", "checkpoint_key", "find_resumable", "load_checkpoint", "prune_checkpoints", "save_checkpoint"]
+__all__ = ["LoadedCheckpoint", "load_checkpoint", "prune_checkpoints", "save_checkpoint"]

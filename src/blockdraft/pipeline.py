@@ -159,16 +159,16 @@ def run_demo(
 
 
 def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, say: Callable[[str], None]) -> DemoResult:
-    from blockdraft.data.tokenize import tokenize_dataset
-    from blockdraft.decode.eval import run_eval
-    from blockdraft.export import export
-    from blockdraft.generate.stage import generate
+    from blockdraft.stages.eval.stage import run_eval
+    from blockdraft.stages.export.stage import export
+    from blockdraft.stages.generate.stage import generate
+    from blockdraft.stages.tokenize.stage import tokenize_dataset
+    from blockdraft.stages.train.loop import train
     from blockdraft.store import open_store
     from blockdraft.store.artifact import ArtifactError, State, verify_artifact
     from blockdraft.store.preflight import preflight
     from blockdraft.store.status import render_progress, status
     from blockdraft.store.transfer import pull, push
-    from blockdraft.train.loop import train
 
     workdir.mkdir(parents=True, exist_ok=True)
     store_url = (store_url or f"file://{workdir / 'store'}").rstrip("/")

@@ -1,7 +1,7 @@
 """`train(config)`: the frozen target on its devices, one drafter replica per drafter device, verified checkpoints.
 
 One process per drafter device (torchrun sets RANK/WORLD_SIZE); ranks are data-parallel (DDP: gloo on CPU, nccl on
-GPU). Each rank trains on its own slice of every global batch; see `blockdraft.train.loss` for why the loss is
+GPU). Each rank trains on its own slice of every global batch; see `blockdraft.stages.train.loss` for why the loss is
 scaled so that DDP equals one process on the global batch.
 """
 
@@ -27,14 +27,15 @@ from torch import nn
 
 from blockdraft.config import BlockdraftConfig, ConfigError, load_config
 from blockdraft.model import DFlashDrafter, DrafterSpec, SpecError, TargetHead, TargetModel, load_target
+from blockdraft.model.formats import find_resumable
 from blockdraft.model.target import load_target_config
+from blockdraft.stages.train.batch import BlockBatch, anchor_generator, build_block_batch, expected_acceptance
+from blockdraft.stages.train.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
+from blockdraft.stages.train.data import TrainRows, load_train_rows, step_rows, steps_per_epoch
+from blockdraft.stages.train.loss import LossOutput, block_loss
+from blockdraft.stages.train.metrics import MetricsLog
 from blockdraft.store import Store, StoreError, open_store
 from blockdraft.store.artifact import ArtifactError
-from blockdraft.train.batch import BlockBatch, anchor_generator, build_block_batch, expected_acceptance
-from blockdraft.train.checkpoint import find_resumable, load_checkpoint, prune_checkpoints, save_checkpoint
-from blockdraft.train.data import TrainRows, load_train_rows, step_rows, steps_per_epoch
-from blockdraft.train.loss import LossOutput, block_loss
-from blockdraft.train.metrics import MetricsLog
 
 console = Console(stderr=True)
 
@@ -454,7 +455,7 @@ def launch(config_path: str | None, nproc: int | None = None) -> int:
         raise ConfigError("training on several drafter devices needs the config as a file; pass --config FILE")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={wanted}",
-        "-m", "blockdraft.train", "--config", str(config_path),
+        "-m", "blockdraft", "train", "--config", str(config_path),
     ]
     return subprocess.call(command)
 

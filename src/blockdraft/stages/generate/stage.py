@@ -28,7 +28,7 @@ from typing import Any
 
 from blockdraft.config import BlockdraftConfig, ConfigError
 from blockdraft.data.completions import RowRejected, iter_records, normalise_message, source_id_of
-from blockdraft.generate.engines import Completion, Failure, HFEngine, OpenAIEngine, Prompt
+from blockdraft.stages.generate.engines import Completion, Failure, HFEngine, OpenAIEngine, Prompt
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
     FileEntry,
@@ -278,8 +278,7 @@ def _check_settings(out: Store, settings: dict[str, Any], output: str) -> None:
 
 def _input_lineage(input_url: str, cfg: BlockdraftConfig) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
     """(store, [(key, size, checksum)], lineage) of the input: one object, a folder or prefix, or an artifact."""
-    from blockdraft.data.completions import is_completions_file
-    from blockdraft.data.tokenize import list_input
+    from blockdraft.data.completions import is_completions_file, list_completions
     from blockdraft.store.artifact import raw_input
 
     if input_url.startswith("s3://") and is_completions_file(input_url):
@@ -289,7 +288,7 @@ def _input_lineage(input_url: str, cfg: BlockdraftConfig) -> tuple[Store, list[t
         if info is None:
             raise ConfigError(f"input {input_url} does not exist; pass an existing object, prefix or artifact")
         return store, [(key, info.size, info.checksum or f"etag:{info.etag}")], [raw_input(store, info)]
-    return list_input(input_url, cfg.store)
+    return list_completions(input_url, cfg.store)
 
 
 def generate(input_url: str, output_url: str, config: BlockdraftConfig,

@@ -4,7 +4,7 @@ It exists so that the `openai` engine is tested over real HTTP with the tiny tar
 vLLM or SGLang, which batch requests, page the KV cache and scale across GPUs; this server answers one request at a
 time with `transformers` greedy generation.
 
-    python -m blockdraft.generate.server MODEL_DIR [--port 0] [--faults 503,delay,ok --delay-s S] [--request-log FILE]
+    python -m blockdraft.stages.generate.server MODEL_DIR [--port 0] [--faults 503,delay,ok --delay-s S] [--request-log FILE]
 
 Endpoints: `POST /v1/chat/completions` (messages, max_tokens, temperature, chat_template_kwargs; answers with
 `message.reasoning_content`, `prompt_token_ids` and `choices[0].token_ids` like vLLM with `return_token_ids`),
@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from blockdraft.generate.engines import Prompt, greedy_generate
+from blockdraft.decode.greedy import Prompt, greedy_generate
 
 
 @dataclass

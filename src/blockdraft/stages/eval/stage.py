@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from blockdraft.config import BlockdraftConfig, ConfigError
+from blockdraft.decode.cached_target import DecodeError, check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer
 from blockdraft.decode.speculative import (
     DFlashProposer,
@@ -27,7 +28,7 @@ from blockdraft.decode.speculative import (
     greedy_generate,
     run_speculative,
 )
-from blockdraft.decode.target import DecodeError, check_rollback_supported
+from blockdraft.model.formats import PINNED_CONFIG_NAME
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
     ArtifactError,
@@ -39,7 +40,6 @@ from blockdraft.store.artifact import (
     uncommit,
     verify_artifact,
 )
-from blockdraft.train.checkpoint import PINNED_CONFIG_NAME
 
 REPORT_NAME = "report.json"
 TAU_PLOT_NAME = "tau_histogram.png"
@@ -184,9 +184,8 @@ def _fetch(store: Store, report: VerifyReport, dest: Path, names: Sequence[str])
 def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoint:
     """The verified drafter at `url` (folder, file:// or s3://): a training checkpoint, a training run's output (its
     newest verified step-* checkpoint) or an export; its drafter files are fetched with checksums when remote."""
-    from blockdraft.export import PROVENANCE_NAME
     from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
-    from blockdraft.train.checkpoint import CHECKPOINT_KIND, EXPORT_KIND, open_drafter_artifact
+    from blockdraft.model.formats import CHECKPOINT_KIND, EXPORT_KIND, PROVENANCE_NAME, open_drafter_artifact
 
     try:
         store, report = open_drafter_artifact(open_store(url, cfg.store))
@@ -218,7 +217,7 @@ def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoin
 
 def chat_template_sha256(cfg: BlockdraftConfig) -> str | None:
     """sha256 of the chat template the config resolves to, computed as the tokenize stage does; None when there is none."""
-    from blockdraft.data.tokenize import resolve_tokenizer
+    from blockdraft.data.tokenizer import resolve_tokenizer
 
     try:
         source, _ = resolve_tokenizer(cfg, None, None)

@@ -8,7 +8,7 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
-from blockdraft.data.tokenize import TokenizeProgress, TokenizeSummary
+from blockdraft.stages.tokenize.stage import TokenizeProgress, TokenizeSummary
 from blockdraft.store.artifact import State
 
 

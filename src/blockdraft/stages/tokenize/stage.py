@@ -9,7 +9,7 @@ Layout of the output folder (`datasets.load_from_disk(OUTPUT)` gives a DatasetDi
     .blockdraft-shards/shard-00000.json                per-shard completion records (resume)
     blockdraft-manifest.json                           written last, by `commit_artifact`
 
-One shard = one input file, processed start to end by one worker process (`blockdraft.data.shard`). A shard is skipped on a rerun only when its completion
+One shard = one input file, processed start to end by one worker process (`blockdraft.stages.tokenize.shard`). A shard is skipped on a rerun only when its completion
 record names this run's config digest and the same input file (key, size, checksum) and every file it lists
 reads back with the recorded size and checksum; anything else is redone from scratch.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import fcntl
-import functools
 import hashlib
 import json
 import logging
@@ -36,9 +35,9 @@ from typing import Any
 import pyarrow as pa
 
 from blockdraft.config import BlockdraftConfig, ConfigError
-from blockdraft.data.completions import SUFFIXES, is_completions_file
-from blockdraft.data.render import ChatTemplate, compile_chat_template
-from blockdraft.data.shard import (
+from blockdraft.data.completions import list_completions
+from blockdraft.data.tokenizer import TokenizerSource, end_of_turn_id, resolve_tokenizer
+from blockdraft.stages.tokenize.shard import (
     QUARANTINE_DIR,
     RECORD_FORMAT,
     RECORDS_DIR,
@@ -61,9 +60,6 @@ from blockdraft.store.artifact import (
     VerifyReport,
     commit_artifact,
     entry_for_local_file,
-    manifest_input,
-    raw_input,
-    read_manifest,
     uncommit,
     verify_artifact,
 )
@@ -71,18 +67,6 @@ from blockdraft.store.local import TMP_PREFIX
 
 KIND = "tokenized"
 EMPTY_SPLIT_FILE = "empty.arrow"
-
-
-@dataclass(frozen=True)
-class TokenizerSource:
-    """The tokenizer and chat template a run uses, resolved from the config and the overrides."""
-
-    tokenizer_json: str
-    tokenizer_sha256: str
-    vocab_size: int
-    template: ChatTemplate  # compiled with the tokenizer's special tokens as variables
-    template_source: str
-    target_template_sha256: str | None
 
 
 @dataclass
@@ -124,133 +108,7 @@ class TokenizeProgress:
         logging.getLogger("blockdraft.tokenize").warning(message)
 
 
-# ---------------------------------------------------------------------------------------------- tokenizer, template
-
-
-@functools.lru_cache(maxsize=8)
-def _load_tokenizer(path: str) -> tuple[str, int, str | None, dict[str, str]]:
-    """(tokenizer JSON, vocabulary size, its own chat template, its special tokens by name) of a tokenizer folder.
-
-    Cached per process: loading converts vocab/merges when the folder has no tokenizer.json (seconds).
-    """
-    if not Path(path).is_dir():
-        raise ConfigError(f"tokenizer folder {path} does not exist; set target.path/target.tokenizer or pass --tokenizer DIR")
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load a tokenizer from {path} ({type(exc).__name__}); point --tokenizer at a Hugging Face tokenizer folder") from None
-    if not getattr(tok, "is_fast", False):
-        raise ConfigError(f"the tokenizer in {path} has no fast (Rust) version; offsets need one, give a folder with tokenizer.json")
-    template = tok.chat_template if isinstance(tok.chat_template, str) else None
-    special = {name: str(value) for name, value in tok.special_tokens_map.items() if isinstance(value, str)}
-    return tok.backend_tokenizer.to_str(), len(tok), template, special
-
-
-def _read_template_file(path: str) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"chat template file {p} does not exist; pass a Jinja file with --chat-template or fix target.chat_template")
-    return p.read_text()
-
-
-def _target_template(cfg: BlockdraftConfig) -> str | None:
-    """The target's own chat template text (target.chat_template, else the target tokenizer's), or None when unknown."""
-    if cfg.target.chat_template:
-        return _read_template_file(cfg.target.chat_template)
-    target_tok = cfg.target.tokenizer or cfg.target.path
-    if target_tok and Path(target_tok).is_dir():
-        return _load_tokenizer(target_tok)[2]
-    return None
-
-
-def resolve_tokenizer(cfg: BlockdraftConfig, tokenizer: str | None, chat_template: str | None) -> tuple[TokenizerSource, list[str]]:
-    """The tokenizer/template of this run and the warnings to show loudly (template not the target's)."""
-    tok_path = tokenizer or cfg.target.tokenizer or cfg.target.path
-    if not tok_path:
-        raise ConfigError("no tokenizer: set target.path (or target.tokenizer) in the config, or pass --tokenizer DIR")
-    tokenizer_json, vocab_size, own_template, special_tokens = _load_tokenizer(str(tok_path))
-    target_text = _target_template(cfg)
-    if chat_template:
-        text, source = _read_template_file(chat_template), f"file {Path(chat_template).name}"
-    elif target_text is not None:
-        text, source = target_text, "target"
-    elif own_template is not None:
-        text, source = own_template, f"tokenizer {Path(tok_path).name}"
-    else:
-        raise ConfigError(f"the tokenizer in {tok_path} has no chat template; pass one with --chat-template FILE")
-    template = compile_chat_template(text, special_tokens)
-    target_sha = hashlib.sha256(target_text.encode()).hexdigest() if target_text is not None else None
-    warnings = []
-    if target_sha is None:
-        warnings.append(
-            f"no target chat template to compare with (set target.path in the config): rows use the template from {source}"
-        )
-    elif target_sha != template.sha256:
-        warnings.append(
-            f"the chat template ({source}, sha256 {template.sha256[:12]}) differs from the target's own "
-            f"(sha256 {target_sha[:12]}): a drafter trained on these rows learns another prompt format than the target serves"
-        )
-    src = TokenizerSource(
-        tokenizer_json=tokenizer_json,
-        tokenizer_sha256=hashlib.sha256(tokenizer_json.encode()).hexdigest(),
-        vocab_size=vocab_size,
-        template=template,
-        template_source=source,
-        target_template_sha256=target_sha,
-    )
-    return src, warnings
-
-
-@functools.lru_cache(maxsize=8)
-def _eot_id(tokenizer_json: str, token: str) -> int:
-    from tokenizers import Tokenizer
-
-    token_id = Tokenizer.from_str(tokenizer_json).token_to_id(token)
-    if token_id is None:
-        raise ConfigError(f"end-of-turn token {token!r} is not in the tokenizer's vocabulary; set tokenize.end_of_turn to the one it uses")
-    return token_id
-
-
 # ---------------------------------------------------------------------------------------------- the stage
-
-
-def list_input(input_url: str, settings: Any) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
-    """(store, [(key, size, checksum)], lineage) of the completions at `input_url`: a file, a folder or an artifact."""
-    store = open_store(input_url, settings)
-    local = store.local_path()
-    if local is not None and local.is_file():
-        store = open_store(local.parent, settings)
-        keys = [local.name]
-    elif local is not None and not local.exists():
-        raise ConfigError(f"input {input_url} does not exist; pass a completions file or folder")
-    else:
-        found = read_manifest(store)
-        if found is not None:
-            ref = manifest_input(store)
-            files = [(f.path, f.size, f.checksum) for f in found[0].files if is_completions_file(f.path)]
-            if not files:
-                raise ConfigError(f"input artifact {input_url} lists no completions files ({', '.join(SUFFIXES)})")
-            return store, files, [ref]
-        keys = [info.key for info in store.list() if is_completions_file(info.key) and not info.key.startswith(".")]
-    if not keys:
-        raise ConfigError(f"input {input_url} has no completions files ({', '.join(SUFFIXES)}); point INPUT at a file or folder of them")
-    files, lineage = [], []
-    keys = sorted(keys)
-    # One round trip per object on S3 (a full read on a folder): in parallel.
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        infos = list(pool.map(store.head, keys))
-    for key, info in zip(keys, infos):
-        if info is None:
-            raise ConfigError(f"input {input_url}/{key} disappeared while listing; retry when the input is complete")
-        if info.checksum is None and info.etag is None:
-            size, checksum = store.checksum_by_reading(key)
-            info = type(info)(key=key, size=size, checksum=checksum, etag=info.etag)
-        # An object uploaded without CRC64NVME is pinned by its ETag (recorded as lineage), not re-read whole.
-        files.append((key, info.size, info.checksum or f"etag:{info.etag}"))
-        lineage.append(raw_input(store, info))
-    return store, files, lineage
 
 
 def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> str:
@@ -476,12 +334,12 @@ def _prepare(input: str, output: str, config: BlockdraftConfig, tokenizer: str |
     src, warnings = resolve_tokenizer(config, tokenizer, chat_template)
     for message in warnings:
         progress.warn(message)
-    eot_id = _eot_id(src.tokenizer_json, opts.end_of_turn)
+    eot_id = end_of_turn_id(src.tokenizer_json, opts.end_of_turn)
     digest = _config_digest(config, src, eot_id)
     out_store = open_store(output, config.store)
     out_dir = out_store.local_path()
     assert out_dir is not None, "remote outputs are staged in a local folder by tokenize_dataset"
-    in_store, files, lineage = list_input(input, config.store)
+    in_store, files, lineage = list_completions(input, config.store)
     tasks = [ShardTask(i, f"shard-{i:05d}", key, size, checksum) for i, (key, size, checksum) in enumerate(files)]
     matches = None if src.target_template_sha256 is None else src.target_template_sha256 == src.template.sha256
     run_config = {

@@ -1,0 +1,112 @@
+"""The tokenizer and chat template a run renders with, resolved from the config: the target's own unless overridden.
+
+tokenize renders rows with it and eval compares its template hash with the one a checkpoint pinned.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from blockdraft.config import BlockdraftConfig, ConfigError
+from blockdraft.data.render import ChatTemplate, compile_chat_template
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """The tokenizer and chat template a run uses, resolved from the config and the overrides."""
+
+    tokenizer_json: str
+    tokenizer_sha256: str
+    vocab_size: int
+    template: ChatTemplate  # compiled with the tokenizer's special tokens as variables
+    template_source: str
+    target_template_sha256: str | None
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(path: str) -> tuple[str, int, str | None, dict[str, str]]:
+    """(tokenizer JSON, vocabulary size, its own chat template, its special tokens by name) of a tokenizer folder.
+
+    Cached per process: loading converts vocab/merges when the folder has no tokenizer.json (seconds).
+    """
+    if not Path(path).is_dir():
+        raise ConfigError(f"tokenizer folder {path} does not exist; set target.path/target.tokenizer or pass --tokenizer DIR")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load a tokenizer from {path} ({type(exc).__name__}); point --tokenizer at a Hugging Face tokenizer folder") from None
+    if not getattr(tok, "is_fast", False):
+        raise ConfigError(f"the tokenizer in {path} has no fast (Rust) version; offsets need one, give a folder with tokenizer.json")
+    template = tok.chat_template if isinstance(tok.chat_template, str) else None
+    special = {name: str(value) for name, value in tok.special_tokens_map.items() if isinstance(value, str)}
+    return tok.backend_tokenizer.to_str(), len(tok), template, special
+
+
+def _read_template_file(path: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"chat template file {p} does not exist; pass a Jinja file with --chat-template or fix target.chat_template")
+    return p.read_text()
+
+
+def _target_template(cfg: BlockdraftConfig) -> str | None:
+    """The target's own chat template text (target.chat_template, else the target tokenizer's), or None when unknown."""
+    if cfg.target.chat_template:
+        return _read_template_file(cfg.target.chat_template)
+    target_tok = cfg.target.tokenizer or cfg.target.path
+    if target_tok and Path(target_tok).is_dir():
+        return load_tokenizer(target_tok)[2]
+    return None
+
+
+def resolve_tokenizer(cfg: BlockdraftConfig, tokenizer: str | None, chat_template: str | None) -> tuple[TokenizerSource, list[str]]:
+    """The tokenizer/template of this run and the warnings to show loudly (template not the target's)."""
+    tok_path = tokenizer or cfg.target.tokenizer or cfg.target.path
+    if not tok_path:
+        raise ConfigError("no tokenizer: set target.path (or target.tokenizer) in the config, or pass --tokenizer DIR")
+    tokenizer_json, vocab_size, own_template, special_tokens = load_tokenizer(str(tok_path))
+    target_text = _target_template(cfg)
+    if chat_template:
+        text, source = _read_template_file(chat_template), f"file {Path(chat_template).name}"
+    elif target_text is not None:
+        text, source = target_text, "target"
+    elif own_template is not None:
+        text, source = own_template, f"tokenizer {Path(tok_path).name}"
+    else:
+        raise ConfigError(f"the tokenizer in {tok_path} has no chat template; pass one with --chat-template FILE")
+    template = compile_chat_template(text, special_tokens)
+    target_sha = hashlib.sha256(target_text.encode()).hexdigest() if target_text is not None else None
+    warnings = []
+    if target_sha is None:
+        warnings.append(
+            f"no target chat template to compare with (set target.path in the config): rows use the template from {source}"
+        )
+    elif target_sha != template.sha256:
+        warnings.append(
+            f"the chat template ({source}, sha256 {template.sha256[:12]}) differs from the target's own "
+            f"(sha256 {target_sha[:12]}): a drafter trained on these rows learns another prompt format than the target serves"
+        )
+    src = TokenizerSource(
+        tokenizer_json=tokenizer_json,
+        tokenizer_sha256=hashlib.sha256(tokenizer_json.encode()).hexdigest(),
+        vocab_size=vocab_size,
+        template=template,
+        template_source=source,
+        target_template_sha256=target_sha,
+    )
+    return src, warnings
+
+
+@functools.lru_cache(maxsize=8)
+def end_of_turn_id(tokenizer_json: str, token: str) -> int:
+    from tokenizers import Tokenizer
+
+    token_id = Tokenizer.from_str(tokenizer_json).token_to_id(token)
+    if token_id is None:
+        raise ConfigError(f"end-of-turn token {token!r} is not in the tokenizer's vocabulary; set tokenize.end_of_turn to the one it uses")
+    return token_id

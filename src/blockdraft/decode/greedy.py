@@ -1,0 +1,83 @@
+"""Plain greedy generation with a Hugging Face model, batched: how the `hf` engine regenerates completions and how the
+tiny target's fixture writes its sample answers.
+
+A `Prompt` is normalised chat messages; a `Completion` is the answer split into reasoning and content the way Qwen3
+reasoning parsers split it, with the exact token ids when they are known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Prompt:
+    """One prompt: normalised messages ending with a user (or tool) turn; `enable_thinking` None = the template's default."""
+
+    id: str
+    messages: list[dict[str, Any]]
+    enable_thinking: bool | None = None
+
+
+@dataclass
+class Completion:
+    """The target's answer. Token ids, when known, are the exact prompt and completion (end-of-turn token included when it stopped)."""
+
+    id: str
+    content: str
+    reasoning_content: str
+    finish_reason: str
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning_content, content) of generated assistant text, split at `</think>` the way Qwen3 reasoning parsers do.
+
+    Handles both template families: the model emits `<think>` itself (Qwen3 hybrid) or the prompt already ends with it
+    (Qwen3.5/3.6), so the text starts inside the reasoning.
+    """
+    if "</think>" not in text:
+        return "", text.strip()
+    head, _, tail = text.partition("</think>")
+    return head.replace("<think>", "", 1).strip("\n"), tail.lstrip("\n")
+
+
+def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
+    kwargs = {} if prompt.enable_thinking is None else {"enable_thinking": prompt.enable_thinking}
+    return tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def greedy_generate(model: Any, tokenizer: Any, prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[Completion]:
+    """Complete `prompts` in one left-padded batch with `model.generate`; greedy unless `temperature` > 0.
+
+    The end-of-turn token is the generation config's eos (the tokenizer's as a fallback).
+    """
+    import torch
+
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tokenizer.eos_token_id])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+    encoded = [tokenizer(render_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts]
+    width = max(len(e) for e in encoded)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e) :] = torch.tensor(e)
+        attn[i, width - len(e) :] = 1
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids.to(model.device), attention_mask=attn.to(model.device), max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(eos_ids), pad_token_id=pad, **sampling,
+        )
+    results = []
+    for i, (prompt, e) in enumerate(zip(prompts, encoded)):
+        new = out[i, width:].tolist()
+        stop = next((k for k, t in enumerate(new) if t in eos_ids), None)
+        new = new[: stop + 1] if stop is not None else new
+        text = tokenizer.decode(new[:stop] if stop is not None else new, skip_special_tokens=True)
+        reasoning, content = split_reasoning(text)
+        results.append(Completion(prompt.id, content, reasoning, "stop" if stop is not None else "length", e, new))
+    return results

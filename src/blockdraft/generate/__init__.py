@@ -1,1 +1,0 @@
-"""Regenerating completions with the target (`blockdraft generate`): engines, a local test endpoint, the stage."""

@@ -1,0 +1,77 @@
+"""What a drafter artifact holds and how a stage finds one: the file names and artifact kinds that training writes and
+eval and export read, so that neither reader imports the training stage.
+
+A checkpoint (`drafter-checkpoint`) and an export (`drafter-export`) both hold the drafter in the z-lab format
+(`config.json` + `model.safetensors`); a checkpoint adds the training state and the pinned config, an export its
+provenance. A training output holds one checkpoint per `step-NNNNNNNN/` folder.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
+from blockdraft.store import Store
+from blockdraft.store.artifact import MANIFEST_NAME, ArtifactError, State, VerifyReport, verify_artifact
+
+CHECKPOINT_KIND = "drafter-checkpoint"
+EXPORT_KIND = "drafter-export"
+STATE_NAME = "training-state.pt"
+PROVENANCE_NAME = "blockdraft-export.json"
+PINNED_CONFIG_NAME = "blockdraft-config.json"
+STEP_MANIFEST = re.compile(r"^step-(\d{8})/" + re.escape(MANIFEST_NAME) + "$")
+
+
+def checkpoint_key(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+
+@dataclass
+class Resumable:
+    step: int
+    store: Store
+    report: VerifyReport
+    skipped: list[str]
+
+
+def find_resumable(store: Store) -> Resumable | None:
+    """The newest checkpoint under `store` that verifies at the destination, or None; `skipped` names newer ones that did not."""
+    steps = sorted({int(m.group(1)) for info in store.list("step-") if (m := STEP_MANIFEST.match(info.key))}, reverse=True)
+    skipped = []
+    for step in steps:
+        child = store.child(checkpoint_key(step))
+        report = verify_artifact(child)
+        if report.state is State.VERIFIED and report.manifest.kind == CHECKPOINT_KIND:
+            return Resumable(step, child, report, skipped)
+        skipped.append(f"{checkpoint_key(step)} ({report.state.value}: {report.summary()})")
+    return None
+
+
+def open_drafter_artifact(store: Store) -> tuple[Store, VerifyReport]:
+    """The verified drafter at `store`: a checkpoint or an export there, else the newest verified step-* checkpoint of a
+    training output there. Raises ArtifactError naming what was found instead."""
+    report = verify_artifact(store)
+    if report.state is State.VERIFIED:
+        if report.manifest.kind not in (CHECKPOINT_KIND, EXPORT_KIND):
+            raise ArtifactError(
+                f"{store.url} is a '{report.manifest.kind}' artifact, not a drafter checkpoint or export; pass a training "
+                "checkpoint, a training output or an export"
+            )
+        return store, report
+    if report.state is State.INCOMPLETE and not report.problems:
+        found = find_resumable(store)
+        if found is not None:
+            return found.store, found.report
+    raise ArtifactError(
+        f"{store.url} is not a verified checkpoint ({report.state.value}: {report.summary()}) and holds no verified step-* "
+        "checkpoint; pass a checkpoint, training output or export that `blockdraft verify` reports as verified"
+    )
+
+
+
+__all__ = [
+    "CHECKPOINT_KIND", "CONFIG_NAME", "EXPORT_KIND", "PINNED_CONFIG_NAME", "PROVENANCE_NAME", "STATE_NAME", "WEIGHTS_NAME",
+    "Resumable", "checkpoint_key", "find_resumable", "open_drafter_artifact",
+]

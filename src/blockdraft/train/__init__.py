@@ -1,1 +1,0 @@
-"""DFlash training: batch construction (`batch`), the loss (`loss`) and the training loop (`loop`)."""
