@@ -8,17 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
+from blockdraft.errors import ArtifactError
 from blockdraft.store import open_store
-from blockdraft.store.artifact import (
-    MANIFEST_NAME,
-    ArtifactError,
-    State,
-    commit_artifact,
-    entry_for_local_file,
-    manifest_input,
-    uncommit,
-    verify_artifact,
-)
+from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, manifest_input, uncommit, verify_artifact
 from blockdraft.store.checksum import crc64nvme_bytes
 
 

@@ -1,4 +1,4 @@
-"""Batch construction and loss conventions of ../shared/DFLASH.md, pinned without a model."""
+"""Batch construction and loss conventions of docs/DFLASH.md, pinned without a model."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from blockdraft.config import ConfigError, load_config
+from blockdraft.config import load_config
+from blockdraft.errors import ConfigError
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

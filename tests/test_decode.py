@@ -1,4 +1,4 @@
-"""The decode loop of DFLASH.md: golden vectors of the reference implementation, losslessness, acceptance, cropping, stops."""
+"""The decode loop of docs/DFLASH.md: golden vectors of the reference implementation, losslessness, acceptance, cropping, stops."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from blockdraft.config import DFlashConfig
-from blockdraft.decode.cached_target import CachedTarget, DecodeError, check_rollback_supported
+from blockdraft.decode.cached_target import CachedTarget, check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer, ngram_generate
 from blockdraft.decode.speculative import greedy_generate, run_speculative, speculative_generate
+from blockdraft.errors import DecodeError
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.spec import DrafterSpec
 from blockdraft.model.target import TargetHead

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.decode.speculative import GreedyResult, SpecResult
+from blockdraft.errors import EvalError
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.stages.eval.stage import (
-    EvalError,
     check_checkpoint_matches,
     first_divergence,
     open_checkpoint,

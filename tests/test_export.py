@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
-from blockdraft.model import DFlashDrafter, DraftCache, DrafterSpec, SpecError, TargetHead, draft_step, load_target
+from blockdraft.errors import SpecError
+from blockdraft.model import DFlashDrafter, DraftCache, DrafterSpec, TargetHead, draft_step, load_target
 from blockdraft.model.formats import EXPORT_KIND, PROVENANCE_NAME
 from blockdraft.stages.export.stage import SERVING_NAME, export, export_drafter
 from blockdraft.stages.train.checkpoint import save_checkpoint

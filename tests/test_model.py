@@ -1,4 +1,4 @@
-"""The drafter against the reference implementation's golden vectors, and the conventions DFLASH.md pins."""
+"""The drafter against the reference implementation's golden vectors, and the conventions docs/DFLASH.md pins."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from blockdraft.config import DFlashConfig
+from blockdraft.errors import SpecError
 from blockdraft.model import (
     DFlashDrafter,
     DraftCache,
     DrafterSpec,
-    SpecError,
     TargetHead,
     TargetModel,
     default_gamma,

@@ -1,6 +1,6 @@
 """Rendering one assistant turn into a row with the real Qwen3 tokenizer and the 8 fixture chat templates.
 
-The contract (../shared/DATA.md): the supervised tokens decode to exactly what the model emits for the turn,
+The contract (docs/TOKENIZATION.md): the supervised tokens decode to exactly what the model emits for the turn,
 through the end-of-turn token and not the newline after it; a row the template cannot render faithfully is
 rejected with a reason, never mis-masked.
 """

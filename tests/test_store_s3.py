@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import StoreConfig
-from blockdraft.store import StoreError, open_store
+from blockdraft.errors import StoreError
+from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, check_file, read_manifest, verify_artifact
 from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.preflight import PROBE_PREFIX, preflight

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from blockdraft.decode.greedy import Prompt, greedy_generate
 from blockdraft.fixtures.corpus import synthetic_conversations
 from blockdraft.fixtures.tiny import CI_SIZE, TINY_TARGET_DIR, bpe_training_texts, build_tokenizer, distinct_ngram_ratio
-from blockdraft.decode.greedy import Prompt, greedy_generate
 
 TINY = TINY_TARGET_DIR
 

@@ -373,8 +373,8 @@ def test_a_completions_artifact_is_read_through_its_manifest_and_pinned_by_it(tm
 
 def test_an_input_that_changes_after_listing_fails_the_shard_instead_of_recording_it(tmp_path):
     """The record names the input's checksum; the worker proves the bytes it read have it, so a record never lies."""
+    from blockdraft.errors import ArtifactError
     from blockdraft.stages.tokenize import stage
-    from blockdraft.store.artifact import ArtifactError
 
     corpus = make_corpus(tmp_path / "in", files=2, per_file=5)
     run = stage._prepare(str(corpus), str(tmp_path / "out"), config(), None, None, stage.TokenizeProgress())

@@ -195,8 +195,8 @@ def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupte
 def test_train_refuses_unverified_data_and_mismatched_nproc(tmp_path, data_url):
     import shutil
 
-    from blockdraft.config import ConfigError
-    from blockdraft.store.artifact import ArtifactError, uncommit
+    from blockdraft.errors import ArtifactError, ConfigError
+    from blockdraft.store.artifact import uncommit
 
     broken = tmp_path / "broken"
     shutil.copytree(data_url, broken)
@@ -241,7 +241,8 @@ def test_trains_on_a_hybrid_attention_target(tmp_path, data_url):
 
 
 def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch):
-    from blockdraft.config import BlockdraftConfig, ConfigError
+    from blockdraft.config import BlockdraftConfig
+    from blockdraft.errors import ConfigError
     from blockdraft.stages.train.loop import resolve_placement
 
     cfg = BlockdraftConfig.model_validate(

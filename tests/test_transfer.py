@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
+from blockdraft.errors import ArtifactError
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, ArtifactError, State, manifest_input, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, State, manifest_input, verify_artifact
 from blockdraft.store.status import render_progress, status
 from blockdraft.store.transfer import pull, push
 

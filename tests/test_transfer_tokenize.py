@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from blockdraft.config import load_config
+from blockdraft.errors import StoreError
 from blockdraft.stages.tokenize.stage import tokenize_dataset
-from blockdraft.store import StoreError, open_store
+from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
 from blockdraft.store.transfer import pull
 

@@ -9,10 +9,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from blockdraft.config import ConfigError
-from blockdraft.store.artifact import ArtifactError, State
-from blockdraft.store.base import StoreError
+from blockdraft.errors import BlockdraftError
+from blockdraft.store.artifact import State
 
 app = typer.Typer(
     help="Train DFlash speculative-decoding drafters end to end, with every handoff verified at the destination.",
@@ -22,17 +22,17 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
-# Errors a user can cause: one line naming the cause and the fix, never a traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, StoreError, ArtifactError, FileNotFoundError)
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The one place user errors are caught: a BlockdraftError is one red line and exit status 2, never a traceback."""
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except USER_ERRORS as exc:
-            console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True)
+        except BlockdraftError as exc:
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -105,14 +105,9 @@ def export(
 ) -> None:
     """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, as a verified artifact; print the serving settings."""
     from blockdraft.config import load_config
-    from blockdraft.model.spec import SpecError
-    from blockdraft.stages.export.stage import ExportError
     from blockdraft.stages.export.stage import export as export_checkpoint
 
-    try:
-        result = export_checkpoint(checkpoint, out, load_config(config), target=target)
-    except (SpecError, ExportError) as exc:
-        raise ConfigError(str(exc)) from None
+    result = export_checkpoint(checkpoint, out, load_config(config), target=target)
     console.print(f"[green]verified[/]: {result.report.summary()} at {result.url}", highlight=False)
     print(f"SGLang: {result.serving['sglang_command']}")
     print(f"vLLM:   {result.serving['vllm_command']}")

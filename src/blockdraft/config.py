@@ -15,9 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-
-class ConfigError(ValueError):
-    """A user-caused config problem: the message names the field and the fix."""
+from blockdraft.errors import ConfigError
 
 
 class _Section(BaseModel):
@@ -44,7 +42,7 @@ class TokenizeConfig(_Section):
 
 
 class DFlashConfig(_Section):
-    """DFlash parameters (../shared/DFLASH.md). None means: derive from the target's config."""
+    """DFlash parameters (docs/DFLASH.md). None means: derive from the target's config."""
 
     block_size: int = Field(default=16, ge=2)
     mask_token_id: int | None = None

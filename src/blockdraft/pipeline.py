@@ -71,7 +71,7 @@ def _toml_value(value: Any) -> str:
 
 
 def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> None:
-    lines: list[str] = ["# blockdraft demo config: the one file every stage reads (see DESIGN.md)."]
+    lines: list[str] = ["# blockdraft demo config: the one file every stage reads (see docs/ARCHITECTURE.md)."]
     for name, values in sections.items():
         lines.append(f"\n[{name}]")
         lines.extend(f"{key} = {_toml_value(v)}" for key, v in values.items() if v is not None)
@@ -159,13 +159,14 @@ def run_demo(
 
 
 def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, say: Callable[[str], None]) -> DemoResult:
+    from blockdraft.errors import ArtifactError
     from blockdraft.stages.eval.stage import run_eval
     from blockdraft.stages.export.stage import export
     from blockdraft.stages.generate.stage import generate
     from blockdraft.stages.tokenize.stage import tokenize_dataset
     from blockdraft.stages.train.loop import train
     from blockdraft.store import open_store
-    from blockdraft.store.artifact import ArtifactError, State, verify_artifact
+    from blockdraft.store.artifact import State, verify_artifact
     from blockdraft.store.preflight import preflight
     from blockdraft.store.status import render_progress, status
     from blockdraft.store.transfer import pull, push

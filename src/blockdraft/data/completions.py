@@ -1,6 +1,6 @@
 """Reading completions: JSONL (plain, .gz, .zst), a JSON array, or Parquet, normalised to one internal form.
 
-Accepted variants (../shared/DATA.md): `messages` or `conversations`; OpenAI `role`/`content` or ShareGPT
+Accepted variants (docs/TOKENIZATION.md): `messages` or `conversations`; OpenAI `role`/`content` or ShareGPT
 `from`/`value` (`human`/`gpt`); reasoning in `reasoning_content` (or `reasoning`) or inline as a leading
 `<think>...</think>` in the content; optional `tools`; optional generator token ids (`prompt_token_ids` +
 `completion_token_ids`, or `prompt_ids` + `completion_ids`), which are then used as they are.
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from blockdraft.config import ConfigError
+from blockdraft.errors import ConfigError
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import InputRef, manifest_input, raw_input, read_manifest
 

@@ -1,4 +1,4 @@
-"""One assistant turn -> one training row, with the loss mask exactly as in ../shared/DATA.md.
+"""One assistant turn -> one training row, with the loss mask exactly as in docs/TOKENIZATION.md.
 
 For assistant turn j: `prompt = render(history, add_generation_prompt=True)`, `full = render(history + [turn j])`,
 both with the target's own template and the turn's thinking mode. `full` must start with `prompt`; `full` is

@@ -10,8 +10,9 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdraft.config import BlockdraftConfig, ConfigError
+from blockdraft.config import BlockdraftConfig
 from blockdraft.data.render import ChatTemplate, compile_chat_template
+from blockdraft.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,7 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-
-class DecodeError(ValueError):
-    """A target or setting the decode loop cannot run correctly: one clear line naming the cause and the fix."""
+from blockdraft.errors import DecodeError
 
 
 def check_rollback_supported(hf_config) -> None:

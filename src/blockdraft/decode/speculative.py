@@ -1,4 +1,4 @@
-"""Greedy speculative decoding, exactly as ../shared/DFLASH.md "Decode loop" specifies, and target-only greedy decoding.
+"""Greedy speculative decoding, exactly as docs/DFLASH.md "Decode loop" specifies, and target-only greedy decoding.
 
 One sequence at a time (batch 1), like the reference implementation the golden vectors come from. The loop is written
 once (`run_speculative`) and takes the drafter as a `Proposer`, so the DFlash drafter and the n-gram baseline are

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from blockdraft.model.spec import DrafterSpec, SpecError
+from blockdraft.errors import ArtifactError, SpecError
+from blockdraft.model.spec import DrafterSpec
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -189,7 +190,7 @@ class DFlashDrafter(nn.Module):
         path = Path(path)
         config_path = path / CONFIG_NAME
         if not config_path.is_file():
-            raise FileNotFoundError(f"no {CONFIG_NAME} in {path}; pass a drafter folder in the export format")
+            raise ArtifactError(f"no {CONFIG_NAME} in {path}; pass a drafter folder in the export format")
         spec = DrafterSpec.from_export_config(json.loads(config_path.read_text()))
         model = cls(spec)
         state = load_file(str(path / WEIGHTS_NAME))

@@ -11,9 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from blockdraft.errors import ArtifactError
 from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
 from blockdraft.store import Store
-from blockdraft.store.artifact import MANIFEST_NAME, ArtifactError, State, VerifyReport, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, State, VerifyReport, verify_artifact
 
 CHECKPOINT_KIND = "drafter-checkpoint"
 EXPORT_KIND = "drafter-export"

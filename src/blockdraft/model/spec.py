@@ -1,4 +1,4 @@
-"""The drafter's shape and its DFlash parameters, derived from the target's config (../shared/DFLASH.md).
+"""The drafter's shape and its DFlash parameters, derived from the target's config (docs/DFLASH.md).
 
 A `DrafterSpec` is everything needed to build a `DFlashDrafter` and to write or read the z-lab export `config.json`
 that SGLang (`--speculative-algorithm DFLASH`) and vLLM (`method: dflash`) load.
@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Loss decay per block size (DFLASH.md, training batch construction step 5); other sizes need gamma configured.
+from blockdraft.errors import SpecError
+
+# Loss decay per block size (docs/DFLASH.md, training batch construction step 5); other sizes need gamma configured.
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
-
-class SpecError(ValueError):
-    """A drafter/target mismatch a user can fix: the message names the field and the fix."""
 
 
 def default_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -166,7 +165,7 @@ class DrafterSpec:
 
     @classmethod
     def from_target_config(cls, hf_config: Any, dflash_cfg: Any) -> DrafterSpec:
-        """Defaults per DFLASH.md from the target's HF config and a `blockdraft.config.DFlashConfig`."""
+        """Defaults per docs/DFLASH.md from the target's HF config and a `blockdraft.config.DFlashConfig`."""
         cfg = _text_config(hf_config)
         target = TargetShape.from_config(hf_config)
         if dflash_cfg.mask_token_id is None:
@@ -204,7 +203,7 @@ class DrafterSpec:
         )
 
     def to_export_config(self) -> dict[str, Any]:
-        """The z-lab `config.json` (DFLASH.md, export format): Qwen3 fields, both rope spellings, block_size twice."""
+        """The z-lab `config.json` (docs/DFLASH.md, export format): Qwen3 fields, both rope spellings, block_size twice."""
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdraft.model.spec import SpecError, TargetShape
+from blockdraft.errors import SpecError
+from blockdraft.model.spec import TargetShape
 
 
 class TargetHead(nn.Module):
@@ -126,7 +127,7 @@ def load_target_config(path: str | None):
     """The target's HF config; a missing or unreadable target is a ConfigError naming target.path."""
     from transformers import AutoConfig
 
-    from blockdraft.config import ConfigError
+    from blockdraft.errors import ConfigError
 
     if not path:
         raise ConfigError("target.path is not set; set it in the config to the target model's folder or hub id")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from blockdraft.store.base import ObjectInfo, Store, StoreError
+from blockdraft.errors import StoreError
+from blockdraft.store.base import ObjectInfo, Store
 
 
 def open_store(url: str | Path, settings: object | None = None) -> Store:

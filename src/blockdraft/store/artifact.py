@@ -2,7 +2,7 @@
 
 An artifact is a set of files under one store root plus `MANIFEST_NAME`, written last. It is done only when the
 manifest is at the destination and every file it lists is there with the listed size and CRC64NVME checksum,
-as read back from the destination (../shared/STORE.md).
+as read back from the destination (docs/STORE.md).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from blockdraft import __version__
+from blockdraft.errors import ArtifactError
 from blockdraft.store.base import ObjectInfo, Store
 
 MANIFEST_NAME = "blockdraft-manifest.json"
@@ -93,9 +94,6 @@ def manifest_input(store: Store) -> InputRef:
 def raw_input(store: Store, info: ObjectInfo) -> InputRef:
     return InputRef(kind="raw", url=f"{store.url.rstrip('/')}/{info.key}", size=info.size, checksum=info.checksum, etag=info.etag)
 
-
-class ArtifactError(RuntimeError):
-    """An artifact is not what a stage needs (not verified, wrong kind): one clear line."""
 
 
 @dataclass

@@ -13,10 +13,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 
-class StoreError(RuntimeError):
-    """A user-facing store problem (bad URL, missing credentials, unreachable endpoint): one clear line."""
-
-
 @dataclass(frozen=True)
 class ObjectInfo:
     """What the destination says about one object. `checksum` is base64 CRC64NVME, or None when it has none."""

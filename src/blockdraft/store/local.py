@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from blockdraft.store.base import ObjectInfo, Store, StoreError
+from blockdraft.errors import StoreError
+from blockdraft.store.base import ObjectInfo, Store
 from blockdraft.store.checksum import crc64nvme_file
 
 TMP_PREFIX = ".tmp-"
@@ -46,7 +47,7 @@ class LocalStore(Store):
         path = self._path(key)
         if not path.is_file():
             return None
-        # A folder has no checksum metadata: the read-back is the check (STORE.md).
+        # A folder has no checksum metadata: the read-back is the check (docs/STORE.md).
         size, checksum = crc64nvme_file(path)
         return ObjectInfo(key=key, size=size, checksum=checksum)
 

@@ -11,7 +11,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from blockdraft.store.base import Store, StoreError
+from blockdraft.errors import StoreError
+from blockdraft.store.base import Store
 
 PROBE_PREFIX = ".blockdraft-preflight-"
 

@@ -25,7 +25,8 @@ from typing import Any, BinaryIO, TypeVar
 
 from awscrt import checksums
 
-from blockdraft.store.base import ObjectInfo, Store, StoreError
+from blockdraft.errors import StoreError
+from blockdraft.store.base import ObjectInfo, Store
 
 MIB = 1024 * 1024
 STREAM_CHUNK = 1 * MIB
@@ -38,7 +39,7 @@ def _b64(crc: int) -> str:
 
 
 def resolve_endpoint(configured: str | None, environ: dict[str, str] | os._Environ = os.environ) -> str | None:
-    """Endpoint precedence (../shared/STORE.md): flag or config (already merged into `configured`),
+    """Endpoint precedence (docs/STORE.md): flag or config (already merged into `configured`),
     then AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL, then the AWS default (None)."""
     return configured or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
 

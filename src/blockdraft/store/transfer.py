@@ -1,6 +1,6 @@
 """Verified transfer of one artifact between a local folder and a store: `push` and `pull`.
 
-Both follow the artifact rule (../shared/STORE.md): the manifest moves last, byte for byte (so lineage digests
+Both follow the artifact rule (docs/STORE.md): the manifest moves last, byte for byte (so lineage digests
 stay valid on every machine), and the report says only what was read back from the destination.
 Both resume: files already verified at the destination are skipped; anything else is redone.
 """
@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from blockdraft.errors import ArtifactError, StoreError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import (
     MANIFEST_NAME,
-    ArtifactError,
     FileEntry,
     FileProblem,
     Manifest,
@@ -32,7 +32,7 @@ from blockdraft.store.artifact import (
     uncommit,
     verify_artifact,
 )
-from blockdraft.store.base import Store, StoreError
+from blockdraft.store.base import Store
 from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.local import LocalStore
 from blockdraft.store.preflight import preflight

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from blockdraft.config import BlockdraftConfig, ConfigError
-from blockdraft.decode.cached_target import DecodeError, check_rollback_supported
+from blockdraft.config import BlockdraftConfig
+from blockdraft.decode.cached_target import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer
 from blockdraft.decode.speculative import (
     DFlashProposer,
@@ -28,27 +28,16 @@ from blockdraft.decode.speculative import (
     greedy_generate,
     run_speculative,
 )
+from blockdraft.errors import ArtifactError, ConfigError, DecodeError, EvalError
 from blockdraft.model.formats import PINNED_CONFIG_NAME
 from blockdraft.store import Store, open_store
-from blockdraft.store.artifact import (
-    ArtifactError,
-    InputRef,
-    State,
-    VerifyReport,
-    publish_artifact,
-    raw_input,
-    uncommit,
-    verify_artifact,
-)
+from blockdraft.store.artifact import InputRef, State, VerifyReport, publish_artifact, raw_input, uncommit, verify_artifact
 
 REPORT_NAME = "report.json"
 TAU_PLOT_NAME = "tau_histogram.png"
 POSITION_PLOT_NAME = "position_acceptance.png"
 UNTRAINED_SEED = 0
 
-
-class EvalError(ConfigError):
-    """A user-caused eval problem (checkpoint/config mismatch, unsupported target, bad prompts): one clear line."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -229,16 +218,12 @@ def chat_template_sha256(cfg: BlockdraftConfig) -> str | None:
 def check_checkpoint_matches(cfg: BlockdraftConfig, checkpoint: Checkpoint, hf_config: Any) -> None:
     """Refuse a checkpoint whose pinned DFlash settings or chat template contradict the config given, naming the field.
 
-    Compared: what the given config resolves to for this target (explicit values, else DFLASH.md's defaults) against
+    Compared: what the given config resolves to for this target (explicit values, else docs/DFLASH.md's defaults) against
     what the drafter was trained with (its config.json, and the resolved config pinned beside it). A field the given
     config leaves unset without a default (mask id) is taken from the checkpoint.
     """
-    from blockdraft.model.spec import (
-        SpecError,
-        TargetShape,
-        default_layer_ids,
-        hybrid_layer_ids,
-    )
+    from blockdraft.errors import SpecError
+    from blockdraft.model.spec import TargetShape, default_layer_ids, hybrid_layer_ids
 
     dflash = checkpoint.export_config.get("dflash_config") or {}
     pinned_dflash = checkpoint.pinned.get("dflash") or {}
@@ -581,8 +566,8 @@ def run_eval(
 ) -> tuple[dict[str, Any], str]:
     """The `eval` stage. `prompts`: a JSONL file, or a tokenized artifact URL (its held-out rows); default eval.prompts,
     else the held-out rows of train.data. Returns (report, URL of the committed eval artifact)."""
+    from blockdraft.errors import SpecError
     from blockdraft.model.drafter import DFlashDrafter
-    from blockdraft.model.spec import SpecError
     from blockdraft.model.target import load_target, load_target_config
 
     if not cfg.target.path:

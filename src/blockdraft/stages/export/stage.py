@@ -1,6 +1,6 @@
 """`export`: a verified training checkpoint -> the z-lab drafter format that SGLang and vLLM load, as an artifact.
 
-The export folder holds `config.json` + `model.safetensors` exactly as ../shared/DFLASH.md specifies (no embedding,
+The export folder holds `config.json` + `model.safetensors` exactly as docs/DFLASH.md specifies (no embedding,
 no LM head), `blockdraft-export.json` (the resolved blockdraft config, the DFlash parameters, the chat-template hash,
 thinking mode and data lineage the drafter was trained with) and `serving.json` (the engine settings), and its manifest.
 """
@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blockdraft.errors import ExportError, SpecError
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.formats import CONFIG_NAME, EXPORT_KIND, PINNED_CONFIG_NAME, PROVENANCE_NAME, open_drafter_artifact
-from blockdraft.model.spec import DrafterSpec, SpecError, default_gamma
+from blockdraft.model.spec import DrafterSpec, default_gamma
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
     InputRef,
@@ -29,9 +30,6 @@ from blockdraft.store.artifact import (
 
 SERVING_NAME = "serving.json"
 
-
-class ExportError(ValueError):
-    """An export the engines would load wrongly or not at all: one line naming the cause and the fix."""
 
 
 @dataclass

@@ -137,7 +137,7 @@ class OpenAIEngine:
         return headers
 
     def _served_model(self) -> str:
-        from blockdraft.config import ConfigError
+        from blockdraft.errors import ConfigError
 
         try:
             data = self._call("GET", "/models", None, None)

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockdraft.config import BlockdraftConfig, ConfigError
+from blockdraft.config import BlockdraftConfig
 from blockdraft.data.completions import RowRejected, iter_records, normalise_message, source_id_of
+from blockdraft.errors import ConfigError
 from blockdraft.stages.generate.engines import Completion, Failure, HFEngine, OpenAIEngine, Prompt
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (

@@ -35,8 +35,8 @@ from blockdraft.data.render import (
     plan_turns,
     row_from_generator_ids,
 )
+from blockdraft.errors import ArtifactError
 from blockdraft.store import open_store
-from blockdraft.store.artifact import ArtifactError
 from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme, crc64nvme_file
 from blockdraft.store.local import TMP_PREFIX
 

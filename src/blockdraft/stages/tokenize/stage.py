@@ -34,9 +34,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from blockdraft.config import BlockdraftConfig, ConfigError
+from blockdraft.config import BlockdraftConfig
 from blockdraft.data.completions import list_completions
 from blockdraft.data.tokenizer import TokenizerSource, end_of_turn_id, resolve_tokenizer
+from blockdraft.errors import ConfigError
 from blockdraft.stages.tokenize.shard import (
     QUARANTINE_DIR,
     RECORD_FORMAT,

@@ -1,4 +1,4 @@
-"""Training batch construction for DFlash (../shared/DFLASH.md, "Training batch construction").
+"""Training batch construction for DFlash (docs/DFLASH.md, "Training batch construction").
 
 One training row (input_ids, loss_mask of length S) becomes N blocks of B query slots, packed after the row's S
 context entries. Shapes below: b = rows in the batch, S = longest row, N = blocks per row, B = block size, Q = N*B.

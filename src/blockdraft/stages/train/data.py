@@ -13,15 +13,16 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.errors import ArtifactError
 from blockdraft.store import open_store
-from blockdraft.store.artifact import ArtifactError, InputRef, State, verify_artifact
+from blockdraft.store.artifact import InputRef, State, verify_artifact
 
 TOKENIZED_KIND = "tokenized"
 TRAIN_SPLIT = "train"
 
 
 def _load_dataset(root: Path):
-    """The train split of a tokenize output folder (`datasets.save_to_disk` layout of a DatasetDict, DATA.md).
+    """The train split of a tokenize output folder (`datasets.save_to_disk` layout of a DatasetDict, docs/TOKENIZATION.md).
 
     Only the train split is opened: the held-out split may be empty, and training never reads it.
     """

@@ -25,8 +25,9 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
-from blockdraft.config import BlockdraftConfig, ConfigError, load_config
-from blockdraft.model import DFlashDrafter, DrafterSpec, SpecError, TargetHead, TargetModel, load_target
+from blockdraft.config import BlockdraftConfig, load_config
+from blockdraft.errors import ArtifactError, ConfigError, StoreError
+from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel, load_target
 from blockdraft.model.formats import find_resumable
 from blockdraft.model.target import load_target_config
 from blockdraft.stages.train.batch import BlockBatch, anchor_generator, build_block_batch, expected_acceptance
@@ -34,8 +35,7 @@ from blockdraft.stages.train.checkpoint import load_checkpoint, prune_checkpoint
 from blockdraft.stages.train.data import TrainRows, load_train_rows, step_rows, steps_per_epoch
 from blockdraft.stages.train.loss import LossOutput, block_loss
 from blockdraft.stages.train.metrics import MetricsLog
-from blockdraft.store import Store, StoreError, open_store
-from blockdraft.store.artifact import ArtifactError
+from blockdraft.store import Store, open_store
 
 console = Console(stderr=True)
 
@@ -170,7 +170,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _preflight(store: Store) -> None:
-    """Fail in seconds, before step 1, when the checkpoint store cannot be written (STORE.md, credentials)."""
+    """Fail in seconds, before step 1, when the checkpoint store cannot be written (docs/STORE.md, credentials)."""
     from blockdraft.store.preflight import preflight
 
     preflight(store)
@@ -437,10 +437,7 @@ def launch(config_path: str | None, nproc: int | None = None) -> int:
             "so list the devices in the config"
         )
     if "LOCAL_RANK" in os.environ or wanted == 1:
-        try:
-            result = train(config)
-        except SpecError as exc:  # a drafter/target mismatch the user fixes in the config
-            raise ConfigError(str(exc)) from None
+        result = train(config)
         if int(os.environ.get("RANK", "0")) == 0:
             if result.metrics:
                 last = result.metrics[-1]

@@ -1,0 +1,248 @@
+"""The one artifact writer and the one input reader that every stage uses.
+
+A stage reads its input through `open_input` (verified at its source or refused, pinned by content as an `InputRef`,
+files fetched with their checksums compared) and writes its output through a `StageOutput`:
+
+    out = StageOutput(url, kind, key, store_config)     # key: what the output depends on (config slice + inputs)
+    if (report := out.done()) is not None:              # already there, for this key, verified: nothing to do
+        return report
+    out.begin()                                         # uncommit, so no reader sees an old manifest over new files
+    for piece in work:                                   # optional: resumable pieces (shards, checkpoints)
+        if out.finished_piece(name, piece_key) is None:
+            ... write files ...; out.put_piece(name, piece_key, files, counts)
+    out.commit(files, config=..., lineage=[inp.ref], counts=...)   # every file checked at the destination, manifest last
+
+`StageOutput.done` is the only place that decides whether an output is already done, and `finished_piece` the only
+place that decides whether one piece of it is. A piece is recorded as a sub-manifest in the same `Manifest` model under
+`.blockdraft-pieces/` (not listed in the artifact's manifest), written after its files verified at the destination.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from blockdraft.errors import ArtifactError
+from blockdraft.store import Store, open_store
+from blockdraft.store.artifact import (
+    MANIFEST_NAME,
+    FileEntry,
+    InputRef,
+    Manifest,
+    State,
+    VerifyReport,
+    check_files,
+    commit_artifact,
+    manifest_sha256,
+    read_manifest,
+    uncommit,
+    verify_artifact,
+)
+
+if TYPE_CHECKING:
+    from blockdraft.config import StoreConfig
+
+PIECES_DIR = ".blockdraft-pieces"
+STAGE_KEY = "stage_key"  # the manifest's config field that names what the output was made from
+
+
+def stage_key(config_slice: Any, lineage: Iterable[InputRef] = ()) -> str:
+    """sha256 of what an output depends on: the part of the config that changes its bytes, and its inputs by content."""
+    data = {"config": config_slice, "lineage": [ref.model_dump(mode="json") for ref in lineage]}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- reading an input
+
+
+@dataclass
+class StageInput:
+    """A verified input artifact: its store, the report read from its source, and its lineage entry (by content)."""
+
+    store: Store
+    report: VerifyReport
+
+    @property
+    def manifest(self) -> Manifest:
+        assert self.report.manifest is not None
+        return self.report.manifest
+
+    @property
+    def kind(self) -> str:
+        return self.manifest.kind
+
+    @property
+    def ref(self) -> InputRef:
+        return InputRef(kind="manifest", url=self.store.url, sha256=self.report.manifest_sha256)
+
+    def entry(self, path: str) -> FileEntry:
+        for entry in self.manifest.files:
+            if entry.path == path:
+                return entry
+        raise ArtifactError(f"{self.store.url} lists no {path}; pass an artifact that holds it")
+
+    def fetch(self, paths: Sequence[str], dest: Path) -> Path:
+        """Make the listed files readable under a local folder and return it.
+
+        A local input is read where it is (it verified just now); a remote one is downloaded into `dest`, each file's
+        size and checksum compared with the manifest on the bytes received. Raises ArtifactError on a mismatch.
+        """
+        local = self.store.local_path()
+        if local is not None:
+            return local
+        for path in paths:
+            entry = self.entry(path)
+            size, checksum = self.store.get_file(path, dest / path)
+            if size != entry.size or checksum != entry.checksum:
+                (dest / path).unlink(missing_ok=True)
+                raise ArtifactError(
+                    f"{self.store.url.rstrip('/')}/{path} changed while read (received {size} bytes crc64nvme {checksum}, "
+                    f"listed {entry.size} bytes {entry.checksum}); rerun when the input is stable"
+                )
+        return dest
+
+    @contextmanager
+    def fetched(self, paths: Sequence[str] | None = None) -> Iterator[Path]:
+        """`fetch` into a temporary folder that is removed afterwards; all listed files when `paths` is None."""
+        names = [e.path for e in self.manifest.files] if paths is None else list(paths)
+        with tempfile.TemporaryDirectory(prefix="blockdraft-input-") as tmp:
+            yield self.fetch(names, Path(tmp))
+
+
+def open_input(url: str | Store, store_config: StoreConfig | None = None, kinds: Sequence[str] = ()) -> StageInput:
+    """The artifact at `url`, verified at its source, else ArtifactError naming its state; `kinds` limits what it may be."""
+    store = url if isinstance(url, Store) else open_store(url, store_config)
+    report = verify_artifact(store)
+    if report.state is not State.VERIFIED or report.manifest is None:
+        raise ArtifactError(f"input {store.url} is {report.state.value}: {report.summary()}; fix or regenerate it first")
+    if kinds and report.manifest.kind not in kinds:
+        raise ArtifactError(
+            f"input {store.url} is a '{report.manifest.kind}' artifact, not {' or '.join(repr(k) for k in kinds)}; pass the right artifact"
+        )
+    return StageInput(store, report)
+
+
+# ---------------------------------------------------------------------------------------------- writing an output
+
+
+class StageOutput:
+    """The output artifact of one stage run: `kind` at `url`, made from what `key` names (see `stage_key`)."""
+
+    def __init__(self, url: str | Store, kind: str, key: str, store_config: StoreConfig | None = None) -> None:
+        self.store = url if isinstance(url, Store) else open_store(url, store_config)
+        self.kind = kind
+        self.key = key
+        self.copy_of: bytes | None = None
+
+    @classmethod
+    def copy(cls, url: str | Store, raw_manifest: bytes, store_config: StoreConfig | None = None) -> StageOutput:
+        """The destination of a copy (push, pull): it keeps the source's manifest byte for byte, so lineage digests stay
+        valid, and it is done when it holds that very manifest and verifies."""
+        manifest = Manifest.model_validate_json(raw_manifest)
+        out = cls(url, manifest.kind, manifest_sha256(raw_manifest), store_config)
+        out.copy_of = raw_manifest
+        return out
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    def done(self) -> VerifyReport | None:
+        """The destination's report when it already holds this output, verified, of this kind and made for this key;
+        else None. The only place that decides whether a stage's output is done."""
+        found = read_manifest(self.store)
+        if found is None:
+            return None
+        manifest, raw = found
+        if self.copy_of is not None:
+            made_for_this = raw == self.copy_of
+        else:
+            made_for_this = manifest.kind == self.kind and manifest.config.get(STAGE_KEY) == self.key
+        if not made_for_this:
+            return None
+        report = verify_artifact(self.store)
+        return report if report.state is State.VERIFIED and report.manifest_sha256 == manifest_sha256(raw) else None
+
+    def begin(self) -> None:
+        """Remove the manifest (if any) before anything is rewritten, so no reader sees an old manifest over new files."""
+        uncommit(self.store)
+
+    def commit(
+        self,
+        files: Iterable[FileEntry],
+        config: dict[str, Any] | None = None,
+        lineage: Iterable[InputRef] = (),
+        counts: dict[str, Any] | None = None,
+    ) -> VerifyReport:
+        """Check every file at the destination, then write the manifest (with this output's key) last."""
+        assert self.copy_of is None, "a copy commits its source manifest (commit_manifest)"
+        return commit_artifact(self.store, self.kind, files, config={**(config or {}), STAGE_KEY: self.key}, lineage=lineage, counts=counts)
+
+    def publish(
+        self,
+        root: Path,
+        paths: Iterable[Path],
+        config: dict[str, Any] | None = None,
+        lineage: Iterable[InputRef] = (),
+        counts: dict[str, Any] | None = None,
+    ) -> VerifyReport:
+        """Upload local files written under `root` (each with its checksum), then `commit` them."""
+        from blockdraft.store.artifact import entry_for_local_file
+
+        entries = []
+        for path in paths:
+            entry = entry_for_local_file(root, path)
+            self.store.put_file(entry.path, path, checksum=entry.checksum)
+            entries.append(entry)
+        return self.commit(entries, config=config, lineage=lineage, counts=counts)
+
+    # -- pieces: the resumable parts of a long stage (tokenize shards, generate shards)
+
+    def _piece_key(self, name: str) -> str:
+        return f"{PIECES_DIR}/{name}.json"
+
+    def put_piece(self, name: str, piece_key: str, files: Iterable[FileEntry], counts: dict[str, Any] | None = None) -> None:
+        """Record piece `name` as finished: its files are checked at the destination first, its sub-manifest is written last."""
+        files = sorted(files, key=lambda e: e.path)
+        problems = [p for p in check_files(self.store, files) if p is not None]
+        if problems:
+            raise ArtifactError(f"{self.url.rstrip('/')}/{problems[0].path} did not verify before its piece was recorded: {problems[0].detail}")
+        piece = Manifest(kind=f"{self.kind}-piece", config={STAGE_KEY: piece_key}, files=files, counts=counts or {})
+        self.store.put_bytes(self._piece_key(name), piece.to_bytes())
+
+    def finished_piece(self, name: str, piece_key: str) -> Manifest | None:
+        """Piece `name`'s sub-manifest when it was recorded for `piece_key` and every file it lists reads back as listed."""
+        try:
+            piece = Manifest.model_validate_json(self.store.read_bytes(self._piece_key(name)))
+        except (FileNotFoundError, ValueError):
+            return None
+        if piece.config.get(STAGE_KEY) != piece_key or piece.kind != f"{self.kind}-piece":
+            return None
+        if any(p is not None for p in check_files(self.store, piece.files)):
+            return None
+        return piece
+
+    def recorded_pieces(self) -> dict[str, Manifest]:
+        """Every piece sub-manifest at the destination, by name, as recorded (not checked): for listing what to push."""
+        pieces = {}
+        for info in self.store.list(f"{PIECES_DIR}/"):
+            name = info.key.removeprefix(f"{PIECES_DIR}/").removesuffix(".json")
+            try:
+                pieces[name] = Manifest.model_validate_json(self.store.read_bytes(info.key))
+            except (FileNotFoundError, ValueError):
+                continue  # being written right now, or torn: not finished
+        return pieces
+
+    def drop_piece(self, name: str) -> None:
+        self.store.delete(self._piece_key(name))
+
+
+__all__ = [
+    "MANIFEST_NAME", "PIECES_DIR", "STAGE_KEY", "StageInput", "StageOutput", "open_input", "stage_key",
+]
