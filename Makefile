@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup lint test demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-test: $(STAMP)
+# ruff (pyflakes, isort, bugbear, pyupgrade, pycodestyle errors) and pyright (basic), both configured in pyproject.toml.
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/pyright
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)

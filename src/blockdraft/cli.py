@@ -7,14 +7,27 @@ import sys
 from collections.abc import Callable
 from typing import Annotated, Any
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from blockdraft.errors import BlockdraftError
 from blockdraft.store.artifact import State
 
+# `blockdraft --help` lists the commands in the order a job runs them, not alphabetically.
+PIPELINE_ORDER = ("preflight", "generate", "tokenize", "push", "pull", "train", "eval", "export", "verify", "status", "demo")
+
+
+class PipelineOrder(TyperGroup):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda name: PIPELINE_ORDER.index(name) if name in PIPELINE_ORDER else len(PIPELINE_ORDER))
+
+
 app = typer.Typer(
+    cls=PipelineOrder,
     help="Train DFlash speculative-decoding drafters end to end, with every handoff verified at the destination.",
     no_args_is_help=True,
     add_completion=False,
@@ -32,7 +45,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except BlockdraftError as exc:
-            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper

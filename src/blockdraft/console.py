@@ -23,11 +23,11 @@ class ConsoleReporter(Reporter):
 
     def say(self, line: str) -> None:
         super().say(line)
-        self.console.print(line, highlight=False, markup=False)
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def warn(self, line: str) -> None:
         self.warnings.append(line)
-        self.console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False)
+        self.console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
     def progress(self, task: str, completed: float, total: float | None = None, **fields: Any) -> None:
         if self._bar is None:
