@@ -116,7 +116,8 @@ def iter_records(stream: BinaryIO, key: str, counter: list[int] | None = None) -
         import zstandard
 
         buffered = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(buffered), buffer_size=1 << 20)  # type: ignore[assignment]
-    first = buffered.peek(64)[:64].lstrip() if hasattr(buffered, "peek") else b""
+    peek = getattr(buffered, "peek", None)
+    first = peek(64)[:64].lstrip() if peek is not None else b""
     if first.startswith(b"["):
         # A JSON array, not JSON Lines: it has to be parsed whole.
         text = buffered.read().decode("utf-8", errors="replace")

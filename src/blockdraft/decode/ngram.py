@@ -19,7 +19,7 @@ class NgramProposer:
     Slots it has nothing for hold `pad_token_id` (the mask id): the target rejects them like any wrong draft.
     """
 
-    layer_ids = None
+    layer_ids: list[int] | None = None  # it reads no target features
 
     def __init__(self, block_size: int, pad_token_id: int, max_ngram: int = 3, min_ngram: int = 1):
         if block_size < 2:

@@ -22,12 +22,17 @@ class Proposer(Protocol):
 
     block_size: int
     mask_token_id: int
-    layer_ids: list[int] | None  # target layers whose features it reads; None: it reads none
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        """Target layers whose features it reads; None: it reads none."""
+        ...
 
     def propose(self, tokens: list[int], new_features: torch.Tensor | None, start: int) -> list[int]:
         """`tokens`: every committed token, positions 0..start (the anchor last). `new_features` [1, n, K*H]: target
         features of positions start-n..start-1 not given before (None when `layer_ids` is None). Returns B-1 drafts
         for positions start+1..start+B-1."""
+        ...
 
 
 @dataclass
@@ -195,6 +200,7 @@ class DFlashProposer:
 
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = tokens[start]
+        assert new_features is not None, "a DFlash drafter reads target features at every cycle"
         features = new_features.to(device=self.device, dtype=self.dtype)
         # draft_step crops its cache back to `start` itself: context K/V only, never the block's.
         hidden = draft_step(self.drafter, self.cache, features, self.head.embed(block), start)  # [1, B, H]

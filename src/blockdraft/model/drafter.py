@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -151,7 +152,7 @@ class DFlashDrafter(nn.Module):
     def context_key_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's K/V [b, g, S, d] of context C [b, S, H] at positions [b, S]; C enters k/v_proj as it is."""
         cos, sin = self._rope(positions, context.dtype)
-        return [layer.self_attn.key_value(context, cos, sin) for layer in self.layers]
+        return [cast(DecoderLayer, layer).self_attn.key_value(context, cos, sin) for layer in self.layers]
 
     def run_block(
         self,

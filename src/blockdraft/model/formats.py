@@ -44,7 +44,7 @@ def find_resumable(store: Store) -> Resumable | None:
     for step in steps:
         child = store.child(checkpoint_key(step))
         report = verify_artifact(child)
-        if report.state is State.VERIFIED and report.manifest.kind == CHECKPOINT_KIND:
+        if report.state is State.VERIFIED and report.manifest is not None and report.manifest.kind == CHECKPOINT_KIND:
             return Resumable(step, child, report, skipped)
         skipped.append(f"{checkpoint_key(step)} ({report.state.value}: {report.summary()})")
     return None
@@ -54,7 +54,7 @@ def open_drafter_artifact(store: Store) -> tuple[Store, VerifyReport]:
     """The verified drafter at `store`: a checkpoint or an export there, else the newest verified step-* checkpoint of a
     training output there. Raises ArtifactError naming what was found instead."""
     report = verify_artifact(store)
-    if report.state is State.VERIFIED:
+    if report.state is State.VERIFIED and report.manifest is not None:
         if report.manifest.kind not in (CHECKPOINT_KIND, EXPORT_KIND):
             raise ArtifactError(
                 f"{store.url} is a '{report.manifest.kind}' artifact, not a drafter checkpoint or export; pass a training "

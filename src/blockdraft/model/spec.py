@@ -177,7 +177,7 @@ class DrafterSpec:
         if dflash_cfg.target_layer_ids is not None:
             layer_ids = list(dflash_cfg.target_layer_ids)
         elif target.is_hybrid:
-            layer_ids = hybrid_layer_ids(target.layer_types, num_layers)
+            layer_ids = hybrid_layer_ids(target.layer_types or [], num_layers)
         else:
             layer_ids = default_layer_ids(target.num_layers, num_layers)
         heads = dflash_cfg.num_attention_heads or cfg.num_attention_heads

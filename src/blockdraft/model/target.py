@@ -6,7 +6,7 @@ Layer id i means the output of decoder layer i, which is `hidden_states[i + 1]` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,12 +15,19 @@ from torch import nn
 from blockdraft.errors import SpecError
 from blockdraft.model.spec import TargetShape
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 class TargetHead(nn.Module):
     """Frozen, bit-equal copies of the target's embedding [V, H] and LM head [V, H] (+ bias if any) on the drafter's device.
 
     Held as buffers: never parameters, so never in an optimizer or a DDP gradient bucket, and never exported.
     """
+
+    embed_weight: torch.Tensor
+    lm_head_weight: torch.Tensor
+    lm_head_bias: torch.Tensor | None
 
     def __init__(self, embed_tokens: nn.Embedding, lm_head: nn.Linear, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -30,8 +37,8 @@ class TargetHead(nn.Module):
         self.register_buffer("lm_head_bias", None if bias is None else bias.detach().to(device=device, copy=True))
 
     @classmethod
-    def from_target(cls, hf_model: nn.Module, device: torch.device | str | None = None) -> TargetHead:
-        return cls(hf_model.get_input_embeddings(), hf_model.get_output_embeddings(), device)
+    def from_target(cls, hf_model: PreTrainedModel, device: torch.device | str | None = None) -> TargetHead:
+        return cls(cast(nn.Embedding, hf_model.get_input_embeddings()), cast(nn.Linear, hf_model.get_output_embeddings()), device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [...] long -> embeddings [..., H]."""
@@ -120,7 +127,7 @@ def load_target(
         kwargs["attn_implementation"] = attn_implementation
     load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    return model.to(device).eval().requires_grad_(False)
+    return cast(nn.Module, model).to(device).eval().requires_grad_(False)
 
 
 def load_target_config(path: str | None):
