@@ -1,11 +1,12 @@
-"""`generate`: the openai engine over real HTTP against the local endpoint (a separate process serving the tiny target),
-and the hf engine in process. The endpoint is killed midway and restarted; faults are injected by the server itself."""
+"""`generate`: the openai engine over real HTTP against the local endpoint (a separate process serving the tiny target, or
+an in-process server whose faults are scripted), and the hf engine in process. The endpoint is killed midway and
+restarted; a held request never answers, so its timeout fires for certain; reruns keep finished pieces without reading
+a shard."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -14,65 +15,50 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from transformers import AutoTokenizer
 
 from blockdraft.config import load_config
+from blockdraft.decode.greedy import Completion, Prompt, render_prompt
+from blockdraft.errors import ConfigError
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
-from blockdraft.stages.generate.stage import FAILURES_NAME, SHARDS_DIR, generate
+from blockdraft.reporter import Reporter
+from blockdraft.stages import generate
+from blockdraft.stages.generate import FAILURES_NAME, SETTINGS_NAME, SHARDS_DIR
+from blockdraft.stages.generate.server import ChatServer, EndpointProcess, FaultPlan
 from blockdraft.store import open_store
-from blockdraft.store.artifact import State, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 
 TINY = TINY_TARGET_DIR
-
-
-
-class Endpoint:
-    """`python -m blockdraft.stages.generate.server` as a child process; `url` is its /v1 base."""
-
-    def __init__(self, log: Path, faults: str = "", delay_s: float = 0.0) -> None:
-        self.log = log
-        cmd = [sys.executable, "-m", "blockdraft.stages.generate.server", str(TINY), "--port", "0", "--request-log", str(log),
-               "--faults", faults, "--delay-s", str(delay_s)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        line = self.proc.stdout.readline()  # blocks until the server listens (or dies)
-        if not line.startswith("listening on "):
-            self.stop()
-            raise RuntimeError(f"the endpoint did not start: {line!r}")
-        self.url = line.split()[-1] + "/v1"
-
-    def events(self) -> list[dict]:
-        if not self.log.exists():
-            return []
-        return [json.loads(x) for x in self.log.read_text().splitlines() if x.strip()]
-
-    def arrived(self) -> list[str]:
-        """Request ids in arrival order."""
-        return [e["request_id"] for e in self.events() if "arrived" in e]
-
-    def answered(self, status: int = 200) -> list[str]:
-        return [e["request_id"] for e in self.events() if e.get("status") == status]
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-        self.proc.stdout.close()
+CLI = str(Path(sys.executable).parent / "blockdraft")
 
 
 @pytest.fixture
 def endpoints():
-    started: list[Endpoint] = []
+    """Start `EndpointProcess`es of the tiny target; all stopped at the end."""
+    started: list[EndpointProcess] = []
 
-    def start(log: Path, **kwargs) -> Endpoint:
-        started.append(Endpoint(log, **kwargs))
+    def start(log: Path, faults: str = "") -> EndpointProcess:
+        started.append(EndpointProcess(TINY, log, faults))
         return started[-1]
 
     yield start
     for endpoint in started:
         endpoint.stop()
+
+
+class TemplateChat:
+    """Answers at once without a model: the prompt is rendered with the tiny target's real chat template (so a prompt
+    the template refuses gets the real error, answered 400), and the answer is a fixed one ending with end-of-turn."""
+
+    name = "template-chat"
+
+    def __init__(self) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(TINY)
+
+    def complete(self, prompt: Prompt, max_tokens: int, temperature: float) -> Completion:
+        ids = self.tokenizer(render_prompt(self.tokenizer, prompt), add_special_tokens=False)["input_ids"]
+        answer = self.tokenizer("fixed answer<|im_end|>", add_special_tokens=False)["input_ids"]
+        return Completion(prompt.id, "fixed answer", "", "stop", ids, answer)
 
 
 def write_prompts(path: Path, n: int) -> list[str]:
@@ -81,11 +67,18 @@ def write_prompts(path: Path, n: int) -> list[str]:
     return [r["id"] for r in rows]
 
 
-def openai_config(url: str, **generate) -> object:
+def openai_config(url: str, **options):
     values = {"engine": "openai", "base_url": url, "max_new_tokens": 40, "concurrency": 2, "timeout_s": 30.0,
               "max_retries": 2, "retry_backoff_s": 0.05, "rows_per_shard": 2}
-    values.update(generate)
-    return load_config(None, {"generate": values})
+    return load_config(None, {"generate": {**values, **options}})
+
+
+def hf_config(**options):
+    return load_config(None, {"target": {"path": str(TINY)}, "generate": {"engine": "hf", "max_new_tokens": 8, **options}})
+
+
+def run(input: Path, output: Path, cfg, reporter: Reporter | None = None):
+    return generate.run(cfg, str(input), str(output), reporter or Reporter())
 
 
 def output_rows(out: Path) -> list[dict]:
@@ -94,6 +87,11 @@ def output_rows(out: Path) -> list[dict]:
         text = zstandard.ZstdDecompressor().decompressobj().decompress(shard.read_bytes()).decode()
         rows += [json.loads(x) for x in text.splitlines() if x.strip()]
     return rows
+
+
+def shard_files(out: Path) -> dict[str, tuple[int, int]]:
+    """{shard name: (inode, mtime_ns)}: a rewritten shard gets a new inode (every write is a rename into place)."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted((out / SHARDS_DIR).glob("*.jsonl.zst"))}
 
 
 def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tmp_path, endpoints):
@@ -109,22 +107,22 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
 
     killer = threading.Thread(target=kill_after_four_answers)
     killer.start()
-    run1 = generate(str(tmp_path / "prompts.jsonl"), str(out), openai_config(first.url))
+    run1 = run(tmp_path / "prompts.jsonl", out, openai_config(first.url))
     killer.join()
 
-    assert run1.failed > 0 and run1.generated >= 4
-    assert run1.generated + run1.failed == 12
-    assert set(run1.reasons) == {"connection"}
+    assert run1.details.failed > 0 and run1.details.generated >= 4
+    assert run1.details.generated + run1.details.failed == 12
+    assert set(run1.details.reasons) == {"connection"}
     failures = [json.loads(x) for x in (out / FAILURES_NAME).read_text().splitlines()]
     failed_ids = {f["id"] for f in failures}
-    assert len(failed_ids) == run1.failed and all(f["kind"] == "failed_request" and f["attempts"] == 3 for f in failures)
+    assert len(failed_ids) == run1.details.failed and all(f["kind"] == "failed_request" and f["attempts"] == 3 for f in failures)
     done_ids = {r["id"] for r in output_rows(out)}
     assert done_ids.isdisjoint(failed_ids) and done_ids | failed_ids == set(ids)
-    assert run1.report.state is State.VERIFIED and run1.report.manifest.counts["failed"] == run1.failed
+    assert run1.report.state is State.VERIFIED and run1.report.manifest.counts["failed"] == run1.details.failed
 
     second = endpoints(tmp_path / "second.log")
-    run2 = generate(str(tmp_path / "prompts.jsonl"), str(out), openai_config(second.url))
-    assert (run2.reused, run2.generated, run2.failed) == (len(done_ids), len(failed_ids), 0)
+    run2 = run(tmp_path / "prompts.jsonl", out, openai_config(second.url))
+    assert (run2.details.reused, run2.details.generated, run2.details.failed) == (len(done_ids), len(failed_ids), 0)
     served = second.arrived()
     assert set(served) == failed_ids and len(served) == len(failed_ids)
 
@@ -132,8 +130,6 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
     assert sorted(r["id"] for r in rows) == sorted(ids)  # every prompt exactly once
     assert all(r["messages"][-1]["role"] == "assistant" and r["completion_token_ids"] for r in rows)
     # Each prompt's thinking mode reached the server's chat template as chat_template_kwargs.
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(TINY)
     modes = {r["id"]: r["enable_thinking"] for r in map(json.loads, (tmp_path / "prompts.jsonl").read_text().splitlines())}
     assert set(modes.values()) == {True, False}
@@ -144,50 +140,60 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
     assert run2.report.state is State.VERIFIED and run2.report.manifest.counts["rows"] == 12
     assert (out / FAILURES_NAME).read_text() == ""
 
-    run3 = generate(str(tmp_path / "prompts.jsonl"), str(out), openai_config(second.url))
-    assert run3.already_complete and run3.generated == 0 and len(second.arrived()) == len(failed_ids)
+    reporter = Reporter()
+    run3 = run(tmp_path / "prompts.jsonl", out, openai_config(second.url), reporter)
+    assert run3.already_done and run3.details.generated == 0 and len(second.arrived()) == len(failed_ids)
+    assert reporter.lines[0] == f"verified: {out} (already complete, nothing generated)"
 
 
-def test_injected_5xx_and_timeouts_are_retried_then_recorded(tmp_path, endpoints):
+def test_injected_5xx_and_timeouts_are_retried_then_recorded(tmp_path):
     ids = write_prompts(tmp_path / "prompts.jsonl", 5)
     with open(tmp_path / "prompts.jsonl", "a") as f:  # a role the tiny template refuses: the server answers 400
         f.write(json.dumps({"id": "tool-turn", "messages": [{"role": "tool", "content": "42"}]}) + "\n")
-    # One request at a time, 3 attempts each: prompt 0 gets 503 x3 (recorded), prompt 1 times out x3 (recorded),
-    # prompt 2 gets a 503 then succeeds, prompt 3 times out once then succeeds.
-    server = endpoints(tmp_path / "faults.log", faults="503,503,503,delay,delay,delay,503,ok,delay", delay_s=6.0)
-    cfg = openai_config(server.url, concurrency=1, timeout_s=2.0, rows_per_shard=10)
-    run = generate(str(tmp_path / "prompts.jsonl"), str(tmp_path / "out"), cfg)
+    # One request at a time, 3 attempts each: prompt 0 gets 503 x3 (recorded), prompt 1 is held x3, so it times out
+    # x3 (recorded), prompt 2 gets a 503 then succeeds, prompt 3 is held once then succeeds. A held request never
+    # answers, so its timeout fires however slow the machine is; the others are answered at once, without a model.
+    faults = FaultPlan.parse("503,503,503,hold,hold,hold,503,ok,hold")
+    with ChatServer(TemplateChat(), faults=faults) as server:
+        cfg = openai_config(server.url, concurrency=1, timeout_s=1.0, rows_per_shard=10)
+        result = run(tmp_path / "prompts.jsonl", tmp_path / "out", cfg)
 
-    failures = {f["id"]: f for f in map(json.loads, (tmp_path / "out" / FAILURES_NAME).read_text().splitlines())}
-    assert failures[ids[0]]["reason"] == "http_503" and failures[ids[0]]["attempts"] == 3
-    assert failures[ids[1]]["reason"] == "timeout" and failures[ids[1]]["attempts"] == 3
-    assert failures["tool-turn"]["reason"] == "http_400" and failures["tool-turn"]["attempts"] == 1  # not retried
-    assert "no role tool" in failures["tool-turn"]["detail"]
-    assert run.reasons == {"http_503": 1, "timeout": 1, "http_400": 1} and run.failed == 3 and run.generated == 3
-    assert {r["id"] for r in output_rows(tmp_path / "out")} == set(ids[2:])
-    counts = run.report.manifest.counts
-    assert counts["failed"] == 3 and counts["reasons"] == run.reasons
-    assert server.arrived() == [ids[0]] * 3 + [ids[1]] * 3 + [ids[2]] * 2 + [ids[3]] * 2 + [ids[4], "tool-turn"]
+        failures = {f["id"]: f for f in map(json.loads, (tmp_path / "out" / FAILURES_NAME).read_text().splitlines())}
+        assert failures[ids[0]]["reason"] == "http_503" and failures[ids[0]]["attempts"] == 3
+        assert failures[ids[1]]["reason"] == "timeout" and failures[ids[1]]["attempts"] == 3
+        assert failures["tool-turn"]["reason"] == "http_400" and failures["tool-turn"]["attempts"] == 1  # not retried
+        assert "no role tool" in failures["tool-turn"]["detail"]
+        summary = result.details
+        assert summary.reasons == {"http_503": 1, "timeout": 1, "http_400": 1} and summary.failed == 3 and summary.generated == 3
+        assert {r["id"] for r in output_rows(tmp_path / "out")} == set(ids[2:])
+        counts = result.report.manifest.counts
+        assert counts["failed"] == 3 and counts["reasons"] == summary.reasons
+        assert server.arrived() == [ids[0]] * 3 + [ids[1]] * 3 + [ids[2]] * 2 + [ids[3]] * 2 + [ids[4], "tool-turn"]
 
-    # The script is spent: a rerun generates the two prompts that failed on faults, and records the bad one again.
-    rerun = generate(str(tmp_path / "prompts.jsonl"), str(tmp_path / "out"), cfg)
-    assert (rerun.reused, rerun.generated, rerun.failed, rerun.reasons) == (3, 2, 1, {"http_400": 1})
-    assert sorted(r["id"] for r in output_rows(tmp_path / "out")) == sorted(ids)
+        # The script is spent: a rerun generates the two prompts that failed on faults, and records the bad one again.
+        rerun = run(tmp_path / "prompts.jsonl", tmp_path / "out", cfg)
+        assert (rerun.details.reused, rerun.details.generated, rerun.details.failed, rerun.details.reasons) == (3, 2, 1, {"http_400": 1})
+        assert sorted(r["id"] for r in output_rows(tmp_path / "out")) == sorted(ids)
+
+        # The served model name, asked from the server when not configured, is what the completions were made with:
+        # naming it is the same settings, naming another model is not.
+        same = run(tmp_path / "prompts.jsonl", tmp_path / "out", openai_config(server.url, model=TemplateChat.name))
+        assert (same.details.reused, same.details.generated) == (5, 0)
+        with pytest.raises(ConfigError, match=r"other generate settings \(model\)"):
+            run(tmp_path / "prompts.jsonl", tmp_path / "out", openai_config(server.url, model="another-model"))
 
 
 def test_hf_engine_regenerates_the_final_turn_with_exact_token_ids(tmp_path):
-    from transformers import AutoTokenizer
-
     conversations = [json.loads(x) for x in (TINY / "completions.jsonl").read_text().splitlines()[:5]]
     rows = conversations + [
         {"id": "no-user", "messages": [{"role": "system", "content": "hi"}]},
         {"id": conversations[0]["id"], "messages": [{"role": "user", "content": "again"}]},
     ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "{broken\n")
-    cfg = load_config(None, {"target": {"path": str(TINY)}, "generate": {"engine": "hf", "max_new_tokens": 120, "batch_size": 4}})
-    run = generate(str(tmp_path / "in.jsonl"), str(tmp_path / "out"), cfg)
-    assert run.report.state is State.VERIFIED and run.generated == 5
-    assert run.reasons == {"no_user_turn": 1, "duplicate_id": 1, "bad_json": 1} and run.bad_prompts == 3
+    cfg = hf_config(max_new_tokens=120, batch_size=4)
+    result = run(tmp_path / "in.jsonl", tmp_path / "out", cfg)
+    assert result.report.state is State.VERIFIED and result.details.generated == 5
+    assert result.details.reasons == {"no_user_turn": 1, "duplicate_id": 1, "bad_json": 1} and result.details.bad_prompts == 3
 
     tok = AutoTokenizer.from_pretrained(TINY)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -205,26 +211,80 @@ def test_hf_engine_regenerates_the_final_turn_with_exact_token_ids(tmp_path):
         # The tiny target reproduces its own greedy completions from the fixture.
         assert row["messages"][-1]["content"] == conv["messages"][-1]["content"]
 
-    again = generate(str(tmp_path / "in.jsonl"), str(tmp_path / "out"), cfg)
-    assert again.already_complete and again.reused == 5
+    again = run(tmp_path / "in.jsonl", tmp_path / "out", cfg)
+    assert again.already_done and again.details.reused == 5
 
     # The artifact is tokenize's input as it is: every row trained from the generator's token ids, nothing rejected.
-    from blockdraft.stages.tokenize.stage import tokenize_dataset
+    config = tmp_path / "c.toml"
+    config.write_text(f'[target]\npath = "{TINY.as_posix()}"\n')
+    tokenize = subprocess.run([CLI, "tokenize", str(tmp_path / "out"), str(tmp_path / "tok"), "--config", str(config)],
+                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert tokenize.returncode == 0, tokenize.stderr
+    counts = verify_artifact(open_store(str(tmp_path / "tok"))).manifest.counts
+    assert counts["rows_out"] == 5 and counts["rejected"] == {} and counts["thinking"] == {"generator": 5}
 
-    tokenized = tokenize_dataset(str(tmp_path / "out"), str(tmp_path / "tok"), cfg)
-    assert tokenized.counts["rows_out"] == 5 and tokenized.counts["rejected"] == {}
-    assert tokenized.counts["thinking"] == {"generator": 5}
+
+def test_rerun_keeps_finished_pieces_without_reading_a_shard(tmp_path, monkeypatch):
+    write_prompts(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "o"
+    cfg = hf_config(rows_per_shard=1)
+    first = run(tmp_path / "p.jsonl", out, cfg)
+    assert first.details.generated == 3 and len(shard_files(out)) == 3
+    shards, manifest = shard_files(out), (out / MANIFEST_NAME).read_bytes()
+
+    class NoShardReading:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("a rerun decompressed a shard")
+
+    monkeypatch.setattr(zstandard, "ZstdDecompressor", NoShardReading)
+    done = run(tmp_path / "p.jsonl", out, cfg)
+    assert done.already_done and done.details.reused == 3
+    assert (out / MANIFEST_NAME).read_bytes() == manifest and shard_files(out) == shards
+
+    # A run killed after its last piece but before its commit, with one more shard uploaded whose piece was never recorded.
+    (out / MANIFEST_NAME).unlink()
+    (out / SHARDS_DIR / "part-00003.jsonl.zst").write_bytes(b"torn upload")
+    resumed = run(tmp_path / "p.jsonl", out, cfg)
+    assert not resumed.already_done and resumed.report.state is State.VERIFIED
+    assert (resumed.details.reused, resumed.details.generated, resumed.details.failed) == (3, 0, 0)
+    assert shard_files(out) == shards  # the finished ones untouched, the torn one deleted
+    assert resumed.report.manifest.counts["rows"] == 3
+
+
+def test_a_piece_made_with_other_settings_is_refused(tmp_path):
+    write_prompts(tmp_path / "p.jsonl", 2)
+    out = tmp_path / "o"
+    run(tmp_path / "p.jsonl", out, hf_config())
+    # Only the pieces are left to tell: no manifest, no generate.settings.
+    (out / MANIFEST_NAME).unlink()
+    (out / SETTINGS_NAME).unlink()
+    shards = shard_files(out)
+    with pytest.raises(ConfigError, match=r"holds completions made with other generate settings \(piece part-00000\); write to a new OUTPUT"):
+        run(tmp_path / "p.jsonl", out, hf_config(max_new_tokens=9))
+    assert shard_files(out) == shards  # nothing was removed
+    assert run(tmp_path / "p.jsonl", out, hf_config()).details.reused == 2  # the settings they were made with are still welcome
+
+
+def test_an_output_of_other_prompts_is_refused(tmp_path):
+    write_prompts(tmp_path / "p.jsonl", 2)
+    run(tmp_path / "p.jsonl", tmp_path / "o", hf_config())
+    (tmp_path / "q.jsonl").write_text((tmp_path / "p.jsonl").read_text().splitlines()[0] + "\n")
+    with pytest.raises(ConfigError, match=r"holds 1 completions whose prompts are not in"):
+        run(tmp_path / "q.jsonl", tmp_path / "o", hf_config())
 
 
 def test_generate_cli_refuses_other_settings_on_the_same_output(tmp_path):
     ids = write_prompts(tmp_path / "p.jsonl", 2)
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text(f'[target]\npath = "{TINY.as_posix()}"\n[generate]\nengine = "hf"\nmax_new_tokens = 8\n')
-    first = generate(str(tmp_path / "p.jsonl"), str(tmp_path / "o"), load_config(cfg_file))
-    assert first.generated == 2 and len(output_rows(tmp_path / "o")) == len(ids)
-    cmd = [str(Path(sys.executable).parent / "blockdraft"), "generate", str(tmp_path / "p.jsonl"), str(tmp_path / "o"),
-           "--config", str(cfg_file), "--max-new-tokens", "9"]
+    first = run(tmp_path / "p.jsonl", tmp_path / "o", load_config(cfg_file))
+    assert first.details.generated == 2 and len(output_rows(tmp_path / "o")) == len(ids)
+    cmd = [CLI, "generate", str(tmp_path / "p.jsonl"), str(tmp_path / "o"), "--config", str(cfg_file), "--max-new-tokens", "9"]
     other = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert other.returncode == 2
     assert "other generate settings (max_new_tokens)" in other.stderr and "Traceback" not in other.stderr
     assert verify_artifact(open_store(str(tmp_path / "o"))).state is State.VERIFIED  # left as it was
+
+    same = subprocess.run(cmd[:-2], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert same.returncode == 0, same.stderr
+    assert "(already complete, nothing generated)" in same.stderr and "prompts 2: reused 2, generated 0, failed 0" in same.stderr

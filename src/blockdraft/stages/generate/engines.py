@@ -11,15 +11,15 @@ import http.client
 import json
 import os
 import random
-import socket
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from blockdraft.decode.greedy import Completion, Prompt, greedy_generate, render_prompt, split_reasoning
+from blockdraft.errors import ConfigError
 
 # Statuses worth another try: the server is overloaded, restarting or timed out on its side.
 RETRYABLE_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -45,7 +45,8 @@ class HFEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = cast(torch.nn.Module, model).to(device).eval()
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.temperature = temperature
@@ -137,8 +138,6 @@ class OpenAIEngine:
         return headers
 
     def _served_model(self) -> str:
-        from blockdraft.errors import ConfigError
-
         try:
             data = self._call("GET", "/models", None, None)
             return str(data["data"][0]["id"])
@@ -157,10 +156,10 @@ class OpenAIEngine:
         except urllib.error.HTTPError as exc:
             message = _error_message(exc)
             raise RequestError(f"http_{exc.code}", f"HTTP {exc.code}: {message}", exc.code in RETRYABLE_STATUSES) from None
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise RequestError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True) from None
         except urllib.error.URLError as exc:
-            if isinstance(exc.reason, (TimeoutError, socket.timeout)):
+            if isinstance(exc.reason, TimeoutError):
                 raise RequestError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True) from None
             raise RequestError("connection", f"cannot reach {self.base_url}: {exc.reason}", retryable=True) from None
         except (ConnectionError, http.client.HTTPException) as exc:

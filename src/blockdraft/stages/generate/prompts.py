@@ -1,0 +1,102 @@
+"""The prompts of a `generate` input: each row's messages without its final assistant turn, and the rows that are no prompt.
+
+The input is one object, a folder or prefix of completions files, or an artifact (`blockdraft.data.completions`); it is
+pinned by content as lineage (raw objects by size and checksum or ETag, an artifact by its manifest's sha256).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from blockdraft.config import StoreConfig
+from blockdraft.data.completions import RowRejected, is_completions_file, iter_records, list_completions, normalise_message, source_id_of
+from blockdraft.decode.greedy import Prompt
+from blockdraft.errors import ConfigError
+from blockdraft.store import Store, open_store
+from blockdraft.store.artifact import InputRef, raw_input
+
+# (key, size, checksum) of each input file, as listed
+InputFile = tuple[str, int, str]
+
+
+@dataclass
+class BadPrompt:
+    """An input row that is no prompt: `id` when it had one, `source` as "file:row", `reason` the code counted."""
+
+    id: str | None
+    source: str
+    reason: str
+    detail: str
+
+
+def list_input(input_url: str, store_config: StoreConfig) -> tuple[Store, list[InputFile], list[InputRef]]:
+    """(store, files, lineage) of the input: one object, a folder or prefix, or an artifact.
+
+    A single s3:// object is taken as it is (`list_completions` would list its parent); raises ConfigError when absent.
+    """
+    if input_url.startswith("s3://") and is_completions_file(input_url):
+        parent, key = input_url.rsplit("/", 1)
+        store = open_store(parent, store_config)
+        info = store.head(key)
+        if info is None:
+            raise ConfigError(f"input {input_url} does not exist; pass an existing object, prefix or artifact")
+        return store, [(key, info.size, info.checksum or f"etag:{info.etag}")], [raw_input(store, info)]
+    return list_completions(input_url, store_config)
+
+
+def read_prompts(store: Store, files: list[InputFile], thinking: str) -> tuple[list[Prompt], list[BadPrompt]]:
+    """Every prompt of the input files in order; rows that cannot be prompts (and repeated ids) as `BadPrompt`s."""
+    prompts: list[Prompt] = []
+    bad: list[BadPrompt] = []
+    seen: set[str] = set()
+    for key, _size, _checksum in files:
+        with store.open_read(key) as stream:
+            for record in iter_records(stream, key):
+                source = f"{key}:{record.position}"
+                source_id = source_id_of(record)
+                if record.data is None or source_id is None:
+                    bad.append(BadPrompt(None, source, "bad_json", record.text[:120]))
+                    continue
+                if source_id in seen:
+                    bad.append(BadPrompt(source_id, source, "duplicate_id", "an earlier row has the same id"))
+                    continue
+                try:
+                    prompt = _prompt_from_row(record.data, source_id, thinking)
+                except RowRejected as exc:
+                    bad.append(BadPrompt(source_id, source, exc.reason, exc.detail))
+                    continue
+                seen.add(source_id)
+                prompts.append(prompt)
+    return prompts, bad
+
+
+def _prompt_from_row(data: Any, source_id: str, thinking: str) -> Prompt:
+    """The row's prompt: messages without the final assistant turn.
+
+    Thinking: `on`/`off` from the config; on `auto`, the row's own boolean `enable_thinking` if it has one, else on when
+    the dropped turn had reasoning and off when it had none, else (a bare prompt) the chat template's default.
+    """
+    if not isinstance(data, dict):
+        raise RowRejected("bad_json", f"a row is a {type(data).__name__}, not an object")
+    raw = data.get("messages", data.get("conversations"))
+    if raw is None and isinstance(data.get("prompt"), str):
+        raw = [{"role": "user", "content": data["prompt"]}]
+    if not isinstance(raw, list) or not raw:
+        raise RowRejected("no_messages", "no 'messages', 'conversations' or 'prompt'")
+    messages = [normalise_message(m) for m in raw]
+    dropped = messages.pop() if messages[-1]["role"] == "assistant" else None
+    if not messages or messages[-1]["role"] not in ("user", "tool"):
+        raise RowRejected("no_user_turn", "nothing to answer: the prompt does not end with a user or tool turn")
+    roles = [m["role"] for m in messages]
+    if "system" in roles[1:]:
+        raise RowRejected("system_not_first", f"system message at position {roles.index('system', 1)}")
+    if thinking == "on":
+        enable: bool | None = True
+    elif thinking == "off":
+        enable = False
+    elif isinstance(data.get("enable_thinking"), bool):
+        enable = data["enable_thinking"]
+    else:
+        enable = bool(dropped.get("reasoning_content")) if dropped is not None else None
+    return Prompt(source_id, messages, enable)
