@@ -20,7 +20,7 @@ import torch
 
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch
-from blockdraft.stages.train.loop import DraftForward, forward_backward
+from blockdraft.stages.train.trainer import DraftForward, forward_backward
 
 PRESETS = {
     "cpu-small": dict(layers=2, hidden=256, heads=8, kv_heads=4, intermediate=768, vocab=8192, seq_len=512, anchors=64,

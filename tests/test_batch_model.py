@@ -14,8 +14,8 @@ import torch
 
 from blockdraft.model import DFlashDrafter, DraftCache, TargetHead, TargetModel, draft_step, load_target
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch, sample_anchors
-from blockdraft.stages.train.loop import DraftForward
 from blockdraft.stages.train.loss import block_loss
+from blockdraft.stages.train.trainer import DraftForward
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 
@@ -40,7 +40,7 @@ def _training_forward(drafter, head, features, batch):
 
 def _batch(rows, masks, num_anchors, spec, epoch=0):
     return build_block_batch(
-        list(zip(rows, masks)), num_anchors=num_anchors, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+        list(zip(rows, masks, strict=True)), num_anchors=num_anchors, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
         gamma=3.0, generators=[anchor_generator(0, epoch, i) for i in range(len(rows))],
     )
 
@@ -116,7 +116,7 @@ def test_short_and_long_rows_give_the_loss_of_each_alone_globally_normalised(gol
     short_mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1])
 
     def loss_of(rows, masks, gens):
-        batch = build_block_batch(list(zip(rows, masks)), num_anchors=8, block_size=spec.block_size,
+        batch = build_block_batch(list(zip(rows, masks, strict=True)), num_anchors=8, block_size=spec.block_size,
                                   mask_token_id=spec.mask_token_id, gamma=3.0, generators=gens)
         features = target.features(batch.input_ids, batch.attention_mask_context.long())
         hidden = _training_forward(drafter, head, features, batch)

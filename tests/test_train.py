@@ -1,6 +1,7 @@
 """`train` end to end on CPU: a tokenized artifact, the golden tiny target, checkpoints as verified artifacts.
 
-Rows are the golden target's own greedy continuations (learnable, as regenerated data is); prompts are unsupervised.
+Every test goes through the stage's public seams: `run` (what the pipeline calls), the `blockdraft train` command
+(in-process or as torchrun ranks), and the artifacts left at the destination.
 """
 
 from __future__ import annotations
@@ -8,76 +9,54 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from train_helpers import GOLDEN_TARGET, config_file, logged_losses, make_rows, write_tokenized
+from typer.testing import CliRunner
 
-from blockdraft.config import load_config
+from blockdraft.cli import app
+from blockdraft.config import BlockdraftConfig, load_config
+from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.model import load_target
 from blockdraft.model.formats import CHECKPOINT_KIND, checkpoint_key, find_resumable
-from blockdraft.stages.train.loop import train
+from blockdraft.reporter import Reporter
+from blockdraft.stages.train import run
+from blockdraft.stages.train.data import TOKENIZED_KIND, load_train_rows
+from blockdraft.stages.train.placement import resolve_placement
 from blockdraft.store import open_store
-from blockdraft.store.artifact import State, commit_artifact, entry_for_local_file, verify_artifact
-
-GOLDEN_TARGET = Path(__file__).parent / "fixtures" / "dflash-golden" / "target"
-
-
-def _make_rows(num_rows: int, prompt_len: int, new_tokens: int, seed: int) -> list[dict]:
-    model = load_target(str(GOLDEN_TARGET), "cpu", torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, 500, (num_rows, prompt_len), generator=g)
-    out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    mask = [0] * prompt_len + [1] * new_tokens
-    return [{"input_ids": row.tolist(), "loss_mask": mask, "source_id": f"row-{i}"} for i, row in enumerate(out)]
+from blockdraft.store.artifact import State, uncommit, verify_artifact
+from blockdraft.store.stage_io import open_input
 
 
-def _write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[dict]) -> str:
-    """A tokenized artifact in the layout `tokenize` writes: a DatasetDict (train, held_out) plus the manifest."""
-    from datasets import Dataset, DatasetDict
+class ProgressLog(Reporter):
+    """Keeps every progress call as (task, completed, total, fields)."""
 
-    DatasetDict({"train": Dataset.from_list(train_rows), "held_out": Dataset.from_list(held_out_rows)}).save_to_disk(str(folder))
-    entries = [entry_for_local_file(folder, p) for p in sorted(folder.rglob("*")) if p.is_file()]
-    commit_artifact(open_store(folder), "tokenized", entries, config={}, counts={"train_rows": len(train_rows)})
-    return str(folder)
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, float, float | None, dict[str, Any]]] = []
 
+    def progress(self, task: str, completed: float, total: float | None = None, **fields: Any) -> None:
+        self.calls.append((task, completed, total, fields))
 
 
 @pytest.fixture(scope="module")
 def data_url(tmp_path_factory) -> str:
-    rows = _make_rows(6, prompt_len=6, new_tokens=40, seed=0)
-    return _write_tokenized(tmp_path_factory.mktemp("tokenized"), rows[:4], rows[4:])
-
-
-def _config_file(tmp: Path, data: str, **train) -> Path:
-    placement = train.pop("drafters", ["cpu"])
-    settings = {
-        "max_steps": 12, "batch_size": 2, "lr": 3e-3, "warmup_ratio": 0.1, "checkpoint_every": 4, "log_every": 1,
-        "lm_head_chunk_blocks": 3, "seed": 0, "deterministic": True, **train,
-    }
-    lines = [
-        "[target]", f'path = "{GOLDEN_TARGET.as_posix()}"',
-        "[dflash]", "block_size = 4", "mask_token_id = 511", "num_draft_layers = 2", "gamma = 4.0", "num_anchors = 8",
-        "intermediate_size = 96",
-        "[placement]", f"drafter_devices = {json.dumps(placement)}",
-        "[store]", f'url = "{(tmp / "store").as_posix()}"',
-        "[train]", f'data = "{data}"', f'output = "{(tmp / "ckpt").as_posix()}"', f'log_dir = "{(tmp / "logs").as_posix()}"',
-    ]
-    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
-    path = tmp / "blockdraft.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _losses(log_dir: Path) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
+    rows = make_rows(6, prompt_len=6, new_tokens=40, seed=0)
+    return write_tokenized(tmp_path_factory.mktemp("tokenized"), rows[:4], rows[4:])
 
 
 def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_url):
-    cfg = load_config(_config_file(tmp_path, data_url, max_steps=60, checkpoint_every=30, batch_size=4, lr=5e-3))
-    result = train(cfg)
+    cfg = load_config(config_file(tmp_path, data_url, max_steps=60, checkpoint_every=30, batch_size=4, lr=5e-3))
+    reporter = ProgressLog()
+    done = run(cfg, reporter=reporter)
+    result = done.details
     losses = [e["loss"] for e in result.metrics]
     assert losses[-1] < 0.15 * losses[0]
     assert sum(losses[-5:]) < 0.2 * sum(losses[:5])
@@ -104,6 +83,19 @@ def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_
     assert pinned["dflash"]["gamma"] == 4.0 and pinned["dflash"]["target_layer_ids"] == [1, 5]
     assert (tmp_path / "logs" / "training-curves.png").stat().st_size > 1000
 
+    # The stage's result is what the destination holds; the reporter heard every step and both checkpoints.
+    final = store.child(checkpoint_key(60)).url
+    assert (done.stage, done.url, done.report.state, done.already_done) == ("train", final, State.VERIFIED, False)
+    assert (result.steps, result.resumed_from, result.checkpoint_url) == (60, None, final)
+    assert [c[1] for c in reporter.calls] == list(range(61)) and {c[2] for c in reporter.calls} == {60}
+    assert reporter.calls[-1][3] == {"loss": round(losses[-1], 4), "tau": round(last[-1]["tau_estimate"], 2)}
+    assert [line.split(":")[0] for line in reporter.lines] == ["checkpoint step 30", "checkpoint step 60"]
+
+    # A rerun finds every step in the newest verified checkpoint: nothing to do, the same checkpoint reported.
+    again = run(cfg, reporter=(rerun := Reporter()))
+    assert (again.already_done, again.url, again.details.resumed_from, again.details.metrics) == (True, final, 60, [])
+    assert rerun.lines == [f"resuming from verified checkpoint {final} (step 60)"]
+
 
 BLOCKDRAFT = str(Path(sys.executable).with_name("blockdraft"))  # the installed console script
 
@@ -123,23 +115,22 @@ def test_two_gloo_ranks_stay_in_sync_and_match_one_process(tmp_path, data_url):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     steps = 6
-    train(load_config(_config_file(one, data_url, max_steps=steps, batch_size=2)))
+    run(load_config(config_file(one, data_url, max_steps=steps, batch_size=2)))
     # Two drafter devices -> `train` starts torchrun with two processes, one row per rank: the same global batch.
-    cfg2 = _config_file(two, data_url, max_steps=steps, batch_size=1, drafters=["cpu", "cpu"])
-    _run(["train", "--config", str(cfg2), "--nproc", "2"], two)
+    cfg2 = config_file(two, data_url, max_steps=steps, batch_size=1, drafters=["cpu", "cpu"])
+    proc = _run(["train", "--config", str(cfg2), "--nproc", "2"], two)
 
     store1, store2 = open_store(one / "ckpt"), open_store(two / "ckpt")
     final1 = verify_artifact(store1.child(checkpoint_key(steps)))
     final2 = verify_artifact(store2.child(checkpoint_key(steps)))
     assert final1.state is State.VERIFIED and final2.state is State.VERIFIED
     assert final2.manifest.counts["ranks_in_sync"] == 2  # both replicas' parameters were compared bit for bit
-    from safetensors.torch import load_file
-
+    assert proc.stdout.splitlines().count(final2.url) == 1  # rank 0 alone prints the final checkpoint
     w1 = load_file(str(one / "ckpt" / checkpoint_key(steps) / "model.safetensors"))
     w2 = load_file(str(two / "ckpt" / checkpoint_key(steps) / "model.safetensors"))
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], atol=2e-5, rtol=1e-4, msg=name)
-    l1, l2 = _losses(one / "logs"), _losses(two / "logs")
+    l1, l2 = logged_losses(one / "logs"), logged_losses(two / "logs")
     assert sorted(l1) == sorted(l2) == list(range(1, steps + 1))
     for step in l1:
         assert l2[step] == pytest.approx(l1[step], rel=1e-5)
@@ -148,24 +139,27 @@ def test_two_gloo_ranks_stay_in_sync_and_match_one_process(tmp_path, data_url):
 KILLER = """
 import os, signal, sys
 from blockdraft.config import load_config
-from blockdraft.stages.train.loop import train
+from blockdraft.reporter import Reporter
+from blockdraft.stages.train import run
 
-def die(step, entry):
-    if step == int(sys.argv[2]):
-        os.kill(os.getpid(), signal.SIGKILL)
+class DieAtStep(Reporter):
+    def progress(self, task, completed, total=None, **fields):
+        if completed == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGKILL)
 
-train(load_config(sys.argv[1]), step_callback=die)
+run(load_config(sys.argv[1]), reporter=DieAtStep())
 """
 
 
 @pytest.mark.slow
-def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupted_losses(tmp_path, data_url, capsys):
+@pytest.mark.fault
+def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupted_losses(tmp_path, data_url):
     steady, crashed = tmp_path / "steady", tmp_path / "crashed"
     steady.mkdir(), crashed.mkdir()
     settings = {"max_steps": 10, "checkpoint_every": 2, "batch_size": 1, "keep_checkpoints": 2}
-    train(load_config(_config_file(steady, data_url, **settings)))
+    run(load_config(config_file(steady, data_url, **settings)))
 
-    cfg = _config_file(crashed, data_url, **settings)
+    cfg = config_file(crashed, data_url, **settings)
     (crashed / "killer.py").write_text(KILLER)
     killed = _run(["killer.py", str(cfg), "7"], crashed, check=False)
     assert killed.returncode == -9
@@ -180,11 +174,12 @@ def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupte
     weights.write_bytes(bytes(data))
     assert verify_artifact(ckpt.child(checkpoint_key(6))).state is State.CORRUPT
 
-    capsys.readouterr()
-    resumed = train(load_config(cfg))  # the rerun, as `blockdraft train --config` does it
-    assert resumed.resumed_from == 4
-    assert "not resuming from step-00000006 (corrupt" in capsys.readouterr().err.replace("\n", "")
-    expected, got = _losses(steady / "logs"), _losses(crashed / "logs")
+    reporter = Reporter()
+    resumed = run(load_config(cfg), reporter=reporter)  # the rerun, as `blockdraft train --config` does it
+    assert resumed.details.resumed_from == 4
+    assert any(w.startswith("not resuming from step-00000006 (corrupt") for w in reporter.warnings), reporter.warnings
+    assert f"resuming from verified checkpoint {ckpt.child(checkpoint_key(4)).url} (step 4)" in reporter.lines
+    expected, got = logged_losses(steady / "logs"), logged_losses(crashed / "logs")
     assert sorted(got) == list(range(1, 11))
     assert [got[s] for s in range(5, 11)] == [expected[s] for s in range(5, 11)]  # deterministic mode: bit-equal
     for step in (8, 10):
@@ -193,32 +188,52 @@ def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupte
 
 
 def test_train_refuses_unverified_data_and_mismatched_nproc(tmp_path, data_url):
-    import shutil
-
-    from blockdraft.errors import ArtifactError, ConfigError
-    from blockdraft.store.artifact import uncommit
-
     broken = tmp_path / "broken"
     shutil.copytree(data_url, broken)
     uncommit(open_store(broken))
     with pytest.raises(ArtifactError, match="incomplete"):
-        train(load_config(_config_file(tmp_path, str(broken))))
+        run(load_config(config_file(tmp_path, str(broken))))
     # A checkpoint of another run (here: another gamma) under train.output is refused, not silently continued.
     done = tmp_path / "done"
     done.mkdir()
-    train(load_config(_config_file(done, data_url, max_steps=2, checkpoint_every=2)))
-    changed = _config_file(done, data_url, max_steps=4, checkpoint_every=2)
+    run(load_config(config_file(done, data_url, max_steps=2, checkpoint_every=2)))
+    changed = config_file(done, data_url, max_steps=4, checkpoint_every=2)
     changed.write_text(changed.read_text().replace("gamma = 4.0", "gamma = 5.0"))
     with pytest.raises(ConfigError, match="another run .differs in dflash"):
-        train(load_config(changed))
+        run(load_config(changed))
+    # Training data must be a tokenize output, not any verified artifact.
+    with pytest.raises(ArtifactError, match="'drafter-checkpoint' artifact, not 'tokenized'"):
+        run(load_config(config_file(tmp_path, str(done / "ckpt" / checkpoint_key(2)))))
+    with pytest.raises(ConfigError, match="train.data is not set"):
+        run(BlockdraftConfig())
 
-    from typer.testing import CliRunner
-
-    from blockdraft.cli import app
-
-    result = CliRunner().invoke(app, ["train", "--config", str(_config_file(tmp_path, data_url)), "--nproc", "2"])
+    result = CliRunner().invoke(app, ["train", "--config", str(config_file(tmp_path, data_url)), "--nproc", "2"])
     assert result.exit_code == 2
     assert "--nproc 2 but placement.drafter_devices lists 1" in result.output
+
+
+def test_cli_prints_the_summary_and_the_final_checkpoint_then_nothing_to_train(tmp_path, data_url):
+    cfg = config_file(tmp_path, data_url, max_steps=2, checkpoint_every=2)
+    final = open_store(tmp_path / "ckpt").child(checkpoint_key(2)).url
+    first = CliRunner().invoke(app, ["train", "--config", str(cfg)])
+    assert first.exit_code == 0, first.output
+    assert first.stdout.splitlines() == [final]
+    assert "trained 2 steps; loss " in first.stderr and "checkpoint step 2: " in first.stderr
+    again = CliRunner().invoke(app, ["train", "--config", str(cfg)])
+    assert again.exit_code == 0, again.output
+    assert again.stdout.splitlines() == [final]
+    assert "nothing to train: the verified checkpoint already holds all 2 steps" in again.stderr.replace("\n", " ")
+
+
+def test_input_and_output_arguments_override_the_config(tmp_path, data_url):
+    cfg = load_config(config_file(tmp_path, "unused", max_steps=2, checkpoint_every=2))
+    elsewhere = tmp_path / "elsewhere"
+    done = run(cfg, data_url, str(elsewhere))
+    assert done.url == open_store(elsewhere).child(checkpoint_key(2)).url and done.report.state is State.VERIFIED
+    assert done.report.manifest.lineage[0].url == open_store(data_url).url
+    pinned = json.loads((elsewhere / checkpoint_key(2) / "blockdraft-config.json").read_text())
+    assert (pinned["train"]["data"], pinned["train"]["output"]) == (data_url, str(elsewhere))
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_trains_on_a_hybrid_attention_target(tmp_path, data_url):
@@ -232,19 +247,15 @@ def test_trains_on_a_hybrid_attention_target(tmp_path, data_url):
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hybrid")
-    cfg_path = _config_file(tmp_path, data_url, max_steps=3, checkpoint_every=3)
+    cfg_path = config_file(tmp_path, data_url, max_steps=3, checkpoint_every=3)
     cfg_path.write_text(cfg_path.read_text().replace(f'path = "{GOLDEN_TARGET.as_posix()}"', f'path = "{(tmp_path / "hybrid").as_posix()}"'))
-    result = train(load_config(cfg_path))
+    result = run(load_config(cfg_path)).details
     assert all(math.isfinite(e["loss"]) for e in result.metrics) and len(result.metrics) == 3
     pinned = json.loads((tmp_path / "ckpt" / checkpoint_key(3) / "blockdraft-config.json").read_text())
     assert pinned["dflash"]["target_layer_ids"] == [3, 7]  # the full-attention layers' outputs
 
 
 def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch):
-    from blockdraft.config import BlockdraftConfig
-    from blockdraft.errors import ConfigError
-    from blockdraft.stages.train.loop import resolve_placement
-
     cfg = BlockdraftConfig.model_validate(
         {"placement": {"target_devices": ["cuda:0", "cuda:1"], "drafter_devices": ["cuda:2", "cuda:3"]}}
     )
@@ -260,19 +271,17 @@ def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
     place = resolve_placement(cfg)
-    assert (place.rank, place.world_size, str(place.drafter_device)) == (3, 4, "cuda:3")
+    assert (place.rank, place.world_size, str(place.drafter_device), place.is_main) == (3, 4, "cuda:3", False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="lists 2 device"):
         resolve_placement(cfg)
 
 
 def test_train_rows_clip_to_max_length_and_need_no_held_out_rows(tmp_path):
-    from blockdraft.stages.train.data import load_train_rows
-
     rows = [{"input_ids": list(range(10)), "loss_mask": [0, 0] + [1] * 8, "source_id": "a"}]
     (tmp_path / "tok").mkdir()
-    url = _write_tokenized(tmp_path / "tok", rows, [])
-    loaded = load_train_rows(url, None, max_length=6, cache_dir=tmp_path / "cache")
+    url = write_tokenized(tmp_path / "tok", rows, [])
+    loaded = load_train_rows(open_input(url, kinds=[TOKENIZED_KIND]), None, max_length=6, cache_dir=tmp_path / "cache")
     ids, mask = loaded.row(0)
     assert len(loaded) == 1 and ids.tolist() == list(range(6)) and mask.tolist() == [0, 0, 1, 1, 1, 1]
     assert loaded.lineage.sha256 == verify_artifact(open_store(url)).manifest_sha256

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdraft.errors import SpecError
+from blockdraft.errors import ConfigError, SpecError
 from blockdraft.model.spec import TargetShape
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class TargetModel:
 
 def load_target(
     path: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32, attn_implementation: str | None = None
-) -> nn.Module:
+) -> PreTrainedModel:
     """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device`."""
     from transformers import AutoModelForCausalLM
 
@@ -127,14 +127,13 @@ def load_target(
         kwargs["attn_implementation"] = attn_implementation
     load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    return cast(nn.Module, model).to(device).eval().requires_grad_(False)
+    cast(nn.Module, model).to(device).eval().requires_grad_(False)  # in place: a module moves itself
+    return cast("PreTrainedModel", model)
 
 
 def load_target_config(path: str | None):
     """The target's HF config; a missing or unreadable target is a ConfigError naming target.path."""
     from transformers import AutoConfig
-
-    from blockdraft.errors import ConfigError
 
     if not path:
         raise ConfigError("target.path is not set; set it in the config to the target model's folder or hub id")

@@ -7,7 +7,7 @@ context entries. Shapes below: b = rows in the batch, S = longest row, N = block
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -108,12 +108,12 @@ class BlockBatch:
         return int(self.attention_mask_context.sum())
 
     def to(self, device: torch.device | str) -> BlockBatch:
-        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        return BlockBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()})
+        moved = {f.name: value.to(device) for f in fields(self) if isinstance(value := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
 
 
 def build_block_batch(
-    rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+    rows: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int] | torch.Tensor]],
     *,
     num_anchors: int,
     block_size: int,
@@ -131,7 +131,7 @@ def build_block_batch(
         raise ValueError(f"{len(rows)} rows but {len(generators)} generators")
     seqs = [torch.as_tensor(ids, dtype=torch.long) for ids, _ in rows]
     masks = [torch.as_tensor(mask, dtype=torch.bool) for _, mask in rows]
-    for ids, mask in zip(seqs, masks):
+    for ids, mask in zip(seqs, masks, strict=True):
         if ids.shape != mask.shape:
             raise ValueError(f"input_ids length {ids.numel()} != loss_mask length {mask.numel()}")
     b = len(seqs)
@@ -144,7 +144,7 @@ def build_block_batch(
     real = torch.zeros(b, s, dtype=torch.bool)
     anchors = torch.zeros(b, n, dtype=torch.long)
     keep = torch.zeros(b, n, dtype=torch.bool)
-    for i, (ids, mask, gen) in enumerate(zip(seqs, masks, generators)):
+    for i, (ids, mask, gen) in enumerate(zip(seqs, masks, generators, strict=True)):
         input_ids[i, : ids.numel()] = ids
         loss_mask[i, : ids.numel()] = mask
         real[i, : ids.numel()] = True

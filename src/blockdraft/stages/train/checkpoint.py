@@ -1,9 +1,9 @@
-"""Training checkpoints as artifacts: written locally, pushed, verified at the destination, committed last.
+"""Training checkpoints as artifacts: written locally, published through `StageOutput`, verified at the destination.
 
 Layout under the run's output store: `step-00000500/` per checkpoint, each its own artifact holding the drafter in the
 export format (`config.json`, `model.safetensors`), `training-state.pt` (optimizer, scheduler, RNG states, data
 position), the resolved config (`blockdraft-config.json`), and the metrics so far. Resume reads only checkpoints that
-verify; one whose push never completed (no manifest) or whose files differ is skipped.
+verify; one whose push never completed (no manifest) or whose files differ is skipped (`model.formats.find_resumable`).
 """
 
 from __future__ import annotations
@@ -11,42 +11,93 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
-from blockdraft.model.formats import CHECKPOINT_KIND, PINNED_CONFIG_NAME, STATE_NAME, STEP_MANIFEST, Resumable, checkpoint_key
-from blockdraft.store import Store
-from blockdraft.store.artifact import (
-    InputRef,
-    State,
-    VerifyReport,
-    publish_artifact,
-    uncommit,
-    verify_artifact,
+from blockdraft.config import BlockdraftConfig
+from blockdraft.errors import ArtifactError, ConfigError, StoreError
+from blockdraft.model import DFlashDrafter, DrafterSpec
+from blockdraft.model.formats import (
+    CHECKPOINT_KIND,
+    PINNED_CONFIG_NAME,
+    STATE_NAME,
+    STEP_MANIFEST,
+    WEIGHTS_NAME,
+    Resumable,
+    checkpoint_key,
+    find_resumable,
 )
+from blockdraft.reporter import Reporter
+from blockdraft.stages.train.metrics import METRICS_NAME, MetricsLog
+from blockdraft.store import Store
+from blockdraft.store.artifact import InputRef, State, VerifyReport, uncommit, verify_artifact
+from blockdraft.store.stage_io import StageInput, StageOutput, stage_key
+
+PINNED_DATA_FIELDS = ("template_sha256", "thinking", "tokenizer_sha256", "end_of_turn_id")
+
+
+def resolved_training_config(
+    config: BlockdraftConfig, spec: DrafterSpec, output_url: str, tokenize_run: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The config with every derived DFlash value pinned (mask id, layer ids, gamma, shapes), as written into checkpoints.
+
+    `tokenize_run` (what the tokenized data's manifest records: chat-template hash, thinking mode, tokenizer hash) is
+    pinned under "data", so eval and export read the template a drafter was trained for from the checkpoint itself.
+    """
+    data = config.resolved()
+    data["data"] = {key: (tokenize_run or {}).get(key) for key in PINNED_DATA_FIELDS}
+    data["dflash"].update(
+        mask_token_id=spec.mask_token_id,
+        target_layer_ids=list(spec.target_layer_ids),
+        gamma=spec.gamma,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+    )
+    data["train"]["output"] = output_url
+    return data
+
+
+def run_identity(resolved: dict[str, Any], world_size: int, data_sha256: str | None) -> dict[str, Any]:
+    """What a resumed run must share with the checkpoint for its next steps to be the ones the first run would take."""
+    t = resolved["train"]
+    return {
+        "target": resolved["target"]["path"],
+        "dflash": resolved["dflash"],
+        "data_sha256": data_sha256,
+        "seed": t["seed"],
+        "global_batch": t["batch_size"] * world_size,
+        "max_length": t["max_length"],
+    }
 
 
 def save_checkpoint(
     store: Store,
     step: int,
-    drafter: torch.nn.Module,
+    drafter: DFlashDrafter,
     training_state: dict[str, Any],
     resolved_config: dict[str, Any],
     lineage: Iterable[InputRef],
     counts: dict[str, Any],
     extra_files: Iterable[Path] = (),
+    key: str | None = None,
 ) -> VerifyReport:
-    """Write, push and commit the checkpoint of `step`; returns the destination's verify report.
+    """Write, push and commit the checkpoint of `step` under `store`; returns the destination's verify report.
 
+    `key` is the output's stage key (default: `stage_key(counts["run"], lineage)`, the run identity and its data).
     Raises ArtifactError (or the store's error) when the push does not verify: such a checkpoint has no manifest
     and resume never uses it.
     """
-    dest = store.child(checkpoint_key(step))
-    uncommit(dest)  # a resumed run rewrites checkpoints after its resume point
+    lineage = list(lineage)
+    out = StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, key or stage_key(counts.get("run"), lineage))
+    out.begin()  # a resumed run rewrites checkpoints after its resume point
     with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
         root = Path(tmp)
         paths = list(drafter.save_pretrained(root))
@@ -57,7 +108,7 @@ def save_checkpoint(
             if extra.is_file():
                 shutil.copyfile(extra, root / extra.name)
                 paths.append(root / extra.name)
-        return publish_artifact(dest, CHECKPOINT_KIND, root, paths, config=resolved_config, lineage=lineage, counts=counts)
+        return out.publish(root, paths, config=resolved_config, lineage=lineage, counts=counts)
 
 
 def prune_checkpoints(store: Store, keep: int) -> list[int]:
@@ -85,38 +136,80 @@ def prune_checkpoints(store: Store, keep: int) -> list[int]:
 
 @dataclass
 class LoadedCheckpoint:
-    """A checkpoint read back into memory; `folder` stays valid until `close()`."""
+    """A checkpoint read back into memory; `folder` holds its files (and metrics log, if it has one) while open."""
 
     folder: Path
     drafter_state: dict[str, torch.Tensor]
     training_state: dict[str, Any]
-    config: dict[str, Any]
-    _tmp: Path | None = None
-
-    def close(self) -> None:
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def load_checkpoint(found: Resumable, settings: object | None = None) -> LoadedCheckpoint:
-    """Read a verified checkpoint, pulling it (checksums recomputed) from a remote store; `settings` is the StoreConfig."""
-    from safetensors.torch import load_file
-
-    folder = found.store.local_path()
-    tmp = None
-    if folder is None:
-        from blockdraft.store.transfer import pull
-
-        tmp = Path(tempfile.mkdtemp(prefix="blockdraft-resume-"))
-        pull(found.store.url, tmp, settings)
-        folder = tmp
-    return LoadedCheckpoint(
-        folder=folder,
-        drafter_state=load_file(str(folder / "model.safetensors")),
-        training_state=torch.load(folder / STATE_NAME, weights_only=True),
-        config=json.loads((folder / PINNED_CONFIG_NAME).read_text()),
-        _tmp=tmp,
-    )
+@contextmanager
+def read_checkpoint(found: Resumable) -> Iterator[LoadedCheckpoint]:
+    """A verified checkpoint's weights and training state; a remote one's files are fetched with their checksums compared."""
+    source = StageInput(found.store, found.report)  # verified just now by find_resumable
+    listed = {entry.path for entry in source.manifest.files}
+    names = [name for name in (WEIGHTS_NAME, STATE_NAME, METRICS_NAME) if name in listed]
+    with source.fetched(names) as folder:
+        yield LoadedCheckpoint(folder, load_file(str(folder / WEIGHTS_NAME)), torch.load(folder / STATE_NAME, weights_only=True))
 
 
-__all__ = ["LoadedCheckpoint", "load_checkpoint", "prune_checkpoints", "save_checkpoint"]
+class Checkpoints:
+    """One run's checkpoints under `store`: each published under the run's stage key (its identity and its data),
+    pruned to the newest `keep`, and resumed from only when written by the same run."""
+
+    def __init__(
+        self, store: Store, resolved: dict[str, Any], identity: dict[str, Any], data: InputRef, keep: int | None, reporter: Reporter
+    ) -> None:
+        self.store = store
+        self.resolved = resolved
+        self.identity = identity
+        self.data = data
+        self.keep = keep
+        self.reporter = reporter
+        self.key = stage_key(identity, [data])
+
+    def newest(self) -> Resumable | None:
+        """The newest checkpoint that verifies, or None; raises ConfigError when it belongs to another run."""
+        found = find_resumable(self.store)
+        for skipped in found.skipped if found else []:
+            self.reporter.warn(f"not resuming from {skipped}")
+        if found is None:
+            return None
+        recorded = found.report.manifest.counts.get("run") if found.report.manifest else None
+        if recorded != self.identity:
+            old, new = recorded or {}, self.identity
+            differs = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            raise ConfigError(
+                f"{found.store.url} is a checkpoint of another run (differs in {', '.join(differs)}); "
+                "set train.output to a new location, or rerun with the original config"
+            )
+        return found
+
+    def save(
+        self, step: int, drafter: DFlashDrafter, state: dict[str, Any], log: MetricsLog, final: bool, ranks_in_sync: int
+    ) -> VerifyReport | None:
+        """Save and verify the checkpoint of `step`; a failed intermediate push is reported and training goes on, a failed
+        final one raises. `ranks_in_sync`: how many replicas were checked bit-equal just before (1 without DDP)."""
+        log.plot()
+        counts = {"step": step, "run": self.identity, "ranks_in_sync": ranks_in_sync, "last": log.entries[-1] if log.entries else None}
+        try:
+            report = save_checkpoint(
+                self.store, step, drafter, state, self.resolved, [self.data], counts, [log.path, log.plot_path], key=self.key
+            )
+        except (ArtifactError, StoreError, OSError) as exc:
+            if final:
+                raise ArtifactError(f"final checkpoint of step {step} did not verify at {self.store.url}: {exc}") from exc
+            self.reporter.warn(f"checkpoint of step {step} did not verify ({exc}); it will not be resumed from")
+            return None
+        self.reporter.say(f"checkpoint step {step}: {report.summary()} at {report.url}")
+        if self.keep is not None:
+            pruned = prune_checkpoints(self.store, self.keep)
+            if pruned:
+                self.reporter.say(f"removed older checkpoints of steps {pruned} (train.keep_checkpoints = {self.keep})")
+        return report
+
+
+__all__ = [
+    "Checkpoints", "LoadedCheckpoint", "PINNED_DATA_FIELDS", "prune_checkpoints", "read_checkpoint", "resolved_training_config",
+    "run_identity", "save_checkpoint",
+]

@@ -12,22 +12,23 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 
+from blockdraft.config import StoreConfig
 from blockdraft.errors import ArtifactError
-from blockdraft.store import open_store
-from blockdraft.store.artifact import InputRef, State, verify_artifact
+from blockdraft.store.artifact import InputRef
+from blockdraft.store.stage_io import StageInput
+from blockdraft.store.transfer import pull
 
 TOKENIZED_KIND = "tokenized"
 TRAIN_SPLIT = "train"
 
 
-def _load_dataset(root: Path):
+def _load_dataset(root: Path) -> Dataset:
     """The train split of a tokenize output folder (`datasets.save_to_disk` layout of a DatasetDict, docs/TOKENIZATION.md).
 
     Only the train split is opened: the held-out split may be empty, and training never reads it.
     """
-    from datasets import Dataset
-
     listing = root / "dataset_dict.json"
     if not listing.is_file():
         raise ArtifactError(f"{root} holds no DatasetDict saved by tokenize (no dataset_dict.json); pass a tokenized artifact as train.data")
@@ -61,33 +62,27 @@ class TrainRows:
 
 
 def load_train_rows(
-    url: str, store_settings: object, max_length: int, cache_dir: Path, fetch: bool = True, wait: Callable[[], None] = lambda: None
+    data: StageInput, store_config: StoreConfig | None, max_length: int, cache_dir: Path, fetch: bool = True,
+    wait: Callable[[], None] = lambda: None,
 ) -> TrainRows:
-    """Verify the tokenized artifact at `url` (local or s3://) and open its train rows, clipped to max_length.
+    """Open the train rows of the verified tokenized artifact `data` (from `open_input`), clipped to max_length.
 
     A remote artifact is pulled (every checksum recomputed) into `cache_dir/data-<manifest digest>`, where a rerun
     finds it already verified. Of the processes on one machine only the one with `fetch` pulls; every process then
     calls `wait` (a barrier) before reading.
     """
-    store = open_store(url, store_settings)
-    report = verify_artifact(store)
-    if report.state is not State.VERIFIED:
-        raise ArtifactError(f"train.data {store.url} is {report.state.value}: {report.summary()}; fix or regenerate it first")
-    if report.manifest.kind != TOKENIZED_KIND:
-        raise ArtifactError(f"train.data {store.url} is a '{report.manifest.kind}' artifact; point it at a tokenize output")
-    lineage = InputRef(kind="manifest", url=store.url, sha256=report.manifest_sha256)
-    local = store.local_path()
+    local = data.store.local_path()
     if local is None:
-        from blockdraft.store.transfer import pull
-
-        local = cache_dir / f"data-{report.manifest_sha256[:16]}"
+        digest = data.report.manifest_sha256
+        assert digest is not None  # open_input returns only verified inputs, whose manifest digest is known
+        local = cache_dir / f"data-{digest[:16]}"
         if fetch:
-            pull(url, local, store_settings)
+            pull(data.store.url, local, store_config)
     wait()
     dataset = _load_dataset(local)
     if len(dataset) == 0:
-        raise ArtifactError(f"tokenized artifact {url} has no train rows; tokenize more data or lower tokenize.held_out_fraction")
-    return TrainRows(dataset, lineage, max_length, report.manifest.config.get("tokenize_run"))
+        raise ArtifactError(f"tokenized artifact {data.store.url} has no train rows; tokenize more data or lower tokenize.held_out_fraction")
+    return TrainRows(dataset, data.ref, max_length, data.manifest.config.get("tokenize_run"))
 
 
 def steps_per_epoch(num_rows: int, global_batch: int) -> int:
@@ -107,4 +102,4 @@ def step_rows(num_rows: int, seed: int, epoch: int, step_in_epoch: int, global_b
     return [int(order[i % num_rows]) for i in range(first, first + per_rank)]
 
 
-__all__ = ["TrainRows", "load_train_rows", "step_rows", "steps_per_epoch"]
+__all__ = ["TOKENIZED_KIND", "TrainRows", "load_train_rows", "step_rows", "steps_per_epoch"]

@@ -1,0 +1,59 @@
+"""`blockdraft train`: train in this process when it is a torchrun rank or the only rank, else start torchrun.
+
+torchrun starts one process per drafter device, each running `python -m blockdraft train --config FILE`
+(`blockdraft/__main__.py`), which lands here again as a rank and calls `run`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from blockdraft.config import load_config
+from blockdraft.errors import ConfigError
+from blockdraft.reporter import Reporter
+from blockdraft.stages import StageResult
+from blockdraft.stages.train.placement import resolve_placement
+from blockdraft.stages.train.stage import run
+
+
+@dataclass
+class Launched:
+    """What `launch` did: trained in this process as `rank` (`result`), or ran torchrun (`result` None, its `exit_status`)."""
+
+    result: StageResult | None
+    rank: int = 0
+    exit_status: int = 0
+
+
+def launch(config_path: str | None, nproc: int | None = None, reporter: Reporter | None = None) -> Launched:
+    """Train per the config at `config_path` (None: the defaults) with one process per placement.drafter_devices entry.
+
+    `nproc`, when given, must equal that count. In a torchrun rank, or with a single drafter device, `run` trains here;
+    otherwise torchrun starts the ranks and this waits for it.
+    """
+    config = load_config(config_path)
+    wanted = len(config.placement.drafter_devices)
+    if nproc is not None and nproc != wanted:
+        raise ConfigError(
+            f"--nproc {nproc} but placement.drafter_devices lists {wanted} device(s); one process runs per drafter device, "
+            "so list the devices in the config"
+        )
+    if "LOCAL_RANK" in os.environ or wanted == 1:
+        return Launched(run(config, None, None, reporter), rank=resolve_placement(config).rank)
+    if config_path is None:
+        raise ConfigError("training on several drafter devices needs the config as a file; pass --config FILE")
+    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted)))
+
+
+def torchrun_command(config_path: str, nproc: int) -> list[str]:
+    """The command that starts `nproc` training ranks on this machine, each `python -m blockdraft train --config FILE`."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "blockdraft", "train", "--config", str(config_path),
+    ]
+
+
+__all__ = ["Launched", "launch", "torchrun_command"]

@@ -1,0 +1,97 @@
+"""The train stage: a verified tokenized artifact in, verified checkpoints out, resumed from the newest that verifies.
+
+`run` trains on this process's rank: the only one, or one of the torchrun ranks that `blockdraft.stages.train.launch`
+starts (see `placement` for how a rank finds its devices).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from blockdraft.config import BlockdraftConfig
+from blockdraft.errors import ConfigError
+from blockdraft.model import DFlashDrafter, TargetHead
+from blockdraft.model.target import load_target_config
+from blockdraft.reporter import Reporter
+from blockdraft.stages import StageResult
+from blockdraft.stages.train.data import TOKENIZED_KIND, load_train_rows
+from blockdraft.stages.train.placement import RankPlacement, barrier, rank_session, resolve_placement
+from blockdraft.stages.train.trainer import Trainer
+from blockdraft.store import open_store
+from blockdraft.store.artifact import VerifyReport
+from blockdraft.store.preflight import preflight
+from blockdraft.store.stage_io import open_input
+
+STAGE = "train"
+
+
+@dataclass
+class TrainResult:
+    """steps: optimizer steps done in total; resumed_from: the step this run started from (None: from scratch);
+    checkpoint_url: the final checkpoint; metrics: every step of this run (all ranks); drafter: the trained module;
+    head: the frozen drafter-side embedding and LM head."""
+
+    steps: int
+    resumed_from: int | None
+    checkpoint_url: str
+    metrics: list[dict[str, Any]]
+    drafter: DFlashDrafter
+    head: TargetHead
+
+
+def run(config: BlockdraftConfig, input: str | None = None, output: str | None = None, reporter: Reporter | None = None) -> StageResult:
+    """Train a drafter per `config` on `input` (default train.data) into `output` (default train.output, else
+    `<store.url>/train`); returns after the final checkpoint verified at the destination, on every rank.
+
+    `details` is a TrainResult; `already_done` when the newest verified checkpoint already holds every step.
+    """
+    started = time.perf_counter()
+    config = _with_paths(config, input, output)
+    place = resolve_placement(config)
+    reporter = (reporter or Reporter()).for_rank(place.rank)
+    with rank_session(place, config.train.deterministic):
+        trainer = _prepare(config, place, reporter)
+        trainer.train()
+        final = _final_report(trainer, place)
+    result = TrainResult(trainer.total_steps, trainer.resumed_from, final.url, trainer.metrics, trainer.drafter, trainer.head)
+    return StageResult(STAGE, final.url, final, already_done=not trainer.metrics, seconds=time.perf_counter() - started, details=result)
+
+
+def _with_paths(config: BlockdraftConfig, input: str | None, output: str | None) -> BlockdraftConfig:
+    """`config` with train.data and train.output set to what this run reads and writes (pinned into every checkpoint)."""
+    data = input or config.train.data
+    if data is None:
+        raise ConfigError("train.data is not set; set it to a tokenized artifact (a folder, file:// or s3:// URL)")
+    out = output or config.train.output or config.store.url.rstrip("/") + "/train"
+    return config.model_copy(update={"train": config.train.model_copy(update={"data": data, "output": out})})
+
+
+def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter) -> Trainer:
+    """Check what fails fast (the target's config, a writable output store, a verified input), open the rows, build the
+    trainer. Of the processes on one machine only local rank 0 pulls a remote input."""
+    tc = config.train
+    assert tc.data is not None and tc.output is not None  # set by _with_paths
+    load_target_config(config.target.path)  # a missing target fails in seconds, before any data moves
+    out_store = open_store(tc.output, config.store)
+    if place.is_main:
+        preflight(out_store)  # fail before step 1 when checkpoints cannot be written (docs/STORE.md, credentials)
+    data = open_input(tc.data, config.store, kinds=[TOKENIZED_KIND])
+    rows = load_train_rows(data, config.store, tc.max_length, Path(tc.log_dir), place.local_rank == 0, lambda: barrier(place))
+    return Trainer(config, place, rows, out_store, tc.output, reporter)
+
+
+def _final_report(trainer: Trainer, place: RankPlacement) -> VerifyReport:
+    """The final checkpoint's verify report on every rank: rank 0 wrote (or resumed from) it; the others receive it."""
+    shared = [trainer.last_checkpoint]
+    if place.world_size > 1:
+        dist.broadcast_object_list(shared, src=0)
+    assert shared[0] is not None, "the final checkpoint raises when it does not verify"
+    return shared[0]
+
+
+__all__ = ["STAGE", "TrainResult", "run"]

@@ -1,0 +1,63 @@
+"""What the train tests share: learnable tokenized rows from the golden target, a config file around them, the metrics log.
+
+Rows are the golden target's own greedy continuations (learnable, as regenerated data is); prompts are unsupervised.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from datasets import Dataset, DatasetDict
+
+from blockdraft.model import load_target
+from blockdraft.store import open_store
+from blockdraft.store.artifact import commit_artifact, entry_for_local_file
+
+GOLDEN_TARGET = Path(__file__).parent / "fixtures" / "dflash-golden" / "target"
+
+
+def make_rows(num_rows: int, prompt_len: int, new_tokens: int, seed: int) -> list[dict]:
+    """`num_rows` rows of `prompt_len` random prompt tokens (unsupervised) and the target's `new_tokens` greedy ones."""
+    model = load_target(str(GOLDEN_TARGET), "cpu", torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, 500, (num_rows, prompt_len), generator=g)
+    out = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    mask = [0] * prompt_len + [1] * new_tokens
+    return [{"input_ids": row.tolist(), "loss_mask": mask, "source_id": f"row-{i}"} for i, row in enumerate(out)]
+
+
+def write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[dict]) -> str:
+    """A tokenized artifact in the layout `tokenize` writes: a DatasetDict (train, held_out) plus the manifest."""
+    DatasetDict({"train": Dataset.from_list(train_rows), "held_out": Dataset.from_list(held_out_rows)}).save_to_disk(str(folder))
+    entries = [entry_for_local_file(folder, p) for p in sorted(folder.rglob("*")) if p.is_file()]
+    commit_artifact(open_store(folder), "tokenized", entries, config={}, counts={"train_rows": len(train_rows)})
+    return str(folder)
+
+
+def config_file(tmp: Path, data: str, output: str | None = None, **train) -> Path:
+    """`tmp/blockdraft.toml`: the golden target, a 2-layer B=4 drafter, checkpoints to `output` (default `tmp/ckpt`),
+    logs in `tmp/logs`, deterministic; `train` overrides train.* settings, `drafters` the drafter devices."""
+    placement = train.pop("drafters", ["cpu"])
+    settings = {
+        "max_steps": 12, "batch_size": 2, "lr": 3e-3, "warmup_ratio": 0.1, "checkpoint_every": 4, "log_every": 1,
+        "lm_head_chunk_blocks": 3, "seed": 0, "deterministic": True, **train,
+    }
+    lines = [
+        "[target]", f'path = "{GOLDEN_TARGET.as_posix()}"',
+        "[dflash]", "block_size = 4", "mask_token_id = 511", "num_draft_layers = 2", "gamma = 4.0", "num_anchors = 8",
+        "intermediate_size = 96",
+        "[placement]", f"drafter_devices = {json.dumps(placement)}",
+        "[store]", f'url = "{(tmp / "store").as_posix()}"',
+        "[train]", f'data = "{data}"', f'output = "{output or (tmp / "ckpt").as_posix()}"', f'log_dir = "{(tmp / "logs").as_posix()}"',
+    ]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    path = tmp / "blockdraft.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def logged_losses(log_dir: Path) -> dict[int, float]:
+    """Loss by step as the metrics log holds it."""
+    return {e["step"]: e["loss"] for e in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
