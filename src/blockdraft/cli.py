@@ -253,11 +253,21 @@ def train(
     ] = None,
 ) -> None:
     """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
-    from blockdraft.stages.train.loop import launch
+    from blockdraft.console import ConsoleReporter
+    from blockdraft.stages.train import launch
 
-    status = launch(config, nproc)
-    if status:
-        raise typer.Exit(status)
+    with ConsoleReporter(console) as reporter:
+        launched = launch(config, nproc, reporter)
+    if launched.result is not None and launched.rank == 0:
+        trained = launched.result.details
+        if trained.metrics:
+            last = trained.metrics[-1]
+            console.print(f"trained {trained.steps} steps; loss {last['loss']:.4f}, tau estimate {last['tau_estimate']:.2f}", highlight=False)
+        else:
+            console.print(f"nothing to train: the verified checkpoint already holds all {trained.steps} steps", highlight=False)
+        print(launched.result.url)
+    if launched.exit_status:
+        raise typer.Exit(launched.exit_status)
 
 
 @app.command()
@@ -274,22 +284,18 @@ def generate(
     thinking: Annotated[str | None, typer.Option(help="auto (follow the dropped turn), on or off.")] = None,
 ) -> None:
     """Regenerate each prompt's final assistant turn with the target; a rerun generates only what is missing."""
-    from rich.progress import Progress
-
     from blockdraft.config import load_config
-    from blockdraft.stages.generate.stage import generate as run_generate
-    from blockdraft.stages.generate.stage import summary_lines
+    from blockdraft.console import ConsoleReporter
+    from blockdraft.stages import generate as generate_stage
 
     overrides = {"generate": {"engine": engine, "base_url": base_url, "model": model, "max_new_tokens": max_new_tokens,
                               "concurrency": concurrency, "thinking": thinking}}
     cfg = load_config(config, overrides)
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("generate", total=None)
-        summary = run_generate(input, output, cfg, progress=lambda done, total: bar.update(task, completed=done, total=total))
-    for line in summary_lines(summary):
-        console.print(line, highlight=False, markup=False)
-    if summary.failed:
-        console.print(f"[yellow]{summary.failed} requests failed[/] (reasons above, rows in failures.ndjson); rerun the same command to retry only them")
+    with ConsoleReporter(console) as reporter:  # draws the progress, says the summary lines
+        result = generate_stage.run(cfg, input, output, reporter)
+    failed = result.details.failed
+    if failed:
+        console.print(f"[yellow]{failed} requests failed[/] (reasons above, rows in failures.ndjson); rerun the same command to retry only them")
         raise typer.Exit(1)
 
 

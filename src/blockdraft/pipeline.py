@@ -162,9 +162,9 @@ def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str
     from blockdraft.errors import ArtifactError
     from blockdraft.stages.eval.stage import run_eval
     from blockdraft.stages.export.stage import export
-    from blockdraft.stages.generate.stage import generate
+    from blockdraft.stages.generate import run as run_generate
     from blockdraft.stages.tokenize.stage import tokenize_dataset
-    from blockdraft.stages.train.loop import train
+    from blockdraft.stages.train import run as run_train
     from blockdraft.store import open_store
     from blockdraft.store.artifact import State, verify_artifact
     from blockdraft.store.preflight import preflight
@@ -201,7 +201,7 @@ def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str
     stage("preflight", lambda: preflight(open_store(store_url, cfg.store)))
     prompts = _regeneration_prompts(workdir, size.conversations)
     completions = f"{store_url}/completions"
-    stage("generate", lambda: generate(str(prompts), completions, cfg), completions)
+    stage("generate", lambda: run_generate(cfg, str(prompts), completions), completions)
     result.distinct_4gram = _distinct_4gram(completions, cfg)
     say(f"[generate] distinct-4-gram ratio of the target's answers: {result.distinct_4gram:.2f}")
 
@@ -209,7 +209,7 @@ def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str
     stage("tokenize", lambda: tokenize_dataset(completions, str(local_tokenized), cfg), str(local_tokenized))
     stage("push", lambda: push(local_tokenized, f"{store_url}/tokenized", cfg.store), f"{store_url}/tokenized")
     stage("pull", lambda: pull(f"{store_url}/tokenized", cfg.train.data, cfg.store), cfg.train.data)
-    stage("train", lambda: train(cfg), lambda trained: trained.checkpoint_url)
+    stage("train", lambda: run_train(cfg), lambda trained: trained.url)
 
     held_out = str(TINY_TARGET_DIR / "prompts.jsonl")  # prompts the target never trained on, absent from the completions
     report, _ = stage("eval", lambda: run_eval(cfg, cfg.train.output, prompts=held_out, output=f"{store_url}/eval"), f"{store_url}/eval")
