@@ -39,6 +39,7 @@ from blockdraft.store.artifact import (
     VerifyReport,
     check_files,
     commit_artifact,
+    entry_for_local_file,
     manifest_sha256,
     read_manifest,
     uncommit,
@@ -63,7 +64,11 @@ def stage_key(config_slice: Any, lineage: Iterable[InputRef] = ()) -> str:
 
 @dataclass
 class StageInput:
-    """A verified input artifact: its store, the report read from its source, and its lineage entry (by content)."""
+    """A verified input artifact: its store, the report read from its source, and its lineage entry (by content).
+
+    Made by `open_input`; a caller that has just verified an artifact itself (resume picking the newest verified
+    checkpoint) may wrap that report directly instead of verifying it twice.
+    """
 
     store: Store
     report: VerifyReport
@@ -115,15 +120,18 @@ class StageInput:
             yield self.fetch(names, Path(tmp))
 
 
-def open_input(url: str | Store, store_config: StoreConfig | None = None, kinds: Sequence[str] = ()) -> StageInput:
-    """The artifact at `url`, verified at its source, else ArtifactError naming its state; `kinds` limits what it may be."""
+def open_input(url: str | Store, store_config: StoreConfig | None = None, kinds: Sequence[str] = (), role: str = "input") -> StageInput:
+    """The artifact at `url`, verified at its source, else ArtifactError naming its state; `kinds` limits what it may be.
+
+    `role` names the input in the error (a config field such as "train.data", or "input").
+    """
     store = url if isinstance(url, Store) else open_store(url, store_config)
     report = verify_artifact(store)
     if report.state is not State.VERIFIED or report.manifest is None:
-        raise ArtifactError(f"input {store.url} is {report.state.value}: {report.summary()}; fix or regenerate it first")
+        raise ArtifactError(f"{role} {store.url} is {report.state.value}: {report.summary()}; fix or regenerate it first")
     if kinds and report.manifest.kind not in kinds:
         raise ArtifactError(
-            f"input {store.url} is a '{report.manifest.kind}' artifact, not {' or '.join(repr(k) for k in kinds)}; pass the right artifact"
+            f"{role} {store.url} is a '{report.manifest.kind}' artifact, not {' or '.join(repr(k) for k in kinds)}; pass the right artifact"
         )
     return StageInput(store, report)
 
@@ -193,8 +201,6 @@ class StageOutput:
         counts: dict[str, Any] | None = None,
     ) -> VerifyReport:
         """Upload local files written under `root` (each with its checksum), then `commit` them."""
-        from blockdraft.store.artifact import entry_for_local_file
-
         entries = []
         for path in paths:
             entry = entry_for_local_file(root, path)
