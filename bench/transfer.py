@@ -22,6 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from blockdraft.config import StoreConfig
+from blockdraft.store import open_store
+from blockdraft.store.artifact import commit_artifact, entry_for_local_file
+from blockdraft.store.transfer import pull, push
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -32,12 +37,8 @@ MIB = 1024 * 1024
 
 def child(op: str, src: str, dst: str) -> None:
     """Run one push or pull in this process and print its wall time (seconds) as JSON."""
-    from blockdraft.config import StoreConfig
-    from blockdraft.store.transfer import pull, push
-
-    settings = StoreConfig()
     start = time.perf_counter()
-    report = (push if op == "push" else pull)(src, dst, settings)
+    report = (push if op == "push" else pull)(src, dst, StoreConfig())
     seconds = time.perf_counter() - start
     assert report.verify is not None and report.verify.state.value == "verified", report.summary()
     print(json.dumps({"seconds": seconds, "moved": len(report.moved)}))
@@ -60,7 +61,7 @@ def run_measured(argv: list[str], env: dict[str, str]) -> tuple[float, int, floa
     os.sync()
     out = tempfile.TemporaryFile()
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     peak = 0
     while True:
         peak = max(peak, _peak_rss_mib(proc.pid) or 0)
@@ -78,9 +79,6 @@ def run_measured(argv: list[str], env: dict[str, str]) -> tuple[float, int, floa
 
 
 def make_artifact(root: Path, total: int, files: int) -> int:
-    from blockdraft.store import open_store
-    from blockdraft.store.artifact import commit_artifact, entry_for_local_file
-
     root.mkdir(parents=True)
     each = total // files
     for i in range(files):
@@ -113,7 +111,9 @@ def main() -> None:
             local = work / "artifact"
             total = make_artifact(local, int(args.gib * 1024 * MIB), args.files)
             shards = str(local / "shard-*")
-            me = [sys.executable, str(Path(__file__).resolve()), "--child"]
+            # As a module from the repository root: run as a script, bench/ would lead sys.path and bench/tokenize.py
+            # would shadow the standard library's tokenize.
+            me = [sys.executable, "-m", "bench.transfer", "--child"]
             results: dict[str, list[tuple[float, int, float]]] = {k: [] for k in ("push", "s5cmd_up", "pull", "s5cmd_down")}
 
             def ours(op: str, src: str, dst: str) -> tuple[float, int, float]:
@@ -134,14 +134,18 @@ def main() -> None:
                 results["pull"].append(ours("pull", f"s3://bench/bd-{rep}", str(pulled)))
                 shutil.rmtree(pulled)
 
+            def s5_up(rep: int) -> None:
+                results["s5cmd_up"].append(s5(shards, f"s3://bench/s5-{rep}/"))
+
+            def our_push(rep: int) -> None:
+                results["push"].append(ours("push", str(local), f"s3://bench/bd-{rep}"))
+
             for rep in range(args.repeats):
                 # Fresh destinations each round (nothing is skipped as already verified); the order alternates so
                 # neither tool always runs right after the server has just absorbed an upload.
-                up = [lambda: results["s5cmd_up"].append(s5(shards, f"s3://bench/s5-{rep}/"))]
-                up.append(lambda: results["push"].append(ours("push", str(local), f"s3://bench/bd-{rep}")))
-                down = [lambda: s5_down(rep), lambda: our_pull(rep)]
+                up, down = [s5_up, our_push], [s5_down, our_pull]
                 for step in (up + down) if rep % 2 == 0 else (up[::-1] + down[::-1]):
-                    step()
+                    step(rep)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -10,17 +10,17 @@ import time
 from pathlib import Path
 
 import pytest
-from s3server import RO_SECRET_KEY, SECRET_KEY
+from s3server import RO_SECRET_KEY, SECRET_KEY, free_ports
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
-from blockdraft.config import StoreConfig
+from blockdraft.config import StoreConfig, load_config
 from blockdraft.errors import StoreError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, check_file, read_manifest, verify_artifact
 from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.preflight import PROBE_PREFIX, preflight
-from blockdraft.store.s3 import resolve_endpoint
+from blockdraft.store.s3_client import resolve_endpoint
 from blockdraft.store.status import render_progress, status
 from blockdraft.store.transfer import push
 
@@ -38,15 +38,30 @@ def test_endpoint_precedence_flag_config_env_default(monkeypatch, tmp_path):
     assert resolve_endpoint(None, {"AWS_ENDPOINT_URL": "http://generic:1"}) == "http://generic:1"
     assert resolve_endpoint(None, {}) is None
 
-    # The flag beats the config file, which beats the environment.
+    # The flag beats the config file, which beats the environment (a flag reaches the store as a config override).
     config = tmp_path / "c.toml"
     config.write_text('[store]\nendpoint_url = "http://from-config:4"\n')
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://from-env:5")
-    from blockdraft.cli import _store_config
 
-    assert open_store("s3://b/p", _store_config(str(config), None)).endpoint == "http://from-config:4"
-    assert open_store("s3://b/p", _store_config(str(config), "http://from-flag:6")).endpoint == "http://from-flag:6"
-    assert open_store("s3://b/p", _store_config(None, None)).endpoint == "http://from-env:5"
+    def store_config(path: Path | None, flag: str | None) -> StoreConfig:
+        return load_config(path, {"store": {"endpoint_url": flag}}).store
+
+    assert open_store("s3://b/p", store_config(config, None)).endpoint == "http://from-config:4"
+    assert open_store("s3://b/p", store_config(config, "http://from-flag:6")).endpoint == "http://from-flag:6"
+    assert open_store("s3://b/p", store_config(None, None)).endpoint == "http://from-env:5"
+    assert open_store("s3://b/p").endpoint == "http://from-env:5"  # no config: the defaults, then the environment
+
+
+def test_cli_endpoint_precedence_flag_config_env(s3_env, monkeypatch, tmp_path):
+    """The same precedence through the CLI: each unreachable endpoint is named in the error, so the chosen one shows."""
+    flag, configured, env = (f"http://127.0.0.1:{port}" for port in free_ports(3))
+    config = tmp_path / "c.toml"
+    config.write_text(f'[store]\nendpoint_url = "{configured}"\n')
+    monkeypatch.setenv("AWS_ENDPOINT_URL", env)
+    cases = [(["--config", str(config), "--endpoint-url", flag], flag), (["--config", str(config)], configured), ([], env)]
+    for options, chosen in cases:
+        result = CliRunner().invoke(app, ["preflight", "s3://b/p", *options])
+        assert result.exit_code == 2 and f"S3 endpoint {chosen} unreachable" in result.stderr, result.stderr
 
 
 def test_uploads_carry_a_full_object_crc64nvme_the_server_reports(s3_bucket, s3_env, tmp_path):
@@ -105,8 +120,6 @@ def _bad_settings(case: str, server, monkeypatch) -> str:
     elif case == "no such bucket":
         bucket = "no-such-bucket-here"
     elif case == "unreachable":
-        from s3server import free_ports
-
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_ports(1)[0]}")
     return f"s3://{bucket}/runs"
 

@@ -4,26 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from blockdraft.config import StoreConfig
 from blockdraft.errors import StoreError
 from blockdraft.store.base import ObjectInfo, Store
+from blockdraft.store.local import LocalStore
 
 
-def open_store(url: str | Path, settings: object | None = None) -> Store:
+def open_store(url: str | Path, store_config: StoreConfig | None = None) -> Store:
     """A store rooted at `url`: `s3://bucket/prefix`, `file://path` or a plain path.
 
-    `settings` is a `blockdraft.config.StoreConfig` (endpoint, region, profile); the S3 backend also reads
-    the standard AWS chain, after any explicit settings.
+    `store_config` (None: the defaults) gives the S3 endpoint, region, profile, part size and concurrency; the S3
+    backend also reads the standard AWS chain for what it leaves unset.
     """
     url = str(url)
     if url.startswith("s3://"):
+        # Imported here, not at the top: boto3 takes ~0.4 s to import and only s3:// URLs need it.
         from blockdraft.store.s3 import S3Store
 
-        return S3Store.from_url(url, settings)
+        return S3Store.from_url(url, store_config)
     if "://" in url and not url.startswith("file://"):
         scheme = url.split("://", 1)[0]
         raise StoreError(f"unsupported store URL scheme '{scheme}://' in {url}; use s3://bucket/prefix, file://path or a plain path")
-    from blockdraft.store.local import LocalStore
-
     return LocalStore(url.removeprefix("file://"))
 
 

@@ -21,7 +21,9 @@ from pydantic import BaseModel, Field
 
 from blockdraft import __version__
 from blockdraft.errors import ArtifactError
+from blockdraft.store import open_store
 from blockdraft.store.base import ObjectInfo, Store
+from blockdraft.store.checksum import crc64nvme_file
 
 MANIFEST_NAME = "blockdraft-manifest.json"
 MANIFEST_FORMAT = "blockdraft-manifest/1"
@@ -59,7 +61,7 @@ class InputRef(BaseModel):
 class Manifest(BaseModel):
     format: str = MANIFEST_FORMAT
     kind: str
-    created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
     tool_version: str = __version__
     config: dict[str, Any] = Field(default_factory=dict)
     lineage: list[InputRef] = Field(default_factory=list)
@@ -93,7 +95,6 @@ def manifest_input(store: Store) -> InputRef:
 
 def raw_input(store: Store, info: ObjectInfo) -> InputRef:
     return InputRef(kind="raw", url=f"{store.url.rstrip('/')}/{info.key}", size=info.size, checksum=info.checksum, etag=info.etag)
-
 
 
 @dataclass
@@ -205,10 +206,8 @@ def verify_artifact(store: Store, check_inputs: bool = False, open_url: Callable
     elif State.CORRUPT in states:
         report.state = State.CORRUPT
     elif check_inputs:
-        if open_url is None:
-            from blockdraft.store import open_store as open_url
         for ref in manifest.lineage:
-            reason = _input_changed(ref, open_url)
+            reason = _input_changed(ref, open_url or open_store)
             if reason:
                 report.problems.append(FileProblem(ref.url, State.STALE, reason))
         if report.problems:
@@ -270,8 +269,7 @@ def commit_manifest(store: Store, raw: bytes) -> VerifyReport:
 
 
 def entry_for_local_file(root: Path, path: Path) -> FileEntry:
-    from blockdraft.store.checksum import crc64nvme_file
-
+    """The manifest entry of local file `path` under `root`: its '/'-separated relative path, size and checksum."""
     size, checksum = crc64nvme_file(path)
     return FileEntry(path=path.relative_to(root).as_posix(), size=size, checksum=checksum)
 

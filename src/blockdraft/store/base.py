@@ -7,10 +7,14 @@ each backend only moves bytes and reports what is at the destination.
 from __future__ import annotations
 
 import abc
+import os
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,6 @@ class Store(abc.ABC):
 
     def checksum_by_reading(self, key: str) -> tuple[int, str]:
         """(size, checksum) recomputed from the bytes read back from the destination."""
-        from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
-
         crc = Crc64Nvme()
         size = 0
         with self.open_read(key) as f:
@@ -84,11 +86,6 @@ class Store(abc.ABC):
 
         Returns (size, base64 CRC64NVME) of the bytes as received, for the caller to compare with the manifest.
         """
-        import os
-        import uuid
-
-        from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
-
         local_path = Path(local_path)
         local_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = local_path.parent / f".tmp-{local_path.name}.{uuid.uuid4().hex[:8]}"

@@ -20,7 +20,7 @@ class Crc64Nvme:
     def __init__(self) -> None:
         self._crc = 0
 
-    def update(self, data: bytes | bytearray | memoryview) -> None:
+    def update(self, data: bytes) -> None:
         self._crc = checksums.crc64nvme(data, self._crc)
 
     @property

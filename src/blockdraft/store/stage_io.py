@@ -26,8 +26,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from blockdraft.config import StoreConfig
 from blockdraft.errors import ArtifactError
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
@@ -45,9 +46,6 @@ from blockdraft.store.artifact import (
     uncommit,
     verify_artifact,
 )
-
-if TYPE_CHECKING:
-    from blockdraft.config import StoreConfig
 
 PIECES_DIR = ".blockdraft-pieces"
 STAGE_KEY = "stage_key"  # the manifest's config field that names what the output was made from

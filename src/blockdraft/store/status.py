@@ -85,7 +85,7 @@ def format_lineage(refs: list[InputRef]) -> str:
 
 def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
     """A Markdown status page; every claim on it was just read from the destination."""
-    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     counts = {state: sum(a.state is state for a in artifacts) for state in State}
     lines = [
         f"# blockdraft status: {url}",

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import errno
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from blockdraft.config import StoreConfig
 from blockdraft.errors import ArtifactError, StoreError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import (
     MANIFEST_NAME,
     FileEntry,
     FileProblem,
-    Manifest,
     State,
     VerifyReport,
     check_file,
@@ -30,12 +31,12 @@ from blockdraft.store.artifact import (
     manifest_sha256,
     read_manifest,
     uncommit,
-    verify_artifact,
 )
 from blockdraft.store.base import Store
 from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.local import LocalStore
 from blockdraft.store.preflight import preflight
+from blockdraft.store.stage_io import StageOutput
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -62,10 +63,6 @@ class TransferReport:
         )
 
 
-def _concurrency(settings: object | None) -> int:
-    return int(getattr(settings, "concurrency", 8))
-
-
 def _run_all(fn: Callable[[FileEntry], None], entries: list[FileEntry], workers: int) -> None:
     """Run fn over entries on `workers` threads; the first failure is raised after the others finish."""
     if not entries:
@@ -75,23 +72,22 @@ def _run_all(fn: Callable[[FileEntry], None], entries: list[FileEntry], workers:
             future.result()
 
 
-def _already_there(dest: Store, manifest: Manifest, raw: bytes, report: TransferReport, start: float) -> bool:
-    """True (and `report` filled) when `dest` already holds this very manifest and verifies; otherwise uncommit any
-    other manifest there, since no reader may see it over the new files about to be written."""
-    found = read_manifest(dest)
-    if found is None:
+def _copy_already_done(dest: Store, raw: bytes, report: TransferReport, start: float) -> bool:
+    """True (and `report` filled, every file skipped) when `dest` already holds the manifest `raw`, byte for byte, and
+    verifies (`StageOutput.done`, the one place that decides it). Otherwise the destination is uncommitted, since no
+    reader may see an old manifest over the new files about to be written."""
+    copy = StageOutput.copy(dest, raw)
+    done = copy.done()
+    if done is None:
+        copy.begin()
         return False
-    if found[1] == raw:
-        current = verify_artifact(dest)
-        if current.state is State.VERIFIED:
-            report.skipped = [e.path for e in manifest.files]
-            report.verify, report.seconds = current, time.monotonic() - start
-            return True
-    uncommit(dest)
-    return False
+    assert done.manifest is not None
+    report.skipped = [e.path for e in done.manifest.files]
+    report.verify, report.seconds = done, time.monotonic() - start
+    return True
 
 
-def push(local_dir: str | Path, url: str, settings: object | None = None) -> TransferReport:
+def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = None) -> TransferReport:
     """Upload the committed artifact in `local_dir` to `url`, verify every file there, then commit its manifest.
 
     Raises ArtifactError when the local folder holds no manifest or a file that does not match it, and
@@ -108,10 +104,10 @@ def push(local_dir: str | Path, url: str, settings: object | None = None) -> Tra
         if not path.is_file() or path.stat().st_size != entry.size:
             raise ArtifactError(f"local artifact {source.root} is not intact: {entry.path} is absent or has the wrong size; run `blockdraft verify` on it")
 
-    dest = open_store(url, settings)
+    dest = open_store(url, store_config)
     preflight(dest)
     report = TransferReport(source=source.url, destination=dest.url)
-    if _already_there(dest, manifest, raw, report, start):
+    if _copy_already_done(dest, raw, report, start):
         return report
     report.aborted_uploads = dest.abort_partial_uploads()
 
@@ -125,7 +121,7 @@ def push(local_dir: str | Path, url: str, settings: object | None = None) -> Tra
         if problem is not None:
             raise ArtifactError(f"{dest.url.rstrip('/')}/{entry.path} did not verify after upload: {problem.detail}; rerun the push")
 
-    _run_all(upload, todo, _concurrency(settings))
+    _run_all(upload, todo, (store_config or StoreConfig()).concurrency)
     report.moved = [e.path for e in todo]
     report.moved_bytes = sum(e.size for e in todo)
     report.verify = commit_manifest(dest, raw)
@@ -151,24 +147,25 @@ def _free_bytes(folder: Path) -> int:
     return shutil.disk_usage(probe).free
 
 
-def pull(url: str, local_dir: str | Path, settings: object | None = None) -> TransferReport:
+def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = None) -> TransferReport:
     """Download the artifact at `url` into `local_dir`, recomputing every checksum, and write its manifest last.
 
     Refuses (ArtifactError listing the bad files) an artifact with no manifest or with files that do not
     match it; a full disk is one StoreError line and leaves no local manifest.
     """
     start = time.monotonic()
-    source = open_store(url, settings)
+    workers = (store_config or StoreConfig()).concurrency
+    source = open_store(url, store_config)
     found = read_manifest(source)
     if found is None:
         raise ArtifactError(f"refusing to pull {source.url}: no manifest there, so it is incomplete (nothing was verified)")
     manifest, raw = found
     dest = LocalStore(local_dir)
     report = TransferReport(source=source.url, destination=dest.url)
-    if _already_there(dest, manifest, raw, report, start):
+    if _copy_already_done(dest, raw, report, start):
         return report
 
-    bad = _source_problems(source, manifest.files, _concurrency(settings))
+    bad = _source_problems(source, manifest.files, workers)
     if bad:
         raise _refuse(source.url, bad)
 
@@ -195,7 +192,7 @@ def pull(url: str, local_dir: str | Path, settings: object | None = None) -> Tra
             target.unlink(missing_ok=True)
             bad.append(FileProblem(entry.path, State.CORRUPT, f"received {size} bytes crc64nvme {checksum} != listed {entry.size} bytes {entry.checksum}"))
 
-    _run_all(download, todo, _concurrency(settings))
+    _run_all(download, todo, workers)
     if bad:
         raise _refuse(source.url, sorted(bad, key=lambda p: p.path))
     report.moved = [e.path for e in todo]
@@ -243,9 +240,9 @@ def _source_problems(source: Store, files: list[FileEntry], workers: int) -> lis
     return bad
 
 
-def staging_folder(url: str, settings: object | None) -> Path:
+def staging_folder(url: str, store_config: StoreConfig | None) -> Path:
     """Local folder where a stage writes an output bound for `url` (s3://bucket/prefix -> STAGING/bucket/prefix)."""
-    base = Path(getattr(settings, "staging_dir", "./blockdraft-staging"))
+    base = Path((store_config or StoreConfig()).staging_dir)
     return base.joinpath(*[part for part in url.split("://", 1)[1].split("/") if part])
 
 
@@ -256,8 +253,6 @@ class _FinishedPiecePusher:
     """
 
     def __init__(self, local: Path, remote: Store, finished: Callable[[Path], list[FileEntry]], poll_s: float) -> None:
-        import threading
-
         self.local, self.remote, self.finished, self.poll_s = local, remote, finished, poll_s
         self.pushed: set[str] = set()
         self.uncommitted = False
@@ -297,7 +292,7 @@ class _FinishedPiecePusher:
 
 def stage_and_push(
     url: str,
-    settings: object | None,
+    store_config: StoreConfig | None,
     run_stage: Callable[[Path], object],
     finished: Callable[[Path], list[FileEntry]],
     poll_s: float = 0.5,
@@ -310,14 +305,14 @@ def stage_and_push(
     reader sees it over new files; the final `push` verifies everything and writes the manifest last.
     Returns (what run_stage returned, the push report).
     """
-    remote = open_store(url, settings)
+    remote = open_store(url, store_config)
     preflight(remote)
-    local = staging_folder(url, settings)
+    local = staging_folder(url, store_config)
     local.mkdir(parents=True, exist_ok=True)
     pusher = _FinishedPiecePusher(local, remote, finished, poll_s)
     try:
         result = run_stage(local)
     finally:
         pusher.stop()
-    report = push(local, url, settings)
+    report = push(local, url, store_config)
     return result, report

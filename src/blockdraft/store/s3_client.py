@@ -1,0 +1,204 @@
+"""The S3 connection and its failures: endpoint and URL parsing, the boto3 client and part pool that every store
+under one URL shares, and the translation of any boto3/botocore failure into one `StoreError` line (docs/STORE.md).
+
+Imported only for `s3://` URLs (`open_store` imports the S3 backend lazily), so boto3's import cost is paid only there.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import botocore.exceptions as bex
+import botocore.loaders
+import botocore.session
+from boto3.session import Session
+from botocore.config import Config
+
+from blockdraft.config import StoreConfig
+from blockdraft.errors import StoreError
+
+MIB = 1024 * 1024
+T = TypeVar("T")
+
+
+def b64(crc: int) -> str:
+    """The S3 spelling of a CRC64NVME: base64 of its 8 big-endian bytes."""
+    return base64.b64encode(crc.to_bytes(8, "big")).decode()
+
+
+def resolve_endpoint(configured: str | None, environ: dict[str, str] | os._Environ = os.environ) -> str | None:
+    """Endpoint precedence (docs/STORE.md): flag or config (already merged into `configured`),
+    then AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL, then the AWS default (None)."""
+    return configured or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """('bucket', 'prefix/') from 's3://bucket/prefix'; the prefix is '' or ends with '/'."""
+    rest = url.removeprefix("s3://")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise StoreError(f"no bucket in {url}; write s3://bucket/prefix")
+    prefix = prefix.strip("/")
+    return bucket, (prefix + "/" if prefix else "")
+
+
+@dataclass
+class Connection:
+    """What every store under one URL shares: the client, the endpoint, and the bounded part pool.
+
+    `part_size` in bytes; `concurrency` parts (of every file of the store together) are in flight at most.
+    """
+
+    client: Any
+    endpoint: str | None
+    part_size: int
+    concurrency: int
+    _pool: ThreadPoolExecutor | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="s3-part")
+            return self._pool
+
+
+@functools.cache
+def _shared_loader() -> Any:
+    """One botocore data loader per process: the S3 service model is parsed once, not per store (~150 ms each)."""
+    return botocore.loaders.create_loader()
+
+
+def _client_config(region: str, endpoint: str | None, concurrency: int) -> Config:
+    return Config(
+        region_name=region,
+        signature_version="s3v4",
+        retries={"mode": "standard", "max_attempts": 3},
+        connect_timeout=5,
+        read_timeout=120,
+        max_pool_connections=2 * concurrency + 4,
+        # We always send our own CRC64NVME; botocore must not add a second checksum or validate ranged parts.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        # The body is covered by the signed x-amz-checksum header, which the server checks: hashing it again
+        # with SHA-256 for the signature would only cost a core over plain-HTTP endpoints.
+        s3={"addressing_style": "path" if endpoint else "auto", "payload_signing_enabled": False},
+    )
+
+
+def make_connection(store_config: StoreConfig | None) -> Connection:
+    """A client for `store_config` (None: the defaults), the AWS chain filling in what it leaves unset."""
+    cfg = store_config or StoreConfig()
+    endpoint = resolve_endpoint(cfg.endpoint_url)
+    core = botocore.session.get_session()
+    core.register_component("data_loader", _shared_loader())
+    try:
+        session = Session(botocore_session=core, profile_name=cfg.profile)
+    except bex.ProfileNotFound:
+        raise StoreError(f"AWS profile '{cfg.profile}' not found; fix store.profile / AWS_PROFILE or add it to ~/.aws/config") from None
+    region = cfg.region or session.region_name or "us-east-1"
+    client = session.client("s3", endpoint_url=endpoint, config=_client_config(region, endpoint, cfg.concurrency))
+    return Connection(client=client, endpoint=endpoint, part_size=cfg.part_size_mib * MIB, concurrency=cfg.concurrency)
+
+
+_PERMISSIONS = (
+    (("writing", "uploading", "starting an upload", "completing", "deleting", "aborting"), "write"),
+    (("reading", "downloading"), "read"),
+    (("listing",), "list"),
+)
+
+
+def _describe_client_error(exc: bex.ClientError, url: str, where: str, action: str) -> StoreError:
+    err = exc.response.get("Error", {})
+    code = str(err.get("Code", "")) or "?"
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    bucket = parse_s3_url(url)[0]
+    if code == "SignatureDoesNotMatch":
+        return StoreError(f"wrong secret key: {where} rejected the request signature for {url}; fix AWS_SECRET_ACCESS_KEY or the profile's secret")
+    if code in ("InvalidAccessKeyId", "InvalidClientTokenId", "ExpiredToken", "InvalidToken"):
+        return StoreError(f"{where} does not accept this access key ({code}) for {url}; fix AWS_ACCESS_KEY_ID / the profile, or refresh the session token")
+    if code == "NoSuchBucket":
+        return StoreError(f"no such bucket '{bucket}' at {where}; create it or fix the URL {url}")
+    if code == "AccessDenied" or (status == 403 and code in ("403", "Forbidden")):
+        perm = next((p for verbs, p in _PERMISSIONS if action.startswith(verbs)), "the needed")
+        return StoreError(f"access denied: no {perm} permission on {url} for these credentials (while {action}); use an identity allowed to {perm} there")
+    if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"):
+        return StoreError(f"{where} rejected the bytes of {url} while {action}: checksum mismatch in transit ({code}); retry")
+    message = str(err.get("Message", ""))[:200]
+    return StoreError(f"S3 error while {action} {url}: {code} {message}".rstrip())
+
+
+def describe_error(exc: BaseException, url: str, endpoint: str | None, action: str) -> StoreError | None:
+    """One line naming the cause and the fix for a boto3/botocore failure, or None for a non-S3 error.
+
+    Messages carry the URL, the endpoint and the server's error code, never a credential value.
+    """
+    where = endpoint or "the AWS default endpoint"
+    if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
+        return StoreError(
+            f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE / store.profile "
+            "naming a profile in ~/.aws/credentials"
+        )
+    if isinstance(exc, bex.ReadTimeoutError):
+        return StoreError(f"S3 endpoint {where} stopped answering while {action} (read timeout); retry, or check the server")
+    if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ConnectionClosedError, bex.HTTPClientError)):
+        return StoreError(
+            f"S3 endpoint {where} unreachable or connection lost while {action} ({type(exc).__name__}); "
+            "check store.endpoint_url / AWS_ENDPOINT_URL and that the server runs, then rerun (verified files are kept)"
+        )
+    if isinstance(exc, bex.ClientError):
+        return _describe_client_error(exc, url, where, action)
+    if isinstance(exc, bex.BotoCoreError):
+        return StoreError(f"S3 client error while {action} {url}: {type(exc).__name__}: {exc}")
+    return None
+
+
+def is_not_found(exc: BaseException) -> bool:
+    if not isinstance(exc, bex.ClientError):
+        return False
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """One `bucket` and key `prefix` ('' or ending in '/') on a connection: maps store keys to object keys and runs
+    client calls there, each failure turned into FileNotFoundError (absent) or one StoreError line."""
+
+    bucket: str
+    prefix: str
+    conn: Connection
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def key(self, key: str) -> str:
+        return self.prefix + key
+
+    @contextmanager
+    def errors(self, action: str, key: str) -> Iterator[None]:
+        """Turn S3 failures into FileNotFoundError (absent) or one StoreError line; others pass through."""
+        try:
+            yield
+        except Exception as exc:
+            if is_not_found(exc):
+                raise FileNotFoundError(f"{self.url}{key} absent") from None
+            err = describe_error(exc, self.url + key, self.conn.endpoint, action)
+            if err is None:
+                raise
+            raise err from None
+
+    def call(self, action: str, key: str, fn: Callable[..., T], **kwargs: Any) -> T:
+        """`fn(Bucket=bucket, **kwargs)` (a client method), its failures described as `action` on `key`."""
+        with self.errors(action, key):
+            return fn(Bucket=self.bucket, **kwargs)
