@@ -19,9 +19,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from blockdraft.config import StoreConfig
 from blockdraft.errors import ConfigError
 from blockdraft.store import Store, open_store
-from blockdraft.store.artifact import InputRef, manifest_input, raw_input, read_manifest
+from blockdraft.store.artifact import InputRef, raw_input, read_manifest
+from blockdraft.store.stage_io import open_input
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
 PARQUET_BATCH_ROWS = 256
@@ -263,23 +265,22 @@ def normalise(record: RawRecord) -> Conversation:
     return conv
 
 
-def list_completions(input_url: str, settings: Any) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
+def list_completions(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
     """(store, [(key, size, checksum)], lineage) of the completions at `input_url`: a file, a folder or an artifact."""
-    store = open_store(input_url, settings)
+    store = open_store(input_url, store_config)
     local = store.local_path()
     if local is not None and local.is_file():
-        store = open_store(local.parent, settings)
+        store = open_store(local.parent, store_config)
         keys = [local.name]
     elif local is not None and not local.exists():
         raise ConfigError(f"input {input_url} does not exist; pass a completions file or folder")
     else:
-        found = read_manifest(store)
-        if found is not None:
-            ref = manifest_input(store)
-            files = [(f.path, f.size, f.checksum) for f in found[0].files if is_completions_file(f.path)]
+        if read_manifest(store) is not None:
+            artifact = open_input(store)
+            files = [(f.path, f.size, f.checksum) for f in artifact.manifest.files if is_completions_file(f.path)]
             if not files:
                 raise ConfigError(f"input artifact {input_url} lists no completions files ({', '.join(SUFFIXES)})")
-            return store, files, [ref]
+            return store, files, [artifact.ref]
         keys = [info.key for info in store.list() if is_completions_file(info.key) and not info.key.startswith(".")]
     if not keys:
         raise ConfigError(f"input {input_url} has no completions files ({', '.join(SUFFIXES)}); point INPUT at a file or folder of them")
