@@ -75,16 +75,16 @@ def tiny_suite(args) -> None:
     from blockdraft.model.drafter import DFlashDrafter
     from blockdraft.model.formats import find_resumable
     from blockdraft.model.target import load_target
-    from blockdraft.stages.eval.stage import load_tokenizer, prompts_from_jsonl, stop_token_ids
-    from blockdraft.stages.tokenize.stage import tokenize_dataset
-    from blockdraft.stages.train.loop import train
+    from blockdraft.stages import tokenize as tokenize_stage
+    from blockdraft.stages import train as train_stage
+    from blockdraft.stages.eval.prompts import load_target_tokenizer, prompts_from_jsonl, stop_token_ids
     from blockdraft.store import open_store
 
     fixture = json.loads((TINY / "fixture.json").read_text())
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
         work = Path(tmp)
         base = {"target": {"path": str(TINY)}, "store": {"url": str(work / "store")}, "tokenize": {"held_out_fraction": 0.0}}
-        tokenize_dataset(str(TINY / "completions.jsonl"), str(work / "tokenized"), load_config(None, base))
+        tokenize_stage.run(load_config(None, base), str(TINY / "completions.jsonl"), str(work / "tokenized"))
         cfg = load_config(None, {
             **base,
             "dflash": {"block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_draft_layers": 2, "num_anchors": 32},
@@ -93,37 +93,37 @@ def tiny_suite(args) -> None:
                       "checkpoint_every": args.train_steps, "seed": args.seed},
         })
         started = time.perf_counter()
-        train(cfg)
+        train_stage.run(cfg)
         print(f"\n[tiny] trained a 2-layer B=8 drafter for {args.train_steps} steps in {time.perf_counter() - started:.0f} s")
         found = find_resumable(open_store(work / "run"))
         drafter = DFlashDrafter.from_pretrained(found.store.local_path()).eval()
     target = load_target(str(TINY), "cpu", torch.float32)
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_target_tokenizer(cfg)
     prompts = prompts_from_jsonl(TINY / "prompts.jsonl", tokenizer, cfg, args.tiny_prompts)
     stops = stop_token_ids(target, tokenizer)
     report_set("tiny", target, drafter, prompts, args.tiny_max_new_tokens, stops, args.repeats, args.threads)
 
 
 def report_set(label, target, drafter, prompts, max_new_tokens, stops, repeats, threads) -> None:
-    from blockdraft.stages.eval.stage import evaluate
+    from blockdraft.stages.eval import evaluate
 
     runs = []
     for _ in range(repeats):
         report = evaluate(target, drafter, prompts, max_new_tokens, stops=stops, tolerance=1e-4)
-        assert report["lossless"]["ok"], report["lossless"]
+        assert report.lossless.ok, report.lossless
         runs.append(report)
-    best = min(runs, key=lambda r: r["greedy"]["wall_s"])
-    greedy = best["greedy"]
-    print(f"\n[{label}] {len(prompts)} prompts x up to {max_new_tokens} new tokens, B={best['block_size']}, {threads} thread(s), "
+    best = min(runs, key=lambda r: r.greedy.wall_s)
+    greedy = best.greedy
+    print(f"\n[{label}] {len(prompts)} prompts x up to {max_new_tokens} new tokens, B={best.block_size}, {threads} thread(s), "
           f"best of {repeats}")
     print(f"{'path':10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'fwd/tok':>8} {'draft%':>7} {'exact':>6}")
-    print(f"{'greedy':10} {'-':>6} {greedy['tokens_per_s']:8.1f} {1.0:8.2f} {greedy['target_forwards_per_token']:8.3f} {'-':>7} {'-':>6}")
-    exact = {name: not any(d["drafter"] == name for d in best["lossless"]["divergences"]) for name in best["drafters"]}
-    for name, m in best["drafters"].items():
-        share = m["draft_s"] / max(m["draft_s"] + m["verify_s"], 1e-12)
-        print(f"{name:10} {m['tau']:6.3f} {m['tokens_per_s']:8.1f} {m['speedup']:8.2f} {m['target_forwards_per_token']:8.3f} "
+    print(f"{'greedy':10} {'-':>6} {greedy.tokens_per_s:8.1f} {1.0:8.2f} {greedy.target_forwards_per_token:8.3f} {'-':>7} {'-':>6}")
+    exact = {name: not any(d.drafter == name for d in best.lossless.divergences) for name in best.drafters}
+    for name, m in best.drafters.items():
+        share = m.draft_s / max(m.draft_s + m.verify_s, 1e-12)
+        print(f"{name:10} {m.tau:6.3f} {m.tokens_per_s:8.1f} {m.speedup:8.2f} {m.target_forwards_per_token:8.3f} "
               f"{100 * share:6.1f}% {str(exact[name]):>6}")
-    speedups = {name: [round(r["drafters"][name]["speedup"], 2) for r in runs] for name in best["drafters"]}
+    speedups = {name: [round(r.drafters[name].speedup, 2) for r in runs] for name in best.drafters}
     print("speedup per repeat:", json.dumps(speedups))
 
 

@@ -12,21 +12,18 @@ from typer.testing import CliRunner
 from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.decode.speculative import GreedyResult, SpecResult
-from blockdraft.errors import EvalError
+from blockdraft.errors import ArtifactError, DecodeError, EvalError
 from blockdraft.model.drafter import DFlashDrafter
-from blockdraft.stages.eval.stage import (
-    check_checkpoint_matches,
-    first_divergence,
-    open_checkpoint,
-    prompts_from_tokenized,
-    run_eval,
-    summary_lines,
-)
-from blockdraft.stages.tokenize.stage import tokenize_dataset
-from blockdraft.stages.train.checkpoint import save_checkpoint
-from blockdraft.stages.train.loop import resolved_training_config
+from blockdraft.reporter import Reporter
+from blockdraft.stages import eval as eval_stage
+from blockdraft.stages import tokenize as tokenize_stage
+from blockdraft.stages.eval import EvalReport, first_divergence, summary_lines
+from blockdraft.stages.eval.checkpoint import check_checkpoint_matches, open_checkpoint
+from blockdraft.stages.eval.prompts import held_out_prompts
+from blockdraft.stages.train import resolved_training_config, save_checkpoint
 from blockdraft.store import open_store
-from blockdraft.store.artifact import State, manifest_input, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, State, manifest_input, verify_artifact
+from blockdraft.store.stage_io import open_input
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = FIXTURES / "dflash-golden"
@@ -59,7 +56,7 @@ def tokenized(tmp_path_factory) -> str:
     (tmp / "in").mkdir()
     (tmp / "in" / "part-00.jsonl").write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(24)))
     cfg = load_config(None, {"target": {"path": str(TOKENIZER_DIR)}, "tokenize": {"held_out_fraction": 0.5}})
-    tokenize_dataset(str(tmp / "in"), str(tmp / "out"), cfg)
+    tokenize_stage.run(cfg, str(tmp / "in"), str(tmp / "out"))
     return str(tmp / "out")
 
 
@@ -103,6 +100,21 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     report = json.loads((out / "report.json").read_text())
+    assert list(report) == [
+        "block_size", "mask_token_id", "target_layer_ids", "max_new_tokens", "num_prompts", "stop_token_ids", "target_dtype",
+        "greedy", "drafters", "lossless", "prompts", "checkpoint", "target", "prompts_source", "template_sha256",
+    ]
+    assert list(report["greedy"]) == ["new_tokens", "target_forwards", "target_forwards_per_token", "wall_s", "tokens_per_s", "min_margin"]
+    assert list(report["drafters"]) == ["dflash", "ngram", "untrained"]
+    assert list(report["drafters"]["dflash"]) == [
+        "tau", "cycles", "histogram", "position_acceptance", "conditional_acceptance", "new_tokens", "target_forwards",
+        "target_forwards_per_token", "wall_s", "tokens_per_s", "draft_s", "verify_s", "speedup",
+    ]
+    assert list(report["prompts"][0]) == [
+        "index", "prompt_len", "new_tokens", "tau_dflash", "acceptance_lengths_dflash", "tau_ngram", "acceptance_lengths_ngram",
+        "tau_untrained", "acceptance_lengths_untrained",
+    ]
+    assert report["checkpoint"] == str(golden_run) and report["prompts_source"] == str(prompts)
     assert [p["acceptance_lengths_dflash"] for p in report["prompts"]] == [c["acceptance_lengths"] for c in golden["decode"]]
     assert report["lossless"] == {"ok": True, "tolerance": 1e-4, "divergences": []}
     assert len(report["template_sha256"]) == 64  # pinned in the checkpoint from its data
@@ -132,14 +144,14 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
 def test_eval_refuses_a_checkpoint_that_contradicts_the_config(tmp_path, golden_run, dflash, field):
     cfg = golden_config(tmp_path, dflash=dflash)
     with pytest.raises(EvalError, match=rf"trained with {field} = .*set {field} = "):
-        run_eval(cfg, str(golden_run), prompts=str(tmp_path / "unused.jsonl"))
+        eval_stage.run(cfg, str(golden_run), prompts=str(tmp_path / "unused.jsonl"))
 
 
 def test_eval_refuses_a_chat_template_other_than_the_training_rows(tmp_path, golden_run):
     other = FIXTURES / "chat-templates" / "trl_qwen3_5_think.jinja"
     cfg = golden_config(tmp_path, target={"tokenizer": str(TOKENIZER_DIR), "chat_template": str(other)})
     with pytest.raises(EvalError, match=r"chat template sha256 \w{12}.*set target\.chat_template"):
-        run_eval(cfg, str(golden_run), prompts=str(tmp_path / "unused.jsonl"))
+        eval_stage.run(cfg, str(golden_run), prompts=str(tmp_path / "unused.jsonl"))
     # The tokenizer's own template is the one the rows were rendered with: accepted.
     same = golden_config(tmp_path, target={"tokenizer": str(TOKENIZER_DIR)})
     from transformers import AutoConfig
@@ -162,30 +174,29 @@ def test_eval_refuses_hybrid_attention_targets(tmp_path, golden_run):
 
     Qwen3NextConfig(num_hidden_layers=8).save_pretrained(tmp_path / "hybrid")
     cfg = golden_config(tmp_path, target={"path": str(tmp_path / "hybrid")})
-    with pytest.raises(EvalError, match="hybrid attention.*until state snapshot/rollback exists"):
-        run_eval(cfg, str(golden_run))
+    with pytest.raises(DecodeError, match="hybrid attention.*until state snapshot/rollback exists"):
+        eval_stage.run(cfg, str(golden_run))
 
 
 def test_eval_refuses_an_artifact_that_is_not_a_drafter(tmp_path, tokenized):
-    with pytest.raises(EvalError, match="'tokenized' artifact, not a drafter"):
-        open_checkpoint(tokenized, golden_config(tmp_path), tmp_path)
+    with pytest.raises(ArtifactError, match="'tokenized' artifact, not a drafter"):
+        eval_stage.run(golden_config(tmp_path), tokenized, prompts=str(tmp_path / "unused.jsonl"))
 
 
 def test_prompts_come_from_the_held_out_rows_up_to_the_first_supervised_token(tmp_path, tokenized):
     import datasets
     from transformers import AutoTokenizer
 
-    cfg = golden_config(tmp_path)
-    prompts, lineage = prompts_from_tokenized(tokenized, cfg, limit=100, workdir=tmp_path)
+    data = open_input(tokenized)
+    prompts = held_out_prompts(data, limit=100, workdir=tmp_path)
     held = datasets.load_from_disk(tokenized)["held_out"]
     assert 0 < len(prompts) == len(held) < 24
-    assert lineage.kind == "manifest" and lineage.sha256
+    assert data.ref.kind == "manifest" and data.ref.sha256
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    for ids, row in zip(prompts, held):
+    for ids, row in zip(prompts, held, strict=True):
         assert row["input_ids"][: len(ids)] == ids and row["loss_mask"][len(ids)] == 1 and not any(row["loss_mask"][: len(ids)])
         assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
-    limited, _ = prompts_from_tokenized(tokenized, cfg, limit=2, workdir=tmp_path)
-    assert limited == prompts[:2]
+    assert held_out_prompts(data, limit=2, workdir=tmp_path) == prompts[:2]
 
 
 def test_divergences_are_reported_with_margin_and_fail_beyond_tolerance():
@@ -197,11 +208,13 @@ def test_divergences_are_reported_with_margin_and_fail_beyond_tolerance():
     assert near_tie.margin == 3e-7 and near_tie.tolerated
     real = first_divergence("ngram", 1, SpecResult([1, 2, 7, 4, 5], 2, [3]), greedy, 1e-4)
     assert real.position == 2 and real.margin == 0.5 and not real.tolerated
-    report = {
-        "greedy": {"tokens_per_s": 1.0, "target_forwards_per_token": 1.0},
-        "drafters": {},
-        "lossless": {"ok": False, "tolerance": 1e-4, "divergences": [vars(near_tie), vars(real)]},
-    }
+    report = EvalReport.model_validate({
+        "block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "max_new_tokens": 3, "num_prompts": 2,
+        "stop_token_ids": [], "target_dtype": "float32", "drafters": {}, "prompts": [],
+        "greedy": {"new_tokens": 3, "target_forwards": 3, "target_forwards_per_token": 1.0, "wall_s": 3.0, "tokens_per_s": 1.0,
+                   "min_margin": 3e-7},
+        "lossless": {"ok": False, "tolerance": 1e-4, "divergences": [near_tie, real]},
+    })
     lines = summary_lines(report)
     assert "lossless\tFAILED\t2 divergence(s)" in lines[1]
     assert "near-tie" in lines[2] and "ngram prompt 1 position 2" in lines[3] and "beyond tolerance" in lines[3]
@@ -211,7 +224,7 @@ def test_eval_refuses_prompts_tokenized_for_another_model(tmp_path, golden_run, 
     # Qwen3-tokenized held-out rows hold ids far beyond the golden target's 512-row embedding.
     cfg = golden_config(tmp_path, train={"data": tokenized})
     with pytest.raises(EvalError, match=r"prompt token id \d+ is outside the target's vocabulary \(0\.\.511\)"):
-        run_eval(cfg, str(golden_run))
+        eval_stage.run(cfg, str(golden_run))
 
 
 @pytest.mark.parametrize("command", ["eval", "train"])
@@ -226,3 +239,54 @@ def test_a_wrong_target_path_is_one_line_naming_the_field(tmp_path, command):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "target.path" in result.output and "Traceback" not in result.output
+
+
+class ProgressLog(Reporter):
+    """Keeps every progress call as (task, completed, total)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def progress(self, task, completed, total=None, **fields) -> None:
+        self.calls.append((task, completed, total))
+
+
+def test_a_second_eval_of_the_same_checkpoint_prompts_and_settings_is_already_done(tmp_path, golden_run):
+    golden = json.loads((GOLDEN / "golden.json").read_text())["decode"][:2]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": case["prompt"]}) + "\n" for case in golden))
+    cfg = golden_config(tmp_path, eval={"max_new_tokens": 8})
+    out = tmp_path / "report"
+    reporter = ProgressLog()
+    first = eval_stage.run(cfg, str(golden_run), str(out), reporter, prompts=str(prompts))
+    assert not first.already_done and first.report.state is State.VERIFIED and first.stage == "eval"
+    assert reporter.calls == [("eval", 0, 2), ("eval", 1, 2), ("eval", 2, 2)]  # one step per prompt
+    assert EvalReport.from_json((out / "report.json").read_text()) == first.details
+    manifest = (out / MANIFEST_NAME).read_bytes()
+
+    again = eval_stage.run(cfg, str(golden_run), str(out), reporter, prompts=str(prompts))
+    assert again.already_done and again.report.state is State.VERIFIED
+    assert again.details == first.details  # the stored report, not a new run (its timings would differ)
+    assert (out / MANIFEST_NAME).read_bytes() == manifest
+    assert len(reporter.calls) == 3 and "already holds" in reporter.lines[-1]
+
+    changed = golden_config(tmp_path, eval={"max_new_tokens": 8, "untrained_baseline": False})
+    rerun = eval_stage.run(changed, str(golden_run), str(out), prompts=str(prompts))
+    assert not rerun.already_done and set(rerun.details.drafters) == {"dflash", "ngram"}
+    assert (out / MANIFEST_NAME).read_bytes() != manifest
+    assert verify_artifact(open_store(out)).state is State.VERIFIED
+
+    longer = eval_stage.run(cfg, str(golden_run), str(out), prompts=str(prompts), max_new_tokens=12)
+    assert not longer.already_done and longer.details.max_new_tokens == 12
+
+
+def test_eval_without_output_writes_to_the_store_and_finds_its_report_there_again(tmp_path, golden_run):
+    golden = json.loads((GOLDEN / "golden.json").read_text())["decode"][:1]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": case["prompt"]}) + "\n" for case in golden))
+    cfg = golden_config(tmp_path, eval={"max_new_tokens": 4, "untrained_baseline": False})
+    first = eval_stage.run(cfg, str(golden_run), prompts=str(prompts))
+    assert first.url.startswith(str(tmp_path / "store" / "eval") + "/")
+    again = eval_stage.run(cfg, str(golden_run), prompts=str(prompts))
+    assert again.already_done and again.url == first.url

@@ -9,9 +9,9 @@ import pytest
 
 from blockdraft.config import load_config
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
-from blockdraft.stages.eval.stage import run_eval
-from blockdraft.stages.tokenize.stage import tokenize_dataset
-from blockdraft.stages.train.loop import train
+from blockdraft.stages import eval as eval_stage
+from blockdraft.stages import tokenize as tokenize_stage
+from blockdraft.stages import train as train_stage
 
 TINY = TINY_TARGET_DIR
 
@@ -21,7 +21,7 @@ TINY = TINY_TARGET_DIR
 def test_trained_drafter_doubles_untrained_tau_and_beats_ngram_on_held_out_prompts(tmp_path):
     fixture = json.loads((TINY / "fixture.json").read_text())
     base = {"target": {"path": str(TINY)}, "store": {"url": str(tmp_path / "store")}, "tokenize": {"held_out_fraction": 0.0}}
-    tokenize_dataset(str(TINY / "completions.jsonl"), str(tmp_path / "tokenized"), load_config(None, base))
+    tokenize_stage.run(load_config(None, base), str(TINY / "completions.jsonl"), str(tmp_path / "tokenized"))
     cfg = load_config(None, {
         **base,
         "dflash": {"block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_draft_layers": 1, "num_anchors": 32},
@@ -29,12 +29,12 @@ def test_trained_drafter_doubles_untrained_tau_and_beats_ngram_on_held_out_promp
                   "max_steps": 200, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05, "checkpoint_every": 200, "seed": 0},
         "eval": {"num_prompts": 8},
     })
-    train(cfg)
+    train_stage.run(cfg)
     # prompts.jsonl: held-out conversations the target never trained on, whose completions are not in the training rows.
-    report, _ = run_eval(cfg, str(tmp_path / "run"), prompts=str(TINY / "prompts.jsonl"), max_new_tokens=64)
-    tau = {name: m["tau"] for name, m in report["drafters"].items()}
-    print("tau", tau, "speedup", {name: round(m["speedup"], 2) for name, m in report["drafters"].items()})
-    assert report["lossless"]["ok"], report["lossless"]
-    assert len(report["template_sha256"]) == 64  # train pinned the tokenized rows' template into the checkpoint
+    report = eval_stage.run(cfg, str(tmp_path / "run"), prompts=str(TINY / "prompts.jsonl"), max_new_tokens=64).details
+    tau = {name: m.tau for name, m in report.drafters.items()}
+    print("tau", tau, "speedup", {name: round(m.speedup, 2) for name, m in report.drafters.items()})
+    assert report.lossless.ok, report.lossless
+    assert report.template_sha256 is not None and len(report.template_sha256) == 64  # train pinned the tokenized rows' template into the checkpoint
     assert tau["dflash"] >= 2 * tau["untrained"], tau
     assert tau["dflash"] > tau["ngram"], tau

@@ -16,10 +16,13 @@ from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
 from blockdraft.errors import SpecError
 from blockdraft.model import DFlashDrafter, DraftCache, DrafterSpec, TargetHead, draft_step, load_target
 from blockdraft.model.formats import EXPORT_KIND, PROVENANCE_NAME
-from blockdraft.stages.export.stage import SERVING_NAME, export, export_drafter
-from blockdraft.stages.train.checkpoint import save_checkpoint
+from blockdraft.reporter import Reporter
+from blockdraft.stages import export as export_stage
+from blockdraft.stages.export import SERVING_NAME, export_drafter
+from blockdraft.stages.train import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, manifest_input, verify_artifact
+from blockdraft.store.stage_io import StageOutput, stage_key
 
 GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 # What SGLang/vLLM read from config.json: every one must match the reference export.
@@ -29,6 +32,11 @@ DFLASH_FIELDS = [
     "tie_word_embeddings", "attention_bias", "layer_types", "use_sliding_window", "sliding_window", "rope_theta",
     "rope_scaling", "rope_parameters", "num_target_layers", "block_size", "dflash_config",
 ]
+
+
+def destination(path: Path) -> StageOutput:
+    """An export output for a drafter held in memory (no checkpoint to key it by)."""
+    return StageOutput(open_store(path), EXPORT_KIND, stage_key({"test": "in-memory drafter"}))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +56,7 @@ def _draft_logits(drafter: DFlashDrafter, head: TargetHead, golden: dict) -> tor
 
 
 def test_export_of_golden_drafter_equals_reference_files(tmp_path, golden_drafter, target_config):
-    result = export_drafter(golden_drafter, target_config, open_store(tmp_path / "out"))
+    result = export_drafter(golden_drafter, target_config, destination(tmp_path / "out"))
     out = tmp_path / "out"
     written, reference = load_file(str(out / "model.safetensors")), load_file(str(GOLDEN / "drafter" / "model.safetensors"))
     assert sorted(written) == sorted(reference)
@@ -74,7 +82,7 @@ def test_export_round_trip_gives_identical_logits(tmp_path, golden_drafter):
     drafter = DFlashDrafter(spec).eval()
     for param in drafter.parameters():
         torch.nn.init.normal_(param, std=0.05)
-    export_drafter(drafter, target.config, open_store(tmp_path / "out"))
+    export_drafter(drafter, target.config, destination(tmp_path / "out"))
     loaded = DFlashDrafter.from_pretrained(tmp_path / "out").eval()
     assert loaded.spec.to_export_config() == spec.to_export_config()
     spec_features = golden["target_features"][..., : 64 * len(spec.target_layer_ids)]
@@ -84,7 +92,7 @@ def test_export_round_trip_gives_identical_logits(tmp_path, golden_drafter):
 
 def test_export_schema_five_layers(tmp_path, target_config):
     spec = DrafterSpec.from_target_config(target_config, DFlashConfig(block_size=16, mask_token_id=511))
-    result = export_drafter(DFlashDrafter(spec), target_config, open_store(tmp_path / "out"), location="/srv/drafter")
+    result = export_drafter(DFlashDrafter(spec), target_config, destination(tmp_path / "out"), location="/srv/drafter")
     tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
     h, k, d, inner = 64, 5, 16, 128
     expected = {"fc.weight": (h, k * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
@@ -110,7 +118,7 @@ def test_export_schema_five_layers(tmp_path, target_config):
     assert config["tie_word_embeddings"] is False and config["hidden_act"] == "silu"
 
     serving = json.loads((tmp_path / "out" / SERVING_NAME).read_text())
-    assert serving == result.serving
+    assert serving == result.details.serving
     assert "--speculative-algorithm DFLASH" in serving["sglang_args"]
     assert "--speculative-draft-model-path /srv/drafter --speculative-num-draft-tokens 16" in serving["sglang_args"]
     assert serving["vllm_speculative_config"] == {"method": "dflash", "model": "/srv/drafter", "num_speculative_tokens": 15}
@@ -127,7 +135,7 @@ def test_export_schema_five_layers(tmp_path, target_config):
 def test_export_refuses_a_mismatched_target(tmp_path, golden_drafter, target_config, change, message):
     other = AutoConfig.from_pretrained(GOLDEN / "target", **change)
     with pytest.raises(SpecError, match=message):
-        export_drafter(golden_drafter, other, open_store(tmp_path / "out"))
+        export_drafter(golden_drafter, other, destination(tmp_path / "out"))
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
 
 
@@ -158,7 +166,7 @@ def test_export_from_training_run_records_provenance(tmp_path, golden_drafter):
     run = _checkpoint(tmp_path, golden_drafter)
     (run / "step-00000020" / MANIFEST_NAME).unlink()  # the newest push never committed: export must take step 10
     out = tmp_path / "export"
-    result = export(str(run), str(out))
+    result = export_stage.run(BlockdraftConfig(), str(run), str(out))
     assert verify_artifact(open_store(out)).state is State.VERIFIED
     assert torch.equal(load_file(str(out / "model.safetensors"))["fc.weight"], golden_drafter.fc.weight)
     assert result.report.manifest.lineage[0].url == open_store(run / "step-00000010").url
@@ -199,4 +207,26 @@ def test_export_refuses_an_artifact_that_is_not_a_checkpoint(tmp_path):
     data = tmp_path / "data"
     _data_artifact(data)
     with pytest.raises(Exception, match="'tokenized' artifact, not a drafter checkpoint"):
-        export(str(data), str(tmp_path / "out"))
+        export_stage.run(BlockdraftConfig(), str(data), str(tmp_path / "out"))
+
+
+def test_a_second_export_of_the_same_checkpoint_is_already_done_and_another_target_exports_again(tmp_path, golden_drafter):
+    run = _checkpoint(tmp_path, golden_drafter)
+    out = tmp_path / "export"
+    first = export_stage.run(BlockdraftConfig(), str(run), str(out))
+    assert not first.already_done and first.stage == "export" and first.report.state is State.VERIFIED
+    manifest = (out / MANIFEST_NAME).read_bytes()
+
+    reporter = Reporter()
+    again = export_stage.run(BlockdraftConfig(), str(run), str(out), reporter)
+    assert again.already_done and again.report.state is State.VERIFIED and again.url == first.url
+    assert again.details == first.details  # read back from serving.json and blockdraft-export.json
+    assert (out / MANIFEST_NAME).read_bytes() == manifest and "already holds" in reporter.lines[-1]
+
+    # The serving settings name the target: another one is another export.
+    other_target = tmp_path / "other-target"
+    AutoConfig.from_pretrained(GOLDEN / "target").save_pretrained(other_target)
+    other = export_stage.run(BlockdraftConfig(), str(run), str(out), target=str(other_target))
+    assert not other.already_done and str(other_target) in other.details.serving["sglang_command"]
+    assert (out / MANIFEST_NAME).read_bytes() != manifest
+    assert verify_artifact(open_store(out)).state is State.VERIFIED

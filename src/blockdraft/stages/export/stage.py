@@ -3,6 +3,10 @@
 The export folder holds `config.json` + `model.safetensors` exactly as docs/DFLASH.md specifies (no embedding,
 no LM head), `blockdraft-export.json` (the resolved blockdraft config, the DFlash parameters, the chat-template hash,
 thinking mode and data lineage the drafter was trained with) and `serving.json` (the engine settings), and its manifest.
+
+It is written through `StageOutput` (docs/STORE.md, "Stage outputs and inputs"), keyed by the checkpoint (by content),
+the target whose config it is checked against and the location the serving settings name: a rerun with those unchanged
+leaves the export as it is.
 """
 
 from __future__ import annotations
@@ -10,34 +14,127 @@ from __future__ import annotations
 import json
 import shlex
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoConfig
+
+from blockdraft.config import BlockdraftConfig, StoreConfig
 from blockdraft.errors import ExportError, SpecError
 from blockdraft.model.drafter import DFlashDrafter
-from blockdraft.model.formats import CONFIG_NAME, EXPORT_KIND, PINNED_CONFIG_NAME, PROVENANCE_NAME, open_drafter_artifact
+from blockdraft.model.formats import CONFIG_NAME, EXPORT_KIND, PINNED_CONFIG_NAME, PROVENANCE_NAME, WEIGHTS_NAME, open_drafter_artifact
 from blockdraft.model.spec import DrafterSpec, default_gamma
-from blockdraft.store import Store, open_store
-from blockdraft.store.artifact import (
-    InputRef,
-    VerifyReport,
-    manifest_input,
-    publish_artifact,
-    read_manifest,
-    uncommit,
-)
+from blockdraft.reporter import Reporter
+from blockdraft.stages import StageResult
+from blockdraft.store import open_store
+from blockdraft.store.artifact import InputRef, read_manifest
+from blockdraft.store.stage_io import StageInput, StageOutput, stage_key
 
+STAGE = "export"
 SERVING_NAME = "serving.json"
-
+PROVENANCE_FORMAT = "blockdraft-export/1"
 
 
 @dataclass
 class ExportResult:
-    url: str
-    report: VerifyReport
+    """What an export holds beside the drafter: `serving` (serving.json: engine arguments and commands) and `provenance`
+    (blockdraft-export.json: DFlash parameters, resolved config, data facts)."""
+
     serving: dict[str, Any]
     provenance: dict[str, Any]
+
+
+def run(
+    config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None, *, target: str | None = None
+) -> StageResult:
+    """Export the verified checkpoint at `input` (a folder or URL, or a training output holding step-* checkpoints) to
+    `output` (a folder or s3:// URL); `details` is an ExportResult.
+
+    `target` overrides where the target model's config is read from (default: target.path pinned in the checkpoint).
+    Raises ArtifactError for an input that is not a verified drafter, ExportError for an inconsistent checkpoint or an
+    unreadable target, SpecError for a drafter the target contradicts.
+    """
+    started = time.perf_counter()
+    reporter = reporter or Reporter()
+    checkpoint = StageInput(*open_drafter_artifact(open_store(input, config.store)))
+    out_store = open_store(output, config.store)
+    if checkpoint.store.url.rstrip("/") == out_store.url.rstrip("/"):
+        raise ExportError(f"export destination {output} is the checkpoint itself; pass another folder or URL")
+    with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
+        resolved = _pinned_config(checkpoint, Path(tmp))
+        target_path = target or resolved.get("target", {}).get("path")
+        if not target_path:
+            raise ExportError("the checkpoint pins no target.path; pass --target with the target model's folder or hub id")
+        out = StageOutput(out_store, EXPORT_KIND, stage_key({"target": target_path, "location": output}, [checkpoint.ref]))
+        done = out.done()
+        if done is not None:
+            reporter.say(f"{out.url} already holds the export of this checkpoint for this target; nothing written")
+            return StageResult(STAGE, out.url, done, already_done=True, seconds=time.perf_counter() - started, details=_stored(out))
+        drafter = DFlashDrafter.from_pretrained(checkpoint.fetch([CONFIG_NAME, WEIGHTS_NAME], Path(tmp)))
+    dflash = resolved.get("dflash", {})
+    _check_pinned(drafter.spec, dflash)
+    result = export_drafter(
+        drafter,
+        _target_config(target_path),
+        out,
+        resolved_config=resolved,
+        lineage=[checkpoint.ref],
+        data_lineage=list(checkpoint.manifest.lineage),
+        gamma=_gamma(dflash, drafter.spec),
+        location=output,
+        target_path=target_path,
+        store_config=config.store,
+    )
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def export_drafter(
+    drafter: DFlashDrafter,
+    target_config: Any,
+    out: StageOutput,
+    resolved_config: dict[str, Any] | None = None,
+    lineage: list[InputRef] | None = None,
+    data_lineage: list[InputRef] | None = None,
+    gamma: float | None = None,
+    location: str | None = None,
+    target_path: str | None = None,
+    store_config: StoreConfig | None = None,
+) -> StageResult:
+    """Check the drafter against the target's HF config, write the export files to `out`, commit them as an artifact.
+
+    Refuses (SpecError) a mask id >= the target's embedding rows, layer ids outside the target, a hidden size that differs,
+    before anything is written. `lineage` pins the export's inputs (the checkpoint); `data_lineage` (the checkpoint's own
+    inputs: the tokenized data) is described in blockdraft-export.json with the template and thinking fields of those
+    inputs' manifests. `location` is what the serving settings name as the drafter path (default: the output's URL).
+    """
+    spec = drafter.spec
+    spec.check_target(target_config)
+    serving = serving_settings(location or out.url, spec.block_size, target_path)
+    provenance = {
+        "format": PROVENANCE_FORMAT,
+        "dflash": {
+            "mask_token_id": spec.mask_token_id,
+            "target_layer_ids": list(spec.target_layer_ids),
+            "block_size": spec.block_size,
+            "num_target_layers": spec.num_target_layers,
+            "gamma": gamma,
+        },
+        "config": resolved_config or {},
+        "data": _data_facts(list(data_lineage or []), store_config),
+    }
+    out.begin()
+    with tempfile.TemporaryDirectory(prefix="blockdraft-export-") as tmp:
+        root = Path(tmp)
+        paths = drafter.save_pretrained(root)
+        for name, payload in ((PROVENANCE_NAME, provenance), (SERVING_NAME, serving)):
+            (root / name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+            paths.append(root / name)
+        counts = {"tensors": len(drafter.state_dict()), "parameters": sum(p.numel() for p in drafter.parameters())}
+        report = out.publish(root, paths, config=resolved_config or {}, lineage=lineage or [], counts=counts)
+    return StageResult(STAGE, out.url, report, details=ExportResult(serving, provenance))
 
 
 def serving_settings(location: str, block_size: int, target: str | None = None) -> dict[str, Any]:
@@ -54,7 +151,42 @@ def serving_settings(location: str, block_size: int, target: str | None = None) 
     }
 
 
-def _data_facts(lineage: list[InputRef], store_settings: Any) -> list[dict[str, Any]]:
+def _pinned_config(checkpoint: StageInput, dest: Path) -> dict[str, Any]:
+    """The resolved config the drafter was trained with: the checkpoint's pinned file, else its manifest's config."""
+    if PINNED_CONFIG_NAME not in {e.path for e in checkpoint.manifest.files}:
+        return checkpoint.manifest.config or {}
+    return json.loads((checkpoint.fetch([PINNED_CONFIG_NAME], dest) / PINNED_CONFIG_NAME).read_text())
+
+
+def _check_pinned(spec: DrafterSpec, dflash: dict[str, Any]) -> None:
+    """The checkpoint's resolved config and its config.json must agree on what the engines read."""
+    pinned = {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size}
+    for name, value in pinned.items():
+        if dflash.get(name) is not None and dflash[name] != value:
+            raise ExportError(
+                f"checkpoint is inconsistent: dflash.{name} is {dflash[name]} in its {PINNED_CONFIG_NAME} but {value} in its "
+                f"{CONFIG_NAME}; re-save the checkpoint from training"
+            )
+
+
+def _target_config(target_path: str) -> Any:
+    try:
+        return AutoConfig.from_pretrained(target_path)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot read the target's config at {target_path} ({type(exc).__name__}); pass --target PATH") from None
+
+
+def _gamma(dflash: dict[str, Any], spec: DrafterSpec) -> float | None:
+    """The loss-weight decay the drafter was trained with: pinned, else the block size's default, else unknown (None)."""
+    if dflash.get("gamma") is not None:
+        return dflash["gamma"]
+    try:
+        return default_gamma(spec.block_size)
+    except SpecError:  # a block size without a default: provenance records it as unknown
+        return None
+
+
+def _data_facts(lineage: list[InputRef], store_config: StoreConfig | None) -> list[dict[str, Any]]:
     """Per input artifact: its URL and pin, plus every template/thinking field its manifest records (config or counts)."""
 
     def find(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -73,7 +205,7 @@ def _data_facts(lineage: list[InputRef], store_settings: Any) -> list[dict[str, 
         entry: dict[str, Any] = ref.model_dump(exclude_none=True)
         if ref.kind == "manifest":
             try:
-                found = read_manifest(open_store(ref.url, store_settings))
+                found = read_manifest(open_store(ref.url, store_config))
             except Exception as exc:  # provenance is best effort; the pin (sha256) is recorded either way
                 entry["unreadable"] = type(exc).__name__
             else:
@@ -81,118 +213,14 @@ def _data_facts(lineage: list[InputRef], store_settings: Any) -> list[dict[str, 
                     manifest = found[0]
                     entry["kind_of_input"] = manifest.kind
                     entry.update(find({"config": manifest.config, "counts": manifest.counts}))
-                    entry["inputs"] = _data_facts(manifest.lineage, store_settings)
+                    entry["inputs"] = _data_facts(manifest.lineage, store_config)
         facts.append(entry)
     return facts
 
 
-def export_drafter(
-    drafter: DFlashDrafter,
-    target_config: Any,
-    out: Store,
-    resolved_config: dict[str, Any] | None = None,
-    lineage: list[InputRef] | None = None,
-    data_lineage: list[InputRef] | None = None,
-    gamma: float | None = None,
-    location: str | None = None,
-    target_path: str | None = None,
-    store_settings: Any = None,
-) -> ExportResult:
-    """Check the drafter against the target's HF config, write the export files to `out`, commit them as an artifact.
-
-    Refuses (SpecError) a mask id >= the target's embedding rows, layer ids outside the target, a hidden size that differs.
-    `lineage` pins the export's inputs (the checkpoint); `data_lineage` (the checkpoint's own inputs: the tokenized data)
-    is described in blockdraft-export.json with the template and thinking fields of those inputs' manifests.
-    `location` is what the serving settings name as the drafter path (default: the store URL).
-    """
-    spec = drafter.spec
-    spec.check_target(target_config)
-    lineage = list(lineage or [])
-    location = location or out.url
-    serving = serving_settings(location, spec.block_size, target_path)
-    provenance = {
-        "format": "blockdraft-export/1",
-        "dflash": {
-            "mask_token_id": spec.mask_token_id,
-            "target_layer_ids": list(spec.target_layer_ids),
-            "block_size": spec.block_size,
-            "num_target_layers": spec.num_target_layers,
-            "gamma": gamma,
-        },
-        "config": resolved_config or {},
-        "data": _data_facts(list(data_lineage or []), store_settings),
-    }
-    uncommit(out)
-    with tempfile.TemporaryDirectory(prefix="blockdraft-export-") as tmp:
-        root = Path(tmp)
-        paths = drafter.save_pretrained(root)
-        for name, payload in ((PROVENANCE_NAME, provenance), (SERVING_NAME, serving)):
-            (root / name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-            paths.append(root / name)
-        counts = {"tensors": len(drafter.state_dict()), "parameters": sum(p.numel() for p in drafter.parameters())}
-        report = publish_artifact(out, EXPORT_KIND, root, paths, config=resolved_config or {}, lineage=lineage, counts=counts)
-    return ExportResult(out.url, report, serving, provenance)
+def _stored(out: StageOutput) -> ExportResult:
+    """The ExportResult of an export that is already done, read from its (verified) files."""
+    return ExportResult(json.loads(out.store.read_bytes(SERVING_NAME)), json.loads(out.store.read_bytes(PROVENANCE_NAME)))
 
 
-def _check_pinned(spec: DrafterSpec, dflash: dict[str, Any]) -> None:
-    """The checkpoint's resolved config and its config.json must agree on what the engines read."""
-    pinned = {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size}
-    for name, value in pinned.items():
-        if dflash.get(name) is not None and dflash[name] != value:
-            raise ExportError(
-                f"checkpoint is inconsistent: dflash.{name} is {dflash[name]} in its {PINNED_CONFIG_NAME} but {value} in its "
-                f"{CONFIG_NAME}; re-save the checkpoint from training"
-            )
-
-
-def export(checkpoint: str, out: str, settings: Any = None, target: str | None = None) -> ExportResult:
-    """Export the verified checkpoint at `checkpoint` (a folder or URL, or a training output holding step-* checkpoints)
-    to `out` (a folder or s3:// URL). `settings` is a BlockdraftConfig (store access); `target` overrides where the
-    target model's config is read from (default: target.path pinned in the checkpoint)."""
-    from transformers import AutoConfig
-
-    store_settings = getattr(settings, "store", None)
-    ckpt_store, report = open_drafter_artifact(open_store(checkpoint, store_settings))
-    if ckpt_store.url.rstrip("/") == open_store(out, store_settings).url.rstrip("/"):
-        raise ExportError(f"export destination {out} is the checkpoint itself; pass another folder or URL")
-    resolved = report.manifest.config or {}
-    with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
-        folder = ckpt_store.local_path()
-        if folder is None:
-            folder = Path(tmp)
-            from blockdraft.store.transfer import (
-                pull,  # checksums recomputed from the bytes received
-            )
-
-            pull(ckpt_store.url, folder, store_settings)
-        if (folder / PINNED_CONFIG_NAME).is_file():
-            resolved = json.loads((folder / PINNED_CONFIG_NAME).read_text())
-        drafter = DFlashDrafter.from_pretrained(folder)
-    dflash = resolved.get("dflash", {})
-    _check_pinned(drafter.spec, dflash)
-    target_path = target or resolved.get("target", {}).get("path")
-    if not target_path:
-        raise ExportError("the checkpoint pins no target.path; pass --target with the target model's folder or hub id")
-    try:
-        target_config = AutoConfig.from_pretrained(target_path)
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"cannot read the target's config at {target_path} ({type(exc).__name__}); pass --target PATH") from None
-    gamma = dflash.get("gamma")
-    if gamma is None:
-        try:
-            gamma = default_gamma(drafter.spec.block_size)
-        except SpecError:
-            gamma = None
-    out_store = open_store(out, store_settings)
-    return export_drafter(
-        drafter,
-        target_config,
-        out_store,
-        resolved_config=resolved,
-        lineage=[manifest_input(ckpt_store)],
-        data_lineage=list(report.manifest.lineage),
-        gamma=gamma,
-        location=out,
-        target_path=target_path,
-        store_settings=store_settings,
-    )
+__all__ = ["SERVING_NAME", "STAGE", "ExportResult", "export_drafter", "run", "serving_settings"]

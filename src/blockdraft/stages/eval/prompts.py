@@ -1,0 +1,202 @@
+"""Eval's prompts, as token ids: from a JSONL file (local or in a store), or from the held-out rows of a tokenized
+artifact (docs/TOKENIZATION.md, "Train / held-out split"), and the target's tokenizer that renders text prompts.
+
+Only what is read is fetched: one JSONL object, or the held-out split's files of a tokenized artifact (never its train
+split), each compared with its listed size and checksum on the bytes received.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import datasets
+from transformers import AutoTokenizer
+
+from blockdraft.config import BlockdraftConfig, StoreConfig
+from blockdraft.errors import ArtifactError, EvalError
+from blockdraft.store import open_store
+from blockdraft.store.artifact import InputRef, raw_input
+from blockdraft.store.stage_io import StageInput, open_input
+
+TRAIN_SPLIT = "train"
+STATE_FILE = "state.json"  # what `datasets.save_to_disk` writes beside a dataset's Arrow files
+
+
+@dataclass
+class EvalPrompts:
+    """Prompt token ids, where they came from (as given), and their lineage entry (a raw file or an artifact manifest)."""
+
+    ids: list[list[int]]
+    source: str
+    ref: InputRef
+
+
+def read_eval_prompts(source: str | None, cfg: BlockdraftConfig, tokenizer: Any, workdir: Path) -> EvalPrompts:
+    """Up to eval.num_prompts prompts from `source`: a `.jsonl` file (path, file:// or s3:// URL), else a tokenized
+    artifact's held-out rows. Raises EvalError when there is no source or it holds no prompt."""
+    if source is None:
+        raise EvalError("no prompts: pass --prompts FILE.jsonl, set eval.prompts, or set train.data to a tokenized artifact")
+    limit = cfg.eval.num_prompts
+    if source.endswith(".jsonl"):
+        path, ref = fetch_prompts_file(source, cfg.store, workdir)
+        ids = prompts_from_jsonl(path, tokenizer, cfg, limit)
+    else:
+        data = open_input(source, cfg.store, role="prompts artifact")
+        ids, ref = held_out_prompts(data, limit, workdir), data.ref
+    if not ids:
+        raise EvalError(f"no prompts found in {source}; give at least one")
+    return EvalPrompts(ids, source, ref)
+
+
+def load_target_tokenizer(cfg: BlockdraftConfig) -> Any:
+    """The target's tokenizer (target.tokenizer, else target.path) with target.chat_template, or None when that folder has none."""
+    source = cfg.target.tokenizer or cfg.target.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+    if cfg.target.chat_template:
+        tokenizer.chat_template = Path(cfg.target.chat_template).read_text()
+    return tokenizer
+
+
+def stop_token_ids(hf_model: Any, tokenizer: Any) -> list[int]:
+    """End-of-sequence ids: the generation config's eos ids, plus the tokenizer's eos token."""
+    ids: set[int] = set()
+    eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A JSONL file
+
+
+def fetch_prompts_file(url: str, store_config: StoreConfig, workdir: Path) -> tuple[Path, InputRef]:
+    """A prompts JSONL (a local path, file:// or s3:// URL) as a local file, plus its lineage entry (key, size, checksum).
+
+    A plain object has no manifest, so it is pinned by what the store reports for it, and the bytes received are
+    compared with that (size always, CRC64NVME when the store has one)."""
+    parent_url, _, name = url.rstrip("/").rpartition("/")
+    store = open_store(parent_url or ".", store_config)
+    info = store.head(name)
+    if info is None:
+        raise EvalError(f"prompts file {url} does not exist; pass an existing JSONL file")
+    local = store.local_path()
+    if local is not None:
+        return local / name, raw_input(store, info)
+    path = workdir / "prompts.jsonl"
+    size, checksum = store.get_file(name, path)
+    if size != info.size or (info.checksum is not None and checksum != info.checksum):
+        path.unlink(missing_ok=True)
+        raise ArtifactError(f"prompts file {url} changed while downloading (size {size}); retry")
+    return path, raw_input(store, info)
+
+
+def prompts_from_jsonl(path: Path, tokenizer: Any, cfg: BlockdraftConfig, limit: int) -> list[list[int]]:
+    """Prompt token ids from a JSONL file: one object per line with `input_ids`, `messages` (rendered with the target's
+    chat template and a generation prompt) or `prompt` (raw text)."""
+    prompts: list[list[int]] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path.name} line {lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise EvalError(f"{where} is not valid JSON ({exc.msg}); fix that line") from None
+            if not isinstance(row, dict):
+                raise EvalError(f"{where} is not a JSON object; give one prompt object per line")
+            prompts.append(_render_prompt(row, tokenizer, cfg, where))
+            if len(prompts) >= limit:
+                break
+    return prompts
+
+
+def _render_prompt(row: dict[str, Any], tokenizer: Any, cfg: BlockdraftConfig, where: str) -> list[int]:
+    if "input_ids" in row:
+        ids = row["input_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            raise EvalError(f"{where}: input_ids must be a non-empty list of integers")
+        return ids
+    if tokenizer is None:
+        raise EvalError(f"{where}: text prompts need a tokenizer, and none loads from the target; give input_ids or set target.tokenizer")
+    if "messages" in row:
+        kwargs = {}
+        thinking = row.get("enable_thinking")
+        if thinking is None and cfg.tokenize.thinking != "auto":
+            thinking = cfg.tokenize.thinking == "on"
+        if thinking is not None:
+            kwargs["enable_thinking"] = bool(thinking)
+        try:
+            text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception as exc:  # a template raising on a malformed conversation is a bad prompt, not a bug here
+            raise EvalError(f"{where}: the chat template rejects these messages ({exc}); fix the prompt") from None
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if isinstance(row.get("prompt"), str):
+        return tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+    raise EvalError(f"{where}: a prompt row needs 'input_ids', 'messages' or 'prompt'")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The held-out rows of a tokenized artifact
+
+
+def held_out_prompts(data: StageInput, limit: int, workdir: Path) -> list[list[int]]:
+    """Up to `limit` prompts from the held-out rows of a verified tokenized artifact: each row's ids before its first
+    supervised token (a row supervised from token 0 has no prompt to condition on and is skipped)."""
+    folders, paths = _held_out_layout([e.path for e in data.manifest.files])
+    rows = _load_rows(data.fetch(paths, workdir / "prompts"), folders)
+    if rows is None or len(rows) == 0:
+        raise EvalError(
+            f"tokenized artifact {data.store.url} has no held-out rows; tokenize with tokenize.held_out_fraction > 0 or pass --prompts FILE"
+        )
+    prompts: list[list[int]] = []
+    # Row by row (each a dict of columns), so reading stops at `limit`.
+    for row in cast(Iterable[dict[str, list[int]]], rows.select_columns(["input_ids", "loss_mask"])):
+        first = next((i for i, m in enumerate(row["loss_mask"]) if m), None)
+        if first:
+            prompts.append([int(t) for t in row["input_ids"][:first]])
+        if len(prompts) >= limit:
+            break
+    return prompts
+
+
+def _held_out_layout(paths: list[str]) -> tuple[list[str] | None, list[str]]:
+    """(held-out dataset folders, files to fetch) of a `datasets.save_to_disk` layout, from the manifest's listing.
+
+    A DatasetDict (what tokenize writes) has one folder per split: every split but `train` is held out, and only those
+    folders' files are fetched. Folders None: one dataset at the root, whose `split` column says which rows are held out.
+    """
+    folders = sorted({p.split("/", 1)[0] for p in paths if p.count("/") == 1 and p.endswith(f"/{STATE_FILE}")} - {TRAIN_SPLIT})
+    if folders:
+        return folders, [p for p in paths if p.split("/", 1)[0] in folders]
+    if STATE_FILE in paths:
+        return None, [p for p in paths if "/" not in p]
+    return [], []
+
+
+def _load_rows(root: Path, folders: list[str] | None) -> datasets.Dataset | None:
+    """The held-out rows under `root` (see `_held_out_layout`), or None when there are none."""
+    if folders is None:
+        ds = datasets.load_from_disk(str(root))
+        if not isinstance(ds, datasets.Dataset) or "split" not in ds.column_names:
+            return None
+        return ds.filter(lambda s: s != TRAIN_SPLIT, input_columns="split")
+    splits = [datasets.load_from_disk(str(root / name)) for name in folders]
+    held = [ds for ds in splits if isinstance(ds, datasets.Dataset)]
+    return datasets.concatenate_datasets(held) if held else None
+
+
+__all__ = [
+    "EvalPrompts", "fetch_prompts_file", "held_out_prompts", "load_target_tokenizer", "prompts_from_jsonl", "read_eval_prompts",
+    "stop_token_ids",
+]

@@ -1,0 +1,153 @@
+"""The eval report: `report.json` as a typed model, its two plots, and the short summary people read.
+
+`EvalReport.to_json()` is exactly what `report.json` holds; its keys are the field names below, in this order, so the
+JSON keeps the layout readers (the demo, scripts, docs) rely on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from blockdraft.stages.eval.metrics import Divergence, DrafterMetrics, GreedyMetrics
+
+REPORT_NAME = "report.json"
+TAU_PLOT_NAME = "tau_histogram.png"
+POSITION_PLOT_NAME = "position_acceptance.png"
+
+
+class Lossless(BaseModel):
+    """The token-for-token check against greedy: `ok` unless a divergence's margin is beyond `tolerance`."""
+
+    ok: bool
+    tolerance: float
+    divergences: list[Divergence]
+
+
+class PromptRow(BaseModel):
+    """One prompt: its length, greedy's new tokens, and per drafter NAME the fields `tau_NAME` (float) and
+    `acceptance_lengths_NAME` (a + 1 per cycle), kept as extra fields so the JSON row stays flat."""
+
+    model_config = ConfigDict(extra="allow")
+
+    index: int
+    prompt_len: int
+    new_tokens: int
+
+
+class EvalReport(BaseModel):
+    """What one eval run measured, and on what.
+
+    `drafters` maps a drafter name (dflash, ngram, untrained) to its metrics. `checkpoint`, `target`, `prompts_source`
+    (as given) and `template_sha256` (the chat template the checkpoint's training rows were rendered with) say what the
+    figures hold for; `evaluate` leaves them None, the stage fills them in.
+    """
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    max_new_tokens: int
+    num_prompts: int
+    stop_token_ids: list[int]
+    target_dtype: str
+    greedy: GreedyMetrics
+    drafters: dict[str, DrafterMetrics]
+    lossless: Lossless
+    prompts: list[PromptRow]
+    checkpoint: str | None = None
+    target: str | None = None
+    prompts_source: str | None = None
+    template_sha256: str | None = None
+
+    def to_json(self) -> str:
+        """`report.json`'s text. Python's encoder, so a margin of inf stays `Infinity` (pydantic's would write null)."""
+        return json.dumps(self.model_dump(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> EvalReport:
+        return cls.model_validate(json.loads(text))
+
+    def counts(self) -> dict[str, Any]:
+        """The figures the eval artifact's manifest records: prompts, the lossless verdict, tau per drafter."""
+        return {
+            "prompts": self.num_prompts,
+            "lossless": self.lossless.ok,
+            **{f"tau_{name}": round(m.tau, 4) for name, m in self.drafters.items()},
+        }
+
+
+def write_report(report: EvalReport, folder: Path) -> list[Path]:
+    """`report.json` and both plots in `folder`; returns their paths, the report first."""
+    path = folder / REPORT_NAME
+    path.write_text(report.to_json())
+    return [path, *write_plots(report, folder)]
+
+
+def write_plots(report: EvalReport, folder: Path) -> list[Path]:
+    """The tau histogram and per-position acceptance, one bar group / line per drafter; returns the PNG paths."""
+    # matplotlib is only needed here, and its backend must be chosen before pyplot is imported.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafters = report.drafters
+    block_size = report.block_size
+    width = 0.8 / max(len(drafters), 1)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (name, m) in enumerate(drafters.items()):
+        cycles = max(m.cycles, 1)
+        xs = [j + (i - (len(drafters) - 1) / 2) * width for j in range(1, block_size + 1)]
+        ax.bar(xs, [m.histogram[str(j)] / cycles for j in range(1, block_size + 1)], width, label=f"{name} (tau {m.tau:.2f})")
+    ax.set_xlabel("tokens committed per cycle (accepted drafts + bonus)")
+    ax.set_ylabel("fraction of cycles")
+    ax.set_xticks(range(1, block_size + 1))
+    ax.legend()
+    ax.set_title("Acceptance length per draft/verify cycle")
+    fig.tight_layout()
+    tau_path = folder / TAU_PLOT_NAME
+    fig.savefig(tau_path, dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, m in drafters.items():
+        ax.plot(range(1, block_size), m.position_acceptance, marker="o", label=name)
+    ax.set_xlabel("draft position k in the block")
+    ax.set_ylabel("fraction of cycles accepting draft k")
+    ax.set_ylim(0, 1.02)
+    ax.set_xticks(range(1, block_size))
+    ax.legend()
+    ax.set_title("Per-position acceptance")
+    fig.tight_layout()
+    position_path = folder / POSITION_PLOT_NAME
+    fig.savefig(position_path, dpi=100)
+    plt.close(fig)
+    return [tau_path, position_path]
+
+
+def summary_lines(report: EvalReport) -> list[str]:
+    """A short human summary: the greedy reference, one line per drafter, the lossless verdict and each divergence."""
+    greedy, lossless = report.greedy, report.lossless
+    lines = [f"greedy\ttokens/s {greedy.tokens_per_s:.1f}\tforwards/token {greedy.target_forwards_per_token:.3f}"]
+    for name, m in report.drafters.items():
+        lines.append(
+            f"{name}\ttau {m.tau:.3f}\ttokens/s {m.tokens_per_s:.1f}\tspeedup {m.speedup:.2f}x"
+            f"\tforwards/token {m.target_forwards_per_token:.3f}"
+        )
+    verdict = "ok" if lossless.ok else "FAILED"
+    lines.append(f"lossless\t{verdict}\t{len(lossless.divergences)} divergence(s), tolerance {lossless.tolerance:g}")
+    for d in lossless.divergences:
+        lines.append(
+            f"  {d.drafter} prompt {d.prompt_index} position {d.position}: spec {d.spec_token} vs target "
+            f"{d.target_token}, top-2 margin {d.margin:.3g} ({'near-tie' if d.tolerated else 'beyond tolerance'})"
+        )
+    return lines
+
+
+__all__ = [
+    "POSITION_PLOT_NAME", "REPORT_NAME", "TAU_PLOT_NAME", "EvalReport", "Lossless", "PromptRow", "summary_lines",
+    "write_plots", "write_report",
+]
