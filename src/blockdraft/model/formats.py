@@ -15,6 +15,7 @@ from blockdraft.errors import ArtifactError
 from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
 from blockdraft.store import Store
 from blockdraft.store.artifact import MANIFEST_NAME, State, VerifyReport, verify_artifact
+from blockdraft.store.stage_io import StageInput
 
 CHECKPOINT_KIND = "drafter-checkpoint"
 EXPORT_KIND = "drafter-export"
@@ -36,6 +37,11 @@ class Resumable:
     report: VerifyReport
     skipped: list[str]
 
+    @property
+    def artifact(self) -> StageInput:
+        """The checkpoint as a verified input (verified just now: not verified again)."""
+        return StageInput(self.store, self.report)
+
 
 def find_resumable(store: Store) -> Resumable | None:
     """The newest checkpoint under `store` that verifies at the destination, or None; `skipped` names newer ones that did not."""
@@ -50,7 +56,7 @@ def find_resumable(store: Store) -> Resumable | None:
     return None
 
 
-def open_drafter_artifact(store: Store) -> tuple[Store, VerifyReport]:
+def open_drafter_artifact(store: Store) -> StageInput:
     """The verified drafter at `store`: a checkpoint or an export there, else the newest verified step-* checkpoint of a
     training output there. Raises ArtifactError naming what was found instead."""
     report = verify_artifact(store)
@@ -60,16 +66,15 @@ def open_drafter_artifact(store: Store) -> tuple[Store, VerifyReport]:
                 f"{store.url} is a '{report.manifest.kind}' artifact, not a drafter checkpoint or export; pass a training "
                 "checkpoint, a training output or an export"
             )
-        return store, report
+        return StageInput(store, report)
     if report.state is State.INCOMPLETE and not report.problems:
         found = find_resumable(store)
         if found is not None:
-            return found.store, found.report
+            return found.artifact
     raise ArtifactError(
         f"{store.url} is not a verified checkpoint ({report.state.value}: {report.summary()}) and holds no verified step-* "
         "checkpoint; pass a checkpoint, training output or export that `blockdraft verify` reports as verified"
     )
-
 
 
 __all__ = [

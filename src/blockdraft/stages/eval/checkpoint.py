@@ -53,7 +53,7 @@ def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoin
     """The verified drafter at `url` (folder, file:// or s3://): a training checkpoint, a training run's output (its
     newest verified step-* checkpoint) or an export. Only its config files are fetched here. Raises ArtifactError for
     anything else, EvalError when it lacks a drafter file."""
-    artifact = StageInput(*open_drafter_artifact(open_store(url, cfg.store)))
+    artifact = open_drafter_artifact(open_store(url, cfg.store))
     kind = artifact.kind
     pinned_name = {CHECKPOINT_KIND: PINNED_CONFIG_NAME, EXPORT_KIND: PROVENANCE_NAME}[kind]
     listed = {e.path for e in artifact.manifest.files}

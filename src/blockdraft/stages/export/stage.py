@@ -58,7 +58,7 @@ def run(
     """
     started = time.perf_counter()
     reporter = reporter or Reporter()
-    checkpoint = StageInput(*open_drafter_artifact(open_store(input, config.store)))
+    checkpoint = open_drafter_artifact(open_store(input, config.store))
     out_store = open_store(output, config.store)
     if checkpoint.store.url.rstrip("/") == out_store.url.rstrip("/"):
         raise ExportError(f"export destination {output} is the checkpoint itself; pass another folder or URL")

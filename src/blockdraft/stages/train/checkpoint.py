@@ -37,7 +37,7 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages.train.metrics import METRICS_NAME, MetricsLog
 from blockdraft.store import Store
 from blockdraft.store.artifact import InputRef, State, VerifyReport, uncommit, verify_artifact
-from blockdraft.store.stage_io import StageInput, StageOutput, stage_key
+from blockdraft.store.stage_io import StageOutput, stage_key
 
 PINNED_DATA_FIELDS = ("template_sha256", "thinking", "tokenizer_sha256", "end_of_turn_id")
 
@@ -146,7 +146,7 @@ class LoadedCheckpoint:
 @contextmanager
 def read_checkpoint(found: Resumable) -> Iterator[LoadedCheckpoint]:
     """A verified checkpoint's weights and training state; a remote one's files are fetched with their checksums compared."""
-    source = StageInput(found.store, found.report)  # verified just now by find_resumable
+    source = found.artifact
     listed = {entry.path for entry in source.manifest.files}
     names = [name for name in (WEIGHTS_NAME, STATE_NAME, METRICS_NAME) if name in listed]
     with source.fetched(names) as folder:
