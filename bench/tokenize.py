@@ -129,7 +129,8 @@ def main() -> None:
 
 def run(args: argparse.Namespace, work: Path) -> None:
     from blockdraft.config import load_config
-    from blockdraft.stages.tokenize.stage import tokenize_dataset
+    from blockdraft.reporter import Reporter
+    from blockdraft.stages import tokenize
 
     rows = write_corpus(work / "in", args.conversations, args.files)
     turns = sum(1 for r in rows for m in r["messages"] if m["role"] == "assistant")
@@ -143,29 +144,31 @@ def run(args: argparse.Namespace, work: Path) -> None:
         for workers in (1, 2):
             # No clipping, so every measurement counts the same tokens.
             cfg = load_config(None, {"target": {"path": args.tokenizer}, "tokenize": {"workers": workers, "max_length": 1 << 20}})
-            s = tokenize_dataset(str(work / "in"), str(work / f"out-{workers}-{r}"), cfg, chat_template=args.chat_template)
-            assert s.report.state.value == "verified" and s.counts["tokens"] == tokens, (s.report.state, s.counts["tokens"], tokens)
-            runs[workers].append(s)
+            result = tokenize.run(cfg, str(work / "in"), str(work / f"out-{workers}-{r}"), Reporter(), chat_template=args.chat_template)
+            s = result.details
+            assert result.report.state.value == "verified" and s.counts["tokens"] == tokens, (result.report.state, s.counts["tokens"], tokens)
+            runs[workers].append(result)
 
     raw_wall = min(w for w, _ in raw)
     raw_cpu = min(c for _, c in raw)
     print(f"corpus: {len(rows)} conversations ({turns} assistant turns) in {args.files} files, {tokens:,} row tokens "
           f"({tokens / turns:,.0f} per row)")
     print(f"raw encode_batch, 1 core: {tokens / raw_wall / 1e6:.3f} M tok/s wall, {tokens / raw_cpu / 1e6:.3f} M tok/s CPU")
-    best = {w: min(runs[w], key=lambda s: s.shard_phase_seconds) for w in runs}
-    for workers, s in best.items():
-        cpu = min(sum(x.worker_cpu_seconds) for x in runs[workers])
-        wall = min(sum(x.worker_seconds) for x in runs[workers])
+    best = {w: min(runs[w], key=lambda result: result.details.shard_phase_seconds) for w in runs}
+    for workers, result in best.items():
+        s = result.details
+        cpu = min(sum(x.details.worker_cpu_seconds) for x in runs[workers])
+        wall = min(sum(x.details.worker_seconds) for x in runs[workers])
         print(f"end-to-end, {workers} worker(s): {tokens / s.shard_phase_seconds / 1e6:.3f} M tok/s wall over the shard phase "
-              f"({s.shard_phase_seconds:.2f} s; whole call {s.seconds:.2f} s incl. input checksums, verify and commit); "
+              f"({s.shard_phase_seconds:.2f} s; whole call {result.seconds:.2f} s incl. input checksums, verify and commit); "
               f"per core {tokens / wall / 1e6:.3f} M tok/s wall, {tokens / cpu / 1e6:.3f} M tok/s CPU; "
               f"peak RSS per worker {max(s.worker_peak_rss_mib):.0f} MiB")
 
-    e2e_wall = tokens / min(sum(x.worker_seconds) for x in runs[1])
-    e2e_cpu = tokens / min(sum(x.worker_cpu_seconds) for x in runs[1])
+    e2e_wall = tokens / min(sum(x.details.worker_seconds) for x in runs[1])
+    e2e_cpu = tokens / min(sum(x.details.worker_cpu_seconds) for x in runs[1])
     print(f"RATIO end-to-end / raw encode, per core: {e2e_cpu / (tokens / raw_cpu):.3f} CPU time, "
           f"{e2e_wall / (tokens / raw_wall):.3f} wall   (goal >= 0.75)")
-    print(f"RATIO 2 workers / 1 worker (shard phase wall): {best[1].shard_phase_seconds / best[2].shard_phase_seconds:.3f}   (goal >= 1.8)")
+    print(f"RATIO 2 workers / 1 worker (shard phase wall): {best[1].details.shard_phase_seconds / best[2].details.shard_phase_seconds:.3f}   (goal >= 1.8)")
     print(f"(load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 from collections import Counter
@@ -12,63 +11,27 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import zstandard
+from tokenize_helpers import (
+    TEMPLATES,
+    TOKENIZER_DIR,
+    config,
+    conversation,
+    files_of,
+    make_corpus,
+    piece_names,
+    rows_of,
+    tokenize,
+    write_jsonl,
+)
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
-from blockdraft.config import load_config
-from blockdraft.stages.tokenize.shard import RECORDS_DIR, is_held_out
-from blockdraft.stages.tokenize.stage import tokenize_dataset
+from blockdraft.errors import ArtifactError, ConfigError
+from blockdraft.reporter import Reporter
+from blockdraft.stages.tokenize.shard import is_held_out
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
-
-FIXTURES = Path(__file__).parent / "fixtures"
-TOKENIZER_DIR = FIXTURES / "qwen3-tokenizer"
-TEMPLATES = FIXTURES / "chat-templates"
-
-
-def conversation(i: int, turns: int = 1, reasoning: bool = True) -> dict:
-    """A conversation with `turns` user/assistant exchanges; ids c<i>."""
-    messages = [{"role": "system", "content": "You are a careful assistant."}] if i % 3 == 0 else []
-    for t in range(turns):
-        messages.append({"role": "user", "content": f"Question {i}.{t}: what is {i} times {t + 2}?"})
-        answer = {"role": "assistant", "content": f"The answer is {i * (t + 2)}."}
-        if reasoning:
-            answer["reasoning_content"] = f"I multiply {i} by {t + 2}.\nThat gives {i * (t + 2)}; check: yes."
-        messages.append(answer)
-    return {"id": f"c{i}", "messages": messages}
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
-    if path.name.endswith(".gz"):
-        path.write_bytes(gzip.compress(lines.encode()))
-    elif path.name.endswith(".zst"):
-        path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
-    else:
-        path.write_text(lines)
-    return path
-
-
-def make_corpus(folder: Path, files: int = 3, per_file: int = 30) -> Path:
-    n = 0
-    for f in range(files):
-        rows = []
-        for _ in range(per_file):
-            rows.append(conversation(n, turns=1 + n % 3, reasoning=n % 4 != 1))
-            n += 1
-        write_jsonl(folder / f"part-{f:02d}.jsonl", rows)
-    return folder
-
-
-def config(**tokenize):
-    return load_config(None, {"target": {"path": str(TOKENIZER_DIR)}, "tokenize": tokenize})
-
-
-def rows_of(output: Path) -> dict[str, list[dict]]:
-    dd = datasets.load_from_disk(str(output))
-    return {split: dd[split].to_list() for split in dd}
+from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, read_manifest, verify_artifact
+from blockdraft.store.stage_io import PIECES_DIR
 
 
 def quarantine_lines(output: Path) -> list[dict]:
@@ -77,27 +40,27 @@ def quarantine_lines(output: Path) -> list[dict]:
 
 def test_rows_load_with_datasets_and_carry_exact_columns(tmp_path):
     corpus = make_corpus(tmp_path / "in", files=1, per_file=12)
-    summary = tokenize_dataset(str(corpus), str(tmp_path / "out"), config(held_out_fraction=0.0))
-    assert summary.report.state is State.VERIFIED
+    result = tokenize(str(corpus), str(tmp_path / "out"), config(held_out_fraction=0.0))
+    assert result.report.state is State.VERIFIED
     rows = rows_of(tmp_path / "out")
     assert rows["held_out"] == []
     train = rows["train"]
-    assert len(train) == summary.counts["rows_out"] == sum(1 + i % 3 for i in range(12))
+    assert len(train) == result.details.counts["rows_out"] == sum(1 + i % 3 for i in range(12))
     ds = datasets.load_from_disk(str(tmp_path / "out"))["train"]
     assert ds.features["input_ids"].feature.dtype == "int32" and ds.features["loss_mask"].feature.dtype == "uint8"
     for row in train:
         assert row["num_tokens"] == len(row["input_ids"]) == len(row["loss_mask"])
         assert row["num_supervised"] == sum(row["loss_mask"])
     assert [(r["source_id"], r["turn"]) for r in train if r["source_id"] == "c2"] == [("c2", 0), ("c2", 1), ("c2", 2)]
-    assert summary.counts["tokens"] == sum(r["num_tokens"] for r in train)
-    assert summary.counts["supervised_tokens"] == sum(r["num_supervised"] for r in train)
+    assert result.details.counts["tokens"] == sum(r["num_tokens"] for r in train)
+    assert result.details.counts["supervised_tokens"] == sum(r["num_supervised"] for r in train)
 
 
 def test_input_variants_normalise_to_the_same_rows(tmp_path):
     canonical = [conversation(i, turns=2) for i in range(6)]
-    reference = tokenize_dataset(str(write_jsonl(tmp_path / "ref.jsonl", canonical)), str(tmp_path / "ref"), config())
+    reference = tokenize(str(write_jsonl(tmp_path / "ref.jsonl", canonical)), str(tmp_path / "ref"), config())
     expected = rows_of(tmp_path / "ref")
-    assert reference.counts["rows_out"] == 12
+    assert reference.details.counts["rows_out"] == 12
 
     def sharegpt(conv):
         role = {"system": "system", "user": "human", "assistant": "gpt"}
@@ -122,7 +85,7 @@ def test_input_variants_normalise_to_the_same_rows(tmp_path):
             pq.write_table(pa.Table.from_pylist(canonical), path)
         else:
             write_jsonl(path, rows)
-        tokenize_dataset(str(path), str(tmp_path / f"out-{name}"), config())
+        tokenize(str(path), str(tmp_path / f"out-{name}"), config())
         assert rows_of(tmp_path / f"out-{name}") == expected, name
 
 
@@ -133,12 +96,12 @@ def test_generator_token_ids_are_used_directly(tmp_path):
         {"id": "g2", "prompt_ids": [1, 2, 3], "completion_ids": [4, 5]},
         {"id": "g3", "prompt_token_ids": [1, 2], "completion_token_ids": [3, 10**9]},
     ]
-    summary = tokenize_dataset(str(write_jsonl(tmp_path / "ids.jsonl", rows)), str(tmp_path / "out"), config(held_out_fraction=0.0))
+    result = tokenize(str(write_jsonl(tmp_path / "ids.jsonl", rows)), str(tmp_path / "out"), config(held_out_fraction=0.0))
     train = rows_of(tmp_path / "out")["train"]
     assert [r["input_ids"] for r in train] == [rows[0]["prompt_token_ids"] + rows[0]["completion_token_ids"], [1, 2, 3, 4, 5]]
     assert [r["loss_mask"] for r in train] == [[0] * 9 + [1] * 3, [0, 0, 0, 1, 1]]
-    assert summary.counts["rejected"] == {"bad_token_ids": 1}
-    assert summary.counts["thinking"] == {"generator": 2}
+    assert result.details.counts["rejected"] == {"bad_token_ids": 1}
+    assert result.details.counts["thinking"] == {"generator": 2}
 
 
 BAD_ROWS = {
@@ -158,9 +121,9 @@ BAD_ROWS = {
 def test_every_bad_row_class_is_quarantined_with_its_reason_and_counted(tmp_path):
     good = [conversation(i, reasoning=False) for i in range(4)]
     rows = good[:2] + list(BAD_ROWS.values()) + good[2:]
-    summary = tokenize_dataset(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"), config(max_length=120))
-    assert summary.report.state is State.VERIFIED
-    assert summary.counts["rejected"] == {reason: 1 for reason in BAD_ROWS}
+    result = tokenize(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"), config(max_length=120))
+    assert result.report.state is State.VERIFIED
+    assert result.details.counts["rejected"] == {reason: 1 for reason in BAD_ROWS}
     quarantined = quarantine_lines(tmp_path / "out")
     assert sorted(q["reason"] for q in quarantined) == sorted(BAD_ROWS)
     by_reason = {q["reason"]: q for q in quarantined}
@@ -168,9 +131,9 @@ def test_every_bad_row_class_is_quarantined_with_its_reason_and_counted(tmp_path
     assert by_reason["bad_json"]["row"] == BAD_ROWS["bad_json"] and by_reason["bad_json"]["position"] == 3
     out = rows_of(tmp_path / "out")
     assert sorted(r["source_id"] for split in out.values() for r in split) == [f"c{i}" for i in range(4)]
-    assert summary.counts["rows_in"] == len(rows)
-    assert summary.counts["rows_out"] + sum(summary.counts["rejected"].values()) == len(rows)
-    assert read_manifest(open_store(tmp_path / "out"))[0].counts["rejected"] == summary.counts["rejected"]
+    assert result.details.counts["rows_in"] == len(rows)
+    assert result.details.counts["rows_out"] + sum(result.details.counts["rejected"].values()) == len(rows)
+    assert read_manifest(open_store(tmp_path / "out"))[0].counts["rejected"] == result.details.counts["rejected"]
 
 
 DROPS_CONTENT = (
@@ -199,17 +162,17 @@ def test_template_caused_rejections_are_quarantined(tmp_path, template, thinking
         path.write_text(template)
     else:
         path = TEMPLATES / f"{template}.jinja"
-    summary = tokenize_dataset(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"), config(thinking=thinking),
+    result = tokenize(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"), config(thinking=thinking),
                                chat_template=str(path))
-    assert summary.report.state is State.VERIFIED
-    assert summary.counts["rejected"] == expected
+    assert result.report.state is State.VERIFIED
+    assert result.details.counts["rejected"] == expected
     assert Counter(q["reason"] for q in quarantine_lines(tmp_path / "out")) == expected
-    assert summary.counts["rows_out"] == summary.counts["turns_in"] - sum(expected.values())
+    assert result.details.counts["rows_out"] == result.details.counts["turns_in"] - sum(expected.values())
 
 
 def test_held_out_split_is_by_conversation_and_recorded(tmp_path):
     corpus = make_corpus(tmp_path / "in", files=2, per_file=60)
-    summary = tokenize_dataset(str(corpus), str(tmp_path / "out"), config(held_out_fraction=0.25))
+    result = tokenize(str(corpus), str(tmp_path / "out"), config(held_out_fraction=0.25))
     out = rows_of(tmp_path / "out")
     train_ids = {r["source_id"] for r in out["train"]}
     held_ids = {r["source_id"] for r in out["held_out"]}
@@ -218,12 +181,12 @@ def test_held_out_split_is_by_conversation_and_recorded(tmp_path):
     assert 15 <= len(held_ids) <= 45  # 120 conversations at 25%
     manifest = read_manifest(open_store(tmp_path / "out"))[0]
     assert manifest.counts["held_out_fraction"] == 0.25 and manifest.config["tokenize"]["held_out_fraction"] == 0.25
-    assert manifest.counts["held_out_rows"] == len(out["held_out"]) == summary.counts["held_out_rows"]
+    assert manifest.counts["held_out_rows"] == len(out["held_out"]) == result.details.counts["held_out_rows"]
 
 
 def test_manifest_holds_template_hash_thinking_mode_counts_and_lineage(tmp_path):
     corpus = make_corpus(tmp_path / "in", files=2, per_file=8)
-    summary = tokenize_dataset(str(corpus), str(tmp_path / "out"), config(thinking="auto"))
+    result = tokenize(str(corpus), str(tmp_path / "out"), config(thinking="auto"))
     manifest, raw = read_manifest(open_store(tmp_path / "out"))
     run = manifest.config["tokenize_run"]
     own_template = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())["chat_template"]
@@ -236,31 +199,26 @@ def test_manifest_holds_template_hash_thinking_mode_counts_and_lineage(tmp_path)
     listed = {f.path for f in manifest.files}
     assert {"dataset_dict.json", "train/state.json", "quarantine/shard-00000.jsonl"} <= listed
     # A rerun with the same config and inputs finds the artifact verified and leaves its manifest untouched.
-    again = tokenize_dataset(str(corpus), str(tmp_path / "out"), config(thinking="auto"))
-    assert again.already_committed and read_manifest(open_store(tmp_path / "out"))[1] == raw
-    assert summary.report.manifest_sha256 == again.report.manifest_sha256
+    again = tokenize(str(corpus), str(tmp_path / "out"), config(thinking="auto"))
+    assert again.already_done and read_manifest(open_store(tmp_path / "out"))[1] == raw
+    assert result.report.manifest_sha256 == again.report.manifest_sha256
 
 
 def test_two_workers_match_one_worker_row_for_row(tmp_path):
     corpus = make_corpus(tmp_path / "in", files=4, per_file=20)
-    one = tokenize_dataset(str(corpus), str(tmp_path / "one"), config(workers=1, held_out_fraction=0.1))
-    two = tokenize_dataset(str(corpus), str(tmp_path / "two"), config(workers=2, held_out_fraction=0.1))
-    assert two.report.state is State.VERIFIED and len(two.worker_peak_rss_mib) == 4
+    one = tokenize(str(corpus), str(tmp_path / "one"), config(workers=1, held_out_fraction=0.1))
+    two = tokenize(str(corpus), str(tmp_path / "two"), config(workers=2, held_out_fraction=0.1))
+    assert two.report.state is State.VERIFIED and len(two.details.worker_peak_rss_mib) == 4
     assert rows_of(tmp_path / "two") == rows_of(tmp_path / "one")
-    assert one.counts == two.counts
+    assert one.details.counts == two.details.counts
 
 
 def half_finished(output: Path, shard: str) -> None:
-    """The state a run killed before `shard` finished leaves: no manifest, no record or files for that shard."""
+    """The state a run killed before `shard` finished leaves: no manifest, no piece or files for that shard."""
     (output / MANIFEST_NAME).unlink()
-    (output / RECORDS_DIR / f"{shard}.json").unlink()
+    (output / PIECES_DIR / f"{shard}.json").unlink()
     for p in output.glob(f"*/{shard}*"):
         p.unlink()
-
-
-def files_of(output: Path) -> dict[str, bytes]:
-    return {p.relative_to(output).as_posix(): p.read_bytes() for p in output.rglob("*")
-            if p.is_file() and p.name != MANIFEST_NAME and p.parent.name != RECORDS_DIR}
 
 
 @pytest.mark.parametrize(
@@ -278,17 +236,17 @@ def test_rerun_over_half_finished_output_redoes_only_mismatched_shards(tmp_path,
     def run(spec, output):
         template = spec.get("chat_template")
         cfg = config(**spec.get("tokenize", {}))
-        return tokenize_dataset(str(corpus), str(output), cfg, chat_template=str(TEMPLATES / f"{template}.jinja") if template else None)
+        return tokenize(str(corpus), str(output), cfg, chat_template=str(TEMPLATES / f"{template}.jinja") if template else None)
 
     run(first, tmp_path / "out")
     half_finished(tmp_path / "out", "shard-00001")
     resumed = run(second, tmp_path / "out")
     fresh = run(second, tmp_path / "fresh")
     assert resumed.report.state is State.VERIFIED
-    assert resumed.shards_skipped == (2 if first == second else 0)
+    assert resumed.details.shards_skipped == (2 if first == second else 0)
     assert rows_of(tmp_path / "out") == rows_of(tmp_path / "fresh")
     assert files_of(tmp_path / "out") == files_of(tmp_path / "fresh")
-    assert resumed.counts == fresh.counts
+    assert resumed.details.counts == fresh.details.counts
 
 
 def test_verify_reports_corrupt_missing_incomplete_on_tokenized_output(tmp_path):
@@ -344,7 +302,7 @@ def test_bad_user_input_is_one_clear_line(tmp_path):
 def test_shards_are_streamed_in_bounded_record_batches_and_rotated(tmp_path):
     """What keeps a worker's memory flat: rows leave in record batches of at most 256, files rotate every rows_per_shard."""
     corpus = make_corpus(tmp_path / "in", files=1, per_file=600)
-    tokenize_dataset(str(corpus), str(tmp_path / "out"), config(held_out_fraction=0.0, rows_per_shard=300))
+    tokenize(str(corpus), str(tmp_path / "out"), config(held_out_fraction=0.0, rows_per_shard=300))
     files = sorted((tmp_path / "out" / "train").glob("*.arrow"))
     assert len(files) >= 3  # rotated every 300 rows
     for path in files:
@@ -355,14 +313,12 @@ def test_shards_are_streamed_in_bounded_record_batches_and_rotated(tmp_path):
 
 
 def test_a_completions_artifact_is_read_through_its_manifest_and_pinned_by_it(tmp_path):
-    from blockdraft.store.artifact import commit_artifact, entry_for_local_file
-
     src = tmp_path / "completions"
     write_jsonl(src / "shard-0.jsonl.zst", [conversation(i) for i in range(5)])
     (src / "notes.txt").write_text("not a completions file")
     commit_artifact(open_store(src), "completions", [entry_for_local_file(src, src / "shard-0.jsonl.zst")], config={"k": 1})
-    summary = tokenize_dataset(str(src), str(tmp_path / "out"), config())
-    assert summary.counts["rows_out"] == 5
+    result = tokenize(str(src), str(tmp_path / "out"), config())
+    assert result.details.counts["rows_out"] == 5
     manifest = read_manifest(open_store(tmp_path / "out"))[0]
     [ref] = manifest.lineage
     assert ref.kind == "manifest" and ref.sha256 == hashlib.sha256((src / MANIFEST_NAME).read_bytes()).hexdigest()
@@ -371,21 +327,94 @@ def test_a_completions_artifact_is_read_through_its_manifest_and_pinned_by_it(tm
     assert verify_artifact(open_store(tmp_path / "out"), check_inputs=True).state is State.STALE
 
 
-def test_an_input_that_changes_after_listing_fails_the_shard_instead_of_recording_it(tmp_path):
-    """The record names the input's checksum; the worker proves the bytes it read have it, so a record never lies."""
-    from blockdraft.errors import ArtifactError
-    from blockdraft.stages.tokenize import stage
+class AppendAfterFirstProgress(Reporter):
+    """Appends `line` to `path` once the first input bytes are reported done: after listing, before later shards are read."""
 
+    def __init__(self, path: Path, line: str) -> None:
+        super().__init__()
+        self.path, self.line, self.appended = path, line, False
+
+    def progress(self, task, completed, total=None, **fields):
+        if completed and not self.appended:
+            with self.path.open("a") as f:
+                f.write(self.line)
+            self.appended = True
+
+
+def test_an_input_that_changes_after_listing_fails_the_shard_instead_of_recording_it(tmp_path):
+    """The piece names the input's checksum; the worker proves the bytes it read have it, so a piece never lies."""
     corpus = make_corpus(tmp_path / "in", files=2, per_file=5)
-    run = stage._prepare(str(corpus), str(tmp_path / "out"), config(), None, None, stage.TokenizeProgress())
-    with (corpus / "part-01.jsonl").open("a") as f:
-        f.write(json.dumps(conversation(99)) + "\n")  # appended between listing and reading
-    runner = stage._ShardRunner(1, run.src)
-    with stage._output_lock(run.out_dir):
-        records, pending = stage._resume(run)
-        with pytest.raises(ArtifactError, match="part-01.jsonl changed while it was tokenized"):
-            stage._run_pending(run, runner, records, pending)
-    assert [p.name for p in (tmp_path / "out" / RECORDS_DIR).glob("shard-*.json")] == ["shard-00000.json"]
+    # One worker: shard 0 reports its bytes (and is recorded) before shard 1 opens its input, which has changed by then.
+    reporter = AppendAfterFirstProgress(corpus / "part-01.jsonl", json.dumps(conversation(99)) + "\n")
+    with pytest.raises(ArtifactError, match="part-01.jsonl changed while it was tokenized"):
+        tokenize(corpus, tmp_path / "out", config(workers=1), reporter)
+    assert reporter.appended and piece_names(tmp_path / "out") == ["shard-00000"]
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
     # The rerun lists the input afresh, keeps shard 0 and redoes shard 1 with the new row.
-    summary = tokenize_dataset(str(corpus), str(tmp_path / "out"), config())
-    assert summary.shards_skipped == 1 and summary.counts["rows_in"] == 11
+    result = tokenize(corpus, tmp_path / "out", config())
+    assert result.details.shards_skipped == 1 and result.details.counts["rows_in"] == 11
+
+
+def test_a_rerun_with_the_same_config_and_input_is_already_done_and_leaves_the_manifest_alone(tmp_path):
+    corpus = make_corpus(tmp_path / "in", files=2, per_file=6)
+    first = tokenize(corpus, tmp_path / "out", config())
+    manifest = tmp_path / "out" / MANIFEST_NAME
+    before, stat = manifest.read_bytes(), manifest.stat()
+    files = files_of(tmp_path / "out")
+    reporter = Reporter()
+    again = tokenize(corpus, tmp_path / "out", config(workers=2), reporter)  # workers do not change the rows
+    assert not first.already_done and again.already_done
+    assert again.report.state is State.VERIFIED and again.report.manifest_sha256 == first.report.manifest_sha256
+    assert manifest.read_bytes() == before and manifest.stat().st_mtime_ns == stat.st_mtime_ns  # not rewritten
+    assert files_of(tmp_path / "out") == files
+    assert again.details.shards_skipped == 2 and again.details.counts == first.details.counts
+    assert not any(line.startswith("resuming") for line in reporter.lines)
+    # Another config is not done: it is redone, and the manifest is rewritten.
+    other = tokenize(corpus, tmp_path / "out", config(max_length=64))
+    assert not other.already_done and other.details.shards_skipped == 0 and manifest.read_bytes() != before
+
+
+class ProgressLog(Reporter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, float, float | None, dict]] = []
+
+    def progress(self, task, completed, total=None, **fields):
+        self.calls.append((task, completed, total, fields))
+
+
+def test_progress_is_reported_in_input_bytes_with_rows_and_tokens(tmp_path):
+    corpus = make_corpus(tmp_path / "in", files=3, per_file=40)
+    total = sum(p.stat().st_size for p in corpus.iterdir())
+    for workers in (1, 2):
+        reporter = ProgressLog()
+        result = tokenize(corpus, tmp_path / f"out-{workers}", config(workers=workers), reporter)
+        assert {task for task, *_ in reporter.calls} == {"tokenize"} and all(t == total for _, _, t, _ in reporter.calls)
+        done = [c for _, c, _, _ in reporter.calls]
+        assert done[0] == 0 and done == sorted(done) and done[-1] == total
+        assert reporter.calls[-1][3] == {"rows": result.details.counts["rows_out"], "tokens": result.details.counts["tokens"]}
+    # A rerun that resumes some shards reports only the bytes still to do, and says it resumes.
+    half_finished(tmp_path / "out-1", "shard-00002")
+    reporter = ProgressLog()
+    tokenize(corpus, tmp_path / "out-1", config(), reporter)
+    assert reporter.calls[-1][1] == reporter.calls[-1][2] == (corpus / "part-02.jsonl").stat().st_size
+    assert "resuming: 2 of 3 shards already done (records and files match this run)" in reporter.lines
+
+
+def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp_path):
+    corpus = make_corpus(tmp_path / "in", files=2, per_file=3)
+
+    class SecondRunInside(Reporter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refusal: ConfigError | None = None
+
+        def progress(self, task, completed, total=None, **fields):
+            if completed and self.refusal is None:
+                with pytest.raises(ConfigError, match="another tokenize is writing") as caught:
+                    tokenize(corpus, tmp_path / "out", config())
+                self.refusal = caught.value
+
+    reporter = SecondRunInside()
+    assert tokenize(corpus, tmp_path / "out", config(), reporter).report.state is State.VERIFIED
+    assert reporter.refusal is not None

@@ -9,10 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from test_tokenize import TOKENIZER_DIR, config, files_of, make_corpus, rows_of
+from tokenize_helpers import TOKENIZER_DIR, config, files_of, make_corpus, piece_names, rows_of, tokenize
 
-from blockdraft.stages.tokenize.shard import RECORDS_DIR
-from blockdraft.stages.tokenize.stage import tokenize_dataset
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 
@@ -48,7 +46,7 @@ def test_sigkill_midway_then_rerun_gives_the_uninterrupted_rows(tmp_path):
     workers: set[int] = set()
     try:
         deadline = time.monotonic() + 120
-        while not list((out / RECORDS_DIR).glob("shard-*.json")):
+        while not piece_names(out):
             assert proc.poll() is None, proc.stdout.read().decode()
             assert time.monotonic() < deadline, "no shard finished in 120 s"
             workers |= children_of(proc.pid)
@@ -62,8 +60,8 @@ def test_sigkill_midway_then_rerun_gives_the_uninterrupted_rows(tmp_path):
             proc.wait()
     proc.stdout.close()
 
-    # Killed midway: some shards recorded, no manifest; the workers die with their parent.
-    recorded = len(list((out / RECORDS_DIR).glob("shard-*.json")))
+    # Killed midway: some shards recorded as pieces, no manifest; the workers die with their parent.
+    recorded = len(piece_names(out))
     assert 1 <= recorded < 8
     assert not (out / MANIFEST_NAME).exists()
     assert verify_artifact(open_store(out)).state is State.INCOMPLETE
@@ -76,10 +74,10 @@ def test_sigkill_midway_then_rerun_gives_the_uninterrupted_rows(tmp_path):
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "resuming:" in rerun.stderr and "of 8 shards already done" in rerun.stderr
 
-    reference = tokenize_dataset(str(corpus), str(tmp_path / "ref"), config(workers=1, held_out_fraction=0.1))
+    reference = tokenize(corpus, tmp_path / "ref", config(workers=1, held_out_fraction=0.1))
     assert verify_artifact(open_store(out)).state is State.VERIFIED
     resumed, expected = rows_of(out), rows_of(tmp_path / "ref")
     assert resumed == expected  # none lost, none duplicated, same order
-    assert sum(len(v) for v in resumed.values()) == reference.counts["rows_out"]
+    assert sum(len(v) for v in resumed.values()) == reference.details.counts["rows_out"]
     assert files_of(out) == files_of(tmp_path / "ref")
     assert not [p for p in out.rglob(".tmp-*")]

@@ -11,10 +11,12 @@ import pytest
 
 from blockdraft.config import load_config
 from blockdraft.errors import StoreError
-from blockdraft.stages.tokenize.stage import tokenize_dataset
+from blockdraft.reporter import Reporter
+from blockdraft.stages.tokenize import finished_shard_entries, run
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
-from blockdraft.store.transfer import pull
+from blockdraft.store.status import status
+from blockdraft.store.transfer import pull, stage_and_push
 
 pytestmark = pytest.mark.s3
 
@@ -47,9 +49,9 @@ def upload_raw(server, bucket: str) -> list[str]:
 def test_tokenize_reads_raw_s3_completions_and_writes_a_verified_s3_artifact(s3_bucket, s3_env, tmp_path):
     keys = upload_raw(s3_env, s3_bucket)
     out_url = f"s3://{s3_bucket}/tokenized"
-    summary = tokenize_dataset(f"s3://{s3_bucket}/raw", out_url, s3_config(tmp_path))
-    assert summary.report.state is State.VERIFIED
-    assert summary.output == open_store(out_url).url
+    result = run(s3_config(tmp_path), f"s3://{s3_bucket}/raw", out_url, Reporter())
+    assert result.report.state is State.VERIFIED
+    assert result.url == open_store(out_url).url
     remote = open_store(out_url)
     assert verify_artifact(remote).state is State.VERIFIED
     manifest = read_manifest(remote)[0]
@@ -64,35 +66,39 @@ def test_tokenize_reads_raw_s3_completions_and_writes_a_verified_s3_artifact(s3_
     assert pull(out_url, tmp_path / "pulled").verify.state is State.VERIFIED
 
 
-def test_tokenize_to_s3_pushes_finished_shards_before_the_end(s3_bucket, s3_env, tmp_path, monkeypatch):
+class WaitForFirstShardAtDestination(Reporter):
+    """On the second shard's last progress report (shard 0 recorded, shard 1 still being tokenized, shard 2 not begun),
+    waits until shard 0's rows are listed at the destination, and notes how many objects were there."""
+
+    def __init__(self, client, bucket: str) -> None:
+        super().__init__()
+        self.client, self.bucket = client, bucket
+        self.reports = 0
+        self.seen_at_destination: list[int] = []
+
+    def progress(self, task, completed, total=None, **fields):
+        if not completed:
+            return
+        self.reports += 1
+        if self.reports != 2:
+            return
+        deadline = time.monotonic() + 10  # the pusher polls every 0.5 s
+        while time.monotonic() < deadline:
+            listed = self.client.list_objects_v2(Bucket=self.bucket, Prefix="tokenized/train/").get("Contents", [])
+            if any("shard-00000" in o["Key"] for o in listed):
+                break
+            time.sleep(0.05)
+        self.seen_at_destination.append(len(listed))
+
+
+def test_tokenize_to_s3_pushes_finished_shards_before_the_end(s3_bucket, s3_env, tmp_path):
     """The first shard is at the destination, verified, while a later shard is still being tokenized."""
-    import blockdraft.stages.tokenize.stage as tokenize_module
-
-    upload_raw(s3_env, s3_bucket)
+    upload_raw(s3_env, s3_bucket)  # three files of 10 rows: each shard reports its progress once, at its end
     out_url = f"s3://{s3_bucket}/tokenized"
-    seen_at_destination: list[int] = []
-    real = tokenize_module.tokenize_shard
-
-    def observing_shard(task, settings, progress=None):
-        if task.index == 2:
-            # Give the pusher (polling every 0.1 s) time to find shards 0 and 1 finished.
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                listed = s3_env.client().list_objects_v2(Bucket=s3_bucket, Prefix="tokenized/train/").get("Contents", [])
-                if any("shard-00000" in o["Key"] for o in listed):
-                    break
-                time.sleep(0.05)
-            seen_at_destination.append(len(listed))
-        return real(task, settings, progress)
-
-    monkeypatch.setattr(tokenize_module, "tokenize_shard", observing_shard)
-    from blockdraft.store import transfer
-
-    original = transfer.stage_and_push
-    monkeypatch.setattr(transfer, "stage_and_push", lambda *a, **k: original(*a, **{**k, "poll_s": 0.1}))
-    summary = tokenize_dataset(f"s3://{s3_bucket}/raw", out_url, s3_config(tmp_path, workers=1))
-    assert summary.report.state is State.VERIFIED
-    assert seen_at_destination and seen_at_destination[0] >= 1
+    reporter = WaitForFirstShardAtDestination(s3_env.client(), s3_bucket)
+    result = run(s3_config(tmp_path, workers=1), f"s3://{s3_bucket}/raw", out_url, reporter)
+    assert result.report.state is State.VERIFIED
+    assert reporter.reports == 3 and reporter.seen_at_destination and reporter.seen_at_destination[0] >= 1
     assert open_store(out_url).exists(MANIFEST_NAME)
 
 
@@ -101,7 +107,7 @@ def test_tokenize_to_s3_with_a_wrong_secret_fails_before_any_work(s3_bucket, s3_
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     start = time.monotonic()
     with pytest.raises(StoreError, match="wrong secret key"):
-        tokenize_dataset(f"s3://{s3_bucket}/raw", f"s3://{s3_bucket}/tokenized", s3_config(tmp_path))
+        run(s3_config(tmp_path), f"s3://{s3_bucket}/raw", f"s3://{s3_bucket}/tokenized", Reporter())
     assert time.monotonic() - start < 10
     assert not (tmp_path / "staging").exists()
 
@@ -117,9 +123,9 @@ def test_tokenize_reads_parquet_completions_from_s3(s3_bucket, s3_env, tmp_path)
     buffer = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), buffer, row_group_size=10)
     s3_env.client().put_object(Bucket=s3_bucket, Key="raw/part-0.parquet", Body=buffer.getvalue())
-    summary = tokenize_dataset(f"s3://{s3_bucket}/raw", str(tmp_path / "tok"), s3_config(tmp_path))
-    assert summary.report.state is State.VERIFIED
-    assert summary.counts["rows_in"] == 40
+    result = run(s3_config(tmp_path), f"s3://{s3_bucket}/raw", str(tmp_path / "tok"), Reporter())
+    assert result.report.state is State.VERIFIED
+    assert result.details.counts["rows_in"] == 40
 
 
 def test_s3_object_reader_seeks_and_reads_like_a_file(s3_bucket, s3_env):
@@ -137,11 +143,9 @@ def test_s3_object_reader_seeks_and_reads_like_a_file(s3_bucket, s3_env):
 
 
 def test_tokenized_artifact_is_stale_once_a_raw_input_object_changes(s3_bucket, s3_env, tmp_path):
-    from blockdraft.store.status import status
-
     upload_raw(s3_env, s3_bucket)
     out_url = f"s3://{s3_bucket}/tokenized"
-    tokenize_dataset(f"s3://{s3_bucket}/raw", out_url, s3_config(tmp_path))
+    run(s3_config(tmp_path), f"s3://{s3_bucket}/raw", out_url, Reporter())
     assert verify_artifact(open_store(out_url), check_inputs=True).state is State.VERIFIED
     s3_env.client().put_object(Bucket=s3_bucket, Key="raw/part-1.jsonl", Body=jsonl(100, 10))
     report = verify_artifact(open_store(out_url), check_inputs=True)
@@ -151,13 +155,10 @@ def test_tokenized_artifact_is_stale_once_a_raw_input_object_changes(s3_bucket, 
 
 
 def test_a_failed_rerun_over_a_committed_s3_output_that_changes_nothing_leaves_it_committed(s3_bucket, s3_env, tmp_path):
-    from blockdraft.stages.tokenize.stage import finished_shard_entries
-    from blockdraft.store.transfer import stage_and_push
-
     upload_raw(s3_env, s3_bucket)
     out_url = f"s3://{s3_bucket}/tokenized"
     cfg = s3_config(tmp_path)
-    tokenize_dataset(f"s3://{s3_bucket}/raw", out_url, cfg)
+    run(cfg, f"s3://{s3_bucket}/raw", out_url, Reporter())
     before = read_manifest(open_store(out_url))[1]
 
     def crash(local: Path) -> None:

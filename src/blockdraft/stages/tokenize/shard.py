@@ -1,4 +1,8 @@
-"""One shard, in one worker process: an input file -> its Arrow files, its quarantine file and, last, its completion record.
+"""One shard, in one worker process: an input file -> its Arrow files, its quarantine file and, last, its piece record.
+
+A finished shard is a piece of the output (`StageOutput.put_piece`, written after its files), keyed by `piece_key`:
+the run's config digest and the input file's key, size and checksum. Its counts hold the shard's row statistics
+(`stats`) and its Arrow files per split in the order written (`split_files`).
 
 A worker streams: it holds one batch of `CONVERSATION_BATCH` conversations and at most `ARROW_BATCH_ROWS` pending rows
 per split, so its memory does not grow with the shard or the dataset. The tokenizer and compiled template are built
@@ -8,7 +12,6 @@ once per process (`install_tools`), never shipped with each task.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import json
 import os
@@ -17,13 +20,16 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 import pyarrow as pa
+from tokenizers import Tokenizer
 
+from blockdraft.config import StoreConfig
 from blockdraft.data.completions import RawRecord, RowRejected, iter_records, normalise, source_id_of
 from blockdraft.data.render import (
     ChatTemplate,
@@ -36,19 +42,22 @@ from blockdraft.data.render import (
     row_from_generator_ids,
 )
 from blockdraft.errors import ArtifactError
+from blockdraft.stages.tokenize.hf_layout import KIND, QUARANTINE_DIR, SPLITS
 from blockdraft.store import open_store
+from blockdraft.store.artifact import FileEntry
 from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme, crc64nvme_file
-from blockdraft.store.local import TMP_PREFIX
+from blockdraft.store.local import TMP_PREFIX, LocalStore
+from blockdraft.store.stage_io import StageOutput, stage_key
 
-SPLITS = ("train", "held_out")
-RECORDS_DIR = ".blockdraft-shards"
-QUARANTINE_DIR = "quarantine"
-RECORD_FORMAT = "blockdraft-tokenize-shard/1"
+# Part of the config digest: bump it when the rows' bytes change for the same options, so old shards are redone.
+SHARD_FORMAT = "blockdraft-tokenize-shard/1"
 # Conversations rendered and encoded together; small enough that a worker's memory stays flat.
 CONVERSATION_BATCH = 32
 # Rows per Arrow record batch written.
 ARROW_BATCH_ROWS = 256
 _PR_SET_PDEATHSIG = 1
+# progress(input bytes consumed, rows written, tokens written): deltas since the last call.
+Advance = Callable[[int, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -64,14 +73,15 @@ class WorkerSettings:
     vocab_size: int
     config_digest: str
     input_url: str
-    store_settings: dict[str, Any]
+    store: StoreConfig
     output_dir: str
+    output_key: str  # the run's stage key (its StageOutput's)
     schema: pa.Schema
 
 
 @dataclass(frozen=True)
 class ShardTask:
-    """One input file: `name` (shard-00003) names its outputs and record."""
+    """One input file: `name` (shard-00003) names its outputs and its piece."""
 
     index: int
     name: str
@@ -80,22 +90,38 @@ class ShardTask:
     checksum: str
 
 
+def piece_key(config_digest: str, task: ShardTask) -> str:
+    """What a finished shard depends on: the run's config digest and its input file as listed (key, size, checksum)."""
+    return stage_key({"config_digest": config_digest, "input": {"key": task.key, "size": task.size, "checksum": task.checksum}})
 
-@functools.lru_cache(maxsize=1)
-def output_schema() -> pa.Schema:
-    """The Arrow schema of the rows, with the `datasets` feature metadata so `load_from_disk` restores the types."""
-    import datasets
 
-    return datasets.Features(
-        {
-            "input_ids": datasets.List(datasets.Value("int32")),
-            "loss_mask": datasets.List(datasets.Value("uint8")),
-            "num_tokens": datasets.Value("int32"),
-            "num_supervised": datasets.Value("int32"),
-            "source_id": datasets.Value("string"),
-            "turn": datasets.Value("int32"),
-        }
-    ).arrow_schema
+@dataclass(frozen=True)
+class ShardOutput:
+    """One finished shard as its piece records it: every file it made (Arrow and quarantine) and its piece counts,
+    {"stats": row counts (rows_in, rows_out, tokens, rejected by reason, ...), "split_files": {split: [path, ...]}}."""
+
+    name: str
+    files: list[FileEntry]
+    counts: dict[str, Any]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.counts["stats"]
+
+    def arrow_files(self) -> list[tuple[str, str]]:
+        """(path, checksum) of its Arrow files in the order written: train then held_out, parts in order."""
+        checksums = {e.path: e.checksum for e in self.files}
+        return [(path, checksums[path]) for split in SPLITS for path in self.counts["split_files"][split]]
+
+
+@dataclass(frozen=True)
+class ShardRun:
+    """A shard tokenized by this run: what it holds, and the worker's wall and CPU seconds and peak resident MiB for it."""
+
+    output: ShardOutput
+    seconds: float
+    cpu_seconds: float
+    peak_rss_mib: float
 
 
 def is_held_out(source_id: str, fraction: float) -> bool:
@@ -109,7 +135,7 @@ class _SplitWriter:
 
     def __init__(self, split_dir: Path, stem: str, schema: pa.Schema, rows_per_file: int) -> None:
         self.dir, self.stem, self.schema, self.rows_per_file = split_dir, stem, schema, rows_per_file
-        self.files: list[dict[str, Any]] = []
+        self.files: list[FileEntry] = []
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
         self._tmp: Path | None = None
         self._rows_in_file = 0
@@ -139,10 +165,10 @@ class _SplitWriter:
         final = self.dir / self._tmp.name.removeprefix(TMP_PREFIX)
         os.replace(self._tmp, final)
         size, checksum = crc64nvme_file(final)
-        self.files.append({"path": f"{self.dir.name}/{final.name}", "size": size, "checksum": checksum, "rows": self._rows_in_file})
+        self.files.append(FileEntry(path=f"{self.dir.name}/{final.name}", size=size, checksum=checksum))
         self._writer, self._tmp, self._rows_in_file = None, None, 0
 
-    def close(self) -> list[dict[str, Any]]:
+    def close(self) -> list[FileEntry]:
         self._flush()
         if self._writer is not None:
             self._close_file()
@@ -189,8 +215,6 @@ def install_tools(tokenizer_json: str, template_text: str, variables: dict[str, 
     template = compile_chat_template(template_text, variables)
     key = tools_key(hashlib.sha256(tokenizer_json.encode()).hexdigest(), template)
     if WORKER.get("key") != key:
-        from tokenizers import Tokenizer
-
         WORKER["tools"], WORKER["key"] = (Tokenizer.from_str(tokenizer_json), template), key
 
 
@@ -206,19 +230,9 @@ def worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, templ
     install_tools(tokenizer_json, template_text, variables)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(TMP_PREFIX + path.name)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _remove_shard_outputs(out: Path, name: str) -> None:
-    """Delete every output of one shard (record first, so a crash in between never leaves a record over missing files)."""
-    (out / RECORDS_DIR / f"{name}.json").unlink(missing_ok=True)
+def _remove_shard_outputs(output: StageOutput, out: Path, name: str) -> None:
+    """Delete every output of one shard (its piece first, so a crash in between never leaves a piece over missing files)."""
+    output.drop_piece(name)
     for split in SPLITS:
         for p in (out / split).glob(f"{name}-part-*.arrow"):
             p.unlink()
@@ -250,23 +264,27 @@ class _ChecksummedStream:
             )
 
 
-def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = None) -> dict[str, Any]:
-    """Tokenize one input file into its Arrow files and quarantine file; return (and write, last) its completion record.
+def _to_parent_queue() -> Advance | None:
+    """In a pool worker, progress goes to the parent's queue (set up by `worker_init`); elsewhere nowhere."""
+    q = WORKER.get("queue")
+    if q is None:
+        return None
+    return lambda nbytes, rows, tokens: q.put((nbytes, rows, tokens))
+
+
+def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance | None = None) -> ShardRun:
+    """Tokenize one input file into its Arrow files and quarantine file; record it (last) as a finished piece.
 
     `progress(nbytes, rows, tokens)` is called as it goes; in a pool worker, progress goes to the parent's queue.
     """
-    if progress is None and "queue" in WORKER:
-        q = WORKER["queue"]
-
-        def progress(nbytes: int, rows: int, tokens: int) -> None:
-            q.put((nbytes, rows, tokens))
-
+    progress = progress or _to_parent_queue()
     started, cpu_started = time.monotonic(), time.process_time()
     if WORKER.get("key") != settings.tools_key:
         raise RuntimeError("tokenize_shard called in a process without this run's tokenizer and template installed")
     tokenizer, template = WORKER["tools"]
     out = Path(settings.output_dir)
-    _remove_shard_outputs(out, task.name)
+    output = StageOutput(LocalStore(out), KIND, settings.output_key)
+    _remove_shard_outputs(output, out, task.name)
     writers = {split: _SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file) for split in SPLITS}
     counts = _ShardCounts()
     quarantine_path = out / QUARANTINE_DIR / f"{task.name}.jsonl"
@@ -274,10 +292,11 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = No
     quarantine_tmp = quarantine_path.with_name(TMP_PREFIX + quarantine_path.name)
     bytes_read = [0]
     reported = 0
-    store = open_store(settings.input_url, _store_settings(settings.store_settings))
+    store = open_store(settings.input_url, settings.store)
     with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.key) as raw:
         # Parquet is read by seeking (footer first), so only streamed formats are checksummed as they are read.
-        stream = raw if task.key.lower().endswith(".parquet") else _ChecksummedStream(raw)
+        checked = None if task.key.lower().endswith(".parquet") else _ChecksummedStream(raw)
+        stream = raw if checked is None else cast(BinaryIO, checked)  # read() is all a streamed format asks of it
 
         def reject(record: RawRecord, source_id: str | None, turn: int | None, reason: str, detail: str) -> None:
             counts.rejected[reason] += 1
@@ -295,28 +314,22 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Any = No
                     progress(bytes_read[0] - reported, rows, tokens)
                     reported = bytes_read[0]
         rows, tokens = _process_batch(batch, tokenizer, template, settings, writers, counts, reject)
-        if isinstance(stream, _ChecksummedStream):
-            stream.finish(task)
+        if checked is not None:
+            checked.finish(task)
         if progress is not None:
             progress(task.size - reported, rows, tokens)
     os.replace(quarantine_tmp, quarantine_path)
-    files = [dict(f, split=split) for split in SPLITS for f in writers[split].close()]
+    split_files = {split: writers[split].close() for split in SPLITS}
     q_size, q_checksum = crc64nvme_file(quarantine_path)
-    record = {
-        "format": RECORD_FORMAT,
-        "shard": task.name,
-        "input": {"key": task.key, "size": task.size, "checksum": task.checksum},
-        "config_digest": settings.config_digest,
-        "files": files,
-        "quarantine": {"path": f"{QUARANTINE_DIR}/{quarantine_path.name}", "size": q_size, "checksum": q_checksum},
-        "counts": counts.as_dict(),
-    }
-    # The record is written last: its presence is the shard's "done", and it names exactly the files it made.
-    write_atomic(out / RECORDS_DIR / f"{task.name}.json", json.dumps(record, indent=1, sort_keys=True).encode())
-    record["peak_rss_mib"] = _peak_rss_mib()
-    record["seconds"] = time.monotonic() - started
-    record["cpu_seconds"] = time.process_time() - cpu_started
-    return record
+    quarantine_entry = FileEntry(path=f"{QUARANTINE_DIR}/{quarantine_path.name}", size=q_size, checksum=q_checksum)
+    shard = ShardOutput(
+        task.name,
+        [*(e for split in SPLITS for e in split_files[split]), quarantine_entry],
+        {"stats": counts.as_dict(), "split_files": {split: [e.path for e in split_files[split]] for split in SPLITS}},
+    )
+    # The piece is recorded last: it is the shard's "done", and it names exactly the files the shard made.
+    output.put_piece(task.name, piece_key(settings.config_digest, task), shard.files, shard.counts)
+    return ShardRun(shard, time.monotonic() - started, time.process_time() - cpu_started, _peak_rss_mib())
 
 
 def _peak_rss_mib() -> float:
@@ -329,12 +342,6 @@ def _peak_rss_mib() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _store_settings(data: dict[str, Any]) -> Any:
-    from blockdraft.config import StoreConfig
-
-    return StoreConfig.model_validate(data)
 
 
 def _process_batch(
@@ -369,7 +376,7 @@ def _process_batch(
                 ready.append((record, conv.source_id, item))
     if planned:
         encodings = tokenizer.encode_batch([p.full for _, _, p in planned], add_special_tokens=False)
-        for (record, source_id, p), enc in zip(planned, encodings):
+        for (record, source_id, p), enc in zip(planned, encodings, strict=True):
             ready.append((record, source_id, mask_turn(p, enc, settings.eot_id, settings.max_length)))
     rows = tokens = 0
     for record, source_id, result in ready:

@@ -1,345 +1,142 @@
 """The `tokenize` stage: completions -> per-turn Arrow rows with exact loss masks, as a verified artifact.
 
-Layout of the output folder (`datasets.load_from_disk(OUTPUT)` gives a DatasetDict with `train` and `held_out`):
+The output folder is a DatasetDict as `datasets.save_to_disk` lays it out (`hf_layout`), plus quarantine files, the
+finished shards' pieces (`.blockdraft-pieces/`, see `blockdraft.store.stage_io`) and the manifest, written last.
 
-    dataset_dict.json
-    train/shard-00000-part-000.arrow ...  state.json  dataset_info.json
-    held_out/...                                       (same)
-    quarantine/shard-00000.jsonl                       rejected rows, one JSON object each, with the reason
-    .blockdraft-shards/shard-00000.json                per-shard completion records (resume)
-    blockdraft-manifest.json                           written last, by `commit_artifact`
-
-One shard = one input file, processed start to end by one worker process (`blockdraft.stages.tokenize.shard`). A shard is skipped on a rerun only when its completion
-record names this run's config digest and the same input file (key, size, checksum) and every file it lists
-reads back with the recorded size and checksum; anything else is redone from scratch.
+One shard = one input file, processed start to end by one worker process (`shard.py`; `runner.py` runs them). Done and
+resume go through the output's `StageOutput`: the output is done when its manifest names this run's stage key (the
+config digest and the inputs by content) and verifies; else each shard is kept only when its piece names this run's
+config digest and the same input file (key, size, checksum) and every file it lists reads back as listed. Anything else
+is deleted and redone from scratch.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
-import logging
-import multiprocessing
 import os
-import queue
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
+from typing import Any, cast
 
 from blockdraft.config import BlockdraftConfig
 from blockdraft.data.completions import list_completions
 from blockdraft.data.tokenizer import TokenizerSource, end_of_turn_id, resolve_tokenizer
 from blockdraft.errors import ConfigError
-from blockdraft.stages.tokenize.shard import (
-    QUARANTINE_DIR,
-    RECORD_FORMAT,
-    RECORDS_DIR,
-    SPLITS,
-    ShardTask,
-    WorkerSettings,
-    install_tools,
-    output_schema,
-    tokenize_shard,
-    tools_key,
-    worker_init,
-    write_atomic,
-)
+from blockdraft.reporter import Reporter
+from blockdraft.stages import StageResult
+from blockdraft.stages.tokenize.hf_layout import KIND, output_schema, remove_leftovers, write_split_metadata
+from blockdraft.stages.tokenize.report import TokenizeSummary
+from blockdraft.stages.tokenize.runner import ShardRunner
+from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, ShardTask, WorkerSettings, piece_key, tools_key
 from blockdraft.store import Store, open_store
-from blockdraft.store.artifact import (
-    MANIFEST_NAME,
-    FileEntry,
-    InputRef,
-    State,
-    VerifyReport,
-    commit_artifact,
-    entry_for_local_file,
-    uncommit,
-    verify_artifact,
-)
-from blockdraft.store.local import TMP_PREFIX
+from blockdraft.store.artifact import FileEntry, InputRef, VerifyReport, entry_for_local_file
+from blockdraft.store.local import LocalStore
+from blockdraft.store.stage_io import StageOutput, stage_key
+from blockdraft.store.transfer import stage_and_push
 
-KIND = "tokenized"
-EMPTY_SPLIT_FILE = "empty.arrow"
+STAGE = "tokenize"
+LOCK_NAME = ".blockdraft-tokenize.lock"  # in the output folder; held by the one run that writes it
+COUNT_KEYS = ("rows_in", "turns_in", "rows_out", "train_rows", "held_out_rows", "tokens", "supervised_tokens", "rejected_rows", "rejected_turns")
 
 
-@dataclass
-class TokenizeSummary:
-    """What a tokenize run left at the destination, as verified there (`report`).
-
-    Timings (seconds) are of this call: `shard_phase_seconds` wall time of the shards it ran; per shard it ran,
-    `worker_seconds` (wall) and `worker_cpu_seconds` (CPU) inside the worker and `worker_peak_rss_mib`, that worker's
-    peak resident memory.
-    """
-
-    output: str
-    report: VerifyReport
-    counts: dict[str, Any]
-    shards_total: int
-    shards_skipped: int
-    already_committed: bool
-    template_sha256: str
-    template_matches_target: bool | None
-    warnings: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    shard_phase_seconds: float = 0.0
-    worker_seconds: list[float] = field(default_factory=list)
-    worker_cpu_seconds: list[float] = field(default_factory=list)
-    worker_peak_rss_mib: list[float] = field(default_factory=list)
-
-
-class TokenizeProgress:
-    """Progress callbacks (no-ops here; the CLI draws a rich bar). Byte counts are of the input as stored."""
-
-    def start(self, total_bytes: int, shards_total: int, shards_skipped: int) -> None:
-        """Called once, before any shard runs; skipped shards' bytes are not in `total_bytes`."""
-
-    def advance(self, nbytes: int, rows: int, tokens: int) -> None:
-        """Called as workers consume input and write rows."""
-
-    def warn(self, message: str) -> None:
-        """A problem the user must see before the run goes on (a template that is not the target's)."""
-        logging.getLogger("blockdraft.tokenize").warning(message)
-
-
-# ---------------------------------------------------------------------------------------------- the stage
-
-
-def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> str:
-    """What the rows depend on (not `workers`): tokenize options, tokenizer, template, end-of-turn id, record format."""
-    options = cfg.resolved()["tokenize"]
-    options.pop("workers")
-    data = {"tokenize": options, "tokenizer": src.tokenizer_sha256, "template": src.template.sha256,
-            "template_variables": src.template.variables, "eot_id": eot_id, "format": RECORD_FORMAT}
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
-def _record_matches(out: Store, task: ShardTask, digest: str) -> dict[str, Any] | None:
-    """The shard's completion record if it matches this run and every file it names reads back as recorded."""
-    path = out.local_path() / RECORDS_DIR / f"{task.name}.json"  # type: ignore[operator]
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    expected_input = {"key": task.key, "size": task.size, "checksum": task.checksum}
-    if record.get("format") != RECORD_FORMAT or record.get("config_digest") != digest or record.get("input") != expected_input:
-        return None
-    for f in [*record["files"], record["quarantine"]]:
-        info = out.head(f["path"])
-        if info is None or info.size != f["size"] or info.checksum != f["checksum"]:
-            return None
-    return record
-
-
-def _clean_leftovers(out: Path, keep: set[str]) -> None:
-    """Remove temporary files of killed runs, records that do not match this run, the files no kept record names,
-    and split metadata (rewritten at commit), so the folder holds nothing a reader could mix with this run's rows."""
-    for sub in (*SPLITS, QUARANTINE_DIR, RECORDS_DIR):
-        folder = out / sub
-        if not folder.is_dir():
-            continue
-        for p in folder.iterdir():
-            rel = f"{sub}/{p.name}"
-            if p.name.startswith(TMP_PREFIX) or (p.suffix in (".arrow", ".jsonl", ".json") and rel not in keep):
-                p.unlink()
-
-
-def _write_split_metadata(out: Path, records: list[dict[str, Any]], schema: pa.Schema) -> list[Path]:
-    """state.json / dataset_info.json per split and dataset_dict.json, as `datasets.save_to_disk` writes them."""
-    import datasets
-
-    features = datasets.Features.from_arrow_schema(schema)
-    written = []
-    for split in SPLITS:
-        files = [f["path"].split("/", 1)[1] for r in records for f in r["files"] if f["split"] == split]
-        folder = out / split
-        folder.mkdir(parents=True, exist_ok=True)
-        if not files:
-            # `load_from_disk` needs at least one table per split: an empty split gets one schema-only file.
-            empty = folder / EMPTY_SPLIT_FILE
-            with pa.ipc.new_stream(str(empty), schema):
-                pass
-            files, written = [EMPTY_SPLIT_FILE], [*written, empty]
-        fingerprint = hashlib.sha256(json.dumps([split, *files, *(f["checksum"] for r in records for f in r["files"])]).encode()).hexdigest()[:16]
-        state = {
-            "_data_files": [{"filename": name} for name in files],
-            "_fingerprint": fingerprint,
-            "_format_columns": None,
-            "_format_kwargs": {},
-            "_format_type": None,
-            "_output_all_columns": False,
-            "_split": None,
-        }
-        info = {"citation": "", "description": "", "features": features.to_dict(), "homepage": "", "license": ""}
-        for name, data in (("state.json", state), ("dataset_info.json", info)):
-            write_atomic(folder / name, json.dumps(data, indent=2, sort_keys=True).encode())
-            written.append(folder / name)
-    write_atomic(out / "dataset_dict.json", json.dumps({"splits": list(SPLITS)}).encode())
-    written.append(out / "dataset_dict.json")
-    return written
-
-
-@contextlib.contextmanager
-def _output_lock(out_dir: Path) -> Iterator[None]:
-    """An exclusive lock on the output folder for this run (released when the process dies, even by SIGKILL)."""
-    (out_dir / RECORDS_DIR).mkdir(parents=True, exist_ok=True)
-    fd = os.open(out_dir / RECORDS_DIR / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(f"another tokenize is writing {out_dir}; wait for it to finish or pick another OUTPUT") from None
-        yield
-    finally:
-        os.close(fd)
-
-
-def _merge_counts(records: list[dict[str, Any]]) -> dict[str, Any]:
-    total: Counter[str] = Counter()
-    rejected: Counter[str] = Counter()
-    thinking: Counter[str] = Counter()
-    for r in records:
-        c = dict(r["counts"])
-        rejected.update(c.pop("rejected"))
-        thinking.update(c.pop("thinking"))
-        total.update(c)
-    keys = ("rows_in", "turns_in", "rows_out", "train_rows", "held_out_rows", "tokens", "supervised_tokens", "rejected_rows", "rejected_turns")
-    return {**{k: total.get(k, 0) for k in keys}, "rejected": dict(sorted(rejected.items())), "thinking": dict(sorted(thinking.items()))}
-
-
-class _ShardRunner:
-    """Runs shard tasks: in this process for one worker, else in a pool of spawned processes.
-
-    The pool starts (and each worker builds its tokenizer) as soon as the runner exists, so that start-up overlaps
-    the parent's listing and checksumming of the inputs.
-    """
-
-    def __init__(self, workers: int, src: TokenizerSource) -> None:
-        self.pool: concurrent.futures.ProcessPoolExecutor | None = None
-        if workers <= 1:
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            install_tools(src.tokenizer_json, src.template.text, src.template.variables)
-            return
-        ctx = multiprocessing.get_context("spawn")
-        self.queue = ctx.Queue()
-        self.pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=workers, mp_context=ctx, initializer=worker_init,
-            initargs=(self.queue, os.getpid(), src.tokenizer_json, src.template.text, src.template.variables),
-        )
-        # Ask for every worker now: the executor starts processes lazily otherwise.
-        for _ in range(workers):
-            self.pool.submit(os.getpid)
-
-    def run(self, pending: list[ShardTask], settings: WorkerSettings, progress: TokenizeProgress) -> list[dict[str, Any]]:
-        if self.pool is None:
-            return [tokenize_shard(task, settings, progress.advance) for task in pending]
-        futures = [self.pool.submit(tokenize_shard, task, settings) for task in pending]
-        waiting = set(futures)
-        while waiting:
-            _, waiting = concurrent.futures.wait(waiting, timeout=0.2)
-            self._drain(progress)
-        self._drain(progress)
-        return [f.result() for f in futures]
-
-    def _drain(self, progress: TokenizeProgress) -> None:
-        while True:
-            try:
-                nbytes, rows, tokens = self.queue.get_nowait()
-            except queue.Empty:
-                return
-            progress.advance(nbytes, rows, tokens)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def finished_shard_entries(out_dir: Path) -> list[FileEntry]:
-    """Every file of the shards finished so far in `out_dir`, as their completion records (written last) list them."""
-    entries = []
-    for path in sorted((out_dir / RECORDS_DIR).glob("shard-*.json")):
-        record = json.loads(path.read_text())
-        entries += [FileEntry(path=f["path"], size=f["size"], checksum=f["checksum"]) for f in [*record["files"], record["quarantine"]]]
-    return entries
-
-
-def tokenize_dataset(
+def run(
+    config: BlockdraftConfig,
     input: str,
     output: str,
-    config: BlockdraftConfig,
+    reporter: Reporter | None = None,
     *,
     tokenizer: str | None = None,
     chat_template: str | None = None,
-    progress: TokenizeProgress | None = None,
-) -> TokenizeSummary:
+) -> StageResult:
     """Tokenize completions at `input` (file, folder or completions artifact) into a verified `tokenized` artifact at `output`.
 
     Options come from `config.tokenize` (thinking, max_length, held_out_fraction, workers, rows_per_shard = rows per
-    Arrow file, end_of_turn); `tokenizer`/`chat_template` override the target's (`config.target`). Resumes: shards whose
-    completion record matches this run are kept, the rest redone. Returns what was verified at the destination.
+    Arrow file, end_of_turn); `tokenizer`/`chat_template` override the target's (`config.target`). Reports (to a
+    `Reporter()` when none is given) progress as ("tokenize", input bytes done, input bytes to do, rows=, tokens=), and
+    warnings (a template not the target's).
+    Resumes: finished shards of this run are kept, the rest redone. Returns what was verified at the destination, with a
+    `TokenizeSummary` as details; ConfigError for unusable input or options.
     """
+    started = time.perf_counter()
+    reporter = reporter or Reporter()
     if open_store(output, config.store).local_path() is None:
-        # A remote OUTPUT (s3://): preflight in seconds, tokenize into a local staging folder while finished shards
-        # are pushed, then push the rest, verify it all there and commit the manifest last.
-        from blockdraft.store.transfer import stage_and_push
+        return _run_to_remote(config, input, output, reporter, tokenizer, chat_template, started)
+    plan = _plan(config, input, output, tokenizer, chat_template, reporter)
+    with ShardRunner(config.tokenize.workers, plan.src) as runner, _output_lock(plan.out_dir):
+        report = plan.out.done()
+        if report is not None:
+            # Rewriting the manifest would change its sha256 and make every dependent artifact look stale.
+            assert report.manifest is not None
+            plan.summary.counts, plan.summary.shards_skipped = report.manifest.counts, len(plan.tasks)
+            return StageResult(STAGE, plan.out.url, report, True, time.perf_counter() - started, plan.summary)
+        report = _tokenize(plan, runner, reporter)
+    return StageResult(STAGE, plan.out.url, report, False, time.perf_counter() - started, plan.summary)
 
-        def run_locally(local: Path) -> TokenizeSummary:
-            return tokenize_dataset(input, str(local), config, tokenizer=tokenizer, chat_template=chat_template, progress=progress)
 
-        summary, pushed = stage_and_push(output, config.store, run_locally, finished_shard_entries)
-        summary.output, summary.report = pushed.destination, pushed.verify
-        return summary
-    started = time.monotonic()
-    run = _prepare(input, output, config, tokenizer, chat_template, progress or TokenizeProgress())
-    runner = _ShardRunner(config.tokenize.workers, run.src)
-    try:
-        with _output_lock(run.out_dir):
-            if not _already_committed(run):
-                records, pending = _resume(run)
-                _run_pending(run, runner, records, pending)
-                _commit(run, records)
-    finally:
-        runner.close()
-    run.summary.seconds = time.monotonic() - started
-    return run.summary
+def finished_shard_entries(local_dir: Path) -> list[FileEntry]:
+    """Every file of the shards finished so far in `local_dir`, as their pieces (written after the files) list them."""
+    # Listing what was recorded reads no key: the output's own key is not needed here.
+    pieces = StageOutput(LocalStore(local_dir), KIND, key="").recorded_pieces()
+    return [entry for _, piece in sorted(pieces.items()) for entry in piece.files]
+
+
+def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
+                   chat_template: str | None, started: float) -> StageResult:
+    """A remote OUTPUT (s3://): preflight in seconds, tokenize into a local staging folder while finished shards are
+    pushed, then push the rest, verify it all there and commit the manifest last."""
+
+    def run_locally(local: Path) -> StageResult:
+        return run(config, input, str(local), reporter, tokenizer=tokenizer, chat_template=chat_template)
+
+    staged, pushed = stage_and_push(output, config.store, run_locally, finished_shard_entries)
+    result = cast(StageResult, staged)
+    return dataclasses.replace(result, url=pushed.destination, report=pushed.verify, seconds=time.perf_counter() - started)
 
 
 @dataclass
-class _Run:
+class _Plan:
     """One tokenize run, resolved: what it reads, what it writes, and the config digest its shards are keyed on."""
 
     config: BlockdraftConfig
     src: TokenizerSource
     eot_id: int
     digest: str
-    out_store: Store
+    out: StageOutput
     out_dir: Path
     in_store: Store
     tasks: list[ShardTask]
     lineage: list[InputRef]
     run_config: dict[str, Any]
-    progress: TokenizeProgress
     summary: TokenizeSummary
 
 
-def _prepare(input: str, output: str, config: BlockdraftConfig, tokenizer: str | None, chat_template: str | None,
-             progress: TokenizeProgress) -> _Run:
+def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> str:
+    """What the rows depend on (not `workers`): tokenize options, tokenizer, template, end-of-turn id, shard format."""
+    options = cfg.resolved()["tokenize"]
+    options.pop("workers")
+    data = {"tokenize": options, "tokenizer": src.tokenizer_sha256, "template": src.template.sha256,
+            "template_variables": src.template.variables, "eot_id": eot_id, "format": SHARD_FORMAT}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | None, chat_template: str | None,
+          reporter: Reporter) -> _Plan:
     opts = config.tokenize
     src, warnings = resolve_tokenizer(config, tokenizer, chat_template)
     for message in warnings:
-        progress.warn(message)
+        reporter.warn(message)
     eot_id = end_of_turn_id(src.tokenizer_json, opts.end_of_turn)
     digest = _config_digest(config, src, eot_id)
     out_store = open_store(output, config.store)
     out_dir = out_store.local_path()
-    assert out_dir is not None, "remote outputs are staged in a local folder by tokenize_dataset"
+    assert out_dir is not None, "a remote output is staged in a local folder by run()"
     in_store, files, lineage = list_completions(input, config.store)
     tasks = [ShardTask(i, f"shard-{i:05d}", key, size, checksum) for i, (key, size, checksum) in enumerate(files)]
     matches = None if src.target_template_sha256 is None else src.target_template_sha256 == src.template.sha256
@@ -359,71 +156,104 @@ def _prepare(input: str, output: str, config: BlockdraftConfig, tokenizer: str |
         },
     }
     run_config["tokenize"].pop("workers")  # how many processes ran does not change the rows
-    summary = TokenizeSummary(
-        output=out_store.url, report=VerifyReport(url=out_store.url, state=State.INCOMPLETE), counts={}, shards_total=len(tasks),
-        shards_skipped=0, already_committed=False, template_sha256=src.template.sha256, template_matches_target=matches,
-        warnings=warnings,
-    )
-    return _Run(config, src, eot_id, digest, out_store, out_dir, in_store, tasks, lineage, run_config, progress, summary)
+    out = StageOutput(out_store, KIND, stage_key({"config_digest": digest}, lineage))
+    summary = TokenizeSummary(counts={}, shards_total=len(tasks), shards_skipped=0, template_sha256=src.template.sha256,
+                              template_matches_target=matches, warnings=warnings)
+    return _Plan(config, src, eot_id, digest, out, out_dir, in_store, tasks, lineage, run_config, summary)
 
 
-def _already_committed(run: _Run) -> bool:
-    """True (and the summary filled from the destination) when the output is verified for this very config and input."""
-    existing = verify_artifact(run.out_store)
-    m = existing.manifest
-    if existing.state is State.VERIFIED and m is not None and m.kind == KIND:
-        same_config = m.config.get("tokenize_run", {}).get("config_digest") == run.digest
-        if same_config and [ref.model_dump() for ref in m.lineage] == [ref.model_dump() for ref in run.lineage]:
-            # Rewriting the manifest would change its sha256 and make every dependent artifact look stale.
-            run.summary.report, run.summary.counts, run.summary.already_committed = existing, m.counts, True
-            run.summary.shards_skipped = len(run.tasks)
-            return True
-    return False
+@contextlib.contextmanager
+def _output_lock(out_dir: Path) -> Iterator[None]:
+    """An exclusive lock on the output folder for this run (released when the process dies, even by SIGKILL)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"another tokenize is writing {out_dir}; wait for it to finish or pick another OUTPUT") from None
+        yield
+    finally:
+        os.close(fd)
 
 
-def _resume(run: _Run) -> tuple[dict[str, dict[str, Any]], list[ShardTask]]:
-    """Uncommit, keep the shards whose records match this run, delete every other leftover; return (kept, pending)."""
-    if (run.out_dir / MANIFEST_NAME).exists():
-        uncommit(run.out_store)
-    records: dict[str, dict[str, Any]] = {}
-    for task in run.tasks:
-        record = _record_matches(run.out_store, task, run.digest)
-        if record is not None:
-            records[task.name] = record
-    kept = {f["path"] for r in records.values() for f in [*r["files"], r["quarantine"]]}
-    kept |= {f"{RECORDS_DIR}/{name}.json" for name in records}
-    _clean_leftovers(run.out_dir, kept)
-    pending = [t for t in run.tasks if t.name not in records]
-    run.summary.shards_skipped = len(run.tasks) - len(pending)
-    return records, pending
+def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> VerifyReport:
+    """Uncommit, keep the finished shards, redo the rest, then commit; returns the report read back at the destination."""
+    plan.out.begin()
+    kept = _keep_finished_shards(plan)
+    pending = [t for t in plan.tasks if t.name not in kept]
+    plan.summary.shards_skipped = len(kept)
+    if kept:
+        reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match this run)")
+    made = _run_pending(plan, runner, pending, reporter)
+    return _commit(plan, [kept.get(t.name) or made[t.name] for t in plan.tasks])
 
 
-def _run_pending(run: _Run, runner: _ShardRunner, records: dict[str, dict[str, Any]], pending: list[ShardTask]) -> None:
-    opts = run.config.tokenize
-    run.progress.start(sum(t.size for t in pending), len(run.tasks), run.summary.shards_skipped)
+def _keep_finished_shards(plan: _Plan) -> dict[str, ShardOutput]:
+    """The shards whose pieces match this run, by name; every other piece, temporary file and unnamed file is deleted."""
+    kept = {}
+    for task in plan.tasks:
+        piece = plan.out.finished_piece(task.name, piece_key(plan.digest, task))
+        if piece is not None:
+            kept[task.name] = ShardOutput(task.name, list(piece.files), piece.counts)
+    for name in plan.out.recorded_pieces():
+        if name not in kept:
+            plan.out.drop_piece(name)
+    plan.out.store.abort_partial_uploads()  # temporary files of a killed run
+    remove_leftovers(plan.out_dir, {entry.path for shard in kept.values() for entry in shard.files})
+    return kept
+
+
+class _Progress:
+    """Turns the workers' deltas into the reporter's absolute progress over the input bytes still to tokenize."""
+
+    def __init__(self, reporter: Reporter, total_bytes: int) -> None:
+        self.reporter, self.total = reporter, total_bytes
+        self.bytes = self.rows = self.tokens = 0
+        reporter.progress(STAGE, 0, total_bytes, rows=0, tokens=0)
+
+    def advance(self, nbytes: int, rows: int, tokens: int) -> None:
+        self.bytes, self.rows, self.tokens = self.bytes + nbytes, self.rows + rows, self.tokens + tokens
+        self.reporter.progress(STAGE, self.bytes, self.total, rows=self.rows, tokens=self.tokens)
+
+
+def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], reporter: Reporter) -> dict[str, ShardOutput]:
+    opts = plan.config.tokenize
     settings = WorkerSettings(
-        tools_key=tools_key(run.src.tokenizer_sha256, run.src.template), thinking=opts.thinking, max_length=opts.max_length,
-        held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, eot_id=run.eot_id,
-        vocab_size=run.src.vocab_size, config_digest=run.digest, input_url=run.in_store.url,
-        store_settings=run.config.store.model_dump(mode="json"), output_dir=str(run.out_dir), schema=output_schema(),
+        tools_key=tools_key(plan.src.tokenizer_sha256, plan.src.template), thinking=opts.thinking, max_length=opts.max_length,
+        held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, eot_id=plan.eot_id,
+        vocab_size=plan.src.vocab_size, config_digest=plan.digest, input_url=plan.in_store.url, store=plan.config.store,
+        output_dir=str(plan.out_dir), output_key=plan.out.key, schema=output_schema(),
     )
+    progress = _Progress(reporter, sum(t.size for t in pending))
     started = time.monotonic()
-    for record in runner.run(pending, settings, run.progress):
-        run.summary.worker_peak_rss_mib.append(record.pop("peak_rss_mib"))
-        run.summary.worker_seconds.append(record.pop("seconds"))
-        run.summary.worker_cpu_seconds.append(record.pop("cpu_seconds"))
-        records[record["shard"]] = record
-    run.summary.shard_phase_seconds = time.monotonic() - started
+    runs = runner.run(pending, settings, progress.advance)
+    plan.summary.shard_phase_seconds = time.monotonic() - started
+    plan.summary.worker_seconds = [r.seconds for r in runs]
+    plan.summary.worker_cpu_seconds = [r.cpu_seconds for r in runs]
+    plan.summary.worker_peak_rss_mib = [r.peak_rss_mib for r in runs]
+    return {r.output.name: r.output for r in runs}
 
 
-def _commit(run: _Run, records: dict[str, dict[str, Any]]) -> None:
-    """Split metadata, then the manifest via `commit_artifact` (which verifies every file at the destination first)."""
-    ordered = [records[t.name] for t in run.tasks]
-    metadata = _write_split_metadata(run.out_dir, ordered, output_schema())
-    entries = [FileEntry(path=f["path"], size=f["size"], checksum=f["checksum"]) for r in ordered for f in [*r["files"], r["quarantine"]]]
-    entries += [entry_for_local_file(run.out_dir, p) for p in metadata]
-    counts = _merge_counts(ordered)
-    counts["shards"] = len(run.tasks)
-    counts["held_out_fraction"] = run.config.tokenize.held_out_fraction
-    run.summary.counts = counts
-    run.summary.report = commit_artifact(run.out_store, KIND, entries, config=run.run_config, lineage=run.lineage, counts=counts)
+def _merge_counts(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shards' row statistics summed: every count in COUNT_KEYS, and rejections by reason, rows by thinking mode."""
+    total: Counter[str] = Counter()
+    rejected: Counter[str] = Counter()
+    thinking: Counter[str] = Counter()
+    for s in stats:
+        c = dict(s)
+        rejected.update(c.pop("rejected"))
+        thinking.update(c.pop("thinking"))
+        total.update(c)
+    return {**{k: total.get(k, 0) for k in COUNT_KEYS}, "rejected": dict(sorted(rejected.items())), "thinking": dict(sorted(thinking.items()))}
+
+
+def _commit(plan: _Plan, shards: list[ShardOutput]) -> VerifyReport:
+    """Split metadata, then the manifest (`StageOutput.commit` verifies every file at the destination first)."""
+    metadata = write_split_metadata(plan.out_dir, [s.arrow_files() for s in shards], output_schema())
+    entries = [entry for s in shards for entry in s.files] + [entry_for_local_file(plan.out_dir, p) for p in metadata]
+    counts = _merge_counts([s.stats for s in shards])
+    counts["shards"] = len(plan.tasks)
+    counts["held_out_fraction"] = plan.config.tokenize.held_out_fraction
+    plan.summary.counts = counts
+    return plan.out.commit(entries, config=plan.run_config, lineage=plan.lineage, counts=counts)
