@@ -96,16 +96,17 @@ def tokenize(
 ) -> None:
     """Completions -> one row per assistant turn with an exact loss mask, as Arrow shards `datasets.load_from_disk` reads."""
     from blockdraft.config import load_config
-    from blockdraft.stages.tokenize.report import RichTokenizeProgress, print_tokenize_summary
-    from blockdraft.stages.tokenize.stage import tokenize_dataset
+    from blockdraft.console import ConsoleReporter
+    from blockdraft.stages import tokenize as tokenize_stage
 
     if thinking not in (None, "auto", "on", "off"):
         raise typer.BadParameter(f"{thinking!r}; use auto, on or off", param_hint="--thinking")
     overrides = {"tokenize": {"thinking": thinking, "max_length": max_length, "held_out_fraction": held_out_fraction, "workers": workers}}
     cfg = load_config(config, overrides)
-    with RichTokenizeProgress(console) as progress:
-        summary = tokenize_dataset(input, output, cfg, tokenizer=tokenizer, chat_template=chat_template, progress=progress)
-    print_tokenize_summary(console, summary)
+    with ConsoleReporter(console) as reporter:
+        result = tokenize_stage.run(cfg, input, output, reporter, tokenizer=tokenizer, chat_template=chat_template)
+    for line in tokenize_stage.summary_lines(result):
+        reporter.say(line)
 
 
 @app.command()
@@ -118,12 +119,15 @@ def export(
 ) -> None:
     """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, as a verified artifact; print the serving settings."""
     from blockdraft.config import load_config
-    from blockdraft.stages.export.stage import export as export_checkpoint
+    from blockdraft.console import ConsoleReporter
+    from blockdraft.stages import export as export_stage
 
-    result = export_checkpoint(checkpoint, out, load_config(config), target=target)
+    with ConsoleReporter(console) as reporter:
+        result = export_stage.run(load_config(config), checkpoint, out, reporter, target=target)
     console.print(f"[green]verified[/]: {result.report.summary()} at {result.url}", highlight=False)
-    print(f"SGLang: {result.serving['sglang_command']}")
-    print(f"vLLM:   {result.serving['vllm_command']}")
+    serving = result.details.serving
+    print(f"SGLang: {serving['sglang_command']}")
+    print(f"vLLM:   {serving['vllm_command']}")
 
 
 @app.command("eval")
@@ -137,14 +141,17 @@ def eval_command(
 ) -> None:
     """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy."""
     from blockdraft.config import load_config
-    from blockdraft.stages.eval.stage import run_eval, summary_lines
+    from blockdraft.console import ConsoleReporter
+    from blockdraft.stages import eval as eval_stage
 
     cfg = load_config(config, {"eval": {"max_new_tokens": max_new_tokens}})
-    report, url = run_eval(cfg, checkpoint, prompts=prompts, max_new_tokens=max_new_tokens, output=output)
-    for line in summary_lines(report):
+    with ConsoleReporter(console) as reporter:  # draws the per-prompt progress
+        result = eval_stage.run(cfg, checkpoint, output, reporter, prompts=prompts, max_new_tokens=max_new_tokens)
+    report = result.details
+    for line in eval_stage.summary_lines(report):
         print(line)
-    print(f"report\t{url}")
-    if not report["lossless"]["ok"]:
+    print(f"report\t{result.url}")
+    if not report.lossless.ok:
         console.print("[bold red]error:[/] speculative output diverged from target-only greedy beyond the tolerance (see report)")
         raise typer.Exit(1)
 
@@ -318,7 +325,7 @@ def demo(
         print(f"{root}\t{state}")
     tau = result.tau
     print(f"\ntau dflash {tau.get('dflash', 0):.2f}   n-gram {tau.get('ngram', 0):.2f}   untrained {tau.get('untrained', 0):.2f}"
-          f"   (block size {result.eval_report['block_size']})")
+          f"   (block size {result.eval_report.block_size if result.eval_report else '-'})")
     print(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: {'yes' if result.lossless else 'NO'}")
     print(f"target's answers, distinct-4-gram ratio: {result.distinct_4gram:.2f}")
     print(f"wall time {result.wall_s:.1f}s, peak RSS {result.peak_rss_mib:.0f} MiB; status page: {result.workdir / 'PROGRESS.md'}")

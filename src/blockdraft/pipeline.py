@@ -15,12 +15,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from blockdraft.config import BlockdraftConfig, load_config
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
+
+if TYPE_CHECKING:  # the stage itself is imported when the demo runs (it loads transformers and datasets)
+    from blockdraft.stages.eval import EvalReport
 
 Profile = Literal["full", "ci"]
 
@@ -57,7 +60,7 @@ class DemoResult:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
     peak_rss_mib: float = 0.0
-    eval_report: dict[str, Any] = field(default_factory=dict)
+    eval_report: EvalReport | None = None
 
 
 def _toml_value(value: Any) -> str:
@@ -160,10 +163,10 @@ def run_demo(
 
 def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, say: Callable[[str], None]) -> DemoResult:
     from blockdraft.errors import ArtifactError
-    from blockdraft.stages.eval.stage import run_eval
-    from blockdraft.stages.export.stage import export
+    from blockdraft.stages import eval as eval_stage
+    from blockdraft.stages import export as export_stage
     from blockdraft.stages.generate import run as run_generate
-    from blockdraft.stages.tokenize.stage import tokenize_dataset
+    from blockdraft.stages.tokenize import run as run_tokenize
     from blockdraft.stages.train import run as run_train
     from blockdraft.store import open_store
     from blockdraft.store.artifact import State, verify_artifact
@@ -206,22 +209,22 @@ def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str
     say(f"[generate] distinct-4-gram ratio of the target's answers: {result.distinct_4gram:.2f}")
 
     local_tokenized = workdir / "tokenized"
-    stage("tokenize", lambda: tokenize_dataset(completions, str(local_tokenized), cfg), str(local_tokenized))
+    stage("tokenize", lambda: run_tokenize(cfg, completions, str(local_tokenized)), str(local_tokenized))
     stage("push", lambda: push(local_tokenized, f"{store_url}/tokenized", cfg.store), f"{store_url}/tokenized")
     stage("pull", lambda: pull(f"{store_url}/tokenized", cfg.train.data, cfg.store), cfg.train.data)
     stage("train", lambda: run_train(cfg), lambda trained: trained.url)
 
     held_out = str(TINY_TARGET_DIR / "prompts.jsonl")  # prompts the target never trained on, absent from the completions
-    report, _ = stage("eval", lambda: run_eval(cfg, cfg.train.output, prompts=held_out, output=f"{store_url}/eval"), f"{store_url}/eval")
-    stage("export", lambda: export(cfg.train.output, f"{store_url}/export", cfg), f"{store_url}/export")
+    evaluated = stage("eval", lambda: eval_stage.run(cfg, cfg.train.output, f"{store_url}/eval", prompts=held_out), f"{store_url}/eval")
+    stage("export", lambda: export_stage.run(cfg, cfg.train.output, f"{store_url}/export"), f"{store_url}/export")
 
     artifacts = stage("status", lambda: status(open_store(store_url, cfg.store)))
     (workdir / "PROGRESS.md").write_text(render_progress(store_url, artifacts))
     result.states = {a.root or ".": a.state.value for a in artifacts}
-    result.eval_report = report
-    result.tau = {name: m["tau"] for name, m in report["drafters"].items()}
-    result.speedup = report["drafters"]["dflash"]["speedup"]
-    result.lossless = bool(report["lossless"]["ok"])
+    report = result.eval_report = evaluated.details
+    result.tau = {name: m.tau for name, m in report.drafters.items()}
+    result.speedup = report.drafters["dflash"].speedup
+    result.lossless = report.lossless.ok
     result.wall_s = time.perf_counter() - began
     result.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
