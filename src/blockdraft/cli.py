@@ -5,9 +5,8 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
-import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -21,7 +20,7 @@ PIPELINE_ORDER = ("preflight", "generate", "tokenize", "push", "pull", "train", 
 
 
 class PipelineOrder(TyperGroup):
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    def list_commands(self, ctx: typer.Context) -> list[str]:
         names = super().list_commands(ctx)
         return sorted(names, key=lambda name: PIPELINE_ORDER.index(name) if name in PIPELINE_ORDER else len(PIPELINE_ORDER))
 
@@ -186,7 +185,7 @@ def push(
     from blockdraft.store.transfer import push as push_artifact
 
     report = push_artifact(local_dir, url, _store_config(config, endpoint_url, concurrency, part_size_mib))
-    print(f"verified\t{report.verify.manifest.kind}\t{report.destination}")
+    print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pushed[/]: {report.summary()}", highlight=False)
 
 
@@ -204,7 +203,7 @@ def pull(
     from blockdraft.store.transfer import pull as pull_artifact
 
     report = pull_artifact(url, local_dir, _store_config(config, endpoint_url, concurrency, part_size_mib))
-    print(f"verified\t{report.verify.manifest.kind}\t{report.destination}")
+    print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pulled[/]: {report.summary()}", highlight=False)
 
 
@@ -315,11 +314,13 @@ def demo(
     profile: Annotated[str, typer.Option(help="full (the README's main job, a few minutes) or ci (the same pipeline, smaller, <60 s).")] = "full",
 ) -> None:
     """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
-    from blockdraft.pipeline import SIZES, run_demo
+    from blockdraft.console import ConsoleReporter
+    from blockdraft.pipeline import SIZES, Profile, run_demo
 
     if profile not in SIZES:
         raise typer.BadParameter(f"--profile must be one of {', '.join(SIZES)}, not {profile!r}")
-    result = run_demo(workdir, store, profile, endpoint_url, say=lambda line: console.print(line, highlight=False, markup=False))
+    with ConsoleReporter(console) as reporter:
+        result = run_demo(workdir, store, cast(Profile, profile), endpoint_url, reporter)
     print("\nartifact\tstate")
     for root, state in result.states.items():
         print(f"{root}\t{state}")

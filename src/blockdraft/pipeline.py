@@ -3,27 +3,40 @@
     prompts --generate--> completions --tokenize--> tokenized --push--> store --pull--> training node
         --train--> checkpoints --eval--> tau / speedup / lossless --export--> SGLang/vLLM folder --status--> all verified
 
-Every stage below is the same library call its CLI command makes, and every artifact goes through the store with its
-manifest, so the final status table is read from the destination, not from this script's memory.
+Every stage below is the same `run(config, input, output, reporter)` its CLI command calls, and every artifact goes through
+the store with its manifest, so each stage's line and the final status table are read from the destination, not from this
+script's memory.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
+import zstandard
+from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, load_config
-from blockdraft.fixtures.tiny import TINY_TARGET_DIR
+from blockdraft.errors import ArtifactError
+from blockdraft.fixtures.tiny import TINY_TARGET_DIR, distinct_ngram_ratio
+from blockdraft.reporter import Reporter
+from blockdraft.stages import eval as eval_stage
+from blockdraft.stages import export, generate, tokenize, train
+from blockdraft.stages.eval import EvalReport
+from blockdraft.store import open_store
+from blockdraft.store.artifact import State, verify_artifact
+from blockdraft.store.preflight import preflight
+from blockdraft.store.status import render_progress, status
+from blockdraft.store.transfer import pull, push
 
-if TYPE_CHECKING:  # the stage itself is imported when the demo runs (it loads transformers and datasets)
-    from blockdraft.stages.eval import EvalReport
+T = TypeVar("T")
 
 Profile = Literal["full", "ci"]
 
@@ -119,15 +132,6 @@ def _regeneration_prompts(workdir: Path, count: int) -> Path:
 
 def _distinct_4gram(completions_url: str, cfg: BlockdraftConfig) -> float:
     """Mean distinct-4-gram ratio of the regenerated answers, read back from the completions artifact."""
-    import io
-
-    import zstandard
-    from transformers import AutoTokenizer
-
-    from blockdraft.fixtures.tiny import distinct_ngram_ratio
-    from blockdraft.store import open_store
-    from blockdraft.store.artifact import verify_artifact
-
     store = open_store(completions_url, cfg.store)
     report = verify_artifact(store)
     tokenizer = AutoTokenizer.from_pretrained(str(TINY_TARGET_DIR))
@@ -149,77 +153,72 @@ def run_demo(
     store_url: str | None = None,
     profile: Profile = "full",
     endpoint_url: str | None = None,
-    say: Callable[[str], None] = print,
+    reporter: Reporter | None = None,
 ) -> DemoResult:
     """Run every stage once on the tiny target and return what the destination says about each artifact."""
     threads = torch.get_num_threads()
     # One thread: these tiny matmuls gain nothing from two, and two threads stall badly when anything else shares the cores.
     torch.set_num_threads(1)
     try:
-        return _run(Path(workdir).absolute(), store_url, SIZES[profile], endpoint_url, say)
+        return _run(Path(workdir).absolute(), store_url, SIZES[profile], endpoint_url, reporter or Reporter())
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, say: Callable[[str], None]) -> DemoResult:
-    from blockdraft.errors import ArtifactError
-    from blockdraft.stages import eval as eval_stage
-    from blockdraft.stages import export as export_stage
-    from blockdraft.stages.generate import run as run_generate
-    from blockdraft.stages.tokenize import run as run_tokenize
-    from blockdraft.stages.train import run as run_train
-    from blockdraft.store import open_store
-    from blockdraft.store.artifact import State, verify_artifact
-    from blockdraft.store.preflight import preflight
-    from blockdraft.store.status import render_progress, status
-    from blockdraft.store.transfer import pull, push
+class _Stopwatch:
+    """Times each step of the demo and says, for each artifact a step produced, what its destination verifies."""
 
+    def __init__(self, cfg: BlockdraftConfig, reporter: Reporter, result: DemoResult) -> None:
+        self.cfg, self.reporter, self.result = cfg, reporter, result
+
+    def __call__(self, name: str, step: Callable[[], T], produces: str | Callable[[T], str] | None = None) -> T:
+        self.reporter.say(f"[{name}] ...")
+        start = time.perf_counter()
+        value = step()
+        self.result.stage_seconds[name] = seconds = time.perf_counter() - start
+        if produces is None:
+            self.reporter.say(f"[{name}] done in {seconds:.1f}s")
+            return value
+        url = produces(value) if callable(produces) else produces
+        report = verify_artifact(open_store(url, self.cfg.store))  # read back here, not taken from the stage's word
+        if report.state is not State.VERIFIED or report.manifest is None:
+            raise ArtifactError(f"{name} left {url} {report.state.value}: {report.summary()}")
+        self.reporter.say(f"[{name}] {report.manifest.kind}: {report.summary()} ({seconds:.1f}s)")
+        return value
+
+
+def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, reporter: Reporter) -> DemoResult:
     workdir.mkdir(parents=True, exist_ok=True)
-    store_url = (store_url or f"file://{workdir / 'store'}").rstrip("/")
-    config_path = workdir / "blockdraft.toml"
-    write_toml(config_path, demo_config(workdir, store_url, size, endpoint_url))
-    cfg = load_config(config_path)
-    result = DemoResult(workdir=workdir, store_url=store_url)
+    store = (store_url or f"file://{workdir / 'store'}").rstrip("/")
+    write_toml(workdir / "blockdraft.toml", demo_config(workdir, store, size, endpoint_url))
+    cfg = load_config(workdir / "blockdraft.toml")
+    result = DemoResult(workdir=workdir, store_url=store)
+    timed = _Stopwatch(cfg, reporter, result)
     began = time.perf_counter()
     torch.manual_seed(0)
 
-    def stage(name: str, fn: Callable[[], Any], produces: str | Callable[[Any], str] | None = None) -> Any:
-        """Run one stage; where it produces an artifact (a URL, or a function of the stage's result giving one), say what
-        its destination verifies, not what the stage returned."""
-        say(f"[{name}] ...")
-        start = time.perf_counter()
-        value = fn()
-        result.stage_seconds[name] = seconds = time.perf_counter() - start
-        if produces is None:
-            say(f"[{name}] done in {seconds:.1f}s")
-            return value
-        if callable(produces):
-            produces = produces(value)
-        report = verify_artifact(open_store(produces, cfg.store))
-        if report.state is not State.VERIFIED:
-            raise ArtifactError(f"{name} left {produces} {report.state.value}: {report.summary()}")
-        say(f"[{name}] {report.manifest.kind}: {report.summary()} ({seconds:.1f}s)")
-        return value
+    # The tokenize node: regenerate answers with the target, tokenize them, push them to the store.
+    timed("preflight", lambda: preflight(open_store(store, cfg.store)))
+    prompts = str(_regeneration_prompts(workdir, size.conversations))
+    timed("generate", lambda: generate.run(cfg, prompts, f"{store}/completions", reporter), f"{store}/completions")
+    result.distinct_4gram = _distinct_4gram(f"{store}/completions", cfg)
+    reporter.say(f"[generate] distinct-4-gram ratio of the target's answers: {result.distinct_4gram:.2f}")
+    local_tokenized = str(workdir / "tokenized")
+    timed("tokenize", lambda: tokenize.run(cfg, f"{store}/completions", local_tokenized, reporter), local_tokenized)
+    timed("push", lambda: push(local_tokenized, f"{store}/tokenized", cfg.store), f"{store}/tokenized")
 
-    stage("preflight", lambda: preflight(open_store(store_url, cfg.store)))
-    prompts = _regeneration_prompts(workdir, size.conversations)
-    completions = f"{store_url}/completions"
-    stage("generate", lambda: run_generate(cfg, str(prompts), completions), completions)
-    result.distinct_4gram = _distinct_4gram(completions, cfg)
-    say(f"[generate] distinct-4-gram ratio of the target's answers: {result.distinct_4gram:.2f}")
-
-    local_tokenized = workdir / "tokenized"
-    stage("tokenize", lambda: run_tokenize(cfg, completions, str(local_tokenized)), str(local_tokenized))
-    stage("push", lambda: push(local_tokenized, f"{store_url}/tokenized", cfg.store), f"{store_url}/tokenized")
-    stage("pull", lambda: pull(f"{store_url}/tokenized", cfg.train.data, cfg.store), cfg.train.data)
-    stage("train", lambda: run_train(cfg), lambda trained: trained.url)
-
+    # The training node: pull the data, train, measure the drafter for real, export it for serving.
+    node_data, run_dir = cfg.train.data, cfg.train.output
+    assert node_data is not None and run_dir is not None  # demo_config sets both
+    timed("pull", lambda: pull(f"{store}/tokenized", node_data, cfg.store), node_data)
+    timed("train", lambda: train.run(cfg, reporter=reporter), lambda trained: trained.url)
     held_out = str(TINY_TARGET_DIR / "prompts.jsonl")  # prompts the target never trained on, absent from the completions
-    evaluated = stage("eval", lambda: eval_stage.run(cfg, cfg.train.output, f"{store_url}/eval", prompts=held_out), f"{store_url}/eval")
-    stage("export", lambda: export_stage.run(cfg, cfg.train.output, f"{store_url}/export"), f"{store_url}/export")
+    evaluated = timed("eval", lambda: eval_stage.run(cfg, run_dir, f"{store}/eval", reporter, prompts=held_out), f"{store}/eval")
+    timed("export", lambda: export.run(cfg, run_dir, f"{store}/export", reporter), f"{store}/export")
 
-    artifacts = stage("status", lambda: status(open_store(store_url, cfg.store)))
-    (workdir / "PROGRESS.md").write_text(render_progress(store_url, artifacts))
+    # Every artifact, as the store holds it.
+    artifacts = timed("status", lambda: status(open_store(store, cfg.store)))
+    (workdir / "PROGRESS.md").write_text(render_progress(store, artifacts))
     result.states = {a.root or ".": a.state.value for a in artifacts}
     report = result.eval_report = evaluated.details
     result.tau = {name: m.tau for name, m in report.drafters.items()}

@@ -54,6 +54,11 @@ class TransferReport:
     seconds: float = 0.0
     verify: VerifyReport | None = None
 
+    @property
+    def kind(self) -> str:
+        """The artifact kind the destination's manifest names ("-" before it verified)."""
+        return self.verify.manifest.kind if self.verify is not None and self.verify.manifest is not None else "-"
+
     def summary(self) -> str:
         verified = self.verify.summary() if self.verify else "not verified"
         rate = self.moved_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
