@@ -94,23 +94,28 @@ def shard_files(out: Path) -> dict[str, tuple[int, int]]:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted((out / SHARDS_DIR).glob("*.jsonl.zst"))}
 
 
+@pytest.mark.slow
+@pytest.mark.fault
 def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tmp_path, endpoints):
     ids = write_prompts(tmp_path / "prompts.jsonl", 12)
     out = tmp_path / "completions"
-    first = endpoints(tmp_path / "first.log")
+    # Four requests are answered, the next two (both slots of concurrency 2) are held: the run cannot get further, however
+    # fast the machine, until the endpoint is killed under the held requests.
+    first = endpoints(tmp_path / "first.log", "ok,ok,ok,ok,hold,hold")
 
-    def kill_after_four_answers() -> None:
-        deadline = time.monotonic() + 300
-        while len(first.answered()) < 4 and time.monotonic() < deadline:
+    def kill_once_two_requests_are_held() -> None:
+        deadline = time.monotonic() + 300  # bounds a hang only; the kill comes as soon as both are held
+        while len(first.arrived()) < 6 and time.monotonic() < deadline:
             time.sleep(0.02)
         first.kill()
 
-    killer = threading.Thread(target=kill_after_four_answers)
+    killer = threading.Thread(target=kill_once_two_requests_are_held)
     killer.start()
-    run1 = run(tmp_path / "prompts.jsonl", out, openai_config(first.url))
+    run1 = run(tmp_path / "prompts.jsonl", out, openai_config(first.url, timeout_s=300.0))
     killer.join()
 
     assert run1.details.failed > 0 and run1.details.generated >= 4
+    assert (run1.details.generated, run1.details.failed) == (4, 8)
     assert run1.details.generated + run1.details.failed == 12
     assert set(run1.details.reasons) == {"connection"}
     failures = [json.loads(x) for x in (out / FAILURES_NAME).read_text().splitlines()]
@@ -140,12 +145,13 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
     assert run2.report.state is State.VERIFIED and run2.report.manifest.counts["rows"] == 12
     assert (out / FAILURES_NAME).read_text() == ""
 
-    reporter = Reporter()
-    run3 = run(tmp_path / "prompts.jsonl", out, openai_config(second.url), reporter)
+    run3 = run(tmp_path / "prompts.jsonl", out, openai_config(second.url))
     assert run3.already_done and run3.details.generated == 0 and len(second.arrived()) == len(failed_ids)
-    assert reporter.lines[0] == f"verified: {out} (already complete, nothing generated)"
+    assert generate.summary_lines(run3)[0] == f"verified: {out} (already complete, nothing generated)"
 
 
+@pytest.mark.fault
+@pytest.mark.slow
 def test_injected_5xx_and_timeouts_are_retried_then_recorded(tmp_path):
     ids = write_prompts(tmp_path / "prompts.jsonl", 5)
     with open(tmp_path / "prompts.jsonl", "a") as f:  # a role the tiny template refuses: the server answers 400
@@ -183,6 +189,7 @@ def test_injected_5xx_and_timeouts_are_retried_then_recorded(tmp_path):
             run(tmp_path / "prompts.jsonl", tmp_path / "out", openai_config(server.url, model="another-model"))
 
 
+@pytest.mark.slow
 def test_hf_engine_regenerates_the_final_turn_with_exact_token_ids(tmp_path):
     conversations = [json.loads(x) for x in (TINY / "completions.jsonl").read_text().splitlines()[:5]]
     rows = conversations + [
@@ -224,6 +231,7 @@ def test_hf_engine_regenerates_the_final_turn_with_exact_token_ids(tmp_path):
     assert counts["rows_out"] == 5 and counts["rejected"] == {} and counts["thinking"] == {"generator": 5}
 
 
+@pytest.mark.fault
 def test_rerun_keeps_finished_pieces_without_reading_a_shard(tmp_path, monkeypatch):
     write_prompts(tmp_path / "p.jsonl", 3)
     out = tmp_path / "o"
@@ -251,6 +259,7 @@ def test_rerun_keeps_finished_pieces_without_reading_a_shard(tmp_path, monkeypat
     assert resumed.report.manifest.counts["rows"] == 3
 
 
+@pytest.mark.fault
 def test_a_piece_made_with_other_settings_is_refused(tmp_path):
     write_prompts(tmp_path / "p.jsonl", 2)
     out = tmp_path / "o"

@@ -297,8 +297,10 @@ def generate(
     overrides = {"generate": {"engine": engine, "base_url": base_url, "model": model, "max_new_tokens": max_new_tokens,
                               "concurrency": concurrency, "thinking": thinking}}
     cfg = load_config(config, overrides)
-    with ConsoleReporter(console) as reporter:  # draws the progress, says the summary lines
+    with ConsoleReporter(console) as reporter:
         result = generate_stage.run(cfg, input, output, reporter)
+    for line in generate_stage.summary_lines(result):
+        reporter.say(line)
     failed = result.details.failed
     if failed:
         console.print(f"[yellow]{failed} requests failed[/] (reasons above, rows in failures.ndjson); rerun the same command to retry only them")

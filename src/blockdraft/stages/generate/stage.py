@@ -85,7 +85,7 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     report = out.done()
     if report is not None and report.manifest is not None and not report.manifest.counts.get("failed"):
         # Done, for these settings and this input. An output with failed requests is committed but not done: a rerun retries them.
-        return _finish(reporter, StageResult(STAGE, output, report, True, time.perf_counter() - started, _summary_of(report)))
+        return StageResult(STAGE, output, report, True, time.perf_counter() - started, _summary_of(report))
 
     prompts, bad = read_prompts(in_store, files, config.generate.thinking)
     engine = None
@@ -120,7 +120,7 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     report = out.commit(files_out, config=config.resolved(), lineage=lineage, counts=counts)
     summary = GenerateSummary(len(prompts), len(held.ids), len(writer.ids), len(failed), len(bad), counts["reasons"],
                               stats["finish_length"], stats["with_token_ids"])
-    return _finish(reporter, StageResult(STAGE, output, report, False, time.perf_counter() - started, summary))
+    return StageResult(STAGE, output, report, False, time.perf_counter() - started, summary)
 
 
 def _generate(engine: HFEngine | OpenAIEngine, pending: list[Prompt], writer: ShardWriter, reporter: Reporter) -> list[Failure]:
@@ -220,9 +220,3 @@ def summary_lines(result: StageResult) -> list[str]:
     ]
     lines += [f"  {reason}: {count}" for reason, count in summary.reasons.items()]
     return lines
-
-
-def _finish(reporter: Reporter, result: StageResult) -> StageResult:
-    for line in summary_lines(result):
-        reporter.say(line)
-    return result
