@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, cast
 
 import typer
@@ -12,8 +13,16 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from blockdraft.config import load_config
+from blockdraft.console import ConsoleReporter
 from blockdraft.errors import BlockdraftError
-from blockdraft.store.artifact import State
+from blockdraft.store import open_store
+from blockdraft.store.artifact import State, verify_artifact
+from blockdraft.store.preflight import preflight as run_preflight
+from blockdraft.store.status import format_lineage, render_progress
+from blockdraft.store.status import status as survey
+from blockdraft.store.transfer import pull as pull_artifact
+from blockdraft.store.transfer import push as push_artifact
 
 # `blockdraft --help` lists the commands in the order a job runs them, not alphabetically.
 PIPELINE_ORDER = ("preflight", "generate", "tokenize", "push", "pull", "train", "eval", "export", "verify", "status", "demo")
@@ -25,6 +34,8 @@ class PipelineOrder(TyperGroup):
         return sorted(names, key=lambda name: PIPELINE_ORDER.index(name) if name in PIPELINE_ORDER else len(PIPELINE_ORDER))
 
 
+# The stages and the pipeline are imported inside their commands: they load torch, transformers and datasets (seconds),
+# which `--help` and the store commands (push, pull, verify, status, preflight) do not need.
 app = typer.Typer(
     cls=PipelineOrder,
     help="Train DFlash speculative-decoding drafters end to end, with every handoff verified at the destination.",
@@ -38,7 +49,6 @@ console = Console(stderr=True)
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The one place user errors are caught: a BlockdraftError is one red line and exit status 2, never a traceback."""
-
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -66,9 +76,6 @@ def verify(
     endpoint_url: EndpointOpt = None,
 ) -> None:
     """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum."""
-    from blockdraft.store import open_store
-    from blockdraft.store.artifact import verify_artifact
-
     report = verify_artifact(open_store(url, _store_config(config, endpoint_url)), check_inputs=True)
     kind = report.manifest.kind if report.manifest else "-"
     color = "green" if report.state is State.VERIFIED else "red"
@@ -94,8 +101,6 @@ def tokenize(
     workers: Annotated[int | None, typer.Option(help="Worker processes (one input shard each at a time).")] = None,
 ) -> None:
     """Completions -> one row per assistant turn with an exact loss mask, as Arrow shards `datasets.load_from_disk` reads."""
-    from blockdraft.config import load_config
-    from blockdraft.console import ConsoleReporter
     from blockdraft.stages import tokenize as tokenize_stage
 
     if thinking not in (None, "auto", "on", "off"):
@@ -117,8 +122,6 @@ def export(
     target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (default: the checkpoint's target.path).")] = None,
 ) -> None:
     """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, as a verified artifact; print the serving settings."""
-    from blockdraft.config import load_config
-    from blockdraft.console import ConsoleReporter
     from blockdraft.stages import export as export_stage
 
     with ConsoleReporter(console) as reporter:
@@ -139,8 +142,6 @@ def eval_command(
     output: Annotated[str | None, typer.Option("--output", help="Where the eval artifact goes (default: STORE/eval/<hash>).")] = None,
 ) -> None:
     """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy."""
-    from blockdraft.config import load_config
-    from blockdraft.console import ConsoleReporter
     from blockdraft.stages import eval as eval_stage
 
     cfg = load_config(config, {"eval": {"max_new_tokens": max_new_tokens}})
@@ -161,7 +162,6 @@ EndpointOpt = Annotated[
 
 
 def _store_config(config: str | None, endpoint_url: str | None, concurrency: int | None = None, part_size_mib: int | None = None):
-    from blockdraft.config import load_config
 
     overrides = {"endpoint_url": endpoint_url, "concurrency": concurrency, "part_size_mib": part_size_mib}
     return load_config(config, {"store": overrides}).store
@@ -182,8 +182,6 @@ def push(
     part_size_mib: PartSizeOpt = None,
 ) -> None:
     """Upload an artifact, verify every file at the destination, then write its manifest there (last)."""
-    from blockdraft.store.transfer import push as push_artifact
-
     report = push_artifact(local_dir, url, _store_config(config, endpoint_url, concurrency, part_size_mib))
     print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pushed[/]: {report.summary()}", highlight=False)
@@ -200,8 +198,6 @@ def pull(
     part_size_mib: PartSizeOpt = None,
 ) -> None:
     """Download an artifact, recompute every checksum, and write the local manifest last; refuse one that does not verify."""
-    from blockdraft.store.transfer import pull as pull_artifact
-
     report = pull_artifact(url, local_dir, _store_config(config, endpoint_url, concurrency, part_size_mib))
     print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pulled[/]: {report.summary()}", highlight=False)
@@ -216,11 +212,7 @@ def status(
     progress: Annotated[str | None, typer.Option("--progress", help="Also write these facts as a Markdown page (e.g. PROGRESS.md).")] = None,
 ) -> None:
     """Every artifact under a prefix: kind, lineage and state (verified/incomplete/missing/corrupt/stale), read from the destination."""
-    from pathlib import Path
 
-    from blockdraft.store import open_store
-    from blockdraft.store.status import format_lineage, render_progress
-    from blockdraft.store.status import status as survey
 
     store = open_store(url, _store_config(config, endpoint_url))
     artifacts = survey(store)
@@ -242,9 +234,6 @@ def preflight(
     endpoint_url: EndpointOpt = None,
 ) -> None:
     """Write, read back and delete a probe object: fails in seconds naming what is missing (credentials, bucket, permission, endpoint)."""
-    from blockdraft.store import open_store
-    from blockdraft.store.preflight import preflight as run_preflight
-
     report = run_preflight(open_store(url, _store_config(config, endpoint_url)))
     print(f"ok\t{report.url}")
     console.print(f"[green]preflight ok[/]: {report.summary()}", highlight=False)
@@ -259,7 +248,6 @@ def train(
     ] = None,
 ) -> None:
     """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
-    from blockdraft.console import ConsoleReporter
     from blockdraft.stages.train import launch
 
     with ConsoleReporter(console) as reporter:
@@ -290,8 +278,6 @@ def generate(
     thinking: Annotated[str | None, typer.Option(help="auto (follow the dropped turn), on or off.")] = None,
 ) -> None:
     """Regenerate each prompt's final assistant turn with the target; a rerun generates only what is missing."""
-    from blockdraft.config import load_config
-    from blockdraft.console import ConsoleReporter
     from blockdraft.stages import generate as generate_stage
 
     overrides = {"generate": {"engine": engine, "base_url": base_url, "model": model, "max_new_tokens": max_new_tokens,
@@ -316,7 +302,6 @@ def demo(
     profile: Annotated[str, typer.Option(help="full (the README's main job, a few minutes) or ci (the same pipeline, smaller, <60 s).")] = "full",
 ) -> None:
     """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
-    from blockdraft.console import ConsoleReporter
     from blockdraft.pipeline import SIZES, Profile, run_demo
 
     if profile not in SIZES:

@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 
 from blockdraft.decode.cached_target import CachedTarget, check_rollback_supported, top2_margin
+from blockdraft.model.drafter import DFlashDrafter, DraftCache, draft_step
+from blockdraft.model.target import TargetHead
 
 
 class Proposer(Protocol):
@@ -183,9 +185,7 @@ class DFlashProposer:
     `target_head` supplies the target's embedding and LM head on the drafter's device (`blockdraft.model.target.TargetHead`).
     """
 
-    def __init__(self, drafter, target_head):
-        from blockdraft.model.drafter import DraftCache
-
+    def __init__(self, drafter: DFlashDrafter, target_head: TargetHead):
         self.drafter = drafter
         self.head = target_head
         self.block_size = drafter.spec.block_size
@@ -196,8 +196,6 @@ class DFlashProposer:
         self.device, self.dtype = param.device, param.dtype
 
     def propose(self, tokens: list[int], new_features: torch.Tensor | None, start: int) -> list[int]:
-        from blockdraft.model.drafter import draft_step
-
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = tokens[start]
         assert new_features is not None, "a DFlash drafter reads target features at every cycle"
