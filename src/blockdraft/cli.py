@@ -212,8 +212,6 @@ def status(
     progress: Annotated[str | None, typer.Option("--progress", help="Also write these facts as a Markdown page (e.g. PROGRESS.md).")] = None,
 ) -> None:
     """Every artifact under a prefix: kind, lineage and state (verified/incomplete/missing/corrupt/stale), read from the destination."""
-
-
     store = open_store(url, _store_config(config, endpoint_url))
     artifacts = survey(store)
     for a in artifacts:
