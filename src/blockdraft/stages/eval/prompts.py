@@ -17,6 +17,7 @@ import datasets
 from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, StoreConfig
+from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.errors import ArtifactError, EvalError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, raw_input
@@ -45,7 +46,7 @@ def read_eval_prompts(source: str | None, cfg: BlockdraftConfig, tokenizer: Any,
         path, ref = fetch_prompts_file(source, cfg.store, workdir)
         ids = prompts_from_jsonl(path, tokenizer, cfg, limit)
     else:
-        data = open_input(source, cfg.store, role="prompts artifact")
+        data = open_input(source, cfg.store, kinds=[TOKENIZED_KIND], role="prompts artifact")
         ids, ref = held_out_prompts(data, limit, workdir), data.ref
     if not ids:
         raise EvalError(f"no prompts found in {source}; give at least one")

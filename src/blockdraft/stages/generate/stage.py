@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from blockdraft.config import BlockdraftConfig
+from blockdraft.data.formats import COMPLETIONS_KIND
 from blockdraft.decode.greedy import Prompt
 from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
@@ -42,7 +43,7 @@ from blockdraft.store.checksum import crc64nvme_bytes
 from blockdraft.store.stage_io import StageOutput, stage_key
 
 STAGE = "generate"
-KIND = "completions"
+KIND = COMPLETIONS_KIND
 SETTINGS_NAME = "generate.settings"  # JSON; names that tokenize never takes for completions
 FAILURES_NAME = "failures.ndjson"
 # Options that change what a completion is; the others (concurrency, timeouts, shard size, server URL) do not.

@@ -20,7 +20,6 @@ from blockdraft.store.artifact import InputRef
 from blockdraft.store.stage_io import StageInput
 from blockdraft.store.transfer import pull
 
-TOKENIZED_KIND = "tokenized"
 TRAIN_SPLIT = "train"
 
 
@@ -102,4 +101,4 @@ def step_rows(num_rows: int, seed: int, epoch: int, step_in_epoch: int, global_b
     return [int(order[i % num_rows]) for i in range(first, first + per_rank)]
 
 
-__all__ = ["TOKENIZED_KIND", "TrainRows", "load_train_rows", "step_rows", "steps_per_epoch"]
+__all__ = ["TrainRows", "load_train_rows", "step_rows", "steps_per_epoch"]

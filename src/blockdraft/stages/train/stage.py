@@ -14,12 +14,13 @@ from typing import Any
 import torch.distributed as dist
 
 from blockdraft.config import BlockdraftConfig
+from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, TargetHead
 from blockdraft.model.target import load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.train.data import TOKENIZED_KIND, load_train_rows
+from blockdraft.stages.train.data import load_train_rows
 from blockdraft.stages.train.placement import RankPlacement, barrier, rank_session, resolve_placement
 from blockdraft.stages.train.trainer import Trainer
 from blockdraft.store import open_store

@@ -1,0 +1,11 @@
+"""What the data artifacts are called and how a tokenized one is split: the names that generate and tokenize write and
+that tokenize, train and eval read, so that no stage imports another to learn them (model/formats.py does the same for
+drafter artifacts)."""
+
+from __future__ import annotations
+
+COMPLETIONS_KIND = "completions"  # generate's output: shards/*.jsonl.zst, failures.ndjson, generate.settings
+TOKENIZED_KIND = "tokenized"  # tokenize's output: the `datasets.save_to_disk` layout of a DatasetDict
+SPLITS = ("train", "held_out")  # the tokenized artifact's splits, in this order
+
+__all__ = ["COMPLETIONS_KIND", "SPLITS", "TOKENIZED_KIND"]
