@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from blockdraft.config import StoreConfig
-from blockdraft.errors import ArtifactError
-from blockdraft.store import Store, open_store
+from blockdraft.errors import ArtifactError, ConfigError
+from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import (
     MANIFEST_NAME,
     FileEntry,
@@ -42,6 +42,7 @@ from blockdraft.store.artifact import (
     commit_artifact,
     entry_for_local_file,
     manifest_sha256,
+    raw_input,
     read_manifest,
     uncommit,
     verify_artifact,
@@ -132,6 +133,45 @@ def open_input(url: str | Store, store_config: StoreConfig | None = None, kinds:
             f"{role} {store.url} is a '{report.manifest.kind}' artifact, not {' or '.join(repr(k) for k in kinds)}; pass the right artifact"
         )
     return StageInput(store, report)
+
+
+@dataclass
+class RawInput:
+    """A plain object without a manifest (prompts or completions someone uploaded), pinned by what the store reports for it:
+    its size and CRC64NVME, or its ETag when the store holds no checksum. Reading it back is checked against that."""
+
+    store: Store
+    info: ObjectInfo
+
+    @property
+    def url(self) -> str:
+        return f"{self.store.url.rstrip('/')}/{self.info.key}"
+
+    @property
+    def ref(self) -> InputRef:
+        return raw_input(self.store, self.info)
+
+    def fetch(self, dest: Path) -> Path:
+        """The object as a local file: where it is for a local store, else downloaded to `dest` with the bytes received
+        compared with the pinned size (and checksum, when there is one); ArtifactError when they differ."""
+        local = self.store.local_path()
+        if local is not None:
+            return local / self.info.key
+        size, checksum = self.store.get_file(self.info.key, dest)
+        if size != self.info.size or (self.info.checksum is not None and checksum != self.info.checksum):
+            dest.unlink(missing_ok=True)
+            raise ArtifactError(f"{self.url} changed while read (received {size} bytes, pinned {self.info.size}); rerun when it is stable")
+        return dest
+
+
+def open_raw_input(url: str, store_config: StoreConfig | None = None, role: str = "input") -> RawInput:
+    """The single object at `url` (a local path, file:// or s3:// URL), pinned by what its store reports; ConfigError when absent."""
+    parent, _, key = url.rstrip("/").rpartition("/")
+    store = open_store(parent or ".", store_config)
+    info = store.head(key)
+    if info is None:
+        raise ConfigError(f"{role} {url} does not exist; pass an existing file or object")
+    return RawInput(store, info)
 
 
 # ---------------------------------------------------------------------------------------------- writing an output
@@ -248,5 +288,5 @@ class StageOutput:
 
 
 __all__ = [
-    "MANIFEST_NAME", "PIECES_DIR", "STAGE_KEY", "StageInput", "StageOutput", "open_input", "stage_key",
+    "MANIFEST_NAME", "PIECES_DIR", "STAGE_KEY", "RawInput", "StageInput", "StageOutput", "open_input", "open_raw_input", "stage_key",
 ]

@@ -18,10 +18,9 @@ from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, StoreConfig
 from blockdraft.data.formats import TOKENIZED_KIND
-from blockdraft.errors import ArtifactError, EvalError
-from blockdraft.store import open_store
-from blockdraft.store.artifact import InputRef, raw_input
-from blockdraft.store.stage_io import StageInput, open_input
+from blockdraft.errors import EvalError
+from blockdraft.store.artifact import InputRef
+from blockdraft.store.stage_io import StageInput, open_input, open_raw_input
 
 TRAIN_SPLIT = "train"
 STATE_FILE = "state.json"  # what `datasets.save_to_disk` writes beside a dataset's Arrow files
@@ -85,20 +84,8 @@ def fetch_prompts_file(url: str, store_config: StoreConfig, workdir: Path) -> tu
 
     A plain object has no manifest, so it is pinned by what the store reports for it, and the bytes received are
     compared with that (size always, CRC64NVME when the store has one)."""
-    parent_url, _, name = url.rstrip("/").rpartition("/")
-    store = open_store(parent_url or ".", store_config)
-    info = store.head(name)
-    if info is None:
-        raise EvalError(f"prompts file {url} does not exist; pass an existing JSONL file")
-    local = store.local_path()
-    if local is not None:
-        return local / name, raw_input(store, info)
-    path = workdir / "prompts.jsonl"
-    size, checksum = store.get_file(name, path)
-    if size != info.size or (info.checksum is not None and checksum != info.checksum):
-        path.unlink(missing_ok=True)
-        raise ArtifactError(f"prompts file {url} changed while downloading (size {size}); retry")
-    return path, raw_input(store, info)
+    prompts = open_raw_input(url, store_config, role="prompts file")
+    return prompts.fetch(workdir / "prompts.jsonl"), prompts.ref
 
 
 def prompts_from_jsonl(path: Path, tokenizer: Any, cfg: BlockdraftConfig, limit: int) -> list[list[int]]:

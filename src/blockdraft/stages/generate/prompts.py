@@ -12,9 +12,9 @@ from typing import Any
 from blockdraft.config import StoreConfig
 from blockdraft.data.completions import RowRejected, is_completions_file, iter_records, list_completions, normalise_message, source_id_of
 from blockdraft.decode.greedy import Prompt
-from blockdraft.errors import ConfigError
-from blockdraft.store import Store, open_store
-from blockdraft.store.artifact import InputRef, raw_input
+from blockdraft.store import Store
+from blockdraft.store.artifact import InputRef
+from blockdraft.store.stage_io import open_raw_input
 
 # (key, size, checksum) of each input file, as listed
 InputFile = tuple[str, int, str]
@@ -36,12 +36,9 @@ def list_input(input_url: str, store_config: StoreConfig) -> tuple[Store, list[I
     A single s3:// object is taken as it is (`list_completions` would list its parent); raises ConfigError when absent.
     """
     if input_url.startswith("s3://") and is_completions_file(input_url):
-        parent, key = input_url.rsplit("/", 1)
-        store = open_store(parent, store_config)
-        info = store.head(key)
-        if info is None:
-            raise ConfigError(f"input {input_url} does not exist; pass an existing object, prefix or artifact")
-        return store, [(key, info.size, info.checksum or f"etag:{info.etag}")], [raw_input(store, info)]
+        raw = open_raw_input(input_url, store_config)
+        info = raw.info
+        return raw.store, [(info.key, info.size, info.checksum or f"etag:{info.etag}")], [raw.ref]
     return list_completions(input_url, store_config)
 
 
