@@ -164,6 +164,19 @@ class RawInput:
         return dest
 
 
+def recorded_pieces(store: Store) -> dict[str, Manifest]:
+    """Every piece sub-manifest under `store`, by name, as recorded and not checked (for listing what to push while a stage
+    runs; whether a piece is finished is `StageOutput.finished_piece`'s to say)."""
+    pieces = {}
+    for info in store.list(f"{PIECES_DIR}/"):
+        name = info.key.removeprefix(f"{PIECES_DIR}/").removesuffix(".json")
+        try:
+            pieces[name] = Manifest.model_validate_json(store.read_bytes(info.key))
+        except (FileNotFoundError, ValueError):
+            continue  # being written right now, or torn: not finished
+    return pieces
+
+
 def open_raw_input(url: str, store_config: StoreConfig | None = None, role: str = "input") -> RawInput:
     """The single object at `url` (a local path, file:// or s3:// URL), pinned by what its store reports; ConfigError when absent."""
     parent, _, key = url.rstrip("/").rpartition("/")
@@ -273,20 +286,13 @@ class StageOutput:
         return piece
 
     def recorded_pieces(self) -> dict[str, Manifest]:
-        """Every piece sub-manifest at the destination, by name, as recorded (not checked): for listing what to push."""
-        pieces = {}
-        for info in self.store.list(f"{PIECES_DIR}/"):
-            name = info.key.removeprefix(f"{PIECES_DIR}/").removesuffix(".json")
-            try:
-                pieces[name] = Manifest.model_validate_json(self.store.read_bytes(info.key))
-            except (FileNotFoundError, ValueError):
-                continue  # being written right now, or torn: not finished
-        return pieces
+        """Every piece sub-manifest at the destination, by name, as recorded (not checked): see `recorded_pieces`."""
+        return recorded_pieces(self.store)
 
     def drop_piece(self, name: str) -> None:
         self.store.delete(self._piece_key(name))
 
 
 __all__ = [
-    "MANIFEST_NAME", "PIECES_DIR", "STAGE_KEY", "RawInput", "StageInput", "StageOutput", "open_input", "open_raw_input", "stage_key",
+    "MANIFEST_NAME", "PIECES_DIR", "STAGE_KEY", "RawInput", "StageInput", "StageOutput", "open_input", "open_raw_input", "recorded_pieces", "stage_key",
 ]

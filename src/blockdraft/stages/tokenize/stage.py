@@ -38,7 +38,7 @@ from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, ShardTas
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import FileEntry, InputRef, VerifyReport, entry_for_local_file
 from blockdraft.store.local import LocalStore
-from blockdraft.store.stage_io import StageOutput, stage_key
+from blockdraft.store.stage_io import StageOutput, recorded_pieces, stage_key
 from blockdraft.store.transfer import stage_and_push
 
 STAGE = "tokenize"
@@ -82,8 +82,7 @@ def run(
 
 def finished_shard_entries(local_dir: Path) -> list[FileEntry]:
     """Every file of the shards finished so far in `local_dir`, as their pieces (written after the files) list them."""
-    # Listing what was recorded reads no key: the output's own key is not needed here.
-    pieces = StageOutput(LocalStore(local_dir), KIND, key="").recorded_pieces()
+    pieces = recorded_pieces(LocalStore(local_dir))
     return [entry for _, piece in sorted(pieces.items()) for entry in piece.files]
 
 
