@@ -272,24 +272,3 @@ def entry_for_local_file(root: Path, path: Path) -> FileEntry:
     """The manifest entry of local file `path` under `root`: its '/'-separated relative path, size and checksum."""
     size, checksum = crc64nvme_file(path)
     return FileEntry(path=path.relative_to(root).as_posix(), size=size, checksum=checksum)
-
-
-def publish_artifact(
-    store: Store,
-    kind: str,
-    root: Path,
-    paths: Iterable[Path],
-    config: dict[str, Any] | None = None,
-    lineage: Iterable[InputRef] = (),
-    counts: dict[str, Any] | None = None,
-) -> VerifyReport:
-    """Upload local files written under `root` to `store` (each with its checksum), then commit the artifact there.
-
-    The caller uncommits `store` before writing anything that replaces an earlier version.
-    """
-    entries = []
-    for path in paths:
-        entry = entry_for_local_file(root, path)
-        store.put_file(entry.path, path, checksum=entry.checksum)
-        entries.append(entry)
-    return commit_artifact(store, kind, entries, config=config, lineage=lineage, counts=counts)
