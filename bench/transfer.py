@@ -30,7 +30,7 @@ from blockdraft.store.transfer import pull, push
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from s3server import SeaweedS3  # noqa: E402
+from helpers.s3server import SeaweedS3  # noqa: E402
 
 MIB = 1024 * 1024
 

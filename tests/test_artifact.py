@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.errors import ArtifactError
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, manifest_input, uncommit, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, uncommit, verify_artifact
 from blockdraft.store.checksum import crc64nvme_bytes
-
-
-def make_artifact(root: Path, files: dict[str, bytes], lineage=()) -> None:
-    for rel, data in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(data)
-    store = open_store(root)
-    entries = [entry_for_local_file(root, root / rel) for rel in files]
-    commit_artifact(store, "test", entries, config={"k": 1}, lineage=lineage, counts={"rows": len(files)})
+from blockdraft.store.stage_io import open_input
 
 
 def test_crc64nvme_matches_s3_reference_value():
@@ -28,7 +18,8 @@ def test_crc64nvme_matches_s3_reference_value():
     assert crc64nvme_bytes(b"123456789") == "rosUhgp5mIg="
 
 
-def test_verified_then_each_failure_state(tmp_path):
+@pytest.mark.fault
+def test_verified_then_each_failure_state(tmp_path, make_artifact):
     make_artifact(tmp_path, {"a.bin": b"alpha" * 100, "sub/b.bin": b"beta"})
     store = open_store(tmp_path)
     assert verify_artifact(store).state is State.VERIFIED
@@ -47,16 +38,18 @@ def test_verified_then_each_failure_state(tmp_path):
     assert verify_artifact(store).state is State.INCOMPLETE
 
 
-def test_stale_when_input_manifest_changes(tmp_path):
+@pytest.mark.fault
+def test_stale_when_input_manifest_changes(tmp_path, make_artifact):
     src, out = tmp_path / "src", tmp_path / "out"
     make_artifact(src, {"x": b"1"})
-    make_artifact(out, {"y": b"2"}, lineage=[manifest_input(open_store(src))])
+    make_artifact(out, {"y": b"2"}, lineage=[open_input(open_store(src)).ref])
     assert verify_artifact(open_store(out), check_inputs=True).state is State.VERIFIED
     make_artifact(src, {"x": b"changed"})
     report = verify_artifact(open_store(out), check_inputs=True)
     assert report.state is State.STALE
 
 
+@pytest.mark.fault
 def test_commit_refuses_a_file_that_differs_from_its_entry(tmp_path):
     (tmp_path / "a").write_bytes(b"one")
     entry = entry_for_local_file(tmp_path, tmp_path / "a")
@@ -66,13 +59,15 @@ def test_commit_refuses_a_file_that_differs_from_its_entry(tmp_path):
     assert not (tmp_path / MANIFEST_NAME).exists()
 
 
+@pytest.mark.fault
 def test_input_that_is_not_verified_is_refused(tmp_path):
     (tmp_path / "a").write_bytes(b"x")
     with pytest.raises(ArtifactError, match="incomplete"):
-        manifest_input(open_store(tmp_path))
+        open_input(open_store(tmp_path))
 
 
-def test_verify_cli_exit_codes(tmp_path):
+@pytest.mark.fault
+def test_verify_cli_exit_codes(tmp_path, make_artifact):
     make_artifact(tmp_path, {"a": b"x" * 10})
     runner = CliRunner()
     ok = runner.invoke(app, ["verify", str(tmp_path)])

@@ -7,17 +7,15 @@ nothing but the (global) normaliser.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from helpers.paths import GOLDEN
+from safetensors.torch import load_file
 
 from blockdraft.model import DFlashDrafter, DraftCache, TargetHead, TargetModel, draft_step, load_target
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch, sample_anchors
 from blockdraft.stages.train.loss import block_loss
 from blockdraft.stages.train.trainer import DraftForward
-
-GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +66,6 @@ def test_training_forward_equals_draft_step_at_every_anchor(golden):
 
 def test_draft_step_reproduces_golden_logits_through_training_path(golden):
     """The golden step (anchor 11, context 0..10) computed by the training forward; ties train to the reference engine."""
-    from safetensors.torch import load_file
-
     drafter, target, head = golden
     spec = drafter.spec
     gold = load_file(str(GOLDEN / "golden.safetensors"))

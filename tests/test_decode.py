@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from helpers.paths import GOLDEN
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig
 
-from blockdraft.config import DFlashConfig
+from blockdraft.config import BlockdraftConfig, DFlashConfig
 from blockdraft.decode.cached_target import CachedTarget, check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer, ngram_generate
-from blockdraft.decode.speculative import greedy_generate, run_speculative, speculative_generate
+from blockdraft.decode.speculative import DFlashProposer, greedy_generate, run_speculative, speculative_generate
 from blockdraft.errors import DecodeError
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.spec import DrafterSpec
-from blockdraft.model.target import TargetHead
-from blockdraft.stages.eval.stage import first_divergence
+from blockdraft.model.target import TargetHead, TargetModel
+from blockdraft.stages.eval import divergence_tolerance, first_divergence
 
-GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 FP32_TOLERANCE = 1e-4
-
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +172,6 @@ def test_ngram_baseline_accepts_on_repetitive_text(golden_target, golden):
 
 
 def test_hybrid_attention_target_is_refused():
-    from transformers import Qwen3NextConfig
-
     with pytest.raises(DecodeError, match="hybrid attention.*linear_attention"):
         check_rollback_supported(Qwen3NextConfig())
     check_rollback_supported(Qwen3Config())
@@ -184,9 +180,6 @@ def test_hybrid_attention_target_is_refused():
 def test_cached_drafts_equal_a_fresh_full_context_draft_at_every_cycle():
     """The drafter cache grows by the committed positions only: each cycle's draft equals one computed from scratch over
     the target features of every committed position (features from one uncached target forward over the final text)."""
-    from blockdraft.decode.speculative import DFlashProposer
-    from blockdraft.model.target import TargetModel
-
     target = _random_target(5, 64, 6, init=0.3)
     drafter = _untrained_drafter(target, 4, 5)
     head = TargetHead.from_target(target)
@@ -210,9 +203,6 @@ def test_cached_drafts_equal_a_fresh_full_context_draft_at_every_cycle():
 
 
 def test_bf16_divergences_are_near_ties_within_the_bf16_tolerance(golden):
-    from blockdraft.config import BlockdraftConfig
-    from blockdraft.stages.eval.stage import divergence_tolerance
-
     tolerance = divergence_tolerance(BlockdraftConfig(), torch.bfloat16)
     assert tolerance == BlockdraftConfig().eval.divergence_margin_bf16 > divergence_tolerance(BlockdraftConfig(), torch.float32)
     target = AutoModelForCausalLM.from_pretrained(GOLDEN / "target", dtype=torch.bfloat16).eval()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import new_bucket
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
@@ -31,6 +30,7 @@ def _check(result) -> None:
     assert page.count("**verified**") == len(result.states)
 
 
+@pytest.mark.slow
 def test_demo_ci_profile_on_the_local_store(tmp_path):
     runner = CliRunner()
     out = runner.invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--profile", "ci"])
@@ -46,9 +46,10 @@ def test_demo_ci_profile_on_the_local_store(tmp_path):
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_demo_ci_profile_against_s3(tmp_path, s3_env):
-    bucket = new_bucket(s3_env)
-    result = run_demo(tmp_path / "work", f"s3://{bucket}/demo", "ci", say=lambda line: None)
+    bucket = s3_env.new_bucket()
+    result = run_demo(tmp_path / "work", f"s3://{bucket}/demo", "ci")
     _check(result)
     assert result.store_url == f"s3://{bucket}/demo"
     keys = {o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket)["Contents"]}

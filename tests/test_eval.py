@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets
 import pytest
+from helpers.paths import GOLDEN, TEMPLATES, TOKENIZER_DIR
+from helpers.reporters import ProgressLog
+from transformers import AutoConfig, AutoTokenizer, Qwen3NextConfig
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
@@ -14,7 +18,6 @@ from blockdraft.config import load_config
 from blockdraft.decode.speculative import GreedyResult, SpecResult
 from blockdraft.errors import ArtifactError, DecodeError, EvalError
 from blockdraft.model.drafter import DFlashDrafter
-from blockdraft.reporter import Reporter
 from blockdraft.stages import eval as eval_stage
 from blockdraft.stages import tokenize as tokenize_stage
 from blockdraft.stages.eval import EvalReport, first_divergence, summary_lines
@@ -22,14 +25,10 @@ from blockdraft.stages.eval.checkpoint import check_checkpoint_matches, open_che
 from blockdraft.stages.eval.prompts import held_out_prompts
 from blockdraft.stages.train import resolved_training_config, save_checkpoint
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, State, manifest_input, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.stage_io import open_input
 
-FIXTURES = Path(__file__).parent / "fixtures"
-GOLDEN = FIXTURES / "dflash-golden"
-TOKENIZER_DIR = FIXTURES / "qwen3-tokenizer"
 GOLDEN_DFLASH = {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3, "gamma": 4.0}
-
 
 
 def golden_config(tmp: Path, **sections):
@@ -68,10 +67,11 @@ def golden_run(tmp_path_factory, tokenized) -> Path:
     cfg = golden_config(tmp, train={"data": tokenized})
     data = verify_artifact(open_store(tokenized)).manifest.config["tokenize_run"]  # what train pins from its data
     resolved = resolved_training_config(cfg, drafter.spec, str(tmp / "ckpt"), data)
-    save_checkpoint(open_store(tmp / "ckpt"), 40, drafter, {}, resolved, [manifest_input(open_store(tokenized))], {"step": 40})
+    save_checkpoint(open_store(tmp / "ckpt"), 40, drafter, {}, resolved, [open_input(open_store(tokenized)).ref], {"step": 40})
     return tmp / "ckpt"
 
 
+@pytest.mark.slow
 def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tmp_path, golden_run):
     golden = json.loads((GOLDEN / "golden.json").read_text())
     prompts = tmp_path / "prompts.jsonl"
@@ -148,13 +148,12 @@ def test_eval_refuses_a_checkpoint_that_contradicts_the_config(tmp_path, golden_
 
 
 def test_eval_refuses_a_chat_template_other_than_the_training_rows(tmp_path, golden_run):
-    other = FIXTURES / "chat-templates" / "trl_qwen3_5_think.jinja"
+    other = TEMPLATES / "trl_qwen3_5_think.jinja"
     cfg = golden_config(tmp_path, target={"tokenizer": str(TOKENIZER_DIR), "chat_template": str(other)})
     with pytest.raises(EvalError, match=r"chat template sha256 \w{12}.*set target\.chat_template"):
         eval_stage.run(cfg, str(golden_run), prompts=str(tmp_path / "unused.jsonl"))
     # The tokenizer's own template is the one the rows were rendered with: accepted.
     same = golden_config(tmp_path, target={"tokenizer": str(TOKENIZER_DIR)})
-    from transformers import AutoConfig
 
     ckpt = open_checkpoint(str(golden_run), same, tmp_path)
     assert ckpt.template_sha256 is not None
@@ -170,8 +169,6 @@ def test_eval_command_refuses_with_one_line_naming_the_field(tmp_path, golden_ru
 
 
 def test_eval_refuses_hybrid_attention_targets(tmp_path, golden_run):
-    from transformers import Qwen3NextConfig
-
     Qwen3NextConfig(num_hidden_layers=8).save_pretrained(tmp_path / "hybrid")
     cfg = golden_config(tmp_path, target={"path": str(tmp_path / "hybrid")})
     with pytest.raises(DecodeError, match="hybrid attention.*until state snapshot/rollback exists"):
@@ -184,9 +181,6 @@ def test_eval_refuses_an_artifact_that_is_not_a_drafter(tmp_path, tokenized):
 
 
 def test_prompts_come_from_the_held_out_rows_up_to_the_first_supervised_token(tmp_path, tokenized):
-    import datasets
-    from transformers import AutoTokenizer
-
     data = open_input(tokenized)
     prompts = held_out_prompts(data, limit=100, workdir=tmp_path)
     held = datasets.load_from_disk(tokenized)["held_out"]
@@ -241,17 +235,6 @@ def test_a_wrong_target_path_is_one_line_naming_the_field(tmp_path, command):
     assert "target.path" in result.output and "Traceback" not in result.output
 
 
-class ProgressLog(Reporter):
-    """Keeps every progress call as (task, completed, total)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def progress(self, task, completed, total=None, **fields) -> None:
-        self.calls.append((task, completed, total))
-
-
 def test_a_second_eval_of_the_same_checkpoint_prompts_and_settings_is_already_done(tmp_path, golden_run):
     golden = json.loads((GOLDEN / "golden.json").read_text())["decode"][:2]
     prompts = tmp_path / "prompts.jsonl"
@@ -261,7 +244,7 @@ def test_a_second_eval_of_the_same_checkpoint_prompts_and_settings_is_already_do
     reporter = ProgressLog()
     first = eval_stage.run(cfg, str(golden_run), str(out), reporter, prompts=str(prompts))
     assert not first.already_done and first.report.state is State.VERIFIED and first.stage == "eval"
-    assert reporter.calls == [("eval", 0, 2), ("eval", 1, 2), ("eval", 2, 2)]  # one step per prompt
+    assert [call[:3] for call in reporter.calls] == [("eval", 0, 2), ("eval", 1, 2), ("eval", 2, 2)]  # one step per prompt
     assert EvalReport.from_json((out / "report.json").read_text()) == first.details
     manifest = (out / MANIFEST_NAME).read_bytes()
 

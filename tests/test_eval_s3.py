@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import datasets
+import pytest
+from helpers.paths import GOLDEN, TOKENIZER_DIR
 
 from blockdraft.config import load_config
 from blockdraft.model.drafter import DFlashDrafter
@@ -21,10 +23,10 @@ from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.stage_io import open_input
 from blockdraft.store.transfer import push
 
-FIXTURES = Path(__file__).parent / "fixtures"
-GOLDEN = FIXTURES / "dflash-golden"
+pytestmark = pytest.mark.s3
 
 
+@pytest.mark.slow
 def test_eval_reads_checkpoint_and_export_from_s3_and_commits_the_report_there(s3_bucket, tmp_path):
     golden = json.loads((GOLDEN / "golden.json").read_text())["decode"]
     prompts = tmp_path / "prompts.jsonl"
@@ -74,7 +76,7 @@ def _conversation(i: int) -> dict:
 def test_held_out_prompts_from_s3_fetch_only_the_held_out_split(s3_bucket, tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "part-00.jsonl").write_text("".join(json.dumps(_conversation(i)) + "\n" for i in range(24)))
-    cfg = load_config(None, {"target": {"path": str(FIXTURES / "qwen3-tokenizer")}, "tokenize": {"held_out_fraction": 0.5}})
+    cfg = load_config(None, {"target": {"path": str(TOKENIZER_DIR)}, "tokenize": {"held_out_fraction": 0.5}})
     tokenize_stage.run(cfg, str(tmp_path / "in"), str(tmp_path / "tokenized"))
     remote = f"s3://{s3_bucket}/tokenized"
     push(tmp_path / "tokenized", remote, cfg.store)

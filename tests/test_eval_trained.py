@@ -16,7 +16,6 @@ from blockdraft.stages import train as train_stage
 TINY = TINY_TARGET_DIR
 
 
-
 @pytest.mark.slow
 def test_trained_drafter_doubles_untrained_tau_and_beats_ngram_on_held_out_prompts(tmp_path):
     fixture = json.loads((TINY / "fixture.json").read_text())

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+import pytest
 import torch
+from helpers.paths import GOLDEN
 from safetensors.torch import load_file
 
 from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
@@ -18,7 +19,7 @@ from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.transfer import pull
 
-GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
+pytestmark = pytest.mark.s3
 
 
 def test_export_s3_checkpoint_to_s3(s3_bucket, tmp_path):

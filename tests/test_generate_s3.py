@@ -41,6 +41,8 @@ def piece_ids(out_url: str) -> list[str]:
     return [i for piece in pieces.values() for i in piece.counts["ids"]]
 
 
+@pytest.mark.slow
+@pytest.mark.fault
 def test_generate_on_s3_resumes_after_kill_9_of_the_generate_process(s3_bucket, tmp_path):
     rows = [json.loads(x) for x in (TINY_TARGET_DIR / "prompts.jsonl").read_text().splitlines()[:10]]
     # Parquet input with plain `prompt` strings, uploaded to S3.
@@ -50,7 +52,8 @@ def test_generate_on_s3_resumes_after_kill_9_of_the_generate_process(s3_bucket, 
     (tmp_path / "prompts.parquet").write_bytes(buf.getvalue())
     open_store(f"s3://{s3_bucket}/in").put_file("prompts.parquet", tmp_path / "prompts.parquet")
 
-    with EndpointProcess(TINY_TARGET_DIR, tmp_path / "endpoint.log") as endpoint:
+    # Four requests are answered and the fifth is held: the run stops there, however fast the machine, until it is killed.
+    with EndpointProcess(TINY_TARGET_DIR, tmp_path / "endpoint.log", faults="ok,ok,ok,ok,hold") as endpoint:
         config = tmp_path / "c.toml"
         config.write_text(
             f'[generate]\nengine = "openai"\nbase_url = "{endpoint.url}"\nmax_new_tokens = 40\nconcurrency = 1\n'
@@ -62,7 +65,7 @@ def test_generate_on_s3_resumes_after_kill_9_of_the_generate_process(s3_bucket, 
         out = open_store(out_url)
         first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.err", "w"))
         try:
-            deadline = time.monotonic() + 240
+            deadline = time.monotonic() + 300  # bounds a hang only
             while len(piece_ids(out_url)) < 4 and time.monotonic() < deadline and first.poll() is None:
                 time.sleep(0.05)
         finally:
@@ -71,6 +74,7 @@ def test_generate_on_s3_resumes_after_kill_9_of_the_generate_process(s3_bucket, 
         assert first.returncode == -signal.SIGKILL, (tmp_path / "first.err").read_text()
         kept = piece_ids(out_url)
         assert len(kept) >= 4 and len(kept) < 10 and len(set(kept)) == len(kept)
+        assert set(kept) == set(endpoint.answered())  # the answered prompts' pieces, two shards of two
         assert set(kept) <= set(shard_ids(out))
         assert verify_artifact(out).state is State.INCOMPLETE  # no manifest: the killed run never claimed to be done
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.paths import GOLDEN
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from blockdraft.config import DFlashConfig
 from blockdraft.errors import SpecError
@@ -24,7 +26,6 @@ from blockdraft.model import (
 )
 from blockdraft.model.spec import hybrid_layer_ids
 
-GOLDEN = Path(__file__).parent / "fixtures" / "dflash-golden"
 # fp32, but SDPA vs the reference's eager attention and a different summation order: ~1e-6 relative.
 TOL = {"rtol": 1e-5, "atol": 5e-5}
 
@@ -218,9 +219,6 @@ def test_target_features_stop_after_deepest_layer(golden, target):
 
 def test_hybrid_attention_target_features():
     """Qwen3.5-style target (linear-attention layers, full attention every fourth): hidden states only, same convention."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-
     config = Qwen3_5TextConfig(
         vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,

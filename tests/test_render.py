@@ -8,21 +8,19 @@ rejected with a reason, never mis-masked.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.paths import TEMPLATES, TOKENIZER_DIR
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
+from transformers import AutoTokenizer
 
 from blockdraft.data.completions import RawRecord, normalise
 from blockdraft.data.render import PlannedTurn, TurnRejection, TurnRow, compile_chat_template, mask_turn, plan_turns
 from blockdraft.data.tokenizer import load_tokenizer
 
-FIXTURES = Path(__file__).parent / "fixtures"
-TOKENIZER_DIR = FIXTURES / "qwen3-tokenizer"
-TEMPLATES = FIXTURES / "chat-templates"
 IM_END = 151645
 
 
@@ -36,7 +34,7 @@ def tokenizer() -> Tokenizer:
     return qwen3_tokenizer()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def template(name: str):
     return compile_chat_template((TEMPLATES / f"{name}.jinja").read_text())
 
@@ -132,8 +130,6 @@ def test_template_outcome(tokenizer, name, mode, row, expected):
 
 def test_renderer_matches_transformers_apply_chat_template():
     """Our Jinja environment renders what Hugging Face tokenizers (and so the serving engines) render."""
-    from transformers import AutoTokenizer
-
     hf = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     ours = compile_chat_template(hf.chat_template)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "int"}}}}}]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from blockdraft.errors import ArtifactError
+from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, FileEntry, InputRef, Manifest, State, entry_for_local_file
-from blockdraft.store.stage_io import PIECES_DIR, StageOutput, open_input, stage_key
+from blockdraft.store.stage_io import PIECES_DIR, StageOutput, open_input, open_raw_input, stage_key
 
 KIND = "tokenized"
 FILES = {"shard-0.arrow": b"rows of shard zero" * 50, "meta/info.json": b'{"rows": 2}'}
@@ -74,6 +74,7 @@ def test_done_is_none_for_another_key_or_kind(dest, tmp_path):
     assert StageOutput(dest.sub("out"), KIND, "k1", dest.settings).done() is not None
 
 
+@pytest.mark.fault
 def test_done_is_none_when_a_file_no_longer_verifies(dest, tmp_path):
     committed(dest, tmp_path)
     dest.overwrite("out/shard-0.arrow", flipped(FILES["shard-0.arrow"]))
@@ -106,6 +107,7 @@ def test_commit_records_the_key_and_what_it_was_made_from(dest, tmp_path):
 # ---------------------------------------------------------------------------------------------- copies (push, pull)
 
 
+@pytest.mark.fault
 def test_a_copy_is_done_only_with_the_same_manifest_bytes(dest, tmp_path):
     out = committed(dest, tmp_path)
     raw = out.store.read_bytes(MANIFEST_NAME)
@@ -139,6 +141,7 @@ def test_put_piece_then_finished_piece_round_trip(dest, tmp_path):
     assert out.finished_piece("shard-0", "p0") is None and out.recorded_pieces() == {}
 
 
+@pytest.mark.fault
 def test_a_piece_whose_file_was_corrupted_or_deleted_is_not_finished(dest, tmp_path):
     out = StageOutput(dest.sub("out"), KIND, "k1", dest.settings)
     files = {"a.arrow": b"piece a" * 10, "b.arrow": b"piece b" * 10}
@@ -159,6 +162,7 @@ def test_a_piece_recorded_for_another_piece_key_or_kind_is_not_finished(dest, tm
     assert out.finished_piece("shard-0", "p0") is not None
 
 
+@pytest.mark.fault
 def test_put_piece_refuses_a_file_that_does_not_verify_and_records_nothing(dest, tmp_path):
     out = StageOutput(dest.sub("out"), KIND, "k1", dest.settings)
     [entry] = uploaded(out, tmp_path, {"shard-0.arrow": b"zero"})
@@ -168,6 +172,7 @@ def test_put_piece_refuses_a_file_that_does_not_verify_and_records_nothing(dest,
     assert not dest.exists(f"out/{PIECES_DIR}/shard-0.json")
 
 
+@pytest.mark.fault
 def test_a_torn_piece_record_is_not_finished(dest, tmp_path):
     out = StageOutput(dest.sub("out"), KIND, "k1", dest.settings)
     out.store.put_bytes(f"{PIECES_DIR}/shard-0.json", b'{"kind": "tokenized-pie')
@@ -190,6 +195,7 @@ def test_open_input_returns_the_verified_artifact_pinned_by_content(dest, tmp_pa
 
 
 @pytest.mark.parametrize("damage", ["incomplete", "corrupt", "missing"])
+@pytest.mark.fault
 def test_open_input_refuses_an_artifact_that_does_not_verify_in_one_line(damage, dest, tmp_path):
     out = committed(dest, tmp_path)
     if damage == "incomplete":
@@ -230,6 +236,7 @@ def test_fetch_reads_a_local_input_in_place_or_downloads_a_remote_one_checked(de
         assert {rel: (folder / rel).read_bytes() for rel in FILES} == FILES
 
 
+@pytest.mark.fault
 def test_fetch_refuses_bytes_that_changed_since_the_input_verified(s3_bucket, s3_env, tmp_path):
     """The remote copy changes (same size) between open_input and fetch: the checksum of the bytes received says so."""
     url = f"s3://{s3_bucket}/in"
@@ -243,3 +250,35 @@ def test_fetch_refuses_bytes_that_changed_since_the_input_verified(s3_bucket, s3
     assert (tmp_path / "fetched" / "meta/info.json").read_bytes() == FILES["meta/info.json"]
     assert not (tmp_path / "fetched" / "shard-0.arrow").exists()  # the bad bytes are not left behind
     assert open_store(url).exists("shard-0.arrow")
+
+
+# ---------------------------------------------------------------------------------------------- a raw input (no manifest)
+
+
+def test_a_raw_input_is_pinned_by_what_the_store_reports_and_read_back_against_it(dest, tmp_path):
+    data = b'{"prompt": "hello"}\n' * 20
+    root = tmp_path / "raw"
+    [path] = local_files(root, {"prompts.jsonl": data})
+    open_store(dest.sub("raw"), dest.settings).put_file("prompts.jsonl", path, entry_for_local_file(root, path).checksum)
+    raw = open_raw_input(dest.sub("raw/prompts.jsonl"), dest.settings, role="prompts file")
+    assert raw.ref.kind == "raw" and raw.ref.size == len(data) and raw.ref.url.endswith("/raw/prompts.jsonl")
+    assert raw.ref.checksum is not None or raw.ref.etag is not None
+    assert raw.fetch(tmp_path / "got.jsonl").read_bytes() == data
+
+
+@pytest.mark.fault
+def test_a_raw_input_that_is_absent_or_changes_while_read_is_refused_in_one_line(dest, tmp_path):
+    with pytest.raises(ConfigError, match=r"prompts file .*nothing\.jsonl does not exist") as absent:
+        open_raw_input(dest.sub("nothing.jsonl"), dest.settings, role="prompts file")
+    assert "\n" not in str(absent.value)
+    root = tmp_path / "raw"
+    [path] = local_files(root, {"p.jsonl": b"line\n" * 10})
+    store = open_store(dest.sub("raw"), dest.settings)
+    store.put_file("p.jsonl", path)
+    raw = open_raw_input(dest.sub("raw/p.jsonl"), dest.settings)
+    store.put_bytes("p.jsonl", b"longer line\n" * 10)  # replaced after it was pinned
+    if dest.kind == "file":
+        return  # a local file is read where it is; staleness of a raw input is `verify`'s to report
+    with pytest.raises(ArtifactError, match="changed while read"):
+        raw.fetch(tmp_path / "got.jsonl")
+    assert not (tmp_path / "got.jsonl").exists()

@@ -7,19 +7,25 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from blockdraft.decode.greedy import Prompt, greedy_generate
 from blockdraft.fixtures.corpus import synthetic_conversations
-from blockdraft.fixtures.tiny import CI_SIZE, TINY_TARGET_DIR, bpe_training_texts, build_tokenizer, distinct_ngram_ratio
+from blockdraft.fixtures.tiny import (
+    CI_SIZE,
+    TINY_TARGET_DIR,
+    TinySize,
+    bpe_training_texts,
+    build_tiny_target,
+    build_tokenizer,
+    distinct_ngram_ratio,
+)
 
 TINY = TINY_TARGET_DIR
 
 
-
 @pytest.fixture(scope="module")
 def target():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(TINY)
 
 
@@ -93,11 +99,8 @@ def test_distinct_ngram_ratio():
     assert distinct_ngram_ratio([1, 2]) == 1.0
 
 
+@pytest.mark.slow
 def test_build_tiny_target_by_time_budget_writes_a_loadable_target(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from blockdraft.fixtures.tiny import TinySize, build_tiny_target
-
     size = TinySize(hidden_size=32, intermediate_size=64, num_hidden_layers=2, train_conversations=300, batch_size=8)
     report = build_tiny_target(tmp_path / "t", seconds_budget=3.0, seed=1, size=size, held_out_prompts=3, completions=2)
     assert report.steps >= 6  # fixed from the time of the first steps, then recorded

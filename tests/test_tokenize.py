@@ -11,9 +11,9 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenize_helpers import (
-    TEMPLATES,
-    TOKENIZER_DIR,
+from helpers.paths import TEMPLATES, TOKENIZER_DIR
+from helpers.reporters import ProgressLog
+from helpers.tokenize_data import (
     config,
     conversation,
     files_of,
@@ -204,6 +204,7 @@ def test_manifest_holds_template_hash_thinking_mode_counts_and_lineage(tmp_path)
     assert result.report.manifest_sha256 == again.report.manifest_sha256
 
 
+@pytest.mark.slow
 def test_two_workers_match_one_worker_row_for_row(tmp_path):
     corpus = make_corpus(tmp_path / "in", files=4, per_file=20)
     one = tokenize(str(corpus), str(tmp_path / "one"), config(workers=1, held_out_fraction=0.1))
@@ -230,6 +231,7 @@ def half_finished(output: Path, shard: str) -> None:
     ],
     ids=["max_length-changed", "template-changed", "same-config-resumes"],
 )
+@pytest.mark.fault
 def test_rerun_over_half_finished_output_redoes_only_mismatched_shards(tmp_path, first, second):
     corpus = make_corpus(tmp_path / "in", files=3, per_file=10)
 
@@ -249,6 +251,7 @@ def test_rerun_over_half_finished_output_redoes_only_mismatched_shards(tmp_path,
     assert resumed.details.counts == fresh.details.counts
 
 
+@pytest.mark.fault
 def test_verify_reports_corrupt_missing_incomplete_on_tokenized_output(tmp_path):
     corpus = make_corpus(tmp_path / "in", files=1, per_file=10)
     out = tmp_path / "out"
@@ -312,6 +315,7 @@ def test_shards_are_streamed_in_bounded_record_batches_and_rotated(tmp_path):
     assert len(rows_of(tmp_path / "out")["train"]) == sum(1 + i % 3 for i in range(600))
 
 
+@pytest.mark.fault
 def test_a_completions_artifact_is_read_through_its_manifest_and_pinned_by_it(tmp_path):
     src = tmp_path / "completions"
     write_jsonl(src / "shard-0.jsonl.zst", [conversation(i) for i in range(5)])
@@ -341,6 +345,7 @@ class AppendAfterFirstProgress(Reporter):
             self.appended = True
 
 
+@pytest.mark.fault
 def test_an_input_that_changes_after_listing_fails_the_shard_instead_of_recording_it(tmp_path):
     """The piece names the input's checksum; the worker proves the bytes it read have it, so a piece never lies."""
     corpus = make_corpus(tmp_path / "in", files=2, per_file=5)
@@ -374,15 +379,7 @@ def test_a_rerun_with_the_same_config_and_input_is_already_done_and_leaves_the_m
     assert not other.already_done and other.details.shards_skipped == 0 and manifest.read_bytes() != before
 
 
-class ProgressLog(Reporter):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, float, float | None, dict]] = []
-
-    def progress(self, task, completed, total=None, **fields):
-        self.calls.append((task, completed, total, fields))
-
-
+@pytest.mark.slow
 def test_progress_is_reported_in_input_bytes_with_rows_and_tokens(tmp_path):
     corpus = make_corpus(tmp_path / "in", files=3, per_file=40)
     total = sum(p.stat().st_size for p in corpus.iterdir())

@@ -13,37 +13,30 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from helpers.paths import GOLDEN_TARGET
+from helpers.reporters import ProgressLog
+from helpers.train_data import config_file, logged_losses, make_rows, write_tokenized
 from safetensors.torch import load_file
-from train_helpers import GOLDEN_TARGET, config_file, logged_losses, make_rows, write_tokenized
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import BlockdraftConfig, load_config
+from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.model import load_target
 from blockdraft.model.formats import CHECKPOINT_KIND, checkpoint_key, find_resumable
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train import run
-from blockdraft.stages.train.data import TOKENIZED_KIND, load_train_rows
+from blockdraft.stages.train.data import load_train_rows
 from blockdraft.stages.train.placement import resolve_placement
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, uncommit, verify_artifact
 from blockdraft.store.stage_io import open_input
-
-
-class ProgressLog(Reporter):
-    """Keeps every progress call as (task, completed, total, fields)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, float, float | None, dict[str, Any]]] = []
-
-    def progress(self, task: str, completed: float, total: float | None = None, **fields: Any) -> None:
-        self.calls.append((task, completed, total, fields))
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +45,7 @@ def data_url(tmp_path_factory) -> str:
     return write_tokenized(tmp_path_factory.mktemp("tokenized"), rows[:4], rows[4:])
 
 
+@pytest.mark.slow
 def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_url):
     cfg = load_config(config_file(tmp_path, data_url, max_steps=60, checkpoint_every=30, batch_size=4, lr=5e-3))
     reporter = ProgressLog()
@@ -187,6 +181,7 @@ def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupte
     assert sorted(p.name for p in (crashed / "ckpt").iterdir() if any(p.iterdir())) == [checkpoint_key(8), checkpoint_key(10)]
 
 
+@pytest.mark.fault
 def test_train_refuses_unverified_data_and_mismatched_nproc(tmp_path, data_url):
     broken = tmp_path / "broken"
     shutil.copytree(data_url, broken)
@@ -238,9 +233,6 @@ def test_input_and_output_arguments_override_the_config(tmp_path, data_url):
 
 def test_trains_on_a_hybrid_attention_target(tmp_path, data_url):
     """Qwen3.5-style target (linear attention, full attention every fourth layer): training needs only its hidden states."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-
     config = Qwen3_5TextConfig(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,

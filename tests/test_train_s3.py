@@ -4,7 +4,7 @@ verified there, resume pulled back from there; a checkpoint whose upload never c
 from __future__ import annotations
 
 import pytest
-from train_helpers import config_file, logged_losses, make_rows, write_tokenized
+from helpers.train_data import config_file, logged_losses, make_rows, write_tokenized
 
 from blockdraft.config import load_config
 from blockdraft.model.formats import checkpoint_key, find_resumable
@@ -16,6 +16,8 @@ from blockdraft.store.transfer import push
 pytestmark = pytest.mark.s3
 
 
+@pytest.mark.fault
+@pytest.mark.slow
 def test_train_from_and_to_s3_resumes_from_the_last_committed_checkpoint(s3_bucket, tmp_path):
     local_data = tmp_path / "tokenized"
     local_data.mkdir()

@@ -3,11 +3,18 @@ lineage), output to an s3:// URL (preflight first, shards pushed as they finish,
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from helpers.paths import TOKENIZER_DIR
+from helpers.reporters import ProgressLog
 
 from blockdraft.config import load_config
 from blockdraft.errors import StoreError
@@ -19,8 +26,6 @@ from blockdraft.store.status import status
 from blockdraft.store.transfer import pull, stage_and_push
 
 pytestmark = pytest.mark.s3
-
-TOKENIZER_DIR = Path(__file__).parent / "fixtures" / "qwen3-tokenizer"
 
 
 def jsonl(first: int, n: int) -> bytes:
@@ -82,13 +87,35 @@ class WaitForFirstShardAtDestination(Reporter):
         self.reports += 1
         if self.reports != 2:
             return
-        deadline = time.monotonic() + 10  # the pusher polls every 0.5 s
+        deadline = time.monotonic() + 300  # the pusher polls every 0.5 s; the deadline only bounds a hang
         while time.monotonic() < deadline:
             listed = self.client.list_objects_v2(Bucket=self.bucket, Prefix="tokenized/train/").get("Contents", [])
             if any("shard-00000" in o["Key"] for o in listed):
-                break
+                self.seen_at_destination.append(len(listed))
+                return
             time.sleep(0.05)
-        self.seen_at_destination.append(len(listed))
+
+
+class PollCount:
+    """Wraps `finished` (what the pusher asks each poll): counts the polls, keeps what they listed, and lets the stage wait
+    for the n-th poll to begin."""
+
+    def __init__(self, finished) -> None:
+        self.finished, self.polls, self.listed = finished, 0, []
+        self.changed = threading.Condition()
+
+    def __call__(self, local: Path) -> list:
+        with self.changed:
+            self.polls += 1
+            self.changed.notify_all()
+        entries = self.finished(local)
+        self.listed += [entry.path for entry in entries]
+        return entries
+
+    def reached(self, n: int) -> bool:
+        """Whether the n-th poll began within 300 s (a bound on a hang only)."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.polls >= n, timeout=300)
 
 
 def test_tokenize_to_s3_pushes_finished_shards_before_the_end(s3_bucket, s3_env, tmp_path):
@@ -102,23 +129,21 @@ def test_tokenize_to_s3_pushes_finished_shards_before_the_end(s3_bucket, s3_env,
     assert open_store(out_url).exists(MANIFEST_NAME)
 
 
+@pytest.mark.fault
 def test_tokenize_to_s3_with_a_wrong_secret_fails_before_any_work(s3_bucket, s3_env, tmp_path, monkeypatch):
     upload_raw(s3_env, s3_bucket)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    start = time.monotonic()
+    reporter = ProgressLog()
     with pytest.raises(StoreError, match="wrong secret key"):
-        run(s3_config(tmp_path), f"s3://{s3_bucket}/raw", f"s3://{s3_bucket}/tokenized", Reporter())
-    assert time.monotonic() - start < 10
+        run(s3_config(tmp_path), f"s3://{s3_bucket}/raw", f"s3://{s3_bucket}/tokenized", reporter)
+    # Refused by the preflight: nothing tokenized, staged or written, rather than a clock that a slow machine could lose.
+    assert not [call for call in reporter.calls if call[1]] and reporter.lines == []
     assert not (tmp_path / "staging").exists()
+    assert s3_env.client().list_objects_v2(Bucket=s3_bucket, Prefix="tokenized/").get("KeyCount", 0) == 0
 
 
 def test_tokenize_reads_parquet_completions_from_s3(s3_bucket, s3_env, tmp_path):
     """Parquet needs seeks: the S3 object reader reopens its stream at the new position."""
-    import io
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     rows = [json.loads(line) for line in jsonl(0, 40).decode().splitlines()]
     buffer = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), buffer, row_group_size=10)
@@ -129,8 +154,6 @@ def test_tokenize_reads_parquet_completions_from_s3(s3_bucket, s3_env, tmp_path)
 
 
 def test_s3_object_reader_seeks_and_reads_like_a_file(s3_bucket, s3_env):
-    import os
-
     data = os.urandom(3 * 1024 * 1024 + 5)
     s3_env.client().put_object(Bucket=s3_bucket, Key="obj.bin", Body=data)
     with open_store(f"s3://{s3_bucket}").open_read("obj.bin") as f:
@@ -142,6 +165,7 @@ def test_s3_object_reader_seeks_and_reads_like_a_file(s3_bucket, s3_env):
         open_store(f"s3://{s3_bucket}").open_read("absent.bin")
 
 
+@pytest.mark.fault
 def test_tokenized_artifact_is_stale_once_a_raw_input_object_changes(s3_bucket, s3_env, tmp_path):
     upload_raw(s3_env, s3_bucket)
     out_url = f"s3://{s3_bucket}/tokenized"
@@ -154,19 +178,24 @@ def test_tokenized_artifact_is_stale_once_a_raw_input_object_changes(s3_bucket, 
     assert by_root["tokenized"] is State.STALE
 
 
+@pytest.mark.fault
 def test_a_failed_rerun_over_a_committed_s3_output_that_changes_nothing_leaves_it_committed(s3_bucket, s3_env, tmp_path):
     upload_raw(s3_env, s3_bucket)
     out_url = f"s3://{s3_bucket}/tokenized"
     cfg = s3_config(tmp_path)
     run(cfg, f"s3://{s3_bucket}/raw", out_url, Reporter())
     before = read_manifest(open_store(out_url))[1]
+    polls = PollCount(finished_shard_entries)
 
     def crash(local: Path) -> None:
-        time.sleep(1.0)  # the pusher polls the staged (unchanged) shards meanwhile: all already at the destination
+        # The pusher looks at the staged (unchanged) shards, all already at the destination, before the stage dies: a second
+        # poll begins only after the first one has checked every shard it listed.
+        assert polls.reached(2), "the pusher never polled"
         raise RuntimeError("stage died")
 
     with pytest.raises(RuntimeError, match="stage died"):
-        stage_and_push(out_url, cfg.store, crash, finished_shard_entries, poll_s=0.1)
+        stage_and_push(out_url, cfg.store, crash, polls, poll_s=0.1)
+    assert polls.listed, "the pusher found no finished shard to check"
     # Nothing was replaced, so nothing was uncommitted: readers still see the verified artifact.
     assert verify_artifact(open_store(out_url)).state is State.VERIFIED
     assert read_manifest(open_store(out_url))[1] == before

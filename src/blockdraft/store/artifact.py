@@ -85,14 +85,6 @@ def read_manifest(store: Store) -> tuple[Manifest, bytes] | None:
     return Manifest.model_validate_json(data), data
 
 
-def manifest_input(store: Store) -> InputRef:
-    """Lineage entry for an input artifact; refuses an input that is not verified."""
-    report = verify_artifact(store)
-    if report.state is not State.VERIFIED:
-        raise ArtifactError(f"input {store.url} is {report.state.value}: {report.summary()}; fix or regenerate it first")
-    return InputRef(kind="manifest", url=store.url, sha256=report.manifest_sha256)
-
-
 def raw_input(store: Store, info: ObjectInfo) -> InputRef:
     return InputRef(kind="raw", url=f"{store.url.rstrip('/')}/{info.key}", size=info.size, checksum=info.checksum, etag=info.etag)
 

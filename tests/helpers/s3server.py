@@ -17,8 +17,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+import boto3
+from botocore.config import Config
 
 # Static test credentials; they only exist inside the throwaway server.
 ACCESS_KEY = "blockdraft-test-key"
@@ -107,7 +111,8 @@ class SeaweedS3:
             argv += [f"-{name}.port={http}", f"-{name}.port.grpc={grpc}"]
         return argv
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 120.0) -> None:
+        """Start `weed mini` and wait until S3 answers; `timeout` (seconds) only bounds a server that never comes up."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         out = open(self.logs / "stdout.txt", "ab")
         self.proc = subprocess.Popen(self._argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
@@ -167,9 +172,6 @@ class SeaweedS3:
 
     def client(self, identity: Identity | None = None):
         """A raw boto3 client for test setup and tampering (not the code under test)."""
-        import boto3
-        from botocore.config import Config
-
         who = identity or self.admin
         return boto3.client(
             "s3",
@@ -179,3 +181,9 @@ class SeaweedS3:
             region_name="us-east-1",
             config=Config(retries={"max_attempts": 2}, request_checksum_calculation="when_required"),
         )
+
+    def new_bucket(self) -> str:
+        """A fresh, empty bucket with a random name t-<12 hex>; its name."""
+        name = f"t-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name

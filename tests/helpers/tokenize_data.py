@@ -16,10 +16,7 @@ from blockdraft.stages import StageResult
 from blockdraft.stages import tokenize as tokenize_stage
 from blockdraft.store.artifact import MANIFEST_NAME
 from blockdraft.store.stage_io import PIECES_DIR
-
-FIXTURES = Path(__file__).parent / "fixtures"
-TOKENIZER_DIR = FIXTURES / "qwen3-tokenizer"
-TEMPLATES = FIXTURES / "chat-templates"
+from helpers.paths import TOKENIZER_DIR
 
 
 def conversation(i: int, turns: int = 1, reasoning: bool = True) -> dict:

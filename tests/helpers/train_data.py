@@ -14,8 +14,7 @@ from datasets import Dataset, DatasetDict
 from blockdraft.model import load_target
 from blockdraft.store import open_store
 from blockdraft.store.artifact import commit_artifact, entry_for_local_file
-
-GOLDEN_TARGET = Path(__file__).parent / "fixtures" / "dflash-golden" / "target"
+from helpers.paths import GOLDEN_TARGET
 
 
 def make_rows(num_rows: int, prompt_len: int, new_tokens: int, seed: int) -> list[dict]:

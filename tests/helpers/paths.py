@@ -1,0 +1,11 @@
+"""The fixtures committed under tests/fixtures (see its LICENSE-NOTE.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+TOKENIZER_DIR = FIXTURES / "qwen3-tokenizer"  # the Qwen3 tokenizer and its own chat template
+TEMPLATES = FIXTURES / "chat-templates"  # <name>.jinja: chat templates of the Qwen3 family
+GOLDEN = FIXTURES / "dflash-golden"  # target/, drafter/, golden.json and golden.safetensors of the reference implementation
+GOLDEN_TARGET = GOLDEN / "target"
