@@ -18,11 +18,11 @@ import pytest
 import zstandard
 
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
-from blockdraft.stages.generate import KIND, SHARDS_DIR
+from blockdraft.stages.generate import SHARDS_DIR
 from blockdraft.stages.generate.server import EndpointProcess
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
-from blockdraft.store.stage_io import StageOutput
+from blockdraft.store.stage_io import recorded_pieces
 
 pytestmark = pytest.mark.s3
 
@@ -36,8 +36,8 @@ def shard_ids(store) -> list[str]:
 
 
 def piece_ids(out_url: str) -> list[str]:
-    """The ids of every finished piece recorded at the output (the key only matters for `done`, not for listing)."""
-    pieces = StageOutput(out_url, KIND, key="").recorded_pieces()
+    """The ids of every piece recorded at the output."""
+    pieces = recorded_pieces(open_store(out_url))
     return [i for piece in pieces.values() for i in piece.counts["ids"]]
 
 
