@@ -71,8 +71,8 @@ class GenerateSummary:
 def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None) -> StageResult:
     """Complete every prompt of `input` that `output` does not hold yet, then commit the artifact.
 
-    Reports progress as ("generate", prompts done, prompts pending) and the summary lines at the end (to a `Reporter()`
-    that keeps them when none is given). Raises ConfigError for unusable input or settings, or an output that holds
+    Reports progress as ("generate", prompts done, prompts pending); `summary_lines` is what a caller prints of the
+    result. Raises ConfigError for unusable input or settings, or an output that holds
     completions of other settings or of other prompts.
     """
     started = time.perf_counter()

@@ -87,16 +87,15 @@ def save_checkpoint(
     lineage: Iterable[InputRef],
     counts: dict[str, Any],
     extra_files: Iterable[Path] = (),
-    key: str | None = None,
 ) -> VerifyReport:
     """Write, push and commit the checkpoint of `step` under `store`; returns the destination's verify report.
 
-    `key` is the output's stage key (default: `stage_key(counts["run"], lineage)`, the run identity and its data).
+    The checkpoint's stage key is `stage_key(counts["run"], lineage)`: the run identity and its data.
     Raises ArtifactError (or the store's error) when the push does not verify: such a checkpoint has no manifest
     and resume never uses it.
     """
     lineage = list(lineage)
-    out = StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, key or stage_key(counts.get("run"), lineage))
+    out = StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(counts.get("run"), lineage))
     out.begin()  # a resumed run rewrites checkpoints after its resume point
     with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
         root = Path(tmp)
@@ -166,7 +165,6 @@ class Checkpoints:
         self.data = data
         self.keep = keep
         self.reporter = reporter
-        self.key = stage_key(identity, [data])
 
     def newest(self) -> Resumable | None:
         """The newest checkpoint that verifies, or None; raises ConfigError when it belongs to another run."""
@@ -194,7 +192,7 @@ class Checkpoints:
         counts = {"step": step, "run": self.identity, "ranks_in_sync": ranks_in_sync, "last": log.entries[-1] if log.entries else None}
         try:
             report = save_checkpoint(
-                self.store, step, drafter, state, self.resolved, [self.data], counts, [log.path, log.plot_path], key=self.key
+                self.store, step, drafter, state, self.resolved, [self.data], counts, [log.path, log.plot_path]
             )
         except (ArtifactError, StoreError, OSError) as exc:
             if final:
