@@ -24,7 +24,6 @@ from blockdraft.model import (
     draft_step,
     load_target,
 )
-from blockdraft.model.spec import hybrid_layer_ids
 
 # fp32, but SDPA vs the reference's eager attention and a different summation order: ~1e-6 relative.
 TOL = {"rtol": 1e-5, "atol": 5e-5}
@@ -125,10 +124,13 @@ def test_default_layer_ids(num_layers, expected):
     assert default_layer_ids(num_layers, 1) == [num_layers // 2]
 
 
-def test_hybrid_default_layer_ids_take_full_attention_layers():
-    # Qwen3.5-27B: 64 layers, full attention every fourth layer; the published drafter reads [3, 15, 31, 47, 59].
-    types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(64)]
-    assert hybrid_layer_ids(types, 5) == [3, 15, 31, 47, 59]
+def test_hybrid_targets_get_the_even_spread_too():
+    # Qwen3.5/3.6-27B: 64 layers, full attention every fourth; z-lab's drafters for them read the even spread.
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]
+    config = Qwen3_5TextConfig(num_hidden_layers=64, layer_types=types, hidden_size=64, intermediate_size=128,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+    spec = DrafterSpec.from_target_config(config, DFlashConfig(mask_token_id=500))
+    assert spec.target_layer_ids == default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
 
 
 def test_gamma_defaults():
@@ -226,14 +228,12 @@ def test_hybrid_attention_target_features():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     spec = DrafterSpec.from_target_config(model.config, DFlashConfig(mask_token_id=255, num_draft_layers=2, block_size=8))
-    assert spec.target_layer_ids == [3, 7]  # even spread [1, 9] moved to the full-attention layers
-    with pytest.raises(SpecError, match="collide"):
-        DrafterSpec.from_target_config(model.config, DFlashConfig(mask_token_id=255, num_draft_layers=4, block_size=8))
+    assert spec.target_layer_ids == [1, 9]  # the even spread: layer 1 is linear attention, 9 is not
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         states = model(input_ids=ids, output_hidden_states=True).hidden_states
     features = TargetModel(model, spec.target_layer_ids).features(ids)
-    assert torch.equal(features, torch.cat([states[4], states[8]], dim=-1))
+    assert torch.equal(features, torch.cat([states[2], states[10]], dim=-1))
 
 
 def test_bf16_drafter_with_packed_mask(drafter, golden):

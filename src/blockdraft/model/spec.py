@@ -15,9 +15,11 @@ from blockdraft.errors import SpecError
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
-
 def default_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     """Layer ids spread evenly over 1..L-3 with Python's round (half to even); one id -> the middle layer L // 2.
+
+    The default for every target: a 64-layer hybrid-attention target (Qwen3.5/3.6-27B) gets [1, 16, 31, 46, 61], what
+    z-lab's drafters for those targets read.
 
     Layer id i is the output of decoder layer i, i.e. `hidden_states[i + 1]` of HF's output_hidden_states.
     """
@@ -27,22 +29,6 @@ def default_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_ids - 1)) for i in range(num_ids)]
-
-
-def hybrid_layer_ids(layer_types: list[str], num_ids: int) -> list[int]:
-    """For hybrid-attention targets: each even-spread id moved to the nearest full-attention layer (ties go lower).
-
-    Published drafters for such targets read full-attention outputs; for Qwen3.5-27B (64 layers, full attention
-    every fourth) this gives [3, 15, 31, 47, 59], the published choice.
-    """
-    num_layers = len(layer_types)
-    full = [i for i, t in enumerate(layer_types) if t == "full_attention" and i <= num_layers - 2]
-    if not full:
-        raise SpecError("hybrid target has no full-attention layer below its last; set dflash.target_layer_ids")
-    ids = [min(full, key=lambda f: (abs(f - i), f)) for i in default_layer_ids(num_layers, num_ids)]
-    if len(set(ids)) != len(ids):
-        raise SpecError(f"hybrid target: default layer ids collide ({ids}); set dflash.target_layer_ids explicitly")
-    return ids
 
 
 def default_gamma(block_size: int) -> float:
@@ -176,9 +162,7 @@ class DrafterSpec:
         num_layers = dflash_cfg.num_draft_layers
         if dflash_cfg.target_layer_ids is not None:
             layer_ids = list(dflash_cfg.target_layer_ids)
-        elif target.is_hybrid:
-            layer_ids = hybrid_layer_ids(target.layer_types or [], num_layers)
-        else:
+        else:  # the even spread for every target, hybrid-attention ones included
             layer_ids = default_layer_ids(target.num_layers, num_layers)
         heads = dflash_cfg.num_attention_heads or cfg.num_attention_heads
         kv_heads = dflash_cfg.num_key_value_heads or getattr(cfg, "num_key_value_heads", None) or heads

@@ -20,7 +20,7 @@ from blockdraft.model.formats import (
     WEIGHTS_NAME,
     open_drafter_artifact,
 )
-from blockdraft.model.spec import TargetShape, default_layer_ids, hybrid_layer_ids
+from blockdraft.model.spec import TargetShape, default_layer_ids
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.stage_io import StageInput
@@ -136,8 +136,6 @@ def _given_layer_ids(cfg: BlockdraftConfig, hf_config: Any) -> list[int]:
     if cfg.dflash.target_layer_ids is not None:
         return list(cfg.dflash.target_layer_ids)
     shape = TargetShape.from_config(hf_config)
-    if shape.is_hybrid and shape.layer_types is not None:  # a hybrid target is one whose layer types are known
-        return list(hybrid_layer_ids(shape.layer_types, cfg.dflash.num_draft_layers))
     return list(default_layer_ids(shape.num_layers, cfg.dflash.num_draft_layers))
 
 
