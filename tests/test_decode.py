@@ -11,7 +11,8 @@ from helpers.paths import GOLDEN
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig
 
 from blockdraft.config import BlockdraftConfig, DFlashConfig
-from blockdraft.decode.cached_target import CachedTarget, check_rollback_supported
+from blockdraft.decode.cached_target import CachedTarget
+from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer, ngram_generate
 from blockdraft.decode.speculative import DFlashProposer, greedy_generate, run_speculative, speculative_generate
 from blockdraft.errors import DecodeError
@@ -171,10 +172,11 @@ def test_ngram_baseline_accepts_on_repetitive_text(golden_target, golden):
     assert result.tau > 1.0
 
 
-def test_hybrid_attention_target_is_refused():
-    with pytest.raises(DecodeError, match="hybrid attention.*linear_attention"):
-        check_rollback_supported(Qwen3NextConfig())
+def test_only_layer_kinds_without_a_rollback_are_refused_by_name():
     check_rollback_supported(Qwen3Config())
+    check_rollback_supported(Qwen3NextConfig())  # linear attention: rolled back (tests/test_hybrid_decode.py)
+    with pytest.raises(DecodeError, match=r"\['sliding_attention'\]"):
+        check_rollback_supported(Qwen3Config(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]))
 
 
 def test_cached_drafts_equal_a_fresh_full_context_draft_at_every_cycle():

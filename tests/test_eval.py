@@ -10,7 +10,7 @@ import datasets
 import pytest
 from helpers.paths import GOLDEN, TEMPLATES, TOKENIZER_DIR
 from helpers.reporters import ProgressLog
-from transformers import AutoConfig, AutoTokenizer, Qwen3NextConfig
+from transformers import AutoConfig, AutoTokenizer, Qwen3Config
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
@@ -168,10 +168,11 @@ def test_eval_command_refuses_with_one_line_naming_the_field(tmp_path, golden_ru
     assert "dflash.block_size" in result.output and "Traceback" not in result.output
 
 
-def test_eval_refuses_hybrid_attention_targets(tmp_path, golden_run):
-    Qwen3NextConfig(num_hidden_layers=8).save_pretrained(tmp_path / "hybrid")
-    cfg = golden_config(tmp_path, target={"path": str(tmp_path / "hybrid")})
-    with pytest.raises(DecodeError, match="hybrid attention.*until state snapshot/rollback exists"):
+def test_eval_refuses_target_layer_kinds_it_cannot_roll_back_by_name(tmp_path, golden_run):
+    # Sliding-window target layers are not supported by the decode loop's rollback; linear attention is (tests/test_hybrid_decode.py).
+    Qwen3Config(num_hidden_layers=8, layer_types=["sliding_attention", "full_attention"] * 4).save_pretrained(tmp_path / "sliding")
+    cfg = golden_config(tmp_path, target={"path": str(tmp_path / "sliding")})
+    with pytest.raises(DecodeError, match=r"layer types \['sliding_attention'\].*not be lossless"):
         eval_stage.run(cfg, str(golden_run))
 
 

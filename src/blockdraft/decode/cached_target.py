@@ -1,34 +1,23 @@
-"""The frozen HF target as the decode loop uses it: one sequence, a KV cache, and features at the drafter's layer ids.
+"""The frozen HF target as the decode loop uses it: one sequence, a cache, and features at the drafter's layer ids.
 
 Layer id `i` is the output of decoder layer `i`, which is `hidden_states[i + 1]` (index 0 is the embedding output).
+`crop` puts the whole target back to a shorter prefix: attention K/V by a cache crop, and the state of linear-attention
+layers (hybrid targets) by `blockdraft.decode.linear_state`.
 """
 
 from __future__ import annotations
 
 import inspect
+import time
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from blockdraft.decode.linear_state import LinearStateRollback, check_rollback_supported, target_layer_types
 from blockdraft.errors import DecodeError
-
-
-def check_rollback_supported(hf_config) -> None:
-    """Refuse targets whose per-layer state a KV-cache crop cannot roll back (rejected drafts would leak into it)."""
-    text_config = getattr(hf_config, "text_config", None) or hf_config
-    layer_types = list(getattr(text_config, "layer_types", None) or [])
-    kinds = sorted({kind for kind in layer_types if kind != "full_attention"})
-    if any("linear" in kind or "mamba" in kind or "recurrent" in kind for kind in kinds):
-        raise DecodeError(
-            f"the target has hybrid attention (layer_types include {kinds}): its recurrent state cannot be rolled back after "
-            "rejected drafts, so speculative decoding would not be lossless; eval supports full-attention targets only until "
-            "state snapshot/rollback exists (training such targets works)"
-        )
-    if kinds:
-        raise DecodeError(
-            f"the target has layer types {kinds}: a sliding-window cache cannot be cropped back after rejected drafts yet; "
-            "eval supports full-attention targets only"
-        )
+from blockdraft.model.target import decoder_layers
 
 
 def top2_margin(logits: torch.Tensor) -> torch.Tensor:
@@ -40,14 +29,25 @@ def top2_margin(logits: torch.Tensor) -> torch.Tensor:
 class CachedTarget:
     """An HF causal LM running one sequence with its own KV cache.
 
-    `layer_ids` None: no features are gathered (target-only greedy, the n-gram drafter).
+    `layer_ids` None: no features are gathered (target-only greedy, the n-gram drafter). `rollback_linear_state` False
+    leaves linear-attention layers' state as the last forward left it (only the negative control of the tests does that).
     """
 
-    def __init__(self, hf_model, layer_ids: list[int] | None = None):
+    def __init__(self, hf_model, layer_ids: list[int] | None = None, rollback_linear_state: bool = True):
+        check_rollback_supported(hf_model.config)
         self.model = hf_model
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
         self.device = next(hf_model.parameters()).device
         self.cache = DynamicCache(config=hf_model.config)
+        types = target_layer_types(hf_model.config)
+        self.linear = None
+        if rollback_linear_state and any(kind != "full_attention" for kind in types):
+            layers = decoder_layers(hf_model, len(types))
+            if layers is None:
+                raise DecodeError(f"cannot find the decoder layers of {type(hf_model).__name__} to roll back its linear-attention state")
+            self.linear = LinearStateRollback(hf_model, layers, types)
+        self._verified = 0  # tokens of the last forward whose linear state a crop can roll back
+        self.rollback_s = 0.0  # time spent rolling linear-attention state back
         # transformers 5.x renamed `past_key_values` to `cache`; 4.x knows only the old name.
         params = inspect.signature(type(hf_model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -67,14 +67,22 @@ class CachedTarget:
             raise RuntimeError(f"target cache holds {self.length} positions, the block starts at {start}")
         n = token_ids.shape[1]
         positions = torch.arange(start, start + n, device=self.device).unsqueeze(0)
-        out = self.model(
-            input_ids=token_ids.to(self.device),
-            position_ids=positions,
-            use_cache=True,
-            output_hidden_states=self.layer_ids is not None,
-            logits_to_keep=1 if last_only else 0,
-            **{self._cache_kw: self.cache},
-        )
+        linear = self.linear if start > 0 and n > 1 else None  # a verify after the prefill: it may be rolled back
+        if linear is not None:
+            linear.begin(self.cache, n)
+        try:
+            out = self.model(
+                input_ids=token_ids.to(self.device),
+                position_ids=positions,
+                use_cache=True,
+                output_hidden_states=self.layer_ids is not None,
+                logits_to_keep=1 if last_only else 0,
+                **{self._cache_kw: self.cache},
+            )
+        finally:
+            if linear is not None:
+                linear.finish()
+        self._verified = n if linear is not None else 0
         self.forwards += 1
         features = None
         if self.layer_ids is not None:
@@ -82,7 +90,17 @@ class CachedTarget:
         return out.logits, features
 
     def crop(self, length: int) -> None:
-        """Drop cached positions >= `length` (transformers 5.24's crop takes a negative count to remove)."""
+        """Put the target back to positions 0..length-1: attention K/V cropped (transformers 5.24's crop takes a negative
+        count to remove), linear-attention state recomputed over the kept tokens of the last verify."""
         excess = self.length - length
-        if excess > 0:
-            self.cache.crop(-excess)
+        if excess <= 0:
+            return
+        for layer in self.cache.layers:
+            if not isinstance(layer, LinearAttentionCacheLayerMixin):
+                cast(Any, layer).crop(-excess)
+        if self.linear is not None:
+            if excess > self._verified:
+                raise DecodeError(f"cannot roll linear-attention state back {excess} tokens: the last forward verified {self._verified}")
+            began = time.perf_counter()
+            self.linear.rollback(self.cache, self._verified - excess)
+            self.rollback_s += time.perf_counter() - began

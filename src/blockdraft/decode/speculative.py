@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from blockdraft.decode.cached_target import CachedTarget, check_rollback_supported, top2_margin
+from blockdraft.decode.cached_target import CachedTarget, top2_margin
 from blockdraft.model.drafter import DFlashDrafter, DraftCache, draft_step
 from blockdraft.model.target import TargetHead
 
@@ -55,6 +55,7 @@ class SpecResult:
     cycles: list[Cycle] = field(default_factory=list)
     target_forwards: int = 0  # the prefill and one verify per cycle
     wall_s: float = 0.0
+    rollback_s: float = 0.0  # seconds of the verify halves spent rolling linear-attention state back (hybrid targets)
 
     @property
     def new_tokens(self) -> list[int]:
@@ -100,14 +101,21 @@ def _truncate(tokens: list[int], prompt_len: int, max_new_tokens: int, stops: se
 
 @torch.inference_mode()
 def run_speculative(
-    target_hf_model, proposer: Proposer, prompt_ids, max_new_tokens: int, stop_token_ids: Iterable[int] = ()
+    target_hf_model,
+    proposer: Proposer,
+    prompt_ids,
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int] = (),
+    rollback_linear_state: bool = True,
 ) -> SpecResult:
-    """Prefill, then draft / verify / accept / crop until P + max_new_tokens positions are filled or a stop token appears."""
-    check_rollback_supported(target_hf_model.config)
+    """Prefill, then draft / verify / accept / crop until P + max_new_tokens positions are filled or a stop token appears.
+
+    `rollback_linear_state` False exists for the negative control of the tests only: a hybrid target then keeps the
+    linear-attention state of rejected drafts, and the output diverges from greedy."""
     prompt, prompt_t = _prompt_tensor(prompt_ids)
     stops = set(int(t) for t in stop_token_ids)
     block_size = proposer.block_size
-    target = CachedTarget(target_hf_model, proposer.layer_ids)
+    target = CachedTarget(target_hf_model, proposer.layer_ids, rollback_linear_state=rollback_linear_state)
     began = time.perf_counter()
 
     # 1. Prefill: positions 0..P-1; the greedy token goes to position P; all P positions are the first new context.
@@ -155,6 +163,7 @@ def run_speculative(
         cycles=cycles,
         target_forwards=target.forwards,
         wall_s=time.perf_counter() - began,
+        rollback_s=target.rollback_s,
     )
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from blockdraft.errors import ConfigError, SpecError
 from blockdraft.model.spec import TargetShape
+from blockdraft.reporter import Reporter
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -53,7 +54,7 @@ class _StopForward(Exception):
     """Raised by a hook once the deepest needed layer has run: the remaining layers and the LM head are skipped."""
 
 
-def _decoder_layers(hf_model: nn.Module, num_layers: int) -> nn.ModuleList | None:
+def decoder_layers(hf_model: nn.Module, num_layers: int) -> nn.ModuleList | None:
     """The model's stack of decoder layers: the text decoder's `layers` where HF names it (multimodal targets also hold
     vision blocks), else the first ModuleList with one entry per layer."""
     get_decoder = getattr(hf_model, "get_decoder", None)
@@ -79,7 +80,7 @@ class TargetModel:
                 f"target layer ids {bad} outside 0..{self.shape.num_layers - 2} for a {self.shape.num_layers}-layer target; fix dflash.target_layer_ids"
             )
         self.layer_ids = list(layer_ids)
-        self.layers = _decoder_layers(hf_model, self.shape.num_layers)
+        self.layers = decoder_layers(hf_model, self.shape.num_layers)
 
     @property
     def device(self) -> torch.device:
@@ -114,10 +115,34 @@ class TargetModel:
         return torch.cat([captured[i].to(input_ids.device) for i in self.layer_ids], dim=-1)
 
 
+# The fast kernels transformers uses for linear-attention layers when they are importable (`pip install blockdraft[gpu]`).
+LINEAR_ATTENTION_KERNELS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+
+
+def missing_kernels_warning(hf_config: Any, device: torch.device | str) -> str | None:
+    """One line when a hybrid-attention target runs on CUDA without the linear-attention kernels (correct, but slow)."""
+    from importlib.util import find_spec
+
+    if torch.device(device).type != "cuda" or not TargetShape.from_config(hf_config).is_hybrid:
+        return None
+    missing = [package for module, package in LINEAR_ATTENTION_KERNELS.items() if find_spec(module) is None]
+    if not missing:
+        return None
+    return (
+        f"the target has linear-attention layers and {', '.join(missing)} is not installed: transformers runs them with slow "
+        "reference PyTorch kernels on the GPU; install them with `pip install 'blockdraft[gpu]'`"
+    )
+
+
 def load_target(
-    path: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32, attn_implementation: str | None = None
+    path: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    attn_implementation: str | None = None,
+    reporter: Reporter | None = None,
 ) -> PreTrainedModel:
-    """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device`."""
+    """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device`; warns through `reporter` when a
+    hybrid target on CUDA lacks its fast kernels."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(dtype, str):
@@ -125,7 +150,10 @@ def load_target(
     kwargs = {"dtype": dtype}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
+    hf_config = load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
+    warning = missing_kernels_warning(hf_config, device)
+    if warning and reporter is not None:
+        reporter.warn(warning)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     cast(nn.Module, model).to(device).eval().requires_grad_(False)  # in place: a module moves itself
     return cast("PreTrainedModel", model)

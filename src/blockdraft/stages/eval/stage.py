@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from blockdraft.config import BlockdraftConfig
-from blockdraft.decode.cached_target import check_rollback_supported
+from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer
 from blockdraft.decode.speculative import DFlashProposer, GreedyResult, SpecResult, greedy_generate, run_speculative
 from blockdraft.errors import EvalError, SpecError
@@ -69,7 +69,7 @@ def run(
         raise EvalError("target.path is not set; eval needs the target model the drafter was trained for")
     max_new_tokens = max_new_tokens or config.eval.max_new_tokens
     hf_config = load_target_config(config.target.path)
-    check_rollback_supported(hf_config)  # before anything is fetched: a hybrid target is refused in seconds
+    check_rollback_supported(hf_config)  # before anything is fetched: an unsupported layer kind is refused in seconds
 
     with tempfile.TemporaryDirectory(prefix="blockdraft-eval-") as tmp:
         workdir = Path(tmp)
@@ -109,7 +109,7 @@ def _decode_and_measure(
 ) -> EvalReport:
     """Load the target and the drafter on their devices, refuse prompts outside the vocabulary, and `evaluate`."""
     assert cfg.target.path is not None  # `run` refuses a config without one
-    hf_model = load_target(cfg.target.path, device=cfg.placement.target_devices[0], dtype=cfg.target.dtype)
+    hf_model = load_target(cfg.target.path, device=cfg.placement.target_devices[0], dtype=cfg.target.dtype, reporter=reporter)
     folder = ckpt.fetch_weights()
     try:
         drafter = DFlashDrafter.from_pretrained(folder, device=cfg.placement.drafter_devices[0], dtype=getattr(torch, cfg.target.dtype))
