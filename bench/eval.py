@@ -116,13 +116,14 @@ def report_set(label, target, drafter, prompts, max_new_tokens, stops, repeats, 
     greedy = best.greedy
     print(f"\n[{label}] {len(prompts)} prompts x up to {max_new_tokens} new tokens, B={best.block_size}, {threads} thread(s), "
           f"best of {repeats}")
-    print(f"{'path':10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'fwd/tok':>8} {'draft%':>7} {'exact':>6}")
-    print(f"{'greedy':10} {'-':>6} {greedy.tokens_per_s:8.1f} {1.0:8.2f} {greedy.target_forwards_per_token:8.3f} {'-':>7} {'-':>6}")
+    print(f"{'path':10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'fwd/tok':>8} {'draft%':>7} {'rollbk%':>7} {'exact':>6}")
+    print(f"{'greedy':10} {'-':>6} {greedy.tokens_per_s:8.1f} {1.0:8.2f} {greedy.target_forwards_per_token:8.3f} {'-':>7} {'-':>7} "
+          f"{'-':>6}")
     exact = {name: not any(d.drafter == name for d in best.lossless.divergences) for name in best.drafters}
     for name, m in best.drafters.items():
-        share = m.draft_s / max(m.draft_s + m.verify_s, 1e-12)
+        cycle_s = max(m.draft_s + m.verify_s, 1e-12)  # draft% and rollbk% (part of the verify) are shares of the cycle time
         print(f"{name:10} {m.tau:6.3f} {m.tokens_per_s:8.1f} {m.speedup:8.2f} {m.target_forwards_per_token:8.3f} "
-              f"{100 * share:6.1f}% {str(exact[name]):>6}")
+              f"{100 * m.draft_s / cycle_s:6.1f}% {100 * m.rollback_s / cycle_s:6.1f}% {str(exact[name]):>6}")
     speedups = {name: [round(r.drafters[name].speedup, 2) for r in runs] for name in best.drafters}
     print("speedup per repeat:", json.dumps(speedups))
 

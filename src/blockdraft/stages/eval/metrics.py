@@ -37,6 +37,7 @@ class DrafterMetrics(BaseModel):
     tokens_per_s: float
     draft_s: float
     verify_s: float
+    rollback_s: float = 0.0  # part of verify_s: linear-attention state rolled back after partial acceptances (hybrid targets)
     speedup: float = 0.0
 
 
@@ -119,6 +120,7 @@ def acceptance_metrics(results: Sequence[SpecResult], block_size: int) -> Drafte
         tokens_per_s=new_tokens / wall if wall else 0.0,
         draft_s=sum(c.draft_s for r in results for c in r.cycles),
         verify_s=sum(c.verify_s for r in results for c in r.cycles),
+        rollback_s=sum(r.rollback_s for r in results),
     )
 
 
