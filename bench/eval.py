@@ -1,7 +1,7 @@
 """Speculative decoding vs target-only greedy on small CPU targets: tau, tokens/s and wall-clock speedup, for the
 DFlash drafter, the n-gram baseline and an untrained drafter, all on the same prompts in the same process.
 
-    .venv/bin/python -m bench.eval [--suite all|golden|tiny] [--repeats 3] [--threads 1] [--train-steps 300]
+    .venv/bin/python -m bench.eval [--suite all|golden|tiny|hybrid] [--repeats 3] [--threads 1] [--train-steps 300]
 
 Suites:
 - `golden`: the golden tiny target (8 layers, hidden 64) and its briefly trained drafter (tests/fixtures/dflash-golden, B=4), on
@@ -10,6 +10,9 @@ Suites:
 - `tiny`: the tiny target fixture (8 layers, hidden 128, src/blockdraft/assets/tiny-target). A drafter (2 layers, B=8) is trained here
   on the target's own completions (tokenize + train, --train-steps), then evaluated on held-out prompts from prompts.jsonl
   (chat template, stop at <|im_end|>).
+- `hybrid`: the same on the tiny hybrid target (src/blockdraft/assets/tiny-hybrid-target: Qwen3.5-style, Gated DeltaNet
+  linear attention with full attention every 4th layer), with a drafter of one sliding-window and one full-attention layer;
+  the `rollbk%` column is the share of the cycle spent rolling the linear-attention state back after partial acceptances.
 Each repeat runs every prompt through greedy and each drafter in turn (interleaved, so machine noise hits all paths alike);
 the figures are from the repeat with the fastest greedy run, and speedup = greedy wall / spec wall within that repeat. Every
 run is also checked token for token against greedy: a bench never reports a lossy speedup.
@@ -35,7 +38,7 @@ TINY = TINY_TARGET_DIR
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=["all", "golden", "tiny"], default="all")
+    parser.add_argument("--suite", choices=["all", "golden", "tiny", "hybrid"], default="all")
     parser.add_argument("--prompts", type=int, default=8, help="random prompts (golden suite)")
     parser.add_argument("--prompt-len", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="random prompts (golden suite)")
@@ -50,7 +53,12 @@ def main() -> None:
     if args.suite in ("all", "golden"):
         golden_suite(args)
     if args.suite in ("all", "tiny"):
-        tiny_suite(args)
+        tiny_suite(args, TINY, "tiny", {"num_draft_layers": 2})
+    if args.suite in ("all", "hybrid"):
+        from blockdraft.fixtures.hybrid import TINY_HYBRID_TARGET_DIR
+
+        sliding = {"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32}
+        tiny_suite(args, TINY_HYBRID_TARGET_DIR, "hybrid", sliding)
 
 
 def golden_suite(args) -> None:
@@ -70,7 +78,7 @@ def golden_suite(args) -> None:
         report_set(label, target, drafter, prompts, max_new_tokens, [], args.repeats, args.threads)
 
 
-def tiny_suite(args) -> None:
+def tiny_suite(args, target_dir: Path, label: str, drafter: dict) -> None:
     from blockdraft.config import load_config
     from blockdraft.model.drafter import DFlashDrafter
     from blockdraft.model.formats import find_resumable
@@ -80,28 +88,28 @@ def tiny_suite(args) -> None:
     from blockdraft.stages.eval.prompts import load_target_tokenizer, prompts_from_jsonl, stop_token_ids
     from blockdraft.store import open_store
 
-    fixture = json.loads((TINY / "fixture.json").read_text())
+    fixture = json.loads((target_dir / "fixture.json").read_text())
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
         work = Path(tmp)
-        base = {"target": {"path": str(TINY)}, "store": {"url": str(work / "store")}, "tokenize": {"held_out_fraction": 0.0}}
-        tokenize_stage.run(load_config(None, base), str(TINY / "completions.jsonl"), str(work / "tokenized"))
+        base = {"target": {"path": str(target_dir)}, "store": {"url": str(work / "store")}, "tokenize": {"held_out_fraction": 0.0}}
+        tokenize_stage.run(load_config(None, base), str(target_dir / "completions.jsonl"), str(work / "tokenized"))
         cfg = load_config(None, {
             **base,
-            "dflash": {"block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_draft_layers": 2, "num_anchors": 32},
+            "dflash": {"block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_anchors": 32, **drafter},
             "train": {"data": str(work / "tokenized"), "output": str(work / "run"), "log_dir": str(work / "logs"),
                       "max_steps": args.train_steps, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05,
                       "checkpoint_every": args.train_steps, "seed": args.seed},
         })
         started = time.perf_counter()
         train_stage.run(cfg)
-        print(f"\n[tiny] trained a 2-layer B=8 drafter for {args.train_steps} steps in {time.perf_counter() - started:.0f} s")
+        print(f"\n[{label}] trained a drafter {drafter} (B=8) for {args.train_steps} steps in {time.perf_counter() - started:.0f} s")
         found = find_resumable(open_store(work / "run"))
         drafter = DFlashDrafter.from_pretrained(found.store.local_path()).eval()
-    target = load_target(str(TINY), "cpu", torch.float32)
+    target = load_target(str(target_dir), "cpu", torch.float32)
     tokenizer = load_target_tokenizer(cfg)
-    prompts = prompts_from_jsonl(TINY / "prompts.jsonl", tokenizer, cfg, args.tiny_prompts)
+    prompts = prompts_from_jsonl(target_dir / "prompts.jsonl", tokenizer, cfg, args.tiny_prompts)
     stops = stop_token_ids(target, tokenizer)
-    report_set("tiny", target, drafter, prompts, args.tiny_max_new_tokens, stops, args.repeats, args.threads)
+    report_set(label, target, drafter, prompts, args.tiny_max_new_tokens, stops, args.repeats, args.threads)
 
 
 def report_set(label, target, drafter, prompts, max_new_tokens, stops, repeats, threads) -> None:

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.decode.speculative import GreedyResult, SpecResult
-from blockdraft.errors import ArtifactError, DecodeError, EvalError
+from blockdraft.errors import ArtifactError, DecodeError, EvalError, SpecError
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.stages import eval as eval_stage
 from blockdraft.stages import tokenize as tokenize_stage
@@ -274,3 +274,28 @@ def test_eval_without_output_writes_to_the_store_and_finds_its_report_there_agai
     assert first.url.startswith(str(tmp_path / "store" / "eval") + "/")
     again = eval_stage.run(cfg, str(golden_run), prompts=str(prompts))
     assert again.already_done and again.url == first.url
+
+
+def test_a_published_style_drafter_is_decoded_beside_the_checkpoint_as_baseline(tmp_path, golden_run):
+    """eval.baseline: a plain drafter folder (no manifest, as a published drafter comes) is checked against the target and
+    decoded on the same prompts; here it is the checkpoint's own drafter, so its figures equal the checkpoint's."""
+    golden = json.loads((GOLDEN / "golden.json").read_text())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": case["prompt"]}) + "\n" for case in golden["decode"][:2]))
+    cfg = golden_config(tmp_path, eval={"baseline": str(GOLDEN / "drafter"), "untrained_baseline": False})
+    report = eval_stage.run(cfg, str(golden_run), str(tmp_path / "out"), prompts=str(prompts), max_new_tokens=16).details
+    assert set(report.drafters) == {"dflash", "ngram", "baseline"} and report.lossless.ok
+    assert report.drafters["baseline"].tau == report.drafters["dflash"].tau > 1
+    assert report.prompts[0].model_extra["acceptance_lengths_baseline"] == report.prompts[0].model_extra["acceptance_lengths_dflash"]
+
+
+def test_a_baseline_drafter_for_another_target_is_refused_naming_it(tmp_path, golden_run):
+    other = tmp_path / "other"
+    spec = DFlashDrafter.from_pretrained(GOLDEN / "drafter").spec
+    spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads = 32, 2, 1  # built for a narrower target
+    DFlashDrafter(spec).save_pretrained(other)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    cfg = golden_config(tmp_path, eval={"baseline": str(other)})
+    with pytest.raises(SpecError, match=rf"eval.baseline {other}: drafter hidden_size 32 differs from the target's 64"):
+        eval_stage.run(cfg, str(golden_run), str(tmp_path / "out"), prompts=str(prompts), max_new_tokens=4)

@@ -173,7 +173,8 @@ def test_export_from_training_run_records_provenance(tmp_path, golden_drafter):
     assert result.report.manifest.lineage[0].url == open_store(run / "step-00000010").url
     provenance = json.loads((out / PROVENANCE_NAME).read_text())
     assert provenance["dflash"] == {"mask_token_id": 511, "target_layer_ids": [1, 3, 5], "block_size": 4,
-                                    "num_target_layers": 8, "gamma": 3.0}
+                                    "num_target_layers": 8, "layer_types": ["full_attention"] * 3, "sliding_window": None,
+                                    "rope_scaling": None, "gamma": 3.0}
     assert provenance["config"]["target"]["path"] == str(GOLDEN / "target")
     (data,) = provenance["data"]
     assert data["kind_of_input"] == "tokenized" and len(data["sha256"]) == 64
@@ -231,3 +232,69 @@ def test_a_second_export_of_the_same_checkpoint_is_already_done_and_another_targ
     assert not other.already_done and str(other_target) in other.details.serving["sglang_command"]
     assert (out / MANIFEST_NAME).read_bytes() != manifest
     assert verify_artifact(open_store(out)).state is State.VERIFIED
+
+
+# The published Qwen3.6-27B drafter's shape: 4 sliding layers + 1 full, window 2048, for a 64-layer target.
+PUBLISHED_STYLE = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "dtype": "bfloat16", "hidden_size": 5120,
+    "intermediate_size": 17408, "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "vocab_size": 248320,
+    "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": True, "sliding_window": 2048,
+    "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "max_window_layers": 5,
+    "rope_parameters": {"rope_theta": 10000000, "rope_type": "default"}, "num_target_layers": 64, "block_size": 16,
+    "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61], "block_size": 16},
+}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 65536}
+
+
+@pytest.mark.parametrize("rope", ["default", "yarn-parameters", "yarn-scaling"])
+def test_published_style_config_parses(rope):
+    config = dict(PUBLISHED_STYLE)
+    if rope == "yarn-parameters":
+        config["rope_parameters"] = {"rope_theta": 10000000, **YARN}
+    elif rope == "yarn-scaling":
+        config = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 10000000, "rope_scaling": YARN}
+    spec = DrafterSpec.from_export_config(config)
+    assert spec.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and spec.sliding_window == 2048
+    assert (spec.hidden_size, spec.num_target_layers, spec.block_size, spec.mask_token_id) == (5120, 64, 16, 248070)
+    assert spec.target_layer_ids == [1, 16, 31, 46, 61] and spec.vocab_size == 248320 and spec.rope_theta == 1e7
+    assert spec.rope_type == ("default" if rope == "default" else "yarn")
+    exported = spec.to_export_config()
+    assert exported["use_sliding_window"] is True and exported["sliding_window"] == 2048
+    assert DrafterSpec.from_export_config(exported) == spec
+
+
+def _tiny_published(rope_scaling: dict | None) -> DFlashDrafter:
+    """The published drafter's structure at tiny width: 4 sliding + 1 full layer, window 20, block 16."""
+    config = dict(PUBLISHED_STYLE, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, sliding_window=20, max_position_embeddings=4096)
+    if rope_scaling:
+        config["rope_parameters"] = {"rope_theta": 10000000, **rope_scaling, "original_max_position_embeddings": 1024}
+    torch.manual_seed(0)
+    return DFlashDrafter(DrafterSpec.from_export_config(config)).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("rope_scaling", [None, YARN], ids=["default", "yarn"])
+def test_tiny_published_style_round_trips_in_bf16(tmp_path, rope_scaling):
+    from transformers import Qwen3Config
+
+    drafter = _tiny_published(rope_scaling)
+    paths = drafter.save_pretrained(tmp_path)
+    config = json.loads(paths[0].read_text())
+    assert config["dtype"] == "bfloat16" and config["layer_types"][-1] == "full_attention"
+    assert config["use_sliding_window"] is True and config["sliding_window"] == 20
+    assert all(t.dtype == torch.bfloat16 for t in load_file(paths[1]).values())
+    # the reference drafter's config class is a Qwen3Config: the export must read as one, with the same fields
+    qwen3 = Qwen3Config(**config)
+    assert qwen3.layer_types == config["layer_types"] and qwen3.sliding_window == 20
+    assert qwen3.rope_parameters["rope_type"] == ("yarn" if rope_scaling else "default")
+    assert qwen3.rope_parameters["rope_theta"] == 1e7
+
+    again = DFlashDrafter.from_pretrained(tmp_path).eval()
+    assert again.spec == drafter.spec and next(again.parameters()).dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(1, 40, 5 * 32, generator=g).to(torch.bfloat16)  # context 40 > window 20
+    block = torch.randn(1, 16, 32, generator=g).to(torch.bfloat16)
+    first = draft_step(drafter, DraftCache(), features, block, start=40)
+    second = draft_step(again, DraftCache(), features, block, start=40)
+    assert torch.isfinite(first.float()).all() and torch.equal(first, second)

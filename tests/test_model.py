@@ -260,10 +260,20 @@ def test_from_export_config_refuses_what_is_not_a_dflash_export():
         DrafterSpec.from_export_config({**config, "dflash_config": {"target_layer_ids": [1]}})
     with pytest.raises(SpecError, match="lacks num_target_layers"):
         DrafterSpec.from_export_config({k: v for k, v in config.items() if k != "num_target_layers"})
-    with pytest.raises(SpecError, match="sliding-window"):
+    with pytest.raises(SpecError, match="sliding_window is None"):  # sliding layers without a window
         DrafterSpec.from_export_config({**config, "layer_types": ["sliding_attention"] * 3})
-    with pytest.raises(SpecError, match="rope_type 'yarn'"):
+    with pytest.raises(SpecError, match="unknown kind 'chunked_attention'"):
+        DrafterSpec.from_export_config({**config, "layer_types": ["chunked_attention"] * 3})
+    with pytest.raises(SpecError, match="is_causal False"):  # a non-causal sliding drafter (vLLM's override)
+        DrafterSpec.from_export_config({**config, "layer_types": ["sliding_attention"] * 3, "sliding_window": 8, "is_causal": False})
+    with pytest.raises(SpecError, match="use_swa"):
+        DrafterSpec.from_export_config({**config, "dflash_config": {**config["dflash_config"], "use_swa": True}})
+    with pytest.raises(SpecError, match="use_sliding_window without layer_types"):
+        DrafterSpec.from_export_config({k: v for k, v in config.items() if k != "layer_types"} | {"use_sliding_window": True})
+    with pytest.raises(SpecError, match="rope_type 'yarn' without original_max_position_embeddings"):
         DrafterSpec.from_export_config({**config, "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(SpecError, match="rope_type 'dynamic'"):
+        DrafterSpec.from_export_config({**config, "rope_parameters": {"rope_theta": 1e6, "rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(SpecError, match="rope_type 'linear'"):
         DrafterSpec.from_export_config({**config, "rope_scaling": {"type": "linear", "factor": 2.0}})
     # transformers 4 configs carry only rope_theta; transformers 5 only rope_parameters: both read the same
@@ -271,3 +281,49 @@ def test_from_export_config_refuses_what_is_not_a_dflash_export():
     new_style = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")} | {
         "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
     assert DrafterSpec.from_export_config(old_style).rope_theta == DrafterSpec.from_export_config(new_style).rope_theta == 5e5
+
+
+def test_yarn_rope_equals_transformers_qwen3_rotary_embedding():
+    """YaRN cos/sin (inverse frequencies and attention factor) are transformers' own, at short and long positions."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from blockdraft.model.rope import rope_cos_sin, rope_tables
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0}
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=8192,
+                         rope_parameters={"rope_theta": 1e6, **scaling})
+    positions = torch.tensor([[0, 1, 7, 2047, 2048, 8000]])
+    cos, sin = Qwen3RotaryEmbedding(config)(torch.zeros(1, 6, 16), positions)
+    inv_freq, factor = rope_tables(16, 1e6, scaling, 8192)
+    ours = rope_cos_sin(positions, inv_freq, factor, torch.float32)
+    assert factor > 1.0  # YaRN's attention scaling is applied
+    torch.testing.assert_close(ours[0], cos, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours[1], sin, atol=1e-6, rtol=0)
+    default_inv, default_factor = rope_tables(16, 1e6, None, 8192)
+    assert default_factor == 1.0 and not torch.allclose(default_inv, inv_freq)  # control: YaRN changes the frequencies
+
+
+def test_yarn_drafter_differs_from_default_rope_with_the_same_weights(drafter, golden):
+    import dataclasses
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    yarn = DFlashDrafter(dataclasses.replace(drafter.spec, rope_scaling=scaling)).eval()
+    yarn.load_state_dict(drafter.state_dict())
+    block = torch.randn(1, 4, drafter.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    ours = draft_step(yarn, DraftCache(), golden["target_features"], block, start=11)
+    plain = draft_step(drafter, DraftCache(), golden["target_features"], block, start=11)
+    assert yarn.spec.rope_type == "yarn" and (ours - plain).abs().max() > 1e-4
+
+
+def test_target_mrope_never_reaches_the_drafter():
+    """A Qwen3.5-style target with M-RoPE: the drafter takes its rope_theta and default RoPE, not the M-RoPE section."""
+    target = Qwen3_5TextConfig(
+        hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+        intermediate_size=96, rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                                               "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+    )
+    spec = DrafterSpec.from_target_config(target, DFlashConfig(block_size=16, mask_token_id=500))
+    exported = spec.to_export_config()
+    assert spec.rope_theta == 5e6 and spec.rope_scaling is None
+    assert exported["rope_parameters"] == {"rope_theta": 5e6, "rope_type": "default"} and exported["rope_scaling"] is None

@@ -244,7 +244,7 @@ def test_trains_on_a_hybrid_attention_target(tmp_path, data_url):
     result = run(load_config(cfg_path)).details
     assert all(math.isfinite(e["loss"]) for e in result.metrics) and len(result.metrics) == 3
     pinned = json.loads((tmp_path / "ckpt" / checkpoint_key(3) / "blockdraft-config.json").read_text())
-    assert pinned["dflash"]["target_layer_ids"] == [3, 7]  # the full-attention layers' outputs
+    assert pinned["dflash"]["target_layer_ids"] == [1, 9]  # the even spread, as for any target
 
 
 def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch):
@@ -277,3 +277,47 @@ def test_train_rows_clip_to_max_length_and_need_no_held_out_rows(tmp_path):
     ids, mask = loaded.row(0)
     assert len(loaded) == 1 and ids.tolist() == list(range(6)) and mask.tolist() == [0, 0, 1, 1, 1, 1]
     assert loaded.lineage.sha256 == verify_artifact(open_store(url)).manifest_sha256
+
+
+def test_init_from_starts_at_the_saved_weights_and_refuses_another_mask_id(tmp_path, data_url):
+    """train.init_from a plain export-format folder (a sliding-window drafter): with lr 0 the trained checkpoint holds
+    exactly the saved weights (a random start does not); a config whose mask id differs is refused, naming it."""
+    from transformers import AutoConfig
+
+    from blockdraft.config import DFlashConfig
+    from blockdraft.model import DFlashDrafter, DrafterSpec
+
+    dflash = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=2, gamma=4.0, intermediate_size=96,
+                          layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    torch.manual_seed(123)
+    saved = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
+    saved.save_pretrained(tmp_path / "published")
+    sliding = 'intermediate_size = 96\nlayer_types = ["sliding_attention", "full_attention"]\nsliding_window = 8'
+
+    def configured(folder: str, init: bool, mask: int = 511) -> Path:
+        path = config_file(tmp_path / folder, data_url, max_steps=1, checkpoint_every=1, lr=0.0)
+        text = path.read_text().replace("intermediate_size = 96", sliding).replace("mask_token_id = 511", f"mask_token_id = {mask}")
+        if init:
+            text += f'init_from = "{(tmp_path / "published").as_posix()}"\n'
+        path.write_text(text)
+        return path
+
+    (tmp_path / "warm").mkdir()
+    (tmp_path / "cold").mkdir()
+    (tmp_path / "wrong").mkdir()
+    run(load_config(configured("warm", init=True)))
+    start = load_file(tmp_path / "warm" / "ckpt" / checkpoint_key(1) / "model.safetensors")
+    assert start.keys() == saved.state_dict().keys()
+    assert all(torch.equal(start[name], tensor) for name, tensor in saved.state_dict().items())
+    run(load_config(configured("cold", init=False)))
+    cold = load_file(tmp_path / "cold" / "ckpt" / checkpoint_key(1) / "model.safetensors")
+    assert not torch.equal(cold["fc.weight"], start["fc.weight"])  # control: without init_from the start is random
+    with pytest.raises(ConfigError, match="has mask_token_id 511 but dflash.mask_token_id gives 510"):
+        run(load_config(configured("wrong", init=True, mask=510)))
+    # a verified artifact works too: the warm run's training output (its newest verified checkpoint)
+    (tmp_path / "chained").mkdir()
+    path = configured("chained", init=False)
+    path.write_text(path.read_text() + f'init_from = "{(tmp_path / "warm" / "ckpt").as_posix()}"\n')
+    run(load_config(path))
+    chained = load_file(tmp_path / "chained" / "ckpt" / checkpoint_key(1) / "model.safetensors")
+    assert all(torch.equal(chained[name], tensor) for name, tensor in start.items())

@@ -54,6 +54,9 @@ class DFlashConfig(_Section):
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
+    # One kind per drafter layer (None: all full attention); sliding layers need sliding_window >= block_size.
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    sliding_window: int | None = Field(default=None, ge=1)
 
 
 class StoreConfig(_Section):
@@ -94,6 +97,9 @@ class TrainConfig(_Section):
     log_every: int = Field(default=10, ge=1)
     log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (also copied into each checkpoint)
     keep_checkpoints: int | None = Field(default=None, ge=1)  # newest verified checkpoints kept; None keeps all
+    # A drafter in the export format (a folder or store URL: an export, checkpoint or training output) to start from
+    # instead of random weights; its DFlash parameters must match this config and the target.
+    init_from: str | None = None
 
 
 class EvalConfig(_Section):
@@ -104,6 +110,9 @@ class EvalConfig(_Section):
     divergence_margin_bf16: float = 0.5
     # Also decode with a freshly initialised drafter of the same shape: the floor a trained drafter must clearly beat.
     untrained_baseline: bool = True
+    # A drafter folder in the export format (config.json + model.safetensors, e.g. a published one) decoded beside the
+    # drafter under test as "baseline", on the same prompts; checked against the target first.
+    baseline: str | None = None
 
 
 class GenerateConfig(_Section):

@@ -17,6 +17,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from blockdraft.errors import ArtifactError, SpecError
+from blockdraft.model.attention import FULL_ATTENTION, layer_masks
+from blockdraft.model.rope import apply_rope, rope_cos_sin, rope_tables
 from blockdraft.model.spec import DrafterSpec
 
 CONFIG_NAME = "config.json"
@@ -35,23 +37,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [b, n, d] for absolute positions [b, n], computed in fp32 (no cached buffer a dtype cast could degrade)."""
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    freqs = positions.float()[..., None] * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [b, heads, n, d] by cos/sin [b, n, d] (rotate-half convention of Qwen3/Llama)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class MLP(nn.Module):
@@ -73,7 +58,7 @@ class Attention(nn.Module):
     def __init__(self, spec: DrafterSpec) -> None:
         super().__init__()
         h, g, d, hidden = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, spec.hidden_size
-        self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = h, g, d, spec.rope_theta
+        self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
         self.q_proj = nn.Linear(hidden, h * d, bias=False)
         self.k_proj = nn.Linear(hidden, g * d, bias=False)
         self.v_proj = nn.Linear(hidden, g * d, bias=False)
@@ -141,13 +126,17 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(hidden, spec.rms_norm_eps)
+        # fp32 on the CPU and not a buffer: no dtype cast of the module degrades it, and state_dict stays the export set
+        self.rope_inv_freq, self.rope_attention_factor = rope_tables(
+            spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings
+        )
 
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """Target features [b, S, K*H] -> context C [b, S, H] (fc, then hidden_norm)."""
         return self.hidden_norm(self.fc(target_features))
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, dtype)
+        return rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, dtype)
 
     def context_key_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's K/V [b, g, S, d] of context C [b, S, H] at positions [b, S]; C enters k/v_proj as it is."""
@@ -160,13 +149,30 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
         attention_mask: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Block embeddings [b, Q, H] at positions [b, Q] with per-layer context K/V -> hidden [b, Q, H] after `norm`."""
+        """Block embeddings [b, Q, H] at positions [b, Q] with per-layer context K/V -> hidden [b, Q, H] after `norm`.
+
+        attention_mask [b, 1, Q, S+Q] bool is the full-attention layers' mask (None: see everything); a sliding layer
+        sees that AND its causal window over positions (context_positions [b, S], None: 0..S-1, the draft cache's)."""
         cos, sin = self._rope(block_positions, block_hidden.dtype)
+        masks = self._layer_masks(attention_mask, block_positions, context_kv[0][0].shape[2], context_positions)
         hidden = block_hidden
-        for layer, (ctx_k, ctx_v) in zip(self.layers, context_kv, strict=True):
-            hidden = layer(hidden, ctx_k, ctx_v, cos, sin, attention_mask)
+        for layer, kind, (ctx_k, ctx_v) in zip(self.layers, self.spec.layer_types, context_kv, strict=True):
+            hidden = layer(hidden, ctx_k, ctx_v, cos, sin, masks[kind])
         return self.norm(hidden)
+
+    def _layer_masks(
+        self, base: torch.Tensor | None, block_positions: torch.Tensor, context_len: int, context_positions: torch.Tensor | None
+    ) -> dict[str, torch.Tensor | None]:
+        """One mask per distinct layer kind; only sliding layers need the key positions."""
+        if not self.spec.has_sliding:
+            return {FULL_ATTENTION: base}
+        if context_positions is None:
+            b = block_positions.shape[0]
+            context_positions = torch.arange(context_len, device=block_positions.device).expand(b, context_len)
+        keys = torch.cat((context_positions, block_positions), dim=1)
+        return layer_masks(self.spec.layer_types, base, block_positions, keys, self.spec.sliding_window)
 
     def forward(
         self,
@@ -178,8 +184,9 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """block_hidden [b, Q, H], context C [b, S, H] (from `project_context`), positions [b, Q] / [b, S] long,
         attention_mask [b, 1, Q, S+Q] bool (True = may attend; keys are context then block) or None (see everything)
-        -> hidden [b, Q, H] after the final norm."""
-        return self.run_block(block_hidden, block_positions, self.context_key_values(context, context_positions), attention_mask)
+        -> hidden [b, Q, H] after the final norm. Sliding layers narrow the mask to their causal window (`run_block`)."""
+        context_kv = self.context_key_values(context, context_positions)
+        return self.run_block(block_hidden, block_positions, context_kv, attention_mask, context_positions)
 
     @classmethod
     def from_pretrained(
@@ -259,8 +266,9 @@ def draft_step(
     start: int,
 ) -> torch.Tensor:
     """One draft: new context features [b, n, K*H] for positions cache.length..start-1, block embeddings [b, B, H] at
-    positions start..start+B-1 -> hidden [b, B, H] after `norm`. The block sees all cached context and the whole
-    block; afterwards the cache holds context 0..start-1 only."""
+    positions start..start+B-1 -> hidden [b, B, H] after `norm`. A full-attention layer's block sees all cached context
+    and the whole block; a sliding layer's query at q sees positions q-W+1..q (cached context and block, causal).
+    The cache keeps every context position; afterwards it holds context 0..start-1 only."""
     b, n, _ = new_target_features.shape
     if cache.length + n != start:
         raise ValueError(f"draft_step: cache holds {cache.length} positions + {n} new != start {start}")

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from blockdraft.errors import SpecError
+from blockdraft.model.attention import FULL_ATTENTION, LAYER_KINDS, SLIDING_ATTENTION
+from blockdraft.model.rope import DEFAULT_ROPE, clean_scaling, rope_type_of
 
 # Loss decay per block size (docs/DFLASH.md, training batch construction step 5); other sizes need gamma configured.
 _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -53,6 +55,40 @@ def _rope_theta(cfg: Any) -> float:
     return float(getattr(cfg, "rope_theta", None) or 10000.0)
 
 
+def _export_layer_types(config: dict[str, Any]) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) of an export config.json; the window only counts when a layer slides (Qwen3 configs
+    carry a sliding_window even when no layer uses it)."""
+    layer_types = list(config.get("layer_types") or [])
+    if not layer_types and config.get("use_sliding_window"):
+        raise SpecError("drafter config.json sets use_sliding_window without layer_types; add layer_types (one kind per layer)")
+    window = config.get("sliding_window") if SLIDING_ATTENTION in layer_types else None
+    dflash = config.get("dflash_config") or {}
+    causal = config.get("is_causal", dflash.get("causal"))
+    if causal is not None and any((kind == SLIDING_ATTENTION) != bool(causal) for kind in layer_types or [FULL_ATTENTION]):
+        raise SpecError(
+            f"drafter config.json sets is_causal {causal}; blockdraft computes sliding layers causal and full layers "
+            "non-causal (as SGLang does), so it cannot load this drafter faithfully"
+        )
+    if dflash.get("use_swa") or dflash.get("swa_window_size") is not None:
+        raise SpecError("drafter config.json sets dflash_config.use_swa/swa_window_size; give layer_types and sliding_window instead")
+    return layer_types, None if window is None else int(window)
+
+
+def _export_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling fields or None) from either spelling: `rope_parameters` (transformers 5) or `rope_theta` +
+    `rope_scaling`. Both are checked; a scaled type in either wins over 'default'."""
+    params = dict(config.get("rope_parameters") or {})
+    if "rope_theta" not in params and isinstance(params.get(FULL_ATTENTION), dict):  # per-layer-kind rope_parameters
+        params = dict(params[FULL_ATTENTION])
+    legacy = dict(config.get("rope_scaling") or {})
+    parsed = [clean_scaling(params, "drafter config.json rope_parameters"), clean_scaling(legacy, "drafter config.json rope_scaling")]
+    scaled = [p for p in parsed if p is not None]
+    if len(scaled) == 2 and scaled[0] != scaled[1]:
+        raise SpecError("drafter config.json has different rope_parameters and rope_scaling; make the two spellings agree")
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    return float(theta), scaled[0] if scaled else None
+
+
 @dataclass
 class TargetShape:
     """What the drafter must agree with in a target: hidden size, layer count, embedding rows."""
@@ -74,7 +110,11 @@ class TargetShape:
 
 @dataclass
 class DrafterSpec:
-    """Shapes and DFlash parameters of one drafter. vocab_size = the target's embedding rows (config.vocab_size)."""
+    """Shapes and DFlash parameters of one drafter. vocab_size = the target's embedding rows (config.vocab_size).
+
+    layer_types: one kind per drafter layer ("full_attention" or "sliding_attention"; empty means all full), with
+    sliding_window W for the sliding ones. rope_scaling: None for default RoPE, else the scaling fields (e.g. YaRN's
+    rope_type, factor, original_max_position_embeddings), never a target's M-RoPE."""
 
     hidden_size: int
     intermediate_size: int
@@ -91,8 +131,13 @@ class DrafterSpec:
     target_layer_ids: list[int] = field(default_factory=list)
     num_target_layers: int = 0
     gamma: float | None = None
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.layer_types = list(self.layer_types) or [FULL_ATTENTION] * self.num_layers
+        self.rope_scaling = clean_scaling(self.rope_scaling, "the drafter's rope_scaling")
         self.validate()
 
     def validate(self) -> None:
@@ -119,6 +164,36 @@ class DrafterSpec:
             raise SpecError(f"dflash.head_dim {self.head_dim} must be even (RoPE rotates pairs)")
         if self.block_size < 2:
             raise SpecError(f"dflash.block_size {self.block_size} must be at least 2")
+        self._validate_layer_types()
+
+    def _validate_layer_types(self) -> None:
+        if len(self.layer_types) != self.num_layers:
+            raise SpecError(
+                f"dflash.layer_types has {len(self.layer_types)} entries for {self.num_layers} drafter layers; give one per layer"
+            )
+        unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_KINDS})
+        if unknown:
+            raise SpecError(f"dflash.layer_types has unknown kind '{unknown[0]}'; use {' or '.join(LAYER_KINDS)}")
+        if not self.has_sliding:
+            if self.sliding_window is not None:
+                raise SpecError(
+                    f"dflash.sliding_window is {self.sliding_window} but no layer is {SLIDING_ATTENTION}; set dflash.layer_types "
+                    "or drop sliding_window"
+                )
+            return
+        if self.sliding_window is None or self.sliding_window < self.block_size:
+            raise SpecError(
+                f"dflash.sliding_window is {self.sliding_window}; {SLIDING_ATTENTION} layers need a window of at least "
+                f"block_size {self.block_size}"
+            )
+
+    @property
+    def has_sliding(self) -> bool:
+        return SLIDING_ATTENTION in self.layer_types
+
+    @property
+    def rope_type(self) -> str:
+        return rope_type_of(self.rope_scaling)
 
     @property
     def num_target_features(self) -> int:
@@ -184,6 +259,8 @@ class DrafterSpec:
             target_layer_ids=layer_ids,
             num_target_layers=target.num_layers,
             gamma=gamma,
+            layer_types=list(getattr(dflash_cfg, "layer_types", None) or []),
+            sliding_window=getattr(dflash_cfg, "sliding_window", None),
         )
 
     def to_export_config(self) -> dict[str, Any]:
@@ -204,12 +281,12 @@ class DrafterSpec:
             "tie_word_embeddings": False,
             "attention_bias": False,
             "attention_dropout": 0.0,
-            "layer_types": ["full_attention"] * self.num_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            "layer_types": list(self.layer_types),
+            "use_sliding_window": self.has_sliding,
+            "sliding_window": self.sliding_window,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": DEFAULT_ROPE, **(self.rope_scaling or {})},
             "num_target_layers": self.num_target_layers,
             "block_size": self.block_size,
             "dflash_config": {
@@ -221,31 +298,22 @@ class DrafterSpec:
 
     @classmethod
     def from_export_config(cls, config: dict[str, Any], gamma: float | None = None) -> DrafterSpec:
-        """Read a z-lab `config.json` dict (either rope spelling); refuses features the drafter does not implement."""
+        """Read a z-lab `config.json` dict (either rope spelling, sliding layers, YaRN); refuses what the drafter does not
+        implement (attention bias, unknown layer kinds or rope types) by name."""
         dflash = config.get("dflash_config") or {}
         missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
         if missing:
             raise SpecError(f"drafter config.json lacks dflash_config.{missing[0]}; it is not a DFlash export")
         if config.get("attention_bias"):
             raise SpecError("drafter config.json has attention_bias true; blockdraft drafters have no attention bias")
-        if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or []):
-            raise SpecError("drafter config.json uses sliding-window layers; only full-attention drafters are supported")
         if "num_target_layers" not in config:
             raise SpecError("drafter config.json lacks num_target_layers (the target's layer count); add it from the target's config")
         block_size = dflash.get("block_size", config.get("block_size"))
         if block_size is None:
             raise SpecError("drafter config.json has no block_size (top level or dflash_config); it is not a DFlash export")
         heads = config["num_attention_heads"]
-        rope = config.get("rope_parameters") or {}
-        scaling = config.get("rope_scaling") or {}
-        rope_types = {rope.get("rope_type") or "default", scaling.get("rope_type") or scaling.get("type") or "default"}
-        rope_type = next((t for t in sorted(rope_types) if t != "default"), "default")
-        if rope_type != "default":
-            raise SpecError(
-                f"drafter config.json uses rope_type '{rope_type}'; blockdraft drafters implement default RoPE only, so loading it "
-                "would silently change its positions"
-            )
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        layer_types, window = _export_layer_types(config)
+        theta, scaling = _export_rope(config)
         return cls(
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -254,7 +322,7 @@ class DrafterSpec:
             num_key_value_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            rope_theta=theta,
             max_position_embeddings=config.get("max_position_embeddings", 32768),
             vocab_size=config["vocab_size"],
             block_size=int(block_size),
@@ -262,6 +330,9 @@ class DrafterSpec:
             target_layer_ids=[int(i) for i in dflash["target_layer_ids"]],
             num_target_layers=int(config["num_target_layers"]),
             gamma=gamma,
+            layer_types=layer_types,
+            sliding_window=window,
+            rope_scaling=scaling,
         )
 
     def to_dict(self) -> dict[str, Any]:

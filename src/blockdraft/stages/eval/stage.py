@@ -23,8 +23,8 @@ from blockdraft.config import BlockdraftConfig
 from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer
 from blockdraft.decode.speculative import DFlashProposer, GreedyResult, SpecResult, greedy_generate, run_speculative
-from blockdraft.errors import EvalError, SpecError
-from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.errors import ArtifactError, EvalError, SpecError
+from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter
 from blockdraft.model.target import TargetHead, load_target, load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
@@ -111,11 +111,17 @@ def _decode_and_measure(
     assert cfg.target.path is not None  # `run` refuses a config without one
     hf_model = load_target(cfg.target.path, device=cfg.placement.target_devices[0], dtype=cfg.target.dtype, reporter=reporter)
     folder = ckpt.fetch_weights()
-    try:
-        drafter = DFlashDrafter.from_pretrained(folder, device=cfg.placement.drafter_devices[0], dtype=getattr(torch, cfg.target.dtype))
-        drafter.spec.check_target(hf_model.config)
-    except SpecError as exc:
-        raise SpecError(f"checkpoint {ckpt.url}: {exc}") from None  # the same error, naming which drafter it is about
+    drafters = {}
+    for name, where, path in (("dflash", f"checkpoint {ckpt.url}", folder), ("baseline", f"eval.baseline {cfg.eval.baseline}", cfg.eval.baseline)):
+        if path is None:
+            continue
+        try:
+            drafter = DFlashDrafter.from_pretrained(path, device=cfg.placement.drafter_devices[0], dtype=getattr(torch, cfg.target.dtype))
+            drafter.spec.check_target(hf_model.config)
+        except (SpecError, ArtifactError) as exc:
+            raise type(exc)(f"{where}: {exc}") from None  # the same error, naming which drafter it is about
+        drafters[name] = drafter.eval()
+    drafter = drafters.pop("dflash")
     vocab = drafter.spec.vocab_size
     bad = next((t for p in prompts for t in p if not 0 <= t < vocab), None)
     if bad is not None:
@@ -125,6 +131,7 @@ def _decode_and_measure(
         divergence_tolerance(cfg, next(hf_model.parameters()).dtype),
         untrained_seed=UNTRAINED_SEED if cfg.eval.untrained_baseline else None,
         reporter=reporter,
+        baselines=drafters,
     )
 
 
@@ -137,10 +144,12 @@ def evaluate(
     tolerance: float,
     untrained_seed: int | None = UNTRAINED_SEED,
     reporter: Reporter | None = None,
+    baselines: dict[str, DFlashDrafter] | None = None,
 ) -> EvalReport:
-    """Run target-only greedy, the DFlash drafter, the n-gram baseline and (with `untrained_seed`) a freshly initialised
-    drafter of the same shape on every prompt; compare each speculative output with greedy. The report's `checkpoint`,
-    `target`, `prompts_source` and `template_sha256` are left None. Progress: ("eval", prompts done, prompts)."""
+    """Run target-only greedy, the DFlash drafter, the n-gram baseline, (with `untrained_seed`) a freshly initialised
+    drafter of the same shape, and each of `baselines` (other drafters by name, e.g. a published one) on every prompt;
+    compare each speculative output with greedy. The report's `checkpoint`, `target`, `prompts_source` and
+    `template_sha256` are left None. Progress: ("eval", prompts done, prompts)."""
     reporter = reporter or Reporter()
     check_rollback_supported(hf_model.config)
     param = next(drafter.parameters())
@@ -154,6 +163,10 @@ def evaluate(
         torch.manual_seed(untrained_seed)
         untrained = DFlashDrafter(spec).to(device=param.device, dtype=param.dtype).eval()
         makers["untrained"] = lambda: DFlashProposer(untrained, head)
+    block_sizes = dict.fromkeys(makers, spec.block_size)
+    for name, other in (baselines or {}).items():
+        makers[name] = lambda other=other: DFlashProposer(other, head)
+        block_sizes[name] = other.spec.block_size
 
     _warm_up(hf_model, makers["dflash"](), list(prompts[0]))
     greedy: list[GreedyResult] = []
@@ -186,7 +199,9 @@ def evaluate(
         stop_token_ids=list(stops),
         target_dtype=str(next(hf_model.parameters()).dtype).removeprefix("torch."),
         greedy=greedy_summary,
-        drafters={name: with_speedup(acceptance_metrics(results, spec.block_size), greedy_summary) for name, results in spec_results.items()},
+        drafters={
+            name: with_speedup(acceptance_metrics(results, block_sizes[name]), greedy_summary) for name, results in spec_results.items()
+        },
         lossless=Lossless(ok=all(d.tolerated for d in divergences), tolerance=tolerance, divergences=divergences),
         prompts=rows,
     )
@@ -218,8 +233,24 @@ def _output_key(cfg: BlockdraftConfig, checkpoint: str, prompts: EvalPrompts, ma
         "thinking": resolved["tokenize"]["thinking"],
         "checkpoint": checkpoint,
         "prompts": prompts.source,
+        "baseline_sha256": _baseline_digest(cfg.eval.baseline),
     }
     return stage_key(settings, [ckpt.ref, prompts.ref])
+
+
+def _baseline_digest(folder: str | None) -> str | None:
+    """sha256 over the baseline drafter's config.json and weights, so a changed baseline is a new eval (None: no baseline)."""
+    if folder is None:
+        return None
+    digest = hashlib.sha256()
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        path = Path(folder) / name
+        if not path.is_file():
+            raise ArtifactError(f"eval.baseline {folder} has no {name}; give a drafter folder in the export format")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 __all__ = ["KIND", "STAGE", "UNTRAINED_SEED", "evaluate", "run"]

@@ -120,6 +120,9 @@ def export_drafter(
             "target_layer_ids": list(spec.target_layer_ids),
             "block_size": spec.block_size,
             "num_target_layers": spec.num_target_layers,
+            "layer_types": list(spec.layer_types),
+            "sliding_window": spec.sliding_window,
+            "rope_scaling": spec.rope_scaling,
             "gamma": gamma,
         },
         "config": resolved_config or {},
@@ -160,7 +163,8 @@ def _pinned_config(checkpoint: StageInput, dest: Path) -> dict[str, Any]:
 
 def _check_pinned(spec: DrafterSpec, dflash: dict[str, Any]) -> None:
     """The checkpoint's resolved config and its config.json must agree on what the engines read."""
-    pinned = {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size}
+    pinned = {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size,
+              "layer_types": spec.layer_types, "sliding_window": spec.sliding_window}
     for name, value in pinned.items():
         if dflash.get(name) is not None and dflash[name] != value:
             raise ExportError(

@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from blockdraft.model.attention import sliding_window_mask
+
 
 def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
     """Positions p <= S-2 with loss_mask[p] and loss_mask[p+1] set: [E] long, ascending.
@@ -54,12 +56,16 @@ def slot_decay(block_size: int, gamma: float) -> torch.Tensor:
     return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros(()))
 
 
-def block_attention_mask(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+def block_attention_mask(
+    anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int, sliding_window: int | None = None
+) -> torch.Tensor:
     """[b, 1, Q, S+Q] bool, True = may attend; keys are the S context entries, then the Q = N*B block slots.
 
-    A query of block n sees context keys at positions strictly below its anchor (`<=` would leak the anchor's own
-    hidden state, which inference does not have) and every slot of its own block, bidirectionally. A padded block
-    (keep False) sees its own block only, so no query row is fully masked (that gives NaN in SDPA).
+    Full attention (`sliding_window` None): a query of block n sees context keys at positions strictly below its anchor
+    (`<=` would leak the anchor's own hidden state, which inference does not have) and every slot of its own block,
+    bidirectionally. A padded block (keep False) sees its own block only, so no query row is fully masked (that gives NaN
+    in SDPA). A sliding layer with window W sees that AND its causal window: the query at q = a_n + k sees context
+    positions c with q - W < c < a_n and its own block's slots at positions <= q (what the drafter computes per layer).
     """
     b, n = anchors.shape
     q = n * block_size
@@ -69,7 +75,12 @@ def block_attention_mask(anchors: torch.Tensor, keep: torch.Tensor, context_len:
     ctx_pos = torch.arange(context_len, device=anchors.device)
     ctx = (ctx_pos[None, None, :] < anchor_of_query[:, :, None]) & keep_of_query[:, :, None]  # [b, Q, S]
     own = (block_of_query[:, None] == block_of_query[None, :]).expand(b, q, q)  # [b, Q, Q]
-    return torch.cat([ctx, own], dim=-1)[:, None]
+    mask = torch.cat([ctx, own], dim=-1)[:, None]
+    if sliding_window is None:
+        return mask
+    query_pos = anchor_of_query + torch.arange(block_size, device=anchors.device).repeat(n)  # [b, Q]
+    key_pos = torch.cat([ctx_pos.expand(b, context_len), query_pos], dim=1)  # [b, S+Q]
+    return mask & sliding_window_mask(query_pos, key_pos, sliding_window)
 
 
 @dataclass

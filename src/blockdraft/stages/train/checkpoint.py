@@ -65,17 +65,25 @@ def resolved_training_config(
     return data
 
 
+_LATER_DFLASH = ("layer_types", "sliding_window")
+
+
 def run_identity(resolved: dict[str, Any], world_size: int, data_sha256: str | None) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint for its next steps to be the ones the first run would take."""
     t = resolved["train"]
-    return {
+    # Settings added later enter only when set, so a run started before they existed still resumes.
+    dflash = {k: v for k, v in resolved["dflash"].items() if not (k in _LATER_DFLASH and v is None)}
+    identity = {
         "target": resolved["target"]["path"],
-        "dflash": resolved["dflash"],
+        "dflash": dflash,
         "data_sha256": data_sha256,
         "seed": t["seed"],
         "global_batch": t["batch_size"] * world_size,
         "max_length": t["max_length"],
     }
+    if t.get("init_from"):  # a run started from another drafter is another run (absent otherwise: older keys hold)
+        identity["init_from"] = t["init_from"]
+    return identity
 
 
 def save_checkpoint(

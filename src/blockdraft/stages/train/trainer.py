@@ -25,6 +25,7 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages.train.batch import BlockBatch, anchor_generator, build_block_batch, expected_acceptance
 from blockdraft.stages.train.checkpoint import Checkpoints, read_checkpoint, resolved_training_config, run_identity
 from blockdraft.stages.train.data import TrainRows, step_rows, steps_per_epoch
+from blockdraft.stages.train.init import check_init_spec, load_init_drafter
 from blockdraft.stages.train.loss import LossOutput, block_loss
 from blockdraft.stages.train.metrics import MetricsLog
 from blockdraft.stages.train.placement import RankPlacement
@@ -129,8 +130,11 @@ class Trainer:
         tc = self.tc = config.train
         self.config, self.place, self.rows, self.reporter = config, place, rows, reporter
         assert config.target.path is not None  # the stage checked it (load_target_config) before any data moved
-        hf_target = load_target(config.target.path, place.target_device, config.target.dtype)
+        hf_target = load_target(config.target.path, place.target_device, config.target.dtype, reporter=reporter)
         self.spec = DrafterSpec.from_target_config(hf_target.config, config.dflash)
+        init = load_init_drafter(tc.init_from, config.store) if tc.init_from else None
+        if init is not None:  # train.init_from: its weights and shapes, checked against what this run derives
+            self.spec = check_init_spec(init.spec, self.spec, config.dflash, hf_target.config, str(tc.init_from))
         assert self.spec.gamma is not None  # from_target_config resolves dflash.gamma or its default
         self.gamma: float = self.spec.gamma
         self.target = TargetModel(hf_target, self.spec.target_layer_ids)
@@ -139,8 +143,11 @@ class Trainer:
         identity = run_identity(resolved, place.world_size, rows.lineage.sha256)
         self.checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, reporter)
 
-        torch.manual_seed(tc.seed)  # the drafter's initial weights
-        self.drafter = DFlashDrafter(self.spec).to(place.drafter_device)
+        torch.manual_seed(tc.seed)  # the drafter's initial weights (when not train.init_from's)
+        self.drafter = DFlashDrafter(self.spec)
+        if init is not None:
+            self.drafter.load_state_dict(init.state_dict())
+        self.drafter.to(place.drafter_device)
         self.model: nn.Module = DraftForward(self.drafter)
         if place.world_size > 1:
             device_ids = [place.drafter_device] if place.drafter_device.type == "cuda" else None
