@@ -7,6 +7,7 @@ with `--store s3://...` would.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -54,3 +55,31 @@ def test_demo_ci_profile_against_s3(tmp_path, s3_env):
     assert result.store_url == f"s3://{bucket}/demo"
     keys = {o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket)["Contents"]}
     assert "demo/export/config.json" in keys and "demo/export/blockdraft-manifest.json" in keys
+
+
+@pytest.mark.slow
+def test_demo_ci_profile_on_the_tiny_hybrid_target_with_a_sliding_window_drafter(tmp_path):
+    """`--target hybrid`: the same pipeline on the Qwen3.5-style hybrid target, a drafter with a sliding-window layer, eval
+    lossless through the linear-attention rollback, and an export that declares its sliding layer."""
+    runner = CliRunner()
+    out = runner.invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--profile", "ci", "--target", "hybrid"])
+    assert out.exit_code == 0, out.output
+    assert "lossless: yes" in out.stdout
+    table = dict(line.split("\t") for line in out.stdout.splitlines() if "\t" in line)
+    assert table.pop("artifact") == "state" and STAGES <= set(table) and set(table.values()) == {"verified"}, table
+    store = tmp_path / "work" / "store"
+    manifest = json.loads((store / "completions" / "blockdraft-manifest.json").read_text())
+    assert manifest["config"]["target"]["path"].endswith("tiny-hybrid-target")
+    # The trained drafter, evaluated on the hybrid target's held-out prompts: at least twice the untrained one, above n-gram.
+    tau = dict(re.findall(r"(dflash|n-gram|untrained) (\d+\.\d+)", next(line for line in out.stdout.splitlines() if line.startswith("tau "))))
+    assert float(tau["dflash"]) >= 2 * float(tau["untrained"]) and float(tau["dflash"]) > float(tau["n-gram"]), tau
+    exported = json.loads((store / "export" / "config.json").read_text())
+    assert exported["layer_types"] == ["sliding_attention", "full_attention"]
+    assert exported["use_sliding_window"] is True and exported["sliding_window"] == 32
+    assert exported["dflash_config"]["block_size"] == 8 and exported["dflash_config"]["mask_token_id"] == 448
+
+
+def test_demo_refuses_an_unknown_target(tmp_path):
+    out = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--target", "mamba"])
+    assert out.exit_code != 0 and "--target must be one of tiny, hybrid" in out.output
+    assert not (tmp_path / "work").exists()

@@ -163,7 +163,7 @@ TOOL_CHAIN = {"id": "t", "messages": [
 ]}
 
 
-@pytest.mark.parametrize("name", ["trl_qwen3", "trl_qwen3_6"])
+@pytest.mark.parametrize("name", ["trl_qwen3", "trl_qwen3_5_think", "trl_qwen3_5_nothink", "trl_qwen3_6"])
 def test_multi_turn_each_turn_its_own_row_without_earlier_reasoning(tokenizer, name):
     rows = render_rows(tokenizer, MULTI, name)
     assert [r.turn for r, _ in rows] == [0, 1]
@@ -242,3 +242,94 @@ def test_mask_never_covers_the_prompt_and_stays_inside_the_turn(turns, system, n
             assert end <= emitted_end, "a supervised token lies past the end of the assistant turn"
         unsupervised = np.flatnonzero(result.loss_mask == 0)
         assert all(enc.offsets[i][1] <= boundary or enc.offsets[i][0] >= emitted_end for i in unsupervised)
+
+
+# Qwen3.5 / Qwen3.6 on multi-turn rows: every prompt opens `<think>\n` (thinking on) or closes an empty block (off), the model
+# emits the rest; exact prompts and exact supervised text per turn. Turn 1 has no reasoning.
+QWEN3_5_FAMILY = ["trl_qwen3_5_think", "trl_qwen3_5_nothink", "trl_qwen3_6", "trl_qwen3_6_training"]
+THREE_TURNS = {"id": "m3", "messages": [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a prime."},
+    {"role": "assistant", "reasoning_content": "R1: 7 is prime.", "content": "7."},
+    {"role": "user", "content": "Say hi."},
+    {"role": "assistant", "content": "Hi!"},
+    {"role": "user", "content": "What is 2+3?"},
+    {"role": "assistant", "reasoning_content": "R3: 2 plus 3 is 5.", "content": "5"},
+]}
+SYS, OPEN, CLOSED = "<|im_start|>system\nYou are terse.<|im_end|>\n", "<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+U1, U2, U3 = ("<|im_start|>user\n" + q + "<|im_end|>\n" for q in ("Name a prime.", "Say hi.", "What is 2+3?"))
+A1_BARE, A2_BARE = "<|im_start|>assistant\n7.<|im_end|>\n", "<|im_start|>assistant\nHi!<|im_end|>\n"
+A1_THINK, A2_THINK = OPEN + "R1: 7 is prime.\n</think>\n\n7.<|im_end|>\n", CLOSED + "Hi!<|im_end|>\n"
+SUPERVISED = ["R1: 7 is prime.\n</think>\n\n7.<|im_end|>", "Hi!<|im_end|>", "R3: 2 plus 3 is 5.\n</think>\n\n5<|im_end|>"]
+
+
+def expected_prompts(name: str, mode: str) -> list[str]:
+    """The exact prompt of each turn: the serving templates drop reasoning before the last user message and render those
+    turns bare; the training variant keeps every think block. Thinking per turn: auto = on, off, on."""
+    thinking = {"auto": [True, False, True], "on": [True] * 3, "off": [False] * 3}[mode]
+    a1, a2 = (A1_THINK, A2_THINK) if name.endswith("_training") else (A1_BARE, A2_BARE)
+    histories = [SYS + U1, SYS + U1 + a1 + U2, SYS + U1 + a1 + U2 + a2 + U3]
+    return [h + (OPEN if on else CLOSED) for h, on in zip(histories, thinking)]
+
+
+# (mode, the outcome per turn: "ok" = supervised text SUPERVISED[turn], else the rejection reason)
+THREE_TURN_OUTCOMES = [
+    ("auto", ["ok", "ok", "ok"]),
+    # Thinking on with empty reasoning: the prompt's "<think>\n" and the turn's "\n" merge into one "\n\n" token.
+    ("on", ["ok", "boundary_merge", "ok"]),
+    # Thinking off: reasoning cannot follow the closed empty think block of the prompt.
+    ("off", ["render_not_prefix", "ok", "render_not_prefix"]),
+]
+
+
+@pytest.mark.parametrize("name", QWEN3_5_FAMILY)
+@pytest.mark.parametrize(("mode", "outcomes"), THREE_TURN_OUTCOMES, ids=[m for m, _ in THREE_TURN_OUTCOMES])
+def test_qwen3_5_and_3_6_three_turns_exact_prompts_and_supervised_text(tokenizer, name, mode, outcomes):
+    rows = render_rows(tokenizer, THREE_TURNS, name, mode)
+    assert [r.turn for r, _ in rows] == [0, 1, 2]
+    prompts = expected_prompts(name, mode)
+    for turn, ((row, planned), outcome) in enumerate(zip(rows, outcomes)):
+        if outcome != "ok":
+            assert isinstance(row, TurnRejection) and row.reason == outcome, (turn, row)
+            continue
+        assert isinstance(row, TurnRow), (turn, row)
+        assert prompt_text(tokenizer, row) == prompts[turn]
+        assert supervised_text(tokenizer, row) == SUPERVISED[turn]
+        assert_exact(tokenizer, row, planned)
+        assert row.thinking == ("on" if prompts[turn].endswith(OPEN) else "off")
+
+
+@pytest.mark.parametrize("name", QWEN3_5_FAMILY)
+def test_qwen3_5_and_3_6_thinking_on_every_turn_reasons_after_the_opened_think(tokenizer, name):
+    """Three reasoning turns, thinking on: each prompt ends with the opened `<think>\\n`; the row supervises the reasoning
+    from its first character, the closing tag, the answer and <|im_end|>; earlier reasoning is in context only for the
+    training variant."""
+    messages: list[dict] = []
+    for k in range(3):
+        messages += [{"role": "user", "content": f"Question {k}?"},
+                     {"role": "assistant", "reasoning_content": f"Step {k}: think\nthen answer.", "content": f"Answer {k}."}]
+    rows = render_rows(tokenizer, {"id": "on3", "messages": messages}, name, "on")
+    assert len(rows) == 3
+    for k, (row, planned) in enumerate(rows):
+        assert isinstance(row, TurnRow), row
+        assert prompt_text(tokenizer, row).endswith(f"<|im_start|>user\nQuestion {k}?<|im_end|>\n{OPEN}")
+        assert supervised_text(tokenizer, row) == f"Step {k}: think\nthen answer.\n</think>\n\nAnswer {k}.<|im_end|>"
+        assert_exact(tokenizer, row, planned)
+        earlier = [f"Step {j}:" in prompt_text(tokenizer, row) for j in range(k)]
+        assert earlier == [name.endswith("_training")] * k
+
+
+@pytest.mark.parametrize("name", QWEN3_5_FAMILY)
+def test_qwen3_5_and_3_6_tool_chain_rows_are_exact(tokenizer, name):
+    rows = render_rows(tokenizer, TOOL_CHAIN, name)
+    (call, call_planned), (answer, answer_planned) = rows
+    assert isinstance(call, TurnRow) and isinstance(answer, TurnRow)
+    assert_exact(tokenizer, call, call_planned)
+    assert_exact(tokenizer, answer, answer_planned)
+    assert supervised_text(tokenizer, call) == (
+        "CHAIN-REASONING: I should call the tool\n</think>\n\n"
+        "<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>")
+    assert prompt_text(tokenizer, answer).endswith(
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny, 21C\n</tool_response><|im_end|>\n" + OPEN)
+    assert "CHAIN-REASONING" in prompt_text(tokenizer, answer)
+    assert supervised_text(tokenizer, answer) == "The tool says sunny.\n</think>\n\nSunny and 21C.<|im_end|>"

@@ -11,6 +11,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from helpers.hybrid import save_qwen3_5_composite
 from helpers.paths import TEMPLATES, TOKENIZER_DIR
 from helpers.reporters import ProgressLog
 from helpers.tokenize_data import (
@@ -23,9 +24,11 @@ from helpers.tokenize_data import (
     tokenize,
     write_jsonl,
 )
+from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
+from blockdraft.config import load_config
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages.tokenize.shard import is_held_out
@@ -415,3 +418,61 @@ def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp
     reporter = SecondRunInside()
     assert tokenize(corpus, tmp_path / "out", config(), reporter).report.state is State.VERIFIED
     assert reporter.refusal is not None
+
+
+# Qwen3.5 / Qwen3.6 targets: the stage on multi-turn rows with the real templates, thinking on and off.
+QWEN3_6_ROW = {"id": "q36", "messages": [
+    {"role": "user", "content": "Name a prime."},
+    {"role": "assistant", "reasoning_content": "Seven is prime.", "content": "7."},
+    {"role": "user", "content": "Say hi."},
+    {"role": "assistant", "content": "Hi!"},
+    {"role": "user", "content": "What is 2+3?"},
+    {"role": "assistant", "reasoning_content": "Two plus three.", "content": "5"},
+]}
+QWEN3_6_SUPERVISED = {0: "Seven is prime.\n</think>\n\n7.<|im_end|>", 1: "Hi!<|im_end|>", 2: "Two plus three.\n</think>\n\n5<|im_end|>"}
+
+
+def _decoded(tok, row: dict) -> tuple[str, str]:
+    """(prompt text, supervised text) of a stored row; the supervised span must be one contiguous run."""
+    mask = row["loss_mask"]
+    first, last = mask.index(1), len(mask) - 1 - mask[::-1].index(1)
+    assert all(mask[first : last + 1]) and not any(mask[last + 1 :])
+    ids = row["input_ids"]
+    return tok.decode(ids[:first], skip_special_tokens=False), tok.decode(ids[first : last + 1], skip_special_tokens=False)
+
+
+def test_a_qwen3_6_hybrid_target_tokenizes_multi_turn_rows_with_its_own_template_exactly(tmp_path):
+    target = save_qwen3_5_composite(tmp_path / "target")
+    cfg = load_config(None, {"target": {"path": str(target)}, "tokenize": {"held_out_fraction": 0.0}})
+    result = tokenize(str(write_jsonl(tmp_path / "in.jsonl", [QWEN3_6_ROW])), str(tmp_path / "out"), cfg)
+    assert result.report.state is State.VERIFIED and result.details.counts["rejected"] == {}
+    tok = AutoTokenizer.from_pretrained(target)
+    run = read_manifest(open_store(tmp_path / "out"))[0].config["tokenize_run"]
+    assert run["template_matches_target"] is True and run["end_of_turn_id"] == tok.convert_tokens_to_ids("<|im_end|>")
+    rows = rows_of(tmp_path / "out")["train"]
+    assert [r["turn"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        prompt, supervised = _decoded(tok, row)
+        assert supervised == QWEN3_6_SUPERVISED[row["turn"]]
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n" if row["turn"] != 1 else "<think>\n\n</think>\n\n")
+        assert "Seven is prime." not in prompt  # dropped before a later user message, as the template does at serving
+
+
+@pytest.mark.parametrize("template", ["trl_qwen3_5_think", "trl_qwen3_5_nothink", "trl_qwen3_6", "trl_qwen3_6_training"])
+@pytest.mark.parametrize(("thinking", "kept", "rejected"), [
+    ("on", [0, 2], {"boundary_merge": 1}),  # turn 1 has empty reasoning: "<think>\n" + "\n" merge into one token
+    ("off", [1], {"render_not_prefix": 2}),  # reasoning cannot follow the prompt's closed empty think block
+])
+def test_qwen3_5_and_3_6_templates_with_thinking_forced_on_or_off(tmp_path, template, thinking, kept, rejected):
+    result = tokenize(str(write_jsonl(tmp_path / "in.jsonl", [QWEN3_6_ROW])), str(tmp_path / "out"),
+                      config(thinking=thinking, held_out_fraction=0.0), chat_template=str(TEMPLATES / f"{template}.jinja"))
+    assert result.details.counts["rejected"] == rejected
+    assert Counter(q["reason"] for q in quarantine_lines(tmp_path / "out")) == rejected
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    rows = rows_of(tmp_path / "out")["train"]
+    assert [r["turn"] for r in rows] == kept
+    for row in rows:
+        prompt, supervised = _decoded(tok, row)
+        assert supervised == QWEN3_6_SUPERVISED[row["turn"]]
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n" if thinking == "on" else "<think>\n\n</think>\n\n")
+        assert ("Seven is prime." in prompt) == (template.endswith("_training") and row["turn"] > 0)

@@ -140,11 +140,14 @@ def eval_command(
     prompts: Annotated[str | None, typer.Option("--prompts", help="Prompts JSONL, or a tokenized artifact (its held-out rows).")] = None,
     max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", min=1, help="New tokens per prompt.")] = None,
     output: Annotated[str | None, typer.Option("--output", help="Where the eval artifact goes (default: STORE/eval/<hash>).")] = None,
+    baseline: Annotated[
+        str | None, typer.Option("--baseline", help="A drafter folder in the export format (e.g. a published one) decoded beside it.")
+    ] = None,
 ) -> None:
     """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy."""
     from blockdraft.stages import eval as eval_stage
 
-    cfg = load_config(config, {"eval": {"max_new_tokens": max_new_tokens}})
+    cfg = load_config(config, {"eval": {"max_new_tokens": max_new_tokens, "baseline": baseline}})
     with ConsoleReporter(console) as reporter:  # draws the per-prompt progress
         result = eval_stage.run(cfg, checkpoint, output, reporter, prompts=prompts, max_new_tokens=max_new_tokens)
     report = result.details
@@ -298,14 +301,18 @@ def demo(
     store: Annotated[str | None, typer.Option(help="Store URL (default: a folder inside --workdir); s3://bucket/prefix works too.")] = None,
     endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint for an S3-compatible server.")] = None,
     profile: Annotated[str, typer.Option(help="full (the README's main job, a few minutes) or ci (the same pipeline, smaller, <60 s).")] = "full",
+    target: Annotated[str, typer.Option(help="tiny (a Qwen3 target) or hybrid (a Qwen3.5-style linear/full-attention target, "
+                                             "with a sliding-window drafter layer).")] = "tiny",
 ) -> None:
     """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
-    from blockdraft.pipeline import SIZES, Profile, run_demo
+    from blockdraft.pipeline import SIZES, TARGETS, DemoTarget, Profile, run_demo
 
     if profile not in SIZES:
         raise typer.BadParameter(f"--profile must be one of {', '.join(SIZES)}, not {profile!r}")
+    if target not in TARGETS:
+        raise typer.BadParameter(f"--target must be one of {', '.join(TARGETS)}, not {target!r}")
     with ConsoleReporter(console) as reporter:
-        result = run_demo(workdir, store, cast(Profile, profile), endpoint_url, reporter)
+        result = run_demo(workdir, store, cast(Profile, profile), endpoint_url, reporter, cast(DemoTarget, target))
     print("\nartifact\tstate")
     for root, state in result.states.items():
         print(f"{root}\t{state}")

@@ -1,4 +1,6 @@
 """The whole pipeline on a tiny CPU target, in one sitting: what `blockdraft demo` (the README's main command) runs.
+`target="hybrid"` (`blockdraft demo --target hybrid`) runs it on the tiny Qwen3.5-style hybrid target (linear attention with
+full attention every 4th layer) with a drafter of one sliding-window layer and one full-attention layer.
 
     prompts --generate--> completions --tokenize--> tokenized --push--> store --pull--> training node
         --train--> checkpoints --eval--> tau / speedup / lossless --export--> SGLang/vLLM folder --status--> all verified
@@ -25,6 +27,7 @@ from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, load_config
 from blockdraft.errors import ArtifactError
+from blockdraft.fixtures.hybrid import TINY_HYBRID_TARGET_DIR
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR, distinct_ngram_ratio
 from blockdraft.reporter import Reporter
 from blockdraft.stages import eval as eval_stage
@@ -39,6 +42,15 @@ from blockdraft.store.transfer import pull, push
 T = TypeVar("T")
 
 Profile = Literal["full", "ci"]
+DemoTarget = Literal["tiny", "hybrid"]
+
+TARGETS: dict[str, Path] = {"tiny": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGET_DIR}
+# The drafter per target: a hybrid target gets the published Qwen3.6 drafter's shape in small (sliding layers, then a full one);
+# the window (>= block size) is short enough that the demo's prompts overflow it.
+DRAFTERS: dict[str, dict[str, Any]] = {
+    "tiny": {"num_draft_layers": 1},
+    "hybrid": {"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32},
+}
 
 
 @dataclass(frozen=True)
@@ -94,14 +106,17 @@ def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def demo_config(workdir: Path, store_url: str, size: DemoSize, endpoint_url: str | None = None) -> dict[str, dict[str, Any]]:
-    """The demo's config sections: the tiny target, block size 8, a one-layer drafter, the store and the stage sizes."""
-    fixture = json.loads((TINY_TARGET_DIR / "fixture.json").read_text())
+def demo_config(
+    workdir: Path, store_url: str, size: DemoSize, endpoint_url: str | None = None, target: DemoTarget = "tiny",
+) -> dict[str, dict[str, Any]]:
+    """The demo's config sections: the tiny (or tiny hybrid) target, block size 8, its drafter (`DRAFTERS`), the store and
+    the stage sizes."""
+    fixture = json.loads((TARGETS[target] / "fixture.json").read_text())
     store = store_url.rstrip("/")
     return {
-        "target": {"path": str(TINY_TARGET_DIR)},
+        "target": {"path": str(TARGETS[target])},
         "tokenize": {"held_out_fraction": 0.0, "max_length": 1024},
-        "dflash": {"block_size": BLOCK_SIZE, "mask_token_id": fixture["mask_token_id"], "num_draft_layers": 1, "num_anchors": size.anchors},
+        "dflash": {"block_size": BLOCK_SIZE, "mask_token_id": fixture["mask_token_id"], **DRAFTERS[target], "num_anchors": size.anchors},
         "store": {"url": store, "endpoint_url": endpoint_url},
         "train": {
             "data": str(workdir / "train-node" / "tokenized"),
@@ -119,10 +134,10 @@ def demo_config(workdir: Path, store_url: str, size: DemoSize, endpoint_url: str
     }
 
 
-def _regeneration_prompts(workdir: Path, count: int) -> Path:
+def _regeneration_prompts(workdir: Path, count: int, target_dir: Path) -> Path:
     """The first `count` conversations of the fixture's completions: generate drops their final turn and regenerates it."""
     out = workdir / "prompts.jsonl"
-    with open(TINY_TARGET_DIR / "completions.jsonl") as src, open(out, "w") as dst:
+    with open(target_dir / "completions.jsonl") as src, open(out, "w") as dst:
         for i, line in enumerate(src):
             if i >= count:
                 break
@@ -130,11 +145,11 @@ def _regeneration_prompts(workdir: Path, count: int) -> Path:
     return out
 
 
-def _distinct_4gram(completions_url: str, cfg: BlockdraftConfig) -> float:
+def _distinct_4gram(completions_url: str, cfg: BlockdraftConfig, target_dir: Path) -> float:
     """Mean distinct-4-gram ratio of the regenerated answers, read back from the completions artifact."""
     store = open_store(completions_url, cfg.store)
     report = verify_artifact(store)
-    tokenizer = AutoTokenizer.from_pretrained(str(TINY_TARGET_DIR))
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     ratios = []
     for entry in report.manifest.files if report.manifest else []:
         if not entry.path.endswith(".jsonl.zst"):
@@ -154,13 +169,15 @@ def run_demo(
     profile: Profile = "full",
     endpoint_url: str | None = None,
     reporter: Reporter | None = None,
+    target: DemoTarget = "tiny",
 ) -> DemoResult:
-    """Run every stage once on the tiny target and return what the destination says about each artifact."""
+    """Run every stage once on the tiny target (`target="hybrid"`: the tiny hybrid one) and return what the destination
+    says about each artifact."""
     threads = torch.get_num_threads()
     # One thread: these tiny matmuls gain nothing from two, and two threads stall badly when anything else shares the cores.
     torch.set_num_threads(1)
     try:
-        return _run(Path(workdir).absolute(), store_url, SIZES[profile], endpoint_url, reporter or Reporter())
+        return _run(Path(workdir).absolute(), store_url, SIZES[profile], endpoint_url, reporter or Reporter(), target)
     finally:
         torch.set_num_threads(threads)
 
@@ -187,10 +204,13 @@ class _Stopwatch:
         return value
 
 
-def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, reporter: Reporter) -> DemoResult:
+def _run(
+    workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, reporter: Reporter, target: DemoTarget,
+) -> DemoResult:
     workdir.mkdir(parents=True, exist_ok=True)
     store = (store_url or f"file://{workdir / 'store'}").rstrip("/")
-    write_toml(workdir / "blockdraft.toml", demo_config(workdir, store, size, endpoint_url))
+    target_dir = TARGETS[target]
+    write_toml(workdir / "blockdraft.toml", demo_config(workdir, store, size, endpoint_url, target))
     cfg = load_config(workdir / "blockdraft.toml")
     result = DemoResult(workdir=workdir, store_url=store)
     timed = _Stopwatch(cfg, reporter, result)
@@ -199,9 +219,9 @@ def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str
 
     # The tokenize node: regenerate answers with the target, tokenize them, push them to the store.
     timed("preflight", lambda: preflight(open_store(store, cfg.store)))
-    prompts = str(_regeneration_prompts(workdir, size.conversations))
+    prompts = str(_regeneration_prompts(workdir, size.conversations, target_dir))
     timed("generate", lambda: generate.run(cfg, prompts, f"{store}/completions", reporter), f"{store}/completions")
-    result.distinct_4gram = _distinct_4gram(f"{store}/completions", cfg)
+    result.distinct_4gram = _distinct_4gram(f"{store}/completions", cfg, target_dir)
     reporter.say(f"[generate] distinct-4-gram ratio of the target's answers: {result.distinct_4gram:.2f}")
     local_tokenized = str(workdir / "tokenized")
     timed("tokenize", lambda: tokenize.run(cfg, f"{store}/completions", local_tokenized, reporter), local_tokenized)
@@ -212,7 +232,7 @@ def _run(workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str
     assert node_data is not None and run_dir is not None  # demo_config sets both
     timed("pull", lambda: pull(f"{store}/tokenized", node_data, cfg.store), node_data)
     timed("train", lambda: train.run(cfg, reporter=reporter), lambda trained: trained.url)
-    held_out = str(TINY_TARGET_DIR / "prompts.jsonl")  # prompts the target never trained on, absent from the completions
+    held_out = str(target_dir / "prompts.jsonl")  # prompts the target never trained on, absent from the completions
     evaluated = timed("eval", lambda: eval_stage.run(cfg, run_dir, f"{store}/eval", reporter, prompts=held_out), f"{store}/eval")
     timed("export", lambda: export.run(cfg, run_dir, f"{store}/export", reporter), f"{store}/export")
 
