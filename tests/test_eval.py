@@ -108,8 +108,9 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
     assert list(report["drafters"]) == ["dflash", "ngram", "untrained"]
     assert list(report["drafters"]["dflash"]) == [
         "tau", "cycles", "histogram", "position_acceptance", "conditional_acceptance", "new_tokens", "target_forwards",
-        "target_forwards_per_token", "wall_s", "tokens_per_s", "draft_s", "verify_s", "speedup",
+        "target_forwards_per_token", "wall_s", "tokens_per_s", "draft_s", "verify_s", "rollback_s", "speedup",
     ]
+    assert report["drafters"]["dflash"]["rollback_s"] == 0.0  # a full-attention target has no linear-attention state to roll back
     assert list(report["prompts"][0]) == [
         "index", "prompt_len", "new_tokens", "tau_dflash", "acceptance_lengths_dflash", "tau_ngram", "acceptance_lengths_ngram",
         "tau_untrained", "acceptance_lengths_untrained",
