@@ -127,7 +127,7 @@ def _decode_and_measure(
     if bad is not None:
         raise EvalError(f"prompt token id {bad} is outside the target's vocabulary (0..{vocab - 1}); the prompts were tokenized for another model")
     return evaluate(
-        hf_model, drafter.eval(), prompts, max_new_tokens, stop_token_ids(hf_model, tokenizer),
+        hf_model, drafter, prompts, max_new_tokens, stop_token_ids(hf_model, tokenizer),
         divergence_tolerance(cfg, next(hf_model.parameters()).dtype),
         untrained_seed=UNTRAINED_SEED if cfg.eval.untrained_baseline else None,
         reporter=reporter,
@@ -151,7 +151,6 @@ def evaluate(
     compare each speculative output with greedy. The report's `checkpoint`, `target`, `prompts_source` and
     `template_sha256` are left None. Progress: ("eval", prompts done, prompts)."""
     reporter = reporter or Reporter()
-    check_rollback_supported(hf_model.config)
     param = next(drafter.parameters())
     head = TargetHead.from_target(hf_model, device=param.device).to(param.dtype)
     spec = drafter.spec
