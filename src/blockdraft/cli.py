@@ -19,7 +19,7 @@ from blockdraft.errors import BlockdraftError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
 from blockdraft.store.preflight import preflight as run_preflight
-from blockdraft.store.status import format_lineage, render_progress
+from blockdraft.store.status import OK_STATES, format_counts, format_lineage, render_progress
 from blockdraft.store.status import status as survey
 from blockdraft.store.transfer import pull as pull_artifact
 from blockdraft.store.transfer import push as push_artifact
@@ -78,12 +78,12 @@ def verify(
     """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum."""
     report = verify_artifact(open_store(url, _store_config(config, endpoint_url)), check_inputs=True)
     kind = report.manifest.kind if report.manifest else "-"
-    color = "green" if report.state is State.VERIFIED else "red"
+    color = {State.VERIFIED: "green", State.UNREACHABLE: "yellow"}.get(report.state, "red")
     print(f"{report.state.value}\t{kind}\t{url}")
     console.print(f"[{color}]{report.state.value}[/]: {report.summary()}", highlight=False)
     for problem in report.problems:
         console.print(f"  {problem.state.value}: {problem.path}: {problem.detail}", highlight=False, markup=False)
-    if report.state is not State.VERIFIED:
+    if report.state not in OK_STATES:
         raise typer.Exit(1)
 
 
@@ -214,16 +214,17 @@ def status(
     endpoint_url: EndpointOpt = None,
     progress: Annotated[str | None, typer.Option("--progress", help="Also write these facts as a Markdown page (e.g. PROGRESS.md).")] = None,
 ) -> None:
-    """Every artifact under a prefix: kind, lineage and state (verified/incomplete/missing/corrupt/stale), read from the destination."""
+    """Every artifact under a prefix: state, kind, lineage and counts, read from the destination. Exits 1 unless every artifact
+    is verified or only has an input this machine cannot reach."""
     store = open_store(url, _store_config(config, endpoint_url))
     artifacts = survey(store)
     for a in artifacts:
-        print(f"{a.state.value}\t{a.kind}\t{a.url}\t{format_lineage(a.lineage)}")
+        print(f"{a.state.value}\t{a.kind}\t{a.url}\t{format_lineage(a.lineage)}\t{format_counts(a)}")
     if progress:
         Path(progress).write_text(render_progress(store.url, artifacts))
     if not artifacts:
         console.print(f"no artifacts under {store.url}", highlight=False, markup=False)
-    if any(a.state is not State.VERIFIED for a in artifacts):
+    if any(a.state not in OK_STATES for a in artifacts):
         raise typer.Exit(1)
 
 

@@ -27,6 +27,9 @@ from blockdraft.store.checksum import crc64nvme_file
 
 MANIFEST_NAME = "blockdraft-manifest.json"
 MANIFEST_FORMAT = "blockdraft-manifest/1"
+# Beside the manifest of a local copy (pulled, or pushed from here): where the same manifest, byte for byte, lives in a
+# store. Not listed in the manifest: it says where this copy came from or went, not what the artifact is.
+ORIGIN_NAME = ".blockdraft-origin.json"
 
 
 class State(str, Enum):
@@ -35,6 +38,9 @@ class State(str, Enum):
     MISSING = "missing"
     CORRUPT = "corrupt"
     STALE = "stale"
+    # An input that only another machine holds (a local folder absent here): nothing is known to have changed, but
+    # the pin cannot be checked from this machine. Not `stale`, which means an input's content changed.
+    UNREACHABLE = "input unreachable here"
 
 
 class FileEntry(BaseModel):
@@ -83,6 +89,25 @@ def read_manifest(store: Store) -> tuple[Manifest, bytes] | None:
     except FileNotFoundError:
         return None
     return Manifest.model_validate_json(data), data
+
+
+def record_origin(local: Store, url: str, sha256: str) -> None:
+    """Note in the local copy `local` that the artifact with manifest digest `sha256` is also at `url` (a store)."""
+    local.put_bytes(ORIGIN_NAME, json.dumps({"url": url, "manifest_sha256": sha256}, sort_keys=True).encode() + b"\n")
+
+
+def read_origin(store: Store, sha256: str | None) -> str | None:
+    """The store URL that a local copy names as its origin, when it names one for this very manifest; else None
+    (a record for another manifest is an old copy's, and a remote store is its own origin)."""
+    if store.local_path() is None or sha256 is None:
+        return None
+    try:
+        origin = json.loads(store.read_bytes(ORIGIN_NAME))
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(origin, dict) or origin.get("manifest_sha256") != sha256 or not isinstance(origin.get("url"), str):
+        return None
+    return origin["url"]
 
 
 def raw_input(store: Store, info: ObjectInfo) -> InputRef:
@@ -145,48 +170,87 @@ def check_files(store: Store, entries: list[FileEntry]) -> list[FileProblem | No
         return list(pool.map(lambda e: check_file(store, e), entries))
 
 
-def _raw_input_changed(ref: InputRef, open_url: Callable[[str], Store]) -> str | None:
+def _unreachable(store: Store, within: str | None) -> bool:
+    """An input location that this machine cannot see: a local folder that does not exist here and lies outside the
+    surveyed prefix (inside it, an absent input is gone, not out of reach)."""
+    local = store.local_path()
+    if local is None or local.exists():
+        return False
+    return within is None or not _under(store.url, within)
+
+
+def _under(url: str, prefix: str) -> bool:
+    url, prefix = url.rstrip("/"), prefix.rstrip("/")
+    return url == prefix or url.startswith(prefix + "/")
+
+
+def _raw_input_changed(ref: InputRef, open_url: Callable[[str], Store], within: str | None) -> FileProblem | None:
     """A raw input (no manifest) is pinned by size and its checksum, or its ETag when it had no checksum."""
     parent, _, key = ref.url.rpartition("/")
     try:
-        info = open_url(parent).head(key)
-    except Exception as exc:  # an unreachable input cannot be confirmed unchanged
-        return f"input {ref.url} unreadable ({type(exc).__name__})"
+        store = open_url(parent)
+        info = store.head(key)
+    except Exception as exc:  # a location this machine cannot read: the pin can be neither confirmed nor refuted
+        return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here ({type(exc).__name__})")
     if info is None:
-        return f"input {ref.url} is gone"
+        if _unreachable(store, within):
+            return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here (no such folder on this machine)")
+        return FileProblem(ref.url, State.STALE, f"input {ref.url} is gone")
+    reason = None
     if info.size != ref.size:
-        return f"input {ref.url} changed since (size {info.size} != {ref.size})"
-    if ref.checksum is not None:
-        current = info.checksum if info.checksum is not None else open_url(parent).checksum_by_reading(key)[1]
+        reason = f"input {ref.url} changed since (size {info.size} != {ref.size})"
+    elif ref.checksum is not None:
+        current = info.checksum if info.checksum is not None else store.checksum_by_reading(key)[1]
         if current != ref.checksum:
-            return f"input {ref.url} changed since (crc64nvme differs)"
+            reason = f"input {ref.url} changed since (crc64nvme differs)"
     elif ref.etag is not None and info.etag != ref.etag:
-        return f"input {ref.url} changed since (ETag differs)"
-    return None
+        reason = f"input {ref.url} changed since (ETag differs)"
+    return FileProblem(ref.url, State.STALE, reason) if reason else None
 
 
-def _input_changed(ref: InputRef, open_url: Callable[[str], Store]) -> str | None:
+def _input_changed(ref: InputRef, open_url: Callable[[str], Store], within: str | None, memo: dict[str, VerifyReport]) -> FileProblem | None:
+    """Whether input `ref` still holds what was pinned, judged transitively: an input artifact whose own files no longer
+    verify, or whose own inputs changed, makes its dependants stale too."""
     if ref.kind == "raw":
-        return _raw_input_changed(ref, open_url)
+        return _raw_input_changed(ref, open_url, within)
     if ref.kind != "manifest":
         return None
     try:
-        found = read_manifest(open_url(ref.url))
-    except Exception as exc:  # an unreachable input cannot be confirmed unchanged
-        return f"input {ref.url} unreadable ({type(exc).__name__})"
-    if found is None:
-        return f"input {ref.url} has no manifest any more"
-    if manifest_sha256(found[1]) != ref.sha256:
-        return f"input {ref.url} changed since"
+        store = open_url(ref.url)
+        report = verify_artifact(store, check_inputs=True, open_url=open_url, within=within, memo=memo)
+    except Exception as exc:  # a location this machine cannot read: the pin can be neither confirmed nor refuted
+        return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here ({type(exc).__name__})")
+    if report.manifest_sha256 is None:
+        if _unreachable(store, within):
+            return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here (no such folder on this machine)")
+        return FileProblem(ref.url, State.STALE, f"input {ref.url} has no manifest any more")
+    if report.manifest_sha256 != ref.sha256:
+        return FileProblem(ref.url, State.STALE, f"input {ref.url} changed since")
+    if report.state in (State.MISSING, State.CORRUPT, State.STALE):
+        return FileProblem(ref.url, State.STALE, f"input {ref.url} is {report.state.value} now ({report.summary()})")
+    if report.state is State.UNREACHABLE:
+        return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} has an input unreachable here ({report.summary()})")
     return None
 
 
-def verify_artifact(store: Store, check_inputs: bool = False, open_url: Callable[[str], Store] | None = None) -> VerifyReport:
-    """Read the manifest and every listed file back from the destination; report one of the five states.
+def verify_artifact(
+    store: Store,
+    check_inputs: bool = False,
+    open_url: Callable[[str], Store] | None = None,
+    within: str | None = None,
+    memo: dict[str, VerifyReport] | None = None,
+) -> VerifyReport:
+    """Read the manifest and every listed file back from the destination; report one of the six states.
 
     Precedence: no manifest -> incomplete; any absent file -> missing; any size/checksum mismatch -> corrupt;
-    with `check_inputs`, an input manifest that changed -> stale; else verified.
+    with `check_inputs`, an input whose content changed (transitively) -> stale; an input this machine cannot reach ->
+    unreachable; else verified. `within` is the surveyed prefix (an absent local input inside it is gone, outside it is
+    out of reach); `memo` shares reports by URL across one survey, so each artifact is read once and a cycle ends.
     """
+    memo = {} if memo is None else memo
+    key = store.url.rstrip("/")
+    if check_inputs and key in memo:
+        return memo[key]
     found = read_manifest(store)
     if found is None:
         return VerifyReport(url=store.url, state=State.INCOMPLETE)
@@ -198,12 +262,18 @@ def verify_artifact(store: Store, check_inputs: bool = False, open_url: Callable
     elif State.CORRUPT in states:
         report.state = State.CORRUPT
     elif check_inputs:
+        memo[key] = report  # seen: an input cycle ends here
         for ref in manifest.lineage:
-            reason = _input_changed(ref, open_url or open_store)
-            if reason:
-                report.problems.append(FileProblem(ref.url, State.STALE, reason))
-        if report.problems:
+            problem = _input_changed(ref, open_url or open_store, within, memo)
+            if problem is not None:
+                report.problems.append(problem)
+        states = {p.state for p in report.problems}
+        if State.STALE in states:
             report.state = State.STALE
+        elif State.UNREACHABLE in states:
+            report.state = State.UNREACHABLE
+    if check_inputs:
+        memo[key] = report
     return report
 
 

@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from blockdraft.store.artifact import (
     manifest_sha256,
     raw_input,
     read_manifest,
+    read_origin,
     uncommit,
     verify_artifact,
 )
@@ -81,9 +83,12 @@ class StageInput:
     def kind(self) -> str:
         return self.manifest.kind
 
-    @property
+    @cached_property
     def ref(self) -> InputRef:
-        return InputRef(kind="manifest", url=self.store.url, sha256=self.report.manifest_sha256)
+        """The input by content. A local copy of a store's artifact (pulled, or pushed from here) is pinned at that store,
+        so `status` checks it there from any machine, not at a folder that only this machine holds."""
+        sha = self.report.manifest_sha256
+        return InputRef(kind="manifest", url=read_origin(self.store, sha) or self.store.url, sha256=sha)
 
     def entry(self, path: str) -> FileEntry:
         for entry in self.manifest.files:

@@ -36,6 +36,18 @@ class ArtifactStatus:
         return self.report.manifest.lineage if self.report.manifest else []
 
 
+# States in which an artifact's own files verified and nothing it was made from is known to have changed.
+OK_STATES = (State.VERIFIED, State.UNREACHABLE)
+
+
+def format_counts(a: ArtifactStatus) -> str:
+    """The manifest's flat counts (rows, tokens, clipped rows, ...) as `k=v, ...`; nested tables are left to the manifest."""
+    manifest = a.report.manifest
+    if manifest is None:
+        return "-"
+    return ", ".join(f"{k}={v}" for k, v in sorted(manifest.counts.items()) if not isinstance(v, dict)) or "-"
+
+
 def _parent(key: str) -> str:
     parent = str(PurePosixPath(key).parent)
     return "" if parent == "." else parent
@@ -62,13 +74,15 @@ def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
 
 
 def status(store: Store) -> list[ArtifactStatus]:
-    """Every artifact under `store`, verified from the destination (inputs checked too, for `stale`)."""
+    """Every artifact under `store`, verified from the destination; inputs checked too, transitively, for `stale` (an input's
+    content changed) and `input unreachable here` (an input outside `store` that this machine cannot read)."""
     keys = [info.key for info in store.list()]
     committed, incomplete = find_artifact_roots(keys)
     out = []
+    memo: dict[str, VerifyReport] = {}  # each artifact verified once, whether surveyed or an input of one
     for root in sorted(committed + incomplete):
         child = store.child(root) if root else store
-        report = verify_artifact(child, check_inputs=True)
+        report = verify_artifact(child, check_inputs=True, within=store.url, memo=memo)
         out.append(ArtifactStatus(root=root, url=child.url, report=report))
     return out
 
@@ -100,10 +114,9 @@ def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
     for a in artifacts:
         manifest = a.report.manifest
         listed = len(manifest.files) if manifest else 0
-        counts_text = ", ".join(f"{k}={v}" for k, v in sorted(manifest.counts.items()) if not isinstance(v, dict)) if manifest else ""
         lines.append(
             f"| `{a.root or '.'}` | {a.kind} | **{a.state.value}** | {a.report.verified_files}/{listed} | {a.report.verified_bytes} "
-            f"| {counts_text or '-'} | {format_lineage(a.lineage)} |"
+            f"| {format_counts(a)} | {format_lineage(a.lineage)} |"
         )
     problems = [(a, p) for a in artifacts for p in a.report.problems]
     if problems:
@@ -112,4 +125,9 @@ def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
     incomplete = [a for a in artifacts if a.state is State.INCOMPLETE]
     if incomplete:
         lines += ["", "Incomplete means files without a manifest: an interrupted or running stage. Nothing in them is verified.", ""]
+    if any(a.state is State.UNREACHABLE for a in artifacts):
+        lines += [
+            "", f"{State.UNREACHABLE.value.capitalize()} means the artifact's own files verified, but an input it was made from is a "
+            "folder that only another machine holds, so whether it changed cannot be checked from here.", "",
+        ]
     return "\n".join(lines) + "\n"

@@ -30,6 +30,8 @@ from blockdraft.store.artifact import (
     commit_manifest,
     manifest_sha256,
     read_manifest,
+    read_origin,
+    record_origin,
     uncommit,
 )
 from blockdraft.store.base import Store
@@ -113,6 +115,7 @@ def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = Non
     preflight(dest)
     report = TransferReport(source=source.url, destination=dest.url)
     if _copy_already_done(dest, raw, report, start):
+        _record_pushed_origin(source, dest, raw)
         return report
     report.aborted_uploads = dest.abort_partial_uploads()
 
@@ -130,8 +133,18 @@ def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = Non
     report.moved = [e.path for e in todo]
     report.moved_bytes = sum(e.size for e in todo)
     report.verify = commit_manifest(dest, raw)
+    _record_pushed_origin(source, dest, raw)
     report.seconds = time.monotonic() - start
     return report
+
+
+def _record_pushed_origin(source: LocalStore, dest: Store, raw: bytes) -> None:
+    """The local folder now names the verified store copy, so a stage reading it pins the store's. Best effort: a
+    read-only folder keeps pinning itself, which is still correct on this machine."""
+    try:
+        record_origin(source, dest.url, manifest_sha256(raw))
+    except OSError:
+        pass
 
 
 def _local_matches(path: Path, entry: FileEntry) -> bool:
@@ -168,6 +181,7 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
     dest = LocalStore(local_dir)
     report = TransferReport(source=source.url, destination=dest.url)
     if _copy_already_done(dest, raw, report, start):
+        _record_pulled_origin(source, dest, raw)
         return report
 
     bad = _source_problems(source, manifest.files, workers)
@@ -219,8 +233,15 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
         verified_files=len(manifest.files),
         verified_bytes=sum(e.size for e in manifest.files),
     )
+    _record_pulled_origin(source, dest, raw)
     report.seconds = time.monotonic() - start
     return report
+
+
+def _record_pulled_origin(source: Store, dest: LocalStore, raw: bytes) -> None:
+    """A pulled copy names where it came from: that store's own origin when the source is itself a local copy of one."""
+    sha = manifest_sha256(raw)
+    record_origin(dest, read_origin(source, sha) or source.url, sha)
 
 
 def _source_problems(source: Store, files: list[FileEntry], workers: int) -> list[FileProblem]:
