@@ -18,6 +18,7 @@ from helpers.tokenize_data import (
     config,
     conversation,
     files_of,
+    half_finished,
     make_corpus,
     piece_names,
     rows_of,
@@ -34,7 +35,6 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages.tokenize.shard import is_held_out
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, read_manifest, verify_artifact
-from blockdraft.store.stage_io import PIECES_DIR
 
 
 def quarantine_lines(output: Path) -> list[dict]:
@@ -215,14 +215,6 @@ def test_two_workers_match_one_worker_row_for_row(tmp_path):
     assert two.report.state is State.VERIFIED and len(two.details.worker_peak_rss_mib) == 4
     assert rows_of(tmp_path / "two") == rows_of(tmp_path / "one")
     assert one.details.counts == two.details.counts
-
-
-def half_finished(output: Path, shard: str) -> None:
-    """The state a run killed before `shard` finished leaves: no manifest, no piece or files for that shard."""
-    (output / MANIFEST_NAME).unlink()
-    (output / PIECES_DIR / f"{shard}.json").unlink()
-    for p in output.glob(f"*/{shard}*"):
-        p.unlink()
 
 
 @pytest.mark.parametrize(

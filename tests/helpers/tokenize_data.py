@@ -31,6 +31,20 @@ def conversation(i: int, turns: int = 1, reasoning: bool = True) -> dict:
     return {"id": f"c{i}", "messages": messages}
 
 
+def long_conversation(i: int, turns: int, words: int) -> dict:
+    """A reasoning conversation of `turns` exchanges whose turn t reasons for about `words * (t + 1)` words; ids long<i>.
+
+    With thinking on, its later turns (longer reasoning after a longer history) outgrow a small `tokenize.max_length`.
+    """
+    messages = []
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Problem {i}.{t}: add the numbers from 1 to {10 * (i + t + 1)}."})
+        steps = " ".join(f"step {k}: partial sum {k * (k + 1) // 2}." for k in range(1, words * (t + 1) // 5 + 1))
+        messages.append({"role": "assistant", "reasoning_content": f"Count up. {steps}",
+                         "content": f"The sum is {5 * (i + t + 1) * (10 * (i + t + 1) + 1)}."})
+    return {"id": f"long{i}", "messages": messages}
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     """Rows (dicts, or strings written as they are) one a line; gzip or zstd by the file's suffix."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,3 +93,11 @@ def files_of(output: Path) -> dict[str, bytes]:
 def piece_names(output: Path) -> list[str]:
     """The shards recorded as finished pieces in a local output."""
     return sorted(p.stem for p in (output / PIECES_DIR).glob("shard-*.json"))
+
+
+def half_finished(output: Path, shard: str) -> None:
+    """The state a run killed before `shard` finished leaves: no manifest, no piece or files for that shard."""
+    (output / MANIFEST_NAME).unlink()
+    (output / PIECES_DIR / f"{shard}.json").unlink()
+    for p in output.glob(f"*/{shard}*"):
+        p.unlink()

@@ -85,12 +85,15 @@ class PlannedTurn:
 
 @dataclass
 class TurnRow:
-    """One training row. `input_ids` int32 [T], `loss_mask` uint8 [T] (1 = supervised)."""
+    """One training row. `input_ids` int32 [T], `loss_mask` uint8 [T] (1 = supervised). A row clipped to `max_length`
+    keeps what it lost: `clipped_tokens` cut off its end, `clipped_supervised` of them supervised (0 and 0 when whole)."""
 
     turn: int
     thinking: str
     input_ids: np.ndarray
     loss_mask: np.ndarray
+    clipped_tokens: int = 0
+    clipped_supervised: int = 0
 
 
 @dataclass
@@ -171,15 +174,17 @@ def mask_turn(planned: PlannedTurn, encoding: Any, eot_id: int, max_length: int)
 
 
 def _clip(turn: int, thinking: str, ids: np.ndarray, mask: np.ndarray, max_length: int) -> TurnRow | TurnRejection:
-    """Clip to `max_length` after masking; a row needs 2 adjacent supervised tokens (one prediction to train)."""
+    """Clip to `max_length` after masking, recording what was cut off; a row needs 2 adjacent supervised tokens (one
+    prediction to train)."""
     if not _has_adjacent_pair(mask):
         return TurnRejection(turn, "empty_turn", "fewer than 2 supervised tokens: the turn emits nothing but its end")
-    if ids.shape[0] > max_length:
-        total = ids.shape[0]
-        ids, mask = ids[:max_length], mask[:max_length]
-        if not _has_adjacent_pair(mask):
-            return TurnRejection(turn, "too_long", f"{total} tokens > max_length {max_length} leaves < 2 supervised tokens")
-    return TurnRow(turn, thinking, ids, mask)
+    total = int(ids.shape[0])
+    if total <= max_length:
+        return TurnRow(turn, thinking, ids, mask)
+    if not _has_adjacent_pair(mask[:max_length]):
+        return TurnRejection(turn, "too_long", f"{total} tokens > max_length {max_length} leaves < 2 supervised tokens")
+    dropped_supervised = int(mask[max_length:].sum())
+    return TurnRow(turn, thinking, ids[:max_length], mask[:max_length], total - max_length, dropped_supervised)
 
 
 def row_from_generator_ids(conv: Conversation, max_length: int, vocab_size: int) -> TurnRow | TurnRejection:

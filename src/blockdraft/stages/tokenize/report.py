@@ -12,7 +12,8 @@ from blockdraft.stages import StageResult
 class TokenizeSummary:
     """What a tokenize run left at the destination beyond its report: the manifest's counts, shards and template.
 
-    `shards_skipped`: shards kept from an earlier run (all of them when the output was already done). Timings (seconds)
+    `shards_skipped`: shards kept from an earlier run (all of them when the output was already done). `max_length`: the
+    `tokenize.max_length` rows were clipped to (`counts` says how many and what it cut off). Timings (seconds)
     are of this call: `shard_phase_seconds` wall time of the shards it ran; per shard it ran, `worker_seconds` (wall) and
     `worker_cpu_seconds` (CPU) inside the worker and `worker_peak_rss_mib`, that worker's peak resident memory.
     """
@@ -23,10 +24,25 @@ class TokenizeSummary:
     template_sha256: str
     template_matches_target: bool | None
     warnings: list[str] = field(default_factory=list)
+    max_length: int = 0
     shard_phase_seconds: float = 0.0
     worker_seconds: list[float] = field(default_factory=list)
     worker_cpu_seconds: list[float] = field(default_factory=list)
     worker_peak_rss_mib: list[float] = field(default_factory=list)
+
+
+def clip_warning(counts: dict[str, Any], max_length: int) -> str | None:
+    """The one warning line when more than 1% of the rows written were clipped to `max_length`, else None."""
+    rows, clipped = counts.get("rows_out", 0), counts.get("rows_clipped", 0)
+    if clipped * 100 <= rows:
+        return None
+    dropped = counts.get("supervised_tokens_clipped", 0)
+    supervised = counts.get("supervised_tokens", 0) + dropped  # before clipping
+    return (
+        f"{clipped:,} of {rows:,} rows ({100 * clipped / rows:.1f}%) were longer than tokenize.max_length {max_length} and were "
+        f"clipped, dropping {counts.get('tokens_clipped', 0):,} tokens of which {dropped:,} supervised "
+        f"({100 * dropped / max(supervised, 1):.1f}% of all supervised tokens); raise tokenize.max_length (--max-length) to keep them whole"
+    )
 
 
 def summary_lines(result: StageResult) -> list[str]:
@@ -45,6 +61,9 @@ def summary_lines(result: StageResult) -> list[str]:
         f"  thinking mode per row: {', '.join(f'{k} {v:,}' for k, v in c.get('thinking', {}).items()) or '-'}; "
         f"template sha256 {summary.template_sha256[:12]}",
     ]
+    if "rows_clipped" in c:  # absent from manifests written before clipping was counted
+        lines.append(f"  clipped to tokenize.max_length {summary.max_length}: rows {c['rows_clipped']:,}; tokens dropped "
+                     f"{c['tokens_clipped']:,}, of them supervised {c['supervised_tokens_clipped']:,}")
     rejected = c.get("rejected", {})
     if rejected:
         reasons = ", ".join(f"{k} {v:,}" for k, v in rejected.items())

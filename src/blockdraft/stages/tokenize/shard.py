@@ -55,6 +55,8 @@ SHARD_FORMAT = "blockdraft-tokenize-shard/1"
 CONVERSATION_BATCH = 32
 # Rows per Arrow record batch written.
 ARROW_BATCH_ROWS = 256
+# What clipping to max_length cut off, in every piece's stats: rows clipped, tokens dropped, supervised tokens dropped.
+CLIP_KEYS = ("rows_clipped", "tokens_clipped", "supervised_tokens_clipped")
 _PR_SET_PDEATHSIG = 1
 # progress(input bytes consumed, rows written, tokens written): deltas since the last call.
 Advance = Callable[[int, int, int], None]
@@ -195,9 +197,16 @@ def _record_batch(rows: list[tuple[TurnRow, str]], schema: pa.Schema) -> pa.Reco
 
 class _ShardCounts:
     def __init__(self) -> None:
-        self.c: Counter[str] = Counter()
+        self.c: Counter[str] = Counter(dict.fromkeys(CLIP_KEYS, 0))  # always recorded, so a piece without them is older
         self.rejected: Counter[str] = Counter()
         self.thinking: Counter[str] = Counter()
+
+    def add_row(self, split: str, row: TurnRow) -> None:
+        """A row written to `split`; a clipped one also adds what `max_length` cut off it (see `TurnRow`)."""
+        self.c.update({"rows_out": 1, f"{split}_rows": 1, "tokens": len(row.input_ids), "supervised_tokens": int(row.loss_mask.sum())})
+        self.thinking[row.thinking] += 1
+        if row.clipped_tokens:
+            self.c.update({"rows_clipped": 1, "tokens_clipped": row.clipped_tokens, "supervised_tokens_clipped": row.clipped_supervised})
 
     def as_dict(self) -> dict[str, Any]:
         return {**dict(self.c), "rejected": dict(self.rejected), "thinking": dict(self.thinking)}
@@ -386,11 +395,6 @@ def _process_batch(
             continue
         split = "held_out" if is_held_out(source_id, settings.held_out_fraction) else "train"
         writers[split].add(result, source_id)
-        n, s = int(result.input_ids.shape[0]), int(result.loss_mask.sum())
-        counts.c["rows_out"] += 1
-        counts.c[f"{split}_rows"] += 1
-        counts.c["tokens"] += n
-        counts.c["supervised_tokens"] += s
-        counts.thinking[result.thinking] += 1
-        rows, tokens = rows + 1, tokens + n
+        counts.add_row(split, result)
+        rows, tokens = rows + 1, tokens + int(result.input_ids.shape[0])
     return rows, tokens

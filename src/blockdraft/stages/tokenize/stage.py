@@ -32,9 +32,9 @@ from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.tokenize.hf_layout import KIND, output_schema, remove_leftovers, write_split_metadata
-from blockdraft.stages.tokenize.report import TokenizeSummary
+from blockdraft.stages.tokenize.report import TokenizeSummary, clip_warning
 from blockdraft.stages.tokenize.runner import ShardRunner
-from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, ShardTask, WorkerSettings, piece_key, tools_key
+from blockdraft.stages.tokenize.shard import CLIP_KEYS, SHARD_FORMAT, ShardOutput, ShardTask, WorkerSettings, piece_key, tools_key
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import FileEntry, InputRef, VerifyReport, entry_for_local_file
 from blockdraft.store.local import LocalStore
@@ -43,7 +43,8 @@ from blockdraft.store.transfer import stage_and_push
 
 STAGE = "tokenize"
 LOCK_NAME = ".blockdraft-tokenize.lock"  # in the output folder; held by the one run that writes it
-COUNT_KEYS = ("rows_in", "turns_in", "rows_out", "train_rows", "held_out_rows", "tokens", "supervised_tokens", "rejected_rows", "rejected_turns")
+COUNT_KEYS = ("rows_in", "turns_in", "rows_out", "train_rows", "held_out_rows", "tokens", "supervised_tokens", "rejected_rows", "rejected_turns",
+              *CLIP_KEYS)
 
 
 def run(
@@ -60,7 +61,7 @@ def run(
     Options come from `config.tokenize` (thinking, max_length, held_out_fraction, workers, rows_per_shard = rows per
     Arrow file, end_of_turn); `tokenizer`/`chat_template` override the target's (`config.target`). Reports (to a
     `Reporter()` when none is given) progress as ("tokenize", input bytes done, input bytes to do, rows=, tokens=), and
-    warnings (a template not the target's).
+    warnings (a template not the target's; more than 1% of the rows clipped to `tokenize.max_length`).
     Resumes: finished shards of this run are kept, the rest redone. Returns what was verified at the destination, with a
     `TokenizeSummary` as details; ConfigError for unusable input or options.
     """
@@ -75,9 +76,18 @@ def run(
             # Rewriting the manifest would change its sha256 and make every dependent artifact look stale.
             assert report.manifest is not None
             plan.summary.counts, plan.summary.shards_skipped = report.manifest.counts, len(plan.tasks)
+            _warn_if_clipped(plan.summary, reporter)
             return StageResult(STAGE, plan.out.url, report, True, time.perf_counter() - started, plan.summary)
         report = _tokenize(plan, runner, reporter)
+    _warn_if_clipped(plan.summary, reporter)
     return StageResult(STAGE, plan.out.url, report, False, time.perf_counter() - started, plan.summary)
+
+
+def _warn_if_clipped(summary: TokenizeSummary, reporter: Reporter) -> None:
+    message = clip_warning(summary.counts, summary.max_length)
+    if message is not None:
+        reporter.warn(message)
+        summary.warnings.append(message)
 
 
 def finished_shard_entries(local_dir: Path) -> list[FileEntry]:
@@ -157,7 +167,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | No
     run_config["tokenize"].pop("workers")  # how many processes ran does not change the rows
     out = StageOutput(out_store, KIND, stage_key({"config_digest": digest}, lineage))
     summary = TokenizeSummary(counts={}, shards_total=len(tasks), shards_skipped=0, template_sha256=src.template.sha256,
-                              template_matches_target=matches, warnings=warnings)
+                              template_matches_target=matches, warnings=warnings, max_length=opts.max_length)
     return _Plan(config, src, eot_id, digest, out, out_dir, in_store, tasks, lineage, run_config, summary)
 
 
@@ -189,11 +199,14 @@ def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> VerifyRep
 
 
 def _keep_finished_shards(plan: _Plan) -> dict[str, ShardOutput]:
-    """The shards whose pieces match this run, by name; every other piece, temporary file and unnamed file is deleted."""
+    """The shards whose pieces match this run, by name; every other piece, temporary file and unnamed file is deleted.
+
+    A piece recorded before clipping was counted (no CLIP_KEYS in its stats) is redone, so the run's counts stay exact.
+    """
     kept = {}
     for task in plan.tasks:
         piece = plan.out.finished_piece(task.name, piece_key(plan.digest, task))
-        if piece is not None:
+        if piece is not None and all(k in piece.counts.get("stats", {}) for k in CLIP_KEYS):
             kept[task.name] = ShardOutput(task.name, list(piece.files), piece.counts)
     for name in plan.out.recorded_pieces():
         if name not in kept:
