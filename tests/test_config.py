@@ -42,6 +42,25 @@ def test_a_bad_field_is_one_line_naming_it(tmp_path, text, field):
     assert f"'{field}'" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(("ids", "why"), [("[5, 1, 3]", "5 before 1"), ("[3, 3]", "3 repeated")])
+def test_target_layer_ids_must_be_strictly_ascending_and_unique(tmp_path, ids, why):
+    """The engines read the target's layers in order, once each: other ids fail at load, one line naming the field."""
+    (tmp_path / "c.toml").write_text(f"[dflash]\ntarget_layer_ids = {ids}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "c.toml")
+    message = str(err.value)
+    assert "'dflash.target_layer_ids'" in message and f"strictly ascending and unique ({why})" in message
+    assert "\n" not in message
+    (tmp_path / "ok.toml").write_text("[dflash]\ntarget_layer_ids = [1, 3, 5]\n")
+    assert load_config(tmp_path / "ok.toml").dflash.target_layer_ids == [1, 3, 5]
+
+
+def test_target_dtype_defaults_to_the_target_configs_own(tmp_path):
+    assert load_config().target.dtype is None  # resolved against the target's config.json where it is used
+    (tmp_path / "c.toml").write_text("[target]\ndtype = 'bfloat16'\n")
+    assert load_config(tmp_path / "c.toml").target.dtype == "bfloat16"
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")

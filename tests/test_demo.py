@@ -7,12 +7,16 @@ with `--store s3://...` would.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.pipeline import run_demo
+from blockdraft.store import open_store
+from blockdraft.store.artifact import State
+from blockdraft.store.status import status
 
 STAGES = {"completions", "tokenized", "eval", "export"}
 
@@ -43,6 +47,22 @@ def test_demo_ci_profile_on_the_local_store(tmp_path):
     # The store is a folder inside the workdir by default, and the export is what SGLang/vLLM load.
     export = tmp_path / "work" / "store" / "export"
     assert json.loads((export / "config.json").read_text())["dflash_config"]["block_size"] == 8
+
+    # Two machines: the training node pulled `tokenized` into its own folder and trained from it. With that folder gone
+    # (another machine's disk), status on the store still finds every artifact verified: lineage pins the store's copy.
+    store = tmp_path / "work" / "store"
+    shutil.rmtree(tmp_path / "work" / "train-node")
+    after = runner.invoke(app, ["status", str(store)])
+    assert after.exit_code == 0, after.output
+    assert {line.split("\t")[0] for line in after.stdout.splitlines()} == {"verified"}, after.stdout
+    # One byte of the tokenized artifact's input changes at the store: everything made from it turns stale.
+    shard = next(p for p in sorted((store / "completions").rglob("*.jsonl*")) if p.is_file())
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    states = {a.root.split("/")[0]: a.state for a in status(open_store(store))}
+    assert states == {"completions": State.CORRUPT, "tokenized": State.STALE, "checkpoints": State.STALE,
+                      "eval": State.STALE, "export": State.STALE}, states
 
 
 @pytest.mark.s3

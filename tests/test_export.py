@@ -90,10 +90,14 @@ def test_export_round_trip_gives_identical_logits(tmp_path, golden_drafter):
                        _draft_logits(drafter, head, {**golden, "target_features": spec_features}))
 
 
-def test_export_schema_five_layers(tmp_path, target_config):
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_export_schema_five_layers(tmp_path, target_config, dtype):
+    """The tensor set and config engines read, in the target config's own dtype (float32 here) or the one configured."""
     spec = DrafterSpec.from_target_config(target_config, DFlashConfig(block_size=16, mask_token_id=511))
-    result = export_drafter(DFlashDrafter(spec), target_config, destination(tmp_path / "out"), location="/srv/drafter")
+    result = export_drafter(DFlashDrafter(spec), target_config, destination(tmp_path / "out"), location="/srv/drafter", dtype=dtype)
     tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
+    stored = dtype or "float32"
+    assert {str(t.dtype) for t in tensors.values()} == {f"torch.{stored}"}
     h, k, d, inner = 64, 5, 16, 128
     expected = {"fc.weight": (h, k * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
     for i in range(5):
@@ -116,12 +120,14 @@ def test_export_schema_five_layers(tmp_path, target_config):
     assert "rope_scaling" in config and config["num_target_layers"] == 8 and config["vocab_size"] == 512
     assert config["num_hidden_layers"] == 5 and config["layer_types"] == ["full_attention"] * 5
     assert config["tie_word_embeddings"] is False and config["hidden_act"] == "silu"
+    assert config["dtype"] == stored
 
     serving = json.loads((tmp_path / "out" / SERVING_NAME).read_text())
     assert serving == result.details.serving
     assert "--speculative-algorithm DFLASH" in serving["sglang_args"]
-    assert "--speculative-draft-model-path /srv/drafter --speculative-num-draft-tokens 16" in serving["sglang_args"]
+    assert f"--speculative-draft-model-path /srv/drafter --speculative-num-draft-tokens 16 --dtype {stored}" in serving["sglang_args"]
     assert serving["vllm_speculative_config"] == {"method": "dflash", "model": "/srv/drafter", "num_speculative_tokens": 15}
+    assert serving["drafter_dir"] == "/srv/drafter" and serving["pull_command"] is None and serving["dtype"] == stored
 
 
 @pytest.mark.parametrize(
@@ -185,9 +191,13 @@ def test_export_from_training_run_records_provenance(tmp_path, golden_drafter):
 def test_export_cli_prints_serving_settings_and_refuses_bad_input(tmp_path, golden_drafter):
     run = _checkpoint(tmp_path, golden_drafter)
     runner = CliRunner()
-    ok = runner.invoke(app, ["export", str(run / "step-00000020"), str(tmp_path / "export")])
+    ok = runner.invoke(app, ["export", str(run / "step-00000020"), f"file://{tmp_path / 'export'}"])
     assert ok.exit_code == 0, ok.output
     assert "--speculative-algorithm DFLASH" in ok.output and '"num_speculative_tokens": 3' in ok.output
+    # a file:// destination is served as the folder it names, in the target's dtype, with nothing to pull
+    assert f"--speculative-draft-model-path {tmp_path / 'export'} " in ok.output and "--dtype float32" in ok.output
+    assert f'"model": "{tmp_path / "export"}"' in ok.output and "file://" not in ok.stdout.split("SGLang:", 1)[1]
+    assert "blockdraft pull" not in ok.output
 
     # a checkpoint whose pinned config contradicts its config.json
     bad = _checkpoint(tmp_path / "bad", golden_drafter, mask_token_id=510)
@@ -298,3 +308,67 @@ def test_tiny_published_style_round_trips_in_bf16(tmp_path, rope_scaling):
     first = draft_step(drafter, DraftCache(), features, block, start=40)
     second = draft_step(again, DraftCache(), features, block, start=40)
     assert torch.isfinite(first.float()).all() and torch.equal(first, second)
+
+
+@pytest.fixture(scope="module")
+def bf16_target(tmp_path_factory):
+    """The golden target saved in bf16: its config.json names "dtype": "bfloat16", as Qwen3/3.5/3.6 checkpoints do."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("bf16-target")
+    AutoModelForCausalLM.from_pretrained(GOLDEN / "target", dtype=torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def test_export_of_a_bf16_target_checkpoint_is_bf16_and_keeps_the_logits(tmp_path, golden_drafter, bf16_target):
+    """The checkpoint holds fp32 master weights; the export of it for a bf16 target stores every tensor in bf16, says so in
+    config.json, prints SGLang's --dtype bfloat16, and loads back with the fp32 drafter's logits within bf16 rounding."""
+    cfg = BlockdraftConfig(
+        target=TargetConfig(path=str(bf16_target)),
+        dflash=DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+    )
+    run = tmp_path / "run"
+    save_checkpoint(open_store(run), 5, golden_drafter, {"step": 5}, cfg.resolved(), [], {"step": 5})
+    out = tmp_path / "export"
+    result = export_stage.run(cfg, str(run), str(out))
+
+    assert {t.dtype for t in load_file(str(run / "step-00000005" / "model.safetensors")).values()} == {torch.float32}
+    config = json.loads((out / "config.json").read_text())
+    written, reference = load_file(str(out / "model.safetensors")), load_file(str(GOLDEN / "drafter" / "model.safetensors"))
+    assert config["dtype"] == "bfloat16" and {t.dtype for t in written.values()} == {torch.bfloat16}
+    assert sorted(written) == sorted(reference) and all(torch.equal(written[n], t.to(torch.bfloat16)) for n, t in reference.items())
+    for field in DFLASH_FIELDS:  # nothing else about the format changes
+        assert config[field] == json.loads((GOLDEN / "drafter" / "config.json").read_text())[field], field
+    assert "--dtype bfloat16" in result.details.serving["sglang_command"] and result.details.provenance["dtype"] == "bfloat16"
+
+    loaded = DFlashDrafter.from_pretrained(out).eval()
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+    target = load_target(str(bf16_target), attn_implementation="eager")
+    assert target.dtype == torch.bfloat16  # target.dtype unset: the target config's own dtype
+    golden = load_file(str(GOLDEN / "golden.safetensors"))
+    head32 = TargetHead.from_target(load_target(str(GOLDEN / "target"), attn_implementation="eager"))
+    expected = _draft_logits(golden_drafter, head32, golden)
+    served = _draft_logits(loaded, TargetHead.from_target(target), {**golden, "target_features": golden["target_features"].bfloat16()})
+    assert served.dtype == torch.bfloat16 and torch.equal(served.argmax(-1), expected.argmax(-1))
+    # bf16 keeps 8 significant bits: after the rounded layers, within a few hundredths of the logits' scale (0.42 of 12.7 here)
+    torch.testing.assert_close(served.float(), expected, rtol=0.0, atol=0.05 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize(("ids", "why"), [([5, 1, 3], "5 before 1"), ([3, 3], "3 repeated")])
+def test_an_export_with_unsorted_or_repeated_layer_ids_is_refused_at_load(tmp_path, ids, why):
+    """A drafter folder whose dflash_config.target_layer_ids the engines cannot serve: loading it (an eval baseline, a
+    train.init_from, an export of a checkpoint) fails with one line naming the field."""
+    from blockdraft.stages.train.init import load_init_drafter
+
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes((GOLDEN / "drafter" / "model.safetensors").read_bytes())
+    config = json.loads((GOLDEN / "drafter" / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = ids
+    (folder / "config.json").write_text(json.dumps(config))
+    for load in (DFlashDrafter.from_pretrained, lambda path: load_init_drafter(str(path), None)):
+        with pytest.raises(SpecError) as refused:
+            load(folder)
+        message = str(refused.value)
+        assert "dflash_config.target_layer_ids" in message and f"strictly ascending and unique ({why})" in message
+        assert "\n" not in message

@@ -173,6 +173,23 @@ def test_refusals_name_the_field(target, drafter):
         deeper.check_target(target.config)
 
 
+@pytest.mark.parametrize(("ids", "why"), [([5, 1, 3], "5 before 1"), ([3, 3], "3 repeated")])
+def test_unsorted_or_repeated_layer_ids_are_refused_wherever_they_enter(target, drafter, ids, why):
+    """The engines feed `fc` the target's layers in layer order, once each: a spec, a drafter config.json and the target's
+    feature reader all refuse other ids with one line naming target_layer_ids."""
+    message = rf"target_layer_ids \[{ids[0]}, .*\] must be strictly ascending and unique \({why}\)"
+    with pytest.raises(SpecError, match=message) as refused:
+        DrafterSpec(**{**drafter.spec.to_dict(), "target_layer_ids": ids})
+    assert "\n" not in str(refused.value) and "dflash.target_layer_ids" in str(refused.value)
+    config = drafter.spec.to_export_config()
+    with pytest.raises(SpecError, match="drafter config.json dflash_config." + message):
+        DrafterSpec.from_export_config({**config, "dflash_config": {**config["dflash_config"], "target_layer_ids": ids}})
+    with pytest.raises(SpecError, match=message):
+        TargetModel(target, ids)
+    ordered = DrafterSpec(**{**drafter.spec.to_dict(), "target_layer_ids": sorted(set(ids))})
+    assert ordered.target_layer_ids == sorted(set(ids))
+
+
 def test_target_head_frozen_bit_equal_copies(golden, target, drafter):
     head = TargetHead.from_target(target)
     embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
@@ -204,7 +221,7 @@ def test_state_dict_is_the_export_tensor_set(drafter):
 
 
 def test_target_features_stop_after_deepest_layer(golden, target):
-    wrapper = TargetModel(target, [3, 1])
+    wrapper = TargetModel(target, [1, 3])
     ran = []
     handles = [layer.register_forward_hook(lambda *_, i=i: ran.append(i)) for i, layer in enumerate(wrapper.layers)]
     handles.append(target.get_output_embeddings().register_forward_hook(lambda *_: ran.append("lm_head")))
@@ -215,7 +232,7 @@ def test_target_features_stop_after_deepest_layer(golden, target):
             handle.remove()
     assert ran == [0, 1, 2, 3]  # layers 4..7 and the LM head are skipped
     states = target(input_ids=golden["context_ids"], output_hidden_states=True).hidden_states
-    assert torch.equal(features, torch.cat([states[4], states[2]], dim=-1))  # the order of layer_ids is kept
+    assert torch.equal(features, torch.cat([states[2], states[4]], dim=-1))  # in layer order, as the engines read them
     assert not features.requires_grad
 
 

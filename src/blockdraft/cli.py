@@ -127,9 +127,8 @@ def export(
     with ConsoleReporter(console) as reporter:
         result = export_stage.run(load_config(config), checkpoint, out, reporter, target=target)
     console.print(f"[green]verified[/]: {result.report.summary()} at {result.url}", highlight=False)
-    serving = result.details.serving
-    print(f"SGLang: {serving['sglang_command']}")
-    print(f"vLLM:   {serving['vllm_command']}")
+    for line in export_stage.serving_lines(result.details.serving):  # for a store URL, the pull step comes first
+        print(line)
 
 
 @app.command("eval")
@@ -307,6 +306,7 @@ def demo(
 ) -> None:
     """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
     from blockdraft.pipeline import SIZES, TARGETS, DemoTarget, Profile, run_demo
+    from blockdraft.stages.export import serving_lines
 
     if profile not in SIZES:
         raise typer.BadParameter(f"--profile must be one of {', '.join(SIZES)}, not {profile!r}")
@@ -323,6 +323,9 @@ def demo(
     print(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: {'yes' if result.lossless else 'NO'}")
     print(f"target's answers, distinct-4-gram ratio: {result.distinct_4gram:.2f}")
     print(f"wall time {result.wall_s:.1f}s, peak RSS {result.peak_rss_mib:.0f} MiB; status page: {result.workdir / 'PROGRESS.md'}")
+    print("\nserve the exported drafter beside the target:")
+    for line in serving_lines(result.serving):
+        print(line)
     if not result.lossless or any(state != "verified" for state in result.states.values()):
         raise typer.Exit(1)
 

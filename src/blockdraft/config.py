@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from blockdraft.errors import ConfigError
 
@@ -23,12 +24,28 @@ class _Section(BaseModel):
 
 
 class TargetConfig(_Section):
-    """The frozen target model; its tokenizer and chat template are the defaults for tokenize."""
+    """The frozen target model; its tokenizer and chat template are the defaults for tokenize.
+
+    `dtype` is what the target runs in and what the export is stored in; None: the dtype the target's own config.json
+    names (`dtype`, or `torch_dtype` in older configs), float32 when it names none."""
 
     path: str | None = None
     tokenizer: str | None = None
     chat_template: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+
+
+def layer_ids_problem(ids: Sequence[int]) -> str | None:
+    """Why target layer ids cannot be served, or None. The engines capture the target's hidden states while walking its
+    layers, in layer order and once each, so the ids must be strictly ascending and unique: unsorted ids would silently
+    permute `fc`'s input, repeated ones crash at the first request."""
+    ids = list(ids)
+    pair = next(((a, b) for a, b in zip(ids, ids[1:]) if a >= b), None)
+    if pair is None:
+        return None
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    why = f"{', '.join(map(str, repeated))} repeated" if repeated else f"{pair[0]} before {pair[1]}"
+    return f"{ids} must be strictly ascending and unique ({why}): the engines read the target's layers in order, once each"
 
 
 class TokenizeConfig(_Section):
@@ -57,6 +74,14 @@ class DFlashConfig(_Section):
     # One kind per drafter layer (None: all full attention); sliding layers need sliding_window >= block_size.
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
     sliding_window: int | None = Field(default=None, ge=1)
+
+    @field_validator("target_layer_ids")
+    @classmethod
+    def _ascending_unique(cls, ids: list[int] | None) -> list[int] | None:
+        problem = None if ids is None else layer_ids_problem(ids)
+        if problem:
+            raise ValueError(f"{problem}; use {sorted(set(ids or []))}")
+        return ids
 
 
 class StoreConfig(_Section):

@@ -86,6 +86,7 @@ class DemoResult:
     wall_s: float = 0.0
     peak_rss_mib: float = 0.0
     eval_report: EvalReport | None = None
+    serving: dict[str, Any] = field(default_factory=dict)  # the export's serving.json: pull step (store URL) and commands
 
 
 def _toml_value(value: Any) -> str:
@@ -234,7 +235,8 @@ def _run(
     timed("train", lambda: train.run(cfg, reporter=reporter), lambda trained: trained.url)
     held_out = str(target_dir / "prompts.jsonl")  # prompts the target never trained on, absent from the completions
     evaluated = timed("eval", lambda: eval_stage.run(cfg, run_dir, f"{store}/eval", reporter, prompts=held_out), f"{store}/eval")
-    timed("export", lambda: export.run(cfg, run_dir, f"{store}/export", reporter), f"{store}/export")
+    exported = timed("export", lambda: export.run(cfg, run_dir, f"{store}/export", reporter), f"{store}/export")
+    result.serving = exported.details.serving
 
     # Every artifact, as the store holds it.
     artifacts = timed("status", lambda: status(open_store(store, cfg.store)))

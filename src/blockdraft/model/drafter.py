@@ -215,11 +215,14 @@ class DFlashDrafter(nn.Module):
         # keep the stored precision unless asked otherwise (load_state_dict copied it into fp32 parameters)
         return model.to(device=device, dtype=dtype or state["fc.weight"].dtype)
 
-    def save_pretrained(self, path: str | Path) -> list[Path]:
-        """Write config.json + model.safetensors (the export format); returns the two paths."""
+    def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> list[Path]:
+        """Write config.json + model.safetensors (the export format); returns the two paths.
+
+        `dtype` None stores the parameters' own dtype; else every tensor is cast to it on the way out (the module itself,
+        e.g. fp32 master weights, is left as it is), and config.json's "dtype" names it."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {name: t.detach().to("cpu").contiguous() for name, t in self.state_dict().items()}
+        state = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in self.state_dict().items()}
         config = self.spec.to_export_config()
         config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
         weights = path / WEIGHTS_NAME

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from blockdraft.config import layer_ids_problem
 from blockdraft.errors import SpecError
 from blockdraft.model.attention import FULL_ATTENTION, LAYER_KINDS, SLIDING_ATTENTION
 from blockdraft.model.rope import DEFAULT_ROPE, clean_scaling, rope_type_of
@@ -149,6 +150,9 @@ class DrafterSpec:
             )
         if not self.target_layer_ids:
             raise SpecError("dflash.target_layer_ids is empty; give at least one target layer id")
+        problem = layer_ids_problem(self.target_layer_ids)
+        if problem:
+            raise SpecError(f"dflash.target_layer_ids {problem}; use {sorted(set(self.target_layer_ids))}")
         bad = [i for i in self.target_layer_ids if not 0 <= i <= self.num_target_layers - 2]
         if bad:
             raise SpecError(
@@ -311,6 +315,9 @@ class DrafterSpec:
         block_size = dflash.get("block_size", config.get("block_size"))
         if block_size is None:
             raise SpecError("drafter config.json has no block_size (top level or dflash_config); it is not a DFlash export")
+        problem = layer_ids_problem([int(i) for i in dflash["target_layer_ids"]])
+        if problem:
+            raise SpecError(f"drafter config.json dflash_config.target_layer_ids {problem}; this drafter cannot be loaded or served")
         heads = config["num_attention_heads"]
         layer_types, window = _export_layer_types(config)
         theta, scaling = _export_rope(config)

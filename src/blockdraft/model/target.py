@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockdraft.config import layer_ids_problem
 from blockdraft.errors import ConfigError, SpecError
 from blockdraft.model.spec import TargetShape
 from blockdraft.reporter import Reporter
@@ -79,6 +80,9 @@ class TargetModel:
             raise SpecError(
                 f"target layer ids {bad} outside 0..{self.shape.num_layers - 2} for a {self.shape.num_layers}-layer target; fix dflash.target_layer_ids"
             )
+        problem = layer_ids_problem(layer_ids)
+        if problem:
+            raise SpecError(f"dflash.target_layer_ids {problem}; use {sorted(set(layer_ids))}")
         self.layer_ids = list(layer_ids)
         self.layers = decoder_layers(hf_model, self.shape.num_layers)
 
@@ -134,23 +138,43 @@ def missing_kernels_warning(hf_config: Any, device: torch.device | str) -> str |
     )
 
 
+TARGET_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def target_dtype(configured: str | None, hf_config: Any) -> str:
+    """The dtype the target runs in and the drafter is exported in: `target.dtype` when set, else the one the target's
+    config names (`dtype`, or `torch_dtype` in older configs; a composite config's text part when only it names one),
+    else float32 (what transformers loads such a checkpoint in). The same rule for train, eval, generate and export."""
+    if configured:
+        return configured
+    for cfg in (hf_config, getattr(hf_config, "get_text_config", lambda: hf_config)()):
+        named = getattr(cfg, "dtype", None) or getattr(cfg, "__dict__", {}).get("torch_dtype")
+        if named is None:
+            continue
+        name = str(named).removeprefix("torch.")
+        if name not in TARGET_DTYPES:
+            raise ConfigError(f"the target's config names dtype {name}; set target.dtype to one of {', '.join(TARGET_DTYPES)}")
+        return name
+    return "float32"
+
+
 def load_target(
     path: str,
     device: torch.device | str = "cpu",
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = None,
     attn_implementation: str | None = None,
     reporter: Reporter | None = None,
 ) -> PreTrainedModel:
-    """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device`; warns through `reporter` when a
-    hybrid target on CUDA lacks its fast kernels."""
+    """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device`, in `dtype` (None: `target_dtype`
+    of its config); warns through `reporter` when a hybrid target on CUDA lacks its fast kernels."""
     from transformers import AutoModelForCausalLM
 
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    kwargs = {"dtype": dtype}
+    hf_config = load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
+    if not isinstance(dtype, torch.dtype):
+        dtype = getattr(torch, target_dtype(dtype, hf_config))
+    kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    hf_config = load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
     warning = missing_kernels_warning(hf_config, device)
     if warning and reporter is not None:
         reporter.warn(warning)

@@ -116,7 +116,7 @@ def _decode_and_measure(
         if path is None:
             continue
         try:
-            drafter = DFlashDrafter.from_pretrained(path, device=cfg.placement.drafter_devices[0], dtype=getattr(torch, cfg.target.dtype))
+            drafter = DFlashDrafter.from_pretrained(path, device=cfg.placement.drafter_devices[0], dtype=hf_model.dtype)
             drafter.spec.check_target(hf_model.config)
         except (SpecError, ArtifactError) as exc:
             raise type(exc)(f"{where}: {exc}") from None  # the same error, naming which drafter it is about

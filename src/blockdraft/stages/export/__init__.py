@@ -3,6 +3,6 @@ settings, provenance) as its details; `export_drafter` writes a drafter held in 
 
 from __future__ import annotations
 
-from blockdraft.stages.export.stage import SERVING_NAME, ExportResult, export_drafter, run, serving_settings
+from blockdraft.stages.export.stage import SERVING_NAME, ExportResult, export_drafter, run, serving_lines, serving_settings
 
-__all__ = ["SERVING_NAME", "ExportResult", "export_drafter", "run", "serving_settings"]
+__all__ = ["SERVING_NAME", "ExportResult", "export_drafter", "run", "serving_lines", "serving_settings"]

@@ -3,10 +3,13 @@
 The export folder holds `config.json` + `model.safetensors` exactly as docs/DFLASH.md specifies (no embedding,
 no LM head), `blockdraft-export.json` (the resolved blockdraft config, the DFlash parameters, the chat-template hash,
 thinking mode and data lineage the drafter was trained with) and `serving.json` (the engine settings), and its manifest.
+The tensors are stored in the target's dtype (`target.dtype`, default the target config's own), as published drafters are:
+SGLang under `--dtype auto` runs a drafter in the dtype its config.json names (float32 becoming float16), so an fp32 export
+beside a bf16 target fails at the first request. The checkpoint keeps its fp32 master weights; only the export casts.
 
 It is written through `StageOutput` (docs/STORE.md, "Stage outputs and inputs"), keyed by the checkpoint (by content),
-the target whose config it is checked against and the location the serving settings name: a rerun with those unchanged
-leaves the export as it is.
+the target whose config it is checked against, the dtype and the location the serving settings name: a rerun with those
+unchanged leaves the export as it is.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import shlex
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import torch
 from transformers import AutoConfig
 
 from blockdraft.config import BlockdraftConfig, StoreConfig
@@ -26,6 +30,7 @@ from blockdraft.errors import ExportError, SpecError
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.formats import CONFIG_NAME, EXPORT_KIND, PINNED_CONFIG_NAME, PROVENANCE_NAME, WEIGHTS_NAME, open_drafter_artifact
 from blockdraft.model.spec import DrafterSpec, default_gamma
+from blockdraft.model.target import target_dtype
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.store import open_store
@@ -52,7 +57,8 @@ def run(
     """Export the verified checkpoint at `input` (a folder or URL, or a training output holding step-* checkpoints) to
     `output` (a folder or s3:// URL); `details` is an ExportResult.
 
-    `target` overrides where the target model's config is read from (default: target.path pinned in the checkpoint).
+    `target` overrides where the target model's config is read from (default: target.path pinned in the checkpoint); the
+    tensors are stored in `config.target.dtype`, default that target config's own dtype.
     Raises ArtifactError for an input that is not a verified drafter, ExportError for an inconsistent checkpoint or an
     unreadable target, SpecError for a drafter the target contradicts.
     """
@@ -67,7 +73,10 @@ def run(
         target_path = target or resolved.get("target", {}).get("path")
         if not target_path:
             raise ExportError("the checkpoint pins no target.path; pass --target with the target model's folder or hub id")
-        out = StageOutput(out_store, EXPORT_KIND, stage_key({"target": target_path, "location": output}, [checkpoint.ref]))
+        target_config = _target_config(target_path)
+        dtype = target_dtype(config.target.dtype, target_config)
+        key = {"target": target_path, "location": output, "dtype": dtype}
+        out = StageOutput(out_store, EXPORT_KIND, stage_key(key, [checkpoint.ref]))
         done = out.done()
         if done is not None:
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; nothing written")
@@ -77,7 +86,7 @@ def run(
     _check_pinned(drafter.spec, dflash)
     result = export_drafter(
         drafter,
-        _target_config(target_path),
+        target_config,
         out,
         resolved_config=resolved,
         lineage=[checkpoint.ref],
@@ -86,6 +95,7 @@ def run(
         location=output,
         target_path=target_path,
         store_config=config.store,
+        dtype=dtype,
     )
     result.seconds = time.perf_counter() - started
     return result
@@ -102,19 +112,24 @@ def export_drafter(
     location: str | None = None,
     target_path: str | None = None,
     store_config: StoreConfig | None = None,
+    dtype: str | None = None,
 ) -> StageResult:
     """Check the drafter against the target's HF config, write the export files to `out`, commit them as an artifact.
 
     Refuses (SpecError) a mask id >= the target's embedding rows, layer ids outside the target, a hidden size that differs,
     before anything is written. `lineage` pins the export's inputs (the checkpoint); `data_lineage` (the checkpoint's own
     inputs: the tokenized data) is described in blockdraft-export.json with the template and thinking fields of those
-    inputs' manifests. `location` is what the serving settings name as the drafter path (default: the output's URL).
+    inputs' manifests. `location` is where the drafter will be found (default: the output's URL): the serving settings name
+    it, or for a store URL a local folder with the pull step. `dtype` is the stored dtype (None: `target_dtype`).
     """
     spec = drafter.spec
     spec.check_target(target_config)
-    serving = serving_settings(location or out.url, spec.block_size, target_path)
+    dtype = target_dtype(dtype, target_config)
+    endpoint = store_config.endpoint_url if store_config is not None else None
+    serving = serving_settings(location or out.url, spec.block_size, target_path, dtype, endpoint)
     provenance = {
         "format": PROVENANCE_FORMAT,
+        "dtype": dtype,
         "dflash": {
             "mask_token_id": spec.mask_token_id,
             "target_layer_ids": list(spec.target_layer_ids),
@@ -131,7 +146,7 @@ def export_drafter(
     out.begin()
     with tempfile.TemporaryDirectory(prefix="blockdraft-export-") as tmp:
         root = Path(tmp)
-        paths = drafter.save_pretrained(root)
+        paths = drafter.save_pretrained(root, dtype=getattr(torch, dtype))
         for name, payload in ((PROVENANCE_NAME, provenance), (SERVING_NAME, serving)):
             (root / name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
             paths.append(root / name)
@@ -140,18 +155,49 @@ def export_drafter(
     return StageResult(STAGE, out.url, report, details=ExportResult(serving, provenance))
 
 
-def serving_settings(location: str, block_size: int, target: str | None = None) -> dict[str, Any]:
-    """Engine settings for a drafter at `location` with block size B: SGLang drafts B tokens per block, vLLM counts B-1."""
-    sglang = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", location,
-              "--speculative-num-draft-tokens", str(block_size)]
-    vllm = {"method": "dflash", "model": location, "num_speculative_tokens": block_size - 1}
+def drafter_folder(location: str) -> tuple[str, bool]:
+    """(the local folder the engines are given, whether it must be pulled first) for a drafter at `location`.
+
+    The engines take a local folder or a hub id, never a URL: a local export (a path or file:// URL) is named by its
+    absolute path; a store URL (s3://...) by `./NAME`, NAME its last path segment, which `blockdraft pull` fills."""
+    if location.startswith("file://"):
+        return str(Path(location.removeprefix("file://")).absolute()), False
+    if "://" in location:
+        name = PurePosixPath(location.split("://", 1)[1].rstrip("/")).name or "drafter"
+        return f"./{name}", True
+    return str(Path(location).absolute()), False
+
+
+def serving_settings(
+    location: str, block_size: int, target: str | None = None, dtype: str = "float32", endpoint_url: str | None = None
+) -> dict[str, Any]:
+    """Engine settings for a drafter at `location` (a folder or URL) with block size B, beside a target running in `dtype`.
+
+    SGLang drafts B tokens per block and gets `--dtype` (under `auto` it would take the drafter's dtype from config.json);
+    vLLM counts B-1 and casts the drafter to the target's dtype itself. `pull_command` (None for a local export) fetches a
+    store export into `drafter_dir`, the folder both commands name; `endpoint_url` is the S3 endpoint it needs, if any."""
+    folder, pull = drafter_folder(location)
+    sglang = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", folder,
+              "--speculative-num-draft-tokens", str(block_size), "--dtype", dtype]
+    vllm = {"method": "dflash", "model": folder, "num_speculative_tokens": block_size - 1}
     model = target or "TARGET_MODEL"
+    endpoint = ["--endpoint-url", endpoint_url] if endpoint_url else []
     return {
+        "export_url": location if pull else f"file://{folder}",
+        "drafter_dir": folder,
+        "pull_command": shlex.join(["blockdraft", "pull", location, folder, *endpoint]) if pull else None,
+        "dtype": dtype,
         "sglang_args": shlex.join(sglang),
         "vllm_speculative_config": vllm,
         "sglang_command": shlex.join(["python", "-m", "sglang.launch_server", "--model-path", model, *sglang]),
         "vllm_command": shlex.join(["vllm", "serve", model, "--speculative-config", json.dumps(vllm)]),
     }
+
+
+def serving_lines(serving: dict[str, Any]) -> list[str]:
+    """The serving settings as printed: the pull step first when the export is at a store URL, then both commands."""
+    pull = [f"Pull:   {serving['pull_command']}"] if serving.get("pull_command") else []
+    return [*pull, f"SGLang: {serving['sglang_command']}", f"vLLM:   {serving['vllm_command']}"]
 
 
 def _pinned_config(checkpoint: StageInput, dest: Path) -> dict[str, Any]:
@@ -227,4 +273,4 @@ def _stored(out: StageOutput) -> ExportResult:
     return ExportResult(json.loads(out.store.read_bytes(SERVING_NAME)), json.loads(out.store.read_bytes(PROVENANCE_NAME)))
 
 
-__all__ = ["SERVING_NAME", "STAGE", "ExportResult", "export_drafter", "run", "serving_settings"]
+__all__ = ["SERVING_NAME", "STAGE", "ExportResult", "drafter_folder", "export_drafter", "run", "serving_lines", "serving_settings"]

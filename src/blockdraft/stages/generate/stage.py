@@ -33,6 +33,7 @@ from blockdraft.config import BlockdraftConfig
 from blockdraft.data.formats import COMPLETIONS_KIND
 from blockdraft.decode.greedy import Prompt
 from blockdraft.errors import ConfigError
+from blockdraft.model.target import load_target_config, target_dtype
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.generate.engines import Failure, HFEngine, OpenAIEngine
@@ -160,7 +161,8 @@ def _make_engine(cfg: BlockdraftConfig) -> HFEngine | OpenAIEngine:
                             g.retry_backoff_s, g.temperature, g.request_token_ids, g.api_key_env)
     if not cfg.target.path:
         raise ConfigError("generate.engine is 'hf' but target.path is not set; set it to the target model's folder or hub id")
-    return HFEngine(cfg.target.path, cfg.target.tokenizer, cfg.target.dtype, g.max_new_tokens, g.batch_size, g.temperature)
+    dtype = target_dtype(cfg.target.dtype, load_target_config(cfg.target.path))
+    return HFEngine(cfg.target.path, cfg.target.tokenizer, dtype, g.max_new_tokens, g.batch_size, g.temperature)
 
 
 def _refuse_other_output(out: StageOutput, held: HeldShards, settings: dict[str, Any], prompt_ids: set[str], input: str) -> None:

@@ -140,6 +140,7 @@ class Trainer:
         self.target = TargetModel(hf_target, self.spec.target_layer_ids)
         self.head = TargetHead.from_target(hf_target, place.drafter_device)
         resolved = resolved_training_config(config, self.spec, output_url, rows.tokenize_run)
+        resolved["target"]["dtype"] = str(hf_target.dtype).removeprefix("torch.")  # what target.dtype resolved to
         identity = run_identity(resolved, place.world_size, rows.lineage.sha256)
         self.checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, reporter)
 
