@@ -41,7 +41,7 @@ class RequestLog:
     def __init__(self, store) -> None:
         self.calls: list[str] = []
         self.sent = 0
-        events = store.at.conn.client.meta.events
+        events = store.at.conn.probe_client.meta.events
         events.register("before-call.s3", self.on_call)
         events.register("before-send.s3", self.on_send)
 

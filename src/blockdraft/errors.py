@@ -1,9 +1,17 @@
 """The errors a user can cause and fix: bad input, a wrong config, a store that cannot be reached, an artifact that
 does not verify. Each is one line naming the cause and the fix; the CLI prints it and exits 2. Anything else is a bug
 and keeps its traceback.
+
+`redact` is the gate every text from a server passes before it becomes part of such a line, a failure record or a
+manifest: a server may echo the key it was sent ("Incorrect API key provided: ..."), and an artifact is shared.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.parse
 
 
 class BlockdraftError(Exception):
@@ -38,4 +46,50 @@ class EvalError(ConfigError):
     """An eval whose checkpoint, prompts or settings contradict each other."""
 
 
-__all__ = ["ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "EvalError", "ExportError", "SpecError", "StoreError"]
+class LeaseError(StoreError):
+    """Another writer holds the output (its lease names it), or this writer lost its lease before committing."""
+
+
+REDACTED = "[redacted]"
+# Credentials read from the environment by name; a key read from another variable is added with `remember_secret`.
+SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY")
+MIN_SECRET_CHARS = 6  # shorter values ("EMPTY", "x": what local servers accept) are no secret, and would mangle words
+CUT_SECRET_CHARS = 12  # a server that cuts a long key still shows this many of its first characters
+_remembered: set[str] = set()
+_TOKEN = r"[^\s\"',;}]"
+# Shapes of credentials whatever their value: an Authorization header's value, a bearer token, an OpenAI-style `sk-` key, an
+# "api key ...: X" echo, and a 40-character AWS secret key written near the word "secret".
+_PATTERNS = (
+    (re.compile(r"(?i)(authorization[\"']?\s*[:=]\s*[\"']?)(?!\[redacted\])[^\"'\n]+"), r"\1" + REDACTED),
+    (re.compile(r"(?i)\b(bearer\s+)(?!\[redacted\])" + _TOKEN + "+"), r"\1" + REDACTED),
+    (re.compile(r"\bsk-[\w\-*.]{6,}"), REDACTED),
+    (re.compile(r"(?i)(\bapi[ _-]?key\b[^:=\n]{0,32}[:=]\s*[\"']?)(?!\[redacted\])" + _TOKEN + "{6,}"), r"\1" + REDACTED),
+    (re.compile(r"(?i)(secret[\w \"':=]{0,40}?)(?<![A-Za-z0-9/+])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"), r"\1" + REDACTED),
+)
+
+
+def remember_secret(value: str | None) -> None:
+    """Add a credential this process sends (an API key, an AWS secret key or session token) to what `redact` removes."""
+    if value and len(value) >= MIN_SECRET_CHARS:
+        _remembered.add(value)
+
+
+def redact(text: str, *secrets: str | None) -> str:
+    """`text` without the credentials this process knows (remembered, in `SECRET_ENV`, or given) and without anything shaped
+    like one (see `_PATTERNS`), each replaced by "[redacted]".
+
+    A known secret is also found URL- or JSON-escaped, and cut: a long one by its first `CUT_SECRET_CHARS` characters, up to
+    the end of the token. Redact before truncating a text, so that a secret is never cut into an unrecognisable piece.
+    """
+    known = {*_remembered, *secrets, *(os.environ.get(name) for name in SECRET_ENV)}
+    for secret in sorted((s for s in known if s and len(s) >= MIN_SECRET_CHARS), key=len, reverse=True):
+        for form in {secret, urllib.parse.quote(secret, safe=""), json.dumps(secret)[1:-1]}:
+            text = text.replace(form, REDACTED)
+        if len(secret) > CUT_SECRET_CHARS:
+            text = re.sub(re.escape(secret[:CUT_SECRET_CHARS]) + _TOKEN + "*", REDACTED, text)
+    for pattern, replacement in _PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+__all__ = ["REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "EvalError", "ExportError", "LeaseError", "SpecError", "StoreError", "redact", "remember_secret"]

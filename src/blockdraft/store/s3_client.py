@@ -1,6 +1,10 @@
 """The S3 connection and its failures: endpoint and URL parsing, the boto3 client and part pool that every store
 under one URL shares, and the translation of any boto3/botocore failure into one `StoreError` line (docs/STORE.md).
 
+Two clients, two promises: transfers wait long (a part may take a while), the probe fails fast. The first request of a
+connection is preceded by one probe request, and preflight sends all of its requests through the probe client, so an
+endpoint that accepts connections and never answers fails a command in seconds (docs/STORE.md, preflight).
+
 Imported only for `s3://` URLs (`open_store` imports the S3 backend lazily), so boto3's import cost is paid only there.
 """
 
@@ -23,10 +27,21 @@ from boto3.session import Session
 from botocore.config import Config
 
 from blockdraft.config import StoreConfig
-from blockdraft.errors import StoreError
+from blockdraft.errors import StoreError, redact, remember_secret
 
 MIB = 1024 * 1024
 T = TypeVar("T")
+
+# Transfers: a part of store.part_size_mib may take a while to be answered; the first try and three retries.
+TRANSFER_CONNECT_TIMEOUT_S = 5
+TRANSFER_READ_TIMEOUT_S = 120
+TRANSFER_ATTEMPTS = 4
+# The probe (the first request of a connection, every request of preflight): small requests that a working endpoint
+# answers in well under a second; the first try and one retry, so a stalled endpoint fails within
+# PROBE_ATTEMPTS x (connect or read timeout) plus a jittered backoff under a second: about 11 s.
+PROBE_CONNECT_TIMEOUT_S = 3
+PROBE_READ_TIMEOUT_S = 5
+PROBE_ATTEMPTS = 2
 
 
 def b64(crc: int) -> str:
@@ -51,18 +66,33 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
 
 @dataclass
+class _Contact:
+    """Whether the endpoint has answered this connection yet, or the line its probe failed with; shared by a connection
+    and its probing view."""
+
+    answered: bool = False
+    failed: StoreError | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
 class Connection:
     """What every store under one URL shares: the client, the endpoint, and the bounded part pool.
 
     `part_size` in bytes; `concurrency` parts (of every file of the store together) are in flight at most.
+    `make_probe` builds the probe client (short timeouts, one retry) on first use; `probe_client` is `client` itself for
+    the view that `probing` returns.
     """
 
     client: Any
     endpoint: str | None
     part_size: int
     concurrency: int
+    make_probe: Callable[[], Any] | None = None
     _pool: ThreadPoolExecutor | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _probe: Any = None
+    _contact: _Contact = field(default_factory=_Contact)
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -71,6 +101,49 @@ class Connection:
                 self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="s3-part")
             return self._pool
 
+    @property
+    def is_probe(self) -> bool:
+        return self.make_probe is None
+
+    @property
+    def probe_client(self) -> Any:
+        with self._lock:
+            if self._probe is None:
+                self._probe = self.client if self.make_probe is None else self.make_probe()
+            return self._probe
+
+    def probing(self) -> Connection:
+        """This connection with every request sent through the probe client (preflight's small requests)."""
+        return Connection(self.probe_client, self.endpoint, self.part_size, 1, _contact=self._contact)
+
+    def answered(self) -> None:
+        self._contact.answered = True
+
+    def reach(self, bucket: str, url: str, action: str) -> None:
+        """Before the first request of this connection, one HEAD of the bucket through the probe client: an endpoint
+        that accepts connections and never answers fails here in seconds, not after the transfer client's minutes.
+
+        Any answer (403 and 404 included) and any local failure (no credentials) count: the real request names those.
+        A failed probe is not repeated: every later request of the connection fails at once with its line (a command
+        that checks many files must not wait for each).
+        """
+        contact = self._contact
+        if contact.answered or self.is_probe:
+            return
+        with contact.lock:
+            if contact.failed is not None:
+                raise StoreError(str(contact.failed))
+            if contact.answered:
+                return
+            try:
+                self.probe_client.head_bucket(Bucket=bucket)
+            except (bex.ConnectionError, bex.HTTPClientError) as exc:
+                contact.failed = probe_failed(exc, url, self.endpoint, action)
+                raise contact.failed from None
+            except Exception:
+                pass
+            contact.answered = True
+
 
 @functools.cache
 def _shared_loader() -> Any:
@@ -78,14 +151,16 @@ def _shared_loader() -> Any:
     return botocore.loaders.create_loader()
 
 
-def _client_config(region: str, endpoint: str | None, concurrency: int) -> Config:
+def _client_config(region: str, endpoint: str | None, concurrency: int, probe: bool = False) -> Config:
+    """The transfer client's config, or with `probe` the probe client's: short timeouts, one retry, few connections."""
     return Config(
         region_name=region,
         signature_version="s3v4",
-        retries={"mode": "standard", "max_attempts": 3},
-        connect_timeout=5,
-        read_timeout=120,
-        max_pool_connections=2 * concurrency + 4,
+        # total_max_attempts counts the first try (botocore's max_attempts would count retries only).
+        retries={"mode": "standard", "total_max_attempts": PROBE_ATTEMPTS if probe else TRANSFER_ATTEMPTS},
+        connect_timeout=PROBE_CONNECT_TIMEOUT_S if probe else TRANSFER_CONNECT_TIMEOUT_S,
+        read_timeout=PROBE_READ_TIMEOUT_S if probe else TRANSFER_READ_TIMEOUT_S,
+        max_pool_connections=2 if probe else 2 * concurrency + 4,
         # We always send our own CRC64NVME; botocore must not add a second checksum or validate ranged parts.
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
@@ -107,7 +182,25 @@ def make_connection(store_config: StoreConfig | None) -> Connection:
         raise StoreError(f"AWS profile '{cfg.profile}' not found; fix store.profile / AWS_PROFILE or add it to ~/.aws/config") from None
     region = cfg.region or session.region_name or "us-east-1"
     client = session.client("s3", endpoint_url=endpoint, config=_client_config(region, endpoint, cfg.concurrency))
-    return Connection(client=client, endpoint=endpoint, part_size=cfg.part_size_mib * MIB, concurrency=cfg.concurrency)
+    _remember_credentials(session)
+
+    def make_probe() -> Any:
+        return session.client("s3", endpoint_url=endpoint, config=_client_config(region, endpoint, cfg.concurrency, probe=True))
+
+    return Connection(client=client, endpoint=endpoint, part_size=cfg.part_size_mib * MIB, concurrency=cfg.concurrency, make_probe=make_probe)
+
+
+def _remember_credentials(session: Session) -> None:
+    """Make the secret key and session token this client signs with known to `redact`, wherever they came from (a
+    profile, a credentials file). The client resolved them already; a failure here is the real request's to report."""
+    try:
+        credentials = session.get_credentials()
+        frozen = credentials.get_frozen_credentials() if credentials is not None else None
+    except Exception:
+        return
+    if frozen is not None:
+        remember_secret(frozen.secret_key)
+        remember_secret(frozen.token)
 
 
 _PERMISSIONS = (
@@ -133,14 +226,26 @@ def _describe_client_error(exc: bex.ClientError, url: str, where: str, action: s
         return StoreError(f"access denied: no {perm} permission on {url} for these credentials (while {action}); use an identity allowed to {perm} there")
     if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"):
         return StoreError(f"{where} rejected the bytes of {url} while {action}: checksum mismatch in transit ({code}); retry")
-    message = str(err.get("Message", ""))[:200]
+    message = redact(str(err.get("Message", "")))[:200]  # the server's words: redacted before they are cut and kept
     return StoreError(f"S3 error while {action} {url}: {code} {message}".rstrip())
+
+
+def probe_failed(exc: BaseException, url: str, endpoint: str | None, action: str) -> StoreError:
+    """The line for a probe request that got no answer: the endpoint, how long it was given, and the fix."""
+    where = endpoint or "the AWS default endpoint"
+    if isinstance(exc, bex.ReadTimeoutError):
+        return StoreError(
+            f"S3 endpoint {where} accepts connections but did not answer within {PROBE_READ_TIMEOUT_S} s ({PROBE_ATTEMPTS} tries) "
+            f"while {action} {url}; check that store.endpoint_url / AWS_ENDPOINT_URL names a running S3 server, then rerun"
+        )
+    return describe_error(exc, url, endpoint, action) or StoreError(f"S3 endpoint {where} failed while {action} {url}: {type(exc).__name__}")
 
 
 def describe_error(exc: BaseException, url: str, endpoint: str | None, action: str) -> StoreError | None:
     """One line naming the cause and the fix for a boto3/botocore failure, or None for a non-S3 error.
 
-    Messages carry the URL, the endpoint and the server's error code, never a credential value.
+    Messages carry the URL, the endpoint and the server's error code, never a credential value: the server's own words
+    are redacted.
     """
     where = endpoint or "the AWS default endpoint"
     if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
@@ -158,7 +263,7 @@ def describe_error(exc: BaseException, url: str, endpoint: str | None, action: s
     if isinstance(exc, bex.ClientError):
         return _describe_client_error(exc, url, where, action)
     if isinstance(exc, bex.BotoCoreError):
-        return StoreError(f"S3 client error while {action} {url}: {type(exc).__name__}: {exc}")
+        return StoreError(redact(f"S3 client error while {action} {url}: {type(exc).__name__}: {exc}"))
     return None
 
 
@@ -187,16 +292,22 @@ class S3Location:
 
     @contextmanager
     def errors(self, action: str, key: str) -> Iterator[None]:
-        """Turn S3 failures into FileNotFoundError (absent) or one StoreError line; others pass through."""
+        """Turn S3 failures into FileNotFoundError (absent) or one StoreError line; others pass through.
+
+        The first use of a connection probes the endpoint first (`Connection.reach`)."""
+        self.conn.reach(self.bucket, self.url + key, action)
         try:
             yield
         except Exception as exc:
             if is_not_found(exc):
                 raise FileNotFoundError(f"{self.url}{key} absent") from None
+            if self.conn.is_probe and isinstance(exc, (bex.ConnectionError, bex.HTTPClientError)):
+                raise probe_failed(exc, self.url + key, self.conn.endpoint, action) from None
             err = describe_error(exc, self.url + key, self.conn.endpoint, action)
             if err is None:
                 raise
             raise err from None
+        self.conn.answered()
 
     def call(self, action: str, key: str, fn: Callable[..., T], **kwargs: Any) -> T:
         """`fn(Bucket=bucket, **kwargs)` (a client method), its failures described as `action` on `key`."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from blockdraft.decode.greedy import Completion, Prompt, greedy_generate, render_prompt, split_reasoning
-from blockdraft.errors import ConfigError
+from blockdraft.errors import ConfigError, redact, remember_secret
 
 # Statuses worth another try: the server is overloaded, restarting or timed out on its side.
 RETRYABLE_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -75,7 +75,10 @@ class HFEngine:
 
 
 class RequestError(Exception):
+    """A request that failed: `detail` is one line, redacted (a server may echo the key it was sent)."""
+
     def __init__(self, reason: str, detail: str, retryable: bool) -> None:
+        detail = redact(detail)
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
@@ -111,7 +114,8 @@ class OpenAIEngine:
     At most `concurrency` requests in flight; each has a `timeout_s` deadline; 5xx/429/timeouts/connection errors are
     retried up to `max_retries` times with exponential backoff (`backoff_s` * 2^attempt, jittered, capped at 30 s);
     other 4xx answers are the prompt's fault and are not retried. The API key comes from the environment variable
-    `api_key_env` and is sent only in the Authorization header.
+    `api_key_env` and is sent only in the Authorization header; every error text is redacted before it is kept, so the
+    key never reaches a failure record, a message or an artifact (docs/STORE.md, credentials).
     """
 
     def __init__(self, base_url: str, model: str | None, max_new_tokens: int, concurrency: int, timeout_s: float,
@@ -126,6 +130,7 @@ class OpenAIEngine:
         self.temperature = temperature
         self.request_token_ids = request_token_ids
         self._api_key = os.environ.get(api_key_env) or None
+        remember_secret(self._api_key)
         self._jitter = random.Random(seed)
         self.model = model or self._served_model()
 
@@ -189,7 +194,7 @@ class OpenAIEngine:
                 return parse_chat_response(prompt.id, self._call("POST", "/chat/completions", body, prompt.id))
             except RequestError as exc:
                 if not exc.retryable or attempt > self.max_retries:
-                    return Failure(prompt.id, exc.reason, exc.detail[:300], attempt)
+                    return Failure(prompt.id, exc.reason, exc.detail[:300], attempt)  # detail: redacted by RequestError
             delay = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempt - 1)) * (0.75 + 0.5 * self._jitter.random())
             time.sleep(delay)
 
@@ -214,7 +219,7 @@ class OpenAIEngine:
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
-    """The server's error message (OpenAI `{"error": {"message": ...}}` or FastAPI `{"detail": ...}`), one line."""
+    """The server's error message (OpenAI `{"error": {"message": ...}}` or FastAPI `{"detail": ...}`), one line, redacted."""
     try:
         body = json.loads(exc.read() or b"{}")
     except (ValueError, OSError):
@@ -223,4 +228,4 @@ def _error_message(exc: urllib.error.HTTPError) -> str:
         return exc.reason or "error"
     error = body.get("error")
     message = error.get("message") if isinstance(error, dict) else (error or body.get("detail") or body.get("message"))
-    return " ".join(str(message or exc.reason).split())[:200]
+    return redact(" ".join(str(message or exc.reason).split()))[:200]  # redacted whole: a cut key is harder to recognise

@@ -4,7 +4,7 @@ It exists so that the `openai` engine is tested over real HTTP with the tiny tar
 vLLM or SGLang, which batch requests, page the KV cache and scale across GPUs; this server answers one request at a
 time with `transformers` greedy generation.
 
-    python -m blockdraft.stages.generate.server MODEL_DIR [--port 0] [--faults 503,hold,ok] [--request-log FILE]
+    python -m blockdraft.stages.generate.server MODEL_DIR [--port 0] [--faults 503,hold,ok] [--request-log FILE] [--api-key KEY]
 
 Endpoints: `POST /v1/chat/completions` (messages, max_tokens, temperature, chat_template_kwargs; answers with
 `message.reasoning_content`, `prompt_token_ids` and `choices[0].token_ids` like vLLM with `return_token_ids`),
@@ -15,6 +15,9 @@ Fault injection, for tests: `--faults 503,503,hold,ok` scripts the answers to th
 is closed unanswered when the server stops; `ok` serves). Every chat request is recorded as two events (`events()`, and
 JSON lines in `request_log`): {"request_id" (the X-Request-Id header), "arrived": its scripted answer} on arrival and
 {"request_id", "status"} once answered (a held request is never answered).
+
+`--api-key KEY` makes every request without `Authorization: Bearer KEY` answer 401 with a message that echoes the key it
+was sent, in full, as some servers do: the worst case for a client that must keep keys out of what it stores and prints.
 
 In process, `ChatServer` serves any `Chat` in a thread (`with ChatServer(chat, faults=...) as server:`); as a child
 process, `EndpointProcess` starts this module and waits until it listens.
@@ -154,7 +157,21 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
                                       "code": status}})
 
+    def _refused(self) -> bool:
+        """Answer 401 echoing the sent key when the server wants another one (see the module docstring)."""
+        wanted = self.server.api_key
+        sent = self.headers.get("Authorization") or ""
+        if wanted is None or sent == f"Bearer {wanted}":
+            return False
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        key = sent.removeprefix("Bearer ")
+        self._send(401, {"error": {"message": f"Incorrect API key provided: {key}. Header sent: Authorization: {sent}",
+                                   "type": "invalid_request_error", "code": "invalid_api_key"}})
+        return True
+
     def do_GET(self) -> None:
+        if self._refused():
+            return
         if self.path.rstrip("/") == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": self.server.chat.name, "object": "model", "owned_by": "blockdraft"}]})
         elif self.path.rstrip("/") == "/health":
@@ -163,6 +180,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, f"no route {self.path}")
 
     def do_POST(self) -> None:
+        if self._refused():
+            return
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
         if self.path.rstrip("/") != "/v1/chat/completions":
@@ -197,9 +216,11 @@ class ChatServer(ThreadingHTTPServer, RequestEvents):
 
     daemon_threads = True
 
-    def __init__(self, chat: Chat, port: int = 0, faults: FaultPlan | None = None, request_log: str | None = None) -> None:
+    def __init__(self, chat: Chat, port: int = 0, faults: FaultPlan | None = None, request_log: str | None = None,
+                 api_key: str | None = None) -> None:
         super().__init__(("127.0.0.1", port), _Handler)
         self.chat = chat
+        self.api_key = api_key
         self.faults = faults or FaultPlan()
         self._request_log = request_log
         self._events: list[dict[str, Any]] = []
@@ -285,6 +306,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for tiny models on a busy machine)")
     parser.add_argument("--faults", default="", help="answers to the first chat requests: comma-separated ok, hold or an HTTP status")
     parser.add_argument("--request-log", default=None)
+    parser.add_argument("--api-key", default=None, help="answer 401, echoing the key sent, to requests without this key")
     args = parser.parse_args()
 
     import torch  # heavy: only the serving process needs it
@@ -294,7 +316,7 @@ def main() -> None:
     except ValueError as exc:
         parser.error(str(exc))
     torch.set_num_threads(args.threads)
-    server = ChatServer(ChatModel(args.model_dir, args.dtype), args.port, faults, args.request_log)
+    server = ChatServer(ChatModel(args.model_dir, args.dtype), args.port, faults, args.request_log, args.api_key)
     print(f"listening on {server.url.removesuffix('/v1')}", flush=True)
     try:
         server.serve_forever()
