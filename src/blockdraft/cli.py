@@ -15,9 +15,10 @@ from typer.core import TyperGroup
 
 from blockdraft.config import load_config
 from blockdraft.console import ConsoleReporter
-from blockdraft.errors import BlockdraftError
+from blockdraft.errors import ArtifactError, BlockdraftError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
+from blockdraft.store.lease import set_force_takeover
 from blockdraft.store.preflight import preflight as run_preflight
 from blockdraft.store.status import OK_STATES, format_counts, format_lineage, render_progress
 from blockdraft.store.status import status as survey
@@ -66,6 +67,12 @@ def _root() -> None:
 
 
 ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="blockdraft TOML config file.")]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Take over the output's lease from a writer that is dead but whose lease has not expired yet.")
+]
+DeepOpt = Annotated[
+    bool, typer.Option("--deep", help="Read every byte back from a remote store and recompute its checksum, instead of trusting the checksum its server stored.")
+]
 
 
 @app.command()
@@ -74,9 +81,13 @@ def verify(
     url: Annotated[str, typer.Argument(help="Artifact folder, file:// or s3:// URL.")],
     config: ConfigOpt = None,
     endpoint_url: EndpointOpt = None,
+    deep: DeepOpt = False,
 ) -> None:
-    """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum."""
-    report = verify_artifact(open_store(url, _store_config(config, endpoint_url)), check_inputs=True)
+    """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum, its inputs unchanged."""
+    store = open_store(url, _store_config(config, endpoint_url))
+    report = verify_artifact(store, check_inputs=True, deep=deep)
+    if report.state is State.INCOMPLETE and next(iter(store.list()), None) is None:
+        raise ArtifactError(f"nothing at {store.url}: no manifest and no files; check the path or URL")
     kind = report.manifest.kind if report.manifest else "-"
     color = {State.VERIFIED: "green", State.UNREACHABLE: "yellow"}.get(report.state, "red")
     print(f"{report.state.value}\t{kind}\t{url}")
@@ -99,8 +110,10 @@ def tokenize(
     max_length: Annotated[int | None, typer.Option(help="Clip rows to this many tokens (after masking).")] = None,
     held_out_fraction: Annotated[float | None, typer.Option(help="Fraction of conversations in the held-out split.")] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes (one input shard each at a time).")] = None,
+    force: ForceOpt = False,
 ) -> None:
     """Completions -> one row per assistant turn with an exact loss mask, as Arrow shards `datasets.load_from_disk` reads."""
+    set_force_takeover(force)
     from blockdraft.stages import tokenize as tokenize_stage
 
     if thinking not in (None, "auto", "on", "off"):
@@ -120,8 +133,10 @@ def export(
     out: Annotated[str, typer.Argument(help="Export destination: a folder, file:// or s3:// URL.")],
     config: ConfigOpt = None,
     target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (default: the checkpoint's target.path).")] = None,
+    force: ForceOpt = False,
 ) -> None:
     """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, as a verified artifact; print the serving settings."""
+    set_force_takeover(force)
     from blockdraft.stages import export as export_stage
 
     with ConsoleReporter(console) as reporter:
@@ -182,8 +197,10 @@ def push(
     endpoint_url: EndpointOpt = None,
     concurrency: ConcurrencyOpt = None,
     part_size_mib: PartSizeOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """Upload an artifact, verify every file at the destination, then write its manifest there (last)."""
+    set_force_takeover(force)
     report = push_artifact(local_dir, url, _store_config(config, endpoint_url, concurrency, part_size_mib))
     print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pushed[/]: {report.summary()}", highlight=False)
@@ -198,8 +215,10 @@ def pull(
     endpoint_url: EndpointOpt = None,
     concurrency: ConcurrencyOpt = None,
     part_size_mib: PartSizeOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """Download an artifact, recompute every checksum, and write the local manifest last; refuse one that does not verify."""
+    set_force_takeover(force)
     report = pull_artifact(url, local_dir, _store_config(config, endpoint_url, concurrency, part_size_mib))
     print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pulled[/]: {report.summary()}", highlight=False)
@@ -212,11 +231,12 @@ def status(
     config: ConfigOpt = None,
     endpoint_url: EndpointOpt = None,
     progress: Annotated[str | None, typer.Option("--progress", help="Also write these facts as a Markdown page (e.g. PROGRESS.md).")] = None,
+    deep: DeepOpt = False,
 ) -> None:
     """Every artifact under a prefix: state, kind, lineage and counts, read from the destination. Exits 1 unless every artifact
     is verified or only has an input this machine cannot reach."""
     store = open_store(url, _store_config(config, endpoint_url))
-    artifacts = survey(store)
+    artifacts = survey(store, deep=deep)
     for a in artifacts:
         print(f"{a.state.value}\t{a.kind}\t{a.url}\t{format_lineage(a.lineage)}\t{format_counts(a)}")
     if progress:
@@ -247,8 +267,10 @@ def train(
     nproc: Annotated[
         int | None, typer.Option("--nproc", help="Processes to start with torchrun (one per placement.drafter_devices entry).")
     ] = None,
+    force: ForceOpt = False,
 ) -> None:
     """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
+    set_force_takeover(force)
     from blockdraft.stages.train import launch
 
     with ConsoleReporter(console) as reporter:
@@ -277,8 +299,10 @@ def generate(
     max_new_tokens: Annotated[int | None, typer.Option(help="Completion length limit in tokens.")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Requests in flight (openai engine).")] = None,
     thinking: Annotated[str | None, typer.Option(help="auto (follow the dropped turn), on or off.")] = None,
+    force: ForceOpt = False,
 ) -> None:
     """Regenerate each prompt's final assistant turn with the target; a rerun generates only what is missing."""
+    set_force_takeover(force)
     from blockdraft.stages import generate as generate_stage
 
     overrides = {"generate": {"engine": engine, "base_url": base_url, "model": model, "max_new_tokens": max_new_tokens,

@@ -17,10 +17,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from blockdraft import __version__
-from blockdraft.errors import ArtifactError
+from blockdraft.errors import ArtifactError, StoreError
 from blockdraft.store import open_store
 from blockdraft.store.base import ObjectInfo, Store
 from blockdraft.store.checksum import crc64nvme_file
@@ -83,12 +83,21 @@ def manifest_sha256(data: bytes) -> str:
 
 
 def read_manifest(store: Store) -> tuple[Manifest, bytes] | None:
-    """The artifact's manifest as read from the destination, or None if there is none."""
+    """The artifact's manifest as read from the destination, or None if there is none; ArtifactError for bytes that are
+    not a blockdraft manifest (torn, edited, another tool's file)."""
     try:
         data = store.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
         return None
-    return Manifest.model_validate_json(data), data
+    try:
+        return Manifest.model_validate_json(data), data
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the file"
+        raise ArtifactError(
+            f"{store.url.rstrip('/')}/{MANIFEST_NAME} is not a valid blockdraft manifest ({where}: {first['msg']}); "
+            "re-run the stage (or push/pull) that wrote it"
+        ) from None
 
 
 def record_origin(local: Store, url: str, sha256: str) -> None:
@@ -130,10 +139,12 @@ class VerifyReport:
     problems: list[FileProblem] = field(default_factory=list)
     verified_files: int = 0
     verified_bytes: int = 0
+    method: str = ""  # what the file checks compared with the manifest (`check_method`)
 
     def summary(self) -> str:
         if self.state is State.VERIFIED:
-            return f"{self.verified_files} files, {self.verified_bytes} bytes verified at the destination"
+            how = f" ({self.method})" if self.method else ""
+            return f"{self.verified_files} files, {self.verified_bytes} bytes verified at the destination{how}"
         if not self.problems:
             return "no manifest at the destination" if self.state is State.INCOMPLETE else self.state.value
         head = "; ".join(f"{p.path}: {p.detail}" for p in self.problems[:5])
@@ -141,17 +152,24 @@ class VerifyReport:
         return head + more
 
 
-def check_file(store: Store, entry: FileEntry) -> FileProblem | None:
-    """None when the destination holds `entry` with its size and checksum; else what is wrong."""
+def check_file(store: Store, entry: FileEntry, deep: bool = False) -> FileProblem | None:
+    """None when the destination holds `entry` with its size and checksum; else what is wrong.
+
+    A remote store's checksum comes from its metadata (what the server stored at upload) unless `deep`, which reads every
+    byte back and recomputes it; a local folder is always read. An object that cannot be read back is corrupt.
+    """
     info = store.head(entry.path)
     if info is None:
         return FileProblem(entry.path, State.MISSING, "absent at the destination")
     if info.size != entry.size:
         return FileProblem(entry.path, State.CORRUPT, f"size {info.size} != listed {entry.size}")
-    checksum = info.checksum
+    checksum = None if deep else info.checksum
     if checksum is None:
-        # No checksum in the metadata proves nothing: read the object back and recompute.
-        size, checksum = store.checksum_by_reading(entry.path)
+        # No checksum in the metadata proves nothing (and `deep` trusts none): read the object back and recompute.
+        try:
+            size, checksum = store.checksum_by_reading(entry.path)
+        except (StoreError, OSError) as exc:
+            return FileProblem(entry.path, State.CORRUPT, f"unreadable: {exc}")
         if size != entry.size:
             return FileProblem(entry.path, State.CORRUPT, f"size {size} != listed {entry.size}")
     if checksum != entry.checksum:
@@ -160,14 +178,23 @@ def check_file(store: Store, entry: FileEntry) -> FileProblem | None:
 
 
 VERIFY_WORKERS = 8
+BYTES_READ_BACK = "bytes read back"
+SERVER_CHECKSUMS = "checksums as stored by the server"
 
 
-def check_files(store: Store, entries: list[FileEntry]) -> list[FileProblem | None]:
+def check_files(store: Store, entries: list[FileEntry], deep: bool = False) -> list[FileProblem | None]:
     """`check_file` for each entry, in order; run in parallel because each is a round trip (S3 HEAD) or a read."""
     if len(entries) <= 1:
-        return [check_file(store, e) for e in entries]
+        return [check_file(store, e, deep) for e in entries]
     with ThreadPoolExecutor(min(VERIFY_WORKERS, len(entries))) as pool:
-        return list(pool.map(lambda e: check_file(store, e), entries))
+        return list(pool.map(lambda e: check_file(store, e, deep), entries))
+
+
+def check_method(store: Store, deep: bool) -> str:
+    """What a file check of `store` compares with the manifest, in words for reports."""
+    if deep or store.local_path() is not None:
+        return BYTES_READ_BACK
+    return SERVER_CHECKSUMS
 
 
 def _unreachable(store: Store, within: str | None) -> bool:
@@ -208,7 +235,9 @@ def _raw_input_changed(ref: InputRef, open_url: Callable[[str], Store], within: 
     return FileProblem(ref.url, State.STALE, reason) if reason else None
 
 
-def _input_changed(ref: InputRef, open_url: Callable[[str], Store], within: str | None, memo: dict[str, VerifyReport]) -> FileProblem | None:
+def _input_changed(
+    ref: InputRef, open_url: Callable[[str], Store], within: str | None, memo: dict[str, VerifyReport], deep: bool = False
+) -> FileProblem | None:
     """Whether input `ref` still holds what was pinned, judged transitively: an input artifact whose own files no longer
     verify, or whose own inputs changed, makes its dependants stale too."""
     if ref.kind == "raw":
@@ -217,7 +246,7 @@ def _input_changed(ref: InputRef, open_url: Callable[[str], Store], within: str 
         return None
     try:
         store = open_url(ref.url)
-        report = verify_artifact(store, check_inputs=True, open_url=open_url, within=within, memo=memo)
+        report = verify_artifact(store, check_inputs=True, open_url=open_url, within=within, memo=memo, deep=deep)
     except Exception as exc:  # a location this machine cannot read: the pin can be neither confirmed nor refuted
         return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here ({type(exc).__name__})")
     if report.manifest_sha256 is None:
@@ -239,6 +268,7 @@ def verify_artifact(
     open_url: Callable[[str], Store] | None = None,
     within: str | None = None,
     memo: dict[str, VerifyReport] | None = None,
+    deep: bool = False,
 ) -> VerifyReport:
     """Read the manifest and every listed file back from the destination; report one of the six states.
 
@@ -246,16 +276,23 @@ def verify_artifact(
     with `check_inputs`, an input whose content changed (transitively) -> stale; an input this machine cannot reach ->
     unreachable; else verified. `within` is the surveyed prefix (an absent local input inside it is gone, outside it is
     out of reach); `memo` shares reports by URL across one survey, so each artifact is read once and a cycle ends.
+    `deep` reads every byte of a remote store back instead of trusting the checksums its server stored (`check_file`).
+    A manifest that does not parse is `corrupt`; a store that cannot be reached raises StoreError (one line, not a state).
     """
     memo = {} if memo is None else memo
     key = store.url.rstrip("/")
     if check_inputs and key in memo:
         return memo[key]
-    found = read_manifest(store)
+    method = check_method(store, deep)
+    try:
+        found = read_manifest(store)
+    except ArtifactError as exc:  # bytes that are not a manifest; a store that cannot be reached raises StoreError instead
+        return VerifyReport(url=store.url, state=State.CORRUPT, problems=[FileProblem(MANIFEST_NAME, State.CORRUPT, str(exc))], method=method)
     if found is None:
-        return VerifyReport(url=store.url, state=State.INCOMPLETE)
+        return VerifyReport(url=store.url, state=State.INCOMPLETE, method=method)
     manifest, raw = found
-    report = _files_report(store, manifest, raw, check_files(store, manifest.files))
+    report = _files_report(store, manifest, raw, check_files(store, manifest.files, deep))
+    report.method = method
     states = {p.state for p in report.problems}
     if State.MISSING in states:
         report.state = State.MISSING
@@ -264,7 +301,7 @@ def verify_artifact(
     elif check_inputs:
         memo[key] = report  # seen: an input cycle ends here
         for ref in manifest.lineage:
-            problem = _input_changed(ref, open_url or open_store, within, memo)
+            problem = _input_changed(ref, open_url or open_store, within, memo, deep)
             if problem is not None:
                 report.problems.append(problem)
         states = {p.state for p in report.problems}

@@ -64,6 +64,11 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove an object; absent is not an error."""
 
+    @abc.abstractmethod
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        """Write a small object only if no object has that key (an atomic create: O_EXCL, or S3's `If-None-Match: *`);
+        False when one exists. The one primitive that lets two writers agree on who owns an output (`store.lease`)."""
+
     def read_bytes(self, key: str) -> bytes:
         with self.open_read(key) as f:
             return f.read()

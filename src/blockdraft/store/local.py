@@ -85,6 +85,21 @@ class LocalStore(Store):
         finally:
             tmp.unlink(missing_ok=True)
 
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        dest, tmp = self._atomic_target(key)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, dest)  # whole, and only if `dest` does not exist (atomic on POSIX filesystems)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def abort_partial_uploads(self) -> int:
         """Remove temp files left by a killed writer (a rename never happened, so they are nobody's data)."""
         if not self.root.is_dir():

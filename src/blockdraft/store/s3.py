@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from awscrt import checksums
+from botocore.exceptions import ClientError
 
 from blockdraft.config import StoreConfig
 from blockdraft.store import s3_multipart
@@ -86,6 +87,18 @@ class S3Store(Store):
         crc = b64(checksums.crc64nvme(data))
         self.at.call("writing", key, self.at.conn.client.put_object, Key=self.at.key(key), Body=data, ChecksumCRC64NVME=crc)
 
+    def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
+        crc = b64(checksums.crc64nvme(data))
+        created = True
+        with self.at.errors("writing", key):
+            try:
+                self.at.conn.client.put_object(Bucket=self.at.bucket, Key=self.at.key(key), Body=data, ChecksumCRC64NVME=crc, IfNoneMatch="*")
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "412"):
+                    raise
+                created = False
+        return created
+
     def put_file(self, key: str, local_path: Path, checksum: str | None = None) -> None:
         """Upload in parts on the shared pool; the object appears only when whole and server-checked.
 
@@ -93,6 +106,10 @@ class S3Store(Store):
         the upload is then not completed.
         """
         s3_multipart.put_file(self.at, key, local_path, checksum)
+
+    def checksum_by_reading(self, key: str) -> tuple[int, str]:
+        """Every byte read back with ranged GETs in parallel (bounded memory) and checksummed; nothing is written."""
+        return s3_multipart.read_checksum(self.at, key)
 
     def get_file(self, key: str, local_path: Path) -> tuple[int, str]:
         """Ranged GETs on the shared pool into a temp file renamed when whole; (size, base64 CRC64NVME) as received."""

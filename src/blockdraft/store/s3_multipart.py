@@ -157,8 +157,24 @@ def get_file(at: S3Location, key: str, local_path: Path) -> tuple[int, str]:
         tmp.unlink(missing_ok=True)
 
 
-def _get_range(at: S3Location, key: str, etag: str | None, fd: int, offset: int, length: int) -> int:
-    """Stream bytes [offset, offset+length) of the object into `fd` at the same offset; returns their CRC64NVME."""
+def read_checksum(at: S3Location, key: str) -> tuple[int, str]:
+    """(size, base64 CRC64NVME) of the object's bytes as read back: ranged GETs on the shared pool, each streamed in
+    `STREAM_CHUNK` pieces and dropped once checksummed, so memory stays bounded whatever the object's size."""
+    info = at.call("reading metadata of", key, at.conn.client.head_object, Key=at.key(key))
+    size, etag = info["ContentLength"], info.get("ETag")
+    ranges = _ranges(size, at.conn.part_size)
+    futures = [at.conn.pool.submit(_get_range, at, key, etag, None, offset, length) for offset, length in ranges]
+    try:
+        crcs = [f.result() for f in futures]
+    except BaseException:
+        _settle(futures)
+        raise
+    return size, b64(_fold(crcs, ranges))
+
+
+def _get_range(at: S3Location, key: str, etag: str | None, fd: int | None, offset: int, length: int) -> int:
+    """Stream bytes [offset, offset+length) of the object into `fd` at the same offset (None: only read them); returns
+    their CRC64NVME."""
     extra = {"IfMatch": etag} if etag else {}
     resp = at.call("downloading", key, at.conn.client.get_object, Key=at.key(key), Range=f"bytes={offset}-{offset + length - 1}", **extra)
     crc = 0
@@ -166,7 +182,8 @@ def _get_range(at: S3Location, key: str, etag: str | None, fd: int, offset: int,
     with at.errors("downloading", key), resp["Body"] as body:
         while chunk := body.read(STREAM_CHUNK):
             crc = checksums.crc64nvme(chunk, crc)
-            os.pwrite(fd, chunk, pos)
+            if fd is not None:
+                os.pwrite(fd, chunk, pos)
             pos += len(chunk)
     if pos - offset != length:
         raise StoreError(f"short read downloading {at.url}{key}: {pos - offset} of {length} bytes at offset {offset}; retry the pull")

@@ -41,6 +41,7 @@ from blockdraft.store.artifact import (
     VerifyReport,
     check_files,
     commit_artifact,
+    commit_manifest,
     entry_for_local_file,
     manifest_sha256,
     raw_input,
@@ -49,6 +50,7 @@ from blockdraft.store.artifact import (
     uncommit,
     verify_artifact,
 )
+from blockdraft.store.lease import Lease
 
 PIECES_DIR = ".blockdraft-pieces"
 STAGE_KEY = "stage_key"  # the manifest's config field that names what the output was made from
@@ -203,6 +205,7 @@ class StageOutput:
         self.kind = kind
         self.key = key
         self.copy_of: bytes | None = None
+        self.lease: Lease | None = None
 
     @classmethod
     def copy(cls, url: str | Store, raw_manifest: bytes, store_config: StoreConfig | None = None) -> StageOutput:
@@ -213,6 +216,17 @@ class StageOutput:
         out.copy_of = raw_manifest
         return out
 
+    def release(self) -> None:
+        """Give back this output's lease (also done by `commit`); nothing happens when none is held."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def _committing(self) -> None:
+        """Right before a manifest is written: this run must still be the output's one writer."""
+        if self.lease is not None:
+            self.lease.check()
+
     @property
     def url(self) -> str:
         return self.store.url
@@ -220,7 +234,10 @@ class StageOutput:
     def done(self) -> VerifyReport | None:
         """The destination's report when it already holds this output, verified, of this kind and made for this key;
         else None. The only place that decides whether a stage's output is done."""
-        found = read_manifest(self.store)
+        try:
+            found = read_manifest(self.store)
+        except ArtifactError:  # a torn or foreign manifest: not this output; it is rewritten
+            return None
         if found is None:
             return None
         manifest, raw = found
@@ -234,7 +251,10 @@ class StageOutput:
         return report if report.state is State.VERIFIED and report.manifest_sha256 == manifest_sha256(raw) else None
 
     def begin(self) -> None:
-        """Remove the manifest (if any) before anything is rewritten, so no reader sees an old manifest over new files."""
+        """Take the output's lease (one writer per output, `store.lease`: LeaseError naming the writer that holds it), then
+        remove the manifest (if any) before anything is rewritten, so no reader sees an old manifest over new files."""
+        if self.lease is None:
+            self.lease = Lease(self.store).acquire()
         uncommit(self.store)
 
     def commit(
@@ -245,8 +265,19 @@ class StageOutput:
         counts: dict[str, Any] | None = None,
     ) -> VerifyReport:
         """Check every file at the destination, then write the manifest (with this output's key) last."""
-        assert self.copy_of is None, "a copy commits its source manifest (commit_manifest)"
-        return commit_artifact(self.store, self.kind, files, config={**(config or {}), STAGE_KEY: self.key}, lineage=lineage, counts=counts)
+        assert self.copy_of is None, "a copy commits its source manifest (commit_copy)"
+        self._committing()
+        report = commit_artifact(self.store, self.kind, files, config={**(config or {}), STAGE_KEY: self.key}, lineage=lineage, counts=counts)
+        self.release()
+        return report
+
+    def commit_copy(self) -> VerifyReport:
+        """A copy's commit (push): its source's manifest, byte for byte, after every file verified at the destination."""
+        assert self.copy_of is not None, "a stage's own output commits with commit()"
+        self._committing()
+        report = commit_manifest(self.store, self.copy_of)
+        self.release()
+        return report
 
     def publish(
         self,
@@ -272,6 +303,7 @@ class StageOutput:
     def put_piece(self, name: str, piece_key: str, files: Iterable[FileEntry], counts: dict[str, Any] | None = None) -> None:
         """Record piece `name` as finished: its files are checked at the destination first, its sub-manifest is written last."""
         files = sorted(files, key=lambda e: e.path)
+        self._committing()
         problems = [p for p in check_files(self.store, files) if p is not None]
         if problems:
             raise ArtifactError(f"{self.url.rstrip('/')}/{problems[0].path} did not verify before its piece was recorded: {problems[0].detail}")

@@ -11,8 +11,19 @@ import datetime as _dt
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from blockdraft.store.artifact import MANIFEST_NAME, InputRef, State, VerifyReport, verify_artifact
+from blockdraft.store.artifact import (
+    BYTES_READ_BACK,
+    MANIFEST_NAME,
+    ORIGIN_NAME,
+    SERVER_CHECKSUMS,
+    InputRef,
+    State,
+    VerifyReport,
+    verify_artifact,
+)
 from blockdraft.store.base import Store
+from blockdraft.store.lease import LEASE_NAME
+from blockdraft.store.stage_io import PIECES_DIR
 
 
 @dataclass
@@ -58,11 +69,21 @@ def _within(key: str, root: str) -> bool:
 
 
 def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
-    """(committed roots, incomplete roots) among object keys, each root a '/'-joined folder ('' = top)."""
+    """(committed roots, incomplete roots) among object keys, each root a '/'-joined folder ('' = top).
+
+    A writer's lease and a copy's origin record are bookkeeping beside an artifact, never one. A folder holding a
+    stage's piece records (`PIECES_DIR`) is one artifact being written, whatever subfolders its files sit in.
+    """
+    keys = [k for k in keys if PurePosixPath(k).name not in (LEASE_NAME, ORIGIN_NAME)]
     committed = sorted({_parent(k) for k in keys if PurePosixPath(k).name == MANIFEST_NAME})
+    in_progress = {k.split(f"{PIECES_DIR}/")[0].rstrip("/") for k in keys if k.startswith(f"{PIECES_DIR}/") or f"/{PIECES_DIR}/" in k}
     incomplete: set[str] = set()
     for key in keys:
         if any(_within(key, root) for root in committed):
+            continue
+        writing = sorted((r for r in in_progress if _within(key, r)), key=len)
+        if writing:
+            incomplete.add(writing[-1])
             continue
         parts = PurePosixPath(key).parts[:-1]
         # The highest folder below the top on the key's path that holds no committed artifact; else the
@@ -73,16 +94,17 @@ def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
     return committed, sorted(incomplete)
 
 
-def status(store: Store) -> list[ArtifactStatus]:
+def status(store: Store, deep: bool = False) -> list[ArtifactStatus]:
     """Every artifact under `store`, verified from the destination; inputs checked too, transitively, for `stale` (an input's
-    content changed) and `input unreachable here` (an input outside `store` that this machine cannot read)."""
+    content changed) and `input unreachable here` (an input outside `store` that this machine cannot read). `deep` reads
+    every byte of a remote store back instead of trusting the checksums its server stored."""
     keys = [info.key for info in store.list()]
     committed, incomplete = find_artifact_roots(keys)
     out = []
     memo: dict[str, VerifyReport] = {}  # each artifact verified once, whether surveyed or an input of one
     for root in sorted(committed + incomplete):
         child = store.child(root) if root else store
-        report = verify_artifact(child, check_inputs=True, within=store.url, memo=memo)
+        report = verify_artifact(child, check_inputs=True, within=store.url, memo=memo, deep=deep)
         out.append(ArtifactStatus(root=root, url=child.url, report=report))
     return out
 
@@ -98,13 +120,19 @@ def format_lineage(refs: list[InputRef]) -> str:
 
 
 def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
-    """A Markdown status page; every claim on it was just read from the destination."""
+    """A Markdown status page; every claim on it was just read from the destination, and it says how."""
     now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     counts = {state: sum(a.state is state for a in artifacts) for state in State}
+    methods = sorted({a.report.method for a in artifacts if a.report.method})
+    how = {
+        SERVER_CHECKSUMS: "each listed file's size and the CRC64NVME checksum its server stored at upload (HEAD; `--deep` reads "
+        "every byte back)",
+        BYTES_READ_BACK: "each listed file's bytes read back and their CRC64NVME checksum recomputed",
+    }
     lines = [
         f"# blockdraft status: {url}",
         "",
-        f"Checked at {now} by reading every manifest and every listed file's size and CRC64NVME checksum at the destination.",
+        f"Checked at {now} at the destination: every manifest, and {'; '.join(how.get(m, m) for m in methods) or 'no files'}.",
         "",
         ", ".join(f"{n} {state.value}" for state, n in counts.items() if n) or "no artifacts found",
         "",

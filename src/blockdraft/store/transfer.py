@@ -8,6 +8,7 @@ Both resume: files already verified at the destination are skipped; anything els
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 import threading
 import time
@@ -20,6 +21,7 @@ from blockdraft.config import StoreConfig
 from blockdraft.errors import ArtifactError, StoreError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import (
+    BYTES_READ_BACK,
     MANIFEST_NAME,
     FileEntry,
     FileProblem,
@@ -27,7 +29,6 @@ from blockdraft.store.artifact import (
     VerifyReport,
     check_file,
     check_files,
-    commit_manifest,
     manifest_sha256,
     read_manifest,
     read_origin,
@@ -36,6 +37,7 @@ from blockdraft.store.artifact import (
 )
 from blockdraft.store.base import Store
 from blockdraft.store.checksum import crc64nvme_file
+from blockdraft.store.lease import Lease
 from blockdraft.store.local import LocalStore
 from blockdraft.store.preflight import preflight
 from blockdraft.store.stage_io import StageOutput
@@ -79,14 +81,11 @@ def _run_all(fn: Callable[[FileEntry], None], entries: list[FileEntry], workers:
             future.result()
 
 
-def _copy_already_done(dest: Store, raw: bytes, report: TransferReport, start: float) -> bool:
-    """True (and `report` filled, every file skipped) when `dest` already holds the manifest `raw`, byte for byte, and
-    verifies (`StageOutput.done`, the one place that decides it). Otherwise the destination is uncommitted, since no
-    reader may see an old manifest over the new files about to be written."""
-    copy = StageOutput.copy(dest, raw)
+def _already_there(copy: StageOutput, report: TransferReport, start: float) -> bool:
+    """True (and `report` filled, every file skipped) when the destination already holds the copy's manifest, byte for
+    byte, and verifies (`StageOutput.done`, the one place that decides it)."""
     done = copy.done()
     if done is None:
-        copy.begin()
         return False
     assert done.manifest is not None
     report.skipped = [e.path for e in done.manifest.files]
@@ -97,8 +96,9 @@ def _copy_already_done(dest: Store, raw: bytes, report: TransferReport, start: f
 def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = None) -> TransferReport:
     """Upload the committed artifact in `local_dir` to `url`, verify every file there, then commit its manifest.
 
-    Raises ArtifactError when the local folder holds no manifest or a file that does not match it, and
-    StoreError (after a preflight that takes seconds) when the destination cannot be written.
+    Raises ArtifactError when the local folder holds no manifest or a file that does not match it,
+    StoreError (after a preflight that takes seconds) when the destination cannot be written, and LeaseError when
+    another writer holds the destination (one writer per output: the push takes its lease before the first byte).
     """
     start = time.monotonic()
     source = LocalStore(local_dir)
@@ -114,25 +114,29 @@ def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = Non
     dest = open_store(url, store_config)
     preflight(dest)
     report = TransferReport(source=source.url, destination=dest.url)
-    if _copy_already_done(dest, raw, report, start):
+    copy = StageOutput.copy(dest, raw)
+    if _already_there(copy, report, start):
         _record_pushed_origin(source, dest, raw)
         return report
-    report.aborted_uploads = dest.abort_partial_uploads()
+    copy.begin()  # the lease first, then the old manifest goes: no reader sees it over new files
+    try:
+        report.aborted_uploads = dest.abort_partial_uploads()
+        problems = check_files(dest, manifest.files)
+        todo = [e for e, p in zip(manifest.files, problems) if p is not None]
+        report.skipped = [e.path for e, p in zip(manifest.files, problems) if p is None]
 
-    problems = check_files(dest, manifest.files)
-    todo = [e for e, p in zip(manifest.files, problems) if p is not None]
-    report.skipped = [e.path for e, p in zip(manifest.files, problems) if p is None]
+        def upload(entry: FileEntry) -> None:
+            dest.put_file(entry.path, source.root / entry.path, entry.checksum)
+            problem = check_file(dest, entry)
+            if problem is not None:
+                raise ArtifactError(f"{dest.url.rstrip('/')}/{entry.path} did not verify after upload: {problem.detail}; rerun the push")
 
-    def upload(entry: FileEntry) -> None:
-        dest.put_file(entry.path, source.root / entry.path, entry.checksum)
-        problem = check_file(dest, entry)
-        if problem is not None:
-            raise ArtifactError(f"{dest.url.rstrip('/')}/{entry.path} did not verify after upload: {problem.detail}; rerun the push")
-
-    _run_all(upload, todo, (store_config or StoreConfig()).concurrency)
-    report.moved = [e.path for e in todo]
-    report.moved_bytes = sum(e.size for e in todo)
-    report.verify = commit_manifest(dest, raw)
+        _run_all(upload, todo, (store_config or StoreConfig()).concurrency)
+        report.moved = [e.path for e in todo]
+        report.moved_bytes = sum(e.size for e in todo)
+        report.verify = copy.commit_copy()
+    finally:
+        copy.release()
     _record_pushed_origin(source, dest, raw)
     report.seconds = time.monotonic() - start
     return report
@@ -168,8 +172,9 @@ def _free_bytes(folder: Path) -> int:
 def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = None) -> TransferReport:
     """Download the artifact at `url` into `local_dir`, recomputing every checksum, and write its manifest last.
 
-    Refuses (ArtifactError listing the bad files) an artifact with no manifest or with files that do not
-    match it; a full disk is one StoreError line and leaves no local manifest.
+    Refuses (ArtifactError listing the bad files) an artifact with no manifest or with files that do not match it; a
+    full disk is one StoreError line. A refused pull leaves the local folder as it was: new bytes land in an incoming
+    folder first, and only when every one verified is the old local copy uncommitted and the files moved into place.
     """
     start = time.monotonic()
     workers = (store_config or StoreConfig()).concurrency
@@ -180,31 +185,65 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
     manifest, raw = found
     dest = LocalStore(local_dir)
     report = TransferReport(source=source.url, destination=dest.url)
-    if _copy_already_done(dest, raw, report, start):
+    copy = StageOutput.copy(dest, raw)
+    if _already_there(copy, report, start):
         _record_pulled_origin(source, dest, raw)
         return report
 
     bad = _source_problems(source, manifest.files, workers)
     if bad:
         raise _refuse(source.url, bad)
+    with Lease(dest):
+        _download_and_swap(source, dest, manifest.files, report, workers)
+        dest.put_bytes(MANIFEST_NAME, raw)
+        # Every file was just checksummed locally: downloaded ones on the very bytes written, kept ones by reading them
+        # from disk; re-reading them all would only re-read the page cache. What is read back here is the committed
+        # manifest and every file's size, so the report still comes from the destination.
+        back = read_manifest(dest)
+        wrong_size = [e.path for e in manifest.files if (dest.root / e.path).stat().st_size != e.size]
+        if back is None or back[1] != raw or wrong_size:
+            uncommit(dest)
+            raise ArtifactError(f"pulled copy in {dest.root} did not read back as written ({wrong_size[:3] or 'manifest'}); pull again")
+    report.verify = VerifyReport(
+        url=dest.url,
+        state=State.VERIFIED,
+        manifest=manifest,
+        manifest_sha256=manifest_sha256(raw),
+        verified_files=len(manifest.files),
+        verified_bytes=sum(e.size for e in manifest.files),
+        method=BYTES_READ_BACK,
+    )
+    _record_pulled_origin(source, dest, raw)
+    report.seconds = time.monotonic() - start
+    return report
 
+
+INCOMING_DIR = ".blockdraft-incoming"  # under a pull's destination: verified bytes wait here until all of them are in
+
+
+def _download_and_swap(source: Store, dest: LocalStore, files: list[FileEntry], report: TransferReport, workers: int) -> None:
+    """Download what the local folder lacks into its incoming folder, each file's checksum recomputed on the bytes
+    written; refuse (nothing local touched) if any differs; then uncommit the local copy and move the new files in."""
     dest.abort_partial_uploads()  # temp files of an interrupted pull
-    present = [_local_matches(dest.root / e.path, e) for e in manifest.files]
-    todo = [e for e, ok in zip(manifest.files, present) if not ok]
-    report.skipped = [e.path for e, ok in zip(manifest.files, present) if ok]
+    incoming = dest.root / INCOMING_DIR
+    present = [_local_matches(dest.root / e.path, e) or _local_matches(incoming / e.path, e) for e in files]
+    todo = [e for e, ok in zip(files, present) if not ok]
+    report.skipped = [e.path for e, ok in zip(files, present) if ok]
     need = sum(e.size for e in todo)
     free = _free_bytes(dest.root)
     if need > free:
         raise StoreError(f"not enough local disk space in {dest.root}: the pull needs {need} bytes, {free} are free; free space or pull elsewhere")
+    bad: list[FileProblem] = []
 
     def download(entry: FileEntry) -> None:
-        target = dest.root / entry.path
+        target = incoming / entry.path
         try:
             size, checksum = source.get_file(entry.path, target)
         except OSError as exc:
             if exc.errno in DISK_FULL:
                 raise StoreError(
-                    f"local disk full writing {target.name} into {dest.root} ({exc.strerror}); free space or pull elsewhere; no manifest was written"
+                    f"local disk full writing {target.name} into {dest.root} ({exc.strerror}; the pull needs {need} bytes); "
+                    "free space or pull elsewhere; the local folder was left as it was"
                 ) from None
             raise
         if size != entry.size or checksum != entry.checksum:
@@ -214,28 +253,15 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
     _run_all(download, todo, workers)
     if bad:
         raise _refuse(source.url, sorted(bad, key=lambda p: p.path))
+    uncommit(dest)
+    for entry in files:
+        waiting = incoming / entry.path
+        if waiting.is_file():
+            (dest.root / entry.path).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(waiting, dest.root / entry.path)
+    shutil.rmtree(incoming, ignore_errors=True)
     report.moved = [e.path for e in todo]
     report.moved_bytes = need
-    dest.put_bytes(MANIFEST_NAME, raw)
-    # Every file was just checksummed locally: downloaded ones on the very bytes written, skipped ones by
-    # reading them from disk; re-reading them all would only re-read the page cache. What is read back here is
-    # the committed manifest and every file's size, so the report still comes from the destination.
-    back = read_manifest(dest)
-    wrong_size = [e.path for e in manifest.files if (dest.root / e.path).stat().st_size != e.size]
-    if back is None or back[1] != raw or wrong_size:
-        uncommit(dest)
-        raise ArtifactError(f"pulled copy in {dest.root} did not read back as written ({wrong_size[:3] or 'manifest'}); pull again")
-    report.verify = VerifyReport(
-        url=dest.url,
-        state=State.VERIFIED,
-        manifest=manifest,
-        manifest_sha256=manifest_sha256(raw),
-        verified_files=len(manifest.files),
-        verified_bytes=sum(e.size for e in manifest.files),
-    )
-    _record_pulled_origin(source, dest, raw)
-    report.seconds = time.monotonic() - start
-    return report
 
 
 def _record_pulled_origin(source: Store, dest: LocalStore, raw: bytes) -> None:
@@ -335,10 +361,11 @@ def stage_and_push(
     preflight(remote)
     local = staging_folder(url, store_config)
     local.mkdir(parents=True, exist_ok=True)
-    pusher = _FinishedPiecePusher(local, remote, finished, poll_s)
-    try:
-        result = run_stage(local)
-    finally:
-        pusher.stop()
-    report = push(local, url, store_config)
+    with Lease(remote):  # one writer from the first piece pushed to the commit; the final push takes it again (re-entrant)
+        pusher = _FinishedPiecePusher(local, remote, finished, poll_s)
+        try:
+            result = run_stage(local)
+        finally:
+            pusher.stop()
+        report = push(local, url, store_config)
     return result, report

@@ -7,6 +7,7 @@ starts (see `placement` for how a rank finds its devices).
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from blockdraft.stages.train.placement import RankPlacement, barrier, rank_sessi
 from blockdraft.stages.train.trainer import Trainer
 from blockdraft.store import open_store
 from blockdraft.store.artifact import VerifyReport
+from blockdraft.store.lease import Lease
 from blockdraft.store.preflight import preflight
 from blockdraft.store.stage_io import open_input
 
@@ -55,8 +57,8 @@ def run(config: BlockdraftConfig, input: str | None = None, output: str | None =
     config = _with_paths(config, input, output)
     place = resolve_placement(config)
     reporter = (reporter or Reporter()).for_rank(place.rank)
-    with rank_session(place, config.train.deterministic):
-        trainer = _prepare(config, place, reporter)
+    with rank_session(place, config.train.deterministic), ExitStack() as held:
+        trainer = _prepare(config, place, reporter, held)
         trainer.train()
         final = _final_report(trainer, place)
     result = TrainResult(trainer.total_steps, trainer.resumed_from, final.url, trainer.metrics, trainer.drafter, trainer.head)
@@ -72,15 +74,18 @@ def _with_paths(config: BlockdraftConfig, input: str | None, output: str | None)
     return config.model_copy(update={"train": config.train.model_copy(update={"data": data, "output": out})})
 
 
-def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter) -> Trainer:
-    """Check what fails fast (the target's config, a writable output store, a verified input), open the rows, build the
-    trainer. Of the processes on one machine only local rank 0 pulls a remote input."""
+def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter, held: ExitStack) -> Trainer:
+    """Check what fails fast (the target's config, a writable output store that no other run writes, a verified input),
+    open the rows, build the trainer. Rank 0 takes the output's lease (one run per train.output: another run's
+    checkpoints never interleave with this one's, and a resume never picks another run's step) and `held` gives it back
+    when training ends. Of the processes on one machine only local rank 0 pulls a remote input."""
     tc = config.train
     assert tc.data is not None and tc.output is not None  # set by _with_paths
     load_target_config(config.target.path)  # a missing target fails in seconds, before any data moves
     out_store = open_store(tc.output, config.store)
     if place.is_main:
         preflight(out_store)  # fail before step 1 when checkpoints cannot be written (docs/STORE.md, credentials)
+        held.enter_context(Lease(out_store))
     data = open_input(tc.data, config.store, kinds=[TOKENIZED_KIND], role="train.data")
     rows = load_train_rows(data, config.store, tc.max_length, Path(tc.log_dir), place.local_rank == 0, lambda: barrier(place))
     return Trainer(config, place, rows, out_store, tc.output, reporter)

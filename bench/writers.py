@@ -1,0 +1,87 @@
+"""Concurrent writers on one output: N trials of two `blockdraft push` processes (different artifacts, one S3 prefix on a
+local SeaweedFS) started together, and N trials of two `blockdraft tokenize` runs into one folder.
+
+    .venv/bin/python -m bench.writers [--trials 20]
+
+For each trial it records both exit codes and checks, after both ended, that the output verifies (bytes read back) and
+holds the manifest of a process that said `verified`; a loser must exit 2 naming the lease's owner (a local tokenize
+may also lose to the folder lock it takes first). Prints one JSON line
+per kind: trials, trials where both overlapped (one lost), false `verified` (must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from blockdraft.store import open_store
+from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, read_manifest, verify_artifact
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from helpers.paths import TOKENIZER_DIR  # noqa: E402
+from helpers.s3server import SeaweedS3  # noqa: E402
+from helpers.tokenize_data import make_corpus  # noqa: E402
+
+
+def _artifact(root: Path, fill: int) -> Path:
+    root.mkdir(parents=True)
+    for k in range(4):
+        (root / f"shard-{k}.bin").write_bytes(bytes([fill]) * 3_000_000)
+    commit_artifact(open_store(root), "tokenized", [entry_for_local_file(root, p) for p in sorted(root.glob("*.bin"))])
+    return root
+
+
+def _race(argvs: list[list[str]]) -> list[tuple[int, str]]:
+    procs = [subprocess.Popen([sys.executable, "-m", "blockdraft", *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in argvs]
+    return [(p.wait(), p.communicate()[1]) for p in procs]
+
+
+def _judge(url: str, results: list[tuple[int, str]], allowed: list[bytes]) -> dict[str, int]:
+    """One trial's outcome: overlapped (one process lost the lease), false_verified (a `verified` the output contradicts)."""
+    lost = ("is being written by pid", "another tokenize is writing")  # the lease's line; a local tokenize's folder lock
+    losers = [err for rc, err in results if rc == 2 and any(s in err for s in lost)]
+    other = [rc for rc, err in results if rc != 0 and err not in losers]
+    report = verify_artifact(open_store(url), deep=True)
+    found = read_manifest(open_store(url))
+    holds_a_winner = found is not None and (not allowed or found[1] in allowed)
+    false = int(any(rc == 0 for rc, _ in results) and (report.state is not State.VERIFIED or not holds_a_winner))
+    return {"overlapped": int(bool(losers)), "false_verified": false, "other_failures": len(other)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-writers-") as tmp, SeaweedS3(Path(tmp) / "s3") as server:
+        os.environ.update(server.admin.env(server.endpoint))
+        arts = [_artifact(Path(tmp) / f"a{i}", i + 1) for i in range(2)]
+        manifests = [(a / MANIFEST_NAME).read_bytes() for a in arts]
+        totals = {"kind": "push", "trials": args.trials, "overlapped": 0, "false_verified": 0, "other_failures": 0}
+        for _ in range(args.trials):
+            url = f"s3://{server.new_bucket()}/run/tokenized"
+            results = _race([["push", str(a), url] for a in arts])
+            winners = [manifests[i] for i, (rc, _) in enumerate(results) if rc == 0]
+            for key, value in _judge(url, results, winners).items():
+                totals[key] += value
+        print(json.dumps(totals))
+
+        corpus = make_corpus(Path(tmp) / "corpus", files=2, per_file=40)
+        totals = {"kind": "tokenize", "trials": args.trials, "overlapped": 0, "false_verified": 0, "other_failures": 0}
+        for trial in range(args.trials):
+            out = Path(tmp) / f"tok-{trial}"
+            results = _race([["tokenize", str(corpus), str(out), "--tokenizer", str(TOKENIZER_DIR), "--max-length", str(m)] for m in (512, 256)])
+            for key, value in _judge(str(out), results, []).items():
+                totals[key] += value
+        print(json.dumps(totals))
+
+
+if __name__ == "__main__":
+    main()
