@@ -5,21 +5,23 @@ Accepted variants (docs/TOKENIZATION.md): `messages` or `conversations`; OpenAI 
 `<think>...</think>` in the content; optional `tools`; optional generator token ids (`prompt_token_ids` +
 `completion_token_ids`, or `prompt_ids` + `completion_ids`), which are then used as they are.
 
-A row that cannot be normalised raises `RowRejected` with a short reason code; the caller quarantines it.
+A row that cannot be normalised raises `RowRejected` with a short reason code; the caller quarantines it. A file that
+cannot be decoded whole raises `InputUnreadable` (`blockdraft.data.streams`); the caller drops the whole file.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import gzip
 import hashlib
 import io
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from blockdraft.config import StoreConfig
+from blockdraft.data.streams import CountingReader, InputUnreadable, decoding, decoding_parquet, decompressed
 from blockdraft.errors import ConfigError
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import InputRef, raw_input, read_manifest
@@ -82,74 +84,57 @@ def is_completions_file(key: str) -> bool:
     return key.lower().endswith(SUFFIXES)
 
 
-class _CountingReader(io.RawIOBase):
-    """Wraps a binary stream and counts the (compressed) bytes read, for progress by input bytes."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self._raw = raw
-        self.bytes_read = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        data = self._raw.read(len(buffer))
-        n = len(data)
-        buffer[:n] = data
-        self.bytes_read += n
-        return n
-
-
 def iter_records(stream: BinaryIO, key: str, counter: list[int] | None = None) -> Iterator[RawRecord]:
     """Every row of one completions file, in order. `key` (its name) selects the format by suffix.
 
     `stream` is any readable binary file-like (a local file, a store object); Parquet needs it seekable.
-    `counter[0]`, when given, is kept equal to the input bytes consumed so far.
+    `counter[0]`, when given, is kept equal to the input bytes consumed so far. A file that cannot be read whole (cut
+    short, corrupt, not the format its name says) raises `InputUnreadable` after the rows before the fault: the caller
+    must drop the whole file, never keep the rows before the cut as if they were all of it.
     """
     name = key.lower()
     if name.endswith(".parquet"):
-        yield from _iter_parquet(stream, counter)
+        with decoding_parquet(key):
+            yield from _iter_parquet(stream, counter)
         return
-    reader = _CountingReader(stream)
-    buffered: BinaryIO = io.BufferedReader(reader, buffer_size=1 << 20)
-    if name.endswith(".gz"):
-        buffered = gzip.GzipFile(fileobj=buffered)  # type: ignore[assignment]
-    elif name.endswith(".zst"):
-        import zstandard
-
-        buffered = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(buffered), buffer_size=1 << 20)  # type: ignore[assignment]
-    peek = getattr(buffered, "peek", None)
-    first = peek(64)[:64].lstrip() if peek is not None else b""
-    if first.startswith(b"["):
-        # A JSON array, not JSON Lines: it has to be parsed whole.
-        text = buffered.read().decode("utf-8", errors="replace")
-        if counter is not None:
-            counter[0] = reader.bytes_read
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            yield RawRecord(1, None, f"invalid JSON array: {exc}")
+    reader = CountingReader(stream)
+    with decoding(key):
+        buffered = decompressed(reader, name)  # type: ignore[arg-type]
+        peek = getattr(buffered, "peek", None)
+        first = peek(64)[:64].lstrip() if peek is not None else b""
+        if first.startswith(b"["):
+            yield from _iter_json_array(buffered, reader, key, counter)
             return
-        for i, row in enumerate(rows, 1):
-            yield RawRecord(i, row, json.dumps(row, ensure_ascii=False))
-        return
-    for lineno, line in enumerate(buffered, 1):
-        if counter is not None:
-            counter[0] = reader.bytes_read
-        if not line or line.isspace():  # isspace stops at the first non-blank byte; strip would copy the line
-            continue
-        text = line.decode("utf-8", errors="replace").rstrip("\r\n")
-        try:
-            data = json.loads(line)
-        except ValueError:
-            data = None
-        yield RawRecord(lineno, data, text)
+        for lineno, line in enumerate(buffered, 1):
+            if counter is not None:
+                counter[0] = reader.bytes_read
+            if not line or line.isspace():  # isspace stops at the first non-blank byte; strip would copy the line
+                continue
+            text = line.decode("utf-8", errors="replace").rstrip("\r\n")
+            try:
+                data = json.loads(line)
+            except ValueError:
+                data = None
+            yield RawRecord(lineno, data, text)
+
+
+def _iter_json_array(buffered: BinaryIO, reader: CountingReader, key: str, counter: list[int] | None) -> Iterator[RawRecord]:
+    """A JSON array, not JSON Lines: it has to be parsed whole, and one that does not parse is an unreadable file."""
+    text = buffered.read().decode("utf-8", errors="replace")
+    if counter is not None:
+        counter[0] = reader.bytes_read
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputUnreadable("undecodable_input", f"it starts as a JSON array but does not parse whole: {exc}", key) from None
+    for i, row in enumerate(rows, 1):
+        yield RawRecord(i, row, json.dumps(row, ensure_ascii=False))
 
 
 def _iter_parquet(stream: BinaryIO, counter: list[int] | None) -> Iterator[RawRecord]:
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(stream)
+    pf = pq.ParquetFile(stream, page_checksum_verification=True)  # pages written with a CRC are checked against it
     total = pf.metadata.num_rows or 1
     size = stream.seek(0, io.SEEK_END)
     position = 0
@@ -225,9 +210,11 @@ def _token_ids(data: dict[str, Any]) -> tuple[list[int], list[int]] | None:
     for prompt_key, completion_key in _IDS_KEYS:
         if data.get(prompt_key) is not None and data.get(completion_key) is not None:
             prompt, completion = data[prompt_key], data[completion_key]
-            ok = all(isinstance(x, list) and all(isinstance(t, int) and t >= 0 for t in x) for x in (prompt, completion))
+            # bool is an int to Python: true/false in an id list would train ids 1 and 0.
+            ok = all(isinstance(x, list) and all(type(t) is int and t >= 0 for t in x) for x in (prompt, completion))
             if not ok or not prompt or len(completion) < 2:
-                raise RowRejected("bad_token_ids", f"{prompt_key}/{completion_key} must be non-empty lists of token ids")
+                raise RowRejected("bad_token_ids", f"{prompt_key}/{completion_key} must be non-empty lists of non-negative integer "
+                                  "token ids (not true/false, floats or strings)")
             return list(prompt), list(completion)
     return None
 
@@ -263,6 +250,28 @@ def normalise(record: RawRecord) -> Conversation:
     if ids is not None:
         conv.prompt_ids, conv.completion_ids = ids
     return conv
+
+
+def check_special_tokens(conv: Conversation, special: re.Pattern[str] | None) -> None:
+    """`RowRejected("special_token_in_content")` when a message's text holds one of the tokenizer's special tokens.
+
+    Rendered, `<|im_end|>\n<|im_start|>user` inside an assistant's content is a turn boundary the template did not make:
+    the drafter would be trained across a fake turn, and the tokenizer encodes the text as the control token itself.
+    """
+    if special is None:
+        return
+    for i, message in enumerate(conv.messages):
+        texts = {"content": message["content"], "reasoning_content": message.get("reasoning_content") or ""}
+        if message.get("tool_calls"):
+            texts["tool_calls"] = json.dumps(message["tool_calls"], ensure_ascii=False, default=str)
+        for name, text in texts.items():
+            found = special.search(text)
+            if found is not None:
+                raise RowRejected("special_token_in_content",
+                                  f"message {i} ({message['role']}) has the special token {found.group()!r} in its {name}")
+    found = special.search(json.dumps(conv.tools, ensure_ascii=False, default=str)) if conv.tools else None
+    if found is not None:
+        raise RowRejected("special_token_in_content", f"the tools list has the special token {found.group()!r}")
 
 
 def list_completions(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:

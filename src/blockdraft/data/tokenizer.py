@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,3 +113,17 @@ def end_of_turn_id(tokenizer_json: str, token: str) -> int:
     if token_id is None:
         raise ConfigError(f"end-of-turn token {token!r} is not in the tokenizer's vocabulary; set tokenize.end_of_turn to the one it uses")
     return token_id
+
+
+def special_token_pattern(tokenizer_json: str, variables: dict[str, str] | None = None) -> re.Pattern[str] | None:
+    """A regex of the tokenizer's special tokens (added tokens marked special: `<|im_start|>`, `<|im_end|>`,
+    `<|endoftext|>`, ...) and of the special tokens the template gets as variables; None when there are none.
+
+    Text holding one of them is encoded as the control token itself, so message content must not (`check_special_tokens`).
+    """
+    added = json.loads(tokenizer_json).get("added_tokens") or []
+    tokens = {t["content"] for t in added if t.get("special") and t.get("content")}
+    tokens.update(v for v in (variables or {}).values() if v)
+    if not tokens:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))

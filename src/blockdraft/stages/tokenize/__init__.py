@@ -1,9 +1,10 @@
-"""The `tokenize` stage: `run(config, input, output, reporter) -> StageResult` with a `TokenizeSummary` as its details."""
+"""The `tokenize` stage: `run(config, input, output, reporter) -> StageResult` with a `TokenizeSummary` as its details;
+`InputFilesFailed` (with that result) when input files could not be read whole."""
 
 from __future__ import annotations
 
 from blockdraft.stages.tokenize.hf_layout import KIND
-from blockdraft.stages.tokenize.report import TokenizeSummary, summary_lines
+from blockdraft.stages.tokenize.report import InputFilesFailed, TokenizeSummary, summary_lines
 from blockdraft.stages.tokenize.stage import finished_shard_entries, run
 
-__all__ = ["KIND", "TokenizeSummary", "finished_shard_entries", "run", "summary_lines"]
+__all__ = ["KIND", "InputFilesFailed", "TokenizeSummary", "finished_shard_entries", "run", "summary_lines"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from blockdraft.errors import ArtifactError
 from blockdraft.stages import StageResult
 
 
@@ -29,6 +30,21 @@ class TokenizeSummary:
     worker_seconds: list[float] = field(default_factory=list)
     worker_cpu_seconds: list[float] = field(default_factory=list)
     worker_peak_rss_mib: list[float] = field(default_factory=list)
+
+
+class InputFilesFailed(ArtifactError):
+    """Input files that could not be decoded whole were left out of a committed artifact; `result` is that run's result
+    (its manifest names them under `counts.failed_inputs`)."""
+
+    def __init__(self, result: StageResult) -> None:
+        failed: dict[str, Any] = result.details.counts.get("failed_inputs", {})
+        causes = "; ".join(f"{key}: {f['reason']} ({f['detail']})" for key, f in sorted(failed.items()))
+        super().__init__(
+            f"{len(failed)} of {result.details.shards_total} input files could not be read whole and were left out of the "
+            f"artifact at {result.url} (its manifest lists them under counts.failed_inputs, the quarantine holds a line each): "
+            f"{causes}; replace or remove them and rerun (the other files' shards are kept)"
+        )
+        self.result = result
 
 
 def clip_warning(counts: dict[str, Any], max_length: int) -> str | None:
@@ -68,6 +84,10 @@ def summary_lines(result: StageResult) -> list[str]:
     if rejected:
         reasons = ", ".join(f"{k} {v:,}" for k, v in rejected.items())
         lines.append(f"  rejected {sum(rejected.values()):,} (quarantine/*.jsonl): {reasons}")
+    failed = c.get("failed_inputs", {})
+    if failed:
+        files = ", ".join(f"{key} ({f['reason']})" for key, f in sorted(failed.items()))
+        lines.append(f"  input files left out, not readable whole {len(failed)}: {files}")
     lines.append(f"  shards {summary.shards_total} ({summary.shards_skipped} resumed from matching records); {result.seconds:.1f} s")
     lines += [f"  WARNING: {message}" for message in summary.warnings]
     return lines

@@ -4,9 +4,11 @@ A finished shard is a piece of the output (`StageOutput.put_piece`, written afte
 the run's config digest and the input file's key, size and checksum. Its counts hold the shard's row statistics
 (`stats`) and its Arrow files per split in the order written (`split_files`).
 
-A worker streams: it holds one batch of `CONVERSATION_BATCH` conversations and at most `ARROW_BATCH_ROWS` pending rows
-per split, so its memory does not grow with the shard or the dataset. The tokenizer and compiled template are built
-once per process (`install_tools`), never shipped with each task.
+An input file that cannot be decoded whole is dropped whole, with no piece (see `tokenize_shard`).
+
+A worker streams: it holds one batch of `CONVERSATION_BATCH` conversations and at most `ARROW_BATCH_ROWS` (arrow_rows.py)
+pending rows per split, so its memory does not grow with the shard or the dataset. The tokenizer, compiled template and
+special-token pattern are built once per process (`install_tools`), never shipped with each task.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import ctypes
 import hashlib
 import json
 import os
-import resource
+import re
 import signal
 import sys
 import time
@@ -25,12 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-import numpy as np
 import pyarrow as pa
 from tokenizers import Tokenizer
 
 from blockdraft.config import StoreConfig
-from blockdraft.data.completions import RawRecord, RowRejected, iter_records, normalise, source_id_of
+from blockdraft.data.completions import RawRecord, RowRejected, check_special_tokens, iter_records, normalise, source_id_of
 from blockdraft.data.render import (
     ChatTemplate,
     PlannedTurn,
@@ -41,20 +42,21 @@ from blockdraft.data.render import (
     plan_turns,
     row_from_generator_ids,
 )
-from blockdraft.errors import ArtifactError
+from blockdraft.data.streams import InputUnreadable
+from blockdraft.data.tokenizer import special_token_pattern
+from blockdraft.stages.tokenize.arrow_rows import SplitWriter
 from blockdraft.stages.tokenize.hf_layout import KIND, QUARANTINE_DIR, SPLITS
+from blockdraft.stages.tokenize.shard_io import ChecksummedStream, disk_full_error, failed_input, peak_rss_mib
 from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry
-from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme, crc64nvme_file
+from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.local import TMP_PREFIX, LocalStore
 from blockdraft.store.stage_io import StageOutput, stage_key
 
 # Part of the config digest: bump it when the rows' bytes change for the same options, so old shards are redone.
-SHARD_FORMAT = "blockdraft-tokenize-shard/1"
+SHARD_FORMAT = "blockdraft-tokenize-shard/2"  # 2: special tokens in content and true/false ids are rejected
 # Conversations rendered and encoded together; small enough that a worker's memory stays flat.
 CONVERSATION_BATCH = 32
-# Rows per Arrow record batch written.
-ARROW_BATCH_ROWS = 256
 # What clipping to max_length cut off, in every piece's stats: rows clipped, tokens dropped, supervised tokens dropped.
 CLIP_KEYS = ("rows_clipped", "tokens_clipped", "supervised_tokens_clipped")
 _PR_SET_PDEATHSIG = 1
@@ -132,74 +134,12 @@ def is_held_out(source_id: str, fraction: float) -> bool:
     return h < fraction * 2**64
 
 
-class _SplitWriter:
-    """Arrow stream files of one split of one shard, rotated every `rows_per_file` rows, renamed only when whole."""
-
-    def __init__(self, split_dir: Path, stem: str, schema: pa.Schema, rows_per_file: int) -> None:
-        self.dir, self.stem, self.schema, self.rows_per_file = split_dir, stem, schema, rows_per_file
-        self.files: list[FileEntry] = []
-        self._writer: pa.ipc.RecordBatchStreamWriter | None = None
-        self._tmp: Path | None = None
-        self._rows_in_file = 0
-        self._pending: list[tuple[TurnRow, str]] = []
-
-    def add(self, row: TurnRow, source_id: str) -> None:
-        self._pending.append((row, source_id))
-        if len(self._pending) >= ARROW_BATCH_ROWS or self._rows_in_file + len(self._pending) >= self.rows_per_file:
-            self._flush()
-
-    def _flush(self) -> None:
-        while self._pending:
-            if self._writer is None:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                self._tmp = self.dir / f"{TMP_PREFIX}{self.stem}-part-{len(self.files):03d}.arrow"
-                self._writer = pa.ipc.new_stream(str(self._tmp), self.schema)
-            room = self.rows_per_file - self._rows_in_file
-            chunk, self._pending = self._pending[:room], self._pending[room:]
-            self._writer.write_batch(_record_batch(chunk, self.schema))
-            self._rows_in_file += len(chunk)
-            if self._rows_in_file >= self.rows_per_file:
-                self._close_file()
-
-    def _close_file(self) -> None:
-        assert self._writer is not None and self._tmp is not None
-        self._writer.close()
-        final = self.dir / self._tmp.name.removeprefix(TMP_PREFIX)
-        os.replace(self._tmp, final)
-        size, checksum = crc64nvme_file(final)
-        self.files.append(FileEntry(path=f"{self.dir.name}/{final.name}", size=size, checksum=checksum))
-        self._writer, self._tmp, self._rows_in_file = None, None, 0
-
-    def close(self) -> list[FileEntry]:
-        self._flush()
-        if self._writer is not None:
-            self._close_file()
-        return self.files
-
-
-def _record_batch(rows: list[tuple[TurnRow, str]], schema: pa.Schema) -> pa.RecordBatch:
-    lengths = np.fromiter((len(r.input_ids) for r, _ in rows), dtype=np.int64, count=len(rows))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    supervised = np.fromiter((int(r.loss_mask.sum()) for r, _ in rows), dtype=np.int32, count=len(rows))
-    ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate([r.input_ids for r, _ in rows])))
-    mask = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate([r.loss_mask for r, _ in rows])))
-    columns = [
-        ids,
-        mask,
-        pa.array(lengths.astype(np.int32)),
-        pa.array(supervised),
-        pa.array([s for _, s in rows], type=pa.string()),
-        pa.array(np.fromiter((r.turn for r, _ in rows), dtype=np.int32, count=len(rows))),
-    ]
-    return pa.RecordBatch.from_arrays(columns, schema=schema)
-
-
 class _ShardCounts:
     def __init__(self) -> None:
         self.c: Counter[str] = Counter(dict.fromkeys(CLIP_KEYS, 0))  # always recorded, so a piece without them is older
         self.rejected: Counter[str] = Counter()
         self.thinking: Counter[str] = Counter()
+        self.failed: dict[str, Any] = {}  # an input dropped whole: its key -> reason, detail, rows read before the fault
 
     def add_row(self, split: str, row: TurnRow) -> None:
         """A row written to `split`; a clipped one also adds what `max_length` cut off it (see `TurnRow`)."""
@@ -209,7 +149,7 @@ class _ShardCounts:
             self.c.update({"rows_clipped": 1, "tokens_clipped": row.clipped_tokens, "supervised_tokens_clipped": row.clipped_supervised})
 
     def as_dict(self) -> dict[str, Any]:
-        return {**dict(self.c), "rejected": dict(self.rejected), "thinking": dict(self.thinking)}
+        return {**dict(self.c), "rejected": dict(self.rejected), "thinking": dict(self.thinking), "failed_inputs": dict(self.failed)}
 
 
 WORKER: dict[str, Any] = {}
@@ -224,7 +164,8 @@ def install_tools(tokenizer_json: str, template_text: str, variables: dict[str, 
     template = compile_chat_template(template_text, variables)
     key = tools_key(hashlib.sha256(tokenizer_json.encode()).hexdigest(), template)
     if WORKER.get("key") != key:
-        WORKER["tools"], WORKER["key"] = (Tokenizer.from_str(tokenizer_json), template), key
+        special = special_token_pattern(tokenizer_json, variables)
+        WORKER["tools"], WORKER["key"] = (Tokenizer.from_str(tokenizer_json), template, special), key
 
 
 def worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, template_text: str, variables: dict[str, str]) -> None:
@@ -240,37 +181,18 @@ def worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, templ
 
 
 def _remove_shard_outputs(output: StageOutput, out: Path, name: str) -> None:
-    """Delete every output of one shard (its piece first, so a crash in between never leaves a piece over missing files)."""
+    """Delete every output of one shard, temporary ones too (its piece first, so a crash in between never leaves a piece
+    over missing files)."""
     output.drop_piece(name)
-    for split in SPLITS:
-        for p in (out / split).glob(f"{name}-part-*.arrow"):
-            p.unlink()
-    (out / QUARANTINE_DIR / f"{name}.jsonl").unlink(missing_ok=True)
+    for p in _shard_files(out, name):
+        p.unlink(missing_ok=True)
 
 
-class _ChecksummedStream:
-    """Reads a stream front to back while computing its size and CRC64NVME, to prove the bytes read are the listed input."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self._raw, self._crc, self.size = raw, Crc64Nvme(), 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._raw.read(n)
-        self._crc.update(data)
-        self.size += len(data)
-        return data
-
-    def finish(self, task: ShardTask) -> None:
-        """Read what the parser left (a trailer) and compare with the listing; a mismatch means the input changed."""
-        while self.read(READ_CHUNK):
-            pass
-        # An object listed by its ETag only (S3 without a stored checksum) can be compared by size only.
-        listed_crc = None if task.checksum.startswith("etag:") else task.checksum
-        if self.size != task.size or listed_crc not in (None, self._crc.b64):
-            raise ArtifactError(
-                f"input {task.key} changed while it was tokenized (read {self.size} bytes, crc64nvme {self._crc.b64}; "
-                f"listed {task.size}, {task.checksum}); rerun when the input is complete"
-            )
+def _shard_files(out: Path, name: str) -> list[Path]:
+    """Every file of one shard in the output folder, whole or temporary (`TMP_PREFIX`)."""
+    patterns = [f"{prefix}{name}-part-*.arrow" for prefix in ("", TMP_PREFIX)]
+    found = [p for split in SPLITS for pattern in patterns for p in (out / split).glob(pattern)]
+    return found + [p for p in (out / QUARANTINE_DIR / f"{prefix}{name}.jsonl" for prefix in ("", TMP_PREFIX)) if p.is_file()]
 
 
 def _to_parent_queue() -> Advance | None:
@@ -285,26 +207,46 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
     """Tokenize one input file into its Arrow files and quarantine file; record it (last) as a finished piece.
 
     `progress(nbytes, rows, tokens)` is called as it goes; in a pool worker, progress goes to the parent's queue.
+    An input that cannot be decoded whole is dropped whole: its quarantine holds one line with the reason, its stats
+    count it under `input_files_failed`, and no piece is recorded, so a rerun tries it again. A full disk raises
+    `DiskFull` after removing every file of the shard.
     """
-    progress = progress or _to_parent_queue()
     started, cpu_started = time.monotonic(), time.process_time()
     if WORKER.get("key") != settings.tools_key:
         raise RuntimeError("tokenize_shard called in a process without this run's tokenizer and template installed")
-    tokenizer, template = WORKER["tools"]
     out = Path(settings.output_dir)
     output = StageOutput(LocalStore(out), KIND, settings.output_key)
     _remove_shard_outputs(output, out, task.name)
-    writers = {split: _SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file) for split in SPLITS}
+    writers = {split: SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file) for split in SPLITS}
+    bytes_read = [0]
+    try:
+        shard = _write_shard(task, settings, output, writers, bytes_read, progress or _to_parent_queue())
+    except BaseException as exc:
+        written = sum(p.stat().st_size for p in _shard_files(out, task.name))
+        for writer in writers.values():
+            writer.discard()  # closes its open file: an unlinked file still open keeps its space
+        _remove_shard_outputs(output, out, task.name)
+        error = disk_full_error(exc, out, written, bytes_read[0] / max(task.size, 1)) if isinstance(exc, OSError) else None
+        if error is None:
+            raise
+        raise error from None
+    return ShardRun(shard, time.monotonic() - started, time.process_time() - cpu_started, peak_rss_mib())
+
+
+def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput, writers: dict[str, SplitWriter],
+                 bytes_read: list[int], progress: Advance | None) -> ShardOutput:
+    tokenizer, template, special = WORKER["tools"]
+    out = Path(settings.output_dir)
     counts = _ShardCounts()
     quarantine_path = out / QUARANTINE_DIR / f"{task.name}.jsonl"
     quarantine_path.parent.mkdir(parents=True, exist_ok=True)
     quarantine_tmp = quarantine_path.with_name(TMP_PREFIX + quarantine_path.name)
-    bytes_read = [0]
-    reported = 0
+    reported = read = 0
+    failure: InputUnreadable | None = None
     store = open_store(settings.input_url, settings.store)
     with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.key) as raw:
         # Parquet is read by seeking (footer first), so only streamed formats are checksummed as they are read.
-        checked = None if task.key.lower().endswith(".parquet") else _ChecksummedStream(raw)
+        checked = None if task.key.lower().endswith(".parquet") else ChecksummedStream(raw)
         stream = raw if checked is None else cast(BinaryIO, checked)  # read() is all a streamed format asks of it
 
         def reject(record: RawRecord, source_id: str | None, turn: int | None, reason: str, detail: str) -> None:
@@ -314,21 +256,31 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
             quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
         batch: list[RawRecord] = []
-        for record in iter_records(stream, task.key, bytes_read):
-            batch.append(record)
-            if len(batch) >= CONVERSATION_BATCH:
-                rows, tokens = _process_batch(batch, tokenizer, template, settings, writers, counts, reject)
-                batch = []
-                if progress is not None:
-                    progress(bytes_read[0] - reported, rows, tokens)
-                    reported = bytes_read[0]
-        rows, tokens = _process_batch(batch, tokenizer, template, settings, writers, counts, reject)
+        try:
+            for record in iter_records(stream, task.key, bytes_read):
+                batch.append(record)
+                read += 1
+                if len(batch) >= CONVERSATION_BATCH:
+                    rows, tokens = _process_batch(batch, tokenizer, template, special, settings, writers, counts, reject)
+                    batch = []
+                    if progress is not None:
+                        progress(bytes_read[0] - reported, rows, tokens)
+                        reported = bytes_read[0]
+            rows, tokens = _process_batch(batch, tokenizer, template, special, settings, writers, counts, reject)
+        except InputUnreadable as exc:
+            failure, rows, tokens = exc, 0, 0
         if checked is not None:
-            checked.finish(task)
+            checked.finish(task.key, task.size, task.checksum)
         if progress is not None:
             progress(task.size - reported, rows, tokens)
+        if failure is not None:
+            # Dropped whole: none of its rows or row rejections stay, only the one line that says why.
+            line, counts = _failed_counts(task.key, failure, read)
+            quarantine.seek(0)
+            quarantine.truncate()
+            quarantine.write(json.dumps(line, ensure_ascii=False) + "\n")
     os.replace(quarantine_tmp, quarantine_path)
-    split_files = {split: writers[split].close() for split in SPLITS}
+    split_files = {split: writers[split].discard() if failure else writers[split].close() for split in SPLITS}
     q_size, q_checksum = crc64nvme_file(quarantine_path)
     quarantine_entry = FileEntry(path=f"{QUARANTINE_DIR}/{quarantine_path.name}", size=q_size, checksum=q_checksum)
     shard = ShardOutput(
@@ -336,29 +288,27 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
         [*(e for split in SPLITS for e in split_files[split]), quarantine_entry],
         {"stats": counts.as_dict(), "split_files": {split: [e.path for e in split_files[split]] for split in SPLITS}},
     )
-    # The piece is recorded last: it is the shard's "done", and it names exactly the files the shard made.
-    output.put_piece(task.name, piece_key(settings.config_digest, task), shard.files, shard.counts)
-    return ShardRun(shard, time.monotonic() - started, time.process_time() - cpu_started, _peak_rss_mib())
+    if failure is None:
+        # The piece is recorded last: it is the shard's "done", and it names exactly the files the shard made.
+        output.put_piece(task.name, piece_key(settings.config_digest, task), shard.files, shard.counts)
+    return shard
 
 
-def _peak_rss_mib() -> float:
-    """This process's own high-water resident memory (VmHWM; ru_maxrss would count a spawning parent's after exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _failed_counts(key: str, failure: InputUnreadable, rows_read: int) -> tuple[dict[str, Any], _ShardCounts]:
+    line, record = failed_input(key, failure, rows_read)
+    counts = _ShardCounts()
+    counts.c["input_files_failed"] = 1
+    counts.failed[key] = record
+    return line, counts
 
 
 def _process_batch(
     batch: list[RawRecord],
     tokenizer: Any,
     template: ChatTemplate,
+    special: re.Pattern[str] | None,
     settings: WorkerSettings,
-    writers: dict[str, _SplitWriter],
+    writers: dict[str, SplitWriter],
     counts: _ShardCounts,
     reject: Any,
 ) -> tuple[int, int]:
@@ -369,6 +319,8 @@ def _process_batch(
         counts.c["rows_in"] += 1
         try:
             conv = normalise(record)
+            if conv.prompt_ids is None:  # generator ids are trained as they are, not rendered from the text
+                check_special_tokens(conv, special)
         except RowRejected as exc:
             counts.c["rejected_rows"] += 1
             reject(record, source_id_of(record), None, exc.reason, exc.detail)

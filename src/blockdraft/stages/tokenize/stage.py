@@ -32,9 +32,10 @@ from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.tokenize.hf_layout import KIND, output_schema, remove_leftovers, write_split_metadata
-from blockdraft.stages.tokenize.report import TokenizeSummary, clip_warning
+from blockdraft.stages.tokenize.report import InputFilesFailed, TokenizeSummary, clip_warning
 from blockdraft.stages.tokenize.runner import ShardRunner
 from blockdraft.stages.tokenize.shard import CLIP_KEYS, SHARD_FORMAT, ShardOutput, ShardTask, WorkerSettings, piece_key, tools_key
+from blockdraft.stages.tokenize.shard_io import DiskFull, disk_full_error
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import FileEntry, InputRef, VerifyReport, entry_for_local_file
 from blockdraft.store.local import LocalStore
@@ -44,7 +45,7 @@ from blockdraft.store.transfer import stage_and_push
 STAGE = "tokenize"
 LOCK_NAME = ".blockdraft-tokenize.lock"  # in the output folder; held by the one run that writes it
 COUNT_KEYS = ("rows_in", "turns_in", "rows_out", "train_rows", "held_out_rows", "tokens", "supervised_tokens", "rejected_rows", "rejected_turns",
-              *CLIP_KEYS)
+              *CLIP_KEYS, "input_files_failed")
 
 
 def run(
@@ -63,18 +64,33 @@ def run(
     `Reporter()` when none is given) progress as ("tokenize", input bytes done, input bytes to do, rows=, tokens=), and
     warnings (a template not the target's; more than 1% of the rows clipped to `tokenize.max_length`).
     Resumes: finished shards of this run are kept, the rest redone. Returns what was verified at the destination, with a
-    `TokenizeSummary` as details; ConfigError for unusable input or options.
+    `TokenizeSummary` as details; ConfigError for unusable input or options; `DiskFull` (one line: where, how much) when
+    the output's disk fills, after removing the temporary files.
+
+    An input file that cannot be decoded whole (cut short, corrupt, not its format) is left out whole; the other files go
+    on, the artifact is committed with the failed files named (`counts.failed_inputs`, a quarantine line each), and then
+    `InputFilesFailed` is raised with the result, so a run that lost a file never ends as a plain success. A rerun tries
+    the failed files again.
     """
     started = time.perf_counter()
     reporter = reporter or Reporter()
     if open_store(output, config.store).local_path() is None:
-        return _run_to_remote(config, input, output, reporter, tokenizer, chat_template, started)
+        result = _run_to_remote(config, input, output, reporter, tokenizer, chat_template, started)
+    else:
+        result = _run_local(config, input, output, reporter, tokenizer, chat_template, started)
+    if result.details.counts.get("input_files_failed"):
+        raise InputFilesFailed(result)
+    return result
+
+
+def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
+               chat_template: str | None, started: float) -> StageResult:
     plan = _plan(config, input, output, tokenizer, chat_template, reporter)
     with ShardRunner(config.tokenize.workers, plan.src) as runner, _output_lock(plan.out_dir):
         report = plan.out.done()
-        if report is not None:
+        # An output committed with failed input files is not done: a rerun tries them again (the other shards are kept).
+        if report is not None and report.manifest is not None and not report.manifest.counts.get("input_files_failed"):
             # Rewriting the manifest would change its sha256 and make every dependent artifact look stale.
-            assert report.manifest is not None
             plan.summary.counts, plan.summary.shards_skipped = report.manifest.counts, len(plan.tasks)
             _warn_if_clipped(plan.summary, reporter)
             return StageResult(STAGE, plan.out.url, report, True, time.perf_counter() - started, plan.summary)
@@ -102,7 +118,7 @@ def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: 
     pushed, then push the rest, verify it all there and commit the manifest last."""
 
     def run_locally(local: Path) -> StageResult:
-        return run(config, input, str(local), reporter, tokenizer=tokenizer, chat_template=chat_template)
+        return _run_local(config, input, str(local), reporter, tokenizer, chat_template, started)
 
     staged, pushed = stage_and_push(output, config.store, run_locally, finished_shard_entries)
     result = cast(StageResult, staged)
@@ -187,15 +203,27 @@ def _output_lock(out_dir: Path) -> Iterator[None]:
 
 
 def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> VerifyReport:
-    """Uncommit, keep the finished shards, redo the rest, then commit; returns the report read back at the destination."""
+    """Uncommit, keep the finished shards, redo the rest, then commit; returns the report read back at the destination.
+
+    A full disk is one line (`DiskFull`), after every temporary file of the output is removed."""
     plan.out.begin()
-    kept = _keep_finished_shards(plan)
-    pending = [t for t in plan.tasks if t.name not in kept]
-    plan.summary.shards_skipped = len(kept)
-    if kept:
-        reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match this run)")
-    made = _run_pending(plan, runner, pending, reporter)
-    return _commit(plan, [kept.get(t.name) or made[t.name] for t in plan.tasks])
+    try:
+        kept = _keep_finished_shards(plan)
+        pending = [t for t in plan.tasks if t.name not in kept]
+        plan.summary.shards_skipped = len(kept)
+        if kept:
+            reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match this run)")
+        made = _run_pending(plan, runner, pending, reporter)
+        return _commit(plan, [kept.get(t.name) or made[t.name] for t in plan.tasks])
+    except DiskFull:
+        plan.out.store.abort_partial_uploads()
+        raise
+    except OSError as exc:
+        error = disk_full_error(exc, plan.out_dir)
+        if error is None:
+            raise
+        plan.out.store.abort_partial_uploads()
+        raise error from None
 
 
 def _keep_finished_shards(plan: _Plan) -> dict[str, ShardOutput]:
@@ -248,16 +276,20 @@ def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], rep
 
 
 def _merge_counts(stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """The shards' row statistics summed: every count in COUNT_KEYS, and rejections by reason, rows by thinking mode."""
+    """The shards' row statistics summed: every count in COUNT_KEYS, and rejections by reason, rows by thinking mode; and
+    the input files left out whole, by key (`failed_inputs`: reason, detail, rows read before the fault)."""
     total: Counter[str] = Counter()
     rejected: Counter[str] = Counter()
     thinking: Counter[str] = Counter()
+    failed: dict[str, Any] = {}
     for s in stats:
         c = dict(s)
         rejected.update(c.pop("rejected"))
         thinking.update(c.pop("thinking"))
+        failed.update(c.pop("failed_inputs", {}))  # absent from pieces recorded before inputs could fail
         total.update(c)
-    return {**{k: total.get(k, 0) for k in COUNT_KEYS}, "rejected": dict(sorted(rejected.items())), "thinking": dict(sorted(thinking.items()))}
+    return {**{k: total.get(k, 0) for k in COUNT_KEYS}, "rejected": dict(sorted(rejected.items())), "thinking": dict(sorted(thinking.items())),
+            "failed_inputs": dict(sorted(failed.items()))}
 
 
 def _commit(plan: _Plan, shards: list[ShardOutput]) -> VerifyReport:
