@@ -26,6 +26,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def own_checksum_cache(tmp_path_factory):
+    """The local-file checksum cache in a folder of this test session (inherited by the CLIs the tests start), never the
+    user's."""
+    before = os.environ.get("BLOCKDRAFT_CACHE_DIR")
+    os.environ["BLOCKDRAFT_CACHE_DIR"] = str(tmp_path_factory.mktemp("checksum-cache"))
+    yield
+    if before is None:
+        os.environ.pop("BLOCKDRAFT_CACHE_DIR", None)
+    else:
+        os.environ["BLOCKDRAFT_CACHE_DIR"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
     """Every model in these tests is tiny: a second intra-op thread gains nothing and, on a busy 2-core machine,
     spinning OpenMP threads make it many times slower. Subprocesses (torchrun ranks, killed CLIs) set their own."""

@@ -180,6 +180,7 @@ def check_file(store: Store, entry: FileEntry, deep: bool = False) -> FileProble
 VERIFY_WORKERS = 8
 BYTES_READ_BACK = "bytes read back"
 SERVER_CHECKSUMS = "checksums as stored by the server"
+LOCAL_CACHED = "bytes read back, or the checksum cached when an unchanged file was last read"
 
 
 def check_files(store: Store, entries: list[FileEntry], deep: bool = False) -> list[FileProblem | None]:
@@ -192,9 +193,9 @@ def check_files(store: Store, entries: list[FileEntry], deep: bool = False) -> l
 
 def check_method(store: Store, deep: bool) -> str:
     """What a file check of `store` compares with the manifest, in words for reports."""
-    if deep or store.local_path() is not None:
+    if deep:
         return BYTES_READ_BACK
-    return SERVER_CHECKSUMS
+    return LOCAL_CACHED if store.local_path() is not None else SERVER_CHECKSUMS
 
 
 def _unreachable(store: Store, within: str | None) -> bool:

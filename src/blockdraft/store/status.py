@@ -13,6 +13,7 @@ from pathlib import PurePosixPath
 
 from blockdraft.store.artifact import (
     BYTES_READ_BACK,
+    LOCAL_CACHED,
     MANIFEST_NAME,
     ORIGIN_NAME,
     SERVER_CHECKSUMS,
@@ -64,34 +65,37 @@ def _parent(key: str) -> str:
     return "" if parent == "." else parent
 
 
-def _within(key: str, root: str) -> bool:
-    return root == "" or key == root or key.startswith(root + "/")
+def _ancestors(folder: str) -> list[str]:
+    """`folder` and every folder above it, top ('') last: 'a/b' -> ['a/b', 'a', '']."""
+    parts = folder.split("/") if folder else []
+    return ["/".join(parts[:depth]) for depth in range(len(parts), 0, -1)] + [""]
 
 
 def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
     """(committed roots, incomplete roots) among object keys, each root a '/'-joined folder ('' = top).
 
     A writer's lease and a copy's origin record are bookkeeping beside an artifact, never one. A folder holding a
-    stage's piece records (`PIECES_DIR`) is one artifact being written, whatever subfolders its files sit in.
+    stage's piece records (`PIECES_DIR`) is one artifact being written, whatever subfolders its files sit in. Linear in
+    the keys times their depth: every question is a set lookup along one key's own folders.
     """
     keys = [k for k in keys if PurePosixPath(k).name not in (LEASE_NAME, ORIGIN_NAME)]
-    committed = sorted({_parent(k) for k in keys if PurePosixPath(k).name == MANIFEST_NAME})
+    committed = {_parent(k) for k in keys if PurePosixPath(k).name == MANIFEST_NAME}
+    holds_committed = {a for root in committed for a in _ancestors(root)}  # folders with a committed artifact at or below
     in_progress = {k.split(f"{PIECES_DIR}/")[0].rstrip("/") for k in keys if k.startswith(f"{PIECES_DIR}/") or f"/{PIECES_DIR}/" in k}
     incomplete: set[str] = set()
     for key in keys:
-        if any(_within(key, root) for root in committed):
+        folders = _ancestors(_parent(key))  # deepest first
+        if any(f in committed for f in folders):
             continue
-        writing = sorted((r for r in in_progress if _within(key, r)), key=len)
-        if writing:
-            incomplete.add(writing[-1])
+        writing = next((f for f in folders if f in in_progress), None)
+        if writing is not None:
+            incomplete.add(writing)
             continue
-        parts = PurePosixPath(key).parts[:-1]
         # The highest folder below the top on the key's path that holds no committed artifact; else the
         # key's own folder (files directly under the top belong to the top).
-        candidates = ["/".join(parts[:depth]) for depth in range(1, len(parts) + 1)] or [""]
-        root = next((c for c in candidates if not any(_within(r, c) for r in committed)), candidates[-1])
-        incomplete.add(root)
-    return committed, sorted(incomplete)
+        candidates = folders[-2::-1] or [""]  # top-down, without the top itself
+        incomplete.add(next((c for c in candidates if c not in holds_committed), candidates[-1]))
+    return sorted(committed), sorted(incomplete)
 
 
 def status(store: Store, deep: bool = False) -> list[ArtifactStatus]:
@@ -128,6 +132,8 @@ def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
         SERVER_CHECKSUMS: "each listed file's size and the CRC64NVME checksum its server stored at upload (HEAD; `--deep` reads "
         "every byte back)",
         BYTES_READ_BACK: "each listed file's bytes read back and their CRC64NVME checksum recomputed",
+        LOCAL_CACHED: "each listed file's bytes read back and their CRC64NVME checksum recomputed, or for a file unchanged "
+        "(size, mtime, inode) since it was last read the checksum computed then (`--deep` reads every byte)",
     }
     lines = [
         f"# blockdraft status: {url}",
