@@ -1,6 +1,8 @@
-"""Tokenize throughput against the tokenizer's own speed, on one synthetic corpus shaped like the reference workload.
+"""Tokenize throughput against the tokenizer's own speed, on one synthetic corpus shaped like the reference workload;
+with --scale, how it scales with the input's size and layout and with the number of workers.
 
     .venv/bin/python -m bench.tokenize [--conversations 1600] [--files 4] [--tokenizer tests/fixtures/qwen3-tokenizer]
+    .venv/bin/python -m bench.tokenize --scale [--sizes 25,50,100] [--many 8]
 
 The corpus: reasoning-heavy completions averaging about 2,000 tokens per assistant turn, a fifth of them multi-turn,
 in `--files` JSONL shards. On the same rows it measures, in this one run:
@@ -14,6 +16,12 @@ in `--files` JSONL shards. On the same rows it measures, in this one run:
 
 Ratios printed: end-to-end / raw per core (goal >= 0.75, beyond this issue 0.85) and 2 workers / 1 worker (goal >= 1.8).
 Tokens are the rows' tokens (each row is a turn with its whole prompt), the same count for every measurement.
+
+--scale: the same corpus at each of --sizes MB, as one JSONL file and as --many files, each with
+1 and 2 workers and the default `tokenize.task_bytes`; per run the shard phase's wall time, the tasks, and the CPU
+seconds of each worker process; the 2-worker / 1-worker ratio per size and layout (goal >= 1.7 on the largest single
+file, per-worker CPU within 20%). Then what cutting a compressed stream costs: its decompression speed against the
+tokenizing speed, and a .jsonl.zst of the smallest size tokenized with 1 and 2 workers.
 """
 
 from __future__ import annotations
@@ -96,7 +104,9 @@ def raw_encode(rows: list[dict], tokenizer_dir: str, template_path: str | None, 
     from blockdraft.stages.tokenize.shard import CONVERSATION_BATCH
 
     tokenizer_json, _, own_template, special_tokens = load_tokenizer(tokenizer_dir)
-    template = compile_chat_template(Path(template_path).read_text() if template_path else own_template, special_tokens)
+    text = Path(template_path).read_text() if template_path else own_template
+    assert text is not None, f"{tokenizer_dir} has no chat template; pass --chat-template"
+    template = compile_chat_template(text, special_tokens)
     tokenizer = Tokenizer.from_str(tokenizer_json)
     texts = []
     for i, row in enumerate(rows):
@@ -119,10 +129,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tokenizer", default=str(REPO / "tests/fixtures/qwen3-tokenizer"))
     ap.add_argument("--chat-template", default=None)
+    ap.add_argument("--scale", action="store_true", help="sizes x layouts x workers instead")
+    ap.add_argument("--sizes", default="25,50,100", help="--scale: corpus sizes in MB")
+    ap.add_argument("--many", type=int, default=8, help="--scale: files in the many-files layout")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
     try:
-        run(args, work)
+        if args.scale:
+            scale(args, work)
+        else:
+            run(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -170,6 +186,129 @@ def run(args: argparse.Namespace, work: Path) -> None:
           f"{e2e_wall / (tokens / raw_wall):.3f} wall   (goal >= 0.75)")
     print(f"RATIO 2 workers / 1 worker (shard phase wall): {best[1].details.shard_phase_seconds / best[2].details.shard_phase_seconds:.3f}   (goal >= 1.8)")
     print(f"(load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
+
+
+def write_sized(folder: Path, rows: list[dict], megabytes: int, files: int) -> int:
+    """The first rows of `rows` that make `megabytes` MB of JSONL, in `files` files of about equal size; returns the rows."""
+    lines, total = [], 0
+    for row in rows:
+        if total >= megabytes * 1_000_000:
+            break
+        lines.append(json.dumps(row) + "\n")
+        total += len(lines[-1])
+    folder.mkdir(parents=True, exist_ok=True)
+    per_file = -(-len(lines) // files)
+    for f in range(files):
+        (folder / f"part-{f:03d}.jsonl").write_text("".join(lines[f * per_file : (f + 1) * per_file]))
+    return len(lines)
+
+
+def timed_run(args: argparse.Namespace, src: Path, out: Path, workers: int) -> dict:
+    """One tokenize run: the shard phase's wall seconds, tasks, tokens and CPU seconds per worker process."""
+    from blockdraft.config import load_config
+    from blockdraft.reporter import Reporter
+    from blockdraft.stages import tokenize
+
+    cfg = load_config(None, {"target": {"path": args.tokenizer}, "tokenize": {"workers": workers, "max_length": 1 << 20}})
+    result = tokenize.run(cfg, str(src), str(out), Reporter(), chat_template=args.chat_template)
+    s = result.details
+    assert result.report.state.value == "verified", result.report.state
+    shutil.rmtree(out, ignore_errors=True)
+    return {"wall": s.shard_phase_seconds, "call": result.seconds, "tasks": s.shards_total, "tokens": s.counts["tokens"],
+            "cpu": sorted(s.process_cpu_seconds.values(), reverse=True), "bytes": sum(p.stat().st_size for p in src.iterdir())}
+
+
+def _cpu(run: dict) -> str:
+    cpu = run["cpu"]
+    balance = f", min/max {min(cpu) / max(cpu):.2f}" if len(cpu) > 1 else " (one process ran every task)" if run["tasks"] > 1 else ""
+    return "CPU-s per worker " + " / ".join(f"{c:.1f}" for c in cpu) + balance
+
+
+def scale(args: argparse.Namespace, work: Path) -> None:
+    """Sizes x (one file, many files) x (1, 2 workers), the largest single file again (--repeats in all, best of each),
+    then what cutting a compressed stream costs. Every corpus is written first, so that no run shares its process with it."""
+    sizes = [int(x) for x in args.sizes.split(",")]
+    rng = random.Random(0)
+    rows, total = [], 0
+    while total < max(sizes) * 1_000_000:
+        rows.append(synthetic_conversation(rng, len(rows)))
+        total += len(json.dumps(rows[-1])) + 1
+    layouts = (("one file", 1), (f"{args.many} files", args.many))
+    for megabytes in sizes:
+        for _, files in layouts:
+            write_sized(work / f"in-{megabytes}-{files}", rows, megabytes, files)
+    stream_src = write_streams(work / "stream", rows, min(sizes))
+    del rows
+    print(f"corpus: synthetic reasoning conversations (bench.tokenize), default tokenize.task_bytes; {os.cpu_count()} cores")
+    print(f"{'size':>7} {'layout':>10} {'tasks':>5} {'1 worker s':>10} {'2 workers s':>11} {'ratio':>6}  CPU-s: 1 worker; 2 workers, per process")
+    runs: dict[tuple[int, int], tuple[dict, dict]] = {}
+    for megabytes in sizes:
+        for layout, files in layouts:
+            src = work / f"in-{megabytes}-{files}"
+            one, two = (timed_run(args, src, work / "out", w) for w in (1, 2))
+            assert one["tokens"] == two["tokens"]
+            runs[megabytes, files] = (one, two)
+            print(f"{megabytes:>5}MB {layout:>10} {two['tasks']:>5} {one['wall']:>10.1f} {two['wall']:>11.1f} "
+                  f"{one['wall'] / two['wall']:>6.2f}  {one['cpu'][0]:.1f}; {_cpu(two)}")
+    biggest = max(sizes)
+    one, two = runs[biggest, 1]
+    for _ in range(args.repeats - 1):  # interleaved, so that a burst of load from elsewhere hits both alike
+        again = [timed_run(args, work / f"in-{biggest}-1", work / "out", w) for w in (1, 2)]
+        one, two = (min(a, b, key=lambda r: r["wall"]) for a, b in zip((one, two), again, strict=True))
+    cpu = two["cpu"]
+    spread = (max(cpu) - min(cpu)) / max(cpu) if len(cpu) > 1 else 1.0
+    print(f"RATIO one {biggest} MB JSONL ({two['tasks']} tasks), 2 workers / 1 worker, best of {args.repeats} (shard phase wall "
+          f"{one['wall']:.1f} s / {two['wall']:.1f} s): {one['wall'] / two['wall']:.2f}   (goal >= 1.7)")
+    print(f"CPU-s per worker process, 2 workers: {' / '.join(f'{c:.1f}' for c in cpu)}, {100 * spread:.0f}% apart   (goal <= 20%); "
+          f"1 worker: {one['cpu'][0]:.1f}")
+    stream_costs(args, work, stream_src, one)
+    print(f"(load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
+
+
+def write_streams(folder: Path, rows: list[dict], megabytes: int) -> Path:
+    """The first `megabytes` MB of `rows` as one .jsonl.zst (one streamed frame, no content size in its header), and the
+    same bytes as .jsonl.gz beside it (`stream_costs`)."""
+    import gzip
+
+    import zstandard
+
+    write_sized(folder, rows, megabytes, 1)
+    plain = folder / "part-000.jsonl"
+    data = plain.read_bytes()
+    zst = zstandard.ZstdCompressor(level=3).compressobj()
+    (folder / "part-000.jsonl.zst").write_bytes(zst.compress(data) + zst.flush())
+    (folder.parent / "stream.jsonl.gz").write_bytes(gzip.compress(data, compresslevel=6))
+    plain.unlink()
+    return folder
+
+
+def stream_costs(args: argparse.Namespace, work: Path, src: Path, plain_one: dict) -> None:
+    """A .jsonl.zst or .jsonl.gz is cut into decompressed ranges, and part k decompresses (and skips) the k ranges before
+    its own: with n parts the file is decompressed about (n + 1) / 2 times. Measured against the tokenizing itself
+    (`plain_one`: a 1-worker run over plain JSONL)."""
+    from blockdraft.data.ranges import MAX_STREAM_PARTS
+    from blockdraft.data.streams import CountingReader, decompressed
+
+    speeds = {}
+    for path in (work / "stream.jsonl.gz", src / "part-000.jsonl.zst"):
+        best, size = float("inf"), 0
+        for _ in range(2):
+            start = time.perf_counter()
+            with open(path, "rb") as f:
+                stream = decompressed(CountingReader(f), path.name)  # type: ignore[arg-type]
+                size = newlines = 0
+                while chunk := stream.read(1 << 20):
+                    size, newlines = size + len(chunk), newlines + chunk.count(b"\n")
+            best = min(best, time.perf_counter() - start)
+        speeds[path.name.rsplit(".", 1)[1]] = (size / best / 1e6, size)
+    tokenize_speed = plain_one["bytes"] / plain_one["cpu"][0] / 1e6
+    n = MAX_STREAM_PARTS
+    for suffix, (speed, _) in speeds.items():
+        print(f"stream cut, .jsonl.{suffix}: decompress + skip {speed:,.0f} MB/s vs tokenize {tokenize_speed:.2f} MB/s per core; "
+              f"with {n} parts the extra decompressing is {100 * (n - 1) / 2 * tokenize_speed / speed:.1f}% of the tokenizing CPU")
+    one, two = (timed_run(args, src, work / "out", w) for w in (1, 2))
+    print(f"stream cut, one {speeds['zst'][1] / 1e6:.0f} MB .jsonl.zst: {two['tasks']} tasks, 1 worker {one['wall']:.1f} s "
+          f"({one['cpu'][0]:.1f} CPU-s), 2 workers {two['wall']:.1f} s, ratio {one['wall'] / two['wall']:.2f}; {_cpu(two)}")
 
 
 if __name__ == "__main__":

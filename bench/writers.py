@@ -1,7 +1,8 @@
 """Concurrent writers on one output: N trials of two `blockdraft push` processes (different artifacts, one S3 prefix on a
-local SeaweedFS) started together, and N trials of two `blockdraft tokenize` runs into one folder.
+local SeaweedFS) started together, N trials of two `blockdraft tokenize` runs into one folder, and N of two `blockdraft
+train` runs (seeds 0 and 1) into one train.output.
 
-    .venv/bin/python -m bench.writers [--trials 20]
+    .venv/bin/python -m bench.writers [--trials 20] [--train-trials 20]
 
 For each trial it records both exit codes and checks, after both ended, that the output verifies (bytes read back) and
 holds the manifest of a process that said `verified`; a loser must exit 2 naming the lease's owner (a local tokenize
@@ -59,6 +60,7 @@ def _judge(url: str, results: list[tuple[int, str]], allowed: list[bytes]) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--train-trials", type=int, default=20, help="two train runs into one output, this many times (0: skip)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-writers-") as tmp, SeaweedS3(Path(tmp) / "s3") as server:
         os.environ.update(server.admin.env(server.endpoint))
@@ -81,6 +83,39 @@ def main() -> None:
             for key, value in _judge(str(out), results, []).items():
                 totals[key] += value
         print(json.dumps(totals))
+        if args.train_trials:
+            print(json.dumps(_train_races(Path(tmp), args.train_trials)))
+
+
+def _train_races(tmp: Path, trials: int) -> dict[str, object]:
+    """Two `blockdraft train` runs (seeds 0 and 1) into one train.output: every checkpoint left there must verify and come
+    from one run (the run identity in its manifest), and a run that exited 0 must be that run."""
+    from helpers.train_data import config_file, make_rows, write_tokenized
+
+    rows = make_rows(6, prompt_len=6, new_tokens=24, seed=0)
+    data = write_tokenized(tmp / "train-data", rows[:4], rows[4:])
+    totals: dict[str, object] = {"kind": "train", "trials": trials, "overlapped": 0, "false_verified": 0, "other_failures": 0}
+    for trial in range(trials):
+        out = tmp / f"ckpt-{trial}"
+        configs = []
+        for seed in (0, 1):
+            folder = tmp / f"train-{trial}-{seed}"
+            folder.mkdir()
+            configs.append(config_file(folder, data, str(out), max_steps=4, checkpoint_every=2, seed=seed))
+        results = _race([["train", "--config", str(c)] for c in configs])
+        seeds = set()
+        for info in sorted({i.key.split("/")[0] for i in open_store(out).list() if i.key.startswith("step-")}):
+            report = verify_artifact(open_store(out).child(info))
+            manifest = report.manifest
+            if report.state is not State.VERIFIED or manifest is None:
+                totals["false_verified"] = int(totals["false_verified"]) + int(any(rc == 0 for rc, _ in results))
+                continue
+            seeds.add(manifest.counts["run"]["seed"])
+        winners = {seed for seed, (rc, _) in zip((0, 1), results) if rc == 0}
+        totals["false_verified"] = int(totals["false_verified"]) + int(len(seeds) > 1 or not winners <= seeds)
+        totals["overlapped"] = int(totals["overlapped"]) + int(any(rc == 2 and "is being written by pid" in err for rc, err in results))
+        totals["other_failures"] = int(totals["other_failures"]) + sum(rc not in (0, 2) for rc, _ in results)
+    return totals
 
 
 if __name__ == "__main__":

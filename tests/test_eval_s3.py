@@ -85,7 +85,8 @@ def test_held_out_prompts_from_s3_fetch_only_the_held_out_split(s3_bucket, tmp_p
     assert any(e.path.startswith("train/") for e in data.manifest.files)
     prompts = held_out_prompts(data, limit=100, workdir=tmp_path / "work")
     fetched = {p.relative_to(tmp_path / "work" / "prompts").as_posix() for p in (tmp_path / "work" / "prompts").rglob("*") if p.is_file()}
-    assert fetched == {e.path for e in data.manifest.files if e.path.startswith("held_out/")}
+    # The held-out split's rows and the state.json that orders them: nothing of train, nothing else.
+    assert fetched == {e.path for e in data.manifest.files if e.path.startswith("held_out/") and e.path.endswith((".arrow", "/state.json"))}
     held = datasets.load_from_disk(str(tmp_path / "tokenized"))["held_out"]
     assert 0 < len(prompts) == len(held)
     assert prompts == held_out_prompts(open_input(tmp_path / "tokenized"), limit=100, workdir=tmp_path / "local")

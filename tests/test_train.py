@@ -33,7 +33,7 @@ from blockdraft.model.formats import CHECKPOINT_KIND, checkpoint_key, find_resum
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train import run
 from blockdraft.stages.train.data import load_train_rows
-from blockdraft.stages.train.placement import resolve_placement
+from blockdraft.stages.train.placement import rank_placement
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, uncommit, verify_artifact
 from blockdraft.store.stage_io import open_input
@@ -69,8 +69,8 @@ def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_
         assert report.state is State.VERIFIED, report.summary()
         assert report.manifest.kind == CHECKPOINT_KIND
         names = {f.path for f in report.manifest.files}
-        assert {"config.json", "model.safetensors", "training-state.pt", "blockdraft-config.json", "metrics.jsonl",
-                "training-curves.png"} <= names
+        assert {"config.json", "model.safetensors", "training-state.pt", "blockdraft-config.json", "metrics.jsonl"} <= names
+        assert ("training-curves.png" in names) == (step == 60)  # drawn at the end (and every train.plot_every_minutes)
     exported = json.loads((tmp_path / "ckpt" / checkpoint_key(60) / "config.json").read_text())
     assert exported["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [1, 5], "block_size": 4}
     pinned = json.loads((tmp_path / "ckpt" / checkpoint_key(60) / "blockdraft-config.json").read_text())
@@ -248,6 +248,7 @@ def test_trains_on_a_hybrid_attention_target(tmp_path, data_url):
 
 
 def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch):
+    """The rank-to-device mapping alone (`rank_placement`): `resolve_placement` also checks the devices exist here."""
     cfg = BlockdraftConfig.model_validate(
         {"placement": {"target_devices": ["cuda:0", "cuda:1"], "drafter_devices": ["cuda:2", "cuda:3"]}}
     )
@@ -256,17 +257,17 @@ def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("LOCAL_RANK", str(rank))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        place = resolve_placement(cfg)
+        place = rank_placement(cfg)
         assert (str(place.target_device), str(place.drafter_device)) == (f"cuda:{rank}", f"cuda:{rank + 2}")
     # A second machine running the same lists: global rank 3 is local rank 1 there.
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    place = resolve_placement(cfg)
+    place = rank_placement(cfg)
     assert (place.rank, place.world_size, str(place.drafter_device), place.is_main) == (3, 4, "cuda:3", False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="lists 2 device"):
-        resolve_placement(cfg)
+        rank_placement(cfg)
 
 
 def test_train_rows_clip_to_max_length_and_need_no_held_out_rows(tmp_path):

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -48,12 +50,66 @@ def layer_ids_problem(ids: Sequence[int]) -> str | None:
     return f"{ids} must be strictly ascending and unique ({why}): the engines read the target's layers in order, once each"
 
 
+# Device strings a placement may name: checked at load by form only; whether this machine has the device is checked
+# where a stage places its models (`check_device`), since a config is often written on another machine than it runs on.
+DEVICE_FORMS = "cpu, cuda, cuda:N or mps"
+_DEVICE = re.compile(r"cpu|mps|cuda(:\d+)?")
+
+
+def device_problem(value: str) -> str | None:
+    """Why `value` is not a device string blockdraft places models on, or None."""
+    return None if _DEVICE.fullmatch(value) else f"'{value}' is not a device; use {DEVICE_FORMS}"
+
+
+def check_device(field: str, value: str) -> str:
+    """`value` when this machine has that device; else ConfigError naming the field, what torch sees here, and the fix.
+
+    Imports torch on call: only the stages that place models need it, loading a config must not."""
+    import torch
+
+    problem = device_problem(value)
+    if problem:
+        raise ConfigError(f"{field}: {problem}")
+    kind, _, index = value.partition(":")
+    count = torch.cuda.device_count() if kind == "cuda" and torch.cuda.is_available() else 0
+    if kind == "cuda" and not count:
+        has, use = "torch sees no CUDA device" + (" (a CPU-only torch build)" if torch.version.cuda is None else ""), "'cpu'"
+    elif kind == "cuda" and index and int(index) >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        has = f"torch sees {count} CUDA device(s)" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+        use = f"cuda:0 to cuda:{count - 1}"
+    elif kind == "mps" and not torch.backends.mps.is_available():
+        has, use = "torch sees no MPS device", "'cpu'"
+    else:
+        return value
+    raise ConfigError(f"{field} lists '{value}' but {has}; list devices this machine has ({use}) in the config")
+
+
+def store_url_problem(url: str) -> str | None:
+    """Why `url` is not a store URL (s3://bucket/prefix, file://path or a plain path), or None. A scheme of two or more
+    letters followed by ':' marks a URL, so 'gs://b', 'http://h' and the typo 's3:/b' fail here, not at the first request."""
+    accepted = "use s3://bucket/prefix, file://path or a plain path"
+    if url.startswith("s3://"):
+        return None if url[5:].split("/", 1)[0] else f"no bucket in '{url}'; {accepted}"
+    if url.startswith("file://"):
+        return None if url[7:] else f"no path in '{url}'; {accepted}"
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", url)
+    if scheme:
+        typo = " (lower case, two slashes)" if scheme.group(1).lower() in ("s3", "file") else ""
+        return f"unsupported store URL '{url}' (scheme '{scheme.group(1)}:'); {accepted}{typo}"
+    return None
+
+
 class TokenizeConfig(_Section):
     thinking: Literal["auto", "on", "off"] = "auto"
     max_length: int = Field(default=4096, ge=2)
     held_out_fraction: float = Field(default=0.01, ge=0.0, lt=1.0)
     workers: int = Field(default=1, ge=1)
-    rows_per_shard: int = Field(default=20000, ge=1)
+    # Input bytes per task: a larger file is cut into 2, 4, 8, ... parts of at most this (docs/TOKENIZATION.md, "Tasks").
+    task_bytes: int = Field(default=16 << 20, ge=1024)
+    # An Arrow file is closed once it holds this many bytes (a task's last file is smaller), or rows_per_shard rows if set.
+    file_bytes: int = Field(default=256 << 20, ge=1)
+    rows_per_shard: int | None = Field(default=None, ge=1)
     # The token that ends an assistant turn; supervision runs through it (Qwen: <|im_end|>).
     end_of_turn: str = "<|im_end|>"
 
@@ -62,15 +118,15 @@ class DFlashConfig(_Section):
     """DFlash parameters (docs/DFLASH.md). None means: derive from the target's config."""
 
     block_size: int = Field(default=16, ge=2)
-    mask_token_id: int | None = None
-    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = Field(default=None, ge=0)
+    target_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None
     num_draft_layers: int = Field(default=5, ge=1)
-    gamma: float | None = None
+    gamma: float | None = Field(default=None, gt=0)
     num_anchors: int = Field(default=512, ge=1)
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    intermediate_size: int | None = Field(default=None, ge=1)
+    num_attention_heads: int | None = Field(default=None, ge=1)
+    num_key_value_heads: int | None = Field(default=None, ge=1)
+    head_dim: int | None = Field(default=None, ge=1)
     # One kind per drafter layer (None: all full attention); sliding layers need sliding_window >= block_size.
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
     sliding_window: int | None = Field(default=None, ge=1)
@@ -87,41 +143,60 @@ class DFlashConfig(_Section):
 class StoreConfig(_Section):
     """Where artifacts live: a local folder (the default) or s3://bucket/prefix."""
 
-    url: str = "file://./blockdraft-store"
+    url: str = Field(default="file://./blockdraft-store", min_length=1)
     endpoint_url: str | None = None
     region: str | None = None
     profile: str | None = None
-    part_size_mib: int = Field(default=64, ge=5)
+    part_size_mib: int = Field(default=64, ge=5, le=5120)  # S3 parts are 5 MiB to 5 GiB
     concurrency: int = Field(default=8, ge=1)
     # A stage whose output is s3:// writes here first (staging_dir/bucket/prefix), pushing pieces as they finish.
     staging_dir: str = "./blockdraft-staging"
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, url: str) -> str:
+        problem = store_url_problem(url)
+        if problem:
+            raise ValueError(problem)
+        return url
 
 
 class PlacementConfig(_Section):
     """Devices: the frozen target on its own devices, one drafter replica per drafter device (one rank each)."""
 
-    target_devices: list[str] = Field(default_factory=lambda: ["cpu"])
-    drafter_devices: list[str] = Field(default_factory=lambda: ["cpu"])
+    target_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
+    drafter_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
+
+    @field_validator("target_devices", "drafter_devices")
+    @classmethod
+    def _device_forms(cls, devices: list[str]) -> list[str]:
+        problem = next(filter(None, map(device_problem, devices)), None)
+        if problem:
+            raise ValueError(problem)
+        return devices
 
 
 class TrainConfig(_Section):
     data: str | None = None
     output: str | None = None
     epochs: int = Field(default=6, ge=1)
-    max_steps: int | None = None
+    max_steps: int | None = Field(default=None, ge=1)
     batch_size: int = Field(default=1, ge=1)
-    lr: float = 6e-4
-    weight_decay: float = 0.0
+    lr: float = Field(default=6e-4, ge=0.0)  # 0 keeps the weights as they start (a check of init_from)
+    weight_decay: float = Field(default=0.0, ge=0.0)
     warmup_ratio: float = Field(default=0.04, ge=0.0, le=1.0)
-    grad_clip: float = 1.0
+    grad_clip: float = Field(default=1.0, gt=0)  # the max gradient norm; 0 would zero every update
     max_length: int = Field(default=3072, ge=2)
     checkpoint_every: int = Field(default=500, ge=1)
     seed: int = 0
     deterministic: bool = False
     lm_head_chunk_blocks: int = Field(default=64, ge=1)
     log_every: int = Field(default=10, ge=1)
-    log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (also copied into each checkpoint)
-    keep_checkpoints: int | None = Field(default=None, ge=1)  # newest verified checkpoints kept; None keeps all
+    log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG)
+    plot_every_minutes: float = Field(default=10.0, ge=0)  # curves redrawn in the background at most this often, and at the end
+    keep_checkpoints: int | None = Field(default=3, ge=1)  # newest verified checkpoints kept; None keeps all
+    # Also kept for good: every Nth checkpoint (its step a multiple of N * checkpoint_every); 1 keeps all, None none.
+    keep_checkpoint_every: int | None = Field(default=10, ge=1)
     # A drafter in the export format (a folder or store URL: an export, checkpoint or training output) to start from
     # instead of random weights; its DFlash parameters must match this config and the target.
     init_from: str | None = None
@@ -131,8 +206,8 @@ class EvalConfig(_Section):
     prompts: str | None = None
     max_new_tokens: int = Field(default=256, ge=1)
     num_prompts: int = Field(default=32, ge=1)
-    divergence_margin_fp32: float = 1e-4
-    divergence_margin_bf16: float = 0.5
+    divergence_margin_fp32: float = Field(default=1e-4, ge=0.0)
+    divergence_margin_bf16: float = Field(default=0.5, ge=0.0)
     # Also decode with a freshly initialised drafter of the same shape: the floor a trained drafter must clearly beat.
     untrained_baseline: bool = True
     # A drafter folder in the export format (config.json + model.safetensors, e.g. a published one) decoded beside the
@@ -185,16 +260,30 @@ class BlockdraftConfig(_Section):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def _format_validation_error(path: str, err: ValidationError) -> str:
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+
+
+def _format_validation_error(path: str, err: ValidationError, flags: dict[tuple[str, str], object]) -> str:
+    """One line for the first problem: a command-line flag's names the flag and its value, a file's names the field."""
     first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    return f"config {path}: field '{where}': {first['msg']}; fix that field in the file"
+    loc = tuple(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own validators' words
+    if loc[:2] in flags:
+        section, key = loc[:2]
+        bound = _BOUNDS.get(first["type"])
+        limit = first.get("ctx", {}).get(bound[1]) if bound else None
+        problem = f"must be {bound[0]} {limit}" if bound and limit is not None else message
+        flag = "--" + key.replace("_", "-")
+        return f"{flag} {flags[section, key]}: {problem} (it sets {section}.{key}); pass a valid value to {flag}"
+    where = ".".join(loc) or "(top level)"
+    return f"config {path}: field '{where}': {message}; fix that field in the file"
 
 
 def load_config(path: str | Path | None = None, overrides: dict | None = None) -> BlockdraftConfig:
     """Load and validate a TOML config; `overrides` ({"section": {"field": value}}) are command-line flags.
 
-    Flags that are None are ignored, so a CLI can pass every option and let the file decide the unset ones.
+    Flags that are None are ignored, so a CLI can pass every option and let the file decide the unset ones. A flag
+    `section.some_field` is the option `--some-field`: its error names the flag, not the file.
     """
     data: dict = {}
     label = str(path) if path else "(defaults)"
@@ -206,11 +295,13 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config {p} is not valid TOML ({exc}); fix the syntax at that line") from None
+    flags: dict[tuple[str, str], object] = {}
     for section, values in (overrides or {}).items():
         for key, value in values.items():
             if value is not None:
                 data.setdefault(section, {})[key] = value
+                flags[section, key] = value
     try:
         return BlockdraftConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(label, exc)) from None
+        raise ConfigError(_format_validation_error(label, exc, flags)) from None

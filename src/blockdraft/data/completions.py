@@ -11,6 +11,7 @@ cannot be decoded whole raises `InputUnreadable` (`blockdraft.data.streams`); th
 
 from __future__ import annotations
 
+import codecs
 import concurrent.futures
 import hashlib
 import io
@@ -29,6 +30,8 @@ from blockdraft.store.stage_io import open_input
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
 PARQUET_BATCH_ROWS = 256
+ARRAY_READ = 1 << 20  # bytes read at a time from a JSON array
+MAX_ARRAY_ELEMENT = 256 << 20  # one element of a JSON array larger than this is refused: use JSON Lines
 
 _ROLE_ALIASES = {
     "system": "system",
@@ -56,11 +59,14 @@ class RowRejected(ValueError):
 
 @dataclass
 class RawRecord:
-    """One row as read: its position in the input (1-based line or row number), the parsed object or None, its text."""
+    """One row as read: its position in the input (1-based line or row number; None for a line of a plain JSON Lines file
+    read from the middle, where `offset` locates it), the parsed object or None, its text, and for a line its byte offset
+    in the (decompressed) file."""
 
-    position: int
+    position: int | None
     data: Any
     text: str
+    offset: int | None = None
 
 
 @dataclass
@@ -92,43 +98,114 @@ def iter_records(stream: BinaryIO, key: str, counter: list[int] | None = None) -
     short, corrupt, not the format its name says) raises `InputUnreadable` after the rows before the fault: the caller
     must drop the whole file, never keep the rows before the cut as if they were all of it.
     """
-    name = key.lower()
-    if name.endswith(".parquet"):
+    if key.lower().endswith(".parquet"):
         with decoding_parquet(key):
             yield from _iter_parquet(stream, counter)
         return
-    reader = CountingReader(stream)
+    yield from iter_counted(CountingReader(stream), key, counter)
+
+
+def iter_counted(reader: CountingReader, key: str, counter: list[int] | None = None) -> Iterator[RawRecord]:
+    """`iter_records` of a line or JSON-array format read through `reader` (which counts and checksums the raw bytes)."""
     with decoding(key):
-        buffered = decompressed(reader, name)  # type: ignore[arg-type]
-        peek = getattr(buffered, "peek", None)
-        first = peek(64)[:64].lstrip() if peek is not None else b""
-        if first.startswith(b"["):
+        buffered = decompressed(reader, key.lower())  # type: ignore[arg-type]
+        if starts_as_json_array(buffered):
             yield from _iter_json_array(buffered, reader, key, counter)
             return
+        offset = 0
         for lineno, line in enumerate(buffered, 1):
             if counter is not None:
                 counter[0] = reader.bytes_read
+            start, offset = offset, offset + len(line)
             if not line or line.isspace():  # isspace stops at the first non-blank byte; strip would copy the line
                 continue
-            text = line.decode("utf-8", errors="replace").rstrip("\r\n")
-            try:
-                data = json.loads(line)
-            except ValueError:
-                data = None
-            yield RawRecord(lineno, data, text)
+            yield line_record(lineno, line, start)
+
+
+def starts_as_json_array(buffered: BinaryIO) -> bool:
+    """Whether a (decompressed, buffered) stream's first non-blank byte opens a JSON array, without consuming it."""
+    peek = getattr(buffered, "peek", None)
+    return peek is not None and peek(64)[:64].lstrip().startswith(b"[")
+
+
+def line_record(position: int | None, line: bytes, offset: int) -> RawRecord:
+    """One JSON Lines row: parsed, or `data` None when the line is not JSON (the row is then rejected as `bad_json`)."""
+    text = line.decode("utf-8", errors="replace").rstrip("\r\n")
+    try:
+        data = json.loads(line)
+    except ValueError:
+        data = None
+    return RawRecord(position, data, text, offset)
 
 
 def _iter_json_array(buffered: BinaryIO, reader: CountingReader, key: str, counter: list[int] | None) -> Iterator[RawRecord]:
-    """A JSON array, not JSON Lines: it has to be parsed whole, and one that does not parse is an unreadable file."""
-    text = buffered.read().decode("utf-8", errors="replace")
-    if counter is not None:
-        counter[0] = reader.bytes_read
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputUnreadable("undecodable_input", f"it starts as a JSON array but does not parse whole: {exc}", key) from None
-    for i, row in enumerate(rows, 1):
-        yield RawRecord(i, row, json.dumps(row, ensure_ascii=False))
+    """A JSON array, not JSON Lines, streamed one element at a time (memory: about one element, not the file).
+
+    A file that does not parse whole is unreadable (the caller drops it, rows before the fault included); an element
+    larger than `MAX_ARRAY_ELEMENT` is refused with a line that suggests JSON Lines."""
+    decoder = json.JSONDecoder()
+    text_of = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    buf, pos, eof, want, index = "", 0, False, ARRAY_READ, 0
+
+    def more() -> None:
+        nonlocal buf, pos, eof
+        data = buffered.read(want)
+        eof = not data
+        buf = buf[pos:] + text_of.decode(data, final=eof)
+        pos = 0
+
+    def unreadable(why: str) -> InputUnreadable:
+        return InputUnreadable("undecodable_input", f"it starts as a JSON array but does not parse whole: {why}", key)
+
+    def skip_blank() -> str:
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf) or eof:
+                return buf[pos] if pos < len(buf) else ""
+            more()
+
+    more()
+    if skip_blank() != "[":
+        raise unreadable("no opening bracket")
+    pos += 1
+    expect_value = True
+    while True:
+        c = skip_blank()
+        if not expect_value:
+            if c == ",":
+                pos, expect_value = pos + 1, True
+                continue
+            if c == "]":
+                pos += 1
+                if skip_blank():
+                    raise unreadable(f"data after the closing bracket, at character {pos}")
+                return
+            raise unreadable(f"expected ',' or ']' after element {index}" if c else "the file ends inside the array")
+        if c == "]" and index == 0:
+            expect_value = False
+            continue
+        try:
+            value, end = decoder.raw_decode(buf, pos)
+            complete = end < len(buf) or eof  # a number cut at the end of what was read would parse short
+        except json.JSONDecodeError as exc:
+            # Cut by the end of what was read so far (an open string, or an error within a few characters of the end)
+            # reads on; an error anywhere else is in the file itself.
+            if eof or not (exc.msg.startswith("Unterminated string") or exc.pos >= len(buf) - 8):
+                raise unreadable(f"{exc.msg} in element {index + 1}") from None
+            value, end, complete = None, 0, False
+        if not complete:
+            if len(buf) - pos > MAX_ARRAY_ELEMENT:
+                raise InputUnreadable("undecodable_input", f"element {index + 1} of its JSON array is larger than "
+                                      f"{MAX_ARRAY_ELEMENT >> 20} MiB; convert the file to JSON Lines (one row a line)", key)
+            want = min(want * 2, MAX_ARRAY_ELEMENT)  # a large element is read in growing steps, so it is parsed a few times only
+            more()
+            continue
+        pos, want, index, expect_value = end, ARRAY_READ, index + 1, False
+        if counter is not None:
+            counter[0] = reader.bytes_read
+        yield RawRecord(index, value, json.dumps(value, ensure_ascii=False))
 
 
 def _iter_parquet(stream: BinaryIO, counter: list[int] | None) -> Iterator[RawRecord]:

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 import zstandard
 
 from blockdraft.errors import ConfigError
+from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
 
 ZSTD_READ = 1 << 17  # compressed bytes fed to the decompressor at a time: bounds what one call can expand to
 
@@ -35,11 +36,17 @@ class InputUnreadable(ConfigError):
 
 
 class CountingReader(io.RawIOBase):
-    """Wraps a binary stream and counts the (compressed) bytes read, for progress by input bytes."""
+    """Wraps a binary stream positioned at file offset `base`: counts the (compressed) bytes read, for progress by input
+    bytes, and checksums (CRC64NVME) those inside `window` = (start, end) in file offsets (end None: to the end of the
+    file), so that a task proves which bytes of the input it read without reading them twice."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, base: int = 0, window: tuple[int, int | None] | None = None) -> None:
         self._raw = raw
+        self.base = base
         self.bytes_read = 0
+        self.window = window
+        self.crc = Crc64Nvme()
+        self.window_bytes = 0  # how many bytes of the window went into `crc`
 
     def readable(self) -> bool:
         return True
@@ -48,8 +55,20 @@ class CountingReader(io.RawIOBase):
         data = self._raw.read(len(buffer))
         n = len(data)
         buffer[:n] = data
+        if self.window is not None and n:
+            pos = self.base + self.bytes_read
+            start, end = self.window
+            lo, hi = max(start - pos, 0), n if end is None else min(end - pos, n)
+            if lo < hi:
+                self.crc.update(data if (lo, hi) == (0, n) else data[lo:hi])
+                self.window_bytes += hi - lo
         self.bytes_read += n
         return n
+
+    def drain(self) -> None:
+        """Read what the parser left (a trailer, or the rest of a file that failed to decode), so the window is whole."""
+        while self.read(READ_CHUNK):
+            pass
 
 
 class ZstdFrames(io.RawIOBase):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from blockdraft.config import StoreConfig
+from blockdraft.config import StoreConfig, store_url_problem
 from blockdraft.errors import StoreError
 from blockdraft.store.base import ObjectInfo, Store
 from blockdraft.store.local import LocalStore
@@ -17,14 +17,14 @@ def open_store(url: str | Path, store_config: StoreConfig | None = None) -> Stor
     backend also reads the standard AWS chain for what it leaves unset.
     """
     url = str(url)
+    problem = store_url_problem(url)
+    if problem:
+        raise StoreError(problem)
     if url.startswith("s3://"):
         # Imported here, not at the top: boto3 takes ~0.4 s to import and only s3:// URLs need it.
         from blockdraft.store.s3 import S3Store
 
         return S3Store.from_url(url, store_config)
-    if "://" in url and not url.startswith("file://"):
-        scheme = url.split("://", 1)[0]
-        raise StoreError(f"unsupported store URL scheme '{scheme}://' in {url}; use s3://bucket/prefix, file://path or a plain path")
     return LocalStore(url.removeprefix("file://"))
 
 

@@ -36,6 +36,9 @@ def _db() -> sqlite3.Connection | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(path, timeout=2.0)
+        # WAL without a sync per insert: a cache entry lost in a power cut only means a file is read again.
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=OFF")
         conn.execute(
             "CREATE TABLE IF NOT EXISTS sums (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, ino INTEGER, dev INTEGER, crc TEXT)"
         )

@@ -67,11 +67,11 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 
 @dataclass
 class _Contact:
-    """Whether the endpoint has answered this connection yet, or the line its probe failed with; shared by a connection
+    """Whether the endpoint has answered this connection yet, or the failure its probe met; shared by a connection
     and its probing view."""
 
     answered: bool = False
-    failed: StoreError | None = None
+    failed: BaseException | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -124,22 +124,22 @@ class Connection:
         that accepts connections and never answers fails here in seconds, not after the transfer client's minutes.
 
         Any answer (403 and 404 included) and any local failure (no credentials) count: the real request names those.
-        A failed probe is not repeated: every later request of the connection fails at once with its line (a command
-        that checks many files must not wait for each).
+        A failed probe is not repeated: every later request of the connection fails at once with its line, naming that
+        request's own URL (a command that checks many files must not wait for each).
         """
         contact = self._contact
         if contact.answered or self.is_probe:
             return
         with contact.lock:
             if contact.failed is not None:
-                raise StoreError(str(contact.failed))
+                raise probe_failed(contact.failed, url, self.endpoint, action)
             if contact.answered:
                 return
             try:
                 self.probe_client.head_bucket(Bucket=bucket)
             except (bex.ConnectionError, bex.HTTPClientError) as exc:
-                contact.failed = probe_failed(exc, url, self.endpoint, action)
-                raise contact.failed from None
+                contact.failed = exc
+                raise probe_failed(exc, url, self.endpoint, action) from None
             except Exception:
                 pass
             contact.answered = True
@@ -244,8 +244,8 @@ def probe_failed(exc: BaseException, url: str, endpoint: str | None, action: str
 def describe_error(exc: BaseException, url: str, endpoint: str | None, action: str) -> StoreError | None:
     """One line naming the cause and the fix for a boto3/botocore failure, or None for a non-S3 error.
 
-    Messages carry the URL, the endpoint and the server's error code, never a credential value: the server's own words
-    are redacted.
+    Every line names the full s3:// URL of the object or prefix the request was about, the endpoint and the server's
+    error code, never a credential value: the server's own words are redacted.
     """
     where = endpoint or "the AWS default endpoint"
     if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
@@ -254,10 +254,10 @@ def describe_error(exc: BaseException, url: str, endpoint: str | None, action: s
             "naming a profile in ~/.aws/credentials"
         )
     if isinstance(exc, bex.ReadTimeoutError):
-        return StoreError(f"S3 endpoint {where} stopped answering while {action} (read timeout); retry, or check the server")
+        return StoreError(f"S3 endpoint {where} stopped answering while {action} {url} (read timeout); retry, or check the server")
     if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ConnectionClosedError, bex.HTTPClientError)):
         return StoreError(
-            f"S3 endpoint {where} unreachable or connection lost while {action} ({type(exc).__name__}); "
+            f"S3 endpoint {where} unreachable or connection lost while {action} {url} ({type(exc).__name__}); "
             "check store.endpoint_url / AWS_ENDPOINT_URL and that the server runs, then rerun (verified files are kept)"
         )
     if isinstance(exc, bex.ClientError):

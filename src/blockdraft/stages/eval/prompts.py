@@ -1,19 +1,20 @@
 """Eval's prompts, as token ids: from a JSONL file (local or in a store), or from the held-out rows of a tokenized
 artifact (docs/TOKENIZATION.md, "Train / held-out split"), and the target's tokenizer that renders text prompts.
 
-Only what is read is fetched: one JSONL object, or the held-out split's files of a tokenized artifact (never its train
-split), each compared with its listed size and checksum on the bytes received.
+Only what is read is fetched: one JSONL object, or of a tokenized artifact the held-out split's files up to the one that
+completes eval.num_prompts (never its train split), each compared with its listed size and checksum on the bytes received.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import datasets
+import numpy as np
+import pyarrow as pa
 from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, StoreConfig
@@ -140,48 +141,67 @@ def _render_prompt(row: dict[str, Any], tokenizer: Any, cfg: BlockdraftConfig, w
 
 def held_out_prompts(data: StageInput, limit: int, workdir: Path) -> list[list[int]]:
     """Up to `limit` prompts from the held-out rows of a verified tokenized artifact: each row's ids before its first
-    supervised token (a row supervised from token 0 has no prompt to condition on and is skipped)."""
-    folders, paths = _held_out_layout([e.path for e in data.manifest.files])
-    rows = _load_rows(data.fetch(paths, workdir / "prompts"), folders)
-    if rows is None or len(rows) == 0:
+    supervised token (a row supervised from token 0 has no prompt to condition on and is skipped).
+
+    Files are fetched one at a time, in the dataset's row order, and only until `limit` prompts are found: each split's
+    state.json, then its Arrow files, each checked against the manifest (`StageInput.fetch`); a local artifact is read
+    where it is. The train split is never read."""
+    dest = workdir / "prompts"
+    prompts: list[list[int]] = []
+    rows = 0
+    for path, split_column in _held_out_files(data, dest):
+        for ids, mask in _arrow_rows(data.fetch([path], dest) / path, split_column):
+            rows += 1
+            supervised = np.flatnonzero(mask)
+            if supervised.size and supervised[0]:
+                prompts.append(ids[: supervised[0]].tolist())
+            if len(prompts) >= limit:
+                return prompts
+    if rows == 0:
         raise EvalError(
             f"tokenized artifact {data.store.url} has no held-out rows; tokenize with tokenize.held_out_fraction > 0 or pass --prompts FILE"
         )
-    prompts: list[list[int]] = []
-    # Row by row (each a dict of columns), so reading stops at `limit`.
-    for row in cast(Iterable[dict[str, list[int]]], rows.select_columns(["input_ids", "loss_mask"])):
-        first = next((i for i, m in enumerate(row["loss_mask"]) if m), None)
-        if first:
-            prompts.append([int(t) for t in row["input_ids"][:first]])
-        if len(prompts) >= limit:
-            break
     return prompts
 
 
-def _held_out_layout(paths: list[str]) -> tuple[list[str] | None, list[str]]:
-    """(held-out dataset folders, files to fetch) of a `datasets.save_to_disk` layout, from the manifest's listing.
+def _held_out_files(data: StageInput, dest: Path) -> Iterator[tuple[str, bool]]:
+    """(Arrow file, whether its `split` column picks the held-out rows) in row order, from a `datasets.save_to_disk`
+    layout: the manifest lists the folders, each folder's state.json orders its files (fetched only when reached).
 
     A DatasetDict (what tokenize writes) has one folder per split: every split but `train` is held out, and only those
-    folders' files are fetched. Folders None: one dataset at the root, whose `split` column says which rows are held out.
+    folders are read. Without split folders, one dataset at the root, whose `split` column says which rows are held out.
     """
+    paths = {e.path for e in data.manifest.files}
     folders = sorted({p.split("/", 1)[0] for p in paths if p.count("/") == 1 and p.endswith(f"/{STATE_FILE}")} - {TRAIN_SPLIT})
-    if folders:
-        return folders, [p for p in paths if p.split("/", 1)[0] in folders]
-    if STATE_FILE in paths:
-        return None, [p for p in paths if "/" not in p]
-    return [], []
+    if not folders and STATE_FILE not in paths:
+        return
+    for folder in [f"{f}/" for f in folders] or [""]:
+        state_path = f"{folder}{STATE_FILE}"
+        try:
+            state = json.loads((data.fetch([state_path], dest) / state_path).read_bytes())
+            names = [f"{folder}{item['filename']}" for item in state["_data_files"]]
+        except (ValueError, KeyError, TypeError):
+            raise EvalError(f"{data.store.url.rstrip('/')}/{state_path} does not list its Arrow files; regenerate the tokenized artifact") from None
+        for name in names:
+            yield name, not folder
 
 
-def _load_rows(root: Path, folders: list[str] | None) -> datasets.Dataset | None:
-    """The held-out rows under `root` (see `_held_out_layout`), or None when there are none."""
-    if folders is None:
-        ds = datasets.load_from_disk(str(root))
-        if not isinstance(ds, datasets.Dataset) or "split" not in ds.column_names:
-            return None
-        return ds.filter(lambda s: s != TRAIN_SPLIT, input_columns="split")
-    splits = [datasets.load_from_disk(str(root / name)) for name in folders]
-    held = [ds for ds in splits if isinstance(ds, datasets.Dataset)]
-    return datasets.concatenate_datasets(held) if held else None
+def _arrow_rows(path: Path, split_column: bool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids, loss_mask) of each row of one Arrow stream file, batch by batch from a memory map (nothing is loaded
+    whole); with `split_column`, only the rows whose `split` is not train (none when there is no such column)."""
+    with pa.memory_map(str(path)) as source:
+        reader = pa.ipc.open_stream(source)
+        names = reader.schema.names
+        if "input_ids" not in names or "loss_mask" not in names:
+            raise EvalError(f"{path.name} has no input_ids and loss_mask columns; pass a tokenized artifact made by tokenize")
+        if split_column and "split" not in names:
+            return
+        for batch in reader:
+            ids, mask = batch.column("input_ids"), batch.column("loss_mask")
+            split = batch.column("split").to_pylist() if split_column else None
+            for i in range(batch.num_rows):
+                if split is None or split[i] != TRAIN_SPLIT:
+                    yield ids[i].values.to_numpy(zero_copy_only=False), mask[i].values.to_numpy(zero_copy_only=False)
 
 
 __all__ = [

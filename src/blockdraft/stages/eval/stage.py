@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import BlockdraftConfig, check_device
 from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer
 from blockdraft.decode.speculative import DFlashProposer, GreedyResult, SpecResult, greedy_generate, run_speculative
@@ -70,6 +70,8 @@ def run(
     max_new_tokens = max_new_tokens or config.eval.max_new_tokens
     hf_config = load_target_config(config.target.path)
     check_rollback_supported(hf_config)  # before anything is fetched: an unsupported layer kind is refused in seconds
+    check_device("placement.target_devices", config.placement.target_devices[0])  # and a device this machine lacks
+    check_device("placement.drafter_devices", config.placement.drafter_devices[0])
 
     with tempfile.TemporaryDirectory(prefix="blockdraft-eval-") as tmp:
         workdir = Path(tmp)

@@ -1,5 +1,5 @@
-"""One split of one shard as Arrow stream files: rows batched, files rotated every `rows_per_file` rows, each renamed
-into place only when whole."""
+"""One split of one shard as Arrow stream files: rows batched, files rotated once they reach `file_bytes` (or, when
+set, `rows_per_file` rows), each renamed into place only when whole."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ ARROW_BATCH_ROWS = 256
 
 
 class SplitWriter:
-    """Arrow stream files of one split of one shard, rotated every `rows_per_file` rows, renamed only when whole."""
+    """Arrow stream files of one split of one shard, renamed only when whole. A file is closed after the record batch
+    that brings it to `file_bytes` (so it exceeds that by less than one batch), or at `rows_per_file` rows when set."""
 
-    def __init__(self, split_dir: Path, stem: str, schema: pa.Schema, rows_per_file: int) -> None:
-        self.dir, self.stem, self.schema, self.rows_per_file = split_dir, stem, schema, rows_per_file
+    def __init__(self, split_dir: Path, stem: str, schema: pa.Schema, rows_per_file: int | None, file_bytes: int) -> None:
+        self.dir, self.stem, self.schema = split_dir, stem, schema
+        self.rows_per_file, self.file_bytes = rows_per_file or (1 << 62), file_bytes
         self.files: list[FileEntry] = []
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
         self._tmp: Path | None = None
@@ -40,11 +42,12 @@ class SplitWriter:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self._tmp = self.dir / f"{TMP_PREFIX}{self.stem}-part-{len(self.files):03d}.arrow"
                 self._writer = pa.ipc.new_stream(str(self._tmp), self.schema)
+            assert self._tmp is not None
             room = self.rows_per_file - self._rows_in_file
             chunk, self._pending = self._pending[:room], self._pending[room:]
             self._writer.write_batch(record_batch(chunk, self.schema))
             self._rows_in_file += len(chunk)
-            if self._rows_in_file >= self.rows_per_file:
+            if self._rows_in_file >= self.rows_per_file or self._tmp.stat().st_size >= self.file_bytes:
                 self._close_file()
 
     def _close_file(self) -> None:

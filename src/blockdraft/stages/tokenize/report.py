@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from blockdraft.errors import ArtifactError
 from blockdraft.stages import StageResult
+from blockdraft.stages.tokenize.shard import CLIP_KEYS
+
+COUNT_KEYS = ("rows_in", "turns_in", "rows_out", "train_rows", "held_out_rows", "tokens", "supervised_tokens", "rejected_rows", "rejected_turns",
+              *CLIP_KEYS, "input_files_failed")
 
 
 @dataclass
 class TokenizeSummary:
     """What a tokenize run left at the destination beyond its report: the manifest's counts, shards and template.
 
+    A shard is one task: an input file, or a part of a large one (`input_files` files in `shards_total` shards).
     `shards_skipped`: shards kept from an earlier run (all of them when the output was already done). `max_length`: the
     `tokenize.max_length` rows were clipped to (`counts` says how many and what it cut off). Timings (seconds)
     are of this call: `shard_phase_seconds` wall time of the shards it ran; per shard it ran, `worker_seconds` (wall) and
-    `worker_cpu_seconds` (CPU) inside the worker and `worker_peak_rss_mib`, that worker's peak resident memory.
+    `worker_cpu_seconds` (CPU) inside the worker and `worker_peak_rss_mib`, that worker's peak resident memory; per
+    worker process that ran shards (by pid), `process_cpu_seconds`, the CPU seconds of its shards.
     """
 
     counts: dict[str, Any]
@@ -30,6 +37,8 @@ class TokenizeSummary:
     worker_seconds: list[float] = field(default_factory=list)
     worker_cpu_seconds: list[float] = field(default_factory=list)
     worker_peak_rss_mib: list[float] = field(default_factory=list)
+    input_files: int = 0
+    process_cpu_seconds: dict[int, float] = field(default_factory=dict)
 
 
 class InputFilesFailed(ArtifactError):
@@ -40,11 +49,28 @@ class InputFilesFailed(ArtifactError):
         failed: dict[str, Any] = result.details.counts.get("failed_inputs", {})
         causes = "; ".join(f"{key}: {f['reason']} ({f['detail']})" for key, f in sorted(failed.items()))
         super().__init__(
-            f"{len(failed)} of {result.details.shards_total} input files could not be read whole and were left out of the "
+            f"{len(failed)} of {result.details.input_files} input files could not be read whole and were left out of the "
             f"artifact at {result.url} (its manifest lists them under counts.failed_inputs, the quarantine holds a line each): "
             f"{causes}; replace or remove them and rerun (the other files' shards are kept)"
         )
         self.result = result
+
+
+def merge_counts(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shards' row statistics summed: every count in COUNT_KEYS, and rejections by reason, rows by thinking mode; and
+    the input files left out whole, by key (`failed_inputs`: reason, detail, rows read before the fault)."""
+    total: Counter[str] = Counter()
+    rejected: Counter[str] = Counter()
+    thinking: Counter[str] = Counter()
+    failed: dict[str, Any] = {}
+    for s in stats:
+        c = dict(s)
+        rejected.update(c.pop("rejected"))
+        thinking.update(c.pop("thinking"))
+        failed.update(c.pop("failed_inputs", {}))  # absent from pieces recorded before inputs could fail
+        total.update(c)
+    return {**{k: total.get(k, 0) for k in COUNT_KEYS}, "rejected": dict(sorted(rejected.items())), "thinking": dict(sorted(thinking.items())),
+            "failed_inputs": dict(sorted(failed.items()))}
 
 
 def clip_warning(counts: dict[str, Any], max_length: int) -> str | None:
@@ -88,6 +114,7 @@ def summary_lines(result: StageResult) -> list[str]:
     if failed:
         files = ", ".join(f"{key} ({f['reason']})" for key, f in sorted(failed.items()))
         lines.append(f"  input files left out, not readable whole {len(failed)}: {files}")
-    lines.append(f"  shards {summary.shards_total} ({summary.shards_skipped} resumed from matching records); {result.seconds:.1f} s")
+    lines.append(f"  shards {summary.shards_total} from {summary.input_files} input files ({summary.shards_skipped} resumed from matching "
+                 f"records); {result.seconds:.1f} s")
     lines += [f"  WARNING: {message}" for message in summary.warnings]
     return lines

@@ -9,7 +9,8 @@ import queue
 from types import TracebackType
 
 from blockdraft.data.tokenizer import TokenizerSource
-from blockdraft.stages.tokenize.shard import Advance, ShardRun, ShardTask, WorkerSettings, install_tools, tokenize_shard, worker_init
+from blockdraft.stages.tokenize.plan import ShardTask
+from blockdraft.stages.tokenize.shard import Advance, ShardRun, WorkerSettings, install_tools, tokenize_shard, worker_init
 
 # How often the parent drains the workers' progress queue while it waits for shards (seconds).
 DRAIN_EVERY_S = 0.2
@@ -45,7 +46,10 @@ class ShardRunner:
         """
         if self.pool is None:
             return [tokenize_shard(task, settings, advance) for task in pending]
-        futures = [self.pool.submit(tokenize_shard, task, settings) for task in pending]
+        # Largest first, so that a big task does not start last and keep one worker busy after the others are done.
+        order = sorted(range(len(pending)), key=lambda i: -pending[i].share)
+        submitted = {i: self.pool.submit(tokenize_shard, pending[i], settings) for i in order}
+        futures = [submitted[i] for i in range(len(pending))]
         waiting = set(futures)
         while waiting:
             _, waiting = concurrent.futures.wait(waiting, timeout=DRAIN_EVERY_S)

@@ -1,10 +1,13 @@
-"""One shard, in one worker process: an input file -> its Arrow files, its quarantine file and, last, its piece record.
+"""One shard, in one worker process: one task (an input file, or one part of it: `plan.py`) -> its Arrow files, its
+quarantine file and, last, its piece record.
 
 A finished shard is a piece of the output (`StageOutput.put_piece`, written after its files), keyed by `piece_key`:
-the run's config digest and the input file's key, size and checksum. Its counts hold the shard's row statistics
-(`stats`) and its Arrow files per split in the order written (`split_files`).
+the run's config digest, the input file's key and size, and the part. Its counts hold the shard's row statistics
+(`stats`), its Arrow files per split in the order written (`split_files`) and what it read of the input (`input`: the
+file's pin, the raw bytes it read and their checksum; `plan.input_unchanged`, `plan.file_checksum`).
 
-An input file that cannot be decoded whole is dropped whole, with no piece (see `tokenize_shard`).
+An input file that cannot be decoded whole is dropped whole, with no piece (see `tokenize_shard`; the stage drops the
+file's other parts too).
 
 A worker streams: it holds one batch of `CONVERSATION_BATCH` conversations and at most `ARROW_BATCH_ROWS` (arrow_rows.py)
 pending rows per split, so its memory does not grow with the shard or the dataset. The tokenizer, compiled template and
@@ -25,13 +28,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 from tokenizers import Tokenizer
 
 from blockdraft.config import StoreConfig
-from blockdraft.data.completions import RawRecord, RowRejected, check_special_tokens, iter_records, normalise, source_id_of
+from blockdraft.data.completions import RawRecord, RowRejected, check_special_tokens, normalise, source_id_of
+from blockdraft.data.inputs import STAT_PIN, check_unchanged, pin_is_trusted
+from blockdraft.data.ranges import RangeReader
 from blockdraft.data.render import (
     ChatTemplate,
     PlannedTurn,
@@ -46,15 +51,16 @@ from blockdraft.data.streams import InputUnreadable
 from blockdraft.data.tokenizer import special_token_pattern
 from blockdraft.stages.tokenize.arrow_rows import SplitWriter
 from blockdraft.stages.tokenize.hf_layout import KIND, QUARANTINE_DIR, SPLITS
-from blockdraft.stages.tokenize.shard_io import ChecksummedStream, disk_full_error, failed_input, peak_rss_mib
+from blockdraft.stages.tokenize.plan import INPUT_READ, ShardTask, piece_key
+from blockdraft.stages.tokenize.shard_io import check_listed, disk_full_error, failed_input, peak_rss_mib
 from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry
 from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.local import TMP_PREFIX, LocalStore
-from blockdraft.store.stage_io import StageOutput, stage_key
+from blockdraft.store.stage_io import StageOutput
 
 # Part of the config digest: bump it when the rows' bytes change for the same options, so old shards are redone.
-SHARD_FORMAT = "blockdraft-tokenize-shard/2"  # 2: special tokens in content and true/false ids are rejected
+SHARD_FORMAT = "blockdraft-tokenize-shard/3"  # 2: special tokens in content and true/false ids rejected; 3: files by bytes
 # Conversations rendered and encoded together; small enough that a worker's memory stays flat.
 CONVERSATION_BATCH = 32
 # What clipping to max_length cut off, in every piece's stats: rows clipped, tokens dropped, supervised tokens dropped.
@@ -72,7 +78,8 @@ class WorkerSettings:
     thinking: str
     max_length: int
     held_out_fraction: float
-    rows_per_file: int
+    rows_per_file: int | None
+    file_bytes: int
     eot_id: int
     vocab_size: int
     config_digest: str
@@ -81,22 +88,6 @@ class WorkerSettings:
     output_dir: str
     output_key: str  # the run's stage key (its StageOutput's)
     schema: pa.Schema
-
-
-@dataclass(frozen=True)
-class ShardTask:
-    """One input file: `name` (shard-00003) names its outputs and its piece."""
-
-    index: int
-    name: str
-    key: str
-    size: int
-    checksum: str
-
-
-def piece_key(config_digest: str, task: ShardTask) -> str:
-    """What a finished shard depends on: the run's config digest and its input file as listed (key, size, checksum)."""
-    return stage_key({"config_digest": config_digest, "input": {"key": task.key, "size": task.size, "checksum": task.checksum}})
 
 
 @dataclass(frozen=True)
@@ -120,12 +111,14 @@ class ShardOutput:
 
 @dataclass(frozen=True)
 class ShardRun:
-    """A shard tokenized by this run: what it holds, and the worker's wall and CPU seconds and peak resident MiB for it."""
+    """A shard tokenized by this run: what it holds, and the worker's wall and CPU seconds and peak resident MiB for it,
+    and which process ran it."""
 
     output: ShardOutput
     seconds: float
     cpu_seconds: float
     peak_rss_mib: float
+    pid: int = 0
 
 
 def is_held_out(source_id: str, fraction: float) -> bool:
@@ -204,7 +197,8 @@ def _to_parent_queue() -> Advance | None:
 
 
 def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance | None = None) -> ShardRun:
-    """Tokenize one input file into its Arrow files and quarantine file; record it (last) as a finished piece.
+    """Tokenize one task (an input file or a part of one) into its Arrow files and quarantine file; record it (last) as a
+    finished piece.
 
     `progress(nbytes, rows, tokens)` is called as it goes; in a pool worker, progress goes to the parent's queue.
     An input that cannot be decoded whole is dropped whole: its quarantine holds one line with the reason, its stats
@@ -217,7 +211,7 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
     out = Path(settings.output_dir)
     output = StageOutput(LocalStore(out), KIND, settings.output_key)
     _remove_shard_outputs(output, out, task.name)
-    writers = {split: SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file) for split in SPLITS}
+    writers = {split: SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file, settings.file_bytes) for split in SPLITS}
     bytes_read = [0]
     try:
         shard = _write_shard(task, settings, output, writers, bytes_read, progress or _to_parent_queue())
@@ -226,11 +220,11 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
         for writer in writers.values():
             writer.discard()  # closes its open file: an unlinked file still open keeps its space
         _remove_shard_outputs(output, out, task.name)
-        error = disk_full_error(exc, out, written, bytes_read[0] / max(task.size, 1)) if isinstance(exc, OSError) else None
+        error = disk_full_error(exc, out, written, bytes_read[0] / max(task.share, 1)) if isinstance(exc, OSError) else None
         if error is None:
             raise
         raise error from None
-    return ShardRun(shard, time.monotonic() - started, time.process_time() - cpu_started, peak_rss_mib())
+    return ShardRun(shard, time.monotonic() - started, time.process_time() - cpu_started, peak_rss_mib(), os.getpid())
 
 
 def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput, writers: dict[str, SplitWriter],
@@ -245,37 +239,40 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput,
     failure: InputUnreadable | None = None
     store = open_store(settings.input_url, settings.store)
     with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.key) as raw:
-        # Parquet is read by seeking (footer first), so only streamed formats are checksummed as they are read.
-        checked = None if task.key.lower().endswith(".parquet") else ChecksummedStream(raw)
-        stream = raw if checked is None else cast(BinaryIO, checked)  # read() is all a streamed format asks of it
+        trusted = _check_pin(task, raw)
+        # Parquet is read by seeking; its checksum is a second, sequential pass, skipped when the listing names it.
+        reader = RangeReader(raw, task.key, task.file.size, task.part, checksum=not (task.key.lower().endswith(".parquet") and task.file.checksum))
 
         def reject(record: RawRecord, source_id: str | None, turn: int | None, reason: str, detail: str) -> None:
             counts.rejected[reason] += 1
             entry = {"source_id": source_id, "turn": turn, "reason": reason, "detail": detail, "input": task.key,
-                     "position": record.position, "row": record.text}
+                     "position": record.position, "offset": record.offset, "row": record.text}
             quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
         batch: list[RawRecord] = []
         try:
-            for record in iter_records(stream, task.key, bytes_read):
+            for record in reader.records():
                 batch.append(record)
                 read += 1
                 if len(batch) >= CONVERSATION_BATCH:
                     rows, tokens = _process_batch(batch, tokenizer, template, special, settings, writers, counts, reject)
                     batch = []
+                    bytes_read[0] = int(task.share * reader.fraction())
                     if progress is not None:
                         progress(bytes_read[0] - reported, rows, tokens)
                         reported = bytes_read[0]
             rows, tokens = _process_batch(batch, tokenizer, template, special, settings, writers, counts, reject)
         except InputUnreadable as exc:
             failure, rows, tokens = exc, 0, 0
-        if checked is not None:
-            checked.finish(task.key, task.size, task.checksum)
+        reader.finish()
+        _check_pin(task, raw)
+        if task.part.kind == "whole":
+            check_listed(task.key, task.file.size, task.file.checksum, reader.window, reader.crc)
         if progress is not None:
-            progress(task.size - reported, rows, tokens)
+            progress(task.share - reported, rows, tokens)
         if failure is not None:
             # Dropped whole: none of its rows or row rejections stay, only the one line that says why.
-            line, counts = _failed_counts(task.key, failure, read)
+            line, counts = _failed_counts(task.key, failure, reader.rows_before + read)
             quarantine.seek(0)
             quarantine.truncate()
             quarantine.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -286,12 +283,24 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput,
     shard = ShardOutput(
         task.name,
         [*(e for split in SPLITS for e in split_files[split]), quarantine_entry],
-        {"stats": counts.as_dict(), "split_files": {split: [e.path for e in split_files[split]] for split in SPLITS}},
+        {"stats": counts.as_dict(), "split_files": {split: [e.path for e in split_files[split]] for split in SPLITS},
+         INPUT_READ: {"pin": task.file.pin, "pin_trusted": trusted, "window": list(reader.window) if reader.window else None,
+                      "crc": reader.crc, "reads": [list(r) for r in reader.reads]}},
     )
     if failure is None:
         # The piece is recorded last: it is the shard's "done", and it names exactly the files the shard made.
         output.put_piece(task.name, piece_key(settings.config_digest, task), shard.files, shard.counts)
     return shard
+
+
+def _check_pin(task: ShardTask, raw: BinaryIO) -> bool:
+    """ArtifactError when a local input no longer has the stat it was listed with; whether its pin may stand for its
+    content later (`pin_is_trusted`; a pin from a store's checksum or ETag always may)."""
+    if not task.file.pin.startswith(STAT_PIN):
+        return True
+    st = os.fstat(raw.fileno())
+    check_unchanged(task.key, task.file, st)
+    return pin_is_trusted(st)
 
 
 def _failed_counts(key: str, failure: InputUnreadable, rows_read: int) -> tuple[dict[str, Any], _ShardCounts]:

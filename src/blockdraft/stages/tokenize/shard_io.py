@@ -1,4 +1,4 @@
-"""What a shard checks around its rows: that the bytes read are the input as listed, what an unreadable input leaves in
+"""What a shard checks around its rows: that the bytes read of a whole file are the input as listed, what an unreadable input leaves in
 the quarantine and the counts, and a full disk told as one line."""
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ import os
 import resource
 import shutil
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from blockdraft.data.streams import InputUnreadable
 from blockdraft.errors import ArtifactError, StoreError
-from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -21,30 +20,17 @@ class DiskFull(StoreError):
     """The output's filesystem ran out of space (or quota) while tokenize wrote to it; the message names where and how much."""
 
 
-class ChecksummedStream:
-    """Reads a stream front to back while computing its size and CRC64NVME, to prove the bytes read are the listed input."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self._raw, self._crc, self.size = raw, Crc64Nvme(), 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._raw.read(n)
-        self._crc.update(data)
-        self.size += len(data)
-        return data
-
-    def finish(self, key: str, size: int, checksum: str) -> None:
-        """Read what the parser left (a trailer, or the rest of a file that failed to decode) and compare with the
-        listing (`size`, `checksum`); a mismatch means the input changed."""
-        while self.read(READ_CHUNK):
-            pass
-        # An object listed by its ETag only (S3 without a stored checksum) can be compared by size only.
-        listed_crc = None if checksum.startswith("etag:") else checksum
-        if self.size != size or listed_crc not in (None, self._crc.b64):
-            raise ArtifactError(
-                f"input {key} changed while it was tokenized (read {self.size} bytes, crc64nvme {self._crc.b64}; "
-                f"listed {size}, {checksum}); rerun when the input is complete"
-            )
+def check_listed(key: str, size: int, checksum: str | None, window: tuple[int, int] | None, crc: str | None) -> None:
+    """ArtifactError when the bytes a task read of a whole file (`window`, their `crc`) are not the file as listed (`size`,
+    and `checksum` when the listing names one): the input changed while it was tokenized."""
+    if window is None:
+        return  # not checksummed: Parquet whose listed checksum is trusted, as its store verified it
+    read = window[1] - window[0]
+    if read != size or checksum not in (None, crc):
+        raise ArtifactError(
+            f"input {key} changed while it was tokenized (read {read} bytes, crc64nvme {crc}; listed {size}, {checksum}); "
+            "rerun when the input is complete"
+        )
 
 
 def failed_input(key: str, exc: InputUnreadable, rows_read: int) -> tuple[dict[str, Any], dict[str, Any]]:

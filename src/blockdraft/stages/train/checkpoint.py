@@ -2,8 +2,10 @@
 
 Layout under the run's output store: `step-00000500/` per checkpoint, each its own artifact holding the drafter in the
 export format (`config.json`, `model.safetensors`), `training-state.pt` (optimizer, scheduler, RNG states, data
-position), the resolved config (`blockdraft-config.json`), and the metrics so far. Resume reads only checkpoints that
+position), the resolved config (`blockdraft-config.json`), the metrics logged since the checkpoint before (its window of
+`metrics.jsonl`: checkpoints do not grow with the run) and the latest training curves. Resume reads only checkpoints that
 verify; one whose push never completed (no manifest) or whose files differ is skipped (`model.formats.find_resumable`).
+Pruning (`prune_checkpoints`) keeps the newest verified ones and every Nth for good.
 """
 
 from __future__ import annotations
@@ -118,18 +120,20 @@ def save_checkpoint(
         return out.publish(root, paths, config=resolved_config, lineage=lineage, counts=counts)
 
 
-def prune_checkpoints(store: Store, keep: int) -> list[int]:
-    """Delete all but the newest `keep` checkpoints that verify; returns the deleted steps.
+def prune_checkpoints(store: Store, keep: int, keep_every: int | None = None, verified: int | None = None) -> list[int]:
+    """Delete the checkpoints older than the newest `keep` that verify, except those whose step is a multiple of
+    `keep_every` (kept for good); returns the deleted steps. `verified`: a step just verified (not read again).
 
-    Runs only after a new checkpoint verified, so the newest kept one is always resumable. Older checkpoints are
-    uncommitted before their files go, so a reader never sees a manifest over missing files.
+    Runs only after a new checkpoint verified, so the newest kept one is always resumable: a newer checkpoint that does
+    not verify is neither counted nor deleted. Older checkpoints are uncommitted before their files go, so a reader never
+    sees a manifest over missing files.
     """
     steps = sorted({int(m.group(1)) for info in store.list("step-") if (m := STEP_MANIFEST.match(info.key))}, reverse=True)
     kept = 0
     for index, step in enumerate(steps):  # newest first; older than the keep-th verified one goes
-        kept += verify_artifact(store.child(checkpoint_key(step))).state is State.VERIFIED
+        kept += step == verified or verify_artifact(store.child(checkpoint_key(step))).state is State.VERIFIED
         if kept == keep:
-            doomed = steps[index + 1 :]
+            doomed = [s for s in steps[index + 1 :] if not (keep_every and s % keep_every == 0)]
             break
     else:
         return []
@@ -162,16 +166,19 @@ def read_checkpoint(found: Resumable) -> Iterator[LoadedCheckpoint]:
 
 class Checkpoints:
     """One run's checkpoints under `store`: each published under the run's stage key (its identity and its data),
-    pruned to the newest `keep`, and resumed from only when written by the same run."""
+    pruned to the newest `keep` plus every step that is a multiple of `keep_every`, and resumed from only when written by
+    the same run."""
 
     def __init__(
-        self, store: Store, resolved: dict[str, Any], identity: dict[str, Any], data: InputRef, keep: int | None, reporter: Reporter
+        self, store: Store, resolved: dict[str, Any], identity: dict[str, Any], data: InputRef, keep: int | None,
+        keep_every: int | None, reporter: Reporter,
     ) -> None:
         self.store = store
         self.resolved = resolved
         self.identity = identity
         self.data = data
         self.keep = keep
+        self.keep_every = keep_every
         self.reporter = reporter
 
     def newest(self) -> Resumable | None:
@@ -194,22 +201,23 @@ class Checkpoints:
     def save(
         self, step: int, drafter: DFlashDrafter, state: dict[str, Any], log: MetricsLog, final: bool, ranks_in_sync: int
     ) -> VerifyReport | None:
-        """Save and verify the checkpoint of `step`; a failed intermediate push is reported and training goes on, a failed
-        final one raises. `ranks_in_sync`: how many replicas were checked bit-equal just before (1 without DDP)."""
-        log.plot()
-        counts = {"step": step, "run": self.identity, "ranks_in_sync": ranks_in_sync, "last": log.entries[-1] if log.entries else None}
+        """Save and verify the checkpoint of `step` with the metrics logged since the last saved one and the curves as last
+        drawn; a failed intermediate push is reported and training goes on (its window moves to the next checkpoint), a
+        failed final one raises. `ranks_in_sync`: how many replicas were checked bit-equal just before (1 without DDP)."""
+        counts = {"step": step, "run": self.identity, "ranks_in_sync": ranks_in_sync, "last": log.last}
         try:
-            report = save_checkpoint(
-                self.store, step, drafter, state, self.resolved, [self.data], counts, [log.path, log.plot_path]
-            )
+            with tempfile.TemporaryDirectory(prefix="blockdraft-metrics-") as tmp:
+                window, end = log.write_window(Path(tmp))
+                report = save_checkpoint(self.store, step, drafter, state, self.resolved, [self.data], counts, [window, log.plot_path])
         except (ArtifactError, StoreError, OSError) as exc:
             if final:
                 raise ArtifactError(f"final checkpoint of step {step} did not verify at {self.store.url}: {exc}") from exc
             self.reporter.warn(f"checkpoint of step {step} did not verify ({exc}); it will not be resumed from")
             return None
+        log.window_saved(end)
         self.reporter.say(f"checkpoint step {step}: {report.summary()} at {report.url}")
         if self.keep is not None:
-            pruned = prune_checkpoints(self.store, self.keep)
+            pruned = prune_checkpoints(self.store, self.keep, self.keep_every, verified=step)
             if pruned:
                 self.reporter.say(f"removed older checkpoints of steps {pruned} (train.keep_checkpoints = {self.keep})")
         return report

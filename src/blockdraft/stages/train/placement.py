@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import BlockdraftConfig, check_device
 from blockdraft.errors import ConfigError
 
 
@@ -34,9 +34,23 @@ class RankPlacement:
         return self.rank == 0
 
 
+def check_placement_devices(config: BlockdraftConfig) -> None:
+    """Every listed device exists on this machine (the lists describe one machine; torchrun across machines runs the same
+    lists on each): one it lacks is a ConfigError naming the field and what torch sees, not a torch traceback later."""
+    for field, devices in (("drafter_devices", config.placement.drafter_devices), ("target_devices", config.placement.target_devices)):
+        for device in devices:
+            check_device(f"placement.{field}", device)
+
+
 def resolve_placement(config: BlockdraftConfig) -> RankPlacement:
+    """This process's place (`rank_placement`), after `check_placement_devices`."""
+    check_placement_devices(config)
+    return rank_placement(config)
+
+
+def rank_placement(config: BlockdraftConfig) -> RankPlacement:
     """This process's devices: drafter_devices[local rank], and target_devices[local rank] (one each) or the single
-    target device. The device lists describe one machine; torchrun across machines runs the same lists on each."""
+    target device. Whether this machine has them is `check_placement_devices`'s question."""
     drafters, targets = config.placement.drafter_devices, config.placement.target_devices
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -86,4 +100,4 @@ def barrier(place: RankPlacement) -> None:
         dist.barrier()
 
 
-__all__ = ["RankPlacement", "barrier", "rank_session", "resolve_placement"]
+__all__ = ["RankPlacement", "barrier", "check_placement_devices", "rank_placement", "rank_session", "resolve_placement"]

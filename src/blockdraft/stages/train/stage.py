@@ -36,8 +36,9 @@ STAGE = "train"
 @dataclass
 class TrainResult:
     """steps: optimizer steps done in total; resumed_from: the step this run started from (None: from scratch);
-    checkpoint_url: the final checkpoint; metrics: every step of this run (all ranks); drafter: the trained module;
-    head: the frozen drafter-side embedding and LM head."""
+    checkpoint_url: the final checkpoint; metrics: the last `Trainer.RECENT_METRICS` steps of this run (all ranks; the
+    whole log is train.log_dir/metrics.jsonl); drafter: the trained module; head: the frozen drafter-side embedding and
+    LM head; steps_run: the steps this run did (0: the checkpoint already held them all)."""
 
     steps: int
     resumed_from: int | None
@@ -45,6 +46,7 @@ class TrainResult:
     metrics: list[dict[str, Any]]
     drafter: DFlashDrafter
     head: TargetHead
+    steps_run: int
 
 
 def run(config: BlockdraftConfig, input: str | None = None, output: str | None = None, reporter: Reporter | None = None) -> StageResult:
@@ -61,8 +63,11 @@ def run(config: BlockdraftConfig, input: str | None = None, output: str | None =
         trainer = _prepare(config, place, reporter, held)
         trainer.train()
         final = _final_report(trainer, place)
-    result = TrainResult(trainer.total_steps, trainer.resumed_from, final.url, trainer.metrics, trainer.drafter, trainer.head)
-    return StageResult(STAGE, final.url, final, already_done=not trainer.metrics, seconds=time.perf_counter() - started, details=result)
+    result = TrainResult(
+        trainer.total_steps, trainer.resumed_from, final.url, list(trainer.metrics), trainer.drafter, trainer.head, trainer.steps_run
+    )
+    done = trainer.steps_run == 0
+    return StageResult(STAGE, final.url, final, already_done=done, seconds=time.perf_counter() - started, details=result)
 
 
 def _with_paths(config: BlockdraftConfig, input: str | None, output: str | None) -> BlockdraftConfig:

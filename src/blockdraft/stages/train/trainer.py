@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import deque
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -24,7 +25,7 @@ from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train.batch import BlockBatch, anchor_generator, build_block_batch, expected_acceptance
 from blockdraft.stages.train.checkpoint import Checkpoints, read_checkpoint, resolved_training_config, run_identity
-from blockdraft.stages.train.data import TrainRows, step_rows, steps_per_epoch
+from blockdraft.stages.train.data import RowOrder, TrainRows, steps_per_epoch
 from blockdraft.stages.train.init import check_init_spec, load_init_drafter
 from blockdraft.stages.train.loss import LossOutput, block_loss
 from blockdraft.stages.train.metrics import MetricsLog
@@ -120,9 +121,12 @@ class Trainer:
     """One rank of a training run: `train()` resumes (`resume`), then runs `step` and `maybe_checkpoint` to the end.
 
     `out_store`/`output_url`: where checkpoints go; `rows`: the verified training rows; `reporter`: this rank's.
-    After `train()`: `metrics` (every step of this run), `resumed_from` (a step or None), `last_checkpoint` (the
-    newest checkpoint this run verified or resumed from; None on ranks other than 0 unless resumed).
+    After `train()`: `steps_run`, `metrics` (the last `RECENT_METRICS` steps of this run: no rank holds the whole history;
+    rank 0's `train.log_dir/metrics.jsonl` has it), `resumed_from` (a step or None), `last_checkpoint` (the newest
+    checkpoint this run verified or resumed from; None on ranks other than 0 unless resumed).
     """
+
+    RECENT_METRICS = 1000
 
     def __init__(
         self, config: BlockdraftConfig, place: RankPlacement, rows: TrainRows, out_store: Store, output_url: str, reporter: Reporter
@@ -142,7 +146,8 @@ class Trainer:
         resolved = resolved_training_config(config, self.spec, output_url, rows.tokenize_run)
         resolved["target"]["dtype"] = str(hf_target.dtype).removeprefix("torch.")  # what target.dtype resolved to
         identity = run_identity(resolved, place.world_size, rows.lineage.sha256)
-        self.checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, reporter)
+        keep_every = tc.keep_checkpoint_every * tc.checkpoint_every if tc.keep_checkpoint_every else None
+        self.checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, keep_every, reporter)
 
         torch.manual_seed(tc.seed)  # the drafter's initial weights (when not train.init_from's)
         self.drafter = DFlashDrafter(self.spec)
@@ -156,29 +161,33 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
         self.global_batch = tc.batch_size * place.world_size
         self.per_epoch = steps_per_epoch(len(rows), self.global_batch)
+        self.order = RowOrder(len(rows), tc.seed, self.global_batch, tc.batch_size)
         self.total_steps = tc.max_steps or tc.epochs * self.per_epoch
         schedule = partial(warmup_cosine, warmup=round(tc.warmup_ratio * self.total_steps), total=self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
-        self.log = MetricsLog(Path(tc.log_dir))
-        self.metrics: list[dict[str, Any]] = []
+        self.log = MetricsLog(Path(tc.log_dir), tc.plot_every_minutes * 60, reporter.warn)
+        self.metrics: deque[dict[str, Any]] = deque(maxlen=self.RECENT_METRICS)
+        self.steps_run = 0
         self.resumed_from: int | None = None
         self.last_checkpoint: VerifyReport | None = None
         self._queued: tuple[int, tuple[BlockBatch, torch.Tensor]] | None = None
 
     def train(self) -> list[dict[str, Any]]:
-        """Resume, then step to `total_steps`, logging and checkpointing on the way; returns this run's metrics entries."""
+        """Resume, then step to `total_steps`, logging and checkpointing on the way; returns this run's latest metrics
+        entries (`metrics`)."""
         start = self.resume()
         self.reporter.progress("train", start, self.total_steps)
         for step in range(start, self.total_steps):
             entry = self.step(step)
             self.metrics.append(entry)
+            self.steps_run += 1
             done = step + 1
             if self.place.is_main and (done % self.tc.log_every == 0 or done == self.total_steps):
                 self.log.append(entry)
             self.reporter.progress("train", done, self.total_steps, loss=round(entry["loss"], 4), tau=round(entry["tau_estimate"], 2))
             self.maybe_checkpoint(done)
-        return self.metrics
+        return list(self.metrics)
 
     def resume(self) -> int:
         """Load the newest verified checkpoint of this run into the drafter, optimizer, scheduler and RNGs (every rank);
@@ -194,8 +203,11 @@ class Trainer:
             self.optimizer.load_state_dict(loaded.training_state["optimizer"])
             self.scheduler.load_state_dict(loaded.training_state["scheduler"])
             set_rng_state(loaded.training_state["rng"])
-            if self.place.is_main:
-                self.log.restart_from(loaded.folder, found.step)
+            if self.place.is_main and (first := self.log.restart_from(loaded.folder, found.step)) is not None:
+                self.reporter.warn(
+                    f"{self.log.path} did not hold this run's metrics up to step {found.step}: it restarts with the checkpoint's "
+                    f"entries from step {first} on (a checkpoint keeps only those logged since the one before)"
+                )
         self.reporter.say(f"resuming from verified checkpoint {found.store.url} (step {found.step})")
         self.resumed_from, self.last_checkpoint = found.step, found.report
         return found.step
@@ -231,6 +243,8 @@ class Trainer:
             check_ranks_in_sync(self.drafter, self.place.world_size)
         if not self.place.is_main:
             return None
+        if final:  # the curves of the whole run, in the final checkpoint; before, they are redrawn in the background
+            self.log.plotter.now()
         report = self.checkpoints.save(done, self.drafter, self._training_state(done), self.log, final, self.place.world_size)
         self.last_checkpoint = report or self.last_checkpoint
         return report
@@ -239,7 +253,7 @@ class Trainer:
         """The batch of `step` on the drafter's device, and its target features [b, S, K*H] fp32 (queued, not awaited)."""
         tc, place = self.tc, self.place
         epoch, in_epoch = divmod(step, self.per_epoch)
-        idx = step_rows(len(self.rows), tc.seed, epoch, in_epoch, self.global_batch, place.rank, tc.batch_size)
+        idx = self.order.rows(epoch, in_epoch, place.rank)
         batch = build_block_batch(
             [self.rows.row(i) for i in idx],
             num_anchors=self.config.dflash.num_anchors,

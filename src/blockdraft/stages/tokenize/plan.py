@@ -1,0 +1,98 @@
+"""Tokenize's tasks: every input file cut by size into parts (`blockdraft.data.ranges`), one task each; what a finished
+task's piece is keyed on; whether the bytes it was made from are still the input's; and each file's checksum, put
+together from what its tasks read (docs/TOKENIZATION.md, "Tasks").
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+from blockdraft.data.inputs import InputFile
+from blockdraft.data.ranges import ReadRange, crc_concat, range_crc, split_file
+from blockdraft.store import Store
+from blockdraft.store.stage_io import stage_key
+
+# What a piece records of the input bytes its task read (its counts' "input"): the file's pin, whether the pin may
+# stand for the content later, the raw bytes read [window) and their CRC64NVME.
+INPUT_READ = "input"
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One part of one input file: `name` (shard-00003 for a file read whole, shard-00003-0001 for its second part)
+    names its outputs and its piece; `share` is its part of the file's bytes, for progress. Tasks are in row order."""
+
+    index: int
+    name: str
+    file: InputFile
+    part: ReadRange
+    share: int
+    file_index: int
+    part_index: int
+    parts: int
+
+    @property
+    def key(self) -> str:
+        return self.file.key
+
+
+def plan_tasks(store: Store, files: list[InputFile], task_bytes: int) -> list[ShardTask]:
+    """Every file cut into tasks of at most about `task_bytes` input bytes (`split_file`). Only files larger than that
+    are opened here, for a few bytes each (a header, a Parquet footer), never read through."""
+
+    def parts(f: InputFile) -> list[tuple[ReadRange, int]]:
+        return split_file(lambda: store.open_read(f.key), f.key, f.size, task_bytes)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        cut = list(pool.map(parts, files))
+    tasks: list[ShardTask] = []
+    for i, (f, file_parts) in enumerate(zip(files, cut, strict=True)):
+        for k, (part, share) in enumerate(file_parts):
+            name = f"shard-{i:05d}" if len(file_parts) == 1 else f"shard-{i:05d}-{k:04d}"
+            tasks.append(ShardTask(len(tasks), name, f, part, share, i, k, len(file_parts)))
+    return tasks
+
+
+def piece_key(config_digest: str, task: ShardTask) -> str:
+    """What a finished task depends on besides its input's bytes: the run's config digest, its file (key, size) and part.
+    The bytes are checked apart (`input_unchanged`), so a moved or touched file whose bytes are the same keeps its pieces."""
+    return stage_key({"config_digest": config_digest, "input": {"key": task.key, "size": task.file.size}, "part": task.part.as_dict()})
+
+
+def input_unchanged(store: Store, task: ShardTask, read: dict[str, Any]) -> bool:
+    """Whether the input bytes a finished piece was made from (`read`, its counts' INPUT_READ) are still the file's: its
+    pin is unchanged and was trusted when recorded, else every byte range its rows depend on (`reads`), read again now,
+    has the CRC it recorded."""
+    if not read:
+        return False
+    if read.get("pin") == task.file.pin and read.get("pin_trusted"):
+        return True
+    ranges = read.get("reads") or []
+    if not ranges or not all(crc for _, _, crc in ranges):
+        return False
+    with store.open_read(task.key) as stream:
+        return all(range_crc(stream, start, end) == crc for start, end, crc in ranges)
+
+
+def file_checksum(size: int, reads: list[dict[str, Any]]) -> str | None:
+    """A file's CRC64NVME from what its tasks read (their INPUT_READ, in part order): one that read the whole file, or
+    parts whose windows tile it, combined; None when they do not cover it (the caller then asks the store)."""
+    windows: list[tuple[list[int], str]] = []
+    for r in reads:
+        window, crc = r.get("window"), r.get("crc")
+        if window == [0, size] and crc:
+            return crc
+        if window and crc:
+            windows.append((window, crc))
+    if not windows or len(windows) != len(reads):
+        return None
+    spans = [w for w, _ in windows]
+    if spans[0][0] != 0 or spans[-1][1] != size or any(a[1] != b[0] for a, b in pairwise(spans)):
+        return None
+    return crc_concat([(crc, window[1] - window[0]) for window, crc in windows])
+
+
+__all__ = ["INPUT_READ", "ShardTask", "file_checksum", "input_unchanged", "piece_key", "plan_tasks"]
