@@ -80,24 +80,25 @@ class LocalStore(Store):
         finally:
             tmp.unlink(missing_ok=True)
 
-    def put_bytes(self, key: str, data: bytes) -> None:
+    def _synced_tmp(self, key: str, data: bytes) -> tuple[Path, Path]:
+        """`data` written and synced under a temp name beside `key`'s path: (destination, temp file)."""
         dest, tmp = self._atomic_target(key)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return dest, tmp
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        dest, tmp = self._synced_tmp(key, data)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
 
     def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
-        dest, tmp = self._atomic_target(key)
+        dest, tmp = self._synced_tmp(key, data)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             try:
                 os.link(tmp, dest)  # whole, and only if `dest` does not exist (atomic on POSIX filesystems)
             except FileExistsError:
