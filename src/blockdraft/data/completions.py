@@ -26,7 +26,7 @@ from blockdraft.data.streams import CountingReader, InputUnreadable, decoding, d
 from blockdraft.errors import ConfigError
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import InputRef, raw_input, read_manifest
-from blockdraft.store.stage_io import open_input
+from blockdraft.store.stage_io import StageInput, open_input
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
 PARQUET_BATCH_ROWS = 256
@@ -351,27 +351,34 @@ def check_special_tokens(conv: Conversation, special: re.Pattern[str] | None) ->
         raise RowRejected("special_token_in_content", f"the tools list has the special token {found.group()!r}")
 
 
-def list_completions(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
-    """(store, [(key, size, checksum)], lineage) of the completions at `input_url`: a file, a folder or an artifact."""
+def resolve_completions(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[str], StageInput | None]:
+    """Where the completions at `input_url` are: (store, sorted keys, None) for a file or a folder of them, or (store, keys
+    the artifact lists, the verified artifact) for a completions artifact; ConfigError when there are none."""
     store = open_store(input_url, store_config)
     local = store.local_path()
     if local is not None and local.is_file():
-        store = open_store(local.parent, store_config)
-        keys = [local.name]
-    elif local is not None and not local.exists():
+        return open_store(local.parent, store_config), [local.name], None
+    if local is not None and not local.exists():
         raise ConfigError(f"input {input_url} does not exist; pass a completions file or folder")
-    else:
-        if read_manifest(store) is not None:
-            artifact = open_input(store)
-            files = [(f.path, f.size, f.checksum) for f in artifact.manifest.files if is_completions_file(f.path)]
-            if not files:
-                raise ConfigError(f"input artifact {input_url} lists no completions files ({', '.join(SUFFIXES)})")
-            return store, files, [artifact.ref]
-        keys = [info.key for info in store.list() if is_completions_file(info.key) and not info.key.startswith(".")]
+    if read_manifest(store) is not None:
+        artifact = open_input(store)
+        keys = [f.path for f in artifact.manifest.files if is_completions_file(f.path)]
+        if not keys:
+            raise ConfigError(f"input artifact {input_url} lists no completions files ({', '.join(SUFFIXES)})")
+        return store, keys, artifact
+    keys = [info.key for info in store.list() if is_completions_file(info.key) and not info.key.startswith(".")]
     if not keys:
         raise ConfigError(f"input {input_url} has no completions files ({', '.join(SUFFIXES)}); point INPUT at a file or folder of them")
+    return store, sorted(keys), None
+
+
+def list_completions(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
+    """(store, [(key, size, checksum)], lineage) of the completions at `input_url`: a file, a folder or an artifact."""
+    store, keys, artifact = resolve_completions(input_url, store_config)
+    if artifact is not None:
+        listed = set(keys)
+        return store, [(f.path, f.size, f.checksum) for f in artifact.manifest.files if f.path in listed], [artifact.ref]
     files, lineage = [], []
-    keys = sorted(keys)
     # One round trip per object on S3 (a full read on a folder): in parallel.
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         infos = list(pool.map(store.head, keys))

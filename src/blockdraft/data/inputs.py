@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockdraft.config import StoreConfig
-from blockdraft.data.completions import SUFFIXES, is_completions_file
+from blockdraft.data.completions import resolve_completions
 from blockdraft.errors import ArtifactError, ConfigError
-from blockdraft.store import Store, open_store
-from blockdraft.store.artifact import InputRef, read_manifest
+from blockdraft.store import Store
+from blockdraft.store.artifact import InputRef
 from blockdraft.store.checksum_cache import RACY_S
-from blockdraft.store.stage_io import open_input
 
 STAT_PIN = "stat:"
 
@@ -48,25 +47,11 @@ def pin_is_trusted(st: os.stat_result, now: float | None = None) -> bool:
 def list_inputs(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[InputFile], list[InputRef] | None]:
     """(store, files sorted by key, lineage) of the completions at `input_url`: a file, a folder or an artifact. The
     lineage is the artifact's, or None for raw files: their entries name checksums that only reading them gives."""
-    store = open_store(input_url, store_config)
-    local = store.local_path()
-    if local is not None and local.is_file():
-        store = open_store(local.parent, store_config)
-        keys = [local.name]
-    elif local is not None and not local.exists():
-        raise ConfigError(f"input {input_url} does not exist; pass a completions file or folder")
-    else:
-        if read_manifest(store) is not None:
-            artifact = open_input(store)
-            files = [InputFile(f.path, f.size, f.checksum, None, f"crc64nvme:{f.checksum}")
-                     for f in artifact.manifest.files if is_completions_file(f.path)]
-            if not files:
-                raise ConfigError(f"input artifact {input_url} lists no completions files ({', '.join(SUFFIXES)})")
-            return store, files, [artifact.ref]
-        keys = [info.key for info in store.list() if is_completions_file(info.key) and not info.key.startswith(".")]
-    if not keys:
-        raise ConfigError(f"input {input_url} has no completions files ({', '.join(SUFFIXES)}); point INPUT at a file or folder of them")
-    keys = sorted(keys)
+    store, keys, artifact = resolve_completions(input_url, store_config)
+    if artifact is not None:
+        listed = set(keys)
+        files = [InputFile(f.path, f.size, f.checksum, None, f"crc64nvme:{f.checksum}") for f in artifact.manifest.files if f.path in listed]
+        return store, files, [artifact.ref]
     root = store.local_path()
     if root is not None:
         return store, [_local_file(root / key, key) for key in keys], None
