@@ -8,7 +8,6 @@ and the checkpoints; every rank checks before each checkpoint that the replicas 
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -30,6 +29,7 @@ from blockdraft.stages.train.init import check_init_spec, load_init_drafter
 from blockdraft.stages.train.loss import LossOutput, block_loss
 from blockdraft.stages.train.metrics import MetricsLog
 from blockdraft.stages.train.placement import RankPlacement
+from blockdraft.stages.train.replicas import check_ranks_in_sync, rng_state, set_rng_state
 from blockdraft.store import Store
 from blockdraft.store.artifact import VerifyReport
 
@@ -51,42 +51,6 @@ def warmup_cosine(step: int, warmup: int, total: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
-def parameter_fingerprint(module: nn.Module) -> torch.Tensor:
-    """[2] int64 over the exact bits of every parameter: equal on two ranks iff (practically) their parameters are bit-equal.
-
-    Integer arithmetic (wrapping on overflow) so that no rounding can hide a one-ulp difference.
-    """
-    total = torch.zeros(2, dtype=torch.long)
-    for i, p in enumerate(module.parameters()):
-        bits = p.detach().float().flatten().view(torch.int32).long()
-        weights = torch.arange(1, bits.numel() + 1, device=bits.device) * (2 * i + 1)
-        total = total.to(bits.device) + torch.stack([bits.sum(), (bits * weights).sum()])
-    return total
-
-
-def check_ranks_in_sync(drafter: nn.Module, world_size: int) -> None:
-    """Refuse to checkpoint replicas that drifted apart (a DDP bug would otherwise train world_size different models)."""
-    mine = parameter_fingerprint(drafter)
-    everyone = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(everyone, mine)
-    if any(not torch.equal(everyone[0], other) for other in everyone[1:]):
-        raise RuntimeError("drafter replicas differ across ranks after the optimizer step; DDP lost synchronisation")
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def forward_backward(
@@ -303,7 +267,4 @@ class Trainer:
         }
 
 
-__all__ = [
-    "DraftForward", "Trainer", "check_ranks_in_sync", "forward_backward", "parameter_fingerprint", "rng_state", "set_rng_state",
-    "warmup_cosine",
-]
+__all__ = ["DraftForward", "Trainer", "forward_backward", "warmup_cosine"]
