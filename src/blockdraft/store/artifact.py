@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import os
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from blockdraft.errors import ArtifactError, StoreError
 from blockdraft.store import open_store
 from blockdraft.store.base import ObjectInfo, Store
 from blockdraft.store.checksum import crc64nvme_file
+from blockdraft.store.local import LocalStore
 
 MANIFEST_NAME = "blockdraft-manifest.json"
 MANIFEST_FORMAT = "blockdraft-manifest/1"
@@ -152,13 +155,14 @@ class VerifyReport:
         return head + more
 
 
-def check_file(store: Store, entry: FileEntry, deep: bool = False) -> FileProblem | None:
+def check_file(store: Store, entry: FileEntry, deep: bool = False, info: ObjectInfo | None = None) -> FileProblem | None:
     """None when the destination holds `entry` with its size and checksum; else what is wrong.
 
     A remote store's checksum comes from its metadata (what the server stored at upload) unless `deep`, which reads every
-    byte back and recomputes it; a local folder is always read. An object that cannot be read back is corrupt.
+    byte back and recomputes it; a local folder is always read. An object that cannot be read back is corrupt. `info`:
+    what `head` says, when the caller already has it.
     """
-    info = store.head(entry.path)
+    info = info or store.head(entry.path)
     if info is None:
         return FileProblem(entry.path, State.MISSING, "absent at the destination")
     if info.size != entry.size:
@@ -182,13 +186,32 @@ BYTES_READ_BACK = "bytes read back"
 SERVER_CHECKSUMS = "checksums as stored by the server"
 LOCAL_CACHED = "bytes read back, or the checksum cached when an unchanged file was last read"
 
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _check_pool() -> ThreadPoolExecutor:
+    """This process's file-check threads, started once and reused (a pool per artifact, and on a local store a new cache
+    connection per thread, cost more than the checks of thousands of small artifacts); a forked child starts its own."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(VERIFY_WORKERS, thread_name_prefix="blockdraft-check"))
+        return _pool[1]
+
 
 def check_files(store: Store, entries: list[FileEntry], deep: bool = False) -> list[FileProblem | None]:
-    """`check_file` for each entry, in order; run in parallel because each is a round trip (S3 HEAD) or a read."""
-    if len(entries) <= 1:
-        return [check_file(store, e, deep) for e in entries]
-    with ThreadPoolExecutor(min(VERIFY_WORKERS, len(entries))) as pool:
-        return list(pool.map(lambda e: check_file(store, e, deep), entries))
+    """`check_file` for each entry, in order; in parallel, as each is a round trip (S3 HEAD) or a read, except the local files
+    unchanged since they were last read: their cached checksums answer at once, which handing them to threads would slow."""
+    local = store if isinstance(store, LocalStore) and not deep and len(entries) > 1 else None
+    known = {e.path: i for e in entries if (i := local.cached_head(e.path))} if local is not None else {}
+    slow = [e for e in entries if e.path not in known]
+    try:
+        results = _check_pool().map(lambda e: check_file(store, e, deep), slow) if len(slow) > 1 else None
+    except RuntimeError:  # no new work for threads while the interpreter shuts down: check them one by one
+        results = None
+    done = {} if results is None else dict(zip([e.path for e in slow], results))
+    return [done[e.path] if e.path in done else check_file(store, e, deep, known.get(e.path)) for e in entries]
 
 
 def check_method(store: Store, deep: bool) -> str:

@@ -14,17 +14,30 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from blockdraft.store.checksum import crc64nvme_file
 
 RACY_S = 2.0
+FLUSH_ROWS = 1000  # remembered checksums written per transaction inside `batched_writes`
 _local = threading.local()
+_paths: dict[tuple[str | None, ...], Path] = {}
+_batch: list[tuple[str, int, int, int, int, str]] = []
+_batch_lock = threading.Lock()
+_batch_depth = 0
 
 
 def cache_path() -> Path:
-    base = os.environ.get("BLOCKDRAFT_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "blockdraft")
-    return Path(base) / "crc64nvme.sqlite"
+    """The cache's file, resolved once per value of the variables that name it (it is asked once per file checked)."""
+    own = os.environ.get("BLOCKDRAFT_CACHE_DIR")
+    env = (own,) if own else (None, os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
+    path = _paths.get(env)
+    if path is None:
+        base = own or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "blockdraft")
+        path = _paths[env] = Path(base) / "crc64nvme.sqlite"
+    return path
 
 
 def _db() -> sqlite3.Connection | None:
@@ -48,29 +61,80 @@ def _db() -> sqlite3.Connection | None:
     return conn
 
 
-def file_checksum(path: Path) -> tuple[int, str]:
-    """(size, base64 CRC64NVME) of a local file: from the cache when the file is unchanged since it was last read, else
-    read (and remembered unless it was modified in the last `RACY_S` seconds)."""
-    st = path.stat()
-    key = str(path.absolute())
+def _write(rows: list[tuple[str, int, int, int, int, str]]) -> None:
     db = _db()
-    if db is not None:
-        try:
-            row = db.execute("SELECT size, mtime_ns, ino, dev, crc FROM sums WHERE path = ?", (key,)).fetchone()
-        except sqlite3.Error:
-            row = None
-        if row is not None and tuple(row[:4]) == (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev):
-            return st.st_size, row[4]
+    if db is None or not rows:
+        return
+    try:
+        with db:
+            db.executemany("INSERT OR REPLACE INTO sums VALUES (?, ?, ?, ?, ?, ?)", rows)
+    except sqlite3.Error:
+        pass
+
+
+def _flush() -> None:
+    with _batch_lock:
+        rows = _batch[:]
+        _batch.clear()
+    _write(rows)
+
+
+@contextmanager
+def batched_writes() -> Iterator[None]:
+    """Inside, newly computed checksums are remembered `FLUSH_ROWS` to a transaction (and the rest on leaving) instead of
+    one commit per file: what a survey of thousands of files saves. No transaction stays open in between, so other
+    processes sharing the cache never wait on this one."""
+    global _batch_depth
+    with _batch_lock:
+        _batch_depth += 1
+    try:
+        yield
+    finally:
+        with _batch_lock:
+            _batch_depth -= 1
+            last = _batch_depth == 0
+        if last:
+            _flush()
+
+
+def cached_checksum(path: str | Path, st: os.stat_result) -> str | None:
+    """The checksum remembered for the local file at `path` when it is unchanged since (`st`: its stat now); else None."""
+    db = _db()
+    if db is None:
+        return None
+    try:
+        row = db.execute("SELECT size, mtime_ns, ino, dev, crc FROM sums WHERE path = ?", (os.path.abspath(path),)).fetchone()
+    except sqlite3.Error:
+        return None
+    if row is not None and tuple(row[:4]) == (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev):
+        return row[4]
+    return None
+
+
+def file_checksum(path: str | Path, st: os.stat_result | None = None) -> tuple[int, str]:
+    """(size, base64 CRC64NVME) of a local file: from the cache when the file is unchanged since it was last read, else
+    read (and remembered unless it was modified in the last `RACY_S` seconds). `st`: the file's stat, when the caller has
+    just taken it."""
+    st = os.stat(path) if st is None else st
+    cached = cached_checksum(path, st)
+    if cached is not None:
+        return st.st_size, cached
     size, crc = crc64nvme_file(path)
-    after = path.stat()
+    after = os.stat(path)
     unchanged = (after.st_size, after.st_mtime_ns, after.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino) and size == st.st_size
-    if db is not None and unchanged and time.time() - st.st_mtime_ns / 1e9 > RACY_S:
-        try:
-            with db:
-                db.execute("INSERT OR REPLACE INTO sums VALUES (?, ?, ?, ?, ?, ?)", (key, size, st.st_mtime_ns, st.st_ino, st.st_dev, crc))
-        except sqlite3.Error:
-            pass
+    if unchanged and time.time() - st.st_mtime_ns / 1e9 > RACY_S:
+        row = (os.path.abspath(path), size, st.st_mtime_ns, st.st_ino, st.st_dev, crc)
+        with _batch_lock:
+            if _batch_depth:
+                _batch.append(row)
+                full = len(_batch) >= FLUSH_ROWS
+            else:
+                full = None
+        if full is None:
+            _write([row])
+        elif full:
+            _flush()
     return size, crc
 
 
-__all__ = ["RACY_S", "cache_path", "file_checksum"]
+__all__ = ["RACY_S", "batched_writes", "cache_path", "cached_checksum", "file_checksum"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,18 +14,20 @@ from typing import BinaryIO
 from blockdraft.errors import StoreError
 from blockdraft.store.base import ObjectInfo, Store
 from blockdraft.store.checksum import crc64nvme_file
-from blockdraft.store.checksum_cache import file_checksum
+from blockdraft.store.checksum_cache import cached_checksum, file_checksum
 
 TMP_PREFIX = ".tmp-"
+_ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # what `Path.is_file` reads as "not a file"
 
 
 class LocalStore(Store):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).absolute()
-        self.url = "file://" + str(self.root)
+        self._root = str(self.root)  # the hot paths (list, head, reads) join strings: `status` asks per file
+        self.url = "file://" + self._root
 
     def child(self, key_prefix: str) -> LocalStore:
-        return LocalStore(self.root / key_prefix)
+        return LocalStore(os.path.join(self._root, key_prefix))
 
     def local_path(self) -> Path:
         return self.root
@@ -32,33 +36,42 @@ class LocalStore(Store):
         return self.root / key
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        if not self.root.is_dir():
-            return
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames.sort()
-            for name in sorted(filenames):
-                if name.startswith(TMP_PREFIX):
-                    continue  # an unfinished write, not an object
-                path = Path(dirpath) / name
-                key = path.relative_to(self.root).as_posix()
-                if key.startswith(prefix):
-                    yield ObjectInfo(key=key, size=path.stat().st_size)
+        if self.root.is_dir():
+            yield from _walk(self._root, "", prefix)
 
     def head(self, key: str) -> ObjectInfo | None:
-        path = self._path(key)
-        if not path.is_file():
+        path = os.path.join(self._root, key)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            if exc.errno in _ABSENT:
+                return None
+            raise
+        except ValueError:  # a key no file can have (a NUL byte)
+            return None
+        if not stat.S_ISREG(st.st_mode):
             return None
         # A folder has no checksum metadata: the read-back is the check (docs/STORE.md), once per byte: a file unchanged
         # since it was last read (size, mtime, inode) keeps the checksum computed then (`checksum_cache`).
-        size, checksum = file_checksum(path)
+        size, checksum = file_checksum(path, st)
         return ObjectInfo(key=key, size=size, checksum=checksum)
+
+    def cached_head(self, key: str) -> ObjectInfo | None:
+        """`head` when it needs no read: the file is there, unchanged since its checksum was last computed; else None."""
+        path = os.path.join(self._root, key)
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return None
+        checksum = cached_checksum(path, st) if stat.S_ISREG(st.st_mode) else None
+        return None if checksum is None else ObjectInfo(key=key, size=st.st_size, checksum=checksum)
 
     def checksum_by_reading(self, key: str) -> tuple[int, str]:
         """Every byte read (no cache): what `--deep` asks for."""
-        return crc64nvme_file(self._path(key))
+        return crc64nvme_file(os.path.join(self._root, key))
 
     def open_read(self, key: str) -> BinaryIO:
-        return open(self._path(key), "rb")
+        return open(os.path.join(self._root, key), "rb")
 
     def _atomic_target(self, key: str) -> tuple[Path, Path]:
         dest = self._path(key)
@@ -118,3 +131,37 @@ class LocalStore(Store):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+
+def _walk(path: str, folder: str, prefix: str) -> Iterator[ObjectInfo]:
+    """The files under `path` whose key (`folder` + their path below it) starts with `prefix`: sorted, a folder's files before
+    its subfolders, symlinked folders not followed (as `os.walk` goes), and one directory scan plus one stat per file."""
+    try:
+        with os.scandir(path) as scan:
+            entries = sorted(scan, key=lambda e: e.name)
+    except OSError:
+        return  # gone or unreadable meanwhile: nothing listed from it
+    below = []
+    for entry in entries:
+        key = folder + entry.name
+        if _is_dir(entry):
+            if not _is_link(entry) and (key.startswith(prefix) or prefix.startswith(key + "/")):
+                below.append(entry)
+        elif not entry.name.startswith(TMP_PREFIX) and key.startswith(prefix):  # a temp name is an unfinished write
+            yield ObjectInfo(key=key, size=entry.stat().st_size)
+    for entry in below:
+        yield from _walk(entry.path, f"{folder}{entry.name}/", prefix)
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _is_link(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_symlink()
+    except OSError:
+        return False

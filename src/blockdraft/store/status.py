@@ -23,6 +23,7 @@ from blockdraft.store.artifact import (
     verify_artifact,
 )
 from blockdraft.store.base import Store
+from blockdraft.store.checksum_cache import batched_writes
 from blockdraft.store.lease import LEASE_NAME
 from blockdraft.store.stage_io import PIECES_DIR
 
@@ -60,9 +61,21 @@ def format_counts(a: ArtifactStatus) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(manifest.counts.items()) if not isinstance(v, dict)) or "-"
 
 
+def _plain(key: str) -> bool:
+    """A key that splitting at its last '/' reads as `PurePosixPath` does (no empty, '.' or leading component): every key
+    a local store lists and nearly every S3 key; the rest take the slow path."""
+    return not ("//" in key or "/./" in key or key.startswith(("/", "./")) or key.endswith(("/", "/.")) or key == ".")
+
+
 def _parent(key: str) -> str:
+    if _plain(key):
+        return key.rpartition("/")[0]
     parent = str(PurePosixPath(key).parent)
     return "" if parent == "." else parent
+
+
+def _name(key: str) -> str:
+    return key.rpartition("/")[2] if _plain(key) else PurePosixPath(key).name
 
 
 def _ancestors(folder: str) -> list[str]:
@@ -78,8 +91,8 @@ def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
     stage's piece records (`PIECES_DIR`) is one artifact being written, whatever subfolders its files sit in. Linear in
     the keys times their depth: every question is a set lookup along one key's own folders.
     """
-    keys = [k for k in keys if PurePosixPath(k).name not in (LEASE_NAME, ORIGIN_NAME)]
-    committed = {_parent(k) for k in keys if PurePosixPath(k).name == MANIFEST_NAME}
+    keys = [k for k in keys if _name(k) not in (LEASE_NAME, ORIGIN_NAME)]
+    committed = {_parent(k) for k in keys if _name(k) == MANIFEST_NAME}
     holds_committed = {a for root in committed for a in _ancestors(root)}  # folders with a committed artifact at or below
     in_progress = {k.split(f"{PIECES_DIR}/")[0].rstrip("/") for k in keys if k.startswith(f"{PIECES_DIR}/") or f"/{PIECES_DIR}/" in k}
     incomplete: set[str] = set()
@@ -106,10 +119,11 @@ def status(store: Store, deep: bool = False) -> list[ArtifactStatus]:
     committed, incomplete = find_artifact_roots(keys)
     out = []
     memo: dict[str, VerifyReport] = {}  # each artifact verified once, whether surveyed or an input of one
-    for root in sorted(committed + incomplete):
-        child = store.child(root) if root else store
-        report = verify_artifact(child, check_inputs=True, within=store.url, memo=memo, deep=deep)
-        out.append(ArtifactStatus(root=root, url=child.url, report=report))
+    with batched_writes():  # checksums newly read are remembered a thousand to a commit, not one each
+        for root in sorted(committed + incomplete):
+            child = store.child(root) if root else store
+            report = verify_artifact(child, check_inputs=True, within=store.url, memo=memo, deep=deep)
+            out.append(ArtifactStatus(root=root, url=child.url, report=report))
     return out
 
 
