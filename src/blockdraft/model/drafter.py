@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from blockdraft.errors import ArtifactError, SpecError
-from blockdraft.model.attention import FULL_ATTENTION, layer_masks
+from blockdraft.model.attention import FULL_ATTENTION, SLIDING_ATTENTION, layer_masks
+from blockdraft.model.block_sparse import AnchorLayout, sparse_attention
 from blockdraft.model.rope import apply_rope, rope_cos_sin, rope_tables
 from blockdraft.model.spec import DrafterSpec
 
@@ -83,20 +85,30 @@ class Attention(nn.Module):
         ctx_v: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | BlockMask | None,
     ) -> torch.Tensor:
-        """x [b, Q, H] (already input_layernorm'd), ctx_k/ctx_v [b, g, S, d], mask [b, 1, Q, S+Q] bool or None -> [b, Q, H]."""
+        """x [b, Q, H] (already input_layernorm'd), ctx_k/ctx_v [b, g, S, d], mask [b, 1, Q, S+Q] bool, None (see
+        everything) or a FlexAttention BlockMask (the block-sparse training path) -> [b, Q, H]."""
         q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
         k, v = self.key_value(x, cos, sin)
         k = torch.cat((ctx_k, k), dim=2)
         v = torch.cat((ctx_v, v), dim=2)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = attend(q, k, v, mask)
         b, _, n, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None) -> torch.Tensor:
+    """q [b, h, Q, d], k/v [b, g, K, d] (g divides h) -> [b, h, Q, d]: FlexAttention for a BlockMask, else SDPA with the
+    dense mask [b, 1, Q, K] bool or None. Grouped K/V heads are read in place, except in the one case noted below."""
+    if isinstance(mask, BlockMask):
+        return sparse_attention(q, k, v, mask)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and mask is not None and q.device.type == "cuda":
+        # CUDA's fused SDPA kernels take grouped K/V only without a mask; with one, enable_gqa would fall back to the
+        # unfused kernel that stores every score, so a masked call gets K/V per query head instead.
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class DecoderLayer(nn.Module):
@@ -148,19 +160,35 @@ class DFlashDrafter(nn.Module):
         block_hidden: torch.Tensor,
         block_positions: torch.Tensor,
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | AnchorLayout | None = None,
         context_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Block embeddings [b, Q, H] at positions [b, Q] with per-layer context K/V -> hidden [b, Q, H] after `norm`.
 
         attention_mask [b, 1, Q, S+Q] bool is the full-attention layers' mask (None: see everything); a sliding layer
-        sees that AND its causal window over positions (context_positions [b, S], None: 0..S-1, the draft cache's)."""
+        sees that AND its causal window over positions (context_positions [b, S], None: 0..S-1, the draft cache's).
+        An `AnchorLayout` (the packed training batch) runs the block-sparse path instead: the same pattern as a BlockMask."""
         cos, sin = self._rope(block_positions, block_hidden.dtype)
-        masks = self._layer_masks(attention_mask, block_positions, context_kv[0][0].shape[2], context_positions)
+        if isinstance(attention_mask, AnchorLayout):
+            masks = self._block_masks(attention_mask)
+        else:
+            masks = self._layer_masks(attention_mask, block_positions, context_kv[0][0].shape[2], context_positions)
         hidden = block_hidden
+        # train.activation_checkpointing (set by the trainer): a layer keeps only its inputs and runs again in backward
+        recompute = getattr(self, "checkpoint_layers", False) and torch.is_grad_enabled()
         for layer, kind, (ctx_k, ctx_v) in zip(self.layers, self.spec.layer_types, context_kv, strict=True):
-            hidden = layer(hidden, ctx_k, ctx_v, cos, sin, masks[kind])
+            if recompute:
+                from torch.utils.checkpoint import checkpoint
+
+                hidden = checkpoint(layer, hidden, ctx_k, ctx_v, cos, sin, masks[kind], use_reentrant=False)
+            else:
+                hidden = layer(hidden, ctx_k, ctx_v, cos, sin, masks[kind])
         return self.norm(hidden)
+
+    def _block_masks(self, layout: AnchorLayout) -> dict[str, BlockMask]:
+        """One BlockMask per distinct layer kind, built once per forward and shared by the layers of that kind."""
+        window = {FULL_ATTENTION: None, SLIDING_ATTENTION: self.spec.sliding_window}
+        return {kind: layout.block_mask(window[kind]) for kind in set(self.spec.layer_types)}
 
     def _layer_masks(
         self, base: torch.Tensor | None, block_positions: torch.Tensor, context_len: int, context_positions: torch.Tensor | None
@@ -180,11 +208,12 @@ class DFlashDrafter(nn.Module):
         context: torch.Tensor,
         block_positions: torch.Tensor,
         context_positions: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | AnchorLayout | None = None,
     ) -> torch.Tensor:
         """block_hidden [b, Q, H], context C [b, S, H] (from `project_context`), positions [b, Q] / [b, S] long,
-        attention_mask [b, 1, Q, S+Q] bool (True = may attend; keys are context then block) or None (see everything)
-        -> hidden [b, Q, H] after the final norm. Sliding layers narrow the mask to their causal window (`run_block`)."""
+        attention_mask [b, 1, Q, S+Q] bool (True = may attend; keys are context then block), None (see everything) or
+        the batch's AnchorLayout (block-sparse) -> hidden [b, Q, H] after the final norm. Sliding layers narrow the mask
+        to their causal window (`run_block`)."""
         context_kv = self.context_key_values(context, context_positions)
         return self.run_block(block_hidden, block_positions, context_kv, attention_mask, context_positions)
 

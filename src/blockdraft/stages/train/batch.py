@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Literal
 
 import torch
 
 from blockdraft.model.attention import sliding_window_mask
+from blockdraft.model.block_sparse import AnchorLayout
 
 
 def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -91,7 +93,9 @@ class BlockBatch:
     anchors [b, N], keep [b, N] bool, block_ids [b, Q] (anchor token at slot 0, mask token elsewhere),
     block_positions [b, Q] (anchor + k), labels [b, Q] (token at anchor + k), weights [b, Q] float.
     `attention_mask` [b, 1, Q, S+Q] bool is built on the batch's device when read (it is the one large tensor:
-    about 92 MB per row at S = 3072, N = 512, B = 16, not worth a host-to-device copy).
+    about 92 MB per row at S = 3072, N = 512, B = 16, not worth a host-to-device copy). `attention` says what the drafter
+    gets (`drafter_attention`): that dense mask, or with "flex" the anchors' layout, from which it builds block-sparse
+    masks, so the dense one is never made.
     """
 
     input_ids: torch.Tensor
@@ -104,10 +108,20 @@ class BlockBatch:
     labels: torch.Tensor
     weights: torch.Tensor
     block_size: int
+    attention: Literal["dense", "flex"] = "dense"
 
     @property
     def attention_mask(self) -> torch.Tensor:
         return block_attention_mask(self.anchors, self.keep, self.input_ids.shape[1], self.block_size)
+
+    @property
+    def layout(self) -> AnchorLayout:
+        return AnchorLayout(self.anchors, self.keep, self.input_ids.shape[1], self.block_size)
+
+    @property
+    def drafter_attention(self) -> torch.Tensor | AnchorLayout:
+        """The drafter forward's `attention_mask` argument for this batch's `attention` path."""
+        return self.layout if self.attention == "flex" else self.attention_mask
 
     @property
     def num_blocks(self) -> int:
@@ -131,8 +145,10 @@ def build_block_batch(
     mask_token_id: int,
     gamma: float,
     generators: Sequence[torch.Generator],
+    attention: Literal["dense", "flex"] = "dense",
 ) -> BlockBatch:
-    """Pack `rows` ((input_ids, loss_mask) pairs) into one BlockBatch, one generator per row for its anchors.
+    """Pack `rows` ((input_ids, loss_mask) pairs) into one BlockBatch, one generator per row for its anchors; `attention`
+    is the drafter's attention path (`blockdraft.model.block_sparse.resolve_attention`).
 
     N is min(num_anchors, the most eligible anchors of any row in the batch) (at least 1): rows with fewer get padded
     blocks of weight 0. Weight of slot k of block n:
@@ -182,6 +198,7 @@ def build_block_batch(
         labels=labels,
         weights=weights,
         block_size=block_size,
+        attention=attention,
     )
 
 
