@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 
 from blockdraft.config import load_config
 from blockdraft.console import ConsoleReporter
-from blockdraft.errors import ArtifactError, BlockdraftError
+from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
 from blockdraft.store.lease import set_force_takeover
@@ -268,11 +268,23 @@ def train(
         int | None, typer.Option("--nproc", help="Processes to start with torchrun (one per placement.drafter_devices entry).")
     ] = None,
     force: ForceOpt = False,
+    plan: Annotated[
+        bool, typer.Option("--plan", help="Print the placement and memory plan (GB per device) from the target's config.json and exit: "
+                                          "no weights, data or GPU needed.")
+    ] = False,
 ) -> None:
     """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
     set_force_takeover(force)
     from blockdraft.stages.train import launch
 
+    if plan:
+        from blockdraft.stages.train.plan import memory_plan
+
+        planned = memory_plan(load_config(config))
+        print("\n".join(planned.lines()))
+        if problem := planned.problem():
+            raise ConfigError(problem)
+        return
     with ConsoleReporter(console) as reporter:
         launched = launch(config, nproc, reporter)
     if launched.result is not None and launched.rank == 0:

@@ -11,12 +11,15 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from blockdraft.config import load_config
+from blockdraft.config import BlockdraftConfig, load_config
 from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.train.placement import resolve_placement
+from blockdraft.stages.train.plan import MemoryPlan, memory_plan
 from blockdraft.stages.train.stage import run
+
+PLAN_CHECKED = "BLOCKDRAFT_PLAN_CHECKED"  # set for the ranks torchrun starts from here
 
 
 @dataclass
@@ -31,8 +34,9 @@ class Launched:
 def launch(config_path: str | None, nproc: int | None = None, reporter: Reporter | None = None) -> Launched:
     """Train per the config at `config_path` (None: the defaults) with one process per placement.drafter_devices entry.
 
-    `nproc`, when given, must equal that count. In a torchrun rank, or with a single drafter device, `run` trains here;
-    otherwise torchrun starts the ranks and this waits for it.
+    `nproc`, when given, must equal that count. The memory plan is printed and checked first (`check_plan`). In a
+    torchrun rank, or with a single drafter device, `run` trains here; otherwise torchrun starts the ranks and this
+    waits for it.
     """
     config = load_config(config_path)
     wanted = len(config.placement.drafter_devices)
@@ -41,11 +45,27 @@ def launch(config_path: str | None, nproc: int | None = None, reporter: Reporter
             f"--nproc {nproc} but placement.drafter_devices lists {wanted} device(s); one process runs per drafter device, "
             "so list the devices in the config"
         )
-    if "LOCAL_RANK" in os.environ or wanted == 1:
+    in_rank = "LOCAL_RANK" in os.environ
+    if not os.environ.get(PLAN_CHECKED):  # ranks this launcher starts skip it: the plan was printed and checked here
+        check_plan(config, reporter or Reporter(), show=not in_rank or os.environ.get("RANK", "0") == "0")
+    if in_rank or wanted == 1:
         return Launched(run(config, None, None, reporter), rank=resolve_placement(config).rank)
     if config_path is None:
         raise ConfigError("training on several drafter devices needs the config as a file; pass --config FILE")
-    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted)))
+    env = {**os.environ, PLAN_CHECKED: "1"}
+    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted), env=env))
+
+
+def check_plan(config: BlockdraftConfig, reporter: Reporter, show: bool = True) -> MemoryPlan:
+    """The placement and memory plan, printed through `reporter` when `show`, before any weights load; a plan that does
+    not fit a device is a ConfigError naming the device and the numbers (see `blockdraft.stages.train.plan`)."""
+    planned = memory_plan(config)
+    if show:
+        for line in planned.lines():
+            reporter.say(line)
+    if problem := planned.problem():
+        raise ConfigError(problem)
+    return planned
 
 
 def torchrun_command(config_path: str, nproc: int) -> list[str]:
@@ -56,4 +76,4 @@ def torchrun_command(config_path: str, nproc: int) -> list[str]:
     ]
 
 
-__all__ = ["Launched", "launch", "torchrun_command"]
+__all__ = ["PLAN_CHECKED", "Launched", "check_plan", "launch", "torchrun_command"]

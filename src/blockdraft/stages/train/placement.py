@@ -6,13 +6,16 @@ without them is the only rank. Ranks are data-parallel (DDP: gloo on CPU, nccl o
 
 from __future__ import annotations
 
+import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from blockdraft.config import BlockdraftConfig, check_device
 from blockdraft.errors import ConfigError
@@ -51,7 +54,7 @@ def resolve_placement(config: BlockdraftConfig) -> RankPlacement:
 def rank_placement(config: BlockdraftConfig) -> RankPlacement:
     """This process's devices: drafter_devices[local rank], and target_devices[local rank] (one each) or the single
     target device. Whether this machine has them is `check_placement_devices`'s question."""
-    drafters, targets = config.placement.drafter_devices, config.placement.target_devices
+    drafters = config.placement.drafter_devices
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -61,27 +64,35 @@ def rank_placement(config: BlockdraftConfig) -> RankPlacement:
             f"placement.drafter_devices lists {len(drafters)} device(s) but {local_world} process(es) run on this machine; "
             f"launch one process per drafter device (blockdraft train --nproc {len(drafters)})"
         )
-    if len(targets) == len(drafters):
-        target = targets[local_rank]
-    elif len(targets) == 1:
-        target = targets[0]
-    else:
-        raise ConfigError(
-            f"placement.target_devices lists {len(targets)} devices for {len(drafters)} drafter devices; "
-            "give one target device per drafter device, or a single one that every rank uses"
-        )
+    target = target_device_of(config, local_rank)
     return RankPlacement(rank, world, local_rank, torch.device(drafters[local_rank]), torch.device(target))
 
 
+def target_device_of(config: BlockdraftConfig, local_rank: int) -> str:
+    """The device of local rank `local_rank`'s target replica: target_devices[local rank] (one each) or the single
+    target device, which then holds one replica per rank (the memory plan counts them)."""
+    drafters, targets = config.placement.drafter_devices, config.placement.target_devices
+    if len(targets) == len(drafters):
+        return targets[local_rank]
+    if len(targets) == 1:
+        return targets[0]
+    raise ConfigError(
+        f"placement.target_devices lists {len(targets)} devices for {len(drafters)} drafter devices; "
+        "give one target device per drafter device, or a single one that every rank uses"
+    )
+
+
 @contextmanager
-def rank_session(place: RankPlacement, deterministic: bool) -> Iterator[None]:
-    """Join the process group (several ranks, none joined yet) and, when `deterministic`, switch torch to deterministic
-    algorithms; both are undone on exit, so an in-process caller gets its torch settings back."""
+def rank_session(place: RankPlacement, deterministic: bool, timeout_minutes: float = 60.0) -> Iterator[None]:
+    """Join the process group (several ranks, none joined yet; a collective waits `timeout_minutes` for the others, as
+    train.dist_timeout_minutes says) and, when `deterministic`, switch torch to deterministic algorithms; both are undone
+    on exit, so an in-process caller gets its torch settings back."""
     owns_group = place.world_size > 1 and not dist.is_initialized()
     if owns_group:
         if place.drafter_device.type == "cuda":
             torch.cuda.set_device(place.drafter_device)
-        dist.init_process_group("nccl" if place.drafter_device.type == "cuda" else "gloo")
+        backend = "nccl" if place.drafter_device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses deterministic mode without it
@@ -94,10 +105,59 @@ def rank_session(place: RankPlacement, deterministic: bool) -> Iterator[None]:
             dist.destroy_process_group()
 
 
+def bf16_allreduce_hook(group: dist.ProcessGroup | None, bucket):
+    """A DDP comm hook for gloo: the bucket's mean over ranks computed in bf16 (half the bytes sent), written back in
+    the gradients' dtype; returns a Future of the bucket's tensor. torch's `bf16_compress_hook` does the same but refuses
+    anything but NCCL. `bucket` is DDP's GradBucket (unannotated: DDP checks the annotation's object, and this module's
+    annotations are strings)."""
+    world = dist.get_world_size(group)
+    compressed = bucket.buffer().to(torch.bfloat16).div_(world)
+    work = dist.all_reduce(compressed, group=group, async_op=True)
+    assert work is not None  # async_op returns the pending work
+    future = work.get_future()
+
+    def write_back(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        out = bucket.buffer()
+        out.copy_(done.value()[0])
+        return out
+
+    return future.then(write_back)
+
+
+def allreduce_hook_for(backend: str, dtype: str) -> Callable[..., Any] | None:
+    """The comm hook for train.grad_allreduce_dtype on a process group of `backend`: None (DDP's own fp32 all-reduce),
+    torch's `bf16_compress_hook` on NCCL, `bf16_allreduce_hook` elsewhere (gloo)."""
+    if dtype == "float32":
+        return None
+    if backend == "nccl":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        return bf16_compress_hook
+    return bf16_allreduce_hook
+
+
+def register_grad_allreduce(model: nn.parallel.DistributedDataParallel, dtype: str) -> None:
+    """Make `model`'s gradient all-reduce run in `dtype` (train.grad_allreduce_dtype); float32 leaves DDP as it is."""
+    hook = allreduce_hook_for(str(dist.get_backend()), dtype)
+    if hook is not None:
+        model.register_comm_hook(None, hook)
+
+
 def barrier(place: RankPlacement) -> None:
     """Wait for every rank (nothing to wait for when this is the only one)."""
     if place.world_size > 1:
         dist.barrier()
 
 
-__all__ = ["RankPlacement", "barrier", "check_placement_devices", "rank_placement", "rank_session", "resolve_placement"]
+__all__ = [
+    "RankPlacement",
+    "allreduce_hook_for",
+    "barrier",
+    "bf16_allreduce_hook",
+    "check_placement_devices",
+    "rank_placement",
+    "rank_session",
+    "register_grad_allreduce",
+    "resolve_placement",
+    "target_device_of",
+]

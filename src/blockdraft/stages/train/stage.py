@@ -59,7 +59,7 @@ def run(config: BlockdraftConfig, input: str | None = None, output: str | None =
     config = _with_paths(config, input, output)
     place = resolve_placement(config)
     reporter = (reporter or Reporter()).for_rank(place.rank)
-    with rank_session(place, config.train.deterministic), ExitStack() as held:
+    with rank_session(place, config.train.deterministic, config.train.dist_timeout_minutes), ExitStack() as held:
         trainer = _prepare(config, place, reporter, held)
         trainer.train()
         final = _final_report(trainer, place)
