@@ -7,8 +7,9 @@ target (tests/fixtures/dflash-golden/target: 8 layers, hidden 64) and a 2-layer 
   full demo's size (320) and N = 10,000 (so 100 N is the real job's million), the sizes interleaved, all in one process. Beside it,
   what drawing the epoch's permutation costs at each size: the time the old per-step `torch.randperm(num_rows)` added to every step.
 - `long`: one run of --long-steps with a checkpoint every --checkpoint-every (metrics logged every step, curves redrawn every
-  --plot-every-minutes): the time `Checkpoints.save` takes (write, push, verify, prune) and the checkpoint's size, first against
-  last, and the median step time of the first and last 500 steps.
+  --plot-every-minutes): the time a checkpoint takes on its background thread (write, push, verify, prune), how long the
+  training thread is held for it (`Checkpoints.save`), the checkpoint's size, first against last, and the median step time of the
+  first and last 500 steps.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def config(work: Path, data: str, name: str, **train):
         "target": {"path": str(GOLDEN_TARGET)}, "store": {"url": str(work / "store")},
         "dflash": {"block_size": 4, "mask_token_id": 511, "num_draft_layers": 2, "gamma": 4.0, "num_anchors": 8,
                    "intermediate_size": 96},
-        "train": {"data": data, "output": str(work / name / "ckpt"), "log_dir": str(work / name / "logs"), "batch_size": 2,
+        "train": {"data": data, "output": str(work / name / "ckpt"), "log_dir": str(work / name / "logs"), "batch_size": 2, "global_batch_size": 2,
                   "lr": 3e-3, "warmup_ratio": 0.05, "seed": 0, "log_every": 1, **train},
     })
 
@@ -104,16 +105,23 @@ def long_section(work: Path, args: argparse.Namespace) -> None:
     from blockdraft.stages.train import checkpoint, metrics, run
 
     saves: dict[int, float] = {}
+    stalls: dict[int, float] = {}
     sizes: dict[int, dict[str, int]] = {}
     draws: list[float] = []
-    save, draw = checkpoint.Checkpoints.save, metrics.draw_curves
+    save, write, draw = checkpoint.Checkpoints.save, checkpoint.Checkpoints._write, metrics.draw_curves
 
-    def timed_save(self, step, *rest, **kw):
+    def timed_write(self, snapshot):  # on the background writer's thread
+        t0 = time.perf_counter()
+        written = write(self, snapshot)
+        saves[snapshot.step] = time.perf_counter() - t0
+        folder = self.store.child(checkpoint_key(snapshot.step)).local_path()
+        sizes[snapshot.step] = {p.name: p.stat().st_size for p in folder.iterdir()}
+        return written
+
+    def timed_save(self, step, *rest, **kw):  # what the training thread waits for: the snapshot (and the push before)
         t0 = time.perf_counter()
         report = save(self, step, *rest, **kw)
-        saves[step] = time.perf_counter() - t0
-        folder = self.store.child(checkpoint_key(step)).local_path()
-        sizes[step] = {p.name: p.stat().st_size for p in folder.iterdir()}
+        stalls[step] = time.perf_counter() - t0
         return report
 
     def timed_draw(*a, **kw):
@@ -123,14 +131,14 @@ def long_section(work: Path, args: argparse.Namespace) -> None:
         finally:
             draws.append(time.perf_counter() - t0)
 
-    checkpoint.Checkpoints.save, metrics.draw_curves = timed_save, timed_draw
+    checkpoint.Checkpoints.save, checkpoint.Checkpoints._write, metrics.draw_curves = timed_save, timed_write, timed_draw
     data = write_rows(work / "long-data", DEMO_ROWS, args.row_len, seed=1)
     cfg = config(work, data, "long", max_steps=args.long_steps, checkpoint_every=args.checkpoint_every,
                  plot_every_minutes=args.plot_every_minutes)
     t0 = time.perf_counter()
     run(cfg, reporter=Reporter())
     wall = time.perf_counter() - t0
-    checkpoint.Checkpoints.save, metrics.draw_curves = save, draw
+    checkpoint.Checkpoints.save, checkpoint.Checkpoints._write, metrics.draw_curves = save, write, draw
 
     ckpt = work / "long" / "ckpt"
     steps = sorted(saves)
@@ -148,6 +156,8 @@ def long_section(work: Path, args: argparse.Namespace) -> None:
     print(f"  checkpoint time (write, push, verify, prune): first (step {steps[0]}) {saves[steps[0]]:.3f} s, last (step "
           f"{steps[-1]}) {saves[steps[-1]]:.3f} s; median of the first 5 from the third on "
           f"{statistics.median(saves[s] for s in steady[:5]):.3f} s, of the last 5 {statistics.median(saves[s] for s in steady[-5:]):.3f} s")
+    print(f"  training thread held per checkpoint (snapshot, waiting for the push before; the final one waits for its own): "
+          f"median {statistics.median(stalls.values()):.3f} s, max {max(stalls.values()):.3f} s")
     print(f"  checkpoint size: first (step {steps[0]}) {size(steps[0])}; last (step {steps[-1]}) {size(steps[-1])}")
     print(f"  checkpoints left: {len(kept)} ({kept})")
     print(f"  median step: first 500 {statistics.median(step_times[:500]) * 1e3:.2f} ms, last 500 "

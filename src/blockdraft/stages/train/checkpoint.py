@@ -5,7 +5,8 @@ export format (`config.json`, `model.safetensors`), `training-state.pt` (optimiz
 position), the resolved config (`blockdraft-config.json`), the metrics logged since the checkpoint before (its window of
 `metrics.jsonl`: checkpoints do not grow with the run) and the latest training curves. Resume reads only checkpoints that
 verify; one whose push never completed (no manifest) or whose files differ is skipped (`model.formats.find_resumable`).
-Pruning (`prune_checkpoints`) keeps the newest verified ones and every Nth for good.
+Pruning (`prune_checkpoints`) keeps the newest verified ones and every Nth for good. `Checkpoints` pushes each checkpoint
+from a background thread (`blockdraft.stages.train.ckpt_writer`) while training goes on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from blockdraft.model.formats import (
     find_resumable,
 )
 from blockdraft.reporter import Reporter
+from blockdraft.stages.train.ckpt_writer import BackgroundWriter, Snapshot
 from blockdraft.stages.train.metrics import METRICS_NAME, MetricsLog
 from blockdraft.store import Store
 from blockdraft.store.artifact import InputRef, State, VerifyReport, uncommit, verify_artifact
@@ -67,24 +70,29 @@ def resolved_training_config(
     return data
 
 
-_LATER_DFLASH = ("layer_types", "sliding_window")
+# dflash settings added later, with the value every run had before them: at that value they stay out of the identity.
+_LATER_DFLASH = {"layer_types": None, "sliding_window": None, "loss_weighting": "exponential", "dpace_alpha": 0.5}
 
 
 def run_identity(resolved: dict[str, Any], world_size: int, data_sha256: str | None) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint for its next steps to be the ones the first run would take."""
     t = resolved["train"]
     # Settings added later enter only when set, so a run started before they existed still resumes.
-    dflash = {k: v for k, v in resolved["dflash"].items() if not (k in _LATER_DFLASH and v is None)}
+    dflash = {k: v for k, v in resolved["dflash"].items() if not (k in _LATER_DFLASH and v == _LATER_DFLASH[k])}
     identity = {
         "target": resolved["target"]["path"],
         "dflash": dflash,
         "data_sha256": data_sha256,
         "seed": t["seed"],
-        "global_batch": t["batch_size"] * world_size,
+        "global_batch": t["global_batch_size"],  # rows per optimizer step (before it was a field: batch_size x ranks)
         "max_length": t["max_length"],
     }
     if t.get("init_from"):  # a run started from another drafter is another run (absent otherwise: older keys hold)
         identity["init_from"] = t["init_from"]
+    if t.get("init", "pytorch") != "pytorch":  # other initial weights (train.init), like another seed
+        identity["init"] = t["init"]
+    if t.get("distill_weight"):  # another objective (soft targets); absent at 0, so older keys hold
+        identity["distill"] = {"weight": t["distill_weight"], "temperature": t["distill_temperature"]}
     return identity
 
 
@@ -107,17 +115,20 @@ def save_checkpoint(
     lineage = list(lineage)
     out = StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(counts.get("run"), lineage))
     out.begin()  # a resumed run rewrites checkpoints after its resume point
-    with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
-        root = Path(tmp)
-        paths = list(drafter.save_pretrained(root))
-        torch.save(training_state, root / STATE_NAME)
-        (root / PINNED_CONFIG_NAME).write_text(json.dumps(resolved_config, indent=2, sort_keys=True) + "\n")
-        paths += [root / STATE_NAME, root / PINNED_CONFIG_NAME]
-        for extra in extra_files:
-            if extra.is_file():
-                shutil.copyfile(extra, root / extra.name)
-                paths.append(root / extra.name)
-        return out.publish(root, paths, config=resolved_config, lineage=lineage, counts=counts)
+    try:
+        with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
+            root = Path(tmp)
+            paths = list(drafter.save_pretrained(root))
+            torch.save(training_state, root / STATE_NAME)
+            (root / PINNED_CONFIG_NAME).write_text(json.dumps(resolved_config, indent=2, sort_keys=True) + "\n")
+            paths += [root / STATE_NAME, root / PINNED_CONFIG_NAME]
+            for extra in extra_files:
+                if extra.is_file():
+                    shutil.copyfile(extra, root / extra.name)
+                    paths.append(root / extra.name)
+            return out.publish(root, paths, config=resolved_config, lineage=lineage, counts=counts)
+    finally:
+        out.release()  # a failed push gives its lease back too (a committed one already did)
 
 
 def prune_checkpoints(store: Store, keep: int, keep_every: int | None = None, verified: int | None = None) -> list[int]:
@@ -164,14 +175,29 @@ def read_checkpoint(found: Resumable) -> Iterator[LoadedCheckpoint]:
         yield LoadedCheckpoint(folder, load_file(str(folder / WEIGHTS_NAME)), torch.load(folder / STATE_NAME, weights_only=True))
 
 
+@dataclass
+class Written:
+    """What the writer's thread did for one checkpoint: its verify report, the steps pruned, and why pruning failed."""
+
+    report: VerifyReport
+    pruned: list[int]
+    prune_failed: str | None
+
+
 class Checkpoints:
     """One run's checkpoints under `store`: each published under the run's stage key (its identity and its data),
     pruned to the newest `keep` plus every step that is a multiple of `keep_every`, and resumed from only when written by
-    the same run."""
+    the same run.
+
+    `save` takes a checkpoint's state at its step and hands it to one background thread that writes, pushes and verifies
+    it while training goes on; one is in flight at most (the next `save` waits for it). A checkpoint counts (its metrics
+    window saved, older ones pruned, its report returned) only once its push verified, taken in on the training thread by
+    the next `save`, `poll` or `finish`. A failed push is a warning, `max_failures` in a row stop the run.
+    """
 
     def __init__(
         self, store: Store, resolved: dict[str, Any], identity: dict[str, Any], data: InputRef, keep: int | None,
-        keep_every: int | None, reporter: Reporter,
+        keep_every: int | None, reporter: Reporter, max_failures: int = 3,
     ) -> None:
         self.store = store
         self.resolved = resolved
@@ -180,6 +206,11 @@ class Checkpoints:
         self.keep = keep
         self.keep_every = keep_every
         self.reporter = reporter
+        self.max_failures = max_failures
+        self.failures = 0  # pushes failed in a row
+        self.last_step: int | None = None  # the newest checkpoint of this run known to verify (resumed from or pushed)
+        self._writer: BackgroundWriter[Written] = BackgroundWriter()
+        self._in_flight: tuple[Snapshot, MetricsLog] | None = None
 
     def newest(self) -> Resumable | None:
         """The newest checkpoint that verifies, or None; raises ConfigError when it belongs to another run."""
@@ -196,34 +227,87 @@ class Checkpoints:
                 f"{found.store.url} is a checkpoint of another run (differs in {', '.join(differs)}); "
                 "set train.output to a new location, or rerun with the original config"
             )
+        self.last_step = found.step
         return found
 
     def save(
         self, step: int, drafter: DFlashDrafter, state: dict[str, Any], log: MetricsLog, final: bool, ranks_in_sync: int
     ) -> VerifyReport | None:
-        """Save and verify the checkpoint of `step` with the metrics logged since the last saved one and the curves as last
-        drawn; a failed intermediate push is reported and training goes on (its window moves to the next checkpoint), a
-        failed final one raises. `ranks_in_sync`: how many replicas were checked bit-equal just before (1 without DDP)."""
+        """Take the checkpoint of `step` now (weights and `state` copied to the host, the metrics logged since the last
+        checkpoint that counted, the curves as last drawn) and push it in the background, once the one in flight is taken
+        in; the final one is awaited. `ranks_in_sync`: how many replicas were checked bit-equal just before (1 without DDP).
+
+        Returns the report of a checkpoint that verified during this call (the one before, or the final one), else None.
+        Raises ArtifactError when the final checkpoint does not verify, or when `max_failures` pushes in a row failed."""
+        report = self.finish()
         counts = {"step": step, "run": self.identity, "ranks_in_sync": ranks_in_sync, "last": log.last}
-        try:
-            with tempfile.TemporaryDirectory(prefix="blockdraft-metrics-") as tmp:
-                window, end = log.write_window(Path(tmp))
-                report = save_checkpoint(self.store, step, drafter, state, self.resolved, [self.data], counts, [window, log.plot_path])
-        except (ArtifactError, StoreError, OSError) as exc:
-            if final:
-                raise ArtifactError(f"final checkpoint of step {step} did not verify at {self.store.url}: {exc}") from exc
-            self.reporter.warn(f"checkpoint of step {step} did not verify ({exc}); it will not be resumed from")
+        snapshot = Snapshot.take(step, drafter, state, log, counts, final)
+        self._in_flight = (snapshot, log)
+        self._writer.start(partial(self._write, snapshot))
+        return (self.finish() if final else None) or report
+
+    def poll(self) -> VerifyReport | None:
+        """`finish` when the push in flight has ended, else None at once: a failure is reported as soon as it is known."""
+        return self.finish() if self._writer.finished() else None
+
+    def finish(self) -> VerifyReport | None:
+        """Wait for the checkpoint in flight and take it in: its report when it verified, None when there was none or its
+        (intermediate) push failed, which is warned about and counted."""
+        if self._in_flight is None:
             return None
-        log.window_saved(end)
-        self.reporter.say(f"checkpoint step {step}: {report.summary()} at {report.url}")
+        (snapshot, log), self._in_flight = self._in_flight, None
+        try:
+            written = self._writer.result()
+        except (ArtifactError, StoreError, OSError) as exc:
+            self._failed(snapshot, exc)
+            return None
+        finally:
+            snapshot.discard()
+        assert written is not None
+        self.failures, self.last_step = 0, snapshot.step
+        log.window_saved(snapshot.window_end)
+        self.reporter.say(f"checkpoint step {snapshot.step}: {written.report.summary()} at {written.report.url}")
+        if written.pruned:
+            self.reporter.say(f"removed older checkpoints of steps {written.pruned} (train.keep_checkpoints = {self.keep})")
+        if written.prune_failed:
+            self.reporter.warn(f"older checkpoints were not removed ({written.prune_failed}); the next checkpoint tries again")
+        return written.report
+
+    def _write(self, snapshot: Snapshot) -> Written:
+        """On the writer's thread: write, push and verify the snapshot, then prune the older checkpoints."""
+        report = save_checkpoint(
+            self.store, snapshot.step, snapshot.drafter, snapshot.training_state, self.resolved, [self.data], snapshot.counts,
+            snapshot.files,
+        )
+        pruned, prune_failed = [], None
         if self.keep is not None:
-            pruned = prune_checkpoints(self.store, self.keep, self.keep_every, verified=step)
-            if pruned:
-                self.reporter.say(f"removed older checkpoints of steps {pruned} (train.keep_checkpoints = {self.keep})")
-        return report
+            try:
+                pruned = prune_checkpoints(self.store, self.keep, self.keep_every, verified=snapshot.step)
+            except (ArtifactError, StoreError, OSError) as exc:  # the checkpoint itself verified: it counts
+                prune_failed = str(exc)
+        return Written(report, pruned, prune_failed)
+
+    def _failed(self, snapshot: Snapshot, exc: BaseException) -> None:
+        """A push that did not verify: the final one raises; an intermediate one is warned about and counted, and
+        `max_failures` in a row stop the run. Its metrics window moves to the next checkpoint."""
+        step = snapshot.step
+        if snapshot.final:
+            raise ArtifactError(f"final checkpoint of step {step} did not verify at {self.store.url}: {exc}") from exc
+        self.failures += 1
+        resume = f"the verified checkpoint of step {self.last_step}" if self.last_step is not None else "the start"
+        if self.failures >= self.max_failures:
+            raise ArtifactError(
+                f"{self.failures} checkpoints in a row did not verify at {self.store.url} (the last, step {step}: {exc}); "
+                f"training stopped: fix the store, then rerun to resume from {resume} (train.max_checkpoint_failures = "
+                f"{self.max_failures})"
+            ) from exc
+        self.reporter.warn(
+            f"checkpoint of step {step} did not verify at {self.store.url} ({exc}); training goes on, it will not be resumed "
+            f"from ({self.failures} failed in a row, the run stops at train.max_checkpoint_failures = {self.max_failures})"
+        )
 
 
 __all__ = [
-    "Checkpoints", "LoadedCheckpoint", "PINNED_DATA_FIELDS", "prune_checkpoints", "read_checkpoint", "resolved_training_config",
+    "Checkpoints", "LoadedCheckpoint", "Written", "PINNED_DATA_FIELDS", "prune_checkpoints", "read_checkpoint", "resolved_training_config",
     "run_identity", "save_checkpoint",
 ]

@@ -35,18 +35,29 @@ def check_ranks_in_sync(drafter: nn.Module, world_size: int) -> None:
         raise RuntimeError("drafter replicas differ across ranks after the optimizer step; DDP lost synchronisation")
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's CPU and Python RNG states, and the CUDA one of `device` (the drafter's) when it is a GPU: asking
+    for every GPU's (`get_rng_state_all`) would create a CUDA context on each GPU of the machine, in every rank."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what `rng_state` saved; the CUDA state goes to `device` only (a checkpoint written before this held one
+    state per GPU: the entry of `device`'s index is used)."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or device.type != "cuda":
+        return
+    if isinstance(cuda, (list, tuple)):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= len(cuda):
+            return
+        cuda = cuda[index]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 __all__ = ["check_ranks_in_sync", "parameter_fingerprint", "rng_state", "set_rng_state"]
