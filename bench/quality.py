@@ -1,0 +1,192 @@
+"""Which training objective makes the better drafter for the same work: tau on held-out prompts, paired by seed.
+
+Each objective trains the same drafter shape on the same tokenized rows with the same seeds, rows per step, steps and
+lr, through `blockdraft train`; each drafter is then measured by `blockdraft eval` on the fixture's held-out prompts
+(prompts.jsonl: conversations the target never trained on). Objectives:
+
+- `ce`: the paper's recipe (hard-label CE, exponential slot decay, PyTorch's default init): the baseline;
+- `distill`: soft targets, `train.distill_weight` (--distill-weight, default 0.5) at temperature 1;
+- `dpace`: `dflash.loss_weighting = "dpace"` (D-PACE weights, alpha 0.5);
+- `hf_normal`: `train.init = "hf_normal"` (normal(0, the target's initializer_range)).
+
+Fixtures: `tiny` (8-layer Qwen3, one-layer B = 8 drafter) and `hybrid` (Qwen3.5-style linear attention, a drafter of one
+sliding-window and one full-attention layer). Per fixture and objective it prints tau's mean and sd over the seeds and the
+paired difference against `ce` (mean and sd of tau(objective, seed) - tau(ce, seed), and the mean as a share of ce's mean
+tau); an objective may become a default only where that share is >= 3% on both fixtures. Every run is checked lossless.
+
+    .venv/bin/python -m bench.quality                 # full size: 5 seeds, both fixtures, 2 workers (about 15 min on 2 cores)
+    .venv/bin/python -m bench.quality --quick         # 1 seed, a few steps: checks that it runs, not the figures
+    .venv/bin/python -m bench.quality --fixtures tiny --objectives ce,distill --seeds 3 --out runs.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = {
+    "ce": {},
+    "distill": {"train": {"distill_weight": 0.5}},
+    "dpace": {"dflash": {"loss_weighting": "dpace"}},
+    "hf_normal": {"train": {"init": "hf_normal"}},
+}
+# (drafter settings, training steps at full size): both at B = 8 with 32 anchors per row and 4 rows per step.
+FIXTURES: dict[str, tuple[dict[str, Any], int]] = {
+    "tiny": ({"num_draft_layers": 1}, 240),
+    "hybrid": ({"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32}, 120),
+}
+THRESHOLD = 0.03  # the gain over ce, as a share of ce's mean tau, that makes an objective a default candidate
+
+
+def fixture_dir(name: str) -> Path:
+    from blockdraft.fixtures.hybrid import TINY_HYBRID_TARGET_DIR
+    from blockdraft.fixtures.tiny import TINY_TARGET_DIR
+
+    return {"tiny": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGET_DIR}[name]
+
+
+def base_settings(fixture: str, store: Path) -> dict[str, Any]:
+    return {"target": {"path": str(fixture_dir(fixture))}, "store": {"url": str(store)}, "tokenize": {"held_out_fraction": 0.0}}
+
+
+def tokenize(fixture: str, work: Path) -> str:
+    """The fixture's own completions (the target's answers) tokenized once; every run trains on these rows."""
+    from blockdraft.config import load_config
+    from blockdraft.stages import tokenize as tokenize_stage
+
+    out = work / f"{fixture}-tokenized"
+    tokenize_stage.run(load_config(None, base_settings(fixture, work / "store")), str(fixture_dir(fixture) / "completions.jsonl"), str(out))
+    return str(out)
+
+
+def merged(*parts: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for section, values in part.items():
+            out.setdefault(section, {}).update(values)
+    return out
+
+
+def run_one(job: dict[str, Any]) -> dict[str, Any]:
+    """Train one drafter (fixture, objective, seed) and evaluate it; runs in a worker process with one torch thread."""
+    import torch
+
+    from blockdraft.config import load_config
+    from blockdraft.stages import eval as eval_stage
+    from blockdraft.stages import train as train_stage
+
+    torch.set_num_threads(1)
+    fixture, objective, seed, work = job["fixture"], job["objective"], job["seed"], Path(job["work"])
+    name = f"{fixture}-{objective}-s{seed}"
+    drafter, _ = FIXTURES[fixture]
+    mask_token_id = json.loads((fixture_dir(fixture) / "fixture.json").read_text())["mask_token_id"]
+    settings = merged(
+        base_settings(fixture, work / name / "store"),
+        {
+            "dflash": {"block_size": 8, "mask_token_id": mask_token_id, "num_anchors": 32, **drafter},
+            "train": {"data": job["data"], "output": str(work / name / "run"), "log_dir": str(work / name / "logs"),
+                      "max_steps": job["steps"], "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05,
+                      "checkpoint_every": job["steps"], "seed": seed},
+            "eval": {"num_prompts": job["prompts"], "untrained_baseline": False},
+        },
+        OBJECTIVES[objective],
+        {"train": {"distill_weight": job["distill_weight"]}} if objective == "distill" else {},
+    )
+    cfg = load_config(None, settings)
+    t0 = time.perf_counter()
+    trained = train_stage.run(cfg).details
+    t1 = time.perf_counter()
+    prompts = str(fixture_dir(fixture) / "prompts.jsonl")
+    report = eval_stage.run(cfg, str(work / name / "run"), prompts=prompts, max_new_tokens=job["max_new_tokens"]).details
+    return {
+        "fixture": fixture, "objective": objective, "seed": seed, "steps": job["steps"],
+        "tau": report.drafters["dflash"].tau, "tau_ngram": report.drafters["ngram"].tau, "lossless": report.lossless.ok,
+        "final_loss": trained.metrics[-1]["loss"], "tau_estimate": trained.metrics[-1]["tau_estimate"],
+        "train_s": round(t1 - t0, 1), "eval_s": round(time.perf_counter() - t1, 1),
+    }
+
+
+def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per fixture and objective: tau mean and sd over seeds, and the paired difference against ce on the same seeds."""
+    rows = []
+    for fixture in dict.fromkeys(r["fixture"] for r in results):
+        by = {(r["objective"], r["seed"]): r["tau"] for r in results if r["fixture"] == fixture}
+        base = {seed: tau for (objective, seed), tau in by.items() if objective == "ce"}
+        for objective in dict.fromkeys(o for o, _ in by):
+            taus = [tau for (o, _), tau in sorted(by.items()) if o == objective]
+            diffs = [by[objective, seed] - base[seed] for seed in sorted(base) if (objective, seed) in by]
+            ce_mean = statistics.fmean(base.values()) if base else float("nan")
+            row = {"fixture": fixture, "objective": objective, "seeds": len(taus), "tau_mean": statistics.fmean(taus),
+                   "tau_sd": statistics.stdev(taus) if len(taus) > 1 else 0.0}
+            if diffs and objective != "ce":
+                gain = statistics.fmean(diffs) / ce_mean
+                row.update(diff_mean=statistics.fmean(diffs), diff_sd=statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                           gain=gain, wins=sum(d > 0 for d in diffs), meets_threshold=gain >= THRESHOLD)
+            rows.append(row)
+    return rows
+
+
+def table(summary: list[dict[str, Any]]) -> str:
+    lines = ["| fixture | objective | seeds | tau mean | tau sd | paired diff vs ce (mean +- sd) | gain | seeds better |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        paired = f"{r['diff_mean']:+.3f} +- {r['diff_sd']:.3f}" if "diff_mean" in r else "-"
+        gain = f"{100 * r['gain']:+.1f}%" if "gain" in r else "-"
+        wins = f"{r['wins']}/{r['seeds']}" if "wins" in r else "-"
+        lines.append(f"| {r['fixture']} | {r['objective']} | {r['seeds']} | {r['tau_mean']:.3f} | {r['tau_sd']:.3f} | {paired} | {gain} | {wins} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fixtures", default="tiny,hybrid")
+    parser.add_argument("--objectives", default=",".join(OBJECTIVES))
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, help="training steps for every fixture (default: each fixture's, see FIXTURES)")
+    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts per eval")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--distill-weight", type=float, default=0.5)
+    parser.add_argument("--workers", type=int, default=2, help="runs in parallel, one torch thread each")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 12 steps, 2 prompts x 24 tokens: a check that it runs")
+    parser.add_argument("--out", help="also write every run's figures to this JSONL file")
+    args = parser.parse_args()
+    fixtures, objectives = args.fixtures.split(","), args.objectives.split(",")
+    unknown = [x for x in fixtures if x not in FIXTURES] + [x for x in objectives if x not in OBJECTIVES]
+    if unknown or "ce" not in objectives:
+        parser.error(f"unknown fixture or objective {unknown}" if unknown else "--objectives must include ce (the baseline)")
+    seeds, prompts, new_tokens = (1, 2, 24) if args.quick else (args.seeds, args.prompts, args.max_new_tokens)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="blockdraft-quality-") as tmp:
+        work = Path(tmp)
+        data = {fixture: tokenize(fixture, work) for fixture in fixtures}
+        jobs = [
+            {"fixture": fixture, "objective": objective, "seed": seed, "work": str(work), "data": data[fixture],
+             "steps": 12 if args.quick else args.steps or FIXTURES[fixture][1], "prompts": prompts, "max_new_tokens": new_tokens,
+             "distill_weight": args.distill_weight}
+            for fixture in fixtures for seed in range(seeds) for objective in objectives
+        ]
+        results = []
+        with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
+            for result in pool.map(run_one, jobs):
+                results.append(result)
+                print(json.dumps(result), flush=True)
+    if args.out:
+        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in results))
+    summary = summarise(results)
+    print(table(summary))
+    print(f"{len(results)} runs in {time.perf_counter() - started:.0f} s; all lossless: {all(r['lossless'] for r in results)}")
+    for r in summary:
+        if "gain" in r:
+            verdict = "meets" if r["meets_threshold"] else "does not meet"
+            print(f"{r['fixture']} {r['objective']}: {100 * r['gain']:+.1f}% mean tau over ce, {verdict} the {100 * THRESHOLD:.0f}% bar")
+
+
+if __name__ == "__main__":
+    main()
