@@ -97,7 +97,7 @@ def tiny_suite(args, target_dir: Path, label: str, drafter: dict) -> None:
             **base,
             "dflash": {"block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_anchors": 32, **drafter},
             "train": {"data": str(work / "tokenized"), "output": str(work / "run"), "log_dir": str(work / "logs"),
-                      "max_steps": args.train_steps, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05,
+                      "max_steps": args.train_steps, "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05,
                       "checkpoint_every": args.train_steps, "seed": args.seed},
         })
         started = time.perf_counter()

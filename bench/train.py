@@ -5,6 +5,7 @@ Prints step time, context tokens/s and the achieved FLOP rate as a fraction of a
 figures are the drafter side alone, which is what the drafter devices spend their time on.
 
     python -m bench.train --preset cpu-small
+    python -m bench.train --pipeline                          # target and drafter overlapped (bench/pipeline.py)
     python -m bench.train --preset qwen3-8b                   # on a GPU: 5 layers, H 4096, 32/8 heads, 512 anchors, B 16
     python -m bench.train --preset qwen3-8b --device cpu --hidden 128 --heads 4 --kv-heads 2 --intermediate 384 \\
         --vocab 2048 --seq-len 256 --anchors 32                  # the GPU path's code, checked at toy scale on a CPU
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
 
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead
+from blockdraft.model.block_sparse import resolve_attention
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch
-from blockdraft.stages.train.trainer import DraftForward, forward_backward
+from blockdraft.stages.train.step import DraftForward, forward_backward
 
 PRESETS = {
     "cpu-small": dict(layers=2, hidden=256, heads=8, kv_heads=4, intermediate=768, vocab=8192, seq_len=512, anchors=64,
@@ -67,6 +70,11 @@ def step_flops(spec: DrafterSpec, seq_len: int, queries: int) -> dict[str, float
 
 
 def main() -> None:
+    if "--pipeline" in sys.argv[1:]:  # the target and the drafter overlapped: bench/pipeline.py
+        from bench.pipeline import main as pipeline_main
+
+        pipeline_main(sys.argv[1:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     for name in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab", "seq-len", "anchors", "block-size", "steps"):
@@ -74,6 +82,7 @@ def main() -> None:
     parser.add_argument("--device")
     parser.add_argument("--chunk-blocks", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1, help="rows per step")
+    parser.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto", help="as train.attention")
     args = parser.parse_args()
     cfg = dict(PRESETS[args.preset])
     for key in cfg:
@@ -101,7 +110,8 @@ def main() -> None:
     s, n = cfg["seq_len"], cfg["anchors"]
     rows = [(torch.randint(0, spec.vocab_size - 1, (s,)), torch.ones(s, dtype=torch.long)) for _ in range(args.batch)]
     batch = build_block_batch(rows, num_anchors=n, block_size=spec.block_size, mask_token_id=spec.mask_token_id, gamma=7.0,
-                              generators=[anchor_generator(0, 0, i) for i in range(args.batch)]).to(device)
+                              generators=[anchor_generator(0, 0, i) for i in range(args.batch)],
+                              attention=resolve_attention(args.attention, device)).to(device)
     features = torch.randn(args.batch, s, spec.num_target_features * spec.hidden_size, device=device, dtype=head_dtype)
 
     def step() -> None:
@@ -128,7 +138,7 @@ def main() -> None:
     step_s, gemm, fraction = (sorted(x)[len(x) // 2] for x in (times, gemms, fractions))
     achieved = flops / step_s
     result = {
-        "preset": args.preset, "device": str(device), "torch_threads": torch.get_num_threads(), **cfg,
+        "preset": args.preset, "device": str(device), "attention": batch.attention, "torch_threads": torch.get_num_threads(), **cfg,
         "batch": args.batch, "params_m": sum(p.numel() for p in drafter.parameters()) / 1e6,
         "step_s": step_s, "tokens_per_s": args.batch * s / step_s, "queries_per_s": args.batch * batch.num_blocks * spec.block_size / step_s,
         "tflops_per_step": flops / 1e12, "lm_head_share": shares["lm_head_share"],

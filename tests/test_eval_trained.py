@@ -32,7 +32,7 @@ def test_trained_drafter_doubles_untrained_tau_and_beats_ngram_on_held_out_promp
         **base,
         "dflash": {"block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_anchors": 32, **drafter},
         "train": {"data": str(tmp_path / "tokenized"), "output": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"),
-                  "max_steps": 200, "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05, "checkpoint_every": 200, "seed": 0},
+                  "max_steps": 200, "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05, "checkpoint_every": 200, "seed": 0},
         "eval": {"num_prompts": 8},
     })
     train_stage.run(cfg)

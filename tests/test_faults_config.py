@@ -48,7 +48,7 @@ def test_a_malformed_device_string_fails_at_load_naming_the_field_and_the_forms(
 
 def test_well_formed_devices_load_whatever_this_machine_has(tmp_path):
     """A config is often written on another machine than it runs on: cuda:7 loads; the stage that places models checks."""
-    cfg = load(tmp_path, '[placement]\ntarget_devices = ["cuda:7"]\ndrafter_devices = ["cpu", "cuda", "mps"]\n')
+    cfg = load(tmp_path, '[placement]\ntarget_devices = ["cuda:7"]\ndrafter_devices = ["cpu", "cuda", "mps", "cuda:1"]\n')
     assert cfg.placement.target_devices == ["cuda:7"]
     with pytest.raises(ConfigError) as err:
         load(tmp_path, "[placement]\ndrafter_devices = []\n")

@@ -68,7 +68,7 @@ def _trained(folder, references, tmp_path) -> DFlashDrafter:
         "target": {"path": str(folder)}, "store": {"url": str(tmp_path / "store")},
         "dflash": {"block_size": BLOCK, "mask_token_id": MASK_ID, "num_draft_layers": 2, "gamma": 4.0, "num_anchors": 16},
         "train": {"data": data, "output": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"), "max_steps": 20,
-                  "batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05, "checkpoint_every": 20, "seed": 0},
+                  "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05, "checkpoint_every": 20, "seed": 0},
     })
     train_stage.run(cfg)
     newest = find_resumable(open_store(str(tmp_path / "run")))

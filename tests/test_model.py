@@ -344,3 +344,18 @@ def test_target_mrope_never_reaches_the_drafter():
     exported = spec.to_export_config()
     assert spec.rope_theta == 5e6 and spec.rope_scaling is None
     assert exported["rope_parameters"] == {"rope_theta": 5e6, "rope_type": "default"} and exported["rope_scaling"] is None
+
+
+def test_load_target_reads_straight_to_its_device_in_the_asked_dtype(tmp_path):
+    """`load_target` reads through `device_map` (no CPU copy moved afterwards): the same weights and features as a plain
+    load, every parameter and buffer on the device, in the dtype asked for, frozen."""
+    plain = AutoModelForCausalLM.from_pretrained(str(GOLDEN / "target"), dtype=torch.float32).eval()
+    loaded = load_target(str(GOLDEN / "target"), "cpu", torch.float32)
+    assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
+    plain_state = plain.state_dict()
+    assert all(torch.equal(t, plain_state[name]) for name, t in loaded.state_dict().items())
+    ids = torch.arange(1, 40)[None]
+    assert torch.equal(TargetModel(loaded, [1, 3]).features(ids), TargetModel(plain, [1, 3]).features(ids))
+    half = load_target(str(GOLDEN / "target"), "cpu", "bfloat16")
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert {t.device.type for t in [*half.parameters(), *half.buffers()]} == {"cpu"}

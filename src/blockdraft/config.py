@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from blockdraft.errors import ConfigError
 
@@ -48,6 +48,18 @@ def layer_ids_problem(ids: Sequence[int]) -> str | None:
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     why = f"{', '.join(map(str, repeated))} repeated" if repeated else f"{pair[0]} before {pair[1]}"
     return f"{ids} must be strictly ascending and unique ({why}): the engines read the target's layers in order, once each"
+
+
+def accumulation_steps(global_batch: int, batch_size: int, ranks: int) -> int:
+    """Micro-batches each rank accumulates per optimizer step; a global batch that does not split evenly is a ConfigError."""
+    per_pass = batch_size * ranks
+    if global_batch % per_pass:
+        lower, upper = max(per_pass, global_batch // per_pass * per_pass), (global_batch // per_pass + 1) * per_pass
+        raise ConfigError(
+            f"train.global_batch_size {global_batch} is not a multiple of train.batch_size {batch_size} x {ranks} drafter "
+            f"rank(s) = {per_pass}; set train.global_batch_size to {lower} or {upper}, or change train.batch_size"
+        )
+    return global_batch // per_pass
 
 
 # Device strings a placement may name: checked at load by form only; whether this machine has the device is checked
@@ -130,6 +142,10 @@ class DFlashConfig(_Section):
     # One kind per drafter layer (None: all full attention); sliding layers need sliding_window >= block_size.
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
     sliding_window: int | None = Field(default=None, ge=1)
+    # How slots weigh in the loss: "exponential" (exp(-(k-1)/gamma), the paper's) or "dpace" (D-PACE: weights that follow the
+    # drafter's own per-slot confidence, smoothed by dpace_alpha). Pinned in checkpoints like gamma (docs/DFLASH.md).
+    loss_weighting: Literal["exponential", "dpace"] = "exponential"
+    dpace_alpha: float = Field(default=0.5, gt=0.0, le=1.0)
 
     @field_validator("target_layer_ids")
     @classmethod
@@ -181,7 +197,10 @@ class TrainConfig(_Section):
     output: str | None = None
     epochs: int = Field(default=6, ge=1)
     max_steps: int | None = Field(default=None, ge=1)
-    batch_size: int = Field(default=1, ge=1)
+    batch_size: int = Field(default=1, ge=1)  # rows per rank per forward (a micro-batch)
+    # Rows per optimizer step across all ranks: each rank accumulates global / (batch_size * ranks) micro-batches.
+    global_batch_size: int = Field(default=32, ge=1)
+    pipeline_depth: int = Field(default=1, ge=0)  # steps the target runs ahead of the drafter (0: one after the other)
     lr: float = Field(default=6e-4, ge=0.0)  # 0 keeps the weights as they start (a check of init_from)
     weight_decay: float = Field(default=0.0, ge=0.0)
     warmup_ratio: float = Field(default=0.04, ge=0.0, le=1.0)
@@ -191,15 +210,35 @@ class TrainConfig(_Section):
     seed: int = 0
     deterministic: bool = False
     lm_head_chunk_blocks: int = Field(default=64, ge=1)
+    # The drafter's training attention: block-sparse FlexAttention ("flex", CUDA only: no CPU backward) or the dense
+    # masked SDPA reference ("dense"); "auto" = flex on CUDA, dense elsewhere.
+    attention: Literal["auto", "dense", "flex"] = "auto"
+    # Memory (docs/PERFORMANCE.md, "memory plan"): recompute each drafter layer in backward instead of keeping its
+    # activations; all-reduce the gradients in bf16 (half the bytes; the optimizer still steps fp32 masters); each
+    # device's memory in GB for the plan (None: what torch reports for a GPU, the RAM for the CPU, else unknown).
+    activation_checkpointing: bool = False
+    grad_allreduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    device_memory_gb: float | None = Field(default=None, gt=0)
     log_every: int = Field(default=10, ge=1)
     log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG)
     plot_every_minutes: float = Field(default=10.0, ge=0)  # curves redrawn in the background at most this often, and at the end
     keep_checkpoints: int | None = Field(default=3, ge=1)  # newest verified checkpoints kept; None keeps all
     # Also kept for good: every Nth checkpoint (its step a multiple of N * checkpoint_every); 1 keeps all, None none.
     keep_checkpoint_every: int | None = Field(default=10, ge=1)
+    # Checkpoints are pushed in the background while training goes on; this many failed pushes in a row stop the run.
+    max_checkpoint_failures: int = Field(default=3, ge=1)
+    # How long a rank waits for the others in a collective (rank 1 while rank 0 awaits a slow push) before the run fails.
+    dist_timeout_minutes: float = Field(default=60.0, gt=0)
     # A drafter in the export format (a folder or store URL: an export, checkpoint or training output) to start from
     # instead of random weights; its DFlash parameters must match this config and the target.
     init_from: str | None = None
+    # Initial weights when not init_from: "pytorch" (each layer's default) or "hf_normal" (normal(0, the target config's
+    # initializer_range) for linear weights, zero biases, norms at 1, as HF initialises its models).
+    init: Literal["pytorch", "hf_normal"] = "pytorch"
+    # Soft targets: each slot's loss is (1 - w) * CE + w * T^2 * KL(target || drafter) at temperature T; 0 trains on the
+    # hard labels only (the paper's objective) and never runs the target past its feature layers.
+    distill_weight: float = Field(default=0.0, ge=0.0, le=1.0)
+    distill_temperature: float = Field(default=1.0, gt=0.0)
 
 
 class EvalConfig(_Section):
@@ -247,6 +286,11 @@ class BlockdraftConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
+
+    @model_validator(mode="after")
+    def _global_batch_splits(self) -> BlockdraftConfig:
+        accumulation_steps(self.train.global_batch_size, self.train.batch_size, len(self.placement.drafter_devices))
+        return self
 
     def resolved(self) -> dict:
         """The full config with every default filled in, as plain JSON data."""

@@ -125,6 +125,7 @@ def demo_config(
             "log_dir": str(workdir / "train-logs"),
             "max_steps": size.train_steps,
             "batch_size": 4,
+            "global_batch_size": 4,
             "lr": 3e-3,
             "warmup_ratio": 0.05,
             "checkpoint_every": size.train_steps,

@@ -37,12 +37,14 @@ def write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[di
 
 def config_file(tmp: Path, data: str, output: str | None = None, **train) -> Path:
     """`tmp/blockdraft.toml`: the golden target, a 2-layer B=4 drafter, checkpoints to `output` (default `tmp/ckpt`),
-    logs in `tmp/logs`, deterministic; `train` overrides train.* settings, `drafters` the drafter devices."""
+    logs in `tmp/logs`, deterministic, one micro-batch per step (global batch = batch_size x ranks unless given);
+    `train` overrides train.* settings, `drafters` the drafter devices."""
     placement = train.pop("drafters", ["cpu"])
     settings = {
         "max_steps": 12, "batch_size": 2, "lr": 3e-3, "warmup_ratio": 0.1, "checkpoint_every": 4, "log_every": 1,
         "lm_head_chunk_blocks": 3, "seed": 0, "deterministic": True, **train,
     }
+    settings.setdefault("global_batch_size", settings["batch_size"] * len(placement))  # one micro-batch per rank
     lines = [
         "[target]", f'path = "{GOLDEN_TARGET.as_posix()}"',
         "[dflash]", "block_size = 4", "mask_token_id = 511", "num_draft_layers = 2", "gamma = 4.0", "num_anchors = 8",

@@ -92,12 +92,24 @@ class TargetModel:
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [b, S] -> concatenated outputs of decoder layers `layer_ids` [b, S, K*H]."""
-        if self.layers is None:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-            return torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
-        captured: dict[int, torch.Tensor] = {}
-        deepest = max(self.layer_ids)
+        """input_ids [b, S] -> concatenated outputs of decoder layers `layer_ids` [b, S, K*H]; the layers after the
+        deepest of them and the LM head do not run."""
+        return self._run(input_ids, attention_mask, final=False)[0]
+
+    @torch.no_grad()
+    def features_and_final(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`features`, and the final normed hidden states [b, S, H]: exactly what the LM head reads (captured at its input;
+        the [b, S, V] logits are never computed), from which the loss makes the target's own next-token distribution
+        (`train.distill_weight`). Every decoder layer runs."""
+        feats, final = self._run(input_ids, attention_mask, final=True)
+        assert final is not None
+        return feats, final
+
+    def _run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward that captures the feature layers (and with `final` the LM head's input), stopping as early as it can."""
+        captured: dict[Any, torch.Tensor] = {}
+        deepest = None if final else max(self.layer_ids)
+        hooked_layers = self.layers is not None  # else the layers come from output_hidden_states, and the model must return
 
         def capture(index: int):
             def hook(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -107,16 +119,31 @@ class TargetModel:
 
             return hook
 
-        handles = [self.layers[i].register_forward_hook(capture(i)) for i in set(self.layer_ids)]
+        def capture_head_input(_module: nn.Module, args: Any) -> None:
+            captured["final"] = args[0]
+            if hooked_layers:
+                raise _StopForward
+
+        handles = []
+        if final:
+            head: nn.Module | None = cast(Any, self.model).get_output_embeddings()
+            if head is None:
+                raise SpecError("the target has no output embeddings (LM head); train.distill_weight needs one, set it to 0")
+            handles.append(head.register_forward_pre_hook(capture_head_input))
+        if self.layers is not None:
+            handles += [self.layers[i].register_forward_hook(capture(i)) for i in set(self.layer_ids)]
         try:
-            self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=not hooked_layers, use_cache=False)
+            if not hooked_layers:
+                captured.update({i: out.hidden_states[i + 1] for i in self.layer_ids})
         except _StopForward:
             pass
         finally:
             for handle in handles:
                 handle.remove()
         # a target split over devices (device_map) leaves layer outputs on different devices: gather on the input's
-        return torch.cat([captured[i].to(input_ids.device) for i in self.layer_ids], dim=-1)
+        feats = torch.cat([captured[i].to(input_ids.device) for i in self.layer_ids], dim=-1)
+        return feats, captured["final"].to(input_ids.device) if final else None
 
 
 # The fast kernels transformers uses for linear-attention layers when they are importable (`pip install blockdraft[gpu]`).
@@ -166,20 +193,23 @@ def load_target(
     reporter: Reporter | None = None,
 ) -> PreTrainedModel:
     """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device`, in `dtype` (None: `target_dtype`
-    of its config); warns through `reporter` when a hybrid target on CUDA lacks its fast kernels."""
+    of its config); warns through `reporter` when a hybrid target on CUDA lacks its fast kernels.
+
+    The weights are read straight onto `device` in `dtype` (`device_map`): a 27B target never passes through host RAM
+    whole, as it would if loaded on the CPU and then moved, once per rank."""
     from transformers import AutoModelForCausalLM
 
     hf_config = load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
     if not isinstance(dtype, torch.dtype):
         dtype = getattr(torch, target_dtype(dtype, hf_config))
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    kwargs: dict[str, Any] = {"dtype": dtype, "device_map": torch.device(device)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     warning = missing_kernels_warning(hf_config, device)
     if warning and reporter is not None:
         reporter.warn(warning)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    cast(nn.Module, model).to(device).eval().requires_grad_(False)  # in place: a module moves itself
+    cast(nn.Module, model).eval().requires_grad_(False)
     return cast("PreTrainedModel", model)
 
 

@@ -10,40 +10,32 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import BlockdraftConfig, accumulation_steps
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel, load_target
+from blockdraft.model.block_sparse import resolve_attention
+from blockdraft.model.init import init_drafter
 from blockdraft.reporter import Reporter
-from blockdraft.stages.train.batch import BlockBatch, anchor_generator, build_block_batch, expected_acceptance
+from blockdraft.stages.train.batch import anchor_generator, build_block_batch, expected_acceptance
 from blockdraft.stages.train.checkpoint import Checkpoints, read_checkpoint, resolved_training_config, run_identity
 from blockdraft.stages.train.data import RowOrder, TrainRows, steps_per_epoch
 from blockdraft.stages.train.init import check_init_spec, load_init_drafter
-from blockdraft.stages.train.loss import LossOutput, block_loss
+from blockdraft.stages.train.loss import Objective, Teacher
 from blockdraft.stages.train.metrics import MetricsLog
+from blockdraft.stages.train.pipeline import Prefetcher, SideStreams, StepInputs
 from blockdraft.stages.train.placement import RankPlacement
+from blockdraft.stages.train.plan import apply_memory_options
 from blockdraft.stages.train.replicas import check_ranks_in_sync, rng_state, set_rng_state
+from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
 from blockdraft.store import Store
 from blockdraft.store.artifact import VerifyReport
-
-
-class DraftForward(nn.Module):
-    """The drafter's whole differentiable path in one forward, so DDP sees every parameter use."""
-
-    def __init__(self, drafter: DFlashDrafter) -> None:
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, features, block_hidden, block_positions, context_positions, attention_mask):
-        context = self.drafter.project_context(features)
-        return self.drafter(block_hidden, context, block_positions, context_positions, attention_mask)
 
 
 def warmup_cosine(step: int, warmup: int, total: int) -> float:
@@ -53,32 +45,17 @@ def warmup_cosine(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def forward_backward(
-    model: nn.Module,
-    drafter: DFlashDrafter,
-    head: TargetHead,
-    batch: BlockBatch,
-    features: torch.Tensor,
-    chunk_blocks: int,
-    grad_clip: float,
-) -> tuple[LossOutput, torch.Tensor]:
-    """One step's gradients: drafter forward (bf16 autocast on GPU), chunked loss, backward, clipping.
+@dataclass
+class PendingStep:
+    """A launched optimizer step whose numbers are still on the drafter's device: the all-reduced totals, the loss's
+    denominator and the gradient norm (tensors), the learning rate it used, and when it started (perf_counter)."""
 
-    model is the drafter's `DraftForward` (DDP-wrapped under torchrun); features [b, S, K*H] on the drafter's device.
-    Returns the loss and the total gradient norm before clipping; the caller steps the optimizer.
-    """
-    device = features.device
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    block_hidden = head.embed(batch.block_ids).float()
-    with autocast:
-        hidden = model(features.float(), block_hidden, batch.block_positions, batch.context_positions, batch.attention_mask)
-        out = block_loss(
-            hidden, batch.labels, batch.weights, head.lm_head_weight, head.lm_head_bias, drafter.spec.block_size, chunk_blocks
-        )
-    for p in drafter.parameters():
-        p.grad = None
-    out.loss.backward()
-    return out, torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
+    step: int
+    started: float
+    totals: torch.Tensor
+    weight_sum: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
 
 
 class Trainer:
@@ -96,6 +73,7 @@ class Trainer:
         self, config: BlockdraftConfig, place: RankPlacement, rows: TrainRows, out_store: Store, output_url: str, reporter: Reporter
     ) -> None:
         tc = self.tc = config.train
+        self.attention: Literal["dense", "flex"] = resolve_attention(tc.attention, place.drafter_device)  # fails before the target loads
         self.config, self.place, self.rows, self.reporter = config, place, rows, reporter
         assert config.target.path is not None  # the stage checked it (load_target_config) before any data moved
         hf_target = load_target(config.target.path, place.target_device, config.target.dtype, reporter=reporter)
@@ -111,21 +89,27 @@ class Trainer:
         resolved["target"]["dtype"] = str(hf_target.dtype).removeprefix("torch.")  # what target.dtype resolved to
         identity = run_identity(resolved, place.world_size, rows.lineage.sha256)
         keep_every = tc.keep_checkpoint_every * tc.checkpoint_every if tc.keep_checkpoint_every else None
-        self.checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, keep_every, reporter)
+        self.checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, keep_every, reporter,
+                                       tc.max_checkpoint_failures)
 
         torch.manual_seed(tc.seed)  # the drafter's initial weights (when not train.init_from's)
         self.drafter = DFlashDrafter(self.spec)
         if init is not None:
             self.drafter.load_state_dict(init.state_dict())
+        else:
+            init_drafter(self.drafter, tc.init, hf_target.config)  # train.init: PyTorch's defaults or HF's normal(0, range)
+        self.objective = Objective.from_config(config)  # the loss: weighting (D-PACE or gamma's decay) and distillation
         self.drafter.to(place.drafter_device)
         self.model: nn.Module = DraftForward(self.drafter)
         if place.world_size > 1:
             device_ids = [place.drafter_device] if place.drafter_device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
+        apply_memory_options(self.drafter, self.model, tc)  # activation checkpointing, bf16 gradient all-reduce
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-        self.global_batch = tc.batch_size * place.world_size
+        self.global_batch = tc.global_batch_size
+        self.accumulate = accumulation_steps(tc.global_batch_size, tc.batch_size, place.world_size)
         self.per_epoch = steps_per_epoch(len(rows), self.global_batch)
-        self.order = RowOrder(len(rows), tc.seed, self.global_batch, tc.batch_size)
+        self.order = RowOrder(len(rows), tc.seed, self.global_batch, tc.batch_size * self.accumulate)
         self.total_steps = tc.max_steps or tc.epochs * self.per_epoch
         schedule = partial(warmup_cosine, warmup=round(tc.warmup_ratio * self.total_steps), total=self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
@@ -135,23 +119,42 @@ class Trainer:
         self.steps_run = 0
         self.resumed_from: int | None = None
         self.last_checkpoint: VerifyReport | None = None
-        self._queued: tuple[int, tuple[BlockBatch, torch.Tensor]] | None = None
+        self._streams = SideStreams(place.target_device, place.drafter_device)
 
     def train(self) -> list[dict[str, Any]]:
         """Resume, then step to `total_steps`, logging and checkpointing on the way; returns this run's latest metrics
-        entries (`metrics`)."""
+        entries (`metrics`).
+
+        The target makes its features `train.pipeline_depth` steps ahead in a background thread (`Prefetcher`), and a
+        step's metrics are read after the next step is launched, so reading them never idles the drafter's device;
+        before a checkpoint and at the end they are read at once."""
         start = self.resume()
         self.reporter.progress("train", start, self.total_steps)
-        for step in range(start, self.total_steps):
-            entry = self.step(step)
-            self.metrics.append(entry)
-            self.steps_run += 1
-            done = step + 1
-            if self.place.is_main and (done % self.tc.log_every == 0 or done == self.total_steps):
-                self.log.append(entry)
-            self.reporter.progress("train", done, self.total_steps, loss=round(entry["loss"], 4), tau=round(entry["tau_estimate"], 2))
-            self.maybe_checkpoint(done)
+        pending: PendingStep | None = None
+        with Prefetcher(self.inputs_of, start, self.total_steps, self.tc.pipeline_depth) as feed:
+            for step in range(start, self.total_steps):
+                launched = self.step(step, feed.get(step))
+                if pending is not None:
+                    self._record(pending, launched.started)
+                pending = launched
+                done = step + 1
+                if done % self.tc.checkpoint_every == 0 or done == self.total_steps:
+                    self._record(pending, None)
+                    pending = None
+                    self.maybe_checkpoint(done)
+        self.finish_checkpoints()
         return list(self.metrics)
+
+    def _record(self, pending: PendingStep, next_started: float | None) -> None:
+        """Read a launched step's metrics (waiting for its device), log them and report progress. Its time runs to the
+        next step's launch, or to now when it is read at once."""
+        entry = self._entry(pending, (next_started or time.perf_counter()) - pending.started)
+        self.metrics.append(entry)
+        self.steps_run += 1
+        done = entry["step"]
+        if self.place.is_main and (done % self.tc.log_every == 0 or done == self.total_steps):
+            self.log.append(entry)
+        self.reporter.progress("train", done, self.total_steps, loss=round(entry["loss"], 4), tau=round(entry["tau_estimate"], 2))
 
     def resume(self) -> int:
         """Load the newest verified checkpoint of this run into the drafter, optimizer, scheduler and RNGs (every rank);
@@ -166,7 +169,7 @@ class Trainer:
             self.drafter.load_state_dict({name: tensor.to(device) for name, tensor in loaded.drafter_state.items()})
             self.optimizer.load_state_dict(loaded.training_state["optimizer"])
             self.scheduler.load_state_dict(loaded.training_state["scheduler"])
-            set_rng_state(loaded.training_state["rng"])
+            set_rng_state(loaded.training_state["rng"], self.place.drafter_device)
             if self.place.is_main and (first := self.log.restart_from(loaded.folder, found.step)) is not None:
                 self.reporter.warn(
                     f"{self.log.path} did not hold this run's metrics up to step {found.step}: it restarts with the checkpoint's "
@@ -176,79 +179,92 @@ class Trainer:
         self.resumed_from, self.last_checkpoint = found.step, found.report
         return found.step
 
-    def step(self, step: int) -> dict[str, Any]:
-        """Optimizer step `step` (0-based) on this rank's slice of its global batch; returns the step's metrics entry,
-        summed over all ranks."""
-        t0 = time.perf_counter()
-        batch, features = self._inputs(step)
-        out, grad_norm = forward_backward(self.model, self.drafter, self.head, batch, features, self.tc.lm_head_chunk_blocks, self.tc.grad_clip)
+    def step(self, step: int, inputs: StepInputs[MicroBatch] | None = None) -> PendingStep:
+        """Optimizer step `step` (0-based) on this rank's share of its global batch (`inputs`: made by `inputs_of`, or
+        now); returns it launched, its metrics still on the device (`_record` reads them)."""
+        started = time.perf_counter()
+        inputs = inputs if inputs is not None else self.inputs_of(step)
+        inputs.wait(self.place.drafter_device)
+        totals, weight_sum, grad_norm = accumulate(
+            self.model, self.drafter, self.head, inputs.micro, self.tc.lm_head_chunk_blocks, self.tc.grad_clip, self.place.world_size,
+            self.objective,
+        )
         lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
-        # The next step's target forward is queued before this step's metrics wait for the drafter's device, so a
-        # target on its own GPUs runs while the drafter finishes its backward and optimizer step.
-        if step + 1 < self.total_steps:
-            self._queued = (step + 1, self.inputs_of(step + 1))
-        totals = torch.cat([out.weighted_ce.reshape(1), out.slots.correct, out.slots.total,
-                            torch.tensor([float(batch.num_tokens)], device=out.weighted_ce.device)])
-        if self.place.world_size > 1:
-            dist.all_reduce(totals)
-        if self.place.drafter_device.type == "cuda":
-            torch.cuda.synchronize(self.place.drafter_device)
-        return self._entry(step, totals, out, lr, float(grad_norm), time.perf_counter() - t0)
+        return PendingStep(step, started, totals, weight_sum, grad_norm, lr)
 
     def maybe_checkpoint(self, done: int) -> VerifyReport | None:
         """After `done` steps, at every train.checkpoint_every-th and the last: check the replicas are bit-equal, then
-        (rank 0) save, push and verify the checkpoint. Returns its report, None when none was (successfully) written here."""
+        (rank 0) take the checkpoint and push it in the background (`Checkpoints.save`; the final one is awaited). On
+        other steps rank 0 only takes in a push that has ended. Returns the report of a checkpoint that verified during
+        this call (the one before, or the final one), else None; raises when train.max_checkpoint_failures pushes in a
+        row failed, or the final one did."""
         final = done == self.total_steps
         if done % self.tc.checkpoint_every != 0 and not final:
-            return None
+            return self._counted(self.checkpoints.poll()) if self.place.is_main else None
         if self.place.world_size > 1:
             check_ranks_in_sync(self.drafter, self.place.world_size)
         if not self.place.is_main:
             return None
         if final:  # the curves of the whole run, in the final checkpoint; before, they are redrawn in the background
             self.log.plotter.now()
-        report = self.checkpoints.save(done, self.drafter, self._training_state(done), self.log, final, self.place.world_size)
+        state = self._training_state(done)
+        return self._counted(self.checkpoints.save(done, self.drafter, state, self.log, final, self.place.world_size))
+
+    def finish_checkpoints(self) -> VerifyReport | None:
+        """Rank 0: wait for the checkpoint still being pushed, if any, and take it in (the end of `train`)."""
+        return self._counted(self.checkpoints.finish()) if self.place.is_main else None
+
+    def _counted(self, report: VerifyReport | None) -> VerifyReport | None:
         self.last_checkpoint = report or self.last_checkpoint
         return report
 
-    def inputs_of(self, step: int) -> tuple[BlockBatch, torch.Tensor]:
-        """The batch of `step` on the drafter's device, and its target features [b, S, K*H] fp32 (queued, not awaited)."""
+    def inputs_of(self, step: int) -> StepInputs[MicroBatch]:
+        """This rank's micro-batches of `step` on the drafter's device with their target features [b, S, K*H], in the
+        target's dtype. Runs in the prefetching thread: the token ids go straight to the target's device, and the target's
+        forward and the copies to the drafter's device run on side streams (CUDA) whose event the step waits on."""
         tc, place = self.tc, self.place
         epoch, in_epoch = divmod(step, self.per_epoch)
         idx = self.order.rows(epoch, in_epoch, place.rank)
-        batch = build_block_batch(
-            [self.rows.row(i) for i in idx],
-            num_anchors=self.config.dflash.num_anchors,
-            block_size=self.spec.block_size,
-            mask_token_id=self.spec.mask_token_id,
-            gamma=self.gamma,
-            generators=[anchor_generator(tc.seed, epoch, i) for i in idx],
-        ).to(place.drafter_device)
-        features = self.target.features(
-            batch.input_ids.to(place.target_device), batch.attention_mask_context.long().to(place.target_device)
-        ).to(place.drafter_device, torch.float32)
-        return batch, features
+        micro = []
+        for first in range(0, len(idx), tc.batch_size):
+            rows = idx[first : first + tc.batch_size]
+            batch = build_block_batch(
+                [self.rows.row(i) for i in rows],
+                num_anchors=self.config.dflash.num_anchors,
+                block_size=self.spec.block_size,
+                mask_token_id=self.spec.mask_token_id,
+                gamma=self.gamma,
+                generators=[anchor_generator(tc.seed, epoch, i) for i in rows],
+                attention=self.attention,
+            )
+            with self._streams.active():  # the target's forward and the copies, off the drafter's stream (CUDA)
+                ids, mask = batch.input_ids.to(place.target_device), batch.attention_mask_context.long().to(place.target_device)
+                final = None
+                if self.objective.distills:  # the whole target runs: its final hidden states give each slot's distribution
+                    features, final = self.target.features_and_final(ids, mask)
+                else:
+                    features = self.target.features(ids, mask)
+                moved = batch.to(place.drafter_device)
+                teacher = None if final is None else Teacher.for_blocks(final.to(place.drafter_device), moved.block_positions)
+                micro.append(MicroBatch(moved, features.to(place.drafter_device), batch.num_tokens, teacher))
+        return StepInputs(micro, self._streams.record())
 
-    def _inputs(self, step: int) -> tuple[BlockBatch, torch.Tensor]:
-        """Step `step`'s inputs: the ones queued by the step before, else made now."""
-        queued, self._queued = self._queued, None
-        return queued[1] if queued is not None and queued[0] == step else self.inputs_of(step)
-
-    def _entry(self, step: int, totals: torch.Tensor, out: LossOutput, lr: float, grad_norm: float, seconds: float) -> dict[str, Any]:
-        """The metrics of step `step` from the all-reduced totals [1 + 2 * (B - 1) + 1]: weighted CE, per-slot correct
-        and counted, tokens."""
+    def _entry(self, pending: PendingStep, seconds: float) -> dict[str, Any]:
+        """The metrics of a launched step from its all-reduced totals [1 + 2 * (B - 1) + 1]: weighted CE, per-slot
+        correct and counted, tokens."""
         nslots = self.spec.block_size - 1
+        totals = pending.totals.cpu()
         correct, counted = totals[1 : 1 + nslots], totals[1 + nslots : 1 + 2 * nslots]
         accuracy = (correct / counted.clamp_min(1)).tolist()
         tokens = int(totals[-1])
         return {
-            "step": step + 1,
-            "epoch": step // self.per_epoch,
-            "loss": float(totals[0] / out.weight_sum.clamp_min(1e-12)),
-            "lr": lr,
-            "grad_norm": grad_norm,
+            "step": pending.step + 1,
+            "epoch": pending.step // self.per_epoch,
+            "loss": float(totals[0] / pending.weight_sum.cpu().clamp_min(1e-12)),
+            "lr": pending.lr,
+            "grad_norm": float(pending.grad_norm),
             "slot_accuracy": accuracy,
             "tau_estimate": expected_acceptance(accuracy),
             "tokens": tokens,
@@ -261,10 +277,10 @@ class Trainer:
         return {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": rng_state(),
+            "rng": rng_state(self.place.drafter_device),
             "data": {"step": done, "epoch": done // self.per_epoch, "step_in_epoch": done % self.per_epoch},
             "world_size": self.place.world_size,
         }
 
 
-__all__ = ["DraftForward", "Trainer", "forward_backward", "warmup_cosine"]
+__all__ = ["DraftForward", "PendingStep", "Trainer", "warmup_cosine"]

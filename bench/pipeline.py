@@ -1,0 +1,207 @@
+"""Benchmark the pipelined training step: the target's forward for step N+1 overlapping the drafter's step N.
+
+    python -m bench.train --pipeline            # CPU: target and drafter one thread each, on 2 free cores
+    python -m bench.train --pipeline --steps 20 --seq-len 256   # a quick look
+    python -m bench.train --pipeline --preset qwen3-8b            # one GPU: Qwen3-8B-shaped target and drafter
+
+The target is a random-init Qwen3 built from a config (no weights to download) with as many layers as make its forward
+take about as long as the drafter's step (measured first), as on the real job (about 148 vs 169 TFLOP per 3072-token row
+for a 27B target and its 5-layer drafter). The same `Prefetcher` and step code as `blockdraft train` run two ways:
+
+- unpipelined (`pipeline_depth` 0): the target, then the drafter, one after the other, each side timed alone (target
+  forward; drafter forward, backward and AdamW step), medians over the steps;
+- pipelined (`pipeline_depth` 1): the target in its own thread, one step ahead.
+
+Prints `pipeline ratio = X` = pipelined step time / (target alone + drafter alone), all from the same run, and checks
+that both loops produce bit-equal losses (same batches, same order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel
+from blockdraft.model.block_sparse import resolve_attention
+from blockdraft.stages.train.batch import anchor_generator, build_block_batch
+from blockdraft.stages.train.pipeline import Prefetcher, SideStreams, StepInputs
+from blockdraft.stages.train.step import DraftForward, forward_backward
+
+
+def random_target(layers: int, args: argparse.Namespace, device: torch.device, seed: int):
+    """A random-init Qwen3 causal LM of `layers` decoder layers in the preset's shape, frozen, on `device` (bf16 on CUDA,
+    fp32 on the CPU)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=layers,
+        num_attention_heads=args.hidden // args.head_dim, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
+        max_position_embeddings=40960, tie_word_embeddings=False,
+    )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def make_drafter(target, layer_ids: list[int], drafter_layers: int, block_size: int) -> tuple[DFlashDrafter, TargetHead]:
+    cfg = target.config
+    spec = DrafterSpec(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=drafter_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=8192, vocab_size=cfg.vocab_size, block_size=block_size,
+        mask_token_id=cfg.vocab_size - 1, target_layer_ids=layer_ids, num_target_layers=cfg.num_hidden_layers, gamma=7.0,
+    )
+    torch.manual_seed(1)
+    device = next(target.parameters()).device
+    return DFlashDrafter(spec).to(device), TargetHead.from_target(target, device)
+
+
+def median_time(fn, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# qwen3-8b: a random-init Qwen3-8B-shaped target (36 layers, H 4096) and the published 5-layer drafter shape, both on
+# one GPU (the target on its own stream), at 3072 tokens x 512 anchors x B 16.
+PRESETS = {
+    "cpu": dict(seq_len=512, hidden=256, intermediate=768, head_dim=64, kv_heads=2, vocab=4096, anchors=32, drafter_layers=1,
+                target_layers=None, device="cpu", steps=50),
+    "qwen3-8b": dict(seq_len=3072, hidden=4096, intermediate=12288, head_dim=128, kv_heads=8, vocab=151936, anchors=512,
+                     drafter_layers=5, target_layers=36, device="cuda", steps=20),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pipeline", action="store_true")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    for name in ("steps", "seq-len", "hidden", "intermediate", "head-dim", "kv-heads", "vocab", "anchors", "drafter-layers"):
+        parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--target-layers", type=int, help="default: the preset's, or (cpu) as many as balance the drafter")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--device")
+    parser.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto")
+    args = parser.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    device = torch.device(args.device)
+    attention = resolve_attention(args.attention, device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # one core for each side: the target's thread and the drafter's
+    load = os.getloadavg()[0]
+
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(0, args.vocab - 1, (args.seq_len,), generator=g), torch.ones(args.seq_len, dtype=torch.long))
+            for _ in range(args.steps)]
+
+    def batch_of(step: int):
+        return build_block_batch([rows[step]], num_anchors=args.anchors, block_size=args.block_size,
+                                 mask_token_id=args.vocab - 1, gamma=7.0, generators=[anchor_generator(0, 0, step)],
+                                 attention=attention)
+
+    def setup(layers: int):
+        target = random_target(layers, args, device, seed=0)
+        layer_ids = sorted({1, layers - 2}) if layers > 3 else [0]
+        drafter, head = make_drafter(target, layer_ids, args.drafter_layers, args.block_size)
+        return TargetModel(target, layer_ids), drafter, head
+
+    streams = SideStreams(device, device)
+
+    def features_of(target: TargetModel, step: int) -> StepInputs:
+        """What the trainer's `inputs_of` does: the batch to the device and the target's features, on side streams."""
+        with streams.active():
+            batch = batch_of(step).to(device)
+            features = target.features(batch.input_ids, batch.attention_mask_context.long())
+        return StepInputs([(batch, features)], streams.record())
+
+    def ready(inputs: StepInputs):
+        inputs.wait(device)
+        return inputs.micro[0]
+
+    layers = args.target_layers
+    if layers is None:  # balance: the drafter's step time, then target layers to match it (linear in layers)
+        probe_layers = 4
+        probe_target, drafter, head = setup(probe_layers)
+        model, optimizer = DraftForward(drafter), torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+        batch, features = ready(features_of(probe_target, 0))
+
+        def drafter_step() -> float:
+            out, _ = forward_backward(model, drafter, head, batch, features, 64, grad_clip=1.0)
+            optimizer.step()
+            return float(out.loss.detach())
+
+        drafter_step()
+        drafter_alone = median_time(drafter_step, 5, device)
+        probe = median_time(lambda: ready(features_of(probe_target, 0)), 5, device)
+        layers = max(4, round((probe_layers - 1) * drafter_alone / probe) + 1)  # the forward runs to layer L-2
+
+    def fresh():
+        target, drafter, head = setup(layers)
+        model, optimizer = DraftForward(drafter), torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+
+        def step(batch, features) -> float:
+            out, _ = forward_backward(model, drafter, head, batch, features, 64, grad_clip=1.0)
+            optimizer.step()
+            return float(out.loss.detach())
+
+        return target, step
+
+    results, alone = {}, {"target": [], "drafter": []}
+    for depth in (0, 1):
+        target, step = fresh()  # same weights, same optimizer state at the start
+        times, losses = [], []
+        with Prefetcher(lambda s, target=target: features_of(target, s), 0, args.steps, depth) as feed:
+            for s in range(args.steps):
+                t0 = time.perf_counter()
+                inputs = ready(feed.get(s))
+                if depth == 0:
+                    _sync(device)
+                t1 = time.perf_counter()
+                losses.append(step(*inputs))  # reading the loss waits for the drafter's device
+                times.append(time.perf_counter() - t0)
+                if depth == 0:  # one after the other: each side timed alone, in the same loop
+                    alone["target"].append(t1 - t0)
+                    alone["drafter"].append(times[-1] - (t1 - t0))
+        results[depth] = (statistics.median(times[2:]), losses)
+        if device.type == "cuda":
+            peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        del step
+    target_alone, drafter_alone = (statistics.median(alone[side][2:]) for side in ("target", "drafter"))
+    (serial, serial_losses), (piped, piped_losses) = results[0], results[1]
+    ratio = piped / (target_alone + drafter_alone)
+    report = {
+        "preset": args.preset, "device": str(device), "attention": attention,
+        "peak_memory_gib": peak_gib if device.type == "cuda" else None, "load_1min_before": load, "load_1min_after": os.getloadavg()[0], "torch_threads": torch.get_num_threads(),
+        "seq_len": args.seq_len, "hidden": args.hidden, "target_layers": layers, "drafter_layers": args.drafter_layers,
+        "anchors": args.anchors, "block_size": args.block_size, "steps": args.steps,
+        "target_forward_s": target_alone, "drafter_step_s": drafter_alone, "balance": target_alone / drafter_alone,
+        "unpipelined_step_s": serial, "pipelined_step_s": piped, "unpipelined_ratio": serial / (target_alone + drafter_alone),
+        "pipeline_ratio": ratio, "pipelined_over_unpipelined": piped / serial, "losses_bit_equal": serial_losses == piped_losses,
+    }
+    print(json.dumps(report))
+    print(f"target forward {target_alone * 1e3:.1f} ms, drafter step {drafter_alone * 1e3:.1f} ms alone "
+          f"(balance {report['balance']:.2f}); unpipelined step {serial * 1e3:.1f} ms, pipelined {piped * 1e3:.1f} ms")
+    print(f"losses over {args.steps} steps bit-equal: {report['losses_bit_equal']}")
+    print(f"pipeline ratio = {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

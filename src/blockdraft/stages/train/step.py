@@ -1,0 +1,129 @@
+"""The drafter's side of one optimizer step: forward, chunked loss and backward per micro-batch, then clipping.
+
+An optimizer step trains on `train.global_batch_size` rows across all ranks: each rank runs its share as micro-batches of
+`train.batch_size` rows, accumulating gradients (DDP synchronises only on the last). Every micro-batch's loss is divided by
+sum(w) over the whole global batch, so the accumulated gradient equals one process on the global batch in one pass.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from blockdraft.model import DFlashDrafter, TargetHead
+from blockdraft.stages.train.batch import BlockBatch
+from blockdraft.stages.train.loss import PAPER_OBJECTIVE, LossOutput, Objective, Teacher, block_loss
+
+
+class DraftForward(nn.Module):
+    """The drafter's whole differentiable path in one forward, so DDP sees every parameter use."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, features, block_hidden, block_positions, context_positions, attention_mask):
+        context = self.drafter.project_context(features)
+        return self.drafter(block_hidden, context, block_positions, context_positions, attention_mask)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on the drafter's device: the packed batch, its target features [b, S, K*H] (in the target's
+    dtype) and its real context tokens (counted on the host, so reading it never waits for a device)."""
+
+    batch: BlockBatch
+    features: torch.Tensor
+    tokens: int
+    teacher: Teacher | None = None  # the target's final hidden states per slot, when train.distill_weight > 0
+
+
+def backward_micro(
+    model: nn.Module,
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    batch: BlockBatch,
+    features: torch.Tensor,
+    chunk_blocks: int,
+    weight_sum: torch.Tensor | None = None,
+    objective: Objective = PAPER_OBJECTIVE,
+    teacher: Teacher | None = None,
+) -> LossOutput:
+    """Forward (bf16 autocast on GPU), chunked loss and backward of one micro-batch, adding to the gradients.
+
+    model is the drafter's `DraftForward` (DDP-wrapped under torchrun); `weight_sum`: the step's global sum(w)
+    (None: this batch's own, across ranks)."""
+    device = features.device
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    block_hidden = head.embed(batch.block_ids).float()
+    with autocast:
+        hidden = model(features.float(), block_hidden, batch.block_positions, batch.context_positions, batch.drafter_attention)
+        out = block_loss(
+            hidden, batch.labels, batch.weights, head.lm_head_weight, head.lm_head_bias, drafter.spec.block_size, chunk_blocks,
+            weight_sum, objective=objective, teacher=teacher,
+        )
+    out.loss.backward()
+    return out
+
+
+def forward_backward(
+    model: nn.Module,
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    batch: BlockBatch,
+    features: torch.Tensor,
+    chunk_blocks: int,
+    grad_clip: float,
+) -> tuple[LossOutput, torch.Tensor]:
+    """One batch's gradients from zero, clipped; returns the loss and the total gradient norm before clipping."""
+    for p in drafter.parameters():
+        p.grad = None
+    out = backward_micro(model, drafter, head, batch, features, chunk_blocks)
+    return out, torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
+
+
+def step_weight_sum(micro: list[MicroBatch], world_size: int, objective: Objective = PAPER_OBJECTIVE) -> torch.Tensor:
+    """sum(w) (D-PACE: the supervised slot count) over every micro-batch of the step on every rank (one all-reduce): the
+    loss's denominator."""
+    total = torch.stack([objective.normaliser(m.batch.weights) for m in micro]).sum()
+    if world_size > 1:
+        dist.all_reduce(total)
+    return total
+
+
+def accumulate(
+    model: nn.Module,
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    micro: list[MicroBatch],
+    chunk_blocks: int,
+    grad_clip: float,
+    world_size: int,
+    objective: Objective = PAPER_OBJECTIVE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's gradients over its micro-batches, clipped. Returns (totals, weight_sum, grad_norm) as device tensors:
+    totals [1 + 2 * (B - 1) + 1] = sum(w * CE), per-slot correct, per-slot counted, tokens, summed over micro-batches
+    and ranks; nothing here waits for the device."""
+    weight_sum = step_weight_sum(micro, world_size, objective)
+    for p in drafter.parameters():
+        p.grad = None
+    totals = None
+    for i, m in enumerate(micro):
+        last = i == len(micro) - 1
+        no_sync = getattr(model, "no_sync", None)
+        with nullcontext() if last or no_sync is None else no_sync():
+            out = backward_micro(model, drafter, head, m.batch, m.features, chunk_blocks, weight_sum, objective, m.teacher)
+        part = torch.cat([out.weighted_ce.reshape(1), out.slots.correct, out.slots.total, out.slots.total.new_tensor([m.tokens])])
+        totals = part if totals is None else totals + part
+    assert totals is not None, "a step has at least one micro-batch"
+    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
+    if world_size > 1:
+        dist.all_reduce(totals)
+    return totals, weight_sum, grad_norm
+
+
+__all__ = ["DraftForward", "MicroBatch", "accumulate", "backward_micro", "forward_backward", "step_weight_sum"]
