@@ -62,7 +62,7 @@ def own_s3_server(tmp_path):
         server.start()
         yield server
     finally:
-        server.stop()
+        server.stop(grace_s=0)  # its data dir goes with the test
 
 
 def isolate_aws(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
@@ -212,6 +213,9 @@ class StalledEndpoint:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        # close() alone does not wake an accept() blocked in another thread (the join would wait out its timeout);
+        # shutdown() does, so the accepting thread ends at once.
+        self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         self._thread.join(timeout=30)
         for conn in self.held:
@@ -267,12 +271,16 @@ def test_commands_against_an_endpoint_that_never_answers_fail_with_one_line(tmp_
     """preflight, and the first request of commands that run none (status, pull, verify), through the probe client."""
     with StalledEndpoint() as stalled:
         env = aws_env(tmp_path)
-        runs = {
-            "preflight": run_cli(["preflight", "s3://bucket/x", "--endpoint-url", stalled.url], env),
-            "status": run_cli(["status", "s3://bucket/x", "--endpoint-url", stalled.url], env),
-            "pull": run_cli(["pull", "s3://bucket/x", str(tmp_path / "local"), "--endpoint-url", stalled.url], env),
-            "verify": run_cli(["verify", "s3://bucket/x", "--endpoint-url", stalled.url], env),
+        commands = {
+            "preflight": ["preflight", "s3://bucket/x"],
+            "status": ["status", "s3://bucket/x"],
+            "pull": ["pull", "s3://bucket/x", str(tmp_path / "local")],
+            "verify": ["verify", "s3://bucket/x"],
         }
+        # Separate processes, each with its own connections, that only wait out their probe timeouts: run side by side.
+        with ThreadPoolExecutor(len(commands)) as pool:
+            futures = {name: pool.submit(run_cli, [*args, "--endpoint-url", stalled.url], env) for name, args in commands.items()}
+            runs = {name: future.result() for name, future in futures.items()}
         assert stalled.held  # the connections were accepted, then never answered
     stall = f"S3 endpoint {stalled.url} accepts connections but did not answer within {PROBE_READ_TIMEOUT_S} s ({PROBE_ATTEMPTS} tries)"
     for command in ("preflight", "status", "pull"):

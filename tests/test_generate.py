@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -100,8 +101,10 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
     ids = write_prompts(tmp_path / "prompts.jsonl", 12)
     out = tmp_path / "completions"
     # Four requests are answered, the next two (both slots of concurrency 2) are held: the run cannot get further, however
-    # fast the machine, until the endpoint is killed under the held requests.
-    first = endpoints(tmp_path / "first.log", "ok,ok,ok,ok,hold,hold")
+    # fast the machine, until the endpoint is killed under the held requests. The second endpoint serves the rerun; both
+    # start side by side (each process loads torch and the model, seconds), and nothing reaches the second before the rerun.
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda args: endpoints(*args), [(tmp_path / "first.log", "ok,ok,ok,ok,hold,hold"), (tmp_path / "second.log", "")])
 
     def kill_once_two_requests_are_held() -> None:
         deadline = time.monotonic() + 300  # bounds a hang only; the kill comes as soon as both are held
@@ -125,7 +128,7 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
     assert done_ids.isdisjoint(failed_ids) and done_ids | failed_ids == set(ids)
     assert run1.report.state is State.VERIFIED and run1.report.manifest.counts["failed"] == run1.details.failed
 
-    second = endpoints(tmp_path / "second.log")
+    assert second.arrived() == []
     run2 = run(tmp_path / "prompts.jsonl", out, openai_config(second.url))
     assert (run2.details.reused, run2.details.generated, run2.details.failed) == (len(done_ids), len(failed_ids), 0)
     served = second.arrived()

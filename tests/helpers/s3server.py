@@ -143,14 +143,15 @@ class SeaweedS3:
             self.proc.wait()
         self.proc = None
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 2.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s` seconds; 0 when the data dir is thrown away next (nothing to keep)."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 # A clean shutdown can take 10 s (the filer); the data dir is a throwaway, so do not wait long.
-                self.proc.wait(timeout=2)
+                self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -168,7 +169,7 @@ class SeaweedS3:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.stop(grace_s=0)
 
     def client(self, identity: Identity | None = None):
         """A raw boto3 client for test setup and tampering (not the code under test)."""
