@@ -118,9 +118,9 @@ def test_the_parent_never_reads_an_input_before_the_tasks_do(tmp_path, monkeypat
     checksummed: list[Path] = []
     real = local_store.file_checksum
 
-    def recording(path: Path):
+    def recording(path: Path, *args, **kwargs):
         checksummed.append(Path(path))
-        return real(path)
+        return real(path, *args, **kwargs)
 
     monkeypatch.setattr(local_store, "file_checksum", recording)
     result = tokenize(src, tmp_path / "out", config(task_bytes=SMALL_TASKS))
