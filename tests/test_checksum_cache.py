@@ -1,15 +1,19 @@
-"""Checksums computed once per byte on a local store: an unchanged file (size, mtime, inode) is not read again; a changed
-one is; `--deep` always reads."""
+"""The checksum cache serves the `status`/`verify` listings only: an unchanged file (size, mtime, ctime, inode) is not read
+again there, a changed one is, `--deep` always reads; everything that consumes a file reads its bytes whatever the cache
+says."""
 
 from __future__ import annotations
 
 import os
 import time
 
-from helpers.artifacts import commit_files
+import pytest
+from helpers.artifacts import commit_files, rot_under_cache
 
+from blockdraft.errors import ArtifactError
 from blockdraft.store import checksum_cache, open_store
 from blockdraft.store.artifact import BYTES_READ_BACK, LOCAL_CACHED, State, verify_artifact
+from blockdraft.store.stage_io import StageOutput, open_input
 from blockdraft.store.status import find_artifact_roots
 
 
@@ -27,29 +31,58 @@ def test_an_unchanged_file_is_read_once_and_a_changed_one_again(tmp_path, monkey
     real = checksum_cache.crc64nvme_file
     monkeypatch.setattr(checksum_cache, "crc64nvme_file", lambda p: reads.append(os.path.basename(p)) or real(p))
 
-    first = verify_artifact(open_store(art))
+    first = verify_artifact(open_store(art), cached=True)
     assert first.state is State.VERIFIED and first.method == LOCAL_CACHED and sorted(reads) == ["a.bin", "b.bin"]
     reads.clear()
-    assert verify_artifact(open_store(art)).state is State.VERIFIED and reads == []  # nothing read twice
+    assert verify_artifact(open_store(art), cached=True).state is State.VERIFIED and reads == []  # nothing read twice
 
     data = bytearray((art / "a.bin").read_bytes())
     data[100] ^= 1
     (art / "a.bin").write_bytes(bytes(data))  # same size, new mtime
-    changed = verify_artifact(open_store(art))
+    changed = verify_artifact(open_store(art), cached=True)
     assert changed.state is State.CORRUPT and reads == ["a.bin"]
 
-    # A change that keeps size and mtime (only a deliberate utime does that) is what --deep is for.
+    # An edit whose mtime is set back still moves the ctime, which only the kernel sets: read again, found corrupt.
     data[100] ^= 1
     (art / "a.bin").write_bytes(bytes(data))
     _age(art / "a.bin", 20)
-    assert verify_artifact(open_store(art)).state is State.VERIFIED
+    assert verify_artifact(open_store(art), cached=True).state is State.VERIFIED
     stat = (art / "a.bin").stat()
     data[200] ^= 1
     (art / "a.bin").write_bytes(bytes(data))
     os.utime(art / "a.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert verify_artifact(open_store(art)).state is State.VERIFIED  # trusted: same size, mtime and inode
-    deep = verify_artifact(open_store(art), deep=True)
+    reads.clear()
+    assert verify_artifact(open_store(art), cached=True).state is State.CORRUPT and reads == ["a.bin"]
+    deep = verify_artifact(open_store(art), deep=True, cached=True)
     assert deep.state is State.CORRUPT and deep.method == BYTES_READ_BACK
+
+
+def test_bit_rot_under_a_lying_cache_is_found_by_everything_that_reads_the_file(tmp_path):
+    art = commit_files(tmp_path / "art", {"a.bin": b"a" * 4096, "b.bin": b"b" * 4096})
+    for name in ("a.bin", "b.bin"):
+        _age(art / name)
+    rot_under_cache(art / "a.bin")
+
+    listing = verify_artifact(open_store(art), cached=True)
+    assert listing.state is State.VERIFIED and listing.method == LOCAL_CACHED  # a listing says it trusted the cache
+    read = verify_artifact(open_store(art))
+    assert read.state is State.CORRUPT and read.method == BYTES_READ_BACK and read.problems[0].path == "a.bin"
+    assert verify_artifact(open_store(art), deep=True, cached=True).state is State.CORRUPT
+    with pytest.raises(ArtifactError, match=r"art is corrupt: a\.bin: crc64nvme"):
+        open_input(str(art))
+    copy = StageOutput(str(art), "test", "k")
+    assert copy.done() is None  # an output is never "already done" on the cache's word
+
+
+def test_a_file_rotting_after_its_input_opened_is_refused_when_fetched(tmp_path):
+    art = commit_files(tmp_path / "art", {"a.bin": b"a" * 4096, "b.bin": b"b" * 4096})
+    for name in ("a.bin", "b.bin"):
+        _age(art / name)
+    opened = open_input(str(art))
+    rot_under_cache(art / "b.bin")
+    assert opened.fetch(["a.bin"], tmp_path / "unused") == art
+    with pytest.raises(ArtifactError, match=r"art/b\.bin does not match its manifest as read now \(crc64nvme"):
+        opened.fetch(["b.bin"], tmp_path / "unused")
 
 
 def test_a_fresh_file_is_not_cached(tmp_path, monkeypatch):
@@ -57,8 +90,8 @@ def test_a_fresh_file_is_not_cached(tmp_path, monkeypatch):
     reads: list[str] = []
     real = checksum_cache.crc64nvme_file
     monkeypatch.setattr(checksum_cache, "crc64nvme_file", lambda p: reads.append(os.path.basename(p)) or real(p))
-    verify_artifact(open_store(art))
-    verify_artifact(open_store(art))
+    verify_artifact(open_store(art), cached=True)
+    verify_artifact(open_store(art), cached=True)
     assert reads == ["a.bin", "a.bin"]  # modified within the last RACY_S seconds: read each time
 
 

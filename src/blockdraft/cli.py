@@ -85,7 +85,7 @@ def verify(
 ) -> None:
     """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum, its inputs unchanged."""
     store = open_store(url, _store_config(config, endpoint_url))
-    report = verify_artifact(store, check_inputs=True, deep=deep)
+    report = verify_artifact(store, check_inputs=True, deep=deep, cached=True)
     if report.state is State.INCOMPLETE and next(iter(store.list()), None) is None:
         raise ArtifactError(f"nothing at {store.url}: no manifest and no files; check the path or URL")
     kind = report.manifest.kind if report.manifest else "-"

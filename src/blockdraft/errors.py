@@ -30,6 +30,10 @@ class ArtifactError(BlockdraftError, RuntimeError):
     """An artifact is not what a stage needs: not verified, the wrong kind, or not readable back as written."""
 
 
+class OutsideArtifactError(ArtifactError):
+    """A file of an artifact that resolves outside the artifact's folder (a planted '..' entry, a symlink out of it)."""
+
+
 class SpecError(BlockdraftError, ValueError):
     """A drafter shape or DFlash parameter that contradicts the target or the checkpoint."""
 
@@ -92,4 +96,4 @@ def redact(text: str, *secrets: str | None) -> str:
     return text
 
 
-__all__ = ["REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "EvalError", "ExportError", "LeaseError", "SpecError", "StoreError", "redact", "remember_secret"]
+__all__ = ["REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "EvalError", "ExportError", "LeaseError", "OutsideArtifactError", "SpecError", "StoreError", "redact", "remember_secret"]

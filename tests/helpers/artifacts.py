@@ -3,10 +3,11 @@ bucket of the SeaweedFS server, each with raw tampering that bypasses blockdraft
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from blockdraft.config import StoreConfig
-from blockdraft.store import open_store
+from blockdraft.store import checksum_cache, open_store
 from blockdraft.store.artifact import commit_artifact, entry_for_local_file
 from helpers.s3server import SeaweedS3
 
@@ -20,6 +21,21 @@ def commit_files(root: Path, files: dict[str, bytes], kind: str = "test", lineag
     entries = [entry_for_local_file(root, root / rel) for rel in files]
     commit_artifact(open_store(root), kind, entries, config={"store": {"url": "test"}}, lineage=lineage, counts={"rows": len(files)})
     return root
+
+
+def rot_under_cache(path: Path, offset: int = 100) -> None:
+    """Flip a byte of `path` the way a failing disk does: size, mtime and ctime as they were. The ctime cannot be set
+    back, so the checksum cache is made to hold the old checksum for the new stat, which is what it holds after real bit
+    rot (the file must be older than the cache's racy window, or nothing is cached for it)."""
+    before = path.stat()
+    _, old = checksum_cache.file_checksum(path, before)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    st = path.stat()
+    checksum_cache._write([(os.path.abspath(path), *checksum_cache._key(st), old)])
+    assert checksum_cache.cached_checksum(path, st) == old  # the cache now vouches for the rotten bytes
 
 
 class Destination:

@@ -1,38 +1,42 @@
-"""Artifacts and their manifests: the one definition of "done" that every stage and `status` use.
+"""Artifacts: the one definition of "done" that every stage and `status` use.
 
-An artifact is a set of files under one store root plus `MANIFEST_NAME`, written last. It is done only when the
-manifest is at the destination and every file it lists is there with the listed size and CRC64NVME checksum,
+An artifact is a set of files under one store root plus `MANIFEST_NAME` (`manifest.py`), written last. It is done only
+when the manifest is at the destination and every file it lists is there with the listed size and CRC64NVME checksum,
 as read back from the destination (docs/STORE.md).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
-import json
 import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
-
-from blockdraft import __version__
-from blockdraft.errors import ArtifactError, StoreError
+from blockdraft.errors import ArtifactError, OutsideArtifactError, StoreError
 from blockdraft.store import open_store
 from blockdraft.store.base import ObjectInfo, Store
-from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.local import LocalStore
-
-MANIFEST_NAME = "blockdraft-manifest.json"
-MANIFEST_FORMAT = "blockdraft-manifest/1"
-# Beside the manifest of a local copy (pulled, or pushed from here): where the same manifest, byte for byte, lives in a
-# store. Not listed in the manifest: it says where this copy came from or went, not what the artifact is.
-ORIGIN_NAME = ".blockdraft-origin.json"
+from blockdraft.store.manifest import (
+    INCOMING_DIR,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    ORIGIN_NAME,
+    PIECES_DIR,
+    RESERVED_NAMES,
+    FileEntry,
+    InputRef,
+    Manifest,
+    entry_for_local_file,
+    entry_path_problem,
+    manifest_sha256,
+    raw_input,
+    read_manifest,
+    read_origin,
+    record_origin,
+)
 
 
 class State(str, Enum):
@@ -44,86 +48,6 @@ class State(str, Enum):
     # An input that only another machine holds (a local folder absent here): nothing is known to have changed, but
     # the pin cannot be checked from this machine. Not `stale`, which means an input's content changed.
     UNREACHABLE = "input unreachable here"
-
-
-class FileEntry(BaseModel):
-    path: str
-    size: int
-    checksum: str  # base64 CRC64NVME
-
-
-class InputRef(BaseModel):
-    """One input of an artifact, by content.
-
-    kind "manifest": another artifact, pinned by the sha256 of its manifest bytes.
-    kind "raw": a file without a manifest (completions someone else uploaded), pinned by size and checksum/ETag.
-    """
-
-    kind: str
-    url: str
-    sha256: str | None = None
-    size: int | None = None
-    checksum: str | None = None
-    etag: str | None = None
-
-
-class Manifest(BaseModel):
-    format: str = MANIFEST_FORMAT
-    kind: str
-    created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
-    tool_version: str = __version__
-    config: dict[str, Any] = Field(default_factory=dict)
-    lineage: list[InputRef] = Field(default_factory=list)
-    files: list[FileEntry] = Field(default_factory=list)
-    counts: dict[str, Any] = Field(default_factory=dict)
-
-    def to_bytes(self) -> bytes:
-        return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()
-
-
-def manifest_sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def read_manifest(store: Store) -> tuple[Manifest, bytes] | None:
-    """The artifact's manifest as read from the destination, or None if there is none; ArtifactError for bytes that are
-    not a blockdraft manifest (torn, edited, another tool's file)."""
-    try:
-        data = store.read_bytes(MANIFEST_NAME)
-    except FileNotFoundError:
-        return None
-    try:
-        return Manifest.model_validate_json(data), data
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "the file"
-        raise ArtifactError(
-            f"{store.url.rstrip('/')}/{MANIFEST_NAME} is not a valid blockdraft manifest ({where}: {first['msg']}); "
-            "re-run the stage (or push/pull) that wrote it"
-        ) from None
-
-
-def record_origin(local: Store, url: str, sha256: str) -> None:
-    """Note in the local copy `local` that the artifact with manifest digest `sha256` is also at `url` (a store)."""
-    local.put_bytes(ORIGIN_NAME, json.dumps({"url": url, "manifest_sha256": sha256}, sort_keys=True).encode() + b"\n")
-
-
-def read_origin(store: Store, sha256: str | None) -> str | None:
-    """The store URL that a local copy names as its origin, when it names one for this very manifest; else None
-    (a record for another manifest is an old copy's, and a remote store is its own origin)."""
-    if store.local_path() is None or sha256 is None:
-        return None
-    try:
-        origin = json.loads(store.read_bytes(ORIGIN_NAME))
-    except (FileNotFoundError, ValueError):
-        return None
-    if not isinstance(origin, dict) or origin.get("manifest_sha256") != sha256 or not isinstance(origin.get("url"), str):
-        return None
-    return origin["url"]
-
-
-def raw_input(store: Store, info: ObjectInfo) -> InputRef:
-    return InputRef(kind="raw", url=f"{store.url.rstrip('/')}/{info.key}", size=info.size, checksum=info.checksum, etag=info.etag)
 
 
 @dataclass
@@ -155,19 +79,28 @@ class VerifyReport:
         return head + more
 
 
-def check_file(store: Store, entry: FileEntry, deep: bool = False, info: ObjectInfo | None = None) -> FileProblem | None:
+def check_file(
+    store: Store, entry: FileEntry, deep: bool = False, info: ObjectInfo | None = None, cached: bool = False
+) -> FileProblem | None:
     """None when the destination holds `entry` with its size and checksum; else what is wrong.
 
-    A remote store's checksum comes from its metadata (what the server stored at upload) unless `deep`, which reads every
-    byte back and recomputes it; a local folder is always read. An object that cannot be read back is corrupt. `info`:
-    what `head` says, when the caller already has it.
+    A local folder's file is read and its checksum computed from its bytes, unless `cached` (the `status`/`verify`
+    listings), where a file unchanged since it was last read keeps the checksum computed then (`checksum_cache`). A remote
+    store's checksum comes from its metadata (what the server stored at upload) unless `deep`, which reads every byte back
+    and recomputes it. An object that cannot be read back, or a file that resolves outside the artifact, is corrupt.
+    `info`: what `head` says, when the caller already has it.
     """
-    info = info or store.head(entry.path)
+    local = isinstance(store, LocalStore)
+    try:
+        if info is None:
+            info = store.read_head(entry.path) if local and (deep or not cached) else store.head(entry.path)
+    except OutsideArtifactError as exc:
+        return FileProblem(entry.path, State.CORRUPT, str(exc))
     if info is None:
         return FileProblem(entry.path, State.MISSING, "absent at the destination")
     if info.size != entry.size:
         return FileProblem(entry.path, State.CORRUPT, f"size {info.size} != listed {entry.size}")
-    checksum = None if deep else info.checksum
+    checksum = None if deep and not local else info.checksum
     if checksum is None:
         # No checksum in the metadata proves nothing (and `deep` trusts none): read the object back and recompute.
         try:
@@ -184,7 +117,7 @@ def check_file(store: Store, entry: FileEntry, deep: bool = False, info: ObjectI
 VERIFY_WORKERS = 8
 BYTES_READ_BACK = "bytes read back"
 SERVER_CHECKSUMS = "checksums as stored by the server"
-LOCAL_CACHED = "bytes read back, or the checksum cached when an unchanged file was last read"
+LOCAL_CACHED = "checksums cached for unchanged files, bytes read back for the others"
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
@@ -200,25 +133,25 @@ def _check_pool() -> ThreadPoolExecutor:
         return _pool[1]
 
 
-def check_files(store: Store, entries: list[FileEntry], deep: bool = False) -> list[FileProblem | None]:
-    """`check_file` for each entry, in order; in parallel, as each is a round trip (S3 HEAD) or a read, except the local files
-    unchanged since they were last read: their cached checksums answer at once, which handing them to threads would slow."""
-    local = store if isinstance(store, LocalStore) and not deep and len(entries) > 1 else None
+def check_files(store: Store, entries: list[FileEntry], deep: bool = False, cached: bool = False) -> list[FileProblem | None]:
+    """`check_file` for each entry, in order; in parallel, as each is a round trip (S3 HEAD) or a read. With `cached` (the
+    listings), local files unchanged since they were last read answer from the cache at once, which threads would slow."""
+    local = store if isinstance(store, LocalStore) and cached and not deep and len(entries) > 1 else None
     known = {e.path: i for e in entries if (i := local.cached_head(e.path))} if local is not None else {}
     slow = [e for e in entries if e.path not in known]
     try:
-        results = _check_pool().map(lambda e: check_file(store, e, deep), slow) if len(slow) > 1 else None
+        results = _check_pool().map(lambda e: check_file(store, e, deep, cached=cached), slow) if len(slow) > 1 else None
     except RuntimeError:  # no new work for threads while the interpreter shuts down: check them one by one
         results = None
     done = {} if results is None else dict(zip([e.path for e in slow], results))
-    return [done[e.path] if e.path in done else check_file(store, e, deep, known.get(e.path)) for e in entries]
+    return [done[e.path] if e.path in done else check_file(store, e, deep, known.get(e.path), cached) for e in entries]
 
 
-def check_method(store: Store, deep: bool) -> str:
+def check_method(store: Store, deep: bool, cached: bool = False) -> str:
     """What a file check of `store` compares with the manifest, in words for reports."""
-    if deep:
-        return BYTES_READ_BACK
-    return LOCAL_CACHED if store.local_path() is not None else SERVER_CHECKSUMS
+    if store.local_path() is not None:
+        return LOCAL_CACHED if cached and not deep else BYTES_READ_BACK
+    return BYTES_READ_BACK if deep else SERVER_CHECKSUMS
 
 
 def _unreachable(store: Store, within: str | None) -> bool:
@@ -260,7 +193,8 @@ def _raw_input_changed(ref: InputRef, open_url: Callable[[str], Store], within: 
 
 
 def _input_changed(
-    ref: InputRef, open_url: Callable[[str], Store], within: str | None, memo: dict[str, VerifyReport], deep: bool = False
+    ref: InputRef, open_url: Callable[[str], Store], within: str | None, memo: dict[str, VerifyReport], deep: bool = False,
+    cached: bool = False,
 ) -> FileProblem | None:
     """Whether input `ref` still holds what was pinned, judged transitively: an input artifact whose own files no longer
     verify, or whose own inputs changed, makes its dependants stale too."""
@@ -270,7 +204,7 @@ def _input_changed(
         return None
     try:
         store = open_url(ref.url)
-        report = verify_artifact(store, check_inputs=True, open_url=open_url, within=within, memo=memo, deep=deep)
+        report = verify_artifact(store, check_inputs=True, open_url=open_url, within=within, memo=memo, deep=deep, cached=cached)
     except Exception as exc:  # a location this machine cannot read: the pin can be neither confirmed nor refuted
         return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here ({type(exc).__name__})")
     if report.manifest_sha256 is None:
@@ -293,6 +227,7 @@ def verify_artifact(
     within: str | None = None,
     memo: dict[str, VerifyReport] | None = None,
     deep: bool = False,
+    cached: bool = False,
 ) -> VerifyReport:
     """Read the manifest and every listed file back from the destination; report one of the six states.
 
@@ -300,14 +235,15 @@ def verify_artifact(
     with `check_inputs`, an input whose content changed (transitively) -> stale; an input this machine cannot reach ->
     unreachable; else verified. `within` is the surveyed prefix (an absent local input inside it is gone, outside it is
     out of reach); `memo` shares reports by URL across one survey, so each artifact is read once and a cycle ends.
-    `deep` reads every byte of a remote store back instead of trusting the checksums its server stored (`check_file`).
+    `deep` reads every byte of a remote store back instead of trusting the checksums its server stored; `cached` lets a
+    listing (`status`, `verify`) take a local file's checksum from the cache when the file is unchanged (`check_file`).
     A manifest that does not parse is `corrupt`; a store that cannot be reached raises StoreError (one line, not a state).
     """
     memo = {} if memo is None else memo
     key = store.url.rstrip("/")
     if check_inputs and key in memo:
         return memo[key]
-    method = check_method(store, deep)
+    method = check_method(store, deep, cached)
     try:
         found = read_manifest(store)
     except ArtifactError as exc:  # bytes that are not a manifest; a store that cannot be reached raises StoreError instead
@@ -315,7 +251,7 @@ def verify_artifact(
     if found is None:
         return VerifyReport(url=store.url, state=State.INCOMPLETE, method=method)
     manifest, raw = found
-    report = _files_report(store, manifest, raw, check_files(store, manifest.files, deep))
+    report = _files_report(store, manifest, raw, check_files(store, manifest.files, deep, cached))
     report.method = method
     states = {p.state for p in report.problems}
     if State.MISSING in states:
@@ -325,7 +261,7 @@ def verify_artifact(
     elif check_inputs:
         memo[key] = report  # seen: an input cycle ends here
         for ref in manifest.lineage:
-            problem = _input_changed(ref, open_url or open_store, within, memo, deep)
+            problem = _input_changed(ref, open_url or open_store, within, memo, deep, cached)
             if problem is not None:
                 report.problems.append(problem)
         states = {p.state for p in report.problems}
@@ -391,7 +327,10 @@ def commit_manifest(store: Store, raw: bytes) -> VerifyReport:
     return _files_report(store, manifest, raw, problems)
 
 
-def entry_for_local_file(root: Path, path: Path) -> FileEntry:
-    """The manifest entry of local file `path` under `root`: its '/'-separated relative path, size and checksum."""
-    size, checksum = crc64nvme_file(path)
-    return FileEntry(path=path.relative_to(root).as_posix(), size=size, checksum=checksum)
+__all__ = [
+    "BYTES_READ_BACK", "INCOMING_DIR", "LOCAL_CACHED", "MANIFEST_FORMAT", "MANIFEST_NAME", "ORIGIN_NAME", "PIECES_DIR",
+    "RESERVED_NAMES", "SERVER_CHECKSUMS", "FileEntry", "FileProblem", "InputRef", "Manifest", "State", "VerifyReport",
+    "check_file", "check_files", "check_method", "commit_artifact", "commit_manifest", "entry_for_local_file",
+    "entry_path_problem", "manifest_sha256", "raw_input", "read_manifest", "read_origin", "record_origin", "uncommit",
+    "verify_artifact",
+]

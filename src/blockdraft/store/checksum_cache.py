@@ -1,5 +1,8 @@
-"""Checksums of local files, computed once per byte: a file's CRC64NVME is remembered with its size, mtime (ns), inode and
-device, and trusted again only while all four are unchanged (how git's index and rsync's quick check decide).
+"""Checksums of local files for `status` and `verify` listings: a file's CRC64NVME is remembered with its size, mtime and
+ctime (ns), inode and device, and trusted again only while all five are unchanged (how git's index decides). The ctime
+catches an edit whose mtime was set back (only the kernel sets it); a change below the filesystem (bit rot) changes none
+of them, which is why a consumer of a file (pull, resume, eval, export, a stage input) never asks this cache: it checksums
+the bytes it reads (`LocalStore.read_head`).
 
 The cache is one SQLite file per user (`$BLOCKDRAFT_CACHE_DIR`, else `$XDG_CACHE_HOME/blockdraft`, else
 `~/.cache/blockdraft`), shared by every blockdraft process on the machine. A file modified within `RACY_S` of being read
@@ -21,10 +24,12 @@ from pathlib import Path
 from blockdraft.store.checksum import crc64nvme_file
 
 RACY_S = 2.0
+CACHE_FILE = "crc64nvme-2.sqlite"  # the number is the table's format: another format is simply another file
 FLUSH_ROWS = 1000  # remembered checksums written per transaction inside `batched_writes`
 _local = threading.local()
 _paths: dict[tuple[str | None, ...], Path] = {}
-_batch: list[tuple[str, int, int, int, int, str]] = []
+_Row = tuple[str, int, int, int, int, int, str]
+_batch: list[_Row] = []
 _batch_lock = threading.Lock()
 _batch_depth = 0
 
@@ -36,7 +41,7 @@ def cache_path() -> Path:
     path = _paths.get(env)
     if path is None:
         base = own or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "blockdraft")
-        path = _paths[env] = Path(base) / "crc64nvme.sqlite"
+        path = _paths[env] = Path(base) / CACHE_FILE
     return path
 
 
@@ -53,7 +58,8 @@ def _db() -> sqlite3.Connection | None:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=OFF")
         conn.execute(
-            "CREATE TABLE IF NOT EXISTS sums (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, ino INTEGER, dev INTEGER, crc TEXT)"
+            "CREATE TABLE IF NOT EXISTS sums "
+            "(path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER, ino INTEGER, dev INTEGER, crc TEXT)"
         )
     except (OSError, sqlite3.Error):
         return None
@@ -61,13 +67,13 @@ def _db() -> sqlite3.Connection | None:
     return conn
 
 
-def _write(rows: list[tuple[str, int, int, int, int, str]]) -> None:
+def _write(rows: list[_Row]) -> None:
     db = _db()
     if db is None or not rows:
         return
     try:
         with db:
-            db.executemany("INSERT OR REPLACE INTO sums VALUES (?, ?, ?, ?, ?, ?)", rows)
+            db.executemany("INSERT OR REPLACE INTO sums VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
     except sqlite3.Error:
         pass
 
@@ -103,12 +109,16 @@ def cached_checksum(path: str | Path, st: os.stat_result) -> str | None:
     if db is None:
         return None
     try:
-        row = db.execute("SELECT size, mtime_ns, ino, dev, crc FROM sums WHERE path = ?", (os.path.abspath(path),)).fetchone()
+        row = db.execute("SELECT size, mtime_ns, ctime_ns, ino, dev, crc FROM sums WHERE path = ?", (os.path.abspath(path),)).fetchone()
     except sqlite3.Error:
         return None
-    if row is not None and tuple(row[:4]) == (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev):
-        return row[4]
+    if row is not None and tuple(row[:5]) == _key(st):
+        return row[5]
     return None
+
+
+def _key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev
 
 
 def file_checksum(path: str | Path, st: os.stat_result | None = None) -> tuple[int, str]:
@@ -120,21 +130,27 @@ def file_checksum(path: str | Path, st: os.stat_result | None = None) -> tuple[i
     if cached is not None:
         return st.st_size, cached
     size, crc = crc64nvme_file(path)
-    after = os.stat(path)
-    unchanged = (after.st_size, after.st_mtime_ns, after.st_ino) == (st.st_size, st.st_mtime_ns, st.st_ino) and size == st.st_size
-    if unchanged and time.time() - st.st_mtime_ns / 1e9 > RACY_S:
-        row = (os.path.abspath(path), size, st.st_mtime_ns, st.st_ino, st.st_dev, crc)
-        with _batch_lock:
-            if _batch_depth:
-                _batch.append(row)
-                full = len(_batch) >= FLUSH_ROWS
-            else:
-                full = None
-        if full is None:
-            _write([row])
-        elif full:
-            _flush()
+    remember_checksum(path, st, size, crc)
     return size, crc
 
 
-__all__ = ["RACY_S", "batched_writes", "cache_path", "cached_checksum", "file_checksum"]
+def remember_checksum(path: str | Path, st: os.stat_result, size: int, crc: str) -> None:
+    """Remember `crc`, just computed from the bytes of the file at `path` whose stat before the read was `st`, unless the
+    file changed during the read or was modified in the last `RACY_S` seconds."""
+    after = os.stat(path)
+    if _key(after) != _key(st) or size != st.st_size or time.time() - st.st_mtime_ns / 1e9 <= RACY_S:
+        return
+    row = (os.path.abspath(path), *_key(st), crc)
+    with _batch_lock:
+        if _batch_depth:
+            _batch.append(row)
+            full = len(_batch) >= FLUSH_ROWS
+        else:
+            full = None
+    if full is None:
+        _write([row])
+    elif full:
+        _flush()
+
+
+__all__ = ["CACHE_FILE", "RACY_S", "batched_writes", "cache_path", "cached_checksum", "file_checksum", "remember_checksum"]

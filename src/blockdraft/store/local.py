@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from blockdraft.errors import StoreError
+from blockdraft.errors import OutsideArtifactError, StoreError
 from blockdraft.store.base import ObjectInfo, Store
 from blockdraft.store.checksum import crc64nvme_file
-from blockdraft.store.checksum_cache import cached_checksum, file_checksum
+from blockdraft.store.checksum_cache import cached_checksum, file_checksum, remember_checksum
 
 TMP_PREFIX = ".tmp-"
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # what `Path.is_file` reads as "not a file"
@@ -24,6 +24,7 @@ class LocalStore(Store):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).absolute()
         self._root = str(self.root)  # the hot paths (list, head, reads) join strings: `status` asks per file
+        self._real = os.path.realpath(self._root)
         self.url = "file://" + self._root
 
     def child(self, key_prefix: str) -> LocalStore:
@@ -33,14 +34,24 @@ class LocalStore(Store):
         return self.root
 
     def _path(self, key: str) -> Path:
-        return self.root / key
+        return Path(self._inside(key))
+
+    def _inside(self, key: str) -> str:
+        """The file of `key`, refused (OutsideArtifactError) when it resolves outside this folder: a key with '..' or an
+        absolute path, or a symlink (of the file or of a folder on the way) pointing elsewhere. Nothing outside the
+        folder is read or written for an artifact that lives in it."""
+        path = os.path.join(self._root, key)
+        real = os.path.realpath(path)
+        if real != self._real and not real.startswith(self._real.rstrip(os.sep) + os.sep):
+            raise OutsideArtifactError(f"{self.url}/{key} resolves outside {self._root} (to {real}); remove that link or entry")
+        return path
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if self.root.is_dir():
             yield from _walk(self._root, "", prefix)
 
     def head(self, key: str) -> ObjectInfo | None:
-        path = os.path.join(self._root, key)
+        path = self._inside(key)
         try:
             st = os.stat(path)
         except OSError as exc:
@@ -56,9 +67,30 @@ class LocalStore(Store):
         size, checksum = file_checksum(path, st)
         return ObjectInfo(key=key, size=size, checksum=checksum)
 
+    def read_head(self, key: str) -> ObjectInfo | None:
+        """`head` with the checksum computed from every byte read now, whatever the checksum cache holds (and the cache
+        updated with it): what a consumer of the file, and a writer checking its own output, rely on."""
+        path = self._inside(key)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in _ABSENT:
+                return None
+            raise
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        size, checksum = crc64nvme_file(path)
+        remember_checksum(path, st, size, checksum)
+        return ObjectInfo(key=key, size=size, checksum=checksum)
+
     def cached_head(self, key: str) -> ObjectInfo | None:
         """`head` when it needs no read: the file is there, unchanged since its checksum was last computed; else None."""
-        path = os.path.join(self._root, key)
+        try:
+            path = self._inside(key)
+        except OutsideArtifactError:
+            return None  # `head` says why
         try:
             st = os.stat(path)
         except (OSError, ValueError):
@@ -68,10 +100,10 @@ class LocalStore(Store):
 
     def checksum_by_reading(self, key: str) -> tuple[int, str]:
         """Every byte read (no cache): what `--deep` asks for."""
-        return crc64nvme_file(os.path.join(self._root, key))
+        return crc64nvme_file(self._inside(key))
 
     def open_read(self, key: str) -> BinaryIO:
-        return open(os.path.join(self._root, key), "rb")
+        return open(self._inside(key), "rb")
 
     def _atomic_target(self, key: str) -> tuple[Path, Path]:
         dest = self._path(key)

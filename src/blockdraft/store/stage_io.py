@@ -34,6 +34,7 @@ from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import (
     MANIFEST_NAME,
+    PIECES_DIR,
     FileEntry,
     InputRef,
     Manifest,
@@ -52,7 +53,6 @@ from blockdraft.store.artifact import (
 )
 from blockdraft.store.lease import Lease
 
-PIECES_DIR = ".blockdraft-pieces"
 STAGE_KEY = "stage_key"  # the manifest's config field that names what the output was made from
 
 
@@ -101,11 +101,13 @@ class StageInput:
     def fetch(self, paths: Sequence[str], dest: Path) -> Path:
         """Make the listed files readable under a local folder and return it.
 
-        A local input is read where it is (it verified just now); a remote one is downloaded into `dest`, each file's
-        size and checksum compared with the manifest on the bytes received. Raises ArtifactError on a mismatch.
+        A local input is read where it is, each file's checksum first computed from its bytes (never from a cache); a
+        remote one is downloaded into `dest`, each file's size and checksum compared with the manifest on the bytes
+        received. Raises ArtifactError naming the file on a mismatch.
         """
         local = self.store.local_path()
         if local is not None:
+            self._check_local(paths)
             return local
         for path in paths:
             entry = self.entry(path)
@@ -117,6 +119,15 @@ class StageInput:
                     f"listed {entry.size} bytes {entry.checksum}); rerun when the input is stable"
                 )
         return dest
+
+    def _check_local(self, paths: Sequence[str]) -> None:
+        entries = [self.entry(path) for path in paths]
+        for entry, problem in zip(entries, check_files(self.store, entries)):
+            if problem is not None:
+                raise ArtifactError(
+                    f"{self.store.url.rstrip('/')}/{entry.path} does not match its manifest as read now ({problem.detail}); "
+                    "the file changed or rotted on disk: restore it (pull it again) or rerun the stage that made it"
+                )
 
     @contextmanager
     def fetched(self, paths: Sequence[str] | None = None) -> Iterator[Path]:

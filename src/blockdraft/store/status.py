@@ -114,7 +114,8 @@ def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
 def status(store: Store, deep: bool = False) -> list[ArtifactStatus]:
     """Every artifact under `store`, verified from the destination; inputs checked too, transitively, for `stale` (an input's
     content changed) and `input unreachable here` (an input outside `store` that this machine cannot read). `deep` reads
-    every byte of a remote store back instead of trusting the checksums its server stored."""
+    every byte of a remote store back instead of trusting the checksums its server stored. A local file unchanged since it
+    was last read keeps the checksum cached then (a listing, not a read: `--deep` reads every byte)."""
     keys = [info.key for info in store.list()]
     committed, incomplete = find_artifact_roots(keys)
     out = []
@@ -122,7 +123,7 @@ def status(store: Store, deep: bool = False) -> list[ArtifactStatus]:
     with batched_writes():  # checksums newly read are remembered a thousand to a commit, not one each
         for root in sorted(committed + incomplete):
             child = store.child(root) if root else store
-            report = verify_artifact(child, check_inputs=True, within=store.url, memo=memo, deep=deep)
+            report = verify_artifact(child, check_inputs=True, within=store.url, memo=memo, deep=deep, cached=True)
             out.append(ArtifactStatus(root=root, url=child.url, report=report))
     return out
 
@@ -147,7 +148,7 @@ def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
         "every byte back)",
         BYTES_READ_BACK: "each listed file's bytes read back and their CRC64NVME checksum recomputed",
         LOCAL_CACHED: "each listed file's bytes read back and their CRC64NVME checksum recomputed, or for a file unchanged "
-        "(size, mtime, inode) since it was last read the checksum computed then (`--deep` reads every byte)",
+        "(size, mtime, ctime, inode) since it was last read the checksum cached then (`--deep` reads every byte)",
     }
     lines = [
         f"# blockdraft status: {url}",

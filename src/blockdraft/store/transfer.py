@@ -22,6 +22,7 @@ from blockdraft.errors import ArtifactError, StoreError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import (
     BYTES_READ_BACK,
+    INCOMING_DIR,
     MANIFEST_NAME,
     FileEntry,
     FileProblem,
@@ -218,7 +219,6 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
     return report
 
 
-INCOMING_DIR = ".blockdraft-incoming"  # under a pull's destination: verified bytes wait here until all of them are in
 
 
 def _download_and_swap(source: Store, dest: LocalStore, files: list[FileEntry], report: TransferReport, workers: int) -> None:

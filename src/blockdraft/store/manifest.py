@@ -1,0 +1,153 @@
+"""The manifest: what an artifact lists (its files by path, size and CRC64NVME), what it was made from, and the one rule
+that keeps every listed path inside its artifact. Read and written here; verification is `artifact.py`'s.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from blockdraft import __version__
+from blockdraft.errors import ArtifactError
+from blockdraft.store.base import ObjectInfo, Store
+from blockdraft.store.checksum import crc64nvme_file
+from blockdraft.store.lease import LEASE_NAME
+
+MANIFEST_NAME = "blockdraft-manifest.json"
+MANIFEST_FORMAT = "blockdraft-manifest/1"
+# Beside the manifest of a local copy (pulled, or pushed from here): where the same manifest, byte for byte, lives in a
+# store. Not listed in the manifest: it says where this copy came from or went, not what the artifact is.
+ORIGIN_NAME = ".blockdraft-origin.json"
+
+
+# Names an artifact's own bookkeeping uses at its root; no listed file may be one of them (or lie below one).
+PIECES_DIR = ".blockdraft-pieces"  # a long stage's finished pieces, as sub-manifests (`stage_io`)
+INCOMING_DIR = ".blockdraft-incoming"  # a pull's verified bytes, waiting until all of them are in (`transfer`)
+RESERVED_NAMES = (MANIFEST_NAME, ORIGIN_NAME, LEASE_NAME, PIECES_DIR, INCOMING_DIR)
+
+
+def entry_path_problem(path: str) -> str | None:
+    """Why `path` cannot name a file inside an artifact, or None when it can: a relative '/'-separated path below the
+    artifact's root, with no empty, '.' or '..' part, no backslash, NUL or drive letter, and not one of `RESERVED_NAMES`.
+    The one rule every manifest entry obeys wherever a manifest is read (a shared bucket may hold a planted one)."""
+    if not path:
+        return "is empty"
+    if "\\" in path or "\0" in path:
+        return "has a backslash or NUL byte"
+    if path.startswith("/") or re.match(r"^[A-Za-z]:", path):
+        return "is an absolute path"
+    parts = path.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        return "has an empty, '.' or '..' part"
+    if parts[0] in RESERVED_NAMES:
+        return f"names blockdraft's own {parts[0]}"
+    return None
+
+
+class FileEntry(BaseModel):
+    path: str
+    size: int = Field(ge=0)
+    checksum: str  # base64 CRC64NVME
+
+    @field_validator("path")
+    @classmethod
+    def _inside(cls, path: str) -> str:
+        problem = entry_path_problem(path)
+        if problem is not None:
+            raise ValueError(f"entry {path!r} {problem}: it would leave the artifact or clash with its bookkeeping")
+        return path
+
+
+class InputRef(BaseModel):
+    """One input of an artifact, by content.
+
+    kind "manifest": another artifact, pinned by the sha256 of its manifest bytes.
+    kind "raw": a file without a manifest (completions someone else uploaded), pinned by size and checksum/ETag.
+    """
+
+    kind: str
+    url: str
+    sha256: str | None = None
+    size: int | None = None
+    checksum: str | None = None
+    etag: str | None = None
+
+
+class Manifest(BaseModel):
+    format: str = MANIFEST_FORMAT
+    kind: str
+    created_at: str = Field(default_factory=lambda: _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+    tool_version: str = __version__
+    config: dict[str, Any] = Field(default_factory=dict)
+    lineage: list[InputRef] = Field(default_factory=list)
+    files: list[FileEntry] = Field(default_factory=list)
+    counts: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _unique_paths(self) -> Manifest:
+        seen: set[str] = set()
+        for entry in self.files:
+            if entry.path in seen:
+                raise ValueError(f"entry {entry.path!r} is listed twice")
+            seen.add(entry.path)
+        return self
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n").encode()
+
+
+def manifest_sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_manifest(store: Store) -> tuple[Manifest, bytes] | None:
+    """The artifact's manifest as read from the destination, or None if there is none; ArtifactError for bytes that are
+    not a blockdraft manifest (torn, edited, another tool's file)."""
+    try:
+        data = store.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        return None
+    try:
+        return Manifest.model_validate_json(data), data
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the file"
+        raise ArtifactError(
+            f"{store.url.rstrip('/')}/{MANIFEST_NAME} is not a valid blockdraft manifest ({where}: {first['msg']}); "
+            "re-run the stage (or push/pull) that wrote it"
+        ) from None
+
+
+def record_origin(local: Store, url: str, sha256: str) -> None:
+    """Note in the local copy `local` that the artifact with manifest digest `sha256` is also at `url` (a store)."""
+    local.put_bytes(ORIGIN_NAME, json.dumps({"url": url, "manifest_sha256": sha256}, sort_keys=True).encode() + b"\n")
+
+
+def read_origin(store: Store, sha256: str | None) -> str | None:
+    """The store URL that a local copy names as its origin, when it names one for this very manifest; else None
+    (a record for another manifest is an old copy's, and a remote store is its own origin)."""
+    if store.local_path() is None or sha256 is None:
+        return None
+    try:
+        origin = json.loads(store.read_bytes(ORIGIN_NAME))
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(origin, dict) or origin.get("manifest_sha256") != sha256 or not isinstance(origin.get("url"), str):
+        return None
+    return origin["url"]
+
+
+def raw_input(store: Store, info: ObjectInfo) -> InputRef:
+    return InputRef(kind="raw", url=f"{store.url.rstrip('/')}/{info.key}", size=info.size, checksum=info.checksum, etag=info.etag)
+
+
+def entry_for_local_file(root: Path, path: Path) -> FileEntry:
+    """The manifest entry of local file `path` under `root`: its '/'-separated relative path, size and checksum."""
+    size, checksum = crc64nvme_file(path)
+    return FileEntry(path=path.relative_to(root).as_posix(), size=size, checksum=checksum)
