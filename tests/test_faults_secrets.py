@@ -1,5 +1,6 @@
-"""Two promises under faults: a server that echoes the key it was sent never gets that key into an artifact, a message or
-a log; an S3 endpoint that accepts connections and never answers fails a command with one line, through the probe
+"""Two promises under faults: a server that echoes the key it was sent (whole, base64-encoded or cut) never gets that key
+into an artifact, a message or a log, nor does a password or token inside a URL (base URL, S3 endpoint, store URL); an S3
+endpoint that accepts connections and never answers fails a command with one line, through the probe
 client's short timeouts, while transfers keep their long ones.
 
 Nothing here reads a clock: the stall is bounded by the probe client's configured timeouts and attempts, which are
@@ -7,6 +8,7 @@ asserted; the end-to-end runs against a loopback socket that accepts and never a
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -23,14 +25,17 @@ from types import TracebackType
 import botocore.exceptions as bex
 import pytest
 import zstandard
+from helpers.artifacts import commit_files
 
 from blockdraft.config import StoreConfig
 from blockdraft.decode.greedy import Completion, Prompt
-from blockdraft.errors import REDACTED, redact, remember_secret
+from blockdraft.errors import REDACTED, redact, remember_secret, safe_url
+from blockdraft.stages.export import serving_settings
 from blockdraft.stages.generate import FAILURES_NAME
 from blockdraft.stages.generate.server import ChatServer
 from blockdraft.store import open_store
-from blockdraft.store.artifact import State, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
+from blockdraft.store.lease import LEASE_NAME, Lease
 from blockdraft.store.preflight import PROBE_PREFIX, preflight, probing
 from blockdraft.store.s3 import S3Store
 from blockdraft.store.s3_client import (
@@ -77,8 +82,9 @@ def texts_of_folder(root: Path) -> dict[str, bytes]:
 
 
 def leaks(texts: dict[str, bytes], key: str) -> list[str]:
-    """The names of the texts holding the key, whole or by its first 12 characters."""
-    return [name for name, data in texts.items() if key.encode() in data or key[:12].encode() in data]
+    """The names of the texts holding the key: whole, by its first 8 characters, or base64-encoded (by its first 8)."""
+    forms = [key[:8].encode(), base64.b64encode(key.encode())[:8]]
+    return [name for name, data in texts.items() if any(form in data for form in forms)]
 
 
 def s3_store(url: str, settings: StoreConfig | None = None) -> S3Store:
@@ -140,6 +146,31 @@ def test_a_server_echoing_the_key_leaves_it_in_no_artifact_message_or_log(where,
     assert all(f"Incorrect API key provided: {REDACTED}" in f["detail"] for f in failures)
 
 
+@pytest.mark.fault
+@pytest.mark.parametrize("echo", ["base64", "first10"])
+def test_a_server_echoing_the_key_base64_encoded_or_cut_leaves_it_nowhere(echo, tmp_path):
+    """Words that match no credential shape ("Credential Ymd... is not on file"): only the client's own key, in every form
+    a server may give it back, can be caught."""
+    key = fresh_key()
+    write_prompts(tmp_path / "prompts.jsonl", 2)
+    config = tmp_path / "c.toml"
+    config.write_text(f'[generate]\napi_key_env = "{KEY_ENV}"\nmax_retries = 0\n')
+    with ChatServer(NeverServes(), api_key="the-key-the-server-wants", echo=echo) as endpoint:
+        common = ["--config", str(config), "--engine", "openai", "--base-url", endpoint.url]
+        failed = run_cli(["generate", str(tmp_path / "prompts.jsonl"), str(tmp_path / "out"), *common, "--model", NeverServes.name], {KEY_ENV: key})
+        unasked = run_cli(["generate", str(tmp_path / "prompts.jsonl"), str(tmp_path / "out2"), *common], {KEY_ENV: key})
+
+    logs = {f"{name} {stream}": getattr(proc, stream).encode() for name, proc in (("failed", failed), ("unasked", unasked))
+            for stream in ("stdout", "stderr")}
+    assert leaks(texts_of_folder(tmp_path), key) == [] and leaks(logs, key) == []
+    said = {"base64": f"Credential {REDACTED} is not on file", "first10": f"Credential starting {REDACTED} is not on file"}[echo]
+    assert failed.returncode == 1, redact(failed.stderr, key)
+    assert unasked.returncode == 2 and said in unasked.stderr, redact(unasked.stderr, key)
+    failures = [json.loads(x) for x in (tmp_path / "out" / FAILURES_NAME).read_text().splitlines()]
+    assert [f["reason"] for f in failures] == ["http_401"] * 2
+    assert all(said in f["detail"] for f in failures)
+
+
 def test_redact_removes_known_secrets_in_any_form_and_credential_shapes(monkeypatch):
     key = fresh_key()
     remember_secret(key)
@@ -167,6 +198,105 @@ def test_redact_removes_known_secrets_in_any_form_and_credential_shapes(monkeypa
     # Ordinary server messages stay readable; short values ("EMPTY") are no secret.
     plain = "HTTP 503: the server is overloaded, retry later (model echo-model, 12 requests queued)"
     assert redact(plain) == plain and redact("EMPTY key", "EMPTY") == "EMPTY key"
+
+
+def test_redact_removes_a_known_key_base64_encoded_or_cut_after_8_characters():
+    key = fresh_key() + "+/x"
+    remember_secret(key)
+    encoded = base64.b64encode(key.encode()).decode()
+    for text in (f"credential {encoded} unknown", f"credential {encoded.rstrip('=')} unknown",
+                 f"credential {encoded.replace('+', '-').replace('/', '_')} unknown", f"credential {encoded[:10]}... unknown",
+                 f"credential {key[:10]}... unknown", f"credential {key[:8]} unknown"):
+        assert redact(text) == f"credential {REDACTED} unknown", text
+    assert redact(f"credential {key[:7]} unknown") == f"credential {key[:7]} unknown"  # 7 characters name no key
+
+
+def test_urls_lose_userinfo_and_query_when_stored_or_printed():
+    assert safe_url("http://alice:PASSWORD@host:8000/v1?token=X#top") == "http://host:8000/v1"
+    assert safe_url("https://alice:p?ss#w@host/v1") == "https://host/v1"  # a password may hold "?" or "#"
+    for kept in ("s3://bucket/runs/tokenized", "file:///data/store", "/data/a?b", "http://127.0.0.1:8000/v1", "hub/model@rev"):
+        assert safe_url(kept) == kept
+    text = "cannot reach http://alice:PASSWORD@host/v1: refused; see https://h/x?token=TOKEN123 and s3://b/p"
+    assert redact(text) == "cannot reach http://host/v1: refused; see https://h/x and s3://b/p"
+    # What an export stores for serving names its S3 endpoint without the password.
+    settings = serving_settings("s3://b/export", 4, endpoint_url="http://alice:PASSWORD@127.0.0.1:8333")
+    assert "PASSWORD" not in json.dumps(settings) and "--endpoint-url http://127.0.0.1:8333" in settings["pull_command"]
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(("where", "shape"), [("folder", "userinfo"), ("folder", "query"), pytest.param("s3", "userinfo", marks=pytest.mark.s3)])
+def test_credentials_inside_urls_reach_no_artifact_message_or_log(where, shape, tmp_path, request):
+    """`--base-url http://alice:PASSWORD@host/v1` (urllib cannot connect with it: every prompt fails, and says where) or
+    `...?token=X` (sent as given; the server names its unknown path, token and all), and on S3 a `store.endpoint_url`
+    with userinfo (boto3 connects with it): none of these secrets is stored or printed."""
+    secret = fresh_key()
+    write_prompts(tmp_path / "prompts.jsonl", 2)
+    config = tmp_path / "c.toml"
+    config.write_text('[generate]\nmax_retries = 0\n')
+    env = {}
+    if where == "s3":
+        server = request.getfixturevalue("s3_env")
+        bucket = server.new_bucket()
+        output = f"s3://{bucket}/out"
+        endpoint = server.endpoint.replace("http://", f"http://alice:{secret}@")
+        config.write_text(f'[generate]\nmax_retries = 0\n[store]\nendpoint_url = "{endpoint}"\n')
+        config_text = config.read_text()
+    else:
+        output = str(tmp_path / "out")
+    with ChatServer(NeverServes()) as endpoint:
+        host = endpoint.url.removeprefix("http://")
+        base_url = f"http://alice:{secret}@{host}" if shape == "userinfo" else f"{endpoint.url}?token={secret}"
+        proc = run_cli(["generate", str(tmp_path / "prompts.jsonl"), output, "--config", str(config), "--engine", "openai",
+                        "--base-url", base_url, "--model", NeverServes.name], env)
+
+    stored = texts_of_folder(tmp_path)
+    stored.pop("c.toml")  # the user's own config names the secret
+    if where == "s3":
+        raw = server.client()
+        stored |= {k: raw.get_object(Bucket=bucket, Key=k)["Body"].read()
+                   for k in [o["Key"] for o in raw.list_objects_v2(Bucket=bucket).get("Contents", [])]}
+        assert secret in config_text
+    logs = {"stdout": proc.stdout.encode(), "stderr": proc.stderr.encode()}
+    assert leaks(stored, secret) == [] and leaks(logs, secret) == []
+    assert proc.returncode == 1, redact(proc.stderr, secret)
+    out = open_store(output)
+    assert verify_artifact(out).state is State.VERIFIED
+    manifest = json.loads(out.read_bytes(MANIFEST_NAME))
+    assert manifest["config"]["generate"]["base_url"] == endpoint.url
+    if where == "s3":
+        assert manifest["config"]["store"]["endpoint_url"] == server.endpoint
+    details = [json.loads(x)["detail"] for x in out.read_bytes(FAILURES_NAME).decode().splitlines()]
+    expected = f"cannot reach {endpoint.url}" if shape == "userinfo" else f"no route /v1/chat/completions?token={REDACTED}"
+    assert len(details) == 2 and all(expected in d for d in details), details
+
+
+@pytest.mark.fault
+def test_an_s3_store_url_with_a_token_is_refused_in_one_line_naming_no_token(tmp_path):
+    """An s3:// URL takes no query string or userinfo (S3 credentials come from the AWS chain): a token there would be
+    recorded in leases, lineage and messages, and would name another prefix. Refused before any request."""
+    token = fresh_key()
+    refused = run_cli(["pull", f"s3://bucket/runs?token={token}", str(tmp_path / "dl")], aws_env(tmp_path))
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and token[:8] not in refused.stderr, refused.stderr
+    assert "store URL 's3://bucket/runs' carries a query string or user info" in lines[0]
+    assert not (tmp_path / "dl").exists()
+
+
+@pytest.mark.fault
+def test_a_lease_records_its_command_line_without_the_token_of_a_url(tmp_path, monkeypatch):
+    """A writer's lease names its command line; a token in a URL there is left out, both in the lease file and in the
+    line another process gets ("being written by ...")."""
+    token = fresh_key()
+    commit_files(tmp_path / "src", {"data.arrow": b"rows"}, kind="tokenized")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    monkeypatch.setattr(sys, "argv", ["blockdraft", "pull", f"file://{tmp_path}/src?token={token}", str(dest)])
+    with Lease(open_store(dest)):
+        recorded = (dest / LEASE_NAME).read_text()
+        assert f"blockdraft pull file://{tmp_path}/src" in json.loads(recorded)["command"]
+        other = run_cli(["pull", f"file://{tmp_path}/src", str(dest)], {})
+    assert token[:8] not in recorded and token[:8] not in other.stderr + other.stdout, (recorded, other.stderr)
+    assert other.returncode == 2 and "is being written by pid" in other.stderr, other.stderr
 
 
 def test_s3_server_messages_are_redacted_including_the_secret_of_a_profile(tmp_path, monkeypatch):

@@ -12,9 +12,13 @@ import shutil
 
 import pytest
 from helpers.artifacts import commit_files
+from helpers.paths import GOLDEN
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
+from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
+from blockdraft.model import DFlashDrafter
+from blockdraft.stages.train import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import ORIGIN_NAME, State, raw_input, verify_artifact
 from blockdraft.store.stage_io import open_input
@@ -126,14 +130,42 @@ def test_an_input_gone_from_the_surveyed_store_is_stale(tmp_path):
     assert out.exit_code == 1 and out.stdout.startswith("stale\t")
 
 
-def test_a_pushed_folder_names_the_store_copy(tmp_path):
-    """A stage that wrote locally and pushed (tokenize node -> store): a later stage reading the local folder pins the store's."""
-    local = commit_files(tmp_path / "node" / "tokenized", {"data.arrow": b"rows"}, kind="tokenized")
-    push(local, f"file://{tmp_path / 'store' / 'tokenized'}")
-    assert open_input(str(local)).ref.url == open_store(tmp_path / "store" / "tokenized").url
-    # An origin record for another manifest (the local artifact was remade since) is not believed.
-    commit_files(local, {"data.arrow": b"new rows"}, kind="tokenized")
-    assert open_input(str(local)).ref.url == open_store(local).url
+def test_export_of_a_checkpoint_pushed_to_scratch_stays_verified_when_the_scratch_copy_is_deleted(tmp_path):
+    """push CKPT to a scratch store, export from the local CKPT, delete the scratch copy: the export pinned the checkpoint it
+    read, which still verifies, so `verify` says verified (a push never makes a folder pin the copy it sent elsewhere)."""
+    cfg = BlockdraftConfig(
+        target=TargetConfig(path=str(GOLDEN / "target")),
+        dflash=DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+    )
+    save_checkpoint(open_store(tmp_path / "run"), 10, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {}, cfg.resolved(), [], {})
+    ckpt, runner = tmp_path / "run" / "step-00000010", CliRunner()
+    pushed = runner.invoke(app, ["push", str(ckpt), f"file://{tmp_path / 'scratch' / 'ck'}"])
+    assert pushed.exit_code == 0, pushed.output
+    exported = runner.invoke(app, ["export", str(ckpt), str(tmp_path / "out")])
+    assert exported.exit_code == 0, exported.output
+    shutil.rmtree(tmp_path / "scratch")
+    verified = runner.invoke(app, ["verify", str(tmp_path / "out")])
+    assert verified.exit_code == 0 and verified.stdout.startswith("verified\t"), verified.output
+    # Surveyed from a prefix that held the scratch copy, its absence would read as a deleted input: stale.
+    surveyed = runner.invoke(app, ["status", str(tmp_path)])
+    assert surveyed.exit_code == 0 and surveyed.stdout.count("verified\t") == 2, surveyed.output
+    (pin,) = verify_artifact(open_store(tmp_path / "out")).manifest.lineage
+    assert pin.url == open_store(ckpt).url
+
+
+def test_a_push_leaves_what_a_local_folder_pins_as_it_was(tmp_path):
+    """A folder made here pins itself after a push; a pulled copy keeps pinning the store it came from after it is pushed
+    elsewhere; an origin record for another manifest (the copy was remade since) is not believed."""
+    made = commit_files(tmp_path / "node" / "tokenized", {"data.arrow": b"rows"}, kind="tokenized")
+    push(made, f"file://{tmp_path / 'store' / 'tokenized'}")
+    assert open_input(str(made)).ref.url == open_store(made).url and not (made / ORIGIN_NAME).exists()
+
+    copy = tmp_path / "other-node" / "tokenized"
+    pull(f"file://{tmp_path / 'store' / 'tokenized'}", copy)
+    push(copy, f"file://{tmp_path / 'scratch' / 'tokenized'}")
+    assert open_input(str(copy)).ref.url == open_store(tmp_path / "store" / "tokenized").url
+    commit_files(copy, {"data.arrow": b"new rows"}, kind="tokenized")
+    assert open_input(str(copy)).ref.url == open_store(copy).url
 
 
 @pytest.mark.s3

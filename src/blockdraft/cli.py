@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 
 from blockdraft.config import load_config
 from blockdraft.console import ConsoleReporter
-from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError
+from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, redact
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
 from blockdraft.store.lease import set_force_takeover
@@ -55,7 +55,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except BlockdraftError as exc:
-            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(redact(str(exc)))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper

@@ -14,11 +14,11 @@ import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from blockdraft.errors import ConfigError
+from blockdraft.errors import ConfigError, safe_url
 
 
 class _Section(BaseModel):
@@ -102,7 +102,11 @@ def store_url_problem(url: str) -> str | None:
     letters followed by ':' marks a URL, so 'gs://b', 'http://h' and the typo 's3:/b' fail here, not at the first request."""
     accepted = "use s3://bucket/prefix, file://path or a plain path"
     if url.startswith("s3://"):
-        return None if url[5:].split("/", 1)[0] else f"no bucket in '{url}'; {accepted}"
+        bucket = url[5:].split("/", 1)[0]
+        if "?" in url or "@" in bucket:
+            return (f"store URL '{safe_url(url)}' carries a query string or user info, which manifests and leases would record; "
+                    "drop it: S3 credentials come from AWS_* variables or store.profile")
+        return None if bucket else f"no bucket in '{url}'; {accepted}"
     if url.startswith("file://"):
         return None if url[7:] else f"no path in '{url}'; {accepted}"
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", url)
@@ -293,8 +297,9 @@ class BlockdraftConfig(_Section):
         return self
 
     def resolved(self) -> dict:
-        """The full config with every default filled in, as plain JSON data."""
-        return self.model_dump(mode="json")
+        """The full config with every default filled in, as plain JSON data, each URL in it as `safe_url` writes it: this
+        is what manifests, checkpoints and exports record, and a base URL or endpoint may carry a password or a token."""
+        return _safe_urls(self.model_dump(mode="json"))
 
     def digest(self, *sections: str) -> str:
         """sha256 of the resolved config (or of the named sections only), stable across runs."""
@@ -302,6 +307,15 @@ class BlockdraftConfig(_Section):
         if sections:
             data = {name: data[name] for name in sections}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _safe_urls(data: Any) -> Any:
+    """`data` (plain JSON data) with every string passed through `safe_url`: only URLs with userinfo or a query change."""
+    if isinstance(data, dict):
+        return {key: _safe_urls(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_safe_urls(value) for value in data]
+    return safe_url(data) if isinstance(data, str) else data
 
 
 _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
+from blockdraft.errors import redact
 from blockdraft.reporter import Reporter
 
 
@@ -22,10 +23,12 @@ class ConsoleReporter(Reporter):
         self._tasks: dict[str, TaskID] = {}
 
     def say(self, line: str) -> None:
+        line = redact(line)
         super().say(line)
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     def warn(self, line: str) -> None:
+        line = redact(line)
         self.warnings.append(line)
         self.console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False, soft_wrap=True)
 

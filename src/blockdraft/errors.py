@@ -4,10 +4,13 @@ and keeps its traceback.
 
 `redact` is the gate every text from a server passes before it becomes part of such a line, a failure record or a
 manifest: a server may echo the key it was sent ("Incorrect API key provided: ..."), and an artifact is shared.
+`safe_url` is the form in which a URL is stored or printed: a URL may carry a password (`http://user:pw@host`) or a
+token in its query string (`?token=...`), and neither may reach a manifest, a lease, a failure record or a message.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -58,9 +61,13 @@ REDACTED = "[redacted]"
 # Credentials read from the environment by name; a key read from another variable is added with `remember_secret`.
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY")
 MIN_SECRET_CHARS = 6  # shorter values ("EMPTY", "x": what local servers accept) are no secret, and would mangle words
-CUT_SECRET_CHARS = 12  # a server that cuts a long key still shows this many of its first characters
+PREFIX_SECRET_CHARS = 8  # a server that cuts a key (or its base64) still shows this many of its first characters
 _remembered: set[str] = set()
 _TOKEN = r"[^\s\"',;}]"
+# A URL in a text: a scheme, "://", then everything up to a space or a quote. Its userinfo is what precedes the last "@"
+# before the first "/" (a password may hold "?" or "#"), its query and fragment whatever follows the first "?" or "#".
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>`]*")
+_URL_PARTS = re.compile(r"(?s)([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/]*@)?([^?#]*)")
 # Shapes of credentials whatever their value: an Authorization header's value, a bearer token, an OpenAI-style `sk-` key, an
 # "api key ...: X" echo, and a 40-character AWS secret key written near the word "secret".
 _PATTERNS = (
@@ -72,28 +79,64 @@ _PATTERNS = (
 )
 
 
+def safe_url(url: str) -> str:
+    """`url` as it may be stored or printed: without userinfo (`user:password@`), query string and fragment.
+
+    `http://alice:pw@host:8000/v1?token=X` becomes `http://host:8000/v1`. A text without a scheme (a plain path) and a URL
+    with none of these parts (`s3://bucket/prefix`, `file:///data`) come back unchanged. Connect with the URL as given.
+    """
+    found = _URL_PARTS.match(url)
+    return found.group(1) + found.group(2) if found else url
+
+
+def url_secrets(url: str) -> list[str]:
+    """The credentials a URL carries: the password of its userinfo and the values of its query string."""
+    parts = urllib.parse.urlsplit(url)
+    values = [value for _, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)]
+    return [v for v in (parts.password, *values) if v]
+
+
 def remember_secret(value: str | None) -> None:
     """Add a credential this process sends (an API key, an AWS secret key or session token) to what `redact` removes."""
     if value and len(value) >= MIN_SECRET_CHARS:
         _remembered.add(value)
 
 
-def redact(text: str, *secrets: str | None) -> str:
-    """`text` without the credentials this process knows (remembered, in `SECRET_ENV`, or given) and without anything shaped
-    like one (see `_PATTERNS`), each replaced by "[redacted]".
+def remember_url(url: str | None) -> None:
+    """Add the credentials a URL this process connects to carries (`url_secrets`) to what `redact` removes, so a server that
+    echoes its request path (`no route /v1?token=...`) or a library that names the URL leaks none of them."""
+    for secret in url_secrets(url or ""):
+        remember_secret(secret)
 
-    A known secret is also found URL- or JSON-escaped, and cut: a long one by its first `CUT_SECRET_CHARS` characters, up to
-    the end of the token. Redact before truncating a text, so that a secret is never cut into an unrecognisable piece.
+
+def _forms(secret: str) -> set[str]:
+    """How a secret may appear in a text: as is, URL- or JSON-escaped, and base64-encoded (standard or URL-safe)."""
+    encoded = base64.b64encode(secret.encode()).decode()
+    return {secret, urllib.parse.quote(secret, safe=""), json.dumps(secret)[1:-1], encoded, encoded.rstrip("="),
+            encoded.replace("+", "-").replace("/", "_").rstrip("=")}
+
+
+def redact(text: str, *secrets: str | None) -> str:
+    """`text` without the credentials this process knows (remembered, in `SECRET_ENV`, or given), without the userinfo and
+    query string of any URL in it (`safe_url`), and without anything shaped like a credential (see `_PATTERNS`).
+
+    A known secret is also found escaped or base64-encoded (`_forms`), and cut: any form by its first
+    `PREFIX_SECRET_CHARS` characters or more, up to the end of the token. Each becomes "[redacted]". Redact before
+    truncating a text, so that a secret is never cut into an unrecognisable piece.
     """
     known = {*_remembered, *secrets, *(os.environ.get(name) for name in SECRET_ENV)}
     for secret in sorted((s for s in known if s and len(s) >= MIN_SECRET_CHARS), key=len, reverse=True):
-        for form in {secret, urllib.parse.quote(secret, safe=""), json.dumps(secret)[1:-1]}:
+        for form in sorted(_forms(secret), key=len, reverse=True):
             text = text.replace(form, REDACTED)
-        if len(secret) > CUT_SECRET_CHARS:
-            text = re.sub(re.escape(secret[:CUT_SECRET_CHARS]) + _TOKEN + "*", REDACTED, text)
+            if len(form) > PREFIX_SECRET_CHARS:
+                text = re.sub(re.escape(form[:PREFIX_SECRET_CHARS]) + _TOKEN + "*", REDACTED, text)
+    text = _URL_IN_TEXT.sub(lambda found: safe_url(found.group()), text)
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
     return text
 
 
-__all__ = ["REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "EvalError", "ExportError", "LeaseError", "OutsideArtifactError", "SpecError", "StoreError", "redact", "remember_secret"]
+__all__ = [
+    "REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "EvalError", "ExportError", "LeaseError",
+    "OutsideArtifactError", "SpecError", "StoreError", "redact", "remember_secret", "remember_url", "safe_url", "url_secrets",
+]

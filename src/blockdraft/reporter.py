@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from blockdraft.errors import redact
+
 log = logging.getLogger("blockdraft")
 
 
@@ -25,12 +27,14 @@ class Reporter:
         self.warnings: list[str] = []
 
     def say(self, line: str) -> None:
-        """A result or a status line the user should read."""
+        """A result or a status line the user should read (redacted: it may name a URL or quote a server)."""
+        line = redact(line)
         self.lines.append(line)
         log.info(line)
 
     def warn(self, line: str) -> None:
-        """A problem the user must see before the run goes on."""
+        """A problem the user must see before the run goes on (redacted, as `say`)."""
+        line = redact(line)
         self.warnings.append(line)
         log.warning(line)
 

@@ -27,7 +27,7 @@ from boto3.session import Session
 from botocore.config import Config
 
 from blockdraft.config import StoreConfig
-from blockdraft.errors import StoreError, redact, remember_secret
+from blockdraft.errors import StoreError, redact, remember_secret, remember_url, safe_url
 
 MIB = 1024 * 1024
 T = TypeVar("T")
@@ -174,6 +174,7 @@ def make_connection(store_config: StoreConfig | None) -> Connection:
     """A client for `store_config` (None: the defaults), the AWS chain filling in what it leaves unset."""
     cfg = store_config or StoreConfig()
     endpoint = resolve_endpoint(cfg.endpoint_url)
+    remember_url(endpoint)  # a password or token in the endpoint is redacted wherever a library echoes the URL
     core = botocore.session.get_session()
     core.register_component("data_loader", _shared_loader())
     try:
@@ -232,7 +233,7 @@ def _describe_client_error(exc: bex.ClientError, url: str, where: str, action: s
 
 def probe_failed(exc: BaseException, url: str, endpoint: str | None, action: str) -> StoreError:
     """The line for a probe request that got no answer: the endpoint, how long it was given, and the fix."""
-    where = endpoint or "the AWS default endpoint"
+    where = safe_url(endpoint) if endpoint else "the AWS default endpoint"
     if isinstance(exc, bex.ReadTimeoutError):
         return StoreError(
             f"S3 endpoint {where} accepts connections but did not answer within {PROBE_READ_TIMEOUT_S} s ({PROBE_ATTEMPTS} tries) "
@@ -247,7 +248,7 @@ def describe_error(exc: BaseException, url: str, endpoint: str | None, action: s
     Every line names the full s3:// URL of the object or prefix the request was about, the endpoint and the server's
     error code, never a credential value: the server's own words are redacted.
     """
-    where = endpoint or "the AWS default endpoint"
+    where = safe_url(endpoint) if endpoint else "the AWS default endpoint"
     if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
         return StoreError(
             f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE / store.profile "

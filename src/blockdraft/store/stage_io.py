@@ -87,8 +87,9 @@ class StageInput:
 
     @cached_property
     def ref(self) -> InputRef:
-        """The input by content. A local copy of a store's artifact (pulled, or pushed from here) is pinned at that store,
-        so `status` checks it there from any machine, not at a folder that only this machine holds."""
+        """The input by content. A pulled copy of a store's artifact is pinned at the store it came from, so `status` checks
+        it there from any machine, not at a folder that only this machine holds; any other folder pins itself (a push
+        from it records nothing in it)."""
         sha = self.report.manifest_sha256
         return InputRef(kind="manifest", url=read_origin(self.store, sha) or self.store.url, sha256=sha)
 

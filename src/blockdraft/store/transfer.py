@@ -100,6 +100,8 @@ def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = Non
     Raises ArtifactError when the local folder holds no manifest or a file that does not match it,
     StoreError (after a preflight that takes seconds) when the destination cannot be written, and LeaseError when
     another writer holds the destination (one writer per output: the push takes its lease before the first byte).
+    The local folder is left as it was, its origin record included: a copy made elsewhere does not change what a stage
+    reading the folder pins, so deleting that copy never turns the stage's output stale.
     """
     start = time.monotonic()
     source = LocalStore(local_dir)
@@ -117,7 +119,6 @@ def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = Non
     report = TransferReport(source=source.url, destination=dest.url)
     copy = StageOutput.copy(dest, raw)
     if _already_there(copy, report, start):
-        _record_pushed_origin(source, dest, raw)
         return report
     copy.begin()  # the lease first, then the old manifest goes: no reader sees it over new files
     try:
@@ -138,18 +139,8 @@ def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = Non
         report.verify = copy.commit_copy()
     finally:
         copy.release()
-    _record_pushed_origin(source, dest, raw)
     report.seconds = time.monotonic() - start
     return report
-
-
-def _record_pushed_origin(source: LocalStore, dest: Store, raw: bytes) -> None:
-    """The local folder now names the verified store copy, so a stage reading it pins the store's. Best effort: a
-    read-only folder keeps pinning itself, which is still correct on this machine."""
-    try:
-        record_origin(source, dest.url, manifest_sha256(raw))
-    except OSError:
-        pass
 
 
 def _local_matches(path: Path, entry: FileEntry) -> bool:

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoConfig
 
 from blockdraft.config import BlockdraftConfig, StoreConfig
-from blockdraft.errors import ExportError, SpecError
+from blockdraft.errors import ExportError, SpecError, safe_url
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.formats import CONFIG_NAME, EXPORT_KIND, PINNED_CONFIG_NAME, PROVENANCE_NAME, WEIGHTS_NAME, open_drafter_artifact
 from blockdraft.model.spec import DrafterSpec, default_gamma
@@ -181,7 +181,7 @@ def serving_settings(
               "--speculative-num-draft-tokens", str(block_size), "--dtype", dtype]
     vllm = {"method": "dflash", "model": folder, "num_speculative_tokens": block_size - 1}
     model = target or "TARGET_MODEL"
-    endpoint = ["--endpoint-url", endpoint_url] if endpoint_url else []
+    endpoint = ["--endpoint-url", safe_url(endpoint_url)] if endpoint_url else []  # stored in the export: no credentials
     return {
         "export_url": location if pull else f"file://{folder}",
         "drafter_dir": folder,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from blockdraft.decode.greedy import Completion, Prompt, greedy_generate, render_prompt, split_reasoning
-from blockdraft.errors import ConfigError, redact, remember_secret
+from blockdraft.errors import ConfigError, redact, remember_secret, remember_url, safe_url
 
 # Statuses worth another try: the server is overloaded, restarting or timed out on its side.
 RETRYABLE_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -121,7 +121,9 @@ class OpenAIEngine:
     def __init__(self, base_url: str, model: str | None, max_new_tokens: int, concurrency: int, timeout_s: float,
                  max_retries: int, backoff_s: float, temperature: float = 0.0, request_token_ids: bool = True,
                  api_key_env: str = "OPENAI_API_KEY", seed: int = 0) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = base_url
+        self.shown_url = safe_url(base_url).rstrip("/")  # what messages name: no password, no token
+        remember_url(base_url)
         self.max_new_tokens = max_new_tokens
         self.concurrency = concurrency
         self.timeout_s = timeout_s
@@ -149,12 +151,17 @@ class OpenAIEngine:
         except (RequestError, KeyError, IndexError, TypeError) as exc:
             detail = exc.detail if isinstance(exc, RequestError) else "no model listed"
             raise ConfigError(
-                f"cannot ask {self.base_url}/models which model it serves ({detail}); start the server or set generate.model"
+                f"cannot ask {self.shown_url}/models which model it serves ({detail}); start the server or set generate.model"
             ) from None
+
+    def _url(self, path: str) -> str:
+        """`path` under the base URL as given, its query string (a gateway's token or API version) kept after the path."""
+        base, mark, query = self.base_url.partition("?")
+        return base.rstrip("/") + path + mark + query
 
     def _call(self, method: str, path: str, body: dict | None, prompt_id: str | None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.base_url + path, data=data, method=method, headers=self._headers(prompt_id))
+        request = urllib.request.Request(self._url(path), data=data, method=method, headers=self._headers(prompt_id))
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 raw = response.read()
@@ -166,9 +173,9 @@ class OpenAIEngine:
         except urllib.error.URLError as exc:
             if isinstance(exc.reason, TimeoutError):
                 raise RequestError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True) from None
-            raise RequestError("connection", f"cannot reach {self.base_url}: {exc.reason}", retryable=True) from None
+            raise RequestError("connection", f"cannot reach {self.shown_url}: {exc.reason}", retryable=True) from None
         except (ConnectionError, http.client.HTTPException) as exc:
-            raise RequestError("connection", f"connection to {self.base_url} lost: {type(exc).__name__}", retryable=True) from None
+            raise RequestError("connection", f"connection to {self.shown_url} lost: {type(exc).__name__}", retryable=True) from None
         try:
             return json.loads(raw)
         except ValueError:

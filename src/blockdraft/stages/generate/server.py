@@ -18,6 +18,8 @@ JSON lines in `request_log`): {"request_id" (the X-Request-Id header), "arrived"
 
 `--api-key KEY` makes every request without `Authorization: Bearer KEY` answer 401 with a message that echoes the key it
 was sent, in full, as some servers do: the worst case for a client that must keep keys out of what it stores and prints.
+In process, `ChatServer(..., echo=...)` echoes it in other forms servers use: `base64`-encoded, or its `first10`
+characters, in words that match no credential shape, so only the client's knowledge of its own key can catch them.
 
 In process, `ChatServer` serves any `Chat` in a thread (`with ChatServer(chat, faults=...) as server:`); as a child
 process, `EndpointProcess` starts this module and waits until it listens.
@@ -26,6 +28,7 @@ process, `EndpointProcess` starts this module and waits until it listens.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import signal
 import subprocess
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from blockdraft.decode.greedy import Completion, Prompt, greedy_generate
 
@@ -165,8 +168,12 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         key = sent.removeprefix("Bearer ")
-        self._send(401, {"error": {"message": f"Incorrect API key provided: {key}. Header sent: Authorization: {sent}",
-                                   "type": "invalid_request_error", "code": "invalid_api_key"}})
+        message = {
+            "key": f"Incorrect API key provided: {key}. Header sent: Authorization: {sent}",
+            "base64": f"Credential {base64.b64encode(key.encode()).decode()} is not on file",
+            "first10": f"Credential starting {key[:10]}... is not on file",
+        }[self.server.echo]
+        self._send(401, {"error": {"message": message, "type": "invalid_request_error", "code": "invalid_api_key"}})
         return True
 
     def do_GET(self) -> None:
@@ -217,10 +224,11 @@ class ChatServer(ThreadingHTTPServer, RequestEvents):
     daemon_threads = True
 
     def __init__(self, chat: Chat, port: int = 0, faults: FaultPlan | None = None, request_log: str | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, echo: Literal["key", "base64", "first10"] = "key") -> None:
         super().__init__(("127.0.0.1", port), _Handler)
         self.chat = chat
         self.api_key = api_key
+        self.echo = echo
         self.faults = faults or FaultPlan()
         self._request_log = request_log
         self._events: list[dict[str, Any]] = []
