@@ -33,7 +33,7 @@ from typing import Any, cast
 
 from blockdraft.config import BlockdraftConfig
 from blockdraft.data.inputs import STAT_PIN, InputFile, list_inputs
-from blockdraft.data.tokenizer import TokenizerSource, end_of_turn_id, resolve_tokenizer
+from blockdraft.data.tokenizer import TokenizerSource, check_mask_token, end_of_turn_id, resolve_tokenizer
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
@@ -165,6 +165,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | No
     for message in warnings:
         reporter.warn(message)
     eot_id = end_of_turn_id(src.tokenizer_json, opts.end_of_turn)
+    check_mask_token(config.dflash.mask_token_id, src.tokenizer_json)
     digest = _config_digest(config, src, eot_id)
     out_store = open_store(output, config.store)
     out_dir = out_store.local_path()

@@ -1,0 +1,81 @@
+"""Tokenize at its edges, as a careless user meets them: a config that is not UTF-8 or has a section that is not a table,
+a mask token id the tokenizer emits, inputs that are no regular files, an output that cannot be a folder or cannot be
+written, a row too large to hold, a Parquet file without conversations. Each ends in one line and a non-zero exit, or in
+a verified artifact that names what it left out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers.paths import TOKENIZER_DIR
+from helpers.tokenize_data import write_jsonl
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
+from blockdraft.config import load_config
+from blockdraft.errors import ConfigError
+
+
+def short_row(i: int, prefix: str = "r") -> dict:
+    return {"id": f"{prefix}{i}", "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+
+
+def cli(*args: str | Path):
+    """The CLI as a user runs it; the result with its exit code and output."""
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def assert_one_line(result, *words: str) -> None:
+    """A non-zero exit whose output is one line holding `words`, without a traceback."""
+    lines = [line for line in result.output.splitlines() if line.strip() and not line.startswith("WARNING")]
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert all(w in lines[0] for w in words), result.output
+
+
+def tokenize_cli(input: Path | str, output: Path | str, *extra: str | Path):
+    return cli("tokenize", input, output, "--tokenizer", TOKENIZER_DIR, "--held-out-fraction", "0", *extra)
+
+
+# ---- config ----
+
+
+def test_a_config_that_is_not_utf8_is_one_line_naming_the_file_and_the_byte(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[tokenize]\nworkers = 1\n# café\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xe9 at offset 28\); save it as UTF-8"):
+        load_config(path)
+    assert_one_line(tokenize_cli(write_jsonl(tmp_path / "in.jsonl", [short_row(0)]), tmp_path / "out", "--config", path),
+                    str(path), "UTF-8")
+
+
+def test_a_section_that_is_not_a_table_with_a_flag_for_it_is_one_line(tmp_path):
+    path = tmp_path / "five.toml"
+    path.write_text("tokenize = 5\n")
+    result = tokenize_cli(write_jsonl(tmp_path / "in.jsonl", [short_row(0)]), tmp_path / "out", "--config", path, "--workers", "2")
+    assert_one_line(result, "'tokenize' is a int, not a table", "[tokenize]")
+    with pytest.raises(ConfigError, match="'tokenize'"):  # without a flag, the field check names it
+        load_config(path)
+
+
+@pytest.mark.parametrize(("mask", "token"), [(151645, "<|im_end|>"), (151667, "<think>")])
+def test_a_mask_token_id_the_tokenizer_emits_is_refused_at_config_load(tmp_path, mask, token):
+    path = tmp_path / "c.toml"
+    path.write_text(f'[target]\npath = "{TOKENIZER_DIR.as_posix()}"\n[dflash]\nmask_token_id = {mask}\n')
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    message = str(raised.value)
+    assert "\n" not in message and f"mask_token_id {mask}" in message and token in message and "151669" in message
+    path.write_text(f'[target]\npath = "{TOKENIZER_DIR.as_posix()}"\n[dflash]\nmask_token_id = 151669\n')
+    assert load_config(path).dflash.mask_token_id == 151669  # the first id after the added tokens: reserved
+
+
+def test_a_mask_token_id_of_the_tokenizer_given_with_tokenizer_is_refused_before_any_row(tmp_path):
+    """The tokenizer a tokenize run uses may come from --tokenizer, not the config's target: checked there too."""
+    path = tmp_path / "c.toml"
+    path.write_text("[dflash]\nmask_token_id = 151645\n")
+    out = tmp_path / "out"
+    assert_one_line(tokenize_cli(write_jsonl(tmp_path / "in.jsonl", [short_row(0)]), out, "--config", path),
+                    "mask_token_id 151645", "<|im_end|>")
+    assert not out.exists()
