@@ -5,6 +5,7 @@ a verified artifact that names what it left out."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,49 @@ def test_a_mask_token_id_of_the_tokenizer_given_with_tokenizer_is_refused_before
     assert_one_line(tokenize_cli(write_jsonl(tmp_path / "in.jsonl", [short_row(0)]), out, "--config", path),
                     "mask_token_id 151645", "<|im_end|>")
     assert not out.exists()
+
+
+# ---- inputs that are no regular files ----
+
+
+def test_a_fifo_or_a_symlink_to_dev_zero_as_input_is_one_line_naming_it_never_a_hang(tmp_path):
+    """Reading a FIFO waits for a writer forever; /dev/zero never ends. Either is refused when the inputs are listed."""
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    assert_one_line(tokenize_cli(tmp_path / "pipe.jsonl", tmp_path / "out"), "pipe.jsonl", "is a FIFO (named pipe), not a regular file")
+    assert_one_line(tokenize_cli(tmp_path / "zero.jsonl", tmp_path / "out"), "zero.jsonl", "is a character device, not a regular file")
+    folder = tmp_path / "in"
+    write_jsonl(folder / "good.jsonl", [short_row(0)])
+    os.mkfifo(folder / "pipe.jsonl")
+    assert_one_line(tokenize_cli(folder, tmp_path / "out"), str(folder / "pipe.jsonl"), "FIFO")
+    assert not (tmp_path / "out").exists()
+
+
+# ---- outputs that cannot be written ----
+
+
+def test_an_output_path_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path):
+    out = tmp_path / "out.txt"
+    out.write_text("the user's notes\n")
+    input = write_jsonl(tmp_path / "in.jsonl", [short_row(0)])
+    assert_one_line(tokenize_cli(input, out), str(out), "is a file, not a folder")
+    assert out.read_text() == "the user's notes\n"
+    assert_one_line(tokenize_cli(input, out / "below"), str(out / "below"), "Not a directory")
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs /sys: a folder even root cannot write into")
+def test_an_output_the_system_refuses_to_write_is_one_line_naming_it(tmp_path):
+    """/sys refuses new folders even to root (tests run as root, where a chmod 0o555 folder stays writable)."""
+    input = write_jsonl(tmp_path / "in.jsonl", [short_row(0)])
+    assert_one_line(tokenize_cli(input, "/sys/blockdraft-out"), "cannot write the output /sys/blockdraft-out", "this user can write")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder; the /sys test covers root")
+def test_a_read_only_output_folder_is_one_line_naming_it(tmp_path):
+    input = write_jsonl(tmp_path / "in.jsonl", [short_row(0)])
+    out = tmp_path / "out"
+    out.mkdir(mode=0o555)
+    try:
+        assert_one_line(tokenize_cli(input, out), f"cannot write the output {out}", "Permission denied")
+    finally:
+        out.chmod(0o755)

@@ -16,9 +16,12 @@ import concurrent.futures
 import hashlib
 import io
 import json
+import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from blockdraft.config import StoreConfig
@@ -360,6 +363,8 @@ def resolve_completions(input_url: str, store_config: StoreConfig | None) -> tup
         return open_store(local.parent, store_config), [local.name], None
     if local is not None and not local.exists():
         raise ConfigError(f"input {input_url} does not exist; pass a completions file or folder")
+    if local is not None and not local.is_dir():
+        raise not_a_regular_file(local, local.stat())
     if read_manifest(store) is not None:
         artifact = open_input(store)
         keys = [f.path for f in artifact.manifest.files if is_completions_file(f.path)]
@@ -370,6 +375,15 @@ def resolve_completions(input_url: str, store_config: StoreConfig | None) -> tup
     if not keys:
         raise ConfigError(f"input {input_url} has no completions files ({', '.join(SUFFIXES)}); point INPUT at a file or folder of them")
     return store, sorted(keys), None
+
+
+def not_a_regular_file(path: Path, st: os.stat_result) -> ConfigError:
+    """The error for an input path that is no regular file (a FIFO, a device such as /dev/zero, a socket): reading one
+    would wait forever or never end."""
+    kinds = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+             stat.S_IFSOCK: "a socket"}
+    kind = kinds.get(stat.S_IFMT(st.st_mode), "not a regular file")
+    return ConfigError(f"input {path} is {kind}, not a regular file; pass completions files (or a folder of them) that hold their rows")
 
 
 def list_completions(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
