@@ -112,6 +112,9 @@ def store_url_problem(url: str) -> str | None:
     return None
 
 
+MAX_ROW_BYTES = 64 << 20  # tokenize.max_row_bytes by default
+
+
 class TokenizeConfig(_Section):
     thinking: Literal["auto", "on", "off"] = "auto"
     max_length: int = Field(default=4096, ge=2)
@@ -122,6 +125,8 @@ class TokenizeConfig(_Section):
     # An Arrow file is closed once it holds this many bytes (a task's last file is smaller), or rows_per_shard rows if set.
     file_bytes: int = Field(default=256 << 20, ge=1)
     rows_per_shard: int | None = Field(default=None, ge=1)
+    # A row (a JSON Lines line, a Parquet row) larger than this is quarantined as `row_too_large` without being held whole.
+    max_row_bytes: int = Field(default=MAX_ROW_BYTES, ge=1024)
     # The token that ends an assistant turn; supervision runs through it (Qwen: <|im_end|>).
     end_of_turn: str = "<|im_end|>"
 

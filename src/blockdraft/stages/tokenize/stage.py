@@ -319,7 +319,8 @@ def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], rep
     opts = plan.config.tokenize
     settings = WorkerSettings(
         tools_key=tools_key(plan.src.tokenizer_sha256, plan.src.template), thinking=opts.thinking, max_length=opts.max_length,
-        held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, file_bytes=opts.file_bytes, eot_id=plan.eot_id,
+        held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, file_bytes=opts.file_bytes,
+        max_row_bytes=opts.max_row_bytes, eot_id=plan.eot_id,
         vocab_size=plan.src.vocab_size, config_digest=plan.digest, input_url=plan.in_store.url, store=plan.config.store,
         output_dir=str(plan.out_dir), output_key=plan.out.key, schema=output_schema(),
     )
