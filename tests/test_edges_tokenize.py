@@ -24,6 +24,7 @@ from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.data.completions import HEAD_BYTES, bounded_lines
 from blockdraft.errors import ConfigError
+from blockdraft.stages.tokenize.report import InputFilesFailed
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, read_manifest, verify_artifact
 
@@ -244,13 +245,19 @@ def test_a_parquet_file_without_conversation_columns_is_a_failed_input_named_in_
     folder = tmp_path / "in"
     folder.mkdir()
     pq.write_table(pa.Table.from_pylist([{"text": f"plain text {i}", "label": i} for i in range(5)]), folder / "texts.parquet")
+    # Large enough to be cut into row-group parts at task_bytes 1024: each part refuses it.
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"question {i} " * 20} for i in range(400)]), folder / "prompts.parquet",
+                   row_group_size=50)
     pq.write_table(pa.Table.from_pylist([short_row(i) for i in range(3)]), folder / "good.parquet")
     out = tmp_path / "out"
-    result = tokenize_cli(folder, out)
-    assert_one_line(result, "texts.parquet", "wrong_schema")
+    with pytest.raises(InputFilesFailed) as raised:
+        tokenize(folder, out, config(held_out_fraction=0.0, task_bytes=1024))
+    assert raised.value.result.details.shards_total > 3
     found = read_manifest(open_store(out))
     assert found is not None
     failed = found[0].counts["failed_inputs"]
-    assert list(failed) == ["texts.parquet"] and failed["texts.parquet"]["reason"] == "wrong_schema"
-    assert "text, label" in failed["texts.parquet"]["detail"] and "'messages'" in failed["texts.parquet"]["detail"]
+    assert sorted(failed) == ["prompts.parquet", "texts.parquet"] and {f["reason"] for f in failed.values()} == {"wrong_schema"}
+    assert "(text, label)" in failed["texts.parquet"]["detail"] and "'messages'" in failed["texts.parquet"]["detail"]
     assert found[0].counts["rows_out"] == 3 and verify_artifact(open_store(out)).state is State.VERIFIED
+    (folder / "prompts.parquet").unlink()
+    assert_one_line(tokenize_cli(folder, tmp_path / "cli-out"), "texts.parquet: wrong_schema")

@@ -103,18 +103,19 @@ def is_completions_file(key: str) -> bool:
     return key.lower().endswith(SUFFIXES)
 
 
-def iter_records(stream: BinaryIO, key: str, counter: list[int] | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[RawRecord]:
+def iter_records(stream: BinaryIO, key: str, counter: list[int] | None = None, max_row_bytes: int = MAX_ROW_BYTES,
+                 conversations: bool = False) -> Iterator[RawRecord]:
     """Every row of one completions file, in order. `key` (its name) selects the format by suffix.
 
     `stream` is any readable binary file-like (a local file, a store object); Parquet needs it seekable.
     `counter[0]`, when given, is kept equal to the input bytes consumed so far. A file that cannot be read whole (cut
-    short, corrupt, not the format its name says, Parquet without conversation columns) raises `InputUnreadable` after
-    the rows before the fault: the caller must drop the whole file, never keep the rows before the cut as if they were
-    all of it. A row larger than `max_row_bytes` is an `oversize` record (module doc).
+    short, corrupt, not the format its name says; with `conversations`, Parquet without conversation columns) raises
+    `InputUnreadable` after the rows before the fault: the caller must drop the whole file, never keep the rows before
+    the cut as if they were all of it. A row larger than `max_row_bytes` is an `oversize` record (module doc).
     """
     if key.lower().endswith(".parquet"):
         with decoding_parquet(key):
-            yield from _iter_parquet(stream, key, counter, max_row_bytes)
+            yield from _iter_parquet(stream, key, counter, max_row_bytes, conversations)
         return
     yield from iter_counted(CountingReader(stream), key, counter, max_row_bytes)
 
@@ -268,11 +269,12 @@ def _iter_json_array(buffered: BinaryIO, reader: CountingReader, key: str, count
         yield RawRecord(index, value, json.dumps(value, ensure_ascii=False))
 
 
-def _iter_parquet(stream: BinaryIO, key: str, counter: list[int] | None, max_row_bytes: int) -> Iterator[RawRecord]:
+def _iter_parquet(stream: BinaryIO, key: str, counter: list[int] | None, max_row_bytes: int, conversations: bool) -> Iterator[RawRecord]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(stream, page_checksum_verification=True)  # pages written with a CRC are checked against it
-    check_parquet_columns(pf.schema_arrow.names, key)
+    if conversations:
+        check_parquet_columns(pf.schema_arrow.names, key)
     total = pf.metadata.num_rows or 1
     size = stream.seek(0, io.SEEK_END)
     position = 0

@@ -216,7 +216,7 @@ class RangeReader:
         kind = self.part.kind
         if kind == "whole":
             if self.key.lower().endswith(".parquet"):
-                yield from iter_records(self.stream, self.key, self._counter, self.max_row_bytes)
+                yield from iter_records(self.stream, self.key, self._counter, self.max_row_bytes, conversations=True)
                 return
             self._reader = CountingReader(self.stream, 0, (0, None))
             yield from iter_counted(self._reader, self.key, self._counter, self.max_row_bytes)
