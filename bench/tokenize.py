@@ -3,6 +3,7 @@ with --scale, how it scales with the input's size and layout and with the number
 
     .venv/bin/python -m bench.tokenize [--conversations 1600] [--files 4] [--tokenizer tests/fixtures/qwen3-tokenizer]
     .venv/bin/python -m bench.tokenize --scale [--sizes 25,50,100] [--many 8]
+    .venv/bin/python -m bench.tokenize --big-row 200
 
 The corpus: reasoning-heavy completions averaging about 2,000 tokens per assistant turn, a fifth of them multi-turn,
 in `--files` JSONL shards. On the same rows it measures, in this one run:
@@ -22,6 +23,10 @@ Tokens are the rows' tokens (each row is a turn with its whole prompt), the same
 seconds of each worker process; the 2-worker / 1-worker ratio per size and layout (goal >= 1.7 on the largest single
 file, per-worker CPU within 20%). Then what cutting a compressed stream costs: its decompression speed against the
 tokenizing speed, and a .jsonl.zst of the smallest size tokenized with 1 and 2 workers.
+
+--big-row MB: one JSONL of 8 conversations around one row of MB megabytes, tokenized by the CLI in a child process with
+the default `tokenize.max_row_bytes` (64 MiB): the row must be quarantined as `row_too_large`, and the peak resident
+memory of the largest process of the run (ru_maxrss of the children) is printed (docs/PERFORMANCE.md, goal < 2 GiB).
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -132,10 +140,13 @@ def main() -> None:
     ap.add_argument("--scale", action="store_true", help="sizes x layouts x workers instead")
     ap.add_argument("--sizes", default="25,50,100", help="--scale: corpus sizes in MB")
     ap.add_argument("--many", type=int, default=8, help="--scale: files in the many-files layout")
+    ap.add_argument("--big-row", type=int, default=0, metavar="MB", help="peak RSS of tokenize on a row of MB megabytes instead")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
     try:
-        if args.scale:
+        if args.big_row:
+            big_row(args, work)
+        elif args.scale:
             scale(args, work)
         else:
             run(args, work)
@@ -186,6 +197,34 @@ def run(args: argparse.Namespace, work: Path) -> None:
           f"{e2e_wall / (tokens / raw_wall):.3f} wall   (goal >= 0.75)")
     print(f"RATIO 2 workers / 1 worker (shard phase wall): {best[1].details.shard_phase_seconds / best[2].details.shard_phase_seconds:.3f}   (goal >= 1.8)")
     print(f"(load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
+
+
+def big_row(args: argparse.Namespace, work: Path) -> None:
+    """Tokenize 8 conversations and one row of `--big-row` MB (written in pieces: this process never holds it) in a child
+    process; print its exit status, what the manifest counted and the peak RSS of the largest process of the run."""
+    src, out = work / "big-row.jsonl", work / "out"
+    rng = random.Random(0)
+    piece = _words(rng, 100_000) + " "
+    with src.open("w") as f:
+        for i in range(4):
+            f.write(json.dumps(synthetic_conversation(rng, i)) + "\n")
+        f.write('{"id": "big", "messages": [{"role": "user", "content": "')
+        for _ in range(args.big_row * 1_000_000 // len(piece)):
+            f.write(piece)
+        f.write('"}, {"role": "assistant", "content": "ok"}]}\n')
+        for i in range(4, 8):
+            f.write(json.dumps(synthetic_conversation(rng, i)) + "\n")
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "blockdraft", "tokenize", str(src), str(out), "--tokenizer", args.tokenizer],
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # KiB on Linux
+    counts = json.loads((out / "blockdraft-manifest.json").read_text())["counts"] if proc.returncode == 0 else {}
+    print(f"input: {src.stat().st_size / 1e6:.1f} MB, one row of {args.big_row} MB; tokenize exit {proc.returncode} in {seconds:.1f} s")
+    print(f"rows in {counts.get('rows_in')}, out {counts.get('rows_out')}, rejected {counts.get('rejected')}")
+    print(f"peak RSS of the largest process of the run: {peak_mib:,.0f} MiB   (goal < 2048)")
+    if proc.returncode:
+        print(proc.stdout[-2000:], proc.stderr[-2000:])
 
 
 def write_sized(folder: Path, rows: list[dict], megabytes: int, files: int) -> int:

@@ -116,6 +116,9 @@ def store_url_problem(url: str) -> str | None:
     return None
 
 
+MAX_ROW_BYTES = 64 << 20  # tokenize.max_row_bytes by default
+
+
 class TokenizeConfig(_Section):
     thinking: Literal["auto", "on", "off"] = "auto"
     max_length: int = Field(default=4096, ge=2)
@@ -126,6 +129,8 @@ class TokenizeConfig(_Section):
     # An Arrow file is closed once it holds this many bytes (a task's last file is smaller), or rows_per_shard rows if set.
     file_bytes: int = Field(default=256 << 20, ge=1)
     rows_per_shard: int | None = Field(default=None, ge=1)
+    # A row (a JSON Lines line, a Parquet row) larger than this is quarantined as `row_too_large` without being held whole.
+    max_row_bytes: int = Field(default=MAX_ROW_BYTES, ge=1024)
     # The token that ends an assistant turn; supervision runs through it (Qwen: <|im_end|>).
     end_of_turn: str = "<|im_end|>"
 
@@ -349,17 +354,66 @@ def load_config(path: str | Path | None = None, overrides: dict | None = None) -
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing TOML file with --config")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config {p} is not valid TOML ({exc}); fix the syntax at that line") from None
+        data = _read_toml(p)
     flags: dict[tuple[str, str], object] = {}
     for section, values in (overrides or {}).items():
         for key, value in values.items():
             if value is not None:
-                data.setdefault(section, {})[key] = value
+                table = data.setdefault(section, {})
+                if not isinstance(table, dict):  # `tokenize = 5`: a flag has no table to go into
+                    raise ConfigError(f"config {label}: '{section}' is a {type(table).__name__}, not a table; "
+                                      f"write its fields under a [{section}] header")
+                table[key] = value
                 flags[section, key] = value
     try:
-        return BlockdraftConfig.model_validate(data)
+        config = BlockdraftConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(label, exc, flags)) from None
+    _check_mask_token(config, label)
+    return config
+
+
+def _read_toml(p: Path) -> dict:
+    """The TOML file `p` as data; ConfigError for a file that is not UTF-8 or not TOML, naming where."""
+    try:
+        return tomllib.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {p} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                          "save it as UTF-8") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {p} is not valid TOML ({exc}); fix the syntax at that line") from None
+
+
+def tokenizer_added_tokens(folder: Path) -> dict[int, str]:
+    """The added tokens (`<|im_end|>`, `<think>`, ...) a Hugging Face tokenizer folder defines, by id, read from its
+    tokenizer_config.json (`added_tokens_decoder`) or tokenizer.json (`added_tokens`); {} when it names none."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        decoder = config.get("added_tokens_decoder") or {}
+        if decoder:
+            return {int(i): str(t.get("content")) for i, t in decoder.items()}
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens") or []
+        return {int(t["id"]): str(t.get("content")) for t in added}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return {}
+
+
+def mask_token_problem(mask_token_id: int | None, added: dict[int, str]) -> str | None:
+    """Why `mask_token_id` cannot be the drafter's mask token given the tokenizer's added tokens, or None."""
+    if mask_token_id is None or mask_token_id not in added:
+        return None
+    return (f"dflash.mask_token_id {mask_token_id} is the tokenizer's token {added[mask_token_id]}, which it emits in the data: "
+            "the drafter could not tell a masked slot from it; set it to a reserved id the tokenizer never emits (Qwen3: 151669)")
+
+
+def _check_mask_token(config: BlockdraftConfig, label: str) -> None:
+    """ConfigError when dflash.mask_token_id is one of the target tokenizer's added tokens (when its folder is here)."""
+    folder = config.target.tokenizer or config.target.path
+    if config.dflash.mask_token_id is None or not folder or not Path(folder).is_dir():
+        return
+    problem = mask_token_problem(config.dflash.mask_token_id, tokenizer_added_tokens(Path(folder)))
+    if problem:
+        raise ConfigError(f"config {label}: {problem}")

@@ -7,6 +7,10 @@ Accepted variants (docs/TOKENIZATION.md): `messages` or `conversations`; OpenAI 
 
 A row that cannot be normalised raises `RowRejected` with a short reason code; the caller quarantines it. A file that
 cannot be decoded whole raises `InputUnreadable` (`blockdraft.data.streams`); the caller drops the whole file.
+
+A row is never held whole when it is larger than `max_row_bytes` (`tokenize.max_row_bytes`): a longer line is read on in
+small chunks to its newline and dropped, a larger Parquet row is never turned into Python objects; either becomes a
+record that `normalise` rejects as `row_too_large`, with only its first `HEAD_BYTES` kept for the quarantine.
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ import concurrent.futures
 import hashlib
 import io
 import json
+import os
 import re
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from pathlib import Path
+from typing import Any, BinaryIO, NamedTuple
 
-from blockdraft.config import StoreConfig
+from blockdraft.config import MAX_ROW_BYTES, StoreConfig
 from blockdraft.data.streams import CountingReader, InputUnreadable, decoding, decoding_parquet, decompressed
 from blockdraft.errors import ConfigError
 from blockdraft.store import Store, open_store
@@ -32,6 +39,10 @@ SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst
 PARQUET_BATCH_ROWS = 256
 ARRAY_READ = 1 << 20  # bytes read at a time from a JSON array
 MAX_ARRAY_ELEMENT = 256 << 20  # one element of a JSON array larger than this is refused: use JSON Lines
+SKIP_CHUNK = 1 << 20  # bytes read at a time while skipping the rest of a line
+HEAD_BYTES = 256  # what a record keeps of a row too large to hold (for the quarantine)
+# Columns that make a Parquet file one of conversations: one of these sets must all be there.
+PARQUET_COLUMNS = (("messages",), ("conversations",), ("prompt_token_ids", "completion_token_ids"), ("prompt_ids", "completion_ids"))
 
 _ROLE_ALIASES = {
     "system": "system",
@@ -61,12 +72,14 @@ class RowRejected(ValueError):
 class RawRecord:
     """One row as read: its position in the input (1-based line or row number; None for a line of a plain JSON Lines file
     read from the middle, where `offset` locates it), the parsed object or None, its text, and for a line its byte offset
-    in the (decompressed) file."""
+    in the (decompressed) file. `oversize`: the row's bytes when it is larger than the reader's `max_row_bytes` (then
+    `data` is None and `text` holds its start only)."""
 
     position: int | None
     data: Any
     text: str
     offset: int | None = None
+    oversize: int = 0
 
 
 @dataclass
@@ -90,22 +103,24 @@ def is_completions_file(key: str) -> bool:
     return key.lower().endswith(SUFFIXES)
 
 
-def iter_records(stream: BinaryIO, key: str, counter: list[int] | None = None) -> Iterator[RawRecord]:
+def iter_records(stream: BinaryIO, key: str, counter: list[int] | None = None, max_row_bytes: int = MAX_ROW_BYTES,
+                 conversations: bool = False) -> Iterator[RawRecord]:
     """Every row of one completions file, in order. `key` (its name) selects the format by suffix.
 
     `stream` is any readable binary file-like (a local file, a store object); Parquet needs it seekable.
     `counter[0]`, when given, is kept equal to the input bytes consumed so far. A file that cannot be read whole (cut
-    short, corrupt, not the format its name says) raises `InputUnreadable` after the rows before the fault: the caller
-    must drop the whole file, never keep the rows before the cut as if they were all of it.
+    short, corrupt, not the format its name says; with `conversations`, Parquet without conversation columns) raises
+    `InputUnreadable` after the rows before the fault: the caller must drop the whole file, never keep the rows before
+    the cut as if they were all of it. A row larger than `max_row_bytes` is an `oversize` record (module doc).
     """
     if key.lower().endswith(".parquet"):
         with decoding_parquet(key):
-            yield from _iter_parquet(stream, counter)
+            yield from _iter_parquet(stream, key, counter, max_row_bytes, conversations)
         return
-    yield from iter_counted(CountingReader(stream), key, counter)
+    yield from iter_counted(CountingReader(stream), key, counter, max_row_bytes)
 
 
-def iter_counted(reader: CountingReader, key: str, counter: list[int] | None = None) -> Iterator[RawRecord]:
+def iter_counted(reader: CountingReader, key: str, counter: list[int] | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[RawRecord]:
     """`iter_records` of a line or JSON-array format read through `reader` (which counts and checksums the raw bytes)."""
     with decoding(key):
         buffered = decompressed(reader, key.lower())  # type: ignore[arg-type]
@@ -113,13 +128,59 @@ def iter_counted(reader: CountingReader, key: str, counter: list[int] | None = N
             yield from _iter_json_array(buffered, reader, key, counter)
             return
         offset = 0
-        for lineno, line in enumerate(buffered, 1):
+        for lineno, line in enumerate(bounded_lines(buffered, max_row_bytes), 1):
             if counter is not None:
                 counter[0] = reader.bytes_read
-            start, offset = offset, offset + len(line)
-            if not line or line.isspace():  # isspace stops at the first non-blank byte; strip would copy the line
-                continue
-            yield line_record(lineno, line, start)
+            start, offset = offset, offset + line.size
+            record = record_of_line(lineno, line, start)
+            if record is not None:
+                yield record
+
+
+class Line(NamedTuple):
+    """One line of a stream: its bytes with its ending (a line over the bound: its first `HEAD_BYTES` only), its size in
+    bytes with its ending, and for a line over the bound its bytes before the newline (else 0)."""
+
+    data: bytes
+    size: int
+    oversize: int = 0
+
+
+def bounded_lines(buffered: BinaryIO, limit: int, seen: Callable[[bytes], None] | None = None) -> Iterator[Line]:
+    """The lines of `buffered`, none held longer than `limit` bytes before its newline: a longer one is read on in chunks
+    of `SKIP_CHUNK` to its newline, and given with its first `HEAD_BYTES` only. `seen`, when given, gets every byte read,
+    in order (a reader that checksums what lies past a point)."""
+    while line := buffered.readline(limit + 1):
+        if seen is not None:
+            seen(line)
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield Line(line, len(line))
+            continue
+        head, size = line[:HEAD_BYTES], len(line)
+        del line  # the bounded part read so far: not held while the rest is skipped
+        rest, ended = skip_line(buffered, seen)
+        yield Line(head, size + rest, size + rest - ended)
+
+
+def skip_line(buffered: BinaryIO, seen: Callable[[bytes], None] | None = None) -> tuple[int, bool]:
+    """Read and drop the rest of the current line, `SKIP_CHUNK` bytes at a time: (bytes read, whether a newline ended it)."""
+    size = 0
+    while chunk := buffered.readline(SKIP_CHUNK):
+        if seen is not None:
+            seen(chunk)
+        size += len(chunk)
+        if chunk.endswith(b"\n"):
+            return size, True
+    return size, False
+
+
+def record_of_line(position: int | None, line: Line, offset: int) -> RawRecord | None:
+    """The record of one JSON Lines line (`line_record`, or an `oversize` one), or None for a blank line."""
+    if line.oversize:
+        return RawRecord(position, None, line.data.decode("utf-8", errors="replace") + "...", offset, oversize=line.oversize)
+    if not line.data or line.data.isspace():  # isspace stops at the first non-blank byte; strip would copy the line
+        return None
+    return line_record(position, line.data, offset)
 
 
 def starts_as_json_array(buffered: BinaryIO) -> bool:
@@ -208,19 +269,44 @@ def _iter_json_array(buffered: BinaryIO, reader: CountingReader, key: str, count
         yield RawRecord(index, value, json.dumps(value, ensure_ascii=False))
 
 
-def _iter_parquet(stream: BinaryIO, counter: list[int] | None) -> Iterator[RawRecord]:
+def _iter_parquet(stream: BinaryIO, key: str, counter: list[int] | None, max_row_bytes: int, conversations: bool) -> Iterator[RawRecord]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(stream, page_checksum_verification=True)  # pages written with a CRC are checked against it
+    if conversations:
+        check_parquet_columns(pf.schema_arrow.names, key)
     total = pf.metadata.num_rows or 1
     size = stream.seek(0, io.SEEK_END)
     position = 0
     for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS):
-        for row in batch.to_pylist():
+        for record in parquet_records(batch, position, max_row_bytes):
             position += 1
             if counter is not None:
                 counter[0] = size * position // total
-            yield RawRecord(position, row, json.dumps(row, ensure_ascii=False, default=str))
+            yield record
+
+
+def check_parquet_columns(columns: list[str], key: str) -> None:
+    """`InputUnreadable("wrong_schema")` for a Parquet file with none of the column sets a conversation is read from:
+    every row of it would be rejected, and the run would end with an empty artifact as if the file held nothing."""
+    if not any(all(c in columns for c in wanted) for wanted in PARQUET_COLUMNS):
+        shown = ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "")
+        raise InputUnreadable("wrong_schema", f"its columns ({shown}) hold no conversations: it needs 'messages' or 'conversations', "
+                              "or 'prompt_token_ids' and 'completion_token_ids'", key)
+
+
+def parquet_records(batch: Any, before: int, max_row_bytes: int) -> Iterator[RawRecord]:
+    """The rows of one Parquet record batch, positions from `before` + 1. A row whose Arrow data is larger than
+    `max_row_bytes` is an `oversize` record: it is never turned into Python objects or JSON text."""
+    sizes = [batch.slice(i, 1).nbytes for i in range(batch.num_rows)]
+    rows = batch.to_pylist() if max(sizes, default=0) <= max_row_bytes else None
+    for i, nbytes in enumerate(sizes):
+        position = before + i + 1
+        if nbytes > max_row_bytes:
+            yield RawRecord(position, None, f"(a Parquet row of {nbytes:,} bytes)", oversize=nbytes)
+            continue
+        row = rows[i] if rows is not None else batch.slice(i, 1).to_pylist()[0]
+        yield RawRecord(position, row, json.dumps(row, ensure_ascii=False, default=str))
 
 
 def source_id_of(record: RawRecord) -> str | None:
@@ -299,6 +385,9 @@ def _token_ids(data: dict[str, Any]) -> tuple[list[int], list[int]] | None:
 def normalise(record: RawRecord) -> Conversation:
     """One raw row -> `Conversation`, or `RowRejected` naming why it cannot be trained."""
     data = record.data
+    if record.oversize:
+        raise RowRejected("row_too_large", f"the row is {record.oversize:,} bytes, more than tokenize.max_row_bytes; "
+                          "raise tokenize.max_row_bytes to keep it")
     if data is None:
         raise RowRejected("bad_json", record.text[:120])
     if not isinstance(data, dict):
@@ -360,6 +449,8 @@ def resolve_completions(input_url: str, store_config: StoreConfig | None) -> tup
         return open_store(local.parent, store_config), [local.name], None
     if local is not None and not local.exists():
         raise ConfigError(f"input {input_url} does not exist; pass a completions file or folder")
+    if local is not None and not local.is_dir():
+        raise not_a_regular_file(local, local.stat())
     if read_manifest(store) is not None:
         artifact = open_input(store)
         keys = [f.path for f in artifact.manifest.files if is_completions_file(f.path)]
@@ -370,6 +461,15 @@ def resolve_completions(input_url: str, store_config: StoreConfig | None) -> tup
     if not keys:
         raise ConfigError(f"input {input_url} has no completions files ({', '.join(SUFFIXES)}); point INPUT at a file or folder of them")
     return store, sorted(keys), None
+
+
+def not_a_regular_file(path: Path, st: os.stat_result) -> ConfigError:
+    """The error for an input path that is no regular file (a FIFO, a device such as /dev/zero, a socket): reading one
+    would wait forever or never end."""
+    kinds = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+             stat.S_IFSOCK: "a socket"}
+    kind = kinds.get(stat.S_IFMT(st.st_mode), "not a regular file")
+    return ConfigError(f"input {path} is {kind}, not a regular file; pass completions files (or a folder of them) that hold their rows")
 
 
 def list_completions(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from blockdraft.config import StoreConfig
-from blockdraft.data.completions import resolve_completions
+from blockdraft.data.completions import not_a_regular_file, resolve_completions
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store import Store
 from blockdraft.store.artifact import InputRef
@@ -74,6 +75,8 @@ def _local_file(path: Path, key: str) -> InputFile:
         st = path.stat()
     except FileNotFoundError:
         raise ConfigError(f"input {path} disappeared while listing; retry when the input is complete") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise not_a_regular_file(path, st)
     return InputFile(key, st.st_size, None, None, stat_pin(st))
 
 

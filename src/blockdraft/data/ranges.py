@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
-import json
 import struct
 import zlib
 from collections.abc import Callable, Iterator
@@ -32,7 +31,19 @@ from typing import Any, BinaryIO
 
 from awscrt import checksums
 
-from blockdraft.data.completions import PARQUET_BATCH_ROWS, RawRecord, iter_counted, iter_records, line_record, starts_as_json_array
+from blockdraft.config import MAX_ROW_BYTES
+from blockdraft.data.completions import (
+    PARQUET_BATCH_ROWS,
+    RawRecord,
+    bounded_lines,
+    check_parquet_columns,
+    iter_counted,
+    iter_records,
+    parquet_records,
+    record_of_line,
+    skip_line,
+    starts_as_json_array,
+)
 from blockdraft.data.streams import CountingReader, InputUnreadable, decoding, decoding_parquet, decompressed
 from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
 
@@ -184,16 +195,20 @@ class RangeReader:
     range the part's rows depend on (a `lines` part also on the byte before its range and the end of its last line, a
     Parquet part also on the footer): a resumed part is checked against them.
     `rows_before`: rows of the file before this part's first (for a part that fails midway, the rows read before the fault).
+    A row larger than `max_row_bytes` is never held whole (`blockdraft.data.completions`, `oversize` records).
     """
 
-    def __init__(self, stream: BinaryIO, key: str, size: int, part: ReadRange, checksum: bool = True) -> None:
+    def __init__(self, stream: BinaryIO, key: str, size: int, part: ReadRange, checksum: bool = True,
+                 max_row_bytes: int = MAX_ROW_BYTES) -> None:
         self.stream, self.key, self.size, self.part, self.checksum = stream, key, size, part, checksum
+        self.max_row_bytes = max_row_bytes
         self.window: tuple[int, int] | None = None
         self.crc: str | None = None
         self.reads: list[tuple[int, int, str]] = []
         self.rows_before = part.first_row
         self._reader: CountingReader | None = None
-        self._previous = self._tail = b""  # a `lines` part: the byte before its range, its last line's bytes past it
+        self._previous = b""  # a `lines` part: the byte before its range
+        self._tail = _Past(0, 0)  # a `lines` part: its last line's bytes past its range, checksummed as they are read
         self._counter = [0]
         self._done = 0.0
 
@@ -201,10 +216,10 @@ class RangeReader:
         kind = self.part.kind
         if kind == "whole":
             if self.key.lower().endswith(".parquet"):
-                yield from iter_records(self.stream, self.key, self._counter)
+                yield from iter_records(self.stream, self.key, self._counter, self.max_row_bytes, conversations=True)
                 return
             self._reader = CountingReader(self.stream, 0, (0, None))
-            yield from iter_counted(self._reader, self.key, self._counter)
+            yield from iter_counted(self._reader, self.key, self._counter, self.max_row_bytes)
         elif kind == "lines":
             yield from self._lines()
         elif kind == "stream":
@@ -225,26 +240,25 @@ class RangeReader:
         self.stream.seek(base)
         self._reader = CountingReader(self.stream, base, (start, end))
         buffered = io.BufferedReader(self._reader, buffer_size=1 << 20)  # type: ignore[arg-type]
+        # Its last line's bytes past `end` decide its rows too: every byte of the lines it reads passes `_tail`.
+        self._tail = _Past(base, end)
         offset = base
         if start > 0:
             self._previous = buffered.read(1)
+            self._tail.feed(self._previous)
             offset += len(self._previous)
             if self._previous != b"\n":  # landed inside a line: it belongs to the part before
-                rest = buffered.readline()
-                self._tail += rest[end - offset :] if offset + len(rest) > end else b""
-                offset += len(rest)
+                offset += skip_line(buffered, self._tail.feed)[0]
+        lines = bounded_lines(buffered, self.max_row_bytes, self._tail.feed)
         lineno = 0
-        for line in buffered:
-            if offset >= end:
-                break
-            line_start, offset = offset, offset + len(line)
-            if offset > end:  # its last line runs past the range: those bytes decide its rows too
-                self._tail += line[end - line_start :]
+        while offset < end and (line := next(lines, None)) is not None:  # a line starting past `end` is not read
+            line_start, offset = offset, offset + line.size
             lineno += 1
             self._done = (offset - start) / (end - start)
-            if line and not line.isspace():
-                # A line number is known only counting from the file's start; elsewhere `offset` locates the line.
-                yield line_record(lineno if start == 0 else None, line, line_start)
+            # A line number is known only counting from the file's start; elsewhere `offset` locates the line.
+            record = record_of_line(lineno if start == 0 else None, line, line_start)
+            if record is not None:
+                yield record
 
     def _stream(self) -> Iterator[RawRecord]:
         start, end = self.part.start, self.part.end
@@ -259,18 +273,18 @@ class RangeReader:
                 previous = buffered.read(1) if offset == start - 1 else b""
                 offset += len(previous)
                 if previous and previous != b"\n":
-                    rest = buffered.readline()
-                    offset, newlines = offset + len(rest), newlines + rest.count(b"\n")
+                    skipped, ended = skip_line(buffered)
+                    offset, newlines = offset + skipped, newlines + ended
                 newlines += previous == b"\n"
             self.rows_before = newlines
-            for line in buffered:
-                if end is not None and offset >= end:
-                    break
-                line_start, offset = offset, offset + len(line)
+            lines = bounded_lines(buffered, self.max_row_bytes)
+            while (end is None or offset < end) and (line := next(lines, None)) is not None:
+                line_start, offset = offset, offset + line.size
                 newlines += 1
                 self._done = (offset - start) / (end - start) if end is not None else self._reader.bytes_read / max(self.size, 1)
-                if line and not line.isspace():
-                    yield line_record(newlines, line, line_start)
+                record = record_of_line(newlines, line, line_start)
+                if record is not None:
+                    yield record
 
     def _row_groups(self) -> Iterator[RawRecord]:
         import pyarrow.parquet as pq
@@ -279,12 +293,13 @@ class RangeReader:
         position = self.part.first_row
         with decoding_parquet(self.key):
             pf = pq.ParquetFile(self.stream, page_checksum_verification=True)
+            check_parquet_columns(pf.schema_arrow.names, self.key)
             total = max(sum(pf.metadata.row_group(g).num_rows for g in groups), 1)
             for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups):
-                for row in batch.to_pylist():
+                for record in parquet_records(batch, position, self.max_row_bytes):
                     position += 1
                     self._done = (position - self.part.first_row) / total
-                    yield RawRecord(position, row, json.dumps(row, ensure_ascii=False, default=str))
+                    yield record
 
     def finish(self) -> None:
         """Complete the checksum (after the rows, or after a fault): a `whole` or last `stream` part reads the rest of
@@ -298,8 +313,9 @@ class RangeReader:
             self.window, self.crc = (start, start + reader.window_bytes), reader.crc.b64
             self.reads = [(*self.window, self.crc)]
             if part.kind == "lines" and self.window[1] == part.end:
-                pieces = [(crc_of(self._previous), len(self._previous)), (self.crc, self.window[1] - start), (crc_of(self._tail), len(self._tail))]
-                self.reads = [(start - len(self._previous), self.window[1] + len(self._tail), crc_concat(pieces))]
+                tail = self._tail
+                pieces = [(crc_of(self._previous), len(self._previous)), (self.crc, self.window[1] - start), (tail.crc.b64, tail.length)]
+                self.reads = [(start - len(self._previous), self.window[1] + tail.length, crc_concat(pieces))]
             return
         if not self.checksum:
             return
@@ -311,6 +327,20 @@ class RangeReader:
             footer = self.size - 8 - int.from_bytes(self.stream.read(4), "little")
             footer_crc = range_crc(self.stream, footer, self.size)
             self.reads.append((footer, self.size, footer_crc or ""))
+
+
+class _Past:
+    """Checksums the bytes fed to it, in file order from offset `pos`, that lie at or past file offset `end`."""
+
+    def __init__(self, pos: int, end: int) -> None:
+        self.pos, self.end, self.length, self.crc = pos, end, 0, Crc64Nvme()
+
+    def feed(self, data: bytes) -> None:
+        skip = max(self.end - self.pos, 0)
+        if skip < len(data):
+            self.crc.update(data[skip:] if skip else data)
+            self.length += len(data) - skip
+        self.pos += len(data)
 
 
 def crc_of(data: bytes) -> str:

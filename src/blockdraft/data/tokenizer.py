@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import BlockdraftConfig, mask_token_problem
 from blockdraft.data.render import ChatTemplate, compile_chat_template
 from blockdraft.errors import ConfigError
 
@@ -127,3 +127,13 @@ def special_token_pattern(tokenizer_json: str, variables: dict[str, str] | None 
     if not tokens:
         return None
     return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
+def check_mask_token(mask_token_id: int | None, tokenizer_json: str) -> None:
+    """ConfigError when `mask_token_id` is one of this tokenizer's added tokens (`mask_token_problem`)."""
+    if mask_token_id is None:
+        return
+    added = {int(t["id"]): str(t.get("content")) for t in json.loads(tokenizer_json).get("added_tokens") or []}
+    problem = mask_token_problem(mask_token_id, added)
+    if problem:
+        raise ConfigError(problem)

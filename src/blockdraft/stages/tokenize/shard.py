@@ -80,6 +80,7 @@ class WorkerSettings:
     held_out_fraction: float
     rows_per_file: int | None
     file_bytes: int
+    max_row_bytes: int
     eot_id: int
     vocab_size: int
     config_digest: str
@@ -241,7 +242,8 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput,
     with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.key) as raw:
         trusted = _check_pin(task, raw)
         # Parquet is read by seeking; its checksum is a second, sequential pass, skipped when the listing names it.
-        reader = RangeReader(raw, task.key, task.file.size, task.part, checksum=not (task.key.lower().endswith(".parquet") and task.file.checksum))
+        reader = RangeReader(raw, task.key, task.file.size, task.part,
+                             checksum=not (task.key.lower().endswith(".parquet") and task.file.checksum), max_row_bytes=settings.max_row_bytes)
 
         def reject(record: RawRecord, source_id: str | None, turn: int | None, reason: str, detail: str) -> None:
             counts.rejected[reason] += 1

@@ -14,6 +14,8 @@ from blockdraft.data.streams import InputUnreadable
 from blockdraft.errors import ArtifactError, StoreError
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# What writing a folder that is read-only, not ours or not a folder raises (a missing one under /proc: ENOENT).
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT)
 
 
 class DiskFull(StoreError):
@@ -69,6 +71,18 @@ def disk_full_error(exc: OSError, path: Path, written: int = 0, fraction_done: f
         f"disk full writing {where} ({os.strerror(exc.errno or errno.ENOSPC)}): {free_text}{need}; free space or point OUTPUT "
         "at a larger disk, then rerun (finished shards are kept; this run's temporary files were removed)"
     )
+
+
+def unwritable_error(exc: OSError, out_dir: Path) -> StoreError | None:
+    """One line for `exc` when it says the output folder `out_dir` (or a file in it, or a folder above it) cannot be
+    written: read-only, not permitted, a file where a folder must be; else None."""
+    if exc.errno not in UNWRITABLE or not isinstance(exc.filename, (str, os.PathLike)):
+        return None
+    where, out = Path(os.path.abspath(exc.filename)), Path(os.path.abspath(out_dir))
+    if not (where == out or out in where.parents or where in out.parents):
+        return None
+    return StoreError(f"cannot write the output {out_dir}: {os.strerror(exc.errno or errno.EACCES)} ({where}); "
+                      "point OUTPUT at a folder this user can write")
 
 
 def peak_rss_mib() -> float:

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 from blockdraft.config import BlockdraftConfig
 from blockdraft.data.inputs import STAT_PIN, InputFile, list_inputs
-from blockdraft.data.tokenizer import TokenizerSource, end_of_turn_id, resolve_tokenizer
+from blockdraft.data.tokenizer import TokenizerSource, check_mask_token, end_of_turn_id, resolve_tokenizer
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
@@ -42,7 +42,7 @@ from blockdraft.stages.tokenize.plan import INPUT_READ, ShardTask, file_checksum
 from blockdraft.stages.tokenize.report import InputFilesFailed, TokenizeSummary, clip_warning, merge_counts
 from blockdraft.stages.tokenize.runner import ShardRunner
 from blockdraft.stages.tokenize.shard import CLIP_KEYS, SHARD_FORMAT, ShardOutput, WorkerSettings, tools_key
-from blockdraft.stages.tokenize.shard_io import DiskFull, disk_full_error
+from blockdraft.stages.tokenize.shard_io import DiskFull, disk_full_error, unwritable_error
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import FileEntry, InputRef, VerifyReport, entry_for_local_file, raw_input, read_manifest
 from blockdraft.store.local import LocalStore
@@ -92,7 +92,7 @@ def run(
 def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
                chat_template: str | None, started: float) -> StageResult:
     plan = _plan(config, input, output, tokenizer, chat_template, reporter)
-    with ShardRunner(config.tokenize.workers, plan.src) as runner, _output_lock(plan.out_dir):
+    with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src) as runner, _output_lock(plan.out_dir):
         report = _already_done(plan)
         if report is not None and report.manifest is not None:
             # Rewriting the manifest would change its sha256 and make every dependent artifact look stale.
@@ -165,6 +165,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | No
     for message in warnings:
         reporter.warn(message)
     eot_id = end_of_turn_id(src.tokenizer_json, opts.end_of_turn)
+    check_mask_token(config.dflash.mask_token_id, src.tokenizer_json)
     digest = _config_digest(config, src, eot_id)
     out_store = open_store(output, config.store)
     out_dir = out_store.local_path()
@@ -219,6 +220,21 @@ def _already_done(plan: _Plan) -> VerifyReport | None:
             plan.checksums[f.key] = info.checksum
     plan.out.key = stage_key({"config_digest": plan.digest}, _lineage(plan))
     return plan.out.done()
+
+
+@contextlib.contextmanager
+def _writable(out_dir: Path) -> Iterator[None]:
+    """The output folder written inside the block: one that is a file is refused up front; a write refused by the system
+    (read-only, not permitted) is one line naming the folder (`unwritable_error`)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"output {out_dir} is a file, not a folder; point OUTPUT at a folder (new, or a tokenize output)")
+    try:
+        yield
+    except OSError as exc:
+        error = unwritable_error(exc, out_dir)
+        if error is None:
+            raise
+        raise error from None
 
 
 @contextlib.contextmanager
@@ -303,7 +319,8 @@ def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], rep
     opts = plan.config.tokenize
     settings = WorkerSettings(
         tools_key=tools_key(plan.src.tokenizer_sha256, plan.src.template), thinking=opts.thinking, max_length=opts.max_length,
-        held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, file_bytes=opts.file_bytes, eot_id=plan.eot_id,
+        held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, file_bytes=opts.file_bytes,
+        max_row_bytes=opts.max_row_bytes, eot_id=plan.eot_id,
         vocab_size=plan.src.vocab_size, config_digest=plan.digest, input_url=plan.in_store.url, store=plan.config.store,
         output_dir=str(plan.out_dir), output_key=plan.out.key, schema=output_schema(),
     )
