@@ -1,6 +1,7 @@
 """A careless user's paths meet one line and a non-zero exit, never a traceback: an output that is a file or a folder that
 cannot be written (pull, export), `verify` of a file, a full disk in `push` to a folder and in `export`, a `--progress`
-page in a missing folder, `status` of a path with nothing there; and `push` says what it compared at the destination.
+page in a missing folder, `status` of a path with nothing there, `train` over a checkpoint that does not verify; and `push`
+says what it compared at the destination.
 
 A full disk is a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) on a CLI subprocess: every write past it fails with
 EFBIG, as a full disk fails with ENOSPC, through the same code. A read-only folder is an empty one under /sys, which
@@ -18,11 +19,13 @@ from pathlib import Path
 
 import pytest
 from helpers.paths import GOLDEN
+from helpers.train_data import config_file, make_rows, write_tokenized
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
 from blockdraft.model import DFlashDrafter
+from blockdraft.model.formats import WEIGHTS_NAME
 from blockdraft.stages.train import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, check_method, verify_artifact
@@ -191,3 +194,28 @@ def test_push_says_what_it_compared_at_the_destination(dest, artifact):
     if dest.kind == "s3":
         assert "checksums as stored by the server" in method
 
+
+# ---- a training run whose only checkpoint does not verify
+
+
+def test_a_run_whose_only_checkpoint_is_corrupt_stops_naming_it_unless_force(tmp_path):
+    rows = make_rows(3, prompt_len=5, new_tokens=16, seed=3)
+    data = write_tokenized(tmp_path / "tokenized", rows[:2], rows[2:])
+    config = config_file(tmp_path, data, max_steps=2, checkpoint_every=2, batch_size=1)
+    assert CliRunner().invoke(app, ["train", "--config", str(config)]).exit_code == 0
+    weights = tmp_path / "ckpt" / "step-00000002" / WEIGHTS_NAME
+    flipped = bytearray(weights.read_bytes())
+    flipped[-8:] = bytes(b ^ 0xFF for b in flipped[-8:])
+    weights.write_bytes(bytes(flipped))
+
+    refused = CliRunner().invoke(app, ["train", "--config", str(config)])
+    errors = [line for line in refused.output.splitlines() if "error:" in line]
+    assert refused.exit_code == 2 and len(errors) == 1 and "Traceback" not in refused.output, refused.output
+    assert errors[0].startswith(f"error: no checkpoint under {open_store(tmp_path / 'ckpt').url} verifies (step-00000002 (corrupt: ")
+    assert errors[0].endswith("or rerun with --force to start over")
+    assert weights.read_bytes() == bytes(flipped)  # not overwritten
+
+    forced = CliRunner().invoke(app, ["train", "--config", str(config), "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert "--force: training starts over at step 0" in " ".join(forced.output.split())
+    assert verify_artifact(open_store(weights.parent)).state is State.VERIFIED

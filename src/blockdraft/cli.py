@@ -291,7 +291,10 @@ def train(
     nproc: Annotated[
         int | None, typer.Option("--nproc", help="Processes to start with torchrun (one per placement.drafter_devices entry).")
     ] = None,
-    force: ForceOpt = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Take over the output's lease from a writer that is dead but whose lease has not expired "
+                                            "yet, and start over at step 0 when train.output holds checkpoints but none verifies.")
+    ] = False,
     plan: Annotated[
         bool, typer.Option("--plan", help="Print the placement and memory plan (GB per device) from the target's config.json and exit: "
                                           "no weights, data or GPU needed.")
@@ -310,7 +313,7 @@ def train(
             raise ConfigError(problem)
         return
     with ConsoleReporter(console) as reporter:
-        launched = launch(config, nproc, reporter)
+        launched = launch(config, nproc, reporter, force)
     if launched.result is not None and launched.rank == 0:
         trained = launched.result.details
         if trained.metrics:
