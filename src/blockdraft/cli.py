@@ -236,7 +236,7 @@ def status(
     deep: DeepOpt = False,
 ) -> None:
     """Every artifact under a prefix: state, kind, lineage and counts, read from the destination. Exits 1 unless every artifact
-    is verified or only has an input this machine cannot reach."""
+    is verified or only has an input this machine cannot reach; 2 when there is nothing under the prefix."""
     store = open_store(url, _store_config(config, endpoint_url))
     require_folder(store, "status path", "pass the folder or prefix that holds the artifacts")
     page = _progress_page(progress) if progress else None  # before the survey: a page that cannot be written fails in seconds

@@ -58,10 +58,14 @@ def os_error_of(exc: BaseException) -> OSError | None:
 def write_failed(exc: BaseException, folder: Path | str, again: str, name: str | None = None, disk_only: bool = False) -> StoreError | None:
     """The one line for a write under `folder` that failed with `exc` because of where it wrote: a full disk (or a file-size
     limit), or, unless `disk_only`, a folder it may not write. None when `exc` is something else: a bug keeps its
-    traceback. `name` is the file being written (default: the one the error names); `again` is how to retry."""
+    traceback, and so does an error that names only paths outside a `folder` given as a Path. `name` is the file being
+    written (default: the one the error names); `again` is how to retry."""
     error = os_error_of(exc)
     if error is None:
         return None
+    named = [Path(str(p)).absolute() for p in (error.filename, error.filename2) if p is not None]
+    if named and isinstance(folder, Path) and not any(p.is_relative_to(folder.absolute()) for p in named):
+        return None  # about another path (a source being read), not where this writes
     name = name or (Path(error.filename).name if error.filename else "")
     name = "" if name.startswith(TMP_PREFIX) else name  # a temp name of ours says nothing to the user
     if error.errno in DISK_FULL:
