@@ -300,3 +300,21 @@ def test_a_baseline_drafter_for_another_target_is_refused_naming_it(tmp_path, go
     cfg = golden_config(tmp_path, eval={"baseline": str(other)})
     with pytest.raises(SpecError, match=rf"eval.baseline {other}: drafter hidden_size 32 differs from the target's 64"):
         eval_stage.run(cfg, str(golden_run), str(tmp_path / "out"), prompts=str(prompts), max_new_tokens=4)
+
+
+def test_a_baseline_whose_weights_are_garbage_is_one_line_naming_the_file(tmp_path, golden_run):
+    baseline = tmp_path / "published"
+    baseline.mkdir()
+    (baseline / "config.json").write_bytes((GOLDEN / "drafter" / "config.json").read_bytes())
+    (baseline / "model.safetensors").write_bytes(b"\x00garbage, not a safetensors header" * 100)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
+    config = tmp_path / "blockdraft.toml"
+    dflash = "\n".join(f"{k} = {json.dumps(v)}" for k, v in GOLDEN_DFLASH.items())
+    config.write_text(f'[target]\npath = "{(GOLDEN / "target").as_posix()}"\n[dflash]\n{dflash}\n[store]\nurl = "{(tmp_path / "store").as_posix()}"\n')
+    result = CliRunner().invoke(app, ["eval", "--config", str(config), "--checkpoint", str(golden_run), "--prompts", str(prompts),
+                                      "--baseline", str(baseline), "--max-new-tokens", "4"])
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert errors[0].startswith(f"error: eval.baseline {baseline}: {baseline / 'model.safetensors'} is not readable (")
+    assert errors[0].endswith("give a drafter folder in the export format")

@@ -17,13 +17,14 @@ from blockdraft.config import load_config
 from blockdraft.console import ConsoleReporter
 from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, redact
 from blockdraft.store import open_store
-from blockdraft.store.artifact import State, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.lease import set_force_takeover
 from blockdraft.store.preflight import preflight as run_preflight
 from blockdraft.store.status import OK_STATES, format_counts, format_lineage, render_progress
 from blockdraft.store.status import status as survey
 from blockdraft.store.transfer import pull as pull_artifact
 from blockdraft.store.transfer import push as push_artifact
+from blockdraft.store.writable import require_folder
 
 # `blockdraft --help` lists the commands in the order a job runs them, not alphabetically.
 PIPELINE_ORDER = ("preflight", "generate", "tokenize", "push", "pull", "train", "eval", "export", "verify", "status", "demo")
@@ -85,6 +86,7 @@ def verify(
 ) -> None:
     """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum, its inputs unchanged."""
     store = open_store(url, _store_config(config, endpoint_url))
+    require_folder(store, "artifact", f"pass the folder that holds its {MANIFEST_NAME}")
     report = verify_artifact(store, check_inputs=True, deep=deep, cached=True)
     if report.state is State.INCOMPLETE and next(iter(store.list()), None) is None:
         raise ArtifactError(f"nothing at {store.url}: no manifest and no files; check the path or URL")
@@ -234,17 +236,39 @@ def status(
     deep: DeepOpt = False,
 ) -> None:
     """Every artifact under a prefix: state, kind, lineage and counts, read from the destination. Exits 1 unless every artifact
-    is verified or only has an input this machine cannot reach."""
+    is verified or only has an input this machine cannot reach; 2 when there is nothing under the prefix."""
     store = open_store(url, _store_config(config, endpoint_url))
+    require_folder(store, "status path", "pass the folder or prefix that holds the artifacts")
+    page = _progress_page(progress) if progress else None  # before the survey: a page that cannot be written fails in seconds
     artifacts = survey(store, deep=deep)
+    if not artifacts:
+        raise ArtifactError(
+            f"nothing under {store.url}: no manifest and no finished file (a mistyped path, or a write stopped before its "
+            "first file); check the path or URL"
+        )
     for a in artifacts:
         print(f"{a.state.value}\t{a.kind}\t{a.url}\t{format_lineage(a.lineage)}\t{format_counts(a)}")
-    if progress:
-        Path(progress).write_text(render_progress(store.url, artifacts))
-    if not artifacts:
-        console.print(f"no artifacts under {store.url}", highlight=False, markup=False)
+    if page is not None:
+        _write_page(page, render_progress(store.url, artifacts))
     if any(a.state not in OK_STATES for a in artifacts):
         raise typer.Exit(1)
+
+
+def _progress_page(progress: str) -> Path:
+    """The `--progress` page's path, refused at once (one line) when its folder is missing or it names a folder."""
+    page = Path(progress)
+    if not page.parent.is_dir():
+        raise ConfigError(f"--progress {progress}: the folder {page.parent} does not exist; create it or write the page elsewhere")
+    if page.is_dir():
+        raise ConfigError(f"--progress {progress} is a folder; name the page's file, e.g. {page / 'PROGRESS.md'}")
+    return page
+
+
+def _write_page(page: Path, text: str) -> None:
+    try:
+        page.write_text(text)
+    except OSError as exc:  # a read-only folder, a full disk
+        raise ConfigError(f"cannot write the --progress page {page} ({exc.strerror}); write it to another folder") from None
 
 
 @app.command()
@@ -267,7 +291,10 @@ def train(
     nproc: Annotated[
         int | None, typer.Option("--nproc", help="Processes to start with torchrun (one per placement.drafter_devices entry).")
     ] = None,
-    force: ForceOpt = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Take over the output's lease from a writer that is dead but whose lease has not expired "
+                                            "yet, and start over at step 0 when train.output holds checkpoints but none verifies.")
+    ] = False,
     plan: Annotated[
         bool, typer.Option("--plan", help="Print the placement and memory plan (GB per device) from the target's config.json and exit: "
                                           "no weights, data or GPU needed.")
@@ -286,7 +313,7 @@ def train(
             raise ConfigError(problem)
         return
     with ConsoleReporter(console) as reporter:
-        launched = launch(config, nproc, reporter)
+        launched = launch(config, nproc, reporter, force)
     if launched.result is not None and launched.rank == 0:
         trained = launched.result.details
         if trained.metrics:

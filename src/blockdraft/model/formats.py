@@ -45,15 +45,21 @@ class Resumable:
 
 def find_resumable(store: Store) -> Resumable | None:
     """The newest checkpoint under `store` that verifies at the destination, or None; `skipped` names newer ones that did not."""
+    return search_checkpoints(store)[0]
+
+
+def search_checkpoints(store: Store) -> tuple[Resumable | None, list[str]]:
+    """(the newest checkpoint under `store` that verifies, or None; the committed ones newer than it that did not, each
+    with its state and problem). A checkpoint without a manifest (a push that never finished) is neither."""
     steps = sorted({int(m.group(1)) for info in store.list("step-") if (m := STEP_MANIFEST.match(info.key))}, reverse=True)
     skipped = []
     for step in steps:
         child = store.child(checkpoint_key(step))
         report = verify_artifact(child)
         if report.state is State.VERIFIED and report.manifest is not None and report.manifest.kind == CHECKPOINT_KIND:
-            return Resumable(step, child, report, skipped)
+            return Resumable(step, child, report, skipped), skipped
         skipped.append(f"{checkpoint_key(step)} ({report.state.value}: {report.summary()})")
-    return None
+    return None, skipped
 
 
 def open_drafter_artifact(store: Store) -> StageInput:
@@ -79,5 +85,5 @@ def open_drafter_artifact(store: Store) -> StageInput:
 
 __all__ = [
     "CHECKPOINT_KIND", "CONFIG_NAME", "EXPORT_KIND", "PINNED_CONFIG_NAME", "PROVENANCE_NAME", "STATE_NAME", "WEIGHTS_NAME",
-    "Resumable", "checkpoint_key", "find_resumable", "open_drafter_artifact",
+    "Resumable", "checkpoint_key", "find_resumable", "open_drafter_artifact", "search_checkpoints",
 ]

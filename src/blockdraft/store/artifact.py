@@ -324,7 +324,9 @@ def commit_manifest(store: Store, raw: bytes) -> VerifyReport:
     back = read_manifest(store)
     if back is None or back[1] != raw:
         raise ArtifactError(f"{store.url}/{MANIFEST_NAME} did not read back as written; rerun the stage")
-    return _files_report(store, manifest, raw, problems)
+    report = _files_report(store, manifest, raw, problems)
+    report.method = check_method(store, deep=False)  # what the checks before the commit compared, for the report's line
+    return report
 
 
 __all__ = [

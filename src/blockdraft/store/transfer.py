@@ -7,7 +7,6 @@ Both resume: files already verified at the destination are skipped; anything els
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import threading
@@ -42,8 +41,7 @@ from blockdraft.store.lease import Lease
 from blockdraft.store.local import LocalStore
 from blockdraft.store.preflight import preflight
 from blockdraft.store.stage_io import StageOutput
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+from blockdraft.store.writable import DISK_FULL, require_folder, write_failed
 
 
 @dataclass
@@ -128,7 +126,13 @@ def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = Non
         report.skipped = [e.path for e, p in zip(manifest.files, problems) if p is None]
 
         def upload(entry: FileEntry) -> None:
-            dest.put_file(entry.path, source.root / entry.path, entry.checksum)
+            try:
+                dest.put_file(entry.path, source.root / entry.path, entry.checksum)
+            except OSError as exc:  # a file:// destination whose disk filled: its temp file is already removed
+                full = write_failed(exc, dest.url, "rerun the push (files verified there are skipped)", entry.path, disk_only=True)
+                if full is None:
+                    raise
+                raise full from None
             problem = check_file(dest, entry)
             if problem is not None:
                 raise ArtifactError(f"{dest.url.rstrip('/')}/{entry.path} did not verify after upload: {problem.detail}; rerun the push")
@@ -176,6 +180,7 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
         raise ArtifactError(f"refusing to pull {source.url}: no manifest there, so it is incomplete (nothing was verified)")
     manifest, raw = found
     dest = LocalStore(local_dir)
+    require_folder(dest, "pull destination", "pull into a folder")
     report = TransferReport(source=source.url, destination=dest.url)
     copy = StageOutput.copy(dest, raw)
     if _already_there(copy, report, start):
@@ -185,17 +190,13 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
     bad = _source_problems(source, manifest.files, workers)
     if bad:
         raise _refuse(source.url, bad)
-    with Lease(dest):
-        _download_and_swap(source, dest, manifest.files, report, workers)
-        dest.put_bytes(MANIFEST_NAME, raw)
-        # Every file was just checksummed locally: downloaded ones on the very bytes written, kept ones by reading them
-        # from disk; re-reading them all would only re-read the page cache. What is read back here is the committed
-        # manifest and every file's size, so the report still comes from the destination.
-        back = read_manifest(dest)
-        wrong_size = [e.path for e in manifest.files if (dest.root / e.path).stat().st_size != e.size]
-        if back is None or back[1] != raw or wrong_size:
-            uncommit(dest)
-            raise ArtifactError(f"pulled copy in {dest.root} did not read back as written ({wrong_size[:3] or 'manifest'}); pull again")
+    try:
+        _pull_into(source, dest, manifest.files, raw, report, workers)
+    except OSError as exc:  # a folder this process may not write (read-only even for root), a full disk
+        failed = write_failed(exc, dest.root, "rerun the pull")
+        if failed is None:
+            raise
+        raise failed from None
     report.verify = VerifyReport(
         url=dest.url,
         state=State.VERIFIED,
@@ -210,6 +211,19 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
     return report
 
 
+def _pull_into(source: Store, dest: LocalStore, files: list[FileEntry], raw: bytes, report: TransferReport, workers: int) -> None:
+    """Under `dest`'s lease: download and swap in the files, write the manifest last, and read it and every size back."""
+    with Lease(dest):
+        _download_and_swap(source, dest, files, report, workers)
+        dest.put_bytes(MANIFEST_NAME, raw)
+        # Every file was just checksummed locally: downloaded ones on the very bytes written, kept ones by reading them
+        # from disk; re-reading them all would only re-read the page cache. What is read back here is the committed
+        # manifest and every file's size, so the report still comes from the destination.
+        back = read_manifest(dest)
+        wrong_size = [e.path for e in files if (dest.root / e.path).stat().st_size != e.size]
+        if back is None or back[1] != raw or wrong_size:
+            uncommit(dest)
+            raise ArtifactError(f"pulled copy in {dest.root} did not read back as written ({wrong_size[:3] or 'manifest'}); pull again")
 
 
 def _download_and_swap(source: Store, dest: LocalStore, files: list[FileEntry], report: TransferReport, workers: int) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from blockdraft.config import BlockdraftConfig, check_device
 from blockdraft.decode.linear_state import check_rollback_supported
@@ -122,6 +123,11 @@ def _decode_and_measure(
             drafter.spec.check_target(hf_model.config)
         except (SpecError, ArtifactError) as exc:
             raise type(exc)(f"{where}: {exc}") from None  # the same error, naming which drafter it is about
+        except (SafetensorError, json.JSONDecodeError) as exc:  # bytes that are not the export format (a plain folder is not verified)
+            raise ArtifactError(
+                f"{where}: {Path(path) / (CONFIG_NAME if isinstance(exc, ValueError) else WEIGHTS_NAME)} is not readable ({exc}); "
+                "give a drafter folder in the export format"
+            ) from None
         drafters[name] = drafter.eval()
     drafter = drafters.pop("dflash")
     vocab = drafter.spec.vocab_size

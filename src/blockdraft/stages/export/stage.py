@@ -18,11 +18,14 @@ import json
 import shlex
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig
 
 from blockdraft.config import BlockdraftConfig, StoreConfig
@@ -36,6 +39,7 @@ from blockdraft.stages import StageResult
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, read_manifest
 from blockdraft.store.stage_io import StageInput, StageOutput, stage_key
+from blockdraft.store.writable import os_error_of, require_folder, write_failed
 
 STAGE = "export"
 SERVING_NAME = "serving.json"
@@ -66,6 +70,7 @@ def run(
     reporter = reporter or Reporter()
     checkpoint = open_drafter_artifact(open_store(input, config.store))
     out_store = open_store(output, config.store)
+    require_folder(out_store, "export destination", "export into a folder")
     if checkpoint.store.url.rstrip("/") == out_store.url.rstrip("/"):
         raise ExportError(f"export destination {output} is the checkpoint itself; pass another folder or URL")
     with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
@@ -84,19 +89,20 @@ def run(
         drafter = DFlashDrafter.from_pretrained(checkpoint.fetch([CONFIG_NAME, WEIGHTS_NAME], Path(tmp)))
     dflash = resolved.get("dflash", {})
     _check_pinned(drafter.spec, dflash)
-    result = export_drafter(
-        drafter,
-        target_config,
-        out,
-        resolved_config=resolved,
-        lineage=[checkpoint.ref],
-        data_lineage=list(checkpoint.manifest.lineage),
-        gamma=_gamma(dflash, drafter.spec),
-        location=output,
-        target_path=target_path,
-        store_config=config.store,
-        dtype=dtype,
-    )
+    with _one_line_write_errors():
+        result = export_drafter(
+            drafter,
+            target_config,
+            out,
+            resolved_config=resolved,
+            lineage=[checkpoint.ref],
+            data_lineage=list(checkpoint.manifest.lineage),
+            gamma=_gamma(dflash, drafter.spec),
+            location=output,
+            target_path=target_path,
+            store_config=config.store,
+            dtype=dtype,
+        )
     result.seconds = time.perf_counter() - started
     return result
 
@@ -144,15 +150,34 @@ def export_drafter(
         "data": _data_facts(list(data_lineage or []), store_config),
     }
     out.begin()
-    with tempfile.TemporaryDirectory(prefix="blockdraft-export-") as tmp:
-        root = Path(tmp)
-        paths = drafter.save_pretrained(root, dtype=getattr(torch, dtype))
-        for name, payload in ((PROVENANCE_NAME, provenance), (SERVING_NAME, serving)):
-            (root / name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-            paths.append(root / name)
-        counts = {"tensors": len(drafter.state_dict()), "parameters": sum(p.numel() for p in drafter.parameters())}
-        report = out.publish(root, paths, config=resolved_config or {}, lineage=lineage or [], counts=counts)
+    try:
+        with tempfile.TemporaryDirectory(prefix="blockdraft-export-") as tmp:
+            root = Path(tmp)
+            paths = drafter.save_pretrained(root, dtype=getattr(torch, dtype))
+            for name, payload in ((PROVENANCE_NAME, provenance), (SERVING_NAME, serving)):
+                (root / name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+                paths.append(root / name)
+            counts = {"tensors": len(drafter.state_dict()), "parameters": sum(p.numel() for p in drafter.parameters())}
+            report = out.publish(root, paths, config=resolved_config or {}, lineage=lineage or [], counts=counts)
+    finally:
+        out.release()  # a failed write gives the lease back too (a commit already did)
     return StageResult(STAGE, out.url, report, details=ExportResult(serving, provenance))
+
+
+@contextmanager
+def _one_line_write_errors() -> Iterator[None]:
+    """A write the export's folders refuse (a full disk, a folder it may not write: the temp folder the files are made in, or
+    a local destination) is one StoreError line; the temp files are gone by then and no manifest was written."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        error = os_error_of(exc)
+        written = (error.filename2 or error.filename) if error is not None else None  # a copy names its destination second
+        folder = Path(written).parent if written else tempfile.gettempdir()  # safetensors names no path: the temp folder
+        failed = write_failed(exc, folder, "rerun the export (nothing was committed)")
+        if failed is None:
+            raise
+        raise failed from None
 
 
 def drafter_folder(location: str) -> tuple[str, bool]:

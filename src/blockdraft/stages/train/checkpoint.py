@@ -4,7 +4,8 @@ Layout under the run's output store: `step-00000500/` per checkpoint, each its o
 export format (`config.json`, `model.safetensors`), `training-state.pt` (optimizer, scheduler, RNG states, data
 position), the resolved config (`blockdraft-config.json`), the metrics logged since the checkpoint before (its window of
 `metrics.jsonl`: checkpoints do not grow with the run) and the latest training curves. Resume reads only checkpoints that
-verify; one whose push never completed (no manifest) or whose files differ is skipped (`model.formats.find_resumable`).
+verify; one whose push never completed (no manifest) or whose files differ is skipped (`model.formats.search_checkpoints`),
+and when every committed one differs the run stops rather than overwrite them from step 0, unless `train --force`.
 Pruning (`prune_checkpoints`) keeps the newest verified ones and every Nth for good. `Checkpoints` pushes each checkpoint
 from a background thread (`blockdraft.stages.train.ckpt_writer`) while training goes on.
 """
@@ -35,7 +36,7 @@ from blockdraft.model.formats import (
     WEIGHTS_NAME,
     Resumable,
     checkpoint_key,
-    find_resumable,
+    search_checkpoints,
 )
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train.ckpt_writer import BackgroundWriter, Snapshot
@@ -212,11 +213,22 @@ class Checkpoints:
         self._writer: BackgroundWriter[Written] = BackgroundWriter()
         self._in_flight: tuple[Snapshot, MetricsLog] | None = None
 
-    def newest(self) -> Resumable | None:
-        """The newest checkpoint that verifies, or None; raises ConfigError when it belongs to another run."""
-        found = find_resumable(self.store)
-        for skipped in found.skipped if found else []:
-            self.reporter.warn(f"not resuming from {skipped}")
+    def newest(self, start_over: bool = False) -> Resumable | None:
+        """The newest checkpoint that verifies, or None when there is none; raises ConfigError when it belongs to another
+        run. When checkpoints are there but none verifies, a start at step 0 would overwrite them: ArtifactError naming
+        them, unless `start_over` (`train --force`), which warns and returns None."""
+        found, skipped = search_checkpoints(self.store)
+        if found is None and skipped:
+            unverified = f"no checkpoint under {self.store.url} verifies ({'; '.join(skipped)})"
+            if not start_over:
+                raise ArtifactError(
+                    f"{unverified}; training would restart at step 0 and overwrite it: restore it (`blockdraft verify` names "
+                    "the bad files), set train.output to a new location, or rerun with --force to start over"
+                )
+            self.reporter.warn(f"{unverified}; --force: training starts over at step 0 and overwrites it")
+            return None
+        for line in skipped:
+            self.reporter.warn(f"not resuming from {line}")
         if found is None:
             return None
         recorded = found.report.manifest.counts.get("run") if found.report.manifest else None

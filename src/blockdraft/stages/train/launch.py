@@ -31,8 +31,9 @@ class Launched:
     exit_status: int = 0
 
 
-def launch(config_path: str | None, nproc: int | None = None, reporter: Reporter | None = None) -> Launched:
+def launch(config_path: str | None, nproc: int | None = None, reporter: Reporter | None = None, force: bool = False) -> Launched:
     """Train per the config at `config_path` (None: the defaults) with one process per placement.drafter_devices entry.
+    `force`: start over when checkpoints are there but none verifies (`run`), on every rank.
 
     `nproc`, when given, must equal that count. The memory plan is printed and checked first (`check_plan`). In a
     torchrun rank, or with a single drafter device, `run` trains here; otherwise torchrun starts the ranks and this
@@ -49,11 +50,11 @@ def launch(config_path: str | None, nproc: int | None = None, reporter: Reporter
     if not os.environ.get(PLAN_CHECKED):  # ranks this launcher starts skip it: the plan was printed and checked here
         check_plan(config, reporter or Reporter(), show=not in_rank or os.environ.get("RANK", "0") == "0")
     if in_rank or wanted == 1:
-        return Launched(run(config, None, None, reporter), rank=resolve_placement(config).rank)
+        return Launched(run(config, None, None, reporter, force=force), rank=resolve_placement(config).rank)
     if config_path is None:
         raise ConfigError("training on several drafter devices needs the config as a file; pass --config FILE")
     env = {**os.environ, PLAN_CHECKED: "1"}
-    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted), env=env))
+    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted, force), env=env))
 
 
 def check_plan(config: BlockdraftConfig, reporter: Reporter, show: bool = True) -> MemoryPlan:
@@ -68,11 +69,12 @@ def check_plan(config: BlockdraftConfig, reporter: Reporter, show: bool = True) 
     return planned
 
 
-def torchrun_command(config_path: str, nproc: int) -> list[str]:
-    """The command that starts `nproc` training ranks on this machine, each `python -m blockdraft train --config FILE`."""
+def torchrun_command(config_path: str, nproc: int, force: bool = False) -> list[str]:
+    """The command that starts `nproc` training ranks on this machine, each `python -m blockdraft train --config FILE`
+    (with `--force` when this run was given it)."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "blockdraft", "train", "--config", str(config_path),
+        "-m", "blockdraft", "train", "--config", str(config_path), *(["--force"] if force else []),
     ]
 
 

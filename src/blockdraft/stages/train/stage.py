@@ -49,9 +49,15 @@ class TrainResult:
     steps_run: int
 
 
-def run(config: BlockdraftConfig, input: str | None = None, output: str | None = None, reporter: Reporter | None = None) -> StageResult:
+def run(
+    config: BlockdraftConfig, input: str | None = None, output: str | None = None, reporter: Reporter | None = None, *,
+    force: bool = False,
+) -> StageResult:
     """Train a drafter per `config` on `input` (default train.data) into `output` (default train.output, else
     `<store.url>/train`); returns after the final checkpoint verified at the destination, on every rank.
+
+    Resumes from the newest checkpoint that verifies; when checkpoints are there but none verifies, raises ArtifactError
+    naming them rather than overwrite them from step 0, unless `force`, which starts over.
 
     `details` is a TrainResult; `already_done` when the newest verified checkpoint already holds every step.
     """
@@ -60,7 +66,7 @@ def run(config: BlockdraftConfig, input: str | None = None, output: str | None =
     place = resolve_placement(config)
     reporter = (reporter or Reporter()).for_rank(place.rank)
     with rank_session(place, config.train.deterministic, config.train.dist_timeout_minutes), ExitStack() as held:
-        trainer = _prepare(config, place, reporter, held)
+        trainer = _prepare(config, place, reporter, held, force)
         trainer.train()
         final = _final_report(trainer, place)
     result = TrainResult(
@@ -79,7 +85,7 @@ def _with_paths(config: BlockdraftConfig, input: str | None, output: str | None)
     return config.model_copy(update={"train": config.train.model_copy(update={"data": data, "output": out})})
 
 
-def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter, held: ExitStack) -> Trainer:
+def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter, held: ExitStack, force: bool = False) -> Trainer:
     """Check what fails fast (the target's config, a writable output store that no other run writes, a verified input),
     open the rows, build the trainer. Rank 0 takes the output's lease (one run per train.output: another run's
     checkpoints never interleave with this one's, and a resume never picks another run's step) and `held` gives it back
@@ -93,7 +99,7 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
         held.enter_context(Lease(out_store))
     data = open_input(tc.data, config.store, kinds=[TOKENIZED_KIND], role="train.data")
     rows = load_train_rows(data, config.store, tc.max_length, Path(tc.log_dir), place.local_rank == 0, lambda: barrier(place))
-    return Trainer(config, place, rows, out_store, tc.output, reporter)
+    return Trainer(config, place, rows, out_store, tc.output, reporter, start_over=force)
 
 
 def _final_report(trainer: Trainer, place: RankPlacement) -> VerifyReport:

@@ -70,9 +70,11 @@ class Trainer:
     RECENT_METRICS = 1000
 
     def __init__(
-        self, config: BlockdraftConfig, place: RankPlacement, rows: TrainRows, out_store: Store, output_url: str, reporter: Reporter
+        self, config: BlockdraftConfig, place: RankPlacement, rows: TrainRows, out_store: Store, output_url: str, reporter: Reporter,
+        start_over: bool = False,
     ) -> None:
         tc = self.tc = config.train
+        self.start_over = start_over  # `train --force`: start at step 0 when checkpoints are there but none verifies
         self.attention: Literal["dense", "flex"] = resolve_attention(tc.attention, place.drafter_device)  # fails before the target loads
         self.config, self.place, self.rows, self.reporter = config, place, rows, reporter
         assert config.target.path is not None  # the stage checked it (load_target_config) before any data moved
@@ -159,7 +161,7 @@ class Trainer:
     def resume(self) -> int:
         """Load the newest verified checkpoint of this run into the drafter, optimizer, scheduler and RNGs (every rank);
         returns the step to start from: the checkpoint's, or 0 (a fresh metrics log) when there is none."""
-        found = self.checkpoints.newest()
+        found = self.checkpoints.newest(self.start_over)
         if found is None:
             if self.place.is_main:
                 self.log.start_fresh()
