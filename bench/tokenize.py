@@ -106,7 +106,8 @@ def raw_encode(rows: list[dict], tokenizer_dir: str, template_path: str | None, 
     """(tokens, best wall seconds, best CPU seconds) of `encode_batch` over the exact texts the stage encodes, one process, no threads."""
     from tokenizers import Tokenizer
 
-    from blockdraft.data.completions import RawRecord, normalise
+    from blockdraft.data.completions import normalise
+    from blockdraft.data.records import RawRecord
     from blockdraft.data.render import PlannedTurn, compile_chat_template, plan_turns
     from blockdraft.data.tokenizer import load_tokenizer
     from blockdraft.stages.tokenize.shard import CONVERSATION_BATCH

@@ -10,6 +10,7 @@ import time
 import pytest
 from helpers.artifacts import rot_under_cache
 from helpers.paths import GOLDEN
+from helpers.train_data import config_file, make_rows, write_tokenized
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
@@ -64,3 +65,22 @@ def test_eval_refuses_the_rotten_weights(rotten_checkpoint, tmp_path):
     cfg = BlockdraftConfig(target=TargetConfig(path=str(GOLDEN / "target")), dflash=DFlashConfig(**GOLDEN_DFLASH))
     with pytest.raises(ArtifactError, match=r"model\.safetensors: crc64nvme"):
         eval_stage.run(cfg, str(rotten_checkpoint), str(tmp_path / "eval"))
+
+
+def test_a_resumed_run_refuses_the_rotten_weights(tmp_path):
+    rows = make_rows(3, prompt_len=5, new_tokens=16, seed=3)
+    data = write_tokenized(tmp_path / "tokenized", rows[:2], rows[2:])
+    config = config_file(tmp_path, data, max_steps=2, checkpoint_every=2, batch_size=1)
+    assert CliRunner().invoke(app, ["train", "--config", str(config)]).exit_code == 0
+    ckpt = tmp_path / "ckpt" / "step-00000002"
+    then = time.time() - 60
+    for path in ckpt.iterdir():
+        os.utime(path, (then, then))
+    rot_under_cache(ckpt / "model.safetensors", offset=4000)
+    rotten = (ckpt / "model.safetensors").read_bytes()
+
+    resumed = CliRunner().invoke(app, ["train", "--config", str(config)])
+    errors = [line for line in resumed.output.splitlines() if "error:" in line]
+    assert resumed.exit_code == 2 and len(errors) == 1 and "Traceback" not in resumed.output, resumed.output
+    assert "step-00000002" in errors[0] and "model.safetensors: crc64nvme" in errors[0]
+    assert (ckpt / "model.safetensors").read_bytes() == rotten  # nothing overwritten

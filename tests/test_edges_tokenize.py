@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import load_config
-from blockdraft.data.completions import HEAD_BYTES, bounded_lines
+from blockdraft.data.records import HEAD_BYTES, bounded_lines
 from blockdraft.errors import ConfigError
 from blockdraft.stages.tokenize.report import InputFilesFailed
 from blockdraft.store import open_store

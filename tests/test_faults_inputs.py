@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import load_config
-from blockdraft.data.completions import iter_records
+from blockdraft.data.records import iter_records
 from blockdraft.data.streams import InputUnreadable
 from blockdraft.errors import StoreError
 from blockdraft.stages.tokenize import arrow_rows, stage

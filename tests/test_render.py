@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from blockdraft.data.completions import RawRecord, normalise
+from blockdraft.data.completions import normalise
+from blockdraft.data.records import RawRecord
 from blockdraft.data.render import PlannedTurn, TurnRejection, TurnRow, compile_chat_template, mask_turn, plan_turns
 from blockdraft.data.tokenizer import load_tokenizer
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from blockdraft.added_tokens import mask_token_problem, tokenizer_added_tokens
 from blockdraft.errors import ConfigError, safe_url
 
 
@@ -382,31 +383,6 @@ def _read_toml(p: Path) -> dict:
                           "save it as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config {p} is not valid TOML ({exc}); fix the syntax at that line") from None
-
-
-def tokenizer_added_tokens(folder: Path) -> dict[int, str]:
-    """The added tokens (`<|im_end|>`, `<think>`, ...) a Hugging Face tokenizer folder defines, by id, read from its
-    tokenizer_config.json (`added_tokens_decoder`) or tokenizer.json (`added_tokens`); {} when it names none."""
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        decoder = config.get("added_tokens_decoder") or {}
-        if decoder:
-            return {int(i): str(t.get("content")) for i, t in decoder.items()}
-    except (OSError, ValueError, AttributeError):
-        pass
-    try:
-        added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens") or []
-        return {int(t["id"]): str(t.get("content")) for t in added}
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return {}
-
-
-def mask_token_problem(mask_token_id: int | None, added: dict[int, str]) -> str | None:
-    """Why `mask_token_id` cannot be the drafter's mask token given the tokenizer's added tokens, or None."""
-    if mask_token_id is None or mask_token_id not in added:
-        return None
-    return (f"dflash.mask_token_id {mask_token_id} is the tokenizer's token {added[mask_token_id]}, which it emits in the data: "
-            "the drafter could not tell a masked slot from it; set it to a reserved id the tokenizer never emits (Qwen3: 151669)")
 
 
 def _check_mask_token(config: BlockdraftConfig, label: str) -> None:

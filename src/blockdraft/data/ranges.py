@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 from awscrt import checksums
 
 from blockdraft.config import MAX_ROW_BYTES
-from blockdraft.data.completions import (
+from blockdraft.data.records import (
     PARQUET_BATCH_ROWS,
     RawRecord,
     bounded_lines,

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdraft.config import BlockdraftConfig, mask_token_problem
+from blockdraft.added_tokens import mask_token_problem
+from blockdraft.config import BlockdraftConfig
 from blockdraft.data.render import ChatTemplate, compile_chat_template
 from blockdraft.errors import ConfigError
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockdraft.config import StoreConfig
-from blockdraft.data.completions import RowRejected, is_completions_file, iter_records, list_completions, normalise_message, source_id_of
+from blockdraft.data.completions import RowRejected, is_completions_file, list_completions, normalise_message, source_id_of
+from blockdraft.data.records import iter_records
 from blockdraft.decode.greedy import Prompt
 from blockdraft.store import Store
 from blockdraft.store.artifact import InputRef

@@ -34,9 +34,10 @@ import pyarrow as pa
 from tokenizers import Tokenizer
 
 from blockdraft.config import StoreConfig
-from blockdraft.data.completions import RawRecord, RowRejected, check_special_tokens, normalise, source_id_of
+from blockdraft.data.completions import RowRejected, check_special_tokens, normalise, source_id_of
 from blockdraft.data.inputs import STAT_PIN, check_unchanged, pin_is_trusted
 from blockdraft.data.ranges import RangeReader
+from blockdraft.data.records import RawRecord
 from blockdraft.data.render import (
     ChatTemplate,
     PlannedTurn,
