@@ -35,7 +35,7 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, read_manifest
-from blockdraft.store.stage_io import StageInput, StageOutput, stage_key
+from blockdraft.store.stage_io import StageInput, StageOutput, refuse_nested, stage_key
 
 STAGE = "export"
 SERVING_NAME = "serving.json"
@@ -64,10 +64,9 @@ def run(
     """
     started = time.perf_counter()
     reporter = reporter or Reporter()
-    checkpoint = open_drafter_artifact(open_store(input, config.store))
-    out_store = open_store(output, config.store)
-    if checkpoint.store.url.rstrip("/") == out_store.url.rstrip("/"):
-        raise ExportError(f"export destination {output} is the checkpoint itself; pass another folder or URL")
+    in_store, out_store = open_store(input, config.store), open_store(output, config.store)
+    refuse_nested(in_store, out_store, "checkpoint")
+    checkpoint = open_drafter_artifact(in_store)
     with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
         resolved = _pinned_config(checkpoint, Path(tmp))
         target_path = target or resolved.get("target", {}).get("path")
@@ -76,7 +75,7 @@ def run(
         target_config = _target_config(target_path)
         dtype = target_dtype(config.target.dtype, target_config)
         key = {"target": target_path, "location": output, "dtype": dtype}
-        out = StageOutput(out_store, EXPORT_KIND, stage_key(key, [checkpoint.ref]))
+        out = StageOutput(out_store, EXPORT_KIND, stage_key(key, [checkpoint.ref]), reporter=reporter)
         done = out.done()
         if done is not None:
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; nothing written")
