@@ -59,7 +59,8 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 def _one_line_error(result) -> str:
     assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
     lines = [line for line in result.output.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1, result.output

@@ -2,7 +2,7 @@
 
 - `claim_output`: before the first byte, a writer (holding its output's lease) checks that the output is empty, already
   a blockdraft artifact of its kind whose manifest lists every file there, or marked (`WRITING_NAME`) as being written by
-  an earlier run of its kind (an interrupted run resumes); anything else is refused with one line naming a file, and
+  an earlier run of its kind, or holding that run's piece records (an interrupted run resumes); anything else is refused with one line naming a file, and
   nothing is deleted or overwritten. Bookkeeping names (`base.BOOKKEEPING_PREFIX`) are blockdraft's. Folders below that
   are other artifacts' roots (`base.ROOT_MARKERS`) belong to those artifacts, and a live writer above or below the output
   is respected: refused with one line naming it.
@@ -22,6 +22,8 @@ from blockdraft.store.lease import LEASE_NAME, LeaseRecord, held_here, holds_liv
 # At the root of an output a stage has begun to write and not committed yet: which kind it is making. It says the files
 # there are an earlier run's of that kind, so a rerun may resume over them; removed once the manifest is written.
 WRITING_NAME = ".blockdraft-writing.json"
+PIECES_DIR = ".blockdraft-pieces"  # where a stage records its finished pieces (`stage_io`), each a manifest of kind KIND-piece
+PIECE_SUFFIX = "-piece"
 
 
 def claim_output(store: Store, kind: str, force: bool, mark: bool = True) -> None:
@@ -107,7 +109,7 @@ def _not_ours(store: Store, kind: str, keys: list[str]) -> str | None:
         listed = {entry.path for entry in found[0].files} if found is not None else set()
         stray = [k for k in files if k not in listed]
     else:
-        writing = _writing_kind(store)
+        writing = _writing_kind(store) or _pieces_kind(store, keys)
         if writing is not None and writing != kind:
             return f"{url} is being made into a '{writing}' artifact, not '{kind}'; pass another output"
         stray = [] if writing == kind else files
@@ -126,6 +128,19 @@ def _writing_kind(store: Store) -> str | None:
     except (FileNotFoundError, ValueError):
         return None
     return mark.get("kind") if isinstance(mark, dict) and isinstance(mark.get("kind"), str) else None
+
+
+def _pieces_kind(store: Store, keys: list[str]) -> str | None:
+    """The kind whose piece records (`stage_io.PIECES_DIR`) an earlier run left at the output, or None: such records
+    mark an interrupted run of that kind as surely as the writing mark does."""
+    record = next((k for k in keys if k.startswith(PIECES_DIR + "/") and k.endswith(".json")), None)
+    if record is None:
+        return None
+    try:
+        kind = json.loads(store.read_bytes(record)).get("kind")
+    except (FileNotFoundError, ValueError, AttributeError):
+        return None
+    return kind.removesuffix(PIECE_SUFFIX) if isinstance(kind, str) and kind.endswith(PIECE_SUFFIX) else None
 
 
 def _location(store: Store) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from blockdraft.config import StoreConfig
-from blockdraft.errors import ArtifactError, ConfigError
+from blockdraft.errors import ArtifactError, ConfigError, StoreError
 from blockdraft.reporter import Reporter
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import (
@@ -52,9 +52,8 @@ from blockdraft.store.artifact import (
     verify_artifact,
 )
 from blockdraft.store.lease import Lease
-from blockdraft.store.ownership import claim_output, refuse_nested, release_claim
+from blockdraft.store.ownership import PIECE_SUFFIX, PIECES_DIR, claim_output, refuse_nested, release_claim
 
-PIECES_DIR = ".blockdraft-pieces"
 STAGE_KEY = "stage_key"  # the manifest's config field that names what the output was made from
 
 
@@ -318,7 +317,11 @@ class StageOutput:
         entries = []
         for path in paths:
             entry = entry_for_local_file(root, path)
-            self.store.put_file(entry.path, path, checksum=entry.checksum)
+            try:
+                self.store.put_file(entry.path, path, checksum=entry.checksum)
+            except (StoreError, OSError):
+                self.raise_if_lost()
+                raise
             entries.append(entry)
         return self.commit(entries, config=config, lineage=lineage, counts=counts)
 
@@ -334,7 +337,7 @@ class StageOutput:
         problems = [p for p in check_files(self.store, files) if p is not None]
         if problems:
             raise ArtifactError(f"{self.url.rstrip('/')}/{problems[0].path} did not verify before its piece was recorded: {problems[0].detail}")
-        piece = Manifest(kind=f"{self.kind}-piece", config={STAGE_KEY: piece_key}, files=files, counts=counts or {})
+        piece = Manifest(kind=self.kind + PIECE_SUFFIX, config={STAGE_KEY: piece_key}, files=files, counts=counts or {})
         self.store.put_bytes(self._piece_key(name), piece.to_bytes())
 
     def finished_piece(self, name: str, piece_key: str) -> Manifest | None:
@@ -343,7 +346,7 @@ class StageOutput:
             piece = Manifest.model_validate_json(self.store.read_bytes(self._piece_key(name)))
         except (FileNotFoundError, ValueError):
             return None
-        if piece.config.get(STAGE_KEY) != piece_key or piece.kind != f"{self.kind}-piece":
+        if piece.config.get(STAGE_KEY) != piece_key or piece.kind != self.kind + PIECE_SUFFIX:
             return None
         if any(p is not None for p in check_files(self.store, piece.files)):
             return None
