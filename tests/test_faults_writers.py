@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.errors import LeaseError
+from blockdraft.reporter import Reporter
 from blockdraft.stages import train
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
@@ -71,8 +72,9 @@ def test_an_expired_lease_is_taken_over(tmp_path):
     art = commit_files(tmp_path / "art", {"a.bin": b"x" * 10}, kind="tokenized")
     dest = tmp_path / "dest"
     _foreign_lease(dest, expires_in=-1.0)  # its writer died and stopped renewing
-    with pytest.warns(UserWarning, match="taking over the lease"):
-        push(art, str(dest))
+    reporter = Reporter()
+    push(art, str(dest), reporter=reporter)
+    assert len(reporter.warnings) == 1 and "taking over the lease" in reporter.warnings[0]
     assert verify_artifact(open_store(dest)).state is State.VERIFIED and not (dest / LEASE_NAME).exists()
 
 
@@ -86,16 +88,16 @@ def test_a_lease_left_by_a_dead_process_on_this_host_is_taken_over_at_once(tmp_p
     (dest / LEASE_NAME).write_bytes(LeaseRecord(f"{socket.gethostname()}:{gone.pid}:x", socket.gethostname(), gone.pid, "blockdraft push",
                                                 now, now + 600).to_bytes())
     art = commit_files(tmp_path / "art", {"a.bin": b"x" * 10}, kind="tokenized")
-    with pytest.warns(UserWarning, match=f"pid {gone.pid}"):
-        push(art, str(dest))
+    reporter = Reporter()
+    push(art, str(dest), reporter=reporter)
+    assert len(reporter.warnings) == 1 and f"pid {gone.pid}" in reporter.warnings[0]
     assert verify_artifact(open_store(dest)).state is State.VERIFIED
 
 
 def test_a_writer_that_lost_its_lease_never_commits(tmp_path):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "f.bin").write_bytes(b"data")
     out = StageOutput(str(tmp_path / "out"), "test", "key")
     out.begin()
+    (tmp_path / "out" / "f.bin").write_bytes(b"data")
     _foreign_lease(tmp_path / "out")  # another writer took it over (say, with --force) while this one ran
     from blockdraft.store.artifact import entry_for_local_file
 

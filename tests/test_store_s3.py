@@ -21,6 +21,7 @@ from blockdraft.errors import StoreError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, check_file, read_manifest, verify_artifact
 from blockdraft.store.checksum import crc64nvme_file
+from blockdraft.store.ownership import WRITING_NAME
 from blockdraft.store.preflight import PROBE_PREFIX, preflight
 from blockdraft.store.s3_client import resolve_endpoint
 from blockdraft.store.status import render_progress, status
@@ -294,9 +295,11 @@ def test_pull_from_s3_is_refused_without_manifest(s3_bucket, s3_env, tmp_path):
 
 @pytest.mark.fault
 def test_objects_without_checksum_metadata_are_read_back_never_trusted(s3_bucket, s3_env, make_artifact, tmp_path):
-    """Another client uploaded a file without CRC64NVME: push reads it back, and skips it only because the bytes match."""
+    """Another client uploaded a file without CRC64NVME into an interrupted push of this artifact (its writing mark is
+    there): push reads it back, and skips it only because the bytes match."""
     local = make_artifact(tmp_path / "a", {"same.bin": os.urandom(2 * MIB), "differs.bin": os.urandom(2 * MIB)})
     raw = s3_env.client()
+    raw.put_object(Bucket=s3_bucket, Key=f"a/{WRITING_NAME}", Body=b'{"kind": "test"}\n')
     raw.put_object(Bucket=s3_bucket, Key="a/same.bin", Body=(local / "same.bin").read_bytes())
     raw.put_object(Bucket=s3_bucket, Key="a/differs.bin", Body=os.urandom(2 * MIB))
     assert open_store(f"s3://{s3_bucket}/a").head("same.bin").checksum is None

@@ -16,6 +16,7 @@ from helpers.tokenize_data import config, files_of, make_corpus, piece_names, ro
 
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
+from blockdraft.store.base import TMP_PREFIX
 
 CLI = [sys.executable, "-c", "from blockdraft.cli import main; main()"]
 
@@ -96,4 +97,4 @@ def test_sigkill_midway_then_rerun_gives_the_uninterrupted_rows(tmp_path):
     assert resumed == expected  # none lost, none duplicated, same order
     assert sum(len(v) for v in resumed.values()) == reference.details.counts["rows_out"]
     assert files_of(out) == files_of(tmp_path / "ref")
-    assert not [p for p in out.rglob(".tmp-*")]
+    assert not [p for p in out.rglob(TMP_PREFIX + "*")]

@@ -18,9 +18,11 @@ from blockdraft.cli import app
 from blockdraft.errors import ArtifactError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
+from blockdraft.store.base import TMP_PREFIX
+from blockdraft.store.ownership import WRITING_NAME
 from blockdraft.store.stage_io import open_input
 from blockdraft.store.status import render_progress, status
-from blockdraft.store.transfer import pull, push
+from blockdraft.store.transfer import INCOMING_DIR, pull, push
 
 MIB = 1024 * 1024
 
@@ -59,7 +61,7 @@ def test_push_pull_roundtrip_and_rerun_skips(dest, artifact, tmp_path):
     for rel in first.moved:
         assert (out / rel).read_bytes() == (artifact / rel).read_bytes()
     assert verify_artifact(open_store(out)).state is State.VERIFIED
-    assert not [p for p in out.rglob(".tmp-*")]
+    assert not [p for p in out.rglob(TMP_PREFIX + "*")]
     assert pull(url, out, dest.settings).moved == []
 
 
@@ -69,11 +71,14 @@ def test_pull_resumes_keeping_files_that_verify(dest, artifact, tmp_path):
     push(artifact, url, dest.settings)
     out = tmp_path / "pulled"
     out.mkdir()
+    # What a killed pull of this artifact leaves: its mark of the folder being written, files in place, a temp file.
+    (out / WRITING_NAME).write_text('{"kind": "tokenized"}\n')
     (out / "shard-0.arrow").write_bytes((artifact / "shard-0.arrow").read_bytes())
     (out / "shard-1.arrow").write_bytes(b"partial leftover")
-    (out / ".tmp-shard-0.arrow.dead1234").write_bytes(b"left by a killed pull")
+    (out / INCOMING_DIR).mkdir()
+    (out / INCOMING_DIR / f"{TMP_PREFIX}shard-0.arrow.dead1234").write_bytes(b"left by a killed pull")
     got = pull(url, out, dest.settings)
-    assert not list(out.rglob(".tmp-*"))
+    assert not list(out.rglob(TMP_PREFIX + "*")) and not (out / WRITING_NAME).exists()
     assert got.skipped == ["shard-0.arrow"]
     assert sorted(got.moved) == ["empty.txt", "meta/info.json", "shard-1.arrow"]
     assert (out / "shard-1.arrow").read_bytes() == (artifact / "shard-1.arrow").read_bytes()
@@ -208,7 +213,7 @@ def test_full_disk_during_pull_is_one_clear_error_and_no_manifest(dest, artifact
     assert "local disk full" in proc.stderr and "the local folder was left as it was" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (out / MANIFEST_NAME).exists()
-    assert not list(out.rglob(".tmp-*"))
+    assert not list(out.rglob(TMP_PREFIX + "*"))
 
 
 def test_push_refuses_a_folder_without_manifest(dest, tmp_path):

@@ -194,7 +194,7 @@ def test_a_failed_rerun_over_a_committed_s3_output_that_changes_nothing_leaves_i
         raise RuntimeError("stage died")
 
     with pytest.raises(RuntimeError, match="stage died"):
-        stage_and_push(out_url, cfg.store, crash, polls, poll_s=0.1)
+        stage_and_push(out_url, cfg.store, "tokenized", crash, polls, poll_s=0.1)
     assert polls.listed, "the pusher found no finished shard to check"
     # Nothing was replaced, so nothing was uncommitted: readers still see the verified artifact.
     assert verify_artifact(open_store(out_url)).state is State.VERIFIED

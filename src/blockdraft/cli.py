@@ -69,7 +69,8 @@ def _root() -> None:
 
 ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="blockdraft TOML config file.")]
 ForceOpt = Annotated[
-    bool, typer.Option("--force", help="Take over the output's lease from a writer that is dead but whose lease has not expired yet.")
+    bool, typer.Option("--force", help="Take over the output's lease from a writer on another host that is dead but whose lease has not "
+                                       "expired yet (never from a process alive on this host).")
 ]
 DeepOpt = Annotated[
     bool, typer.Option("--deep", help="Read every byte back from a remote store and recompute its checksum, instead of trusting the checksum its server stored.")
@@ -202,8 +203,8 @@ def push(
     force: ForceOpt = False,
 ) -> None:
     """Upload an artifact, verify every file at the destination, then write its manifest there (last)."""
-    set_force_takeover(force)
-    report = push_artifact(local_dir, url, _store_config(config, endpoint_url, concurrency, part_size_mib))
+    with ConsoleReporter(console) as reporter:
+        report = push_artifact(local_dir, url, _store_config(config, endpoint_url, concurrency, part_size_mib), force=force, reporter=reporter)
     print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pushed[/]: {report.summary()}", highlight=False)
 
@@ -220,8 +221,8 @@ def pull(
     force: ForceOpt = False,
 ) -> None:
     """Download an artifact, recompute every checksum, and write the local manifest last; refuse one that does not verify."""
-    set_force_takeover(force)
-    report = pull_artifact(url, local_dir, _store_config(config, endpoint_url, concurrency, part_size_mib))
+    with ConsoleReporter(console) as reporter:
+        report = pull_artifact(url, local_dir, _store_config(config, endpoint_url, concurrency, part_size_mib), force=force, reporter=reporter)
     print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pulled[/]: {report.summary()}", highlight=False)
 

@@ -25,7 +25,6 @@ from blockdraft.store.manifest import (
     MANIFEST_NAME,
     ORIGIN_NAME,
     PIECES_DIR,
-    RESERVED_NAMES,
     FileEntry,
     InputRef,
     Manifest,
@@ -331,7 +330,7 @@ def commit_manifest(store: Store, raw: bytes) -> VerifyReport:
 
 __all__ = [
     "BYTES_READ_BACK", "INCOMING_DIR", "LOCAL_CACHED", "MANIFEST_FORMAT", "MANIFEST_NAME", "ORIGIN_NAME", "PIECES_DIR",
-    "RESERVED_NAMES", "SERVER_CHECKSUMS", "FileEntry", "FileProblem", "InputRef", "Manifest", "State", "VerifyReport",
+    "SERVER_CHECKSUMS", "FileEntry", "FileProblem", "InputRef", "Manifest", "State", "VerifyReport",
     "check_file", "check_files", "check_method", "commit_artifact", "commit_manifest", "entry_for_local_file",
     "entry_path_problem", "manifest_sha256", "raw_input", "read_manifest", "read_origin", "record_origin", "uncommit",
     "verify_artifact",

@@ -9,12 +9,28 @@ from __future__ import annotations
 import abc
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
+
+# Every name blockdraft keeps beside an artifact's files (its lease, a copy's origin, piece records, a pull's incoming
+# folder, temporary files) starts with this, so a writer tells its own bookkeeping from a user's files by name alone.
+BOOKKEEPING_PREFIX = ".blockdraft-"
+# A file being written: `TMP_PREFIX + final name + "." + random` (or + final name alone, where one writer owns the name),
+# renamed when whole. A name only blockdraft creates, so cleaning up temp files never touches a user's file.
+TMP_PREFIX = BOOKKEEPING_PREFIX + "tmp-"
+# What only an artifact's own root holds (its manifest, its writer's lease, the mark of a stage writing it; the names of
+# `artifact.MANIFEST_NAME`, `lease.LEASE_NAME` and `ownership.WRITING_NAME`): a folder below a writer's root that holds
+# one is another artifact's, whose files that writer never touches.
+ROOT_MARKERS = ("blockdraft-manifest.json", ".blockdraft-lease.json", ".blockdraft-writing.json")
+
+
+def is_bookkeeping(key: str) -> bool:
+    """Whether `key` (relative, '/'-separated) is blockdraft's bookkeeping: a part of its path is a name only it creates."""
+    return any(part.startswith(BOOKKEEPING_PREFIX) for part in key.split("/"))
 
 
 @dataclass(frozen=True)
@@ -93,7 +109,7 @@ class Store(abc.ABC):
         """
         local_path = Path(local_path)
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local_path.parent / f".tmp-{local_path.name}.{uuid.uuid4().hex[:8]}"
+        tmp = local_path.parent / f"{TMP_PREFIX}{local_path.name}.{uuid.uuid4().hex[:8]}"
         crc = Crc64Nvme()
         size = 0
         try:
@@ -107,9 +123,14 @@ class Store(abc.ABC):
             tmp.unlink(missing_ok=True)
         return size, crc.b64
 
-    def abort_partial_uploads(self) -> int:
-        """Drop unfinished uploads under this root (S3 multipart uploads); returns how many. Nothing to do by default."""
+    def abort_partial_uploads(self, keys: Collection[str] | None = None) -> int:
+        """Drop this writer's unfinished uploads (S3 multipart uploads, local temp files) of `keys`, or when None of every
+        key under this root outside the roots of other artifacts below it; returns how many. Nothing to do by default."""
         return 0
+
+    def parent(self) -> Store | None:
+        """The store one folder up, or None at the top (a filesystem's root, a bucket's)."""
+        return None
 
     def local_path(self) -> Path | None:
         """The folder behind a local store; None for remote stores."""

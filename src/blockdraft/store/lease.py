@@ -3,9 +3,11 @@
 A lease is `LEASE_NAME` under the output root, created only if absent (`Store.put_bytes_if_absent`: O_EXCL on a folder,
 `If-None-Match: *` on S3), naming its owner (host, pid, a per-process token, the command) and an expiry that a heartbeat
 thread pushes forward while the writer lives. A second writer finds it and fails at once with one line naming the owner.
-A lease past its expiry, or left on this host by a process that no longer exists (kill -9, a crash), is taken over with a
-warning, so a rerun resumes; `--force` (`set_force_takeover`) takes over a live one whose writer the user knows is dead. A commit first checks that the lease is still its own (`Lease.check`), so a
-writer that lost its lease never writes a manifest.
+A lease past its expiry, left on this host by a process that no longer exists (kill -9, a crash), or unreadable (not a
+record blockdraft writes) is taken over with a warning through the reporter, so a rerun resumes; `force` (`--force`) takes
+over a live one of another host whose writer the user knows is dead, never one whose process is alive on this host. A
+commit first checks that the lease is still its own (`Lease.check`), so a writer that lost its lease never writes a
+manifest.
 
 Leases are per process and re-entrant: a stage that holds its output's lease may push to it (the push takes the same
 lease again); the object is deleted when the last holder releases it, and at exit for any still held.
@@ -16,16 +18,17 @@ from __future__ import annotations
 import atexit
 import datetime as _dt
 import json
+import math
 import os
 import socket
 import sys
 import threading
 import time
 import uuid
-import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from blockdraft.errors import LeaseError, redact
+from blockdraft.reporter import Reporter
 from blockdraft.store.base import Store
 
 LEASE_NAME = ".blockdraft-lease.json"
@@ -35,7 +38,8 @@ FORCE_ENV = "BLOCKDRAFT_TAKE_OVER_LEASE"  # set by --force; inherited by the ran
 
 
 def set_force_takeover(force: bool) -> None:
-    """`--force`: take over a live lease too (its writer is known to be dead). Process-wide, set by the CLI."""
+    """`--force` for the stages, which pass it to their leases through the environment (the ranks torchrun starts inherit
+    it); push and pull take `force` as a parameter instead."""
     if force:
         os.environ[FORCE_ENV] = "1"
     else:
@@ -62,28 +66,65 @@ class LeaseRecord:
 
     @classmethod
     def parse(cls, data: bytes) -> LeaseRecord | None:
+        """The record, or None for bytes blockdraft never writes (not JSON, other fields, a time that is not a finite
+        number of seconds a date can hold, a pid that is not an integer): such a lease is treated as expired."""
         try:
-            return cls(**json.loads(data))
-        except (ValueError, TypeError):
-            return None  # torn or foreign: treated as expired
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        if not isinstance(raw, dict) or set(raw) != {f.name for f in fields(cls)}:
+            return None
+        texts_ok = all(isinstance(raw[name], str) for name in ("owner", "host", "command"))
+        pid_ok = isinstance(raw["pid"], int) and not isinstance(raw["pid"], bool) and 0 <= raw["pid"] < 2**31
+        if not (texts_ok and pid_ok and all(_is_time(raw[name]) for name in ("acquired_at", "expires_at"))):
+            return None
+        return cls(**raw)
+
+    @classmethod
+    def unreadable(cls) -> LeaseRecord:
+        """What an unreadable lease object stands for: no known writer, expired."""
+        return cls(UNREADABLE, "unknown", 0, "unreadable lease", 0.0, 0.0)
 
     def describe(self) -> str:
+        if self.owner == UNREADABLE:
+            return "an unreadable lease record (not one blockdraft writes)"
         until = _dt.datetime.fromtimestamp(self.expires_at, _dt.UTC).isoformat(timespec="seconds")
         return f"pid {self.pid} on {self.host} ({self.command}; lease until {until})"
 
 
-def _writer_dead(record: LeaseRecord) -> bool:
-    """True when the lease's writer ran on this host and its process is gone (a kill -9 or a crash): its output can be
-    taken over at once, as a rerun on the same machine expects. Another host's writer is judged by the expiry alone."""
-    if record.host != socket.gethostname() or record.pid <= 0:
+UNREADABLE = "unreadable"
+_LATEST_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last second a date can name
+
+
+def _is_time(value: object) -> bool:
+    """Epoch seconds as a lease holds them: a finite int or float that a date can name."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return False
+    return math.isfinite(value) and 0 <= value <= _LATEST_TIME
+
+
+def _process_here(record: LeaseRecord) -> bool | None:
+    """Whether the lease's writer process is alive, when it ran on this host; None for another host's writer (or no pid),
+    which is judged by the expiry alone."""
+    if record.host != socket.gethostname() or record.pid <= 0:
+        return None
     try:
         os.kill(record.pid, 0)
     except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
         return False
-    return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def holds_live(record: LeaseRecord, force: bool) -> bool:
+    """Whether `record` still stops another writer: unexpired, and its writer neither gone from this host (a kill -9, a
+    crash: a rerun on the same machine resumes at once) nor, with `force`, on another host. `force` never overrides a
+    writer whose process is alive on this host."""
+    if record.owner == UNREADABLE or record.expires_at <= time.time():
+        return False
+    here = _process_here(record)
+    return here is True or (here is None and not force)
 
 
 def _me() -> str:
@@ -93,8 +134,8 @@ def _me() -> str:
 class _Held:
     """A lease this process holds on one output root: its record, how many holders share it, its heartbeat."""
 
-    def __init__(self, store: Store, record: LeaseRecord, ttl_s: float) -> None:
-        self.store, self.record, self.ttl_s = store, record, ttl_s
+    def __init__(self, store: Store, record: LeaseRecord, ttl_s: float, reporter: Reporter) -> None:
+        self.store, self.record, self.ttl_s, self.reporter = store, record, ttl_s, reporter
         self.count = 1
         self.lost: str | None = None
         self._stop = threading.Event()
@@ -107,12 +148,12 @@ class _Held:
                 current = _read(self.store)
                 if current is None or current.owner != self.record.owner:
                     self.lost = f"now held by {current.describe()}" if current else "deleted by someone else"
+                    self.reporter.warn(f"lost the lease on {self.store.url}: {self.lost}; this run will not commit its output")
                     return
                 self.record.expires_at = time.time() + self.ttl_s
                 self.store.put_bytes(LEASE_NAME, self.record.to_bytes())
             except Exception as exc:  # the store is unreachable for now: the commit's check will tell
-                self.lost = self.lost or None
-                warnings.warn(f"could not renew the lease on {self.store.url} ({type(exc).__name__}); retrying", stacklevel=1)
+                self.reporter.warn(f"could not renew the lease on {self.store.url} ({type(exc).__name__}); retrying")
 
     def stop(self) -> None:
         self._stop.set()
@@ -129,17 +170,32 @@ def _read(store: Store) -> LeaseRecord | None:
         data = store.read_bytes(LEASE_NAME)
     except FileNotFoundError:
         return None
-    return LeaseRecord.parse(data) or LeaseRecord("unknown", "unknown", 0, "unreadable lease", 0.0, 0.0)
+    return LeaseRecord.parse(data) or LeaseRecord.unreadable()
+
+
+def read_lease(store: Store) -> LeaseRecord | None:
+    """The lease at `store`'s root as recorded (an unreadable one as `LeaseRecord.unreadable`), or None when there is none."""
+    return _read(store)
+
+
+def held_here(store: Store) -> bool:
+    """Whether this process holds the lease on `store`'s root."""
+    return store.url.rstrip("/") in _held
 
 
 class Lease:
-    """The lease on the output at `store` for this process; `acquire` (or `with`) takes it, `release` gives it back."""
+    """The lease on the output at `store` for this process; `acquire` (or `with`) takes it, `release` gives it back.
 
-    def __init__(self, store: Store, ttl_s: float = LEASE_TTL_S) -> None:
+    `force`: take over a live lease of another host's writer (None: what `set_force_takeover` set). `reporter` hears of
+    takeovers and of renewals that failed (a `Reporter()` that only logs when None)."""
+
+    def __init__(self, store: Store, ttl_s: float = LEASE_TTL_S, *, force: bool | None = None, reporter: Reporter | None = None) -> None:
         self.store = store
         self.ttl_s = ttl_s
         self.key = store.url.rstrip("/")
         self.taken_over: LeaseRecord | None = None
+        self.force = _force_takeover() if force is None else force
+        self.reporter = reporter or Reporter()
 
     def __enter__(self) -> Lease:
         return self.acquire()
@@ -158,7 +214,7 @@ class Lease:
             record = LeaseRecord(_me(), socket.gethostname(), os.getpid(), redact(" ".join(sys.argv[:3]))[:200], now, now + self.ttl_s)
             for _ in range(5):
                 if self.store.put_bytes_if_absent(LEASE_NAME, record.to_bytes()):
-                    _held[self.key] = _Held(self.store, record, self.ttl_s)
+                    _held[self.key] = _Held(self.store, record, self.ttl_s, self.reporter)
                     return self
                 current = _read(self.store)
                 if current is None:
@@ -166,15 +222,26 @@ class Lease:
                 if current.owner == record.owner:  # left by this very process (an earlier holder that crashed mid-way)
                     self.store.delete(LEASE_NAME)
                     continue
-                if current.expires_at > time.time() and not _force_takeover() and not _writer_dead(current):
-                    raise LeaseError(
-                        f"{self.store.url} is being written by {current.describe()}; wait for that run to finish, or rerun with "
-                        "--force if it is dead"
-                    )
+                if holds_live(current, self.force):
+                    raise busy_error(self.store.url, current)
                 self.taken_over = current
-                warnings.warn(f"taking over the lease on {self.store.url} from {current.describe()}", stacklevel=2)
+                self.reporter.warn(f"taking over the lease on {self.store.url} from {current.describe()}")
                 self.store.delete(LEASE_NAME)
             raise LeaseError(f"could not take the lease on {self.store.url}: other writers keep taking it; rerun when they are done")
+
+    def lost_to(self) -> str | None:
+        """Who holds the lease now when this process no longer does (a takeover, a deletion); None while it is ours."""
+        held = _held.get(self.key)
+        try:
+            current = _read(self.store)
+        except Exception:  # the store cannot say now: not known to be lost
+            return None
+        if held is not None and current is not None and current.owner == held.record.owner:
+            return None
+        return current.describe() if current else "nobody (the lease was deleted)"
+
+    def lost_error(self) -> LeaseError:
+        return LeaseError(f"lost the lease on {self.store.url} to {self.lost_to()}; this run's output was not committed; rerun it")
 
     def check(self) -> None:
         """Raise LeaseError unless this process still holds the lease (called right before a commit)."""
@@ -203,6 +270,16 @@ class Lease:
                 pass
 
 
+def busy_error(url: str, record: LeaseRecord) -> LeaseError:
+    """The one line for an output that `record`'s live writer holds."""
+    if _process_here(record):
+        return LeaseError(
+            f"{url} is being written by {record.describe()}, and pid {record.pid} is alive on this host; wait for it to "
+            "finish or stop it (--force takes over only a writer that is dead)"
+        )
+    return LeaseError(f"{url} is being written by {record.describe()}; wait for that run to finish, or rerun with --force if it is dead")
+
+
 def held_leases() -> list[str]:
     """The output roots whose lease this process holds (for tests and diagnostics)."""
     return sorted(_held)
@@ -216,4 +293,7 @@ def _release_all() -> None:
         Lease(held.store).release()
 
 
-__all__ = ["LEASE_NAME", "LEASE_TTL_S", "Lease", "LeaseRecord", "held_leases", "set_force_takeover"]
+__all__ = [
+    "LEASE_NAME", "LEASE_TTL_S", "Lease", "LeaseRecord", "busy_error", "held_here", "held_leases", "holds_live", "read_lease",
+    "set_force_takeover",
+]

@@ -7,16 +7,15 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from blockdraft.errors import OutsideArtifactError, StoreError
-from blockdraft.store.base import ObjectInfo, Store
+from blockdraft.store.base import ROOT_MARKERS, TMP_PREFIX, ObjectInfo, Store
 from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.checksum_cache import cached_checksum, file_checksum, remember_checksum
 
-TMP_PREFIX = ".tmp-"
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # what `Path.is_file` reads as "not a file"
 
 
@@ -32,6 +31,9 @@ class LocalStore(Store):
 
     def local_path(self) -> Path:
         return self.root
+
+    def parent(self) -> LocalStore | None:
+        return None if self.root.parent == self.root else LocalStore(self.root.parent)
 
     def _path(self, key: str) -> Path:
         return Path(self._inside(key))
@@ -108,7 +110,7 @@ class LocalStore(Store):
     def _atomic_target(self, key: str) -> tuple[Path, Path]:
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=dest.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{dest.name}.", dir=dest.parent)
         os.close(fd)
         return dest, Path(tmp)
 
@@ -152,17 +154,37 @@ class LocalStore(Store):
         finally:
             tmp.unlink(missing_ok=True)
 
-    def abort_partial_uploads(self) -> int:
-        """Remove temp files left by a killed writer (a rename never happened, so they are nobody's data)."""
+    def abort_partial_uploads(self, keys: Collection[str] | None = None) -> int:
+        """Remove temp files left by a killed writer (a rename never happened, so they are nobody's data): those of `keys`,
+        or when None every one under this root except in the folders of other artifacts below it. Only blockdraft's
+        temp names (`TMP_PREFIX`) are ever removed."""
         if not self.root.is_dir():
             return 0
-        leftovers = [p for p in self.root.rglob(TMP_PREFIX + "*") if p.is_file()]
+        leftovers = _own_temp_files(self.root) if keys is None else [p for key in keys for p in _temp_files_of(self.root / key)]
         for path in leftovers:
             path.unlink(missing_ok=True)
         return len(leftovers)
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+
+def _temp_files_of(path: Path) -> list[Path]:
+    """The temp files that writes of `path` leave beside it: `TMP_PREFIX + name` and `TMP_PREFIX + name + ".*"`."""
+    folder, stem = path.parent, TMP_PREFIX + path.name
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir() if (p.name == stem or p.name.startswith(stem + ".")) and p.is_file()]
+
+
+def _own_temp_files(root: Path) -> list[Path]:
+    """Every temp file under `root`, not descending into folders (or symlinks) that are the roots of other artifacts."""
+    found = []
+    for folder, subdirs, names in os.walk(root):
+        here = Path(folder)
+        subdirs[:] = [d for d in subdirs if not any((here / d / marker).exists() for marker in ROOT_MARKERS)]
+        found += [here / name for name in names if name.startswith(TMP_PREFIX)]
+    return found
 
 
 def _walk(path: str, folder: str, prefix: str) -> Iterator[ObjectInfo]:

@@ -15,9 +15,8 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from blockdraft import __version__
 from blockdraft.errors import ArtifactError
-from blockdraft.store.base import ObjectInfo, Store
+from blockdraft.store.base import BOOKKEEPING_PREFIX, ObjectInfo, Store, is_bookkeeping
 from blockdraft.store.checksum import crc64nvme_file
-from blockdraft.store.lease import LEASE_NAME
 
 MANIFEST_NAME = "blockdraft-manifest.json"
 MANIFEST_FORMAT = "blockdraft-manifest/1"
@@ -26,15 +25,14 @@ MANIFEST_FORMAT = "blockdraft-manifest/1"
 ORIGIN_NAME = ".blockdraft-origin.json"
 
 
-# Names an artifact's own bookkeeping uses at its root; no listed file may be one of them (or lie below one).
-PIECES_DIR = ".blockdraft-pieces"  # a long stage's finished pieces, as sub-manifests (`stage_io`)
-INCOMING_DIR = ".blockdraft-incoming"  # a pull's verified bytes, waiting until all of them are in (`transfer`)
-RESERVED_NAMES = (MANIFEST_NAME, ORIGIN_NAME, LEASE_NAME, PIECES_DIR, INCOMING_DIR)
+PIECES_DIR = BOOKKEEPING_PREFIX + "pieces"  # a long stage's finished pieces, as sub-manifests (`stage_io`)
+INCOMING_DIR = BOOKKEEPING_PREFIX + "incoming"  # a pull's verified bytes, waiting until all of them are in (`transfer`)
 
 
 def entry_path_problem(path: str) -> str | None:
     """Why `path` cannot name a file inside an artifact, or None when it can: a relative '/'-separated path below the
-    artifact's root, with no empty, '.' or '..' part, no backslash, NUL or drive letter, and not one of `RESERVED_NAMES`.
+    artifact's root, with no empty, '.' or '..' part, no backslash, NUL or drive letter, not the manifest, and with no part
+    named as blockdraft's bookkeeping (`base.is_bookkeeping`: leases, marks, pieces, origins, temporary files).
     The one rule every manifest entry obeys wherever a manifest is read (a shared bucket may hold a planted one)."""
     if not path:
         return "is empty"
@@ -45,8 +43,8 @@ def entry_path_problem(path: str) -> str | None:
     parts = path.split("/")
     if any(part in ("", ".", "..") for part in parts):
         return "has an empty, '.' or '..' part"
-    if parts[0] in RESERVED_NAMES:
-        return f"names blockdraft's own {parts[0]}"
+    if path == MANIFEST_NAME or is_bookkeeping(path):
+        return f"names blockdraft's own {next((p for p in parts if p.startswith(BOOKKEEPING_PREFIX)), path)}"
     return None
 
 

@@ -7,7 +7,7 @@ module is the `Store` over them: listing, HEAD with checksums, small reads and w
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -16,7 +16,7 @@ from botocore.exceptions import ClientError
 
 from blockdraft.config import StoreConfig
 from blockdraft.store import s3_multipart
-from blockdraft.store.base import ObjectInfo, Store
+from blockdraft.store.base import ROOT_MARKERS, ObjectInfo, Store
 from blockdraft.store.s3_client import S3Location, b64, make_connection, parse_s3_url
 
 
@@ -69,17 +69,33 @@ class S3Store(Store):
     def delete(self, key: str) -> None:
         self.at.call("deleting", key, self.at.conn.client.delete_object, Key=self.at.key(key))
 
-    def abort_partial_uploads(self) -> int:
-        """Abort every unfinished multipart upload under this prefix (their parts cost storage and prove nothing)."""
+    def parent(self) -> S3Store | None:
+        if not self.at.prefix:
+            return None
+        up = self.at.prefix.rstrip("/").rpartition("/")[0]
+        return S3Store(S3Location(self.at.bucket, up + "/" if up else "", self.at.conn))
+
+    def abort_partial_uploads(self, keys: Collection[str] | None = None) -> int:
+        """Abort the unfinished multipart uploads of `keys` (their parts cost storage and prove nothing), or when None of
+        every key under this prefix outside the roots of other artifacts below it; another artifact's are never touched."""
         at, client = self.at, self.at.conn.client
-        aborted = 0
+        uploads = []
         pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=at.bucket, Prefix=at.prefix)
-        with at.errors("aborting unfinished uploads under", ""):
+        with at.errors("listing unfinished uploads under", ""):
             for page in pages:
-                for up in page.get("Uploads", []):
-                    client.abort_multipart_upload(Bucket=at.bucket, Key=up["Key"], UploadId=up["UploadId"])
-                    aborted += 1
-        return aborted
+                uploads += [(up["Key"], up["UploadId"]) for up in page.get("Uploads", [])]
+        wanted = (lambda rel: rel in keys) if keys is not None else self._outside_other_roots()
+        mine = [(key, upload_id) for key, upload_id in uploads if wanted(key[len(at.prefix) :])]
+        with at.errors("aborting unfinished uploads under", ""):
+            for key, upload_id in mine:
+                client.abort_multipart_upload(Bucket=at.bucket, Key=key, UploadId=upload_id)
+        return len(mine)
+
+    def _outside_other_roots(self) -> Callable[[str], bool]:
+        """Whether a key is outside every folder below this prefix that is another artifact's root."""
+        roots = {info.key.rpartition("/")[0] for info in self.list() if info.key.rpartition("/")[2] in ROOT_MARKERS}
+        roots.discard("")
+        return lambda rel: not any(rel.startswith(root + "/") for root in roots)
 
     # ---- data ----
 

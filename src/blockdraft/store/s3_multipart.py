@@ -18,10 +18,10 @@ from pathlib import Path
 from awscrt import checksums
 
 from blockdraft.errors import StoreError
+from blockdraft.store.base import TMP_PREFIX
 from blockdraft.store.s3_client import MIB, S3Location, b64
 
 STREAM_CHUNK = 1 * MIB
-TMP_PREFIX = ".tmp-"
 
 
 def _ranges(size: int, part_size: int) -> list[tuple[int, int]]:

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from blockdraft.config import StoreConfig
-from blockdraft.errors import ArtifactError, ConfigError
+from blockdraft.errors import ArtifactError, ConfigError, StoreError
+from blockdraft.reporter import Reporter
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import (
     MANIFEST_NAME,
@@ -52,6 +53,7 @@ from blockdraft.store.artifact import (
     verify_artifact,
 )
 from blockdraft.store.lease import Lease
+from blockdraft.store.ownership import PIECE_SUFFIX, claim_output, refuse_nested, release_claim
 
 STAGE_KEY = "stage_key"  # the manifest's config field that names what the output was made from
 
@@ -210,21 +212,31 @@ def open_raw_input(url: str, store_config: StoreConfig | None = None, role: str 
 
 
 class StageOutput:
-    """The output artifact of one stage run: `kind` at `url`, made from what `key` names (see `stage_key`)."""
+    """The output artifact of one stage run: `kind` at `url`, made from what `key` names (see `stage_key`).
 
-    def __init__(self, url: str | Store, kind: str, key: str, store_config: StoreConfig | None = None) -> None:
+    `force` and `reporter` go to its lease (`store.lease.Lease`): whether a live writer of another host is taken over
+    (None: what `set_force_takeover` set), and who hears of takeovers."""
+
+    def __init__(
+        self, url: str | Store, kind: str, key: str, store_config: StoreConfig | None = None, *,
+        force: bool | None = None, reporter: Reporter | None = None,
+    ) -> None:
         self.store = url if isinstance(url, Store) else open_store(url, store_config)
         self.kind = kind
         self.key = key
         self.copy_of: bytes | None = None
         self.lease: Lease | None = None
+        self.force, self.reporter = force, reporter
 
     @classmethod
-    def copy(cls, url: str | Store, raw_manifest: bytes, store_config: StoreConfig | None = None) -> StageOutput:
+    def copy(
+        cls, url: str | Store, raw_manifest: bytes, store_config: StoreConfig | None = None, *,
+        force: bool | None = None, reporter: Reporter | None = None,
+    ) -> StageOutput:
         """The destination of a copy (push, pull): it keeps the source's manifest byte for byte, so lineage digests stay
         valid, and it is done when it holds that very manifest and verifies."""
         manifest = Manifest.model_validate_json(raw_manifest)
-        out = cls(url, manifest.kind, manifest_sha256(raw_manifest), store_config)
+        out = cls(url, manifest.kind, manifest_sha256(raw_manifest), store_config, force=force, reporter=reporter)
         out.copy_of = raw_manifest
         return out
 
@@ -238,6 +250,12 @@ class StageOutput:
         """Right before a manifest is written: this run must still be the output's one writer."""
         if self.lease is not None:
             self.lease.check()
+
+    def raise_if_lost(self) -> None:
+        """After a write failed: the LeaseError naming the new owner when another writer took the output meanwhile (its
+        takeover can abort this run's uploads), so the run ends with that one line and not the store's complaint."""
+        if self.lease is not None and self.lease.lost_to() is not None:
+            raise self.lease.lost_error() from None
 
     @property
     def url(self) -> str:
@@ -263,10 +281,17 @@ class StageOutput:
         return report if report.state is State.VERIFIED and report.manifest_sha256 == manifest_sha256(raw) else None
 
     def begin(self) -> None:
-        """Take the output's lease (one writer per output, `store.lease`: LeaseError naming the writer that holds it), then
-        remove the manifest (if any) before anything is rewritten, so no reader sees an old manifest over new files."""
+        """Take the output's lease (one writer per output, `store.lease`: LeaseError naming the writer that holds it), check
+        that the output is this writer's to write (`ownership.claim_output`: ArtifactError naming a file it does not own,
+        LeaseError naming a live writer above or below), then remove the manifest (if any) before anything is rewritten,
+        so no reader sees an old manifest over new files."""
         if self.lease is None:
-            self.lease = Lease(self.store).acquire()
+            self.lease = Lease(self.store, force=self.force, reporter=self.reporter).acquire()
+            try:
+                claim_output(self.store, self.kind, self.lease.force)
+            except BaseException:
+                self.release()
+                raise
         uncommit(self.store)
 
     def commit(
@@ -280,6 +305,7 @@ class StageOutput:
         assert self.copy_of is None, "a copy commits its source manifest (commit_copy)"
         self._committing()
         report = commit_artifact(self.store, self.kind, files, config={**(config or {}), STAGE_KEY: self.key}, lineage=lineage, counts=counts)
+        release_claim(self.store)
         self.release()
         return report
 
@@ -288,6 +314,7 @@ class StageOutput:
         assert self.copy_of is not None, "a stage's own output commits with commit()"
         self._committing()
         report = commit_manifest(self.store, self.copy_of)
+        release_claim(self.store)
         self.release()
         return report
 
@@ -303,7 +330,11 @@ class StageOutput:
         entries = []
         for path in paths:
             entry = entry_for_local_file(root, path)
-            self.store.put_file(entry.path, path, checksum=entry.checksum)
+            try:
+                self.store.put_file(entry.path, path, checksum=entry.checksum)
+            except (StoreError, OSError):
+                self.raise_if_lost()
+                raise
             entries.append(entry)
         return self.commit(entries, config=config, lineage=lineage, counts=counts)
 
@@ -319,7 +350,7 @@ class StageOutput:
         problems = [p for p in check_files(self.store, files) if p is not None]
         if problems:
             raise ArtifactError(f"{self.url.rstrip('/')}/{problems[0].path} did not verify before its piece was recorded: {problems[0].detail}")
-        piece = Manifest(kind=f"{self.kind}-piece", config={STAGE_KEY: piece_key}, files=files, counts=counts or {})
+        piece = Manifest(kind=self.kind + PIECE_SUFFIX, config={STAGE_KEY: piece_key}, files=files, counts=counts or {})
         self.store.put_bytes(self._piece_key(name), piece.to_bytes())
 
     def finished_piece(self, name: str, piece_key: str) -> Manifest | None:
@@ -328,7 +359,7 @@ class StageOutput:
             piece = Manifest.model_validate_json(self.store.read_bytes(self._piece_key(name)))
         except (FileNotFoundError, ValueError):
             return None
-        if piece.config.get(STAGE_KEY) != piece_key or piece.kind != f"{self.kind}-piece":
+        if piece.config.get(STAGE_KEY) != piece_key or piece.kind != self.kind + PIECE_SUFFIX:
             return None
         if any(p is not None for p in check_files(self.store, piece.files)):
             return None
@@ -343,5 +374,6 @@ class StageOutput:
 
 
 __all__ = [
-    "MANIFEST_NAME", "PIECES_DIR", "STAGE_KEY", "RawInput", "StageInput", "StageOutput", "open_input", "open_raw_input", "recorded_pieces", "stage_key",
+    "MANIFEST_NAME", "PIECES_DIR", "STAGE_KEY", "RawInput", "StageInput", "StageOutput", "open_input", "open_raw_input", "recorded_pieces",
+    "refuse_nested", "stage_key",
 ]

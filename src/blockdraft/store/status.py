@@ -25,6 +25,7 @@ from blockdraft.store.artifact import (
 from blockdraft.store.base import Store
 from blockdraft.store.checksum_cache import batched_writes
 from blockdraft.store.lease import LEASE_NAME
+from blockdraft.store.ownership import WRITING_NAME
 from blockdraft.store.stage_io import PIECES_DIR
 
 
@@ -87,11 +88,11 @@ def _ancestors(folder: str) -> list[str]:
 def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
     """(committed roots, incomplete roots) among object keys, each root a '/'-joined folder ('' = top).
 
-    A writer's lease and a copy's origin record are bookkeeping beside an artifact, never one. A folder holding a
+    A writer's lease, its mark of an output being written and a copy's origin record are bookkeeping beside an artifact, never one. A folder holding a
     stage's piece records (`PIECES_DIR`) is one artifact being written, whatever subfolders its files sit in. Linear in
     the keys times their depth: every question is a set lookup along one key's own folders.
     """
-    keys = [k for k in keys if _name(k) not in (LEASE_NAME, ORIGIN_NAME)]
+    keys = [k for k in keys if _name(k) not in (LEASE_NAME, ORIGIN_NAME, WRITING_NAME)]
     committed = {_parent(k) for k in keys if _name(k) == MANIFEST_NAME}
     holds_committed = {a for root in committed for a in _ancestors(root)}  # folders with a committed artifact at or below
     in_progress = {k.split(f"{PIECES_DIR}/")[0].rstrip("/") for k in keys if k.startswith(f"{PIECES_DIR}/") or f"/{PIECES_DIR}/" in k}

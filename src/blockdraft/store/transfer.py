@@ -18,6 +18,7 @@ from pathlib import Path
 
 from blockdraft.config import StoreConfig
 from blockdraft.errors import ArtifactError, StoreError
+from blockdraft.reporter import Reporter
 from blockdraft.store import open_store
 from blockdraft.store.artifact import (
     BYTES_READ_BACK,
@@ -25,6 +26,7 @@ from blockdraft.store.artifact import (
     MANIFEST_NAME,
     FileEntry,
     FileProblem,
+    Manifest,
     State,
     VerifyReport,
     check_file,
@@ -39,6 +41,7 @@ from blockdraft.store.base import Store
 from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.lease import Lease
 from blockdraft.store.local import LocalStore
+from blockdraft.store.ownership import claim_output, mark_writing, refuse_nested, release_claim
 from blockdraft.store.preflight import preflight
 from blockdraft.store.stage_io import StageOutput
 from blockdraft.store.writable import DISK_FULL, require_folder, write_failed
@@ -92,12 +95,16 @@ def _already_there(copy: StageOutput, report: TransferReport, start: float) -> b
     return True
 
 
-def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = None) -> TransferReport:
+def push(
+    local_dir: str | Path, url: str, store_config: StoreConfig | None = None, *, force: bool | None = None, reporter: Reporter | None = None
+) -> TransferReport:
     """Upload the committed artifact in `local_dir` to `url`, verify every file there, then commit its manifest.
 
-    Raises ArtifactError when the local folder holds no manifest or a file that does not match it,
-    StoreError (after a preflight that takes seconds) when the destination cannot be written, and LeaseError when
-    another writer holds the destination (one writer per output: the push takes its lease before the first byte).
+    Raises ArtifactError when the local folder holds no manifest or a file that does not match it, or the destination
+    holds files that are not this artifact's kind's (`ownership.claim_output`); StoreError (after a preflight that takes
+    seconds) when the destination cannot be written; LeaseError when another writer holds the destination, or one above
+    or below it (one writer per output: the push takes its lease before the first byte). `force` and `reporter` go to
+    that lease (`StageOutput`). Only this artifact's own unfinished uploads at the destination are aborted.
     The local folder is left as it was, its origin record included: a copy made elsewhere does not change what a stage
     reading the folder pins, so deleting that copy never turns the stage's output stale.
     """
@@ -113,14 +120,15 @@ def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = Non
             raise ArtifactError(f"local artifact {source.root} is not intact: {entry.path} is absent or has the wrong size; run `blockdraft verify` on it")
 
     dest = open_store(url, store_config)
+    refuse_nested(source, dest, "the local artifact")
     preflight(dest)
     report = TransferReport(source=source.url, destination=dest.url)
-    copy = StageOutput.copy(dest, raw)
+    copy = StageOutput.copy(dest, raw, force=force, reporter=reporter)
     if _already_there(copy, report, start):
         return report
     copy.begin()  # the lease first, then the old manifest goes: no reader sees it over new files
     try:
-        report.aborted_uploads = dest.abort_partial_uploads()
+        report.aborted_uploads = dest.abort_partial_uploads([e.path for e in manifest.files])
         problems = check_files(dest, manifest.files)
         todo = [e for e, p in zip(manifest.files, problems) if p is not None]
         report.skipped = [e.path for e, p in zip(manifest.files, problems) if p is None]
@@ -137,7 +145,11 @@ def push(local_dir: str | Path, url: str, store_config: StoreConfig | None = Non
             if problem is not None:
                 raise ArtifactError(f"{dest.url.rstrip('/')}/{entry.path} did not verify after upload: {problem.detail}; rerun the push")
 
-        _run_all(upload, todo, (store_config or StoreConfig()).concurrency)
+        try:
+            _run_all(upload, todo, (store_config or StoreConfig()).concurrency)
+        except (StoreError, ArtifactError, OSError):
+            copy.raise_if_lost()
+            raise
         report.moved = [e.path for e in todo]
         report.moved_bytes = sum(e.size for e in todo)
         report.verify = copy.commit_copy()
@@ -165,12 +177,16 @@ def _free_bytes(folder: Path) -> int:
     return shutil.disk_usage(probe).free
 
 
-def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = None) -> TransferReport:
+def pull(
+    url: str, local_dir: str | Path, store_config: StoreConfig | None = None, *, force: bool | None = None, reporter: Reporter | None = None
+) -> TransferReport:
     """Download the artifact at `url` into `local_dir`, recomputing every checksum, and write its manifest last.
 
-    Refuses (ArtifactError listing the bad files) an artifact with no manifest or with files that do not match it; a
-    full disk is one StoreError line. A refused pull leaves the local folder as it was: new bytes land in an incoming
-    folder first, and only when every one verified is the old local copy uncommitted and the files moved into place.
+    Refuses (ArtifactError listing the bad files) an artifact with no manifest or with files that do not match it, and
+    a local folder holding files that are not this artifact kind's (`ownership.claim_output`); a full disk is one
+    StoreError line. A refused pull leaves the local folder as it was: new bytes land in an incoming folder first, and
+    only when every one verified is the old local copy uncommitted and the files moved into place. `force` and
+    `reporter` go to the folder's lease.
     """
     start = time.monotonic()
     workers = (store_config or StoreConfig()).concurrency
@@ -181,6 +197,7 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
     manifest, raw = found
     dest = LocalStore(local_dir)
     require_folder(dest, "pull destination", "pull into a folder")
+    refuse_nested(source, dest, "the pulled artifact")
     report = TransferReport(source=source.url, destination=dest.url)
     copy = StageOutput.copy(dest, raw)
     if _already_there(copy, report, start):
@@ -191,7 +208,7 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
     if bad:
         raise _refuse(source.url, bad)
     try:
-        _pull_into(source, dest, manifest.files, raw, report, workers)
+        _pull_into(source, dest, manifest, raw, report, workers, force, reporter)
     except OSError as exc:  # a folder this process may not write (read-only even for root), a full disk
         failed = write_failed(exc, dest.root, "rerun the pull")
         if failed is None:
@@ -211,25 +228,31 @@ def pull(url: str, local_dir: str | Path, store_config: StoreConfig | None = Non
     return report
 
 
-def _pull_into(source: Store, dest: LocalStore, files: list[FileEntry], raw: bytes, report: TransferReport, workers: int) -> None:
-    """Under `dest`'s lease: download and swap in the files, write the manifest last, and read it and every size back."""
-    with Lease(dest):
-        _download_and_swap(source, dest, files, report, workers)
+def _pull_into(
+    source: Store, dest: LocalStore, manifest: Manifest, raw: bytes, report: TransferReport, workers: int,
+    force: bool | None, reporter: Reporter | None,
+) -> None:
+    """Under `dest`'s lease: claim the folder, download and swap in the files, write the manifest last, and read it and
+    every size back."""
+    with Lease(dest, force=force, reporter=reporter) as lease:
+        claim_output(dest, manifest.kind, lease.force, mark=False)  # marked at the swap: a refused pull leaves the folder as it was
+        _download_and_swap(source, dest, manifest.kind, manifest.files, report, workers)
         dest.put_bytes(MANIFEST_NAME, raw)
+        release_claim(dest)
         # Every file was just checksummed locally: downloaded ones on the very bytes written, kept ones by reading them
         # from disk; re-reading them all would only re-read the page cache. What is read back here is the committed
         # manifest and every file's size, so the report still comes from the destination.
         back = read_manifest(dest)
-        wrong_size = [e.path for e in files if (dest.root / e.path).stat().st_size != e.size]
+        wrong_size = [e.path for e in manifest.files if (dest.root / e.path).stat().st_size != e.size]
         if back is None or back[1] != raw or wrong_size:
             uncommit(dest)
             raise ArtifactError(f"pulled copy in {dest.root} did not read back as written ({wrong_size[:3] or 'manifest'}); pull again")
 
 
-def _download_and_swap(source: Store, dest: LocalStore, files: list[FileEntry], report: TransferReport, workers: int) -> None:
+def _download_and_swap(source: Store, dest: LocalStore, kind: str, files: list[FileEntry], report: TransferReport, workers: int) -> None:
     """Download what the local folder lacks into its incoming folder, each file's checksum recomputed on the bytes
     written; refuse (nothing local touched) if any differs; then uncommit the local copy and move the new files in."""
-    dest.abort_partial_uploads()  # temp files of an interrupted pull
+    dest.abort_partial_uploads([f"{INCOMING_DIR}/{e.path}" for e in files])  # temp files of an interrupted pull
     incoming = dest.root / INCOMING_DIR
     present = [_local_matches(dest.root / e.path, e) or _local_matches(incoming / e.path, e) for e in files]
     todo = [e for e, ok in zip(files, present) if not ok]
@@ -258,6 +281,7 @@ def _download_and_swap(source: Store, dest: LocalStore, files: list[FileEntry], 
     _run_all(download, todo, workers)
     if bad:
         raise _refuse(source.url, sorted(bad, key=lambda p: p.path))
+    mark_writing(dest, kind)  # from here on, files in place may belong to no manifest: a rerun resumes over them
     uncommit(dest)
     for entry in files:
         waiting = incoming / entry.path
@@ -350,14 +374,17 @@ class _FinishedPiecePusher:
 def stage_and_push(
     url: str,
     store_config: StoreConfig | None,
+    kind: str,
     run_stage: Callable[[Path], object],
     finished: Callable[[Path], list[FileEntry]],
     poll_s: float = 0.5,
+    reporter: Reporter | None = None,
 ) -> tuple[object, TransferReport]:
     """Run a stage whose output is the remote `url`: preflight, stage locally, push finished pieces meanwhile, then push.
 
     `run_stage(local_dir)` writes and commits the artifact locally; `finished(local_dir)` lists the files it has
-    completed so far (with their checksums). The remote's old manifest is removed before the first upload that
+    completed so far (with their checksums). The remote must be this writer's to write (`ownership.claim_output` for an
+    artifact of `kind`) before the first piece goes up. The remote's old manifest is removed before the first upload that
     changes anything there (so a rerun over a committed output that uploads nothing leaves it committed), and no
     reader sees it over new files; the final `push` verifies everything and writes the manifest last.
     Returns (what run_stage returned, the push report).
@@ -366,11 +393,13 @@ def stage_and_push(
     preflight(remote)
     local = staging_folder(url, store_config)
     local.mkdir(parents=True, exist_ok=True)
-    with Lease(remote):  # one writer from the first piece pushed to the commit; the final push takes it again (re-entrant)
+    # One writer from the first piece pushed to the commit; the final push takes the lease again (re-entrant).
+    with Lease(remote, reporter=reporter) as lease:
+        claim_output(remote, kind, lease.force)
         pusher = _FinishedPiecePusher(local, remote, finished, poll_s)
         try:
             result = run_stage(local)
         finally:
             pusher.stop()
-        report = push(local, url, store_config)
+        report = push(local, url, store_config, reporter=reporter)
     return result, report

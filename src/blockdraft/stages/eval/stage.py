@@ -40,8 +40,9 @@ from blockdraft.stages.eval.metrics import (
 )
 from blockdraft.stages.eval.prompts import EvalPrompts, load_target_tokenizer, read_eval_prompts, stop_token_ids
 from blockdraft.stages.eval.report import REPORT_NAME, EvalReport, Lossless, PromptRow, write_report
+from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, VerifyReport
-from blockdraft.store.stage_io import StageOutput, stage_key
+from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
 
 STAGE = "eval"
 KIND = "eval"
@@ -81,7 +82,8 @@ def run(
         tokenizer = load_target_tokenizer(config)
         chosen = read_eval_prompts(prompts or config.eval.prompts or config.train.data, config, tokenizer, workdir)
         url = output or _default_output(config, ckpt, chosen.ids, max_new_tokens)
-        out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt), config.store)
+        out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt), config.store, reporter=reporter)
+        refuse_nested(open_store(input, config.store), out.store, "checkpoint")
         done = out.done()
         if done is not None:
             reporter.say(f"{out.url} already holds the eval of this checkpoint on these prompts with these settings; nothing ran")

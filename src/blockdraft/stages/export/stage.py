@@ -38,7 +38,7 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, read_manifest
-from blockdraft.store.stage_io import StageInput, StageOutput, stage_key
+from blockdraft.store.stage_io import StageInput, StageOutput, refuse_nested, stage_key
 from blockdraft.store.writable import os_error_of, require_folder, write_failed
 
 STAGE = "export"
@@ -68,11 +68,10 @@ def run(
     """
     started = time.perf_counter()
     reporter = reporter or Reporter()
-    checkpoint = open_drafter_artifact(open_store(input, config.store))
-    out_store = open_store(output, config.store)
+    in_store, out_store = open_store(input, config.store), open_store(output, config.store)
     require_folder(out_store, "export destination", "export into a folder")
-    if checkpoint.store.url.rstrip("/") == out_store.url.rstrip("/"):
-        raise ExportError(f"export destination {output} is the checkpoint itself; pass another folder or URL")
+    refuse_nested(in_store, out_store, "checkpoint")
+    checkpoint = open_drafter_artifact(in_store)
     with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
         resolved = _pinned_config(checkpoint, Path(tmp))
         target_path = target or resolved.get("target", {}).get("path")
@@ -81,7 +80,7 @@ def run(
         target_config = _target_config(target_path)
         dtype = target_dtype(config.target.dtype, target_config)
         key = {"target": target_path, "location": output, "dtype": dtype}
-        out = StageOutput(out_store, EXPORT_KIND, stage_key(key, [checkpoint.ref]))
+        out = StageOutput(out_store, EXPORT_KIND, stage_key(key, [checkpoint.ref]), reporter=reporter)
         done = out.done()
         if done is not None:
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; nothing written")

@@ -39,9 +39,10 @@ from blockdraft.stages import StageResult
 from blockdraft.stages.generate.engines import Failure, HFEngine, OpenAIEngine
 from blockdraft.stages.generate.prompts import BadPrompt, list_input, read_prompts
 from blockdraft.stages.generate.shards import HeldShards, ShardWriter, completion_row, held_shards
+from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry, VerifyReport
 from blockdraft.store.checksum import crc64nvme_bytes
-from blockdraft.store.stage_io import StageOutput, stage_key
+from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
 
 STAGE = "generate"
 KIND = COMPLETIONS_KIND
@@ -78,12 +79,13 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     """
     started = time.perf_counter()
     reporter = reporter or Reporter()
+    refuse_nested(open_store(input, config.store), open_store(output, config.store))
     in_store, files, lineage = list_input(input, config.store)
     settings = _settings(config)
     # The output key takes the model as configured: None (openai, "whatever the server serves") is not resolved here, so
     # an output that is done is recognised without reaching the server, as before. The piece key below takes the served
     # name, so completions of another served model are never mixed into the same output.
-    out = StageOutput(output, KIND, stage_key(settings, lineage), config.store)
+    out = StageOutput(output, KIND, stage_key(settings, lineage), config.store, reporter=reporter)
     report = out.done()
     if report is not None and report.manifest is not None and not report.manifest.counts.get("failed"):
         # Done, for these settings and this input. An output with failed requests is committed but not done: a rerun retries them.

@@ -46,7 +46,7 @@ from blockdraft.stages.tokenize.shard_io import DiskFull, disk_full_error, unwri
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import FileEntry, InputRef, VerifyReport, entry_for_local_file, raw_input, read_manifest
 from blockdraft.store.local import LocalStore
-from blockdraft.store.stage_io import StageOutput, recorded_pieces, stage_key
+from blockdraft.store.stage_io import StageOutput, recorded_pieces, refuse_nested, stage_key
 from blockdraft.store.transfer import stage_and_push
 
 STAGE = "tokenize"
@@ -80,7 +80,9 @@ def run(
     """
     started = time.perf_counter()
     reporter = reporter or Reporter()
-    if open_store(output, config.store).local_path() is None:
+    out_store = open_store(output, config.store)
+    refuse_nested(open_store(input, config.store), out_store)
+    if out_store.local_path() is None:
         result = _run_to_remote(config, input, output, reporter, tokenizer, chat_template, started)
     else:
         result = _run_local(config, input, output, reporter, tokenizer, chat_template, started)
@@ -125,7 +127,7 @@ def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: 
     def run_locally(local: Path) -> StageResult:
         return _run_local(config, input, str(local), reporter, tokenizer, chat_template, started)
 
-    staged, pushed = stage_and_push(output, config.store, run_locally, finished_shard_entries)
+    staged, pushed = stage_and_push(output, config.store, KIND, run_locally, finished_shard_entries, reporter=reporter)
     result = cast(StageResult, staged)
     return dataclasses.replace(result, url=pushed.destination, report=pushed.verify, seconds=time.perf_counter() - started)
 
@@ -189,7 +191,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | No
         },
     }
     run_config["tokenize"].pop("workers")  # how many processes ran does not change the rows
-    out = StageOutput(out_store, KIND, "")  # its key names the inputs by content: set once their checksums are known
+    out = StageOutput(out_store, KIND, "", reporter=reporter)  # its key names the inputs by content: set once their checksums are known
     summary = TokenizeSummary(counts={}, shards_total=len(tasks), shards_skipped=0, template_sha256=src.template.sha256,
                               template_matches_target=matches, warnings=warnings, max_length=opts.max_length, input_files=len(files))
     checksums = {f.key: f.checksum for f in files if f.checksum}

@@ -28,7 +28,7 @@ from blockdraft.store import open_store
 from blockdraft.store.artifact import VerifyReport
 from blockdraft.store.lease import Lease
 from blockdraft.store.preflight import preflight
-from blockdraft.store.stage_io import open_input
+from blockdraft.store.stage_io import open_input, refuse_nested
 
 STAGE = "train"
 
@@ -94,9 +94,10 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
     assert tc.data is not None and tc.output is not None  # set by _with_paths
     load_target_config(config.target.path)  # a missing target fails in seconds, before any data moves
     out_store = open_store(tc.output, config.store)
+    refuse_nested(open_store(tc.data, config.store), out_store, "train.data")
     if place.is_main:
         preflight(out_store)  # fail before step 1 when checkpoints cannot be written (docs/STORE.md, credentials)
-        held.enter_context(Lease(out_store))
+        held.enter_context(Lease(out_store, reporter=reporter))
     data = open_input(tc.data, config.store, kinds=[TOKENIZED_KIND], role="train.data")
     rows = load_train_rows(data, config.store, tc.max_length, Path(tc.log_dir), place.local_rank == 0, lambda: barrier(place))
     return Trainer(config, place, rows, out_store, tc.output, reporter, start_over=force)
