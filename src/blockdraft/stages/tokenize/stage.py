@@ -47,7 +47,7 @@ from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import FileEntry, InputRef, VerifyReport, entry_for_local_file, raw_input, read_manifest
 from blockdraft.store.local import LocalStore
 from blockdraft.store.stage_io import StageOutput, recorded_pieces, refuse_nested, stage_key
-from blockdraft.store.transfer import stage_and_push
+from blockdraft.store.staged import stage_and_push
 
 STAGE = "tokenize"
 LOCK_NAME = ".blockdraft-tokenize.lock"  # in the output folder; held by the one run that writes it
