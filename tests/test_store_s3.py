@@ -225,7 +225,7 @@ def test_server_killed_mid_push_then_rerun_completes_without_reuploading(own_s3_
     push_cmd = [str(Path(sys.executable).parent / "blockdraft"), "push", str(local), url, "--concurrency", "1", "--part-size-mib", "5"]
     proc = subprocess.Popen(push_cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     raw = server.client()
-    objects_listed(raw, bucket, 2, proc)
+    objects_listed(raw, bucket, 3, proc)  # its lease, its writing mark and a first file
     # Frozen with files still to upload, the push cannot finish before the server dies under it, however fast it is.
     proc.send_signal(signal.SIGSTOP)
     assert proc.poll() is None, "the push finished before it could be stopped"

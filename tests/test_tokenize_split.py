@@ -16,7 +16,7 @@ import pytest
 import zstandard
 from helpers.tokenize_data import config, conversation, half_finished, piece_names, rows_of, tokenize, write_jsonl
 
-from blockdraft.data import completions
+from blockdraft.data import records
 from blockdraft.data.ranges import MAX_STREAM_PARTS, ReadRange, split_file
 from blockdraft.stages.tokenize.report import InputFilesFailed
 from blockdraft.store import local as local_store
@@ -222,10 +222,10 @@ def test_a_json_array_is_streamed_and_an_element_too_large_is_refused_with_a_jso
     array = tmp_path / "in" / "rows.json"
     array.parent.mkdir()
     array.write_text(json.dumps(rows, indent=1))
-    monkeypatch.setattr(completions, "ARRAY_READ", 512)  # the array arrives in many small reads
+    monkeypatch.setattr(records, "ARRAY_READ", 512)  # the array arrives in many small reads
     result = tokenize(array, tmp_path / "out", config(held_out_fraction=0.0, task_bytes=1024))
     assert result.details.shards_total == 1 and [r["source_id"] for r in rows_of(tmp_path / "out")["train"]] == [f"c{i}" for i in range(40)]
-    monkeypatch.setattr(completions, "MAX_ARRAY_ELEMENT", 100)
+    monkeypatch.setattr(records, "MAX_ARRAY_ELEMENT", 100)
     with pytest.raises(InputFilesFailed) as raised:
         tokenize(array, tmp_path / "refused", config(held_out_fraction=0.0))
     detail = raised.value.result.details.counts["failed_inputs"]["rows.json"]["detail"]

@@ -7,10 +7,11 @@ import pytest
 from helpers.train_data import config_file, logged_losses, make_rows, write_tokenized
 
 from blockdraft.config import load_config
-from blockdraft.model.formats import checkpoint_key, find_resumable
+from blockdraft.model.formats import CHECKPOINT_KIND, checkpoint_key, find_resumable
 from blockdraft.stages.train import run
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, uncommit, verify_artifact
+from blockdraft.store.ownership import mark_writing
 from blockdraft.store.transfer import push
 
 pytestmark = pytest.mark.s3
@@ -36,8 +37,9 @@ def test_train_from_and_to_s3_resumes_from_the_last_committed_checkpoint(s3_buck
         assert report.state is State.VERIFIED, report.summary()
         assert report.manifest.lineage[0].url == open_store(data_url, cfg.store).url
 
-    # As if the push of step 6 had died before its manifest: the upload is there, the commit is not.
+    # As if the push of step 6 had died before its manifest: the upload and its writer's mark are there, the commit is not.
     uncommit(out.child(checkpoint_key(6)))
+    mark_writing(out.child(checkpoint_key(6)), CHECKPOINT_KIND)
     assert find_resumable(out).step == 4
     again = run(cfg).details
     assert again.resumed_from == 4
