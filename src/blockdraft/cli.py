@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, cast
@@ -160,19 +161,29 @@ def eval_command(
     baseline: Annotated[
         str | None, typer.Option("--baseline", help="A drafter folder in the export format (e.g. a published one) decoded beside it.")
     ] = None,
+    engine: Annotated[
+        str | None, typer.Option("--engine", help="vllm: also serve the export in the engine and compare its acceptance with ours.")
+    ] = None,
+    export: Annotated[str | None, typer.Option("--export", help="With --engine: the export folder to serve (default: CHECKPOINT's).")] = None,
 ) -> None:
     """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy."""
+    from blockdraft.pipeline import export_for_engine
     from blockdraft.stages import eval as eval_stage
 
-    cfg = load_config(config, {"eval": {"max_new_tokens": max_new_tokens, "baseline": baseline}})
-    with ConsoleReporter(console) as reporter:  # draws the per-prompt progress
-        result = eval_stage.run(cfg, checkpoint, output, reporter, prompts=prompts, max_new_tokens=max_new_tokens)
+    cfg = load_config(config, {"eval": {"max_new_tokens": max_new_tokens, "baseline": baseline, "engine": engine}})
+    with ConsoleReporter(console) as reporter, tempfile.TemporaryDirectory(prefix="blockdraft-engine-export-") as tmp:
+        if cfg.eval.engine != "none" and export is None:
+            export = export_for_engine(cfg, checkpoint, Path(tmp) / "export", reporter)
+        result = eval_stage.run(cfg, checkpoint, output, reporter, prompts=prompts, max_new_tokens=max_new_tokens, export=export)
     report = result.details
     for line in eval_stage.summary_lines(report):
         print(line)
     print(f"report\t{result.url}")
     if not report.lossless.ok:
         console.print("[bold red]error:[/] speculative output diverged from target-only greedy beyond the tolerance (see report)")
+        raise typer.Exit(1)
+    if report.engine is not None and report.engine.disagreement is not None:
+        console.print(f"[bold red]error:[/] {report.engine.disagreement}", highlight=False)
         raise typer.Exit(1)
 
 
@@ -367,30 +378,20 @@ def demo(
     profile: Annotated[str, typer.Option(help="full (the README's main job, a few minutes) or ci (the same pipeline, smaller, <60 s).")] = "full",
     target: Annotated[str, typer.Option(help="tiny (a Qwen3 target) or hybrid (a Qwen3.5-style linear/full-attention target, "
                                              "with a sliding-window drafter layer).")] = "tiny",
+    engine: Annotated[str, typer.Option(help="vllm: generate with vLLM and check the drafter in it too (`make engine`).")] = "none",
 ) -> None:
     """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
-    from blockdraft.pipeline import SIZES, TARGETS, DemoTarget, Profile, run_demo
-    from blockdraft.stages.export import serving_lines
+    from blockdraft.pipeline import SIZES, TARGETS, DemoTarget, Profile, demo_lines, run_demo
 
     if profile not in SIZES:
         raise typer.BadParameter(f"--profile must be one of {', '.join(SIZES)}, not {profile!r}")
     if target not in TARGETS:
         raise typer.BadParameter(f"--target must be one of {', '.join(TARGETS)}, not {target!r}")
     with ConsoleReporter(console) as reporter:
-        result = run_demo(workdir, store, cast(Profile, profile), endpoint_url, reporter, cast(DemoTarget, target))
-    print("\nartifact\tstate")
-    for root, state in result.states.items():
-        print(f"{root}\t{state}")
-    tau = result.tau
-    print(f"\ntau dflash {tau.get('dflash', 0):.2f}   n-gram {tau.get('ngram', 0):.2f}   untrained {tau.get('untrained', 0):.2f}"
-          f"   (block size {result.eval_report.block_size if result.eval_report else '-'})")
-    print(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: {'yes' if result.lossless else 'NO'}")
-    print(f"target's answers, distinct-4-gram ratio: {result.distinct_4gram:.2f}")
-    print(f"wall time {result.wall_s:.1f}s, peak RSS {result.peak_rss_mib:.0f} MiB; status page: {result.workdir / 'PROGRESS.md'}")
-    print("\nserve the exported drafter beside the target:")
-    for line in serving_lines(result.serving):
+        result = run_demo(workdir, store, cast(Profile, profile), endpoint_url, reporter, cast(DemoTarget, target), engine)
+    for line in demo_lines(result):
         print(line)
-    if not result.lossless or any(state != "verified" for state in result.states.values()):
+    if not result.ok:
         raise typer.Exit(1)
 
 

@@ -259,9 +259,14 @@ class EvalConfig(_Section):
     divergence_margin_bf16: float = Field(default=0.5, ge=0.0)
     # Also decode with a freshly initialised drafter of the same shape: the floor a trained drafter must clearly beat.
     untrained_baseline: bool = True
-    # A drafter folder in the export format (config.json + model.safetensors, e.g. a published one) decoded beside the
-    # drafter under test as "baseline", on the same prompts; checked against the target first.
+    # An export-format drafter folder (e.g. a published one) decoded beside it as "baseline"; checked against the target.
     baseline: str | None = None
+    engine: Literal["none", "vllm"] = "none"  # `vllm`: also serve the export in the engine and compare (`eval --engine`)
+    engine_python: str = ".venv-engine/bin/python"  # the engine's own environment (`make engine`)
+    engine_start_timeout_s: float = Field(default=600.0, gt=0)
+    engine_tolerance: float = Field(default=0.05, ge=0.0)  # below float32: per-position acceptance rate and relative tau
+    engine_cpu_kv_cache_gib: int = Field(default=1, ge=1)  # vLLM's CPU backend: KV cache GiB (VLLM_CPU_KVCACHE_SPACE)
+    engine_args: list[str] = Field(default_factory=list)  # more arguments for the engine's server, appended last
 
 
 class GenerateConfig(_Section):

@@ -53,6 +53,10 @@ class EvalError(ConfigError):
     """An eval whose checkpoint, prompts or settings contradict each other."""
 
 
+class EngineError(BlockdraftError, RuntimeError):
+    """The serving engine is missing, did not start, or did not answer (`eval --engine`)."""
+
+
 class LeaseError(StoreError):
     """Another writer holds the output (its lease names it), or this writer lost its lease before committing."""
 
@@ -137,6 +141,6 @@ def redact(text: str, *secrets: str | None) -> str:
 
 
 __all__ = [
-    "REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "EvalError", "ExportError", "LeaseError",
+    "REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "EngineError", "EvalError", "ExportError", "LeaseError",
     "OutsideArtifactError", "SpecError", "StoreError", "redact", "remember_secret", "remember_url", "safe_url", "url_secrets",
 ]

@@ -22,6 +22,7 @@ EXPORT_KIND = "drafter-export"
 STATE_NAME = "training-state.pt"
 PROVENANCE_NAME = "blockdraft-export.json"
 PINNED_CONFIG_NAME = "blockdraft-config.json"
+SERVING_NAME = "serving.json"  # beside an export's drafter: the engines' settings (`export`), what `eval --engine` serves
 STEP_MANIFEST = re.compile(r"^step-(\d{8})/" + re.escape(MANIFEST_NAME) + "$")
 
 
@@ -84,6 +85,6 @@ def open_drafter_artifact(store: Store) -> StageInput:
 
 
 __all__ = [
-    "CHECKPOINT_KIND", "CONFIG_NAME", "EXPORT_KIND", "PINNED_CONFIG_NAME", "PROVENANCE_NAME", "STATE_NAME", "WEIGHTS_NAME",
+    "CHECKPOINT_KIND", "CONFIG_NAME", "EXPORT_KIND", "PINNED_CONFIG_NAME", "PROVENANCE_NAME", "SERVING_NAME", "STATE_NAME", "WEIGHTS_NAME",
     "Resumable", "checkpoint_key", "find_resumable", "open_drafter_artifact", "search_checkpoints",
 ]

@@ -38,6 +38,32 @@ class PromptRow(BaseModel):
     new_tokens: int
 
 
+class EngineCheck(BaseModel):
+    """The export served by a serving engine on the same prompts (`eval --engine`), beside our decode of the checkpoint.
+
+    `drafts` and `accepted_per_position[k-1]` (tokens accepted at draft position k) come from the engine's own counters;
+    `ours_cycles` and `ours_accepted_per_position` are the same counts from our decode. `outputs_equal_target_only`: prompts
+    whose engine output with the drafter equals the engine's target-only output. `rule`: "exact" (both float32) or
+    "within T" (lower precision). `disagreement`: None when they agree, else the one line saying where they differ."""
+
+    engine: str
+    version: str
+    dtype: str
+    drafts: int
+    accepted_per_position: list[int]
+    tau: float
+    outputs_equal_target_only: int
+    num_prompts: int
+    tokens_per_s: float
+    target_only_tokens_per_s: float
+    speedup: float = 0.0
+    ours_cycles: int
+    ours_accepted_per_position: list[int]
+    ours_tau: float
+    rule: str
+    disagreement: str | None = None
+
+
 class EvalReport(BaseModel):
     """What one eval run measured, and on what.
 
@@ -61,6 +87,7 @@ class EvalReport(BaseModel):
     target: str | None = None
     prompts_source: str | None = None
     template_sha256: str | None = None
+    engine: EngineCheck | None = None
 
     def to_json(self) -> str:
         """`report.json`'s text. Python's encoder, so a margin of inf stays `Infinity` (pydantic's would write null)."""
@@ -76,6 +103,7 @@ class EvalReport(BaseModel):
             "prompts": self.num_prompts,
             "lossless": self.lossless.ok,
             **{f"tau_{name}": round(m.tau, 4) for name, m in self.drafters.items()},
+            **({"engine_agrees": self.engine.disagreement is None, "tau_engine": round(self.engine.tau, 4)} if self.engine else {}),
         }
 
 
@@ -144,10 +172,23 @@ def summary_lines(report: EvalReport) -> list[str]:
             f"  {d.drafter} prompt {d.prompt_index} position {d.position}: spec {d.spec_token} vs target "
             f"{d.target_token}, top-2 margin {d.margin:.3g} ({'near-tie' if d.tolerated else 'beyond tolerance'})"
         )
+    if report.engine is not None:
+        lines += engine_lines(report.engine)
     return lines
 
 
+def engine_lines(e: EngineCheck) -> list[str]:
+    """The engine check in the summary: its acceptance beside ours, lossless in the engine, its own speedup."""
+    verdict = "agrees" if e.disagreement is None else "DISAGREES"
+    return [
+        f"engine\t{e.engine} {e.version} {e.dtype}\ttau {e.tau:.3f} (ours {e.ours_tau:.3f})\tspeedup {e.speedup:.2f}x"
+        f"\ttokens/s {e.tokens_per_s:.1f} (target-only {e.target_only_tokens_per_s:.1f})",
+        f"engine\t{verdict} ({e.rule}): drafts {e.drafts} (ours {e.ours_cycles}), accepted per position {e.accepted_per_position} "
+        f"(ours {e.ours_accepted_per_position}); lossless in the engine {e.outputs_equal_target_only}/{e.num_prompts}",
+    ]
+
+
 __all__ = [
-    "POSITION_PLOT_NAME", "REPORT_NAME", "TAU_PLOT_NAME", "EvalReport", "Lossless", "PromptRow", "summary_lines",
+    "POSITION_PLOT_NAME", "REPORT_NAME", "TAU_PLOT_NAME", "EngineCheck", "EvalReport", "engine_lines", "Lossless", "PromptRow", "summary_lines",
     "write_plots", "write_report",
 ]

@@ -30,6 +30,7 @@ from blockdraft.model.target import TargetHead, load_target, load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.eval.checkpoint import Checkpoint, check_checkpoint_matches, open_checkpoint
+from blockdraft.stages.eval.engine_check import check_in_engine, require_export
 from blockdraft.stages.eval.metrics import (
     Divergence,
     acceptance_metrics,
@@ -57,6 +58,7 @@ def run(
     *,
     prompts: str | None = None,
     max_new_tokens: int | None = None,
+    export: str | None = None,
 ) -> StageResult:
     """Evaluate the drafter at `input` (a checkpoint, a training output or an export) into `output` (default
     STORE/eval/<hash of checkpoint, prompts, settings>); `details` is the EvalReport.
@@ -74,6 +76,7 @@ def run(
     check_rollback_supported(hf_config)  # before anything is fetched: an unsupported layer kind is refused in seconds
     check_device("placement.target_devices", config.placement.target_devices[0])  # and a device this machine lacks
     check_device("placement.drafter_devices", config.placement.drafter_devices[0])
+    served = require_export(config.eval, export) if config.eval.engine != "none" else None
 
     with tempfile.TemporaryDirectory(prefix="blockdraft-eval-") as tmp:
         workdir = Path(tmp)
@@ -82,7 +85,7 @@ def run(
         tokenizer = load_target_tokenizer(config)
         chosen = read_eval_prompts(prompts or config.eval.prompts or config.train.data, config, tokenizer, workdir)
         url = output or _default_output(config, ckpt, chosen.ids, max_new_tokens)
-        out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt), config.store, reporter=reporter)
+        out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt, served), config.store, reporter=reporter)
         refuse_nested(open_store(input, config.store), out.store, "checkpoint")
         done = out.done()
         if done is not None:
@@ -91,6 +94,10 @@ def run(
             return StageResult(STAGE, url, done, already_done=True, seconds=time.perf_counter() - started, details=stored)
 
         report = _decode_and_measure(config, ckpt, chosen.ids, max_new_tokens, tokenizer, reporter)
+        if served is not None:
+            assert config.target.path is not None  # refused above without one
+            engine = check_in_engine(config.eval, served, config.target.path, chosen.ids, report, workdir, reporter)
+            report = report.model_copy(update={"engine": engine})
         report = report.model_copy(update={
             "checkpoint": input,
             "target": config.target.path,
@@ -228,7 +235,9 @@ def _default_output(cfg: BlockdraftConfig, ckpt: Checkpoint, prompts: list[list[
     return f"{cfg.store.url.rstrip('/')}/eval/{hashlib.sha256(key).hexdigest()[:16]}"
 
 
-def _output_key(cfg: BlockdraftConfig, checkpoint: str, prompts: EvalPrompts, max_new_tokens: int, ckpt: Checkpoint) -> str:
+def _output_key(
+    cfg: BlockdraftConfig, checkpoint: str, prompts: EvalPrompts, max_new_tokens: int, ckpt: Checkpoint, served: Path | None
+) -> str:
     """What the report depends on: the settings that change its figures or its fields, and both inputs by content.
 
     Placement is in it because devices change the timings and, in low precision, the near-ties; tokenize.thinking because
@@ -242,20 +251,22 @@ def _output_key(cfg: BlockdraftConfig, checkpoint: str, prompts: EvalPrompts, ma
         "thinking": resolved["tokenize"]["thinking"],
         "checkpoint": checkpoint,
         "prompts": prompts.source,
-        "baseline_sha256": _baseline_digest(cfg.eval.baseline),
+        "baseline_sha256": _drafter_digest(cfg.eval.baseline, "eval.baseline"),
+        "engine_export_sha256": _drafter_digest(str(served) if served else None, "--export"),
     }
     return stage_key(settings, [ckpt.ref, prompts.ref])
 
 
-def _baseline_digest(folder: str | None) -> str | None:
-    """sha256 over the baseline drafter's config.json and weights, so a changed baseline is a new eval (None: no baseline)."""
+def _drafter_digest(folder: str | None, role: str) -> str | None:
+    """sha256 over a drafter folder's config.json and weights (the baseline, the export served by the engine), so a
+    changed one is a new eval (None: no such folder)."""
     if folder is None:
         return None
     digest = hashlib.sha256()
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         path = Path(folder) / name
         if not path.is_file():
-            raise ArtifactError(f"eval.baseline {folder} has no {name}; give a drafter folder in the export format")
+            raise ArtifactError(f"{role} {folder} has no {name}; give a drafter folder in the export format")
         with path.open("rb") as f:
             while chunk := f.read(1 << 24):
                 digest.update(chunk)

@@ -31,7 +31,15 @@ from transformers import AutoConfig
 from blockdraft.config import BlockdraftConfig, StoreConfig
 from blockdraft.errors import ExportError, SpecError, safe_url
 from blockdraft.model.drafter import DFlashDrafter
-from blockdraft.model.formats import CONFIG_NAME, EXPORT_KIND, PINNED_CONFIG_NAME, PROVENANCE_NAME, WEIGHTS_NAME, open_drafter_artifact
+from blockdraft.model.formats import (
+    CONFIG_NAME,
+    EXPORT_KIND,
+    PINNED_CONFIG_NAME,
+    PROVENANCE_NAME,
+    SERVING_NAME,
+    WEIGHTS_NAME,
+    open_drafter_artifact,
+)
 from blockdraft.model.spec import DrafterSpec, default_gamma
 from blockdraft.model.target import target_dtype
 from blockdraft.reporter import Reporter
@@ -42,7 +50,6 @@ from blockdraft.store.stage_io import StageInput, StageOutput, refuse_nested, st
 from blockdraft.store.writable import os_error_of, require_folder, write_failed
 
 STAGE = "export"
-SERVING_NAME = "serving.json"
 PROVENANCE_FORMAT = "blockdraft-export/1"
 
 

@@ -1,0 +1,245 @@
+"""The serving engine in the loop: the drafter's export served by vLLM exactly as users serve it, its acceptance read
+from the engine's own counters and compared with our decode on the same prompts.
+
+The engine runs in its own Python (`eval.engine_python`, built by `make engine`: vLLM pins its own torch and
+transformers), as an OpenAI-compatible server on a free loopback port, twice: with the drafter (the settings the export
+wrote in serving.json) and target-only. Prompts go in as token ids, one request at a time (batch 1, as our decode
+runs), greedy, with our `max_new_tokens` and stop ids; the new token ids come back (`return_token_ids`) and the
+speculative-decoding counters come from `/metrics` (read before and after, so warm-up requests do not count).
+
+A server never outlives the command: it runs in its own process group, which is stopped on every exit from `serving`
+(an error, Ctrl-C, SIGTERM), and the kernel kills it if the command itself is killed (`PR_SET_PDEATHSIG`); vLLM's
+own workers exit when their parent does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from blockdraft.config import EvalConfig
+from blockdraft.errors import EngineError, redact
+from blockdraft.reporter import Reporter
+
+SERVED_NAME = "target"  # the name the target is served under, so requests need not repeat its path
+HEALTH_POLL_S = 0.5
+REQUEST_TIMEOUT_S = 600.0
+LOG_TAIL_LINES = 6
+_PR_SET_PDEATHSIG = 1
+_COUNTER = re.compile(r'^(vllm:spec_decode_num_(?:drafts|accepted_tokens_per_pos))_total\{([^}]*)\}\s+([0-9.eE+-]+)$')
+
+
+@dataclass
+class ServedRun:
+    """What one server produced: the new token ids per prompt, the wall time of the requests, and the deltas of its
+    speculative counters over them (drafts proposed, tokens accepted at each draft position)."""
+
+    outputs: list[list[int]]
+    seconds: float
+    drafts: int
+    accepted_per_position: list[int]
+    version: str
+
+
+def engine_python(cfg: EvalConfig) -> Path:
+    """The engine's interpreter, or EngineError naming `make engine` when it is not there."""
+    python = Path(cfg.engine_python)
+    if not python.is_file():
+        raise EngineError(
+            f"eval.engine {cfg.engine}: no engine Python at {python}; run `make engine` to build the engine's environment there "
+            "(or set eval.engine_python to a Python that has it)"
+        )
+    return python
+
+
+def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, max_len: int, spec: dict[str, Any] | None,
+                extra: Sequence[str]) -> list[str]:
+    """The command line that serves `target` (with the drafter `spec`, vLLM's speculative config, or target-only)."""
+    if engine != "vllm":
+        raise EngineError(f"eval.engine {engine!r} is not run by this version; use 'vllm'")
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_len), "--seed", "0"]
+    if spec is not None:
+        argv += ["--speculative-config", json.dumps(spec)]
+    if not _cuda_here():
+        # vLLM's CPU backend: no graph capture to wait for, and a memory fraction that fits beside the decode we run.
+        argv += ["--enforce-eager", "--gpu-memory-utilization", "0.15"]
+    return argv + list(extra)
+
+
+def _cuda_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before exec: the kernel sends it SIGKILL when the command that started it dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (and SIGHUP) raise KeyboardInterrupt while a server runs, so the `finally` that stops it runs too."""
+    if not _main_thread():
+        yield
+        return
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    before = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+class Server:
+    """One engine server process group on 127.0.0.1:`port`, its output in `log`."""
+
+    def __init__(self, argv: list[str], port: int, log: Path, env: dict[str, str]) -> None:
+        self.argv, self.port, self.log = argv, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineError(f"the engine exited with status {self.proc.returncode} while starting; {self.log_tail()}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            time.sleep(HEALTH_POLL_S)
+        raise EngineError(f"the engine did not answer /health within {timeout_s:.0f} s (eval.engine_start_timeout_s); {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        """The last lines of the server's output, redacted like every server text, as one line."""
+        try:
+            lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            lines = []
+        tail = " | ".join(lines[-LOG_TAIL_LINES:])[-1500:]
+        return f"its log ends: {redact(tail)}" if tail else "it wrote no log"
+
+    def stop(self) -> None:
+        """SIGTERM to the whole group, SIGKILL after 15 s; returns when the server process is gone."""
+        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 10.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=wait_s)
+                self._reap_group()
+                return
+
+    def _reap_group(self) -> None:
+        """The group's other processes (the engine's workers) get SIGKILL once the server itself has exited."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise EngineError(f"the engine answered {path} with HTTP {exc.code}: {redact(exc.read().decode(errors='replace')[:500])}") from None
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"the engine did not answer {path} ({type(exc).__name__}: {redact(str(exc))}); {self.log_tail()}") from None
+
+    def get_text(self, path: str) -> str:
+        try:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as resp:
+                return resp.read().decode()
+        except OSError as exc:
+            raise EngineError(f"the engine did not answer {path} ({type(exc).__name__}); {self.log_tail()}") from None
+
+
+@contextlib.contextmanager
+def serving(argv: list[str], workdir: Path, name: str, cfg: EvalConfig) -> Iterator[Server]:
+    """A healthy server for the duration of the block; stopped (with every process it started) however the block ends."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine_cpu_kv_cache_gib))
+    with _terminate_as_interrupt():
+        server = Server(argv, int(argv[argv.index("--port") + 1]), workdir / f"engine-{name}.log", env)
+        try:
+            server.wait_healthy(cfg.engine_start_timeout_s)
+            yield server
+        finally:
+            server.stop()
+
+
+def read_counters(server: Server, positions: int) -> tuple[int, list[int]]:
+    """(drafts, accepted tokens per draft position) summed over the engine's labels, from its Prometheus `/metrics`."""
+    drafts, accepted = 0.0, [0.0] * positions
+    for line in server.get_text("/metrics").splitlines():
+        found = _COUNTER.match(line.strip())
+        if found is None:
+            continue
+        name, labels, value = found.groups()
+        if name.endswith("drafts"):
+            drafts += float(value)
+        elif (pos := re.search(r'position="(\d+)"', labels)) is not None and int(pos.group(1)) < positions:
+            accepted[int(pos.group(1))] += float(value)
+    return int(drafts), [int(a) for a in accepted]
+
+
+def generate(server: Server, prompts: Sequence[Sequence[int]], max_new_tokens: int, stops: Sequence[int], positions: int,
+             reporter: Reporter, label: str) -> ServedRun:
+    """Every prompt through `server`, one request at a time, greedy; the counters' deltas over exactly these requests."""
+    server.post("/v1/completions", _request(prompts[0], 2, stops))  # warm-up: first-request costs stay out of the timing
+    drafts_before, accepted_before = read_counters(server, positions)
+    outputs: list[list[int]] = []
+    reporter.progress(label, 0, len(prompts))
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        answer = server.post("/v1/completions", _request(prompt, max_new_tokens, stops))
+        outputs.append([int(t) for t in answer["choices"][0]["token_ids"]])
+        reporter.progress(label, i + 1, len(prompts))
+    seconds = time.perf_counter() - started
+    drafts, accepted = read_counters(server, positions)
+    version = str(answer.get("system_fingerprint") or "")
+    return ServedRun(outputs, seconds, drafts - drafts_before, [a - b for a, b in zip(accepted, accepted_before)], version)
+
+
+def _request(prompt: Sequence[int], max_new_tokens: int, stops: Sequence[int]) -> dict[str, Any]:
+    return {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": 0.0,
+            "stop_token_ids": list(stops), "return_token_ids": True, "skip_special_tokens": False}
+
+
+def free_argv(python: Path, engine: str, target: str, dtype: str, max_len: int, spec: dict[str, Any] | None, extra: Sequence[str]) -> list[str]:
+    """`server_argv` on a port free right now."""
+    return server_argv(python, engine, target, free_port(), dtype, max_len, spec, extra)
+
+
+__all__ = ["SERVED_NAME", "ServedRun", "Server", "engine_python", "free_argv", "generate", "read_counters", "server_argv", "serving"]

@@ -1,0 +1,123 @@
+"""`eval --engine`: the export served by the engine, once with the drafter and once target-only, on the prompts our own
+decode just ran; the engine's acceptance compared with ours.
+
+Agreement rule: when both sides ran in float32 the drafts and the tokens accepted at every draft position must be equal;
+in a lower precision, each position's acceptance rate and tau within `eval.engine_tolerance` (near-ties in the target's
+logits flip either way there). The engine's outputs with the drafter must equal its own target-only outputs (lossless in
+the engine), whatever the precision.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from blockdraft.config import EvalConfig
+from blockdraft.errors import EngineError
+from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
+from blockdraft.model.formats import SERVING_NAME
+from blockdraft.reporter import Reporter
+from blockdraft.stages.eval.engine import ServedRun, engine_python, free_argv, generate, serving
+from blockdraft.stages.eval.report import EngineCheck, EvalReport
+
+
+def require_export(cfg: EvalConfig, export: str | None) -> Path:
+    """The export folder to serve, checked before any decoding: EngineError when it or the engine is missing."""
+    engine_python(cfg)
+    if export is None:
+        raise EngineError(f"eval.engine {cfg.engine} needs the checkpoint's export: pass --export DIR (the CLI makes one when omitted)")
+    folder = Path(export.removeprefix("file://"))
+    missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME, SERVING_NAME) if not (folder / name).is_file()]
+    if missing:
+        raise EngineError(f"--export {export} has no {', '.join(missing)}; pass a folder that `blockdraft export` wrote")
+    return folder
+
+
+def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequence[Sequence[int]], report: EvalReport,
+                    workdir: Path, reporter: Reporter) -> EngineCheck:
+    """Serve `export` beside `target` with the drafter and target-only, and compare with `report` (our decode)."""
+    serving_json = json.loads((export / SERVING_NAME).read_text())
+    spec = {**serving_json["vllm_speculative_config"], "model": str(export.absolute())}
+    dtype = str(serving_json.get("dtype") or report.target_dtype)
+    positions = report.block_size - 1
+    max_len = max(len(p) for p in prompts) + report.max_new_tokens + report.block_size + 16
+    python = engine_python(cfg)
+    runs: dict[str, ServedRun] = {}
+    for name, drafter in (("drafter", spec), ("target-only", None)):
+        reporter.say(f"engine: starting {cfg.engine} {name} ({dtype})")
+        argv = free_argv(python, cfg.engine, target, dtype, max_len, drafter, cfg.engine_args)
+        with serving(argv, workdir, name, cfg) as server:
+            reporter.say(f"engine: serving {len(prompts)} prompts {name}")
+            runs[name] = generate(server, prompts, report.max_new_tokens, report.stop_token_ids, positions, reporter, f"engine {name}")
+    reporter.say("engine: comparing with our decode")
+    return compare(cfg, runs["drafter"], runs["target-only"], report, dtype)
+
+
+def ours(report: EvalReport) -> tuple[int, list[int]]:
+    """(cycles, tokens accepted at each draft position) of our decode of the dflash drafter, counted as the engine counts:
+    our loop runs one more cycle when its anchor is already the `max_new_tokens`-th new token (its output is cut to the
+    limit), a step the engine never schedules, so such a cycle is left out."""
+    lengths: list[int] = []
+    for row in report.prompts:
+        produced = 1  # the prefill's token
+        for n in getattr(row, "acceptance_lengths_dflash", None) or []:
+            if produced >= report.max_new_tokens:
+                break
+            lengths.append(n)
+            produced += n
+    return len(lengths), [sum(1 for n in lengths if n - 1 >= k) for k in range(1, report.block_size)]
+
+
+def compare(cfg: EvalConfig, with_drafter: ServedRun, target_only: ServedRun, report: EvalReport, dtype: str) -> EngineCheck:
+    cycles, accepted = ours(report)
+    exact = dtype == "float32" and report.target_dtype == "float32"
+    new_tokens = sum(len(o) for o in with_drafter.outputs)
+    check = EngineCheck(
+        engine=cfg.engine,
+        version=with_drafter.version,
+        dtype=dtype,
+        drafts=with_drafter.drafts,
+        accepted_per_position=with_drafter.accepted_per_position,
+        tau=_tau(with_drafter.drafts, with_drafter.accepted_per_position),
+        outputs_equal_target_only=sum(a == b for a, b in zip(with_drafter.outputs, target_only.outputs)),
+        num_prompts=len(with_drafter.outputs),
+        tokens_per_s=new_tokens / with_drafter.seconds if with_drafter.seconds else 0.0,
+        target_only_tokens_per_s=sum(len(o) for o in target_only.outputs) / target_only.seconds if target_only.seconds else 0.0,
+        ours_cycles=cycles,
+        ours_accepted_per_position=accepted,
+        ours_tau=_tau(cycles, accepted),
+        rule="exact" if exact else f"within {cfg.engine_tolerance:g}",
+    )
+    check.speedup = check.tokens_per_s / check.target_only_tokens_per_s if check.target_only_tokens_per_s else 0.0
+    check.disagreement = disagreement(check, exact, cfg.engine_tolerance)
+    return check
+
+
+def _tau(drafts: int, accepted: Sequence[int]) -> float:
+    """Mean tokens committed per cycle: 1 + accepted drafts per cycle."""
+    return 1.0 + sum(accepted) / drafts if drafts else 0.0
+
+
+def disagreement(check: EngineCheck, exact: bool, tolerance: float) -> str | None:
+    """One line saying where the engine and our decode differ beyond the rule, or None when they agree."""
+    if check.outputs_equal_target_only != check.num_prompts:
+        return (f"the engine's outputs with the drafter differ from its target-only outputs on "
+                f"{check.num_prompts - check.outputs_equal_target_only} of {check.num_prompts} prompts: not lossless in the engine")
+    theirs, ours_ = check.accepted_per_position, check.ours_accepted_per_position
+    if exact:
+        off = [k + 1 for k, (a, b) in enumerate(zip(theirs, ours_)) if a != b]
+        if not off and check.drafts == check.ours_cycles:
+            return None
+    else:
+        rate = [a / check.drafts if check.drafts else 0.0 for a in theirs]
+        ours_rate = [b / check.ours_cycles if check.ours_cycles else 0.0 for b in ours_]
+        off = [k + 1 for k, (a, b) in enumerate(zip(rate, ours_rate)) if abs(a - b) > tolerance]
+        if not off and abs(check.tau - check.ours_tau) <= tolerance * max(check.ours_tau, 1.0):
+            return None
+    where = f"at draft position(s) {', '.join(map(str, off))}" if off else "in the number of drafts"
+    return (f"the engine disagrees with our decode {where} ({check.rule}): engine {check.drafts} drafts, accepted {theirs}, "
+            f"tau {check.tau:.3f}; ours {check.ours_cycles} cycles, accepted {ours_}, tau {check.ours_tau:.3f}")
+
+
+__all__ = ["check_in_engine", "compare", "disagreement", "ours", "require_export"]
