@@ -102,3 +102,15 @@ def dest(request, tmp_path):
     if request.param == "file":
         return Destination.folder(tmp_path / "remote")
     return Destination.s3(request.getfixturevalue("s3_env"))
+
+
+@pytest.fixture
+def leases_given_back():
+    """A lease test starts and ends without --force, and gives back every lease it took."""
+    from blockdraft.store.lease import held_leases, set_force_takeover
+
+    set_force_takeover(False)
+    before = held_leases()
+    yield
+    set_force_takeover(False)
+    assert held_leases() == before  # every lease taken in a test was given back

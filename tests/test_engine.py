@@ -113,7 +113,7 @@ def test_an_export_that_differs_from_its_checkpoint_is_caught_by_the_engine(trai
                                  num_prompts=8, untrained_baseline=False)
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert code == 1 and len(errors) == 1 and "Traceback" not in output, output
-    assert "the engine disagrees with our decode at draft position(s)" in " ".join(output.split()) or "number of drafts" in output
+    assert "the engine disagrees with our decode at draft position(s)" in " ".join(output.split())
     assert report is not None and report.engine is not None and report.engine.disagreement is not None
     assert report.engine.accepted_per_position != report.engine.ours_accepted_per_position or report.engine.drafts != report.engine.ours_cycles
 

@@ -3,31 +3,19 @@ token ids, and `tokenize` trains on exactly those ids."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import datasets
 import pytest
-import zstandard
 from helpers.engine import ENGINE_PYTHON, needs_engine, write_config
+from helpers.generate_data import output_rows
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.stages.eval.engine import SERVED_NAME, free_argv, serving
-from blockdraft.stages.generate.shards import SHARDS_DIR
 
 pytestmark = [needs_engine, pytest.mark.slow, pytest.mark.engine]
 NEW_TOKENS = 200  # long enough that every answer closes its <think> block (a cut one is quarantined)
-
-
-def _completions(out: Path) -> list[dict]:
-    rows = []
-    for shard in sorted((out / SHARDS_DIR).glob("*.jsonl.zst")):
-        text = zstandard.ZstdDecompressor().decompressobj().decompress(shard.read_bytes()).decode()
-        rows += [json.loads(x) for x in text.splitlines() if x.strip()]
-    return rows
 
 
 def test_generate_against_vllm_keeps_the_engines_token_ids_through_tokenize(tmp_path):
@@ -43,7 +31,7 @@ def test_generate_against_vllm_keeps_the_engines_token_ids_through_tokenize(tmp_
         result = CliRunner().invoke(app, ["generate", str(prompts), str(tmp_path / "completions"), "--config", str(config),
                                           "--engine", "openai", "--base-url", f"{server.url}/v1", "--model", SERVED_NAME])
         assert result.exit_code == 0, result.output
-        rows = _completions(tmp_path / "completions")
+        rows = output_rows(tmp_path / "completions")
         assert len(rows) == 6 and all(r["prompt_token_ids"] and r["completion_token_ids"] for r in rows)
         # The ids are the engine's: the same prompt ids sent as a plain completion come back with the same completion.
         for row in rows:

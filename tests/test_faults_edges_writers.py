@@ -28,7 +28,7 @@ from blockdraft.errors import LeaseError
 from blockdraft.reporter import Reporter
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
-from blockdraft.store.lease import LEASE_NAME, LeaseRecord, held_leases, set_force_takeover
+from blockdraft.store.lease import LEASE_NAME, LeaseRecord
 from blockdraft.store.local import TMP_PREFIX
 from blockdraft.store.status import status
 from blockdraft.store.transfer import push
@@ -37,12 +37,8 @@ FOREIGN_HOST = "train-node-7"
 
 
 @pytest.fixture(autouse=True)
-def _no_force():
-    set_force_takeover(False)
-    before = held_leases()
-    yield
-    set_force_takeover(False)
-    assert held_leases() == before  # every lease taken in a test was given back
+def _leases(leases_given_back):
+    """Every test here: no --force left behind, every lease given back (`leases_given_back`)."""
 
 
 def _lease(root: Path, host: str = FOREIGN_HOST, pid: int = 4242, expires_in: float = 600.0) -> LeaseRecord:

@@ -25,7 +25,7 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages import train
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
-from blockdraft.store.lease import LEASE_NAME, LeaseRecord, held_leases, set_force_takeover
+from blockdraft.store.lease import LEASE_NAME, LeaseRecord
 from blockdraft.store.stage_io import StageOutput
 from blockdraft.store.status import status
 from blockdraft.store.transfer import pull, push
@@ -41,12 +41,8 @@ def _foreign_lease(root, expires_in: float = 600.0) -> LeaseRecord:
 
 
 @pytest.fixture(autouse=True)
-def _no_force():
-    set_force_takeover(False)
-    before = held_leases()
-    yield
-    set_force_takeover(False)
-    assert held_leases() == before  # every lease taken in a test was given back
+def _leases(leases_given_back):
+    """Every test here: no --force left behind, every lease given back (`leases_given_back`)."""
 
 
 def test_a_push_into_an_output_another_writer_holds_fails_naming_it(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from helpers.generate_data import output_rows
 from transformers import AutoTokenizer
 
 from blockdraft.config import load_config
@@ -82,12 +83,6 @@ def run(input: Path, output: Path, cfg, reporter: Reporter | None = None):
     return generate.run(cfg, str(input), str(output), reporter or Reporter())
 
 
-def output_rows(out: Path) -> list[dict]:
-    rows = []
-    for shard in sorted((out / SHARDS_DIR).glob("*.jsonl.zst")):
-        text = zstandard.ZstdDecompressor().decompressobj().decompress(shard.read_bytes()).decode()
-        rows += [json.loads(x) for x in text.splitlines() if x.strip()]
-    return rows
 
 
 def shard_files(out: Path) -> dict[str, tuple[int, int]]:

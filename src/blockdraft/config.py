@@ -264,8 +264,8 @@ class EvalConfig(_Section):
     engine: Literal["none", "vllm"] = "none"  # `vllm`: also serve the export in the engine and compare (`eval --engine`)
     engine_python: str = ".venv-engine/bin/python"  # the engine's own environment (`make engine`)
     engine_start_timeout_s: float = Field(default=600.0, gt=0)
-    engine_tolerance: float = Field(default=0.05, ge=0.0)  # below float32: per-position acceptance rate and relative tau
-    engine_cpu_kv_cache_gib: int = Field(default=1, ge=1)  # vLLM's CPU backend: KV cache GiB (VLLM_CPU_KVCACHE_SPACE)
+    engine_tolerance_fp32: float = Field(default=0.02, ge=0.0)  # per-position acceptance rate and relative tau, float32
+    engine_tolerance: float = Field(default=0.03, ge=0.0)  # the same below float32 (docs/PERFORMANCE.md, "engine")
     engine_args: list[str] = Field(default_factory=list)  # more arguments for the engine's server, appended last
 
 

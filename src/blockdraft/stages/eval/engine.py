@@ -38,6 +38,7 @@ SERVED_NAME = "target"  # the name the target is served under, so requests need 
 HEALTH_POLL_S = 0.5
 REQUEST_TIMEOUT_S = 600.0
 LOG_TAIL_LINES = 6
+CPU_KV_CACHE_GIB = "1"  # vLLM's CPU backend: its KV cache, unless VLLM_CPU_KVCACHE_SPACE says otherwise
 _PR_SET_PDEATHSIG = 1
 _COUNTER = re.compile(r'^(vllm:spec_decode_num_(?:drafts|accepted_tokens_per_pos))_total\{([^}]*)\}\s+([0-9.eE+-]+)$')
 
@@ -189,7 +190,7 @@ class Server:
 def serving(argv: list[str], workdir: Path, name: str, cfg: EvalConfig) -> Iterator[Server]:
     """A healthy server for the duration of the block; stopped (with every process it started) however the block ends."""
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine_cpu_kv_cache_gib))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
     with _terminate_as_interrupt():
         server = Server(argv, int(argv[argv.index("--port") + 1]), workdir / f"engine-{name}.log", env)
         try:

@@ -1,10 +1,13 @@
 """`eval --engine`: the export served by the engine, once with the drafter and once target-only, on the prompts our own
 decode just ran; the engine's acceptance compared with ours.
 
-Agreement rule: when both sides ran in float32 the drafts and the tokens accepted at every draft position must be equal;
-in a lower precision, each position's acceptance rate and tau within `eval.engine_tolerance` (near-ties in the target's
-logits flip either way there). The engine's outputs with the drafter must equal its own target-only outputs (lossless in
-the engine), whatever the precision.
+Agreement rule: equal drafts and tokens accepted at every draft position agree ("exact"); otherwise each position's
+acceptance rate and tau must be within `eval.engine_tolerance_fp32` when both sides ran in float32, `eval.engine_tolerance`
+below it. Float32 is not always exact: the engine's drafter kernels round differently from ours, so a near-tie in the
+drafter's logits can flip one draft (measured in docs/PERFORMANCE.md, "engine"), and in bf16 near-ties in the target's
+logits flip too; `FLIPS` flipped drafts are allowed on top of the tolerance, which matters on a few prompts only. An
+export that differs from its checkpoint moves the figures by far more. The engine's outputs with the
+drafter must equal its own target-only outputs (lossless in the engine), whatever the precision.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from blockdraft.model.formats import SERVING_NAME
 from blockdraft.reporter import Reporter
 from blockdraft.stages.eval.engine import ServedRun, engine_python, free_argv, generate, serving
 from blockdraft.stages.eval.report import EngineCheck, EvalReport
+
+FLIPS = 2  # drafts that a near-tie may flip between the engine's kernels and ours, on top of the tolerance
 
 
 def require_export(cfg: EvalConfig, export: str | None) -> Path:
@@ -71,7 +76,9 @@ def ours(report: EvalReport) -> tuple[int, list[int]]:
 
 def compare(cfg: EvalConfig, with_drafter: ServedRun, target_only: ServedRun, report: EvalReport, dtype: str) -> EngineCheck:
     cycles, accepted = ours(report)
-    exact = dtype == "float32" and report.target_dtype == "float32"
+    float32 = dtype == "float32" and report.target_dtype == "float32"
+    tolerance = cfg.engine_tolerance_fp32 if float32 else cfg.engine_tolerance
+    exact = with_drafter.drafts == cycles and with_drafter.accepted_per_position == accepted
     new_tokens = sum(len(o) for o in with_drafter.outputs)
     check = EngineCheck(
         engine=cfg.engine,
@@ -87,10 +94,10 @@ def compare(cfg: EvalConfig, with_drafter: ServedRun, target_only: ServedRun, re
         ours_cycles=cycles,
         ours_accepted_per_position=accepted,
         ours_tau=_tau(cycles, accepted),
-        rule="exact" if exact else f"within {cfg.engine_tolerance:g}",
+        rule="exact" if exact else f"within {tolerance:g} ({'float32' if float32 else 'below float32'})",
     )
     check.speedup = check.tokens_per_s / check.target_only_tokens_per_s if check.target_only_tokens_per_s else 0.0
-    check.disagreement = disagreement(check, exact, cfg.engine_tolerance)
+    check.disagreement = disagreement(check, exact, tolerance)
     return check
 
 
@@ -104,18 +111,19 @@ def disagreement(check: EngineCheck, exact: bool, tolerance: float) -> str | Non
     if check.outputs_equal_target_only != check.num_prompts:
         return (f"the engine's outputs with the drafter differ from its target-only outputs on "
                 f"{check.num_prompts - check.outputs_equal_target_only} of {check.num_prompts} prompts: not lossless in the engine")
-    theirs, ours_ = check.accepted_per_position, check.ours_accepted_per_position
     if exact:
-        off = [k + 1 for k, (a, b) in enumerate(zip(theirs, ours_)) if a != b]
-        if not off and check.drafts == check.ours_cycles:
-            return None
-    else:
-        rate = [a / check.drafts if check.drafts else 0.0 for a in theirs]
-        ours_rate = [b / check.ours_cycles if check.ours_cycles else 0.0 for b in ours_]
-        off = [k + 1 for k, (a, b) in enumerate(zip(rate, ours_rate)) if abs(a - b) > tolerance]
-        if not off and abs(check.tau - check.ours_tau) <= tolerance * max(check.ours_tau, 1.0):
-            return None
-    where = f"at draft position(s) {', '.join(map(str, off))}" if off else "in the number of drafts"
+        return None
+    theirs, ours_ = check.accepted_per_position, check.ours_accepted_per_position
+    rate = [a / check.drafts if check.drafts else 0.0 for a in theirs]
+    ours_rate = [b / check.ours_cycles if check.ours_cycles else 0.0 for b in ours_]
+    cycles = max(1, min(check.drafts, check.ours_cycles))
+    # `FLIPS` drafts flipped by near-ties move a rate by up to FLIPS / cycles and tau by up to FLIPS * B / cycles: on a few
+    # prompts that alone can pass the tolerance, so it is allowed on top of it.
+    off = [k + 1 for k, (a, b) in enumerate(zip(rate, ours_rate)) if abs(a - b) > tolerance + FLIPS / cycles]
+    tau_slack = tolerance * max(check.ours_tau, 1.0) + FLIPS * (len(theirs) + 1) / cycles
+    if not off and abs(check.tau - check.ours_tau) <= tau_slack:
+        return None
+    where = f"at draft position(s) {', '.join(map(str, off))}" if off else "in tau"
     return (f"the engine disagrees with our decode {where} ({check.rule}): engine {check.drafts} drafts, accepted {theirs}, "
             f"tau {check.tau:.3f}; ours {check.ours_cycles} cycles, accepted {ours_}, tau {check.ours_tau:.3f}")
 

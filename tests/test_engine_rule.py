@@ -1,0 +1,55 @@
+"""The engine check's rule, without an engine: our cycles counted as vLLM counts them, and when the two agree."""
+
+from __future__ import annotations
+
+from blockdraft.config import EvalConfig
+from blockdraft.stages.eval.engine import ServedRun
+from blockdraft.stages.eval.engine_check import compare, ours
+from blockdraft.stages.eval.metrics import GreedyMetrics
+from blockdraft.stages.eval.report import EvalReport, Lossless, PromptRow
+
+GREEDY = GreedyMetrics(new_tokens=0, target_forwards=0, target_forwards_per_token=0.0, wall_s=1.0, tokens_per_s=0.0, min_margin=None)
+
+
+def _report(lengths: list[list[int]], max_new_tokens: int = 10, dtype: str = "float32") -> EvalReport:
+    rows = [PromptRow(index=i, prompt_len=5, new_tokens=0, acceptance_lengths_dflash=ls) for i, ls in enumerate(lengths)]
+    return EvalReport(block_size=4, mask_token_id=9, target_layer_ids=[1], max_new_tokens=max_new_tokens, num_prompts=len(rows),
+                      stop_token_ids=[2], target_dtype=dtype, greedy=GREEDY, drafters={}, lossless=Lossless(ok=True, tolerance=0.0, divergences=[]),
+                      prompts=rows)
+
+
+def _served(drafts: int, accepted: list[int], outputs: list[list[int]] | None = None) -> ServedRun:
+    return ServedRun(outputs or [[1, 2]], 1.0, drafts, accepted, "vllm-test")
+
+
+def test_our_cycle_past_the_last_allowed_token_is_not_counted():
+    # Prefill gives token 1; cycles commit 4 + 4 + 1 = 9 more: 10 new tokens, the limit. A fourth cycle ran with its anchor
+    # already the 10th token (our loop's extra step, cut from the output); vLLM never schedules it.
+    assert ours(_report([[4, 4, 1, 3]])) == (3, [2, 2, 2])
+    assert ours(_report([[2, 1]], max_new_tokens=10)) == (2, [1, 0, 0])  # ended by a stop token: every cycle counts
+
+
+def test_equal_counts_agree_exactly_and_a_flip_is_within_the_float32_tolerance():
+    report = _report([[4, 2, 1]] * 20, max_new_tokens=1000)
+    cycles, accepted = ours(report)
+    exact = compare(EvalConfig(), _served(cycles, accepted), _served(0, [0, 0, 0]), report, "float32")
+    assert exact.rule == "exact" and exact.disagreement is None
+    flipped = compare(EvalConfig(), _served(cycles + 1, [accepted[0], accepted[1] - 1, accepted[2]]), _served(0, [0, 0, 0]), report, "float32")
+    assert flipped.rule == "within 0.02 (float32)" and flipped.disagreement is None
+
+
+def test_a_gap_beyond_the_tolerance_names_the_positions_and_both_figures():
+    report = _report([[4, 2, 1]] * 20, max_new_tokens=1000)
+    cycles, accepted = ours(report)
+    check = compare(EvalConfig(), _served(cycles, [accepted[0], accepted[1], accepted[2] - 5]), _served(0, [0, 0, 0]), report, "float32")
+    assert check.disagreement is not None and "at draft position(s) 3 (within 0.02 (float32))" in check.disagreement
+    assert f"ours {cycles} cycles, accepted {accepted}" in check.disagreement
+    loose = compare(EvalConfig(), _served(cycles, [accepted[0], accepted[1], accepted[2] - 1]), _served(0, [0, 0, 0]), report, "bfloat16")
+    assert loose.rule == "within 0.03 (below float32)" and loose.disagreement is None
+
+
+def test_outputs_that_differ_from_the_engines_own_target_only_outputs_are_not_lossless():
+    report = _report([[2, 1]])
+    cycles, accepted = ours(report)
+    check = compare(EvalConfig(), _served(cycles, accepted, [[1, 2], [3]]), _served(0, [0, 0, 0], [[1, 2], [4]]), report, "float32")
+    assert check.outputs_equal_target_only == 1 and check.disagreement is not None and "not lossless in the engine" in check.disagreement
