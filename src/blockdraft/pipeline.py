@@ -184,7 +184,7 @@ def _generate(cfg: BlockdraftConfig, prompts: str, output: str, reporter: Report
     from blockdraft.stages.eval.engine import SERVED_NAME, engine_python, free_argv, serving
 
     assert cfg.target.path is not None  # demo_config sets it
-    argv = free_argv(engine_python(cfg.eval), cfg.eval.engine, cfg.target.path, "float32", 2048, None, cfg.eval.engine_args)
+    argv = free_argv(engine_python(cfg.eval), cfg.eval.engine, cfg.target.path, "float32", None, None, cfg.eval.engine_args)
     with serving(argv, workdir, "generate", cfg.eval) as server:
         settings = cfg.generate.model_copy(update={"engine": "openai", "base_url": f"{server.url}/v1", "model": SERVED_NAME})
         return generate.run(cfg.model_copy(update={"generate": settings}), prompts, output, reporter)

@@ -66,13 +66,16 @@ def engine_python(cfg: EvalConfig) -> Path:
     return python
 
 
-def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, max_len: int, spec: dict[str, Any] | None,
+def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, max_len: int | None, spec: dict[str, Any] | None,
                 extra: Sequence[str]) -> list[str]:
-    """The command line that serves `target` (with the drafter `spec`, vLLM's speculative config, or target-only)."""
+    """The command line that serves `target` (with the drafter `spec`, vLLM's speculative config, or target-only), with
+    room for `max_len` tokens per sequence (None: what the target's config allows)."""
     if engine != "vllm":
         raise EngineError(f"eval.engine {engine!r} is not run by this version; use 'vllm'")
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", SERVED_NAME,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_len), "--seed", "0"]
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", "0"]
+    if max_len is not None:
+        argv += ["--max-model-len", str(max_len)]
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
     if not _cuda_here():
@@ -238,7 +241,8 @@ def _request(prompt: Sequence[int], max_new_tokens: int, stops: Sequence[int]) -
             "stop_token_ids": list(stops), "return_token_ids": True, "skip_special_tokens": False}
 
 
-def free_argv(python: Path, engine: str, target: str, dtype: str, max_len: int, spec: dict[str, Any] | None, extra: Sequence[str]) -> list[str]:
+def free_argv(python: Path, engine: str, target: str, dtype: str, max_len: int | None, spec: dict[str, Any] | None,
+              extra: Sequence[str]) -> list[str]:
     """`server_argv` on a port free right now."""
     return server_argv(python, engine, target, free_port(), dtype, max_len, spec, extra)
 
