@@ -241,15 +241,22 @@ def _writable(out_dir: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _output_lock(out_dir: Path) -> Iterator[None]:
-    """An exclusive lock on the output folder for this run (released when the process dies, even by SIGKILL)."""
+    """An exclusive lock on the output folder for this run (released when the process dies, even by SIGKILL). A lock file
+    this run created goes again when the run fails (a refused folder keeps nothing of ours), while the lock is still held."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    created = not (out_dir / LOCK_NAME).exists()
     fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConfigError(f"another tokenize is writing {out_dir}; wait for it to finish or pick another OUTPUT") from None
-        yield
+        try:
+            yield
+        except BaseException:
+            if created:
+                (out_dir / LOCK_NAME).unlink(missing_ok=True)
+            raise
     finally:
         os.close(fd)
 
