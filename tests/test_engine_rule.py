@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
 from blockdraft.config import EvalConfig
 from blockdraft.stages.eval.engine import ServedRun
 from blockdraft.stages.eval.engine_check import compare, ours
@@ -53,3 +56,11 @@ def test_outputs_that_differ_from_the_engines_own_target_only_outputs_are_not_lo
     cycles, accepted = ours(report)
     check = compare(EvalConfig(), _served(cycles, accepted, [[1, 2], [3]]), _served(0, [0, 0, 0], [[1, 2], [4]]), report, "float32")
     assert check.outputs_equal_target_only == 1 and check.disagreement is not None and "not lossless in the engine" in check.disagreement
+
+
+def test_without_the_engines_environment_eval_stops_at_once_naming_make_engine(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text(f'[eval]\nengine_python = "{tmp_path / "no-engine" / "python"}"\n')
+    result = CliRunner().invoke(app, ["eval", "--config", str(config), "--checkpoint", str(tmp_path / "run"), "--engine", "vllm"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "no engine Python at" in result.output and "run `make engine`" in " ".join(result.output.split())

@@ -193,6 +193,9 @@ def _generate(cfg: BlockdraftConfig, prompts: str, output: str, reporter: Report
 def export_for_engine(cfg: BlockdraftConfig, checkpoint: str, folder: Path, reporter: Reporter) -> str:
     """A local copy of the export of `checkpoint` (a checkpoint, a training output, or an export already made) for the
     engine to serve: `export` writes it into `folder`, or pulls it there when `checkpoint` is an export in a store."""
+    from blockdraft.stages.eval.engine import engine_python
+
+    engine_python(cfg.eval)  # no engine, no export: the one line naming `make engine` comes first
     reporter.say(f"engine: exporting {checkpoint} into {folder} for the engine to serve")
     found = verify_artifact(open_store(checkpoint, cfg.store)).manifest
     if found is not None and found.kind == EXPORT_KIND:
