@@ -10,10 +10,9 @@ when its piece names this run's config digest and the same part of the same inpu
 reads back as listed, and the input bytes it was made from are unchanged (`plan.input_unchanged`). Anything else is
 deleted and redone from scratch.
 
-Each input byte is checksummed once, by the task that reads it: the parent lists inputs without reading them, and a
-local file's checksum (for the lineage) is put together from its tasks' (`plan.file_checksum`). Only a rerun of the
-same config over a committed output asks for checksums up front, to tell whether it is already done (`_already_done`:
-from the checksum cache, reading a file only if it changed since it was last read).
+Each input byte is checksummed once, by the task that reads it: the parent lists inputs without reading them, and a local
+file's checksum (for the lineage) is put together from its tasks' (`plan.file_checksum`). Only a rerun over a committed output
+asks for checksums up front, to tell whether it is done (`_already_done`: a raw input file is read only if it changed).
 """
 
 from __future__ import annotations
@@ -241,8 +240,7 @@ def _writable(out_dir: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _output_lock(out_dir: Path) -> Iterator[None]:
-    """An exclusive lock on the output folder for this run (released when the process dies, even by SIGKILL). A lock file
-    this run created goes again when the run fails (a refused folder keeps nothing of ours), while the lock is still held."""
+    """An exclusive lock on the output folder for this run (released when the process dies); made by a run that fails, it goes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     created = not (out_dir / LOCK_NAME).exists()
     fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
