@@ -83,7 +83,7 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     in_store, files, lineage = list_input(input, config.store)
     settings = _settings(config)
     # The output key takes the model as configured: None (openai, "whatever the server serves") is not resolved here, so
-    # an output that is done is recognised without reaching the server, as before. The piece key below takes the served
+    # an output that is done is recognised without reaching the server. The piece key below takes the served
     # name, so completions of another served model are never mixed into the same output.
     out = StageOutput(output, KIND, stage_key(settings, lineage), config.store, reporter=reporter)
     report = out.done()
