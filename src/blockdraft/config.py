@@ -261,7 +261,7 @@ class EvalConfig(_Section):
     untrained_baseline: bool = True
     # An export-format drafter folder (e.g. a published one) decoded beside it as "baseline"; checked against the target.
     baseline: str | None = None
-    engine: Literal["none", "vllm"] = "none"  # `vllm`: also serve the export in the engine and compare (`eval --engine`)
+    engine: Literal["none", "vllm", "sglang"] = "none"  # `vllm`: also serve the export in the engine and compare (`eval --engine`)
     engine_python: str = ".venv-engine/bin/python"  # the engine's own environment (`make engine`)
     engine_start_timeout_s: float = Field(default=600.0, gt=0)
     engine_tolerance_fp32: float = Field(default=0.02, ge=0.0)  # per-position acceptance rate and relative tau, float32
