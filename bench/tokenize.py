@@ -13,7 +13,8 @@ worker and two run the same way. In each repeat (repeats interleaved) it measure
   batches of the stage's size, `TOKENIZERS_PARALLELISM=false`, on the full corpus and on the half;
 - end-to-end with 1 spawned worker (read + normalise + render + encode + mask + Arrow write + checksums + quarantine,
   CPU seconds of the worker's shards) on the full corpus and on the half;
-- the shard phase's wall time on the full corpus with 1 and with 2 spawned workers.
+- the shard phase's wall time on the full corpus with 1 and with 2 spawned workers;
+- the peak RSS (VmHWM) of every worker process.
 
 Ratios printed, per repeat and then best and median: end-to-end / raw per core, both as marginal rates (full minus
 half, so that fixed costs cancel; goal >= 0.85), and 2 workers / 1 worker on one big file (goal >= 1.8).
@@ -172,6 +173,9 @@ def _raw_in_spawned(rows: list[dict], args: argparse.Namespace) -> tuple[int, fl
         return pool.apply(raw_encode, (rows, args.tokenizer, args.chat_template, 1))
 
 
+peak_rss_mib: list[float] = []  # each spawned run's largest worker peak RSS (VmHWM)
+
+
 def _spawned_run(args: argparse.Namespace, src: Path, out: Path, workers: int) -> tuple[int, float, float]:
     """(tokens, CPU seconds summed over the worker processes' shards, shard phase wall seconds) of one tokenize run with
     `workers` spawned worker processes (one included: `runner.IN_PROCESS_UP_TO` is 0 in this bench)."""
@@ -186,6 +190,7 @@ def _spawned_run(args: argparse.Namespace, src: Path, out: Path, workers: int) -
     s = result.details
     assert result.report.state.value == "verified", result.report.state
     shutil.rmtree(out, ignore_errors=True)
+    peak_rss_mib.append(max(s.worker_peak_rss_mib))
     return s.counts["tokens"], sum(s.worker_cpu_seconds), s.shard_phase_seconds
 
 
@@ -237,6 +242,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
           f"median {_median(per_core):.3f}   (goal >= 0.85)")
     print(f"RATIO 2 spawned workers / 1 spawned worker, one big JSONL file (shard phase wall), same repeat: best {max(scaling):.3f}, "
           f"median {_median(scaling):.3f}   (goal >= 1.8)")
+    print(f"peak RSS per worker process: {max(peak_rss_mib):.0f} MiB")
     print(f"(load average before {load_before}, after {_loadavg()}, on {os.cpu_count()} cores)")
 
 
