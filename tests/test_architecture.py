@@ -16,7 +16,7 @@ LAYERS = {
     "stages": 3, "fixtures": 3,
     "model": 2, "decode": 2, "data": 2,
     "store": 1,
-    "config": 0, "added_tokens": 0, "errors": 0, "reporter": 0, "__init__": 0,
+    "config": 0, "overrides": 0, "added_tokens": 0, "errors": 0, "reporter": 0, "__init__": 0,
 }
 
 
