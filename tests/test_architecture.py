@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "blockdraft"
 
 # Higher layers may import lower ones, never the reverse; the same layer may import itself.
 LAYERS = {
-    "cli": 4, "pipeline": 4, "__main__": 4, "console": 4,
+    "cli": 4, "cli_options": 4, "pipeline": 4, "__main__": 4, "console": 4,
     "stages": 3, "fixtures": 3,
     "model": 2, "decode": 2, "data": 2,
     "store": 1,

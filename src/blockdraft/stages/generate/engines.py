@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
+from blockdraft.config import GenerateConfig
 from blockdraft.decode.greedy import Completion, Prompt, greedy_generate, render_prompt, split_reasoning
 from blockdraft.errors import ConfigError, redact, remember_secret, remember_url, safe_url
 
@@ -109,32 +110,32 @@ def parse_chat_response(prompt_id: str, data: Any) -> Completion:
 
 
 class OpenAIEngine:
-    """Chat completions from an OpenAI-compatible server.
+    """Chat completions from the OpenAI-compatible server at generate.base_url, per the [generate] section.
 
     At most `concurrency` requests in flight; each has a `timeout_s` deadline; 5xx/429/timeouts/connection errors are
-    retried up to `max_retries` times with exponential backoff (`backoff_s` * 2^attempt, jittered, capped at 30 s);
+    retried up to `max_retries` times with exponential backoff (`retry_backoff_s` * 2^attempt, jittered, capped at 30 s);
     other 4xx answers are the prompt's fault and are not retried. The API key comes from the environment variable
     `api_key_env` and is sent only in the Authorization header; every error text is redacted before it is kept, so the
     key never reaches a failure record, a message or an artifact (docs/STORE.md, credentials).
     """
 
-    def __init__(self, base_url: str, model: str | None, max_new_tokens: int, concurrency: int, timeout_s: float,
-                 max_retries: int, backoff_s: float, temperature: float = 0.0, request_token_ids: bool = True,
-                 api_key_env: str = "OPENAI_API_KEY", seed: int = 0) -> None:
-        self.base_url = base_url
-        self.shown_url = safe_url(base_url).rstrip("/")  # what messages name: no password, no token
-        remember_url(base_url)
-        self.max_new_tokens = max_new_tokens
-        self.concurrency = concurrency
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.temperature = temperature
-        self.request_token_ids = request_token_ids
-        self._api_key = os.environ.get(api_key_env) or None
+    def __init__(self, settings: GenerateConfig, seed: int = 0) -> None:
+        if not settings.base_url:
+            raise ConfigError("generate.engine is 'openai' but generate.base_url is not set; set it to the server's /v1 URL")
+        self.base_url = settings.base_url
+        self.shown_url = safe_url(self.base_url).rstrip("/")  # what messages name: no password, no token
+        remember_url(self.base_url)
+        self.max_new_tokens = settings.max_new_tokens
+        self.concurrency = settings.concurrency
+        self.timeout_s = settings.timeout_s
+        self.max_retries = settings.max_retries
+        self.backoff_s = settings.retry_backoff_s
+        self.temperature = settings.temperature
+        self.request_token_ids = settings.request_token_ids
+        self._api_key = os.environ.get(settings.api_key_env) or None
         remember_secret(self._api_key)
         self._jitter = random.Random(seed)
-        self.model = model or self._served_model()
+        self.model = settings.model or self._served_model()
 
     def _headers(self, prompt_id: str | None = None) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
