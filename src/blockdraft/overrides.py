@@ -31,9 +31,10 @@ class Overrides:
     spelled: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def add(self, section: str, key: str, value: Any, spelling: str) -> None:
-        """Set `section.key`; ConfigError when another spelling already set it to something else."""
+        """Set `section.key`; ConfigError when another spelling already set it to something else (compared as the
+        command line writes them: a flag's 3 and a --set's "3" agree)."""
         earlier = self.spelled.get((section, key))
-        if earlier is not None and self.values[section][key] != value:
+        if earlier is not None and _text(self.values[section][key]) != _text(value):
             raise ConfigError(f"{earlier} and {spelling} both set {section}.{key}; pass only one of them")
         self.values.setdefault(section, {})[key] = value
         self.spelled[section, key] = spelling
