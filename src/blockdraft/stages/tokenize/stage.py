@@ -162,7 +162,7 @@ def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> 
 def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | None, chat_template: str | None,
           reporter: Reporter, force: bool) -> _Plan:
     opts = config.tokenize
-    src, warnings = resolve_tokenizer(config, tokenizer, chat_template)
+    src, warnings = resolve_tokenizer(config.target, tokenizer, chat_template)
     for message in warnings:
         reporter.warn(message)
     eot_id = end_of_turn_id(src.tokenizer_json, opts.end_of_turn)

@@ -54,7 +54,7 @@ def launch(
     if not os.environ.get(PLAN_CHECKED):  # ranks this launcher starts skip it: the plan was printed and checked here
         check_plan(config, reporter or Reporter(), show=not in_rank or os.environ.get("RANK", "0") == "0")
     if in_rank or wanted == 1:
-        return Launched(run(config, None, None, reporter, force=force), rank=resolve_placement(config).rank)
+        return Launched(run(config, None, None, reporter, force=force), rank=resolve_placement(config.placement).rank)
     if config_path is None:
         raise ConfigError("training on several drafter devices needs the config as a file; pass --config FILE")
     env = {CUBLAS_WORKSPACE: CUBLAS_WORKSPACE_VALUE, **os.environ, PLAN_CHECKED: "1"}  # the ranks' environment, not ours

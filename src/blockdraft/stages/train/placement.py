@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from blockdraft.config import BlockdraftConfig, PlacementConfig, check_device
+from blockdraft.config import PlacementConfig, check_device
 from blockdraft.errors import ConfigError
 
 
@@ -37,24 +37,24 @@ class RankPlacement:
         return self.rank == 0
 
 
-def check_placement_devices(config: BlockdraftConfig) -> None:
+def check_placement_devices(placement: PlacementConfig) -> None:
     """Every listed device exists on this machine (the lists describe one machine; torchrun across machines runs the same
     lists on each): one it lacks is a ConfigError naming the field and what torch sees, not a torch traceback later."""
-    for field, devices in (("drafter_devices", config.placement.drafter_devices), ("target_devices", config.placement.target_devices)):
+    for field, devices in (("drafter_devices", placement.drafter_devices), ("target_devices", placement.target_devices)):
         for device in devices:
             check_device(f"placement.{field}", device)
 
 
-def resolve_placement(config: BlockdraftConfig) -> RankPlacement:
+def resolve_placement(placement: PlacementConfig) -> RankPlacement:
     """This process's place (`rank_placement`), after `check_placement_devices`."""
-    check_placement_devices(config)
-    return rank_placement(config)
+    check_placement_devices(placement)
+    return rank_placement(placement)
 
 
-def rank_placement(config: BlockdraftConfig) -> RankPlacement:
+def rank_placement(placement: PlacementConfig) -> RankPlacement:
     """This process's devices: drafter_devices[local rank], and target_devices[local rank] (one each) or the single
     target device. Whether this machine has them is `check_placement_devices`'s question."""
-    drafters = config.placement.drafter_devices
+    drafters = placement.drafter_devices
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -64,7 +64,7 @@ def rank_placement(config: BlockdraftConfig) -> RankPlacement:
             f"placement.drafter_devices lists {len(drafters)} device(s) but {local_world} process(es) run on this machine; "
             f"launch one process per drafter device (blockdraft train --nproc {len(drafters)})"
         )
-    target = target_device_of(config.placement, local_rank)
+    target = target_device_of(placement, local_rank)
     return RankPlacement(rank, world, local_rank, torch.device(drafters[local_rank]), torch.device(target))
 
 

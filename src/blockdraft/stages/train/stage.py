@@ -63,7 +63,7 @@ def run(
     """
     started = time.perf_counter()
     config = _with_paths(config, input, output)
-    place = resolve_placement(config)
+    place = resolve_placement(config.placement)
     reporter = (reporter or Reporter()).for_rank(place.rank)
     with rank_session(place, config.train.deterministic, config.train.dist_timeout_minutes), ExitStack() as held:
         trainer = _prepare(config, place, reporter, held, force)
