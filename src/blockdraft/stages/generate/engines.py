@@ -18,9 +18,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-from blockdraft.config import GenerateConfig
+from blockdraft.config import GenerateConfig, TargetConfig
 from blockdraft.decode.greedy import Completion, Prompt, greedy_generate, render_prompt, split_reasoning
 from blockdraft.errors import ConfigError, redact, remember_secret, remember_url, safe_url
+from blockdraft.model.target import load_target_config, target_dtype
 
 # Statuses worth another try: the server is overloaded, restarting or timed out on its side.
 RETRYABLE_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -38,19 +39,22 @@ class Failure:
 
 
 class HFEngine:
-    """Local transformers generation for small targets: `batch_size` prompts per `generate` call, greedy by default."""
+    """Local transformers generation for small targets: the [target] section's model (and tokenizer) in target.dtype (unset:
+    its config.json's), generate.batch_size prompts per `generate` call, greedy by default."""
 
-    def __init__(self, model_path: str, tokenizer_path: str | None, dtype: str, max_new_tokens: int, batch_size: int,
-                 temperature: float = 0.0, device: str = "cpu") -> None:
+    def __init__(self, target: TargetConfig, settings: GenerateConfig, device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        if not target.path:
+            raise ConfigError("generate.engine is 'hf' but target.path is not set; set it to the target model's folder or hub id")
+        dtype = target_dtype(target.dtype, load_target_config(target.path))
+        self.tokenizer = AutoTokenizer.from_pretrained(target.tokenizer or target.path)
+        model = AutoModelForCausalLM.from_pretrained(target.path, dtype=getattr(torch, dtype))
         self.model = cast(torch.nn.Module, model).to(device).eval()
-        self.max_new_tokens = max_new_tokens
-        self.batch_size = batch_size
-        self.temperature = temperature
+        self.max_new_tokens = settings.max_new_tokens
+        self.batch_size = settings.batch_size
+        self.temperature = settings.temperature
 
     def run(self, prompts: Iterable[Prompt]) -> Iterator[Completion | Failure]:
         batch: list[Prompt] = []

@@ -33,7 +33,6 @@ from blockdraft.config import BlockdraftConfig
 from blockdraft.data.formats import COMPLETIONS_KIND
 from blockdraft.decode.greedy import Prompt
 from blockdraft.errors import ConfigError
-from blockdraft.model.target import load_target_config, target_dtype
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.generate.engines import Failure, HFEngine, OpenAIEngine
@@ -155,13 +154,7 @@ def _settings(cfg: BlockdraftConfig) -> dict[str, Any]:
 
 
 def _make_engine(cfg: BlockdraftConfig) -> HFEngine | OpenAIEngine:
-    g = cfg.generate
-    if g.engine == "openai":
-        return OpenAIEngine(g)
-    if not cfg.target.path:
-        raise ConfigError("generate.engine is 'hf' but target.path is not set; set it to the target model's folder or hub id")
-    dtype = target_dtype(cfg.target.dtype, load_target_config(cfg.target.path))
-    return HFEngine(cfg.target.path, cfg.target.tokenizer, dtype, g.max_new_tokens, g.batch_size, g.temperature)
+    return OpenAIEngine(cfg.generate) if cfg.generate.engine == "openai" else HFEngine(cfg.target, cfg.generate)
 
 
 def _refuse_other_output(out: StageOutput, held: HeldShards, settings: dict[str, Any], prompt_ids: set[str], input: str) -> None:
