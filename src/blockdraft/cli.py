@@ -173,11 +173,12 @@ def eval_command(
     from blockdraft.pipeline import export_for_engine
     from blockdraft.stages import eval as eval_stage
 
-    cfg = load_config(config, {"eval": {"max_new_tokens": max_new_tokens, "baseline": baseline, "engine": engine}}, sets or ())
+    flags = {"prompts": prompts, "max_new_tokens": max_new_tokens, "baseline": baseline, "engine": engine}
+    cfg = load_config(config, {"eval": flags}, sets or ())
     with ConsoleReporter(console) as reporter, tempfile.TemporaryDirectory(prefix="blockdraft-engine-export-") as tmp:
         if cfg.eval.engine != "none" and export is None:
             export = export_for_engine(cfg, checkpoint, Path(tmp) / "export", reporter)
-        result = eval_stage.run(cfg, checkpoint, output, reporter, force=force, prompts=prompts, export=export)
+        result = eval_stage.run(cfg, checkpoint, output, reporter, force=force, export=export)
     report = result.details
     for line in eval_stage.summary_lines(report):
         print(line)

@@ -92,14 +92,14 @@ def parse_value(text: str, annotation: Any) -> Any:
     optional = origin in (typing.Union, types.UnionType) and type(None) in args
     if optional and text.lower() in _NONE_WORDS:
         return None
+    if not _is_list(annotation):
+        return text
     if text.startswith("["):
         try:
             return json.loads(text)
         except json.JSONDecodeError:
             return text  # left for pydantic to refuse, naming the field
-    if _is_list(annotation):
-        return [part.strip() for part in text.split(",") if part.strip()]
-    return text
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _is_list(annotation: Any) -> bool:
