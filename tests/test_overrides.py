@@ -124,3 +124,18 @@ def test_train_set_max_steps_on_two_ranks_is_pinned_and_trained(tmp_path):
     assert sorted(logged_losses(tmp_path / "logs")) == [1, 2, 3]
     assert not (tmp_path / "ckpt" / checkpoint_key(4)).exists()
     assert proc.stdout.splitlines().count(final.url) == 1
+
+
+def test_deterministic_cuda_training_asks_for_the_cublas_setting_instead_of_writing_it(monkeypatch):
+    """cuBLAS's workspace setting is read from the environment, never written there: `launch` puts it into the environment
+    of the ranks it starts; a process started otherwise without it stops with one line before it joins any group."""
+    import torch
+
+    from blockdraft.stages.train.placement import RankPlacement, rank_session
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    place = RankPlacement(0, 1, 0, torch.device("cuda:0"), torch.device("cuda:0"))
+    with pytest.raises(ConfigError, match=r"^train.deterministic on CUDA needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment"):
+        with rank_session(place, deterministic=True):
+            pass
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.are_deterministic_algorithms_enabled()

@@ -1,6 +1,6 @@
 """The options several `blockdraft` commands share, and the small helpers behind them (`cli.py` holds the commands).
 
-`--set section.key=value` is on every command that reads the config; a command's own flags (`--workers`,
+`--set section.key=value` is on every command that reads the config (all but `demo`); a command's own flags (`--workers`,
 `--endpoint-url`, ...) are spellings of it: they go into the same overrides `load_config` lays over the file.
 """
 
