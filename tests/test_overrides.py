@@ -51,7 +51,7 @@ def test_set_values_are_typed_by_the_config_model():
     ("train.max_steps=0", "--set train.max_steps=0: must be >= 1 (it sets train.max_steps); pass a valid value"),
     ("train.deterministic=maybe", "--set train.deterministic=maybe: Input should be a valid boolean"),
     ("placement.drafter_devices=gpu", "--set placement.drafter_devices=gpu: 'gpu' is not a device; use cpu, cuda, cuda:N or mps"),
-])
+], ids=["unknown key", "unknown section", "no value", "out of bounds", "not a bool", "field validator"])
 def test_a_bad_set_is_refused_with_one_line_naming_it(tmp_path, item, says):
     with pytest.raises(ConfigError) as err:
         load_config(None, sets=[item])
