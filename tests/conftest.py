@@ -106,11 +106,9 @@ def dest(request, tmp_path):
 
 @pytest.fixture
 def leases_given_back():
-    """A lease test starts and ends without --force, and gives back every lease it took."""
-    from blockdraft.store.lease import held_leases, set_force_takeover
+    """A lease test gives back every lease it took."""
+    from blockdraft.store.lease import held_leases
 
-    set_force_takeover(False)
     before = held_leases()
     yield
-    set_force_takeover(False)
     assert held_leases() == before  # every lease taken in a test was given back

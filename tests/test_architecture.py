@@ -12,11 +12,11 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "blockdraft"
 
 # Higher layers may import lower ones, never the reverse; the same layer may import itself.
 LAYERS = {
-    "cli": 4, "pipeline": 4, "__main__": 4, "console": 4,
+    "cli": 4, "cli_options": 4, "pipeline": 4, "__main__": 4, "console": 4,
     "stages": 3, "fixtures": 3,
     "model": 2, "decode": 2, "data": 2,
     "store": 1,
-    "config": 0, "added_tokens": 0, "errors": 0, "reporter": 0, "__init__": 0,
+    "config": 0, "overrides": 0, "added_tokens": 0, "errors": 0, "reporter": 0, "__init__": 0,
 }
 
 
@@ -91,4 +91,71 @@ def test_the_project_cites_no_path_outside_the_repository():
     texts = [*SRC.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "bench").rglob("*.py"), *(root / "docs").glob("*.md"), root / "README.md"]
     above = re.compile(r"(?<![.\w])\.\./\w")  # two dots, a slash, a name; an ellipsis such as `.../v1` is not one
     hits = [f"{p.relative_to(root)}:{n}" for p in texts for n, line in enumerate(p.read_text().splitlines(), 1) if above.search(line)]
+    assert hits == []
+
+
+STAGE_RUN = "run(config: BlockdraftConfig, input, output, reporter: Reporter | None = None, *, force: bool = False, **options) -> StageResult"
+
+
+def _stage_run_shape(fn: ast.FunctionDef) -> str:
+    """`fn`'s signature written as STAGE_RUN writes it: the stage's own keyword-only options (after `force`) as **options."""
+    a = fn.args
+    params = [arg.arg for arg in a.args]
+    ann = {arg.arg: ast.unparse(arg.annotation) if arg.annotation else "" for arg in [*a.args, *a.kwonlyargs]}
+    if params != ["config", "input", "output", "reporter"] or not a.kwonlyargs or a.kwonlyargs[0].arg != "force":
+        return f"run({', '.join(params)}, *, {', '.join(k.arg for k in a.kwonlyargs)})"
+    reporter_default = ast.unparse(a.defaults[-1]) if a.defaults else ""
+    force_default = ast.unparse(a.kw_defaults[0]) if a.kw_defaults[0] is not None else ""
+    return (f"run(config: {ann['config']}, input, output, reporter: {ann['reporter']} = {reporter_default}, *, "
+            f"force: {ann['force']} = {force_default}, **options) -> {ast.unparse(fn.returns) if fn.returns else ''}")
+
+
+def test_every_stage_run_has_the_one_signature():
+    """Every stage is called the same way (`docs/ARCHITECTURE.md`): the config, where it reads, where it writes, who hears
+    of it, and whether a dead writer's lease is taken over; a stage's own options come after, by keyword only."""
+    stages = sorted((SRC / "stages").glob("*/stage.py"))
+    assert len(stages) == 5
+    shapes = {}
+    for path in stages:
+        run = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "run")
+        shapes[path.parent.name] = _stage_run_shape(run)
+    assert shapes == dict.fromkeys(shapes, STAGE_RUN)
+
+
+def _is_script_main(node: ast.AST, tree: ast.Module) -> bool:
+    """A module-level `main()` of a module run as a script (`if __name__ == "__main__"`): its stdout is its product."""
+    runs_as_script = any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body)
+    return runs_as_script and isinstance(node, ast.FunctionDef) and node.name == "main" and node in tree.body
+
+
+def test_the_library_never_prints():
+    """Output goes through a Reporter; only the command line (cli.py: its stdout lines are what a user pipes on) and the
+    `main()` of a module run as a script print."""
+    hits = []
+    for path in SRC.rglob("*.py"):
+        if path.name == "cli.py":
+            continue
+        tree = ast.parse(path.read_text())
+        allowed = {id(n) for top in tree.body if _is_script_main(top, tree) for n in ast.walk(top)}
+        hits += [f"{path.relative_to(SRC)}:{n.lineno}" for n in ast.walk(tree)
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print" and id(n) not in allowed]
+    assert hits == []
+
+
+ENV_WRITES = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
+
+
+def test_the_library_never_writes_the_environment():
+    """Settings travel as parameters and command lines (a rank gets `--force` and `--set` on its own), never through
+    this process's environment: no `os.environ[...] =`, `del os.environ[...]`, `os.environ.update/setdefault/pop`, `os.putenv`."""
+    hits = []
+    for path in SRC.rglob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            targets = n.targets if isinstance(n, (ast.Assign, ast.Delete)) else [n.target] if isinstance(n, ast.AugAssign) else []
+            written = any(isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ" for t in targets)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                owner = ast.unparse(n.func.value)
+                written |= (owner == "os.environ" and n.func.attr in ENV_WRITES) or (owner == "os" and n.func.attr in ("putenv", "unsetenv"))
+            if written:
+                hits.append(f"{path.relative_to(SRC)}:{n.lineno}")
     assert hits == []

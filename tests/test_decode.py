@@ -10,7 +10,7 @@ import torch
 from helpers.paths import GOLDEN
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig
 
-from blockdraft.config import BlockdraftConfig, DFlashConfig
+from blockdraft.config import BlockdraftConfig, DFlashConfig, EvalConfig
 from blockdraft.decode.cached_target import CachedTarget
 from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer, ngram_generate
@@ -205,8 +205,8 @@ def test_cached_drafts_equal_a_fresh_full_context_draft_at_every_cycle():
 
 
 def test_bf16_divergences_are_near_ties_within_the_bf16_tolerance(golden):
-    tolerance = divergence_tolerance(BlockdraftConfig(), torch.bfloat16)
-    assert tolerance == BlockdraftConfig().eval.divergence_margin_bf16 > divergence_tolerance(BlockdraftConfig(), torch.float32)
+    tolerance = divergence_tolerance(EvalConfig(), torch.bfloat16)
+    assert tolerance == BlockdraftConfig().eval.divergence_margin_bf16 > divergence_tolerance(EvalConfig(), torch.float32)
     target = AutoModelForCausalLM.from_pretrained(GOLDEN / "target", dtype=torch.bfloat16).eval()
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter", dtype=torch.bfloat16).eval()
     head = TargetHead.from_target(target)

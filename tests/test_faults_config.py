@@ -75,9 +75,9 @@ def test_training_placement_refuses_a_missing_device_before_torch_sees_it(tmp_pa
         monkeypatch.delenv(name, raising=False)
     cfg = load(tmp_path, f'[placement]\n{field} = ["cuda:{CUDA_COUNT}"]\n')
     with pytest.raises(ConfigError) as err:
-        resolve_placement(cfg)
+        resolve_placement(cfg.placement)
     assert one_line(err).startswith(f"placement.{field} lists 'cuda:{CUDA_COUNT}'")
-    assert resolve_placement(load(tmp_path, "")).drafter_device == torch.device("cpu")
+    assert resolve_placement(load(tmp_path, "").placement).drafter_device == torch.device("cpu")
 
 
 def test_eval_refuses_a_missing_device_in_one_line(tmp_path):

@@ -16,7 +16,7 @@ from helpers.hybrid import VOCAB_SIZE, save_qwen3_5_composite, save_qwen3_next
 from test_decode import NoisyOracle
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from blockdraft.config import BlockdraftConfig, DFlashConfig, load_config
+from blockdraft.config import DFlashConfig, EvalConfig, load_config
 from blockdraft.decode.cached_target import CachedTarget
 from blockdraft.decode.linear_state import LinearStateRollback, _Replay
 from blockdraft.decode.speculative import DFlashProposer, greedy_generate, run_speculative
@@ -146,7 +146,7 @@ def test_bf16_divergences_on_hybrid_targets_are_reported_near_ties(hybrid):
     """bf16: verifying B tokens at once and decoding one at a time may round apart; any divergence is a near-tie."""
     folder, _model, prompts, _references = hybrid
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    tolerance = divergence_tolerance(BlockdraftConfig(), torch.bfloat16)
+    tolerance = divergence_tolerance(EvalConfig(), torch.bfloat16)
     for p, prompt in enumerate(prompts):
         reference = greedy_generate(model, prompt, NEW_TOKENS)
         plan = [(i + p) % BLOCK for i in range(NEW_TOKENS + 1)]

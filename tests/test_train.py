@@ -259,17 +259,17 @@ def test_placement_two_target_and_two_drafter_devices_give_two_ranks(monkeypatch
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("LOCAL_RANK", str(rank))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        place = rank_placement(cfg)
+        place = rank_placement(cfg.placement)
         assert (str(place.target_device), str(place.drafter_device)) == (f"cuda:{rank}", f"cuda:{rank + 2}")
     # A second machine running the same lists: global rank 3 is local rank 1 there.
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    place = rank_placement(cfg)
+    place = rank_placement(cfg.placement)
     assert (place.rank, place.world_size, str(place.drafter_device), place.is_main) == (3, 4, "cuda:3", False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="lists 2 device"):
-        rank_placement(cfg)
+        rank_placement(cfg.placement)
 
 
 def test_train_rows_clip_to_max_length_and_need_no_held_out_rows(tmp_path):

@@ -14,12 +14,23 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from blockdraft.cli_options import (
+    ConcurrencyOpt,
+    ConfigOpt,
+    DeepOpt,
+    EndpointOpt,
+    ForceOpt,
+    PartSizeOpt,
+    SetOpt,
+    progress_page,
+    store_config,
+    write_page,
+)
 from blockdraft.config import load_config
 from blockdraft.console import ConsoleReporter
 from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, redact
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
-from blockdraft.store.lease import set_force_takeover
 from blockdraft.store.preflight import preflight as run_preflight
 from blockdraft.store.status import OK_STATES, format_counts, format_lineage, render_progress
 from blockdraft.store.status import status as survey
@@ -49,7 +60,6 @@ app = typer.Typer(
 console = Console(stderr=True)
 
 
-
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The one place user errors are caught: a BlockdraftError is one red line and exit status 2, never a traceback."""
     @functools.wraps(fn)
@@ -68,16 +78,6 @@ def _root() -> None:
     """blockdraft: completions -> tokenize -> push/pull -> train -> eval/export, every step verified."""
 
 
-ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="blockdraft TOML config file.")]
-ForceOpt = Annotated[
-    bool, typer.Option("--force", help="Take over the output's lease from a writer on another host that is dead but whose lease has not "
-                                       "expired yet (never from a process alive on this host).")
-]
-DeepOpt = Annotated[
-    bool, typer.Option("--deep", help="Read every byte back from a remote store and recompute its checksum, instead of trusting the checksum its server stored.")
-]
-
-
 @app.command()
 @user_errors
 def verify(
@@ -85,9 +85,10 @@ def verify(
     config: ConfigOpt = None,
     endpoint_url: EndpointOpt = None,
     deep: DeepOpt = False,
+    sets: SetOpt = None,
 ) -> None:
     """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum, its inputs unchanged."""
-    store = open_store(url, _store_config(config, endpoint_url))
+    store = open_store(url, store_config(config, sets, endpoint_url))
     require_folder(store, "artifact", f"pass the folder that holds its {MANIFEST_NAME}")
     report = verify_artifact(store, check_inputs=True, deep=deep, cached=True)
     if report.state is State.INCOMPLETE and next(iter(store.list()), None) is None:
@@ -115,17 +116,17 @@ def tokenize(
     held_out_fraction: Annotated[float | None, typer.Option(help="Fraction of conversations in the held-out split.")] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes (one input shard each at a time).")] = None,
     force: ForceOpt = False,
+    sets: SetOpt = None,
 ) -> None:
     """Completions -> one row per assistant turn with an exact loss mask, as Arrow shards `datasets.load_from_disk` reads."""
-    set_force_takeover(force)
     from blockdraft.stages import tokenize as tokenize_stage
 
     if thinking not in (None, "auto", "on", "off"):
         raise typer.BadParameter(f"{thinking!r}; use auto, on or off", param_hint="--thinking")
     overrides = {"tokenize": {"thinking": thinking, "max_length": max_length, "held_out_fraction": held_out_fraction, "workers": workers}}
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, sets or ())
     with ConsoleReporter(console) as reporter:
-        result = tokenize_stage.run(cfg, input, output, reporter, tokenizer=tokenizer, chat_template=chat_template)
+        result = tokenize_stage.run(cfg, input, output, reporter, force=force, tokenizer=tokenizer, chat_template=chat_template)
     for line in tokenize_stage.summary_lines(result):
         reporter.say(line)
 
@@ -138,13 +139,13 @@ def export(
     config: ConfigOpt = None,
     target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (default: the checkpoint's target.path).")] = None,
     force: ForceOpt = False,
+    sets: SetOpt = None,
 ) -> None:
     """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, as a verified artifact; print the serving settings."""
-    set_force_takeover(force)
     from blockdraft.stages import export as export_stage
 
     with ConsoleReporter(console) as reporter:
-        result = export_stage.run(load_config(config), checkpoint, out, reporter, target=target)
+        result = export_stage.run(load_config(config, sets=sets or ()), checkpoint, out, reporter, force=force, target=target)
     console.print(f"[green]verified[/]: {result.report.summary()} at {result.url}", highlight=False)
     for line in export_stage.serving_lines(result.details.serving):  # for a store URL, the pull step comes first
         print(line)
@@ -165,16 +166,19 @@ def eval_command(
         str | None, typer.Option("--engine", help="vllm or sglang: also serve the export in that engine and compare its acceptance with ours.")
     ] = None,
     export: Annotated[str | None, typer.Option("--export", help="With --engine: the export folder to serve (default: CHECKPOINT's).")] = None,
+    force: ForceOpt = False,
+    sets: SetOpt = None,
 ) -> None:
     """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy."""
     from blockdraft.pipeline import export_for_engine
     from blockdraft.stages import eval as eval_stage
 
-    cfg = load_config(config, {"eval": {"max_new_tokens": max_new_tokens, "baseline": baseline, "engine": engine}})
+    flags = {"prompts": prompts, "max_new_tokens": max_new_tokens, "baseline": baseline, "engine": engine}
+    cfg = load_config(config, {"eval": flags}, sets or ())
     with ConsoleReporter(console) as reporter, tempfile.TemporaryDirectory(prefix="blockdraft-engine-export-") as tmp:
         if cfg.eval.engine != "none" and export is None:
             export = export_for_engine(cfg, checkpoint, Path(tmp) / "export", reporter)
-        result = eval_stage.run(cfg, checkpoint, output, reporter, prompts=prompts, max_new_tokens=max_new_tokens, export=export)
+        result = eval_stage.run(cfg, checkpoint, output, reporter, force=force, export=export)
     report = result.details
     for line in eval_stage.summary_lines(report):
         print(line)
@@ -187,21 +191,6 @@ def eval_command(
         raise typer.Exit(1)
 
 
-EndpointOpt = Annotated[
-    str | None, typer.Option("--endpoint-url", help="S3 endpoint (beats store.endpoint_url, AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL).")
-]
-
-
-def _store_config(config: str | None, endpoint_url: str | None, concurrency: int | None = None, part_size_mib: int | None = None):
-
-    overrides = {"endpoint_url": endpoint_url, "concurrency": concurrency, "part_size_mib": part_size_mib}
-    return load_config(config, {"store": overrides}).store
-
-
-ConcurrencyOpt = Annotated[int | None, typer.Option("--concurrency", min=1, help="Parts in flight (memory ~ part size x this).")]
-PartSizeOpt = Annotated[int | None, typer.Option("--part-size-mib", min=5, help="Multipart part size in MiB.")]
-
-
 @app.command()
 @user_errors
 def push(
@@ -212,10 +201,11 @@ def push(
     concurrency: ConcurrencyOpt = None,
     part_size_mib: PartSizeOpt = None,
     force: ForceOpt = False,
+    sets: SetOpt = None,
 ) -> None:
     """Upload an artifact, verify every file at the destination, then write its manifest there (last)."""
     with ConsoleReporter(console) as reporter:
-        report = push_artifact(local_dir, url, _store_config(config, endpoint_url, concurrency, part_size_mib), force=force, reporter=reporter)
+        report = push_artifact(local_dir, url, store_config(config, sets, endpoint_url, concurrency, part_size_mib), force=force, reporter=reporter)
     print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pushed[/]: {report.summary()}", highlight=False)
 
@@ -230,10 +220,11 @@ def pull(
     concurrency: ConcurrencyOpt = None,
     part_size_mib: PartSizeOpt = None,
     force: ForceOpt = False,
+    sets: SetOpt = None,
 ) -> None:
     """Download an artifact, recompute every checksum, and write the local manifest last; refuse one that does not verify."""
     with ConsoleReporter(console) as reporter:
-        report = pull_artifact(url, local_dir, _store_config(config, endpoint_url, concurrency, part_size_mib), force=force, reporter=reporter)
+        report = pull_artifact(url, local_dir, store_config(config, sets, endpoint_url, concurrency, part_size_mib), force=force, reporter=reporter)
     print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pulled[/]: {report.summary()}", highlight=False)
 
@@ -246,12 +237,13 @@ def status(
     endpoint_url: EndpointOpt = None,
     progress: Annotated[str | None, typer.Option("--progress", help="Also write these facts as a Markdown page (e.g. PROGRESS.md).")] = None,
     deep: DeepOpt = False,
+    sets: SetOpt = None,
 ) -> None:
     """Every artifact under a prefix: state, kind, lineage and counts, read from the destination. Exits 1 unless every artifact
     is verified or only has an input this machine cannot reach; 2 when there is nothing under the prefix."""
-    store = open_store(url, _store_config(config, endpoint_url))
+    store = open_store(url, store_config(config, sets, endpoint_url))
     require_folder(store, "status path", "pass the folder or prefix that holds the artifacts")
-    page = _progress_page(progress) if progress else None  # before the survey: a page that cannot be written fails in seconds
+    page = progress_page(progress) if progress else None  # before the survey: a page that cannot be written fails in seconds
     artifacts = survey(store, deep=deep)
     if not artifacts:
         raise ArtifactError(
@@ -261,26 +253,9 @@ def status(
     for a in artifacts:
         print(f"{a.state.value}\t{a.kind}\t{a.url}\t{format_lineage(a.lineage)}\t{format_counts(a)}")
     if page is not None:
-        _write_page(page, render_progress(store.url, artifacts))
+        write_page(page, render_progress(store.url, artifacts))
     if any(a.state not in OK_STATES for a in artifacts):
         raise typer.Exit(1)
-
-
-def _progress_page(progress: str) -> Path:
-    """The `--progress` page's path, refused at once (one line) when its folder is missing or it names a folder."""
-    page = Path(progress)
-    if not page.parent.is_dir():
-        raise ConfigError(f"--progress {progress}: the folder {page.parent} does not exist; create it or write the page elsewhere")
-    if page.is_dir():
-        raise ConfigError(f"--progress {progress} is a folder; name the page's file, e.g. {page / 'PROGRESS.md'}")
-    return page
-
-
-def _write_page(page: Path, text: str) -> None:
-    try:
-        page.write_text(text)
-    except OSError as exc:  # a read-only folder, a full disk
-        raise ConfigError(f"cannot write the --progress page {page} ({exc.strerror}); write it to another folder") from None
 
 
 @app.command()
@@ -289,9 +264,10 @@ def preflight(
     url: Annotated[str, typer.Argument(help="Store to check: s3://bucket/prefix or a folder.")],
     config: ConfigOpt = None,
     endpoint_url: EndpointOpt = None,
+    sets: SetOpt = None,
 ) -> None:
     """Write, read back and delete a probe object: fails in seconds naming what is missing (credentials, bucket, permission, endpoint)."""
-    report = run_preflight(open_store(url, _store_config(config, endpoint_url)))
+    report = run_preflight(open_store(url, store_config(config, sets, endpoint_url)))
     print(f"ok\t{report.url}")
     console.print(f"[green]preflight ok[/]: {report.summary()}", highlight=False)
 
@@ -311,21 +287,21 @@ def train(
         bool, typer.Option("--plan", help="Print the placement and memory plan (GB per device) from the target's config.json and exit: "
                                           "no weights, data or GPU needed.")
     ] = False,
+    sets: SetOpt = None,
 ) -> None:
     """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
-    set_force_takeover(force)
     from blockdraft.stages.train import launch
 
     if plan:
         from blockdraft.stages.train.plan import memory_plan
 
-        planned = memory_plan(load_config(config))
+        planned = memory_plan(load_config(config, sets=sets or ()))
         print("\n".join(planned.lines()))
         if problem := planned.problem():
             raise ConfigError(problem)
         return
     with ConsoleReporter(console) as reporter:
-        launched = launch(config, nproc, reporter, force)
+        launched = launch(config, nproc, reporter, force, sets or ())
     if launched.result is not None and launched.rank == 0:
         trained = launched.result.details
         if trained.metrics:
@@ -351,16 +327,16 @@ def generate(
     concurrency: Annotated[int | None, typer.Option(help="Requests in flight (openai engine).")] = None,
     thinking: Annotated[str | None, typer.Option(help="auto (follow the dropped turn), on or off.")] = None,
     force: ForceOpt = False,
+    sets: SetOpt = None,
 ) -> None:
     """Regenerate each prompt's final assistant turn with the target; a rerun generates only what is missing."""
-    set_force_takeover(force)
     from blockdraft.stages import generate as generate_stage
 
     overrides = {"generate": {"engine": engine, "base_url": base_url, "model": model, "max_new_tokens": max_new_tokens,
                               "concurrency": concurrency, "thinking": thinking}}
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, sets or ())
     with ConsoleReporter(console) as reporter:
-        result = generate_stage.run(cfg, input, output, reporter)
+        result = generate_stage.run(cfg, input, output, reporter, force=force)
     for line in generate_stage.summary_lines(result):
         reporter.say(line)
     failed = result.details.failed

@@ -2,7 +2,8 @@
 
 Every stage reads its options from its own section. The resolved config (defaults filled in) is written into
 every manifest and every export, so an artifact can always be traced to the settings that made it.
-Precedence: command-line flag, then this file, then the environment, then the defaults below.
+Precedence: command-line overrides (`--set section.key=value`, or a stage flag that spells one; `overrides.py`), then
+this file, then the defaults below.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from blockdraft.added_tokens import mask_token_problem, tokenizer_added_tokens
 from blockdraft.errors import ConfigError, safe_url
+from blockdraft.overrides import Overrides, apply, flag_overrides, set_overrides, validation_line
 
 
 class _Section(BaseModel):
@@ -329,52 +331,28 @@ def _safe_urls(data: Any) -> Any:
     return safe_url(data) if isinstance(data, str) else data
 
 
-_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
-
-
-def _format_validation_error(path: str, err: ValidationError, flags: dict[tuple[str, str], object]) -> str:
-    """One line for the first problem: a command-line flag's names the flag and its value, a file's names the field."""
-    first = err.errors()[0]
-    loc = tuple(str(p) for p in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own validators' words
-    if loc[:2] in flags:
-        section, key = loc[:2]
-        bound = _BOUNDS.get(first["type"])
-        limit = first.get("ctx", {}).get(bound[1]) if bound else None
-        problem = f"must be {bound[0]} {limit}" if bound and limit is not None else message
-        flag = "--" + key.replace("_", "-")
-        return f"{flag} {flags[section, key]}: {problem} (it sets {section}.{key}); pass a valid value to {flag}"
-    where = ".".join(loc) or "(top level)"
-    return f"config {path}: field '{where}': {message}; fix that field in the file"
-
-
-def load_config(path: str | Path | None = None, overrides: dict | None = None) -> BlockdraftConfig:
-    """Load and validate a TOML config; `overrides` ({"section": {"field": value}}) are command-line flags.
-
-    Flags that are None are ignored, so a CLI can pass every option and let the file decide the unset ones. A flag
-    `section.some_field` is the option `--some-field`: its error names the flag, not the file.
+def load_config(path: str | Path | None = None, flags: dict | None = None, sets: Sequence[str] = ()) -> BlockdraftConfig:
+    """Load and validate a TOML config with command-line overrides laid over it: `flags` ({"section": {"key": value}},
+    None values ignored, so a CLI can pass every option and let the file decide the unset ones) and `sets`
+    (`--set section.key=value` items). A bad override's one line names it as the user spelled it (`--max-length -3`,
+    `--set train.max_steps=0`), a bad field of the file names the file and the field.
     """
-    data: dict = {}
+    return load_with(path, set_overrides(sets, BlockdraftConfig, flag_overrides(flags or {})))
+
+
+def load_with(path: str | Path | None, overrides: Overrides) -> BlockdraftConfig:
+    """`load_config` with the overrides already gathered (`blockdraft.overrides`)."""
     label = str(path) if path else "(defaults)"
+    data: dict = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing TOML file with --config")
         data = _read_toml(p)
-    flags: dict[tuple[str, str], object] = {}
-    for section, values in (overrides or {}).items():
-        for key, value in values.items():
-            if value is not None:
-                table = data.setdefault(section, {})
-                if not isinstance(table, dict):  # `tokenize = 5`: a flag has no table to go into
-                    raise ConfigError(f"config {label}: '{section}' is a {type(table).__name__}, not a table; "
-                                      f"write its fields under a [{section}] header")
-                table[key] = value
-                flags[section, key] = value
     try:
-        config = BlockdraftConfig.model_validate(data)
+        config = BlockdraftConfig.model_validate(apply(data, overrides, label))
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(label, exc, flags)) from None
+        raise ConfigError(validation_line(label, exc, overrides)) from None
     _check_mask_token(config, label)
     return config
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockdraft.added_tokens import mask_token_problem
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import TargetConfig
 from blockdraft.data.render import ChatTemplate, compile_chat_template
 from blockdraft.errors import ConfigError
 
@@ -58,23 +58,24 @@ def _read_template_file(path: str) -> str:
     return p.read_text()
 
 
-def _target_template(cfg: BlockdraftConfig) -> str | None:
+def _target_template(target: TargetConfig) -> str | None:
     """The target's own chat template text (target.chat_template, else the target tokenizer's), or None when unknown."""
-    if cfg.target.chat_template:
-        return _read_template_file(cfg.target.chat_template)
-    target_tok = cfg.target.tokenizer or cfg.target.path
+    if target.chat_template:
+        return _read_template_file(target.chat_template)
+    target_tok = target.tokenizer or target.path
     if target_tok and Path(target_tok).is_dir():
         return load_tokenizer(target_tok)[2]
     return None
 
 
-def resolve_tokenizer(cfg: BlockdraftConfig, tokenizer: str | None, chat_template: str | None) -> tuple[TokenizerSource, list[str]]:
-    """The tokenizer/template of this run and the warnings to show loudly (template not the target's)."""
-    tok_path = tokenizer or cfg.target.tokenizer or cfg.target.path
+def resolve_tokenizer(target: TargetConfig, tokenizer: str | None, chat_template: str | None) -> tuple[TokenizerSource, list[str]]:
+    """The tokenizer/template of this run (`tokenizer`, `chat_template`, else the [target] section's) and the warnings to
+    show loudly (template not the target's)."""
+    tok_path = tokenizer or target.tokenizer or target.path
     if not tok_path:
         raise ConfigError("no tokenizer: set target.path (or target.tokenizer) in the config, or pass --tokenizer DIR")
     tokenizer_json, vocab_size, own_template, special_tokens = load_tokenizer(str(tok_path))
-    target_text = _target_template(cfg)
+    target_text = _target_template(target)
     if chat_template:
         text, source = _read_template_file(chat_template), f"file {Path(chat_template).name}"
     elif target_text is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from blockdraft.config import layer_ids_problem
+from blockdraft.config import DFlashConfig, layer_ids_problem
 from blockdraft.errors import SpecError
 from blockdraft.model.attention import FULL_ATTENTION, LAYER_KINDS, SLIDING_ATTENTION
 from blockdraft.model.rope import DEFAULT_ROPE, clean_scaling, rope_type_of
@@ -229,8 +229,8 @@ class DrafterSpec:
             )
 
     @classmethod
-    def from_target_config(cls, hf_config: Any, dflash_cfg: Any) -> DrafterSpec:
-        """Defaults per docs/DFLASH.md from the target's HF config and a `blockdraft.config.DFlashConfig`."""
+    def from_target_config(cls, hf_config: Any, dflash_cfg: DFlashConfig) -> DrafterSpec:
+        """Defaults per docs/DFLASH.md from the target's HF config and the [dflash] section."""
         cfg = _text_config(hf_config)
         target = TargetShape.from_config(hf_config)
         if dflash_cfg.mask_token_id is None:
@@ -263,8 +263,8 @@ class DrafterSpec:
             target_layer_ids=layer_ids,
             num_target_layers=target.num_layers,
             gamma=gamma,
-            layer_types=list(getattr(dflash_cfg, "layer_types", None) or []),
-            sliding_window=getattr(dflash_cfg, "sliding_window", None),
+            layer_types=list(dflash_cfg.layer_types or []),
+            sliding_window=dflash_cfg.sliding_window,
         )
 
     def to_export_config(self) -> dict[str, Any]:

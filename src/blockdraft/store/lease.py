@@ -34,21 +34,6 @@ from blockdraft.store.base import Store
 LEASE_NAME = ".blockdraft-lease.json"
 LEASE_TTL_S = 600.0  # a dead writer blocks its output for at most this long; a live one renews every third of it
 _PROCESS_TOKEN = uuid.uuid4().hex[:12]
-FORCE_ENV = "BLOCKDRAFT_TAKE_OVER_LEASE"  # set by --force; inherited by the ranks torchrun starts
-
-
-def set_force_takeover(force: bool) -> None:
-    """`--force` for the stages, which pass it to their leases through the environment (the ranks torchrun starts inherit
-    it); push and pull take `force` as a parameter instead."""
-    if force:
-        os.environ[FORCE_ENV] = "1"
-    else:
-        os.environ.pop(FORCE_ENV, None)
-
-
-def _force_takeover() -> bool:
-    return os.environ.get(FORCE_ENV) == "1"
-
 
 @dataclass
 class LeaseRecord:
@@ -186,15 +171,15 @@ def held_here(store: Store) -> bool:
 class Lease:
     """The lease on the output at `store` for this process; `acquire` (or `with`) takes it, `release` gives it back.
 
-    `force`: take over a live lease of another host's writer (None: what `set_force_takeover` set). `reporter` hears of
+    `force` (`--force`): take over a live lease of another host's writer. `reporter` hears of
     takeovers and of renewals that failed (a `Reporter()` that only logs when None)."""
 
-    def __init__(self, store: Store, ttl_s: float = LEASE_TTL_S, *, force: bool | None = None, reporter: Reporter | None = None) -> None:
+    def __init__(self, store: Store, ttl_s: float = LEASE_TTL_S, *, force: bool = False, reporter: Reporter | None = None) -> None:
         self.store = store
         self.ttl_s = ttl_s
         self.key = store.url.rstrip("/")
         self.taken_over: LeaseRecord | None = None
-        self.force = _force_takeover() if force is None else force
+        self.force = force
         self.reporter = reporter or Reporter()
 
     def __enter__(self) -> Lease:
@@ -295,5 +280,4 @@ def _release_all() -> None:
 
 __all__ = [
     "LEASE_NAME", "LEASE_TTL_S", "Lease", "LeaseRecord", "busy_error", "held_here", "held_leases", "holds_live", "read_lease",
-    "set_force_takeover",
 ]

@@ -215,11 +215,11 @@ class StageOutput:
     """The output artifact of one stage run: `kind` at `url`, made from what `key` names (see `stage_key`).
 
     `force` and `reporter` go to its lease (`store.lease.Lease`): whether a live writer of another host is taken over
-    (None: what `set_force_takeover` set), and who hears of takeovers."""
+    (`--force`), and who hears of takeovers."""
 
     def __init__(
         self, url: str | Store, kind: str, key: str, store_config: StoreConfig | None = None, *,
-        force: bool | None = None, reporter: Reporter | None = None,
+        force: bool = False, reporter: Reporter | None = None,
     ) -> None:
         self.store = url if isinstance(url, Store) else open_store(url, store_config)
         self.kind = kind
@@ -231,7 +231,7 @@ class StageOutput:
     @classmethod
     def copy(
         cls, url: str | Store, raw_manifest: bytes, store_config: StoreConfig | None = None, *,
-        force: bool | None = None, reporter: Reporter | None = None,
+        force: bool = False, reporter: Reporter | None = None,
     ) -> StageOutput:
         """The destination of a copy (push, pull): it keeps the source's manifest byte for byte, so lineage digests stay
         valid, and it is done when it holds that very manifest and verifies."""

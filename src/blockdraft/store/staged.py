@@ -77,6 +77,7 @@ def stage_and_push(
     finished: Callable[[Path], list[FileEntry]],
     poll_s: float = 0.5,
     reporter: Reporter | None = None,
+    force: bool = False,
 ) -> tuple[object, TransferReport]:
     """Run a stage whose output is the remote `url`: preflight, stage locally, push finished pieces meanwhile, then push.
 
@@ -85,21 +86,22 @@ def stage_and_push(
     artifact of `kind`) before the first piece goes up. The remote's old manifest is removed before the first upload that
     changes anything there (so a rerun over a committed output that uploads nothing leaves it committed), and no
     reader sees it over new files; the final `push` verifies everything and writes the manifest last.
-    Returns (what run_stage returned, the push report).
+    `force` (`--force`) goes to the remote's lease: a dead writer's is taken over. Returns (what run_stage returned,
+    the push report).
     """
     remote = open_store(url, store_config)
     preflight(remote)
     local = staging_folder(url, store_config)
     local.mkdir(parents=True, exist_ok=True)
     # One writer from the first piece pushed to the commit; the final push takes the lease again (re-entrant).
-    with Lease(remote, reporter=reporter) as lease:
+    with Lease(remote, force=force, reporter=reporter) as lease:
         claim_output(remote, kind, lease.force)
         pusher = _FinishedPiecePusher(local, remote, finished, poll_s)
         try:
             result = run_stage(local)
         finally:
             pusher.stop()
-        report = push(local, url, store_config, reporter=reporter)
+        report = push(local, url, store_config, force=force, reporter=reporter)
     return result, report
 
 

@@ -95,7 +95,7 @@ def _already_there(copy: StageOutput, report: TransferReport, start: float) -> b
 
 
 def push(
-    local_dir: str | Path, url: str, store_config: StoreConfig | None = None, *, force: bool | None = None, reporter: Reporter | None = None
+    local_dir: str | Path, url: str, store_config: StoreConfig | None = None, *, force: bool = False, reporter: Reporter | None = None
 ) -> TransferReport:
     """Upload the committed artifact in `local_dir` to `url`, verify every file there, then commit its manifest.
 
@@ -177,7 +177,7 @@ def _free_bytes(folder: Path) -> int:
 
 
 def pull(
-    url: str, local_dir: str | Path, store_config: StoreConfig | None = None, *, force: bool | None = None, reporter: Reporter | None = None
+    url: str, local_dir: str | Path, store_config: StoreConfig | None = None, *, force: bool = False, reporter: Reporter | None = None
 ) -> TransferReport:
     """Download the artifact at `url` into `local_dir`, recomputing every checksum, and write its manifest last.
 
@@ -229,7 +229,7 @@ def pull(
 
 def _pull_into(
     source: Store, dest: LocalStore, manifest: Manifest, raw: bytes, report: TransferReport, workers: int,
-    force: bool | None, reporter: Reporter | None,
+    force: bool, reporter: Reporter | None,
 ) -> None:
     """Under `dest`'s lease: claim the folder, download and swap in the files, write the manifest last, and read it and
     every size back."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from pydantic import BaseModel
 
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import EvalConfig
 from blockdraft.decode.speculative import GreedyResult, SpecResult
 
 
@@ -94,9 +94,9 @@ def first_divergence(drafter: str, prompt_index: int, spec: SpecResult, greedy: 
     )
 
 
-def divergence_tolerance(cfg: BlockdraftConfig, dtype: torch.dtype) -> float:
+def divergence_tolerance(settings: EvalConfig, dtype: torch.dtype) -> float:
     """The largest top-2 margin at which a divergence still counts as a rounding near-tie for this target dtype."""
-    return cfg.eval.divergence_margin_fp32 if dtype == torch.float32 else cfg.eval.divergence_margin_bf16
+    return settings.divergence_margin_fp32 if dtype == torch.float32 else settings.divergence_margin_bf16
 
 
 def acceptance_metrics(results: Sequence[SpecResult], block_size: int) -> DrafterMetrics:

@@ -56,6 +56,7 @@ def run(
     output: str | None = None,
     reporter: Reporter | None = None,
     *,
+    force: bool = False,
     prompts: str | None = None,
     max_new_tokens: int | None = None,
     export: str | None = None,
@@ -85,7 +86,7 @@ def run(
         tokenizer = load_target_tokenizer(config)
         chosen = read_eval_prompts(prompts or config.eval.prompts or config.train.data, config, tokenizer, workdir)
         url = output or _default_output(config, ckpt, chosen.ids, max_new_tokens)
-        out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt, served), config.store, reporter=reporter)
+        out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt, served), config.store, force=force, reporter=reporter)
         refuse_nested(open_store(input, config.store), out.store, "checkpoint")
         done = out.done()
         if done is not None:
@@ -145,7 +146,7 @@ def _decode_and_measure(
         raise EvalError(f"prompt token id {bad} is outside the target's vocabulary (0..{vocab - 1}); the prompts were tokenized for another model")
     return evaluate(
         hf_model, drafter, prompts, max_new_tokens, stop_token_ids(hf_model, tokenizer),
-        divergence_tolerance(cfg, next(hf_model.parameters()).dtype),
+        divergence_tolerance(cfg.eval, next(hf_model.parameters()).dtype),
         untrained_seed=UNTRAINED_SEED if cfg.eval.untrained_baseline else None,
         reporter=reporter,
         baselines=drafters,

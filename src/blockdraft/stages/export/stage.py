@@ -63,7 +63,8 @@ class ExportResult:
 
 
 def run(
-    config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None, *, target: str | None = None
+    config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None, *, force: bool = False,
+    target: str | None = None,
 ) -> StageResult:
     """Export the verified checkpoint at `input` (a folder or URL, or a training output holding step-* checkpoints) to
     `output` (a folder or s3:// URL); `details` is an ExportResult.
@@ -87,7 +88,7 @@ def run(
         target_config = _target_config(target_path)
         dtype = target_dtype(config.target.dtype, target_config)
         key = {"target": target_path, "location": output, "dtype": dtype}
-        out = StageOutput(out_store, EXPORT_KIND, stage_key(key, [checkpoint.ref]), reporter=reporter)
+        out = StageOutput(out_store, EXPORT_KIND, stage_key(key, [checkpoint.ref]), force=force, reporter=reporter)
         done = out.done()
         if done is not None:
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; nothing written")

@@ -18,8 +18,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
+from blockdraft.config import GenerateConfig, TargetConfig
 from blockdraft.decode.greedy import Completion, Prompt, greedy_generate, render_prompt, split_reasoning
 from blockdraft.errors import ConfigError, redact, remember_secret, remember_url, safe_url
+from blockdraft.model.target import load_target_config, target_dtype
 
 # Statuses worth another try: the server is overloaded, restarting or timed out on its side.
 RETRYABLE_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -37,19 +39,22 @@ class Failure:
 
 
 class HFEngine:
-    """Local transformers generation for small targets: `batch_size` prompts per `generate` call, greedy by default."""
+    """Local transformers generation for small targets: the [target] section's model (and tokenizer) in target.dtype (unset:
+    its config.json's), generate.batch_size prompts per `generate` call, greedy by default."""
 
-    def __init__(self, model_path: str, tokenizer_path: str | None, dtype: str, max_new_tokens: int, batch_size: int,
-                 temperature: float = 0.0, device: str = "cpu") -> None:
+    def __init__(self, target: TargetConfig, settings: GenerateConfig, device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        if not target.path:
+            raise ConfigError("generate.engine is 'hf' but target.path is not set; set it to the target model's folder or hub id")
+        dtype = target_dtype(target.dtype, load_target_config(target.path))
+        self.tokenizer = AutoTokenizer.from_pretrained(target.tokenizer or target.path)
+        model = AutoModelForCausalLM.from_pretrained(target.path, dtype=getattr(torch, dtype))
         self.model = cast(torch.nn.Module, model).to(device).eval()
-        self.max_new_tokens = max_new_tokens
-        self.batch_size = batch_size
-        self.temperature = temperature
+        self.max_new_tokens = settings.max_new_tokens
+        self.batch_size = settings.batch_size
+        self.temperature = settings.temperature
 
     def run(self, prompts: Iterable[Prompt]) -> Iterator[Completion | Failure]:
         batch: list[Prompt] = []
@@ -109,32 +114,32 @@ def parse_chat_response(prompt_id: str, data: Any) -> Completion:
 
 
 class OpenAIEngine:
-    """Chat completions from an OpenAI-compatible server.
+    """Chat completions from the OpenAI-compatible server at generate.base_url, per the [generate] section.
 
     At most `concurrency` requests in flight; each has a `timeout_s` deadline; 5xx/429/timeouts/connection errors are
-    retried up to `max_retries` times with exponential backoff (`backoff_s` * 2^attempt, jittered, capped at 30 s);
+    retried up to `max_retries` times with exponential backoff (`retry_backoff_s` * 2^attempt, jittered, capped at 30 s);
     other 4xx answers are the prompt's fault and are not retried. The API key comes from the environment variable
     `api_key_env` and is sent only in the Authorization header; every error text is redacted before it is kept, so the
     key never reaches a failure record, a message or an artifact (docs/STORE.md, credentials).
     """
 
-    def __init__(self, base_url: str, model: str | None, max_new_tokens: int, concurrency: int, timeout_s: float,
-                 max_retries: int, backoff_s: float, temperature: float = 0.0, request_token_ids: bool = True,
-                 api_key_env: str = "OPENAI_API_KEY", seed: int = 0) -> None:
-        self.base_url = base_url
-        self.shown_url = safe_url(base_url).rstrip("/")  # what messages name: no password, no token
-        remember_url(base_url)
-        self.max_new_tokens = max_new_tokens
-        self.concurrency = concurrency
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.temperature = temperature
-        self.request_token_ids = request_token_ids
-        self._api_key = os.environ.get(api_key_env) or None
+    def __init__(self, settings: GenerateConfig, seed: int = 0) -> None:
+        if not settings.base_url:
+            raise ConfigError("generate.engine is 'openai' but generate.base_url is not set; set it to the server's /v1 URL")
+        self.base_url = settings.base_url
+        self.shown_url = safe_url(self.base_url).rstrip("/")  # what messages name: no password, no token
+        remember_url(self.base_url)
+        self.max_new_tokens = settings.max_new_tokens
+        self.concurrency = settings.concurrency
+        self.timeout_s = settings.timeout_s
+        self.max_retries = settings.max_retries
+        self.backoff_s = settings.retry_backoff_s
+        self.temperature = settings.temperature
+        self.request_token_ids = settings.request_token_ids
+        self._api_key = os.environ.get(settings.api_key_env) or None
         remember_secret(self._api_key)
         self._jitter = random.Random(seed)
-        self.model = model or self._served_model()
+        self.model = settings.model or self._served_model()
 
     def _headers(self, prompt_id: str | None = None) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}

@@ -33,7 +33,6 @@ from blockdraft.config import BlockdraftConfig
 from blockdraft.data.formats import COMPLETIONS_KIND
 from blockdraft.decode.greedy import Prompt
 from blockdraft.errors import ConfigError
-from blockdraft.model.target import load_target_config, target_dtype
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.generate.engines import Failure, HFEngine, OpenAIEngine
@@ -70,7 +69,7 @@ class GenerateSummary:
     with_token_ids: int = 0
 
 
-def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None) -> StageResult:
+def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None, *, force: bool = False) -> StageResult:
     """Complete every prompt of `input` that `output` does not hold yet, then commit the artifact.
 
     Reports progress as ("generate", prompts done, prompts pending); `summary_lines` is what a caller prints of the
@@ -85,7 +84,7 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     # The output key takes the model as configured: None (openai, "whatever the server serves") is not resolved here, so
     # an output that is done is recognised without reaching the server. The piece key below takes the served
     # name, so completions of another served model are never mixed into the same output.
-    out = StageOutput(output, KIND, stage_key(settings, lineage), config.store, reporter=reporter)
+    out = StageOutput(output, KIND, stage_key(settings, lineage), config.store, force=force, reporter=reporter)
     report = out.done()
     if report is not None and report.manifest is not None and not report.manifest.counts.get("failed"):
         # Done, for these settings and this input. An output with failed requests is committed but not done: a rerun retries them.
@@ -155,16 +154,7 @@ def _settings(cfg: BlockdraftConfig) -> dict[str, Any]:
 
 
 def _make_engine(cfg: BlockdraftConfig) -> HFEngine | OpenAIEngine:
-    g = cfg.generate
-    if g.engine == "openai":
-        if not g.base_url:
-            raise ConfigError("generate.engine is 'openai' but generate.base_url is not set; set it to the server's /v1 URL")
-        return OpenAIEngine(g.base_url, g.model, g.max_new_tokens, g.concurrency, g.timeout_s, g.max_retries,
-                            g.retry_backoff_s, g.temperature, g.request_token_ids, g.api_key_env)
-    if not cfg.target.path:
-        raise ConfigError("generate.engine is 'hf' but target.path is not set; set it to the target model's folder or hub id")
-    dtype = target_dtype(cfg.target.dtype, load_target_config(cfg.target.path))
-    return HFEngine(cfg.target.path, cfg.target.tokenizer, dtype, g.max_new_tokens, g.batch_size, g.temperature)
+    return OpenAIEngine(cfg.generate) if cfg.generate.engine == "openai" else HFEngine(cfg.target, cfg.generate)
 
 
 def _refuse_other_output(out: StageOutput, held: HeldShards, settings: dict[str, Any], prompt_ids: set[str], input: str) -> None:

@@ -30,7 +30,6 @@ class ShardRunner:
     def __init__(self, workers: int, src: TokenizerSource) -> None:
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
         if workers <= IN_PROCESS_UP_TO:
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
             install_tools(src.tokenizer_json, src.template.text, src.template.variables)
             return
         ctx = multiprocessing.get_context("spawn")

@@ -164,8 +164,6 @@ def install_tools(tokenizer_json: str, template_text: str, variables: dict[str, 
 
 
 def worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, template_text: str, variables: dict[str, str]) -> None:
-    # The tokenizer's own thread pool deadlocks in forked children and does not scale on few cores: one process = one core.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     WORKER["queue"] = progress_queue
     if sys.platform == "linux":
         # A worker must not outlive a killed parent: it would keep writing shard files under a rerun's feet.
@@ -324,7 +322,7 @@ def _process_batch(
     counts: _ShardCounts,
     reject: Any,
 ) -> tuple[int, int]:
-    """Normalise, render, encode (one `encode_batch` for the batch) and mask; write rows; return (rows, tokens) written."""
+    """Normalise, render, encode and mask; write rows; return (rows, tokens) written."""
     planned: list[tuple[RawRecord, str, PlannedTurn]] = []
     ready: list[tuple[RawRecord, str, TurnRow | TurnRejection]] = []
     for record in batch:
@@ -348,7 +346,9 @@ def _process_batch(
             else:
                 ready.append((record, conv.source_id, item))
     if planned:
-        encodings = tokenizer.encode_batch([p.full for _, _, p in planned], add_special_tokens=False)
+        # One `encode` per text, not `encode_batch`: that starts the tokenizer's own thread pool, which does not scale on few
+        # cores (the stage scales by worker processes, one core each) and can deadlock in a forked child.
+        encodings = [tokenizer.encode(p.full, add_special_tokens=False) for _, _, p in planned]
         for (record, source_id, p), enc in zip(planned, encodings, strict=True):
             ready.append((record, source_id, mask_turn(p, enc, settings.eot_id, settings.max_length)))
     rows = tokens = 0

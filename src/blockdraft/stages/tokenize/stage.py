@@ -58,8 +58,8 @@ def run(
     output: str,
     reporter: Reporter | None = None,
     *,
-    tokenizer: str | None = None,
-    chat_template: str | None = None,
+    force: bool = False,
+    tokenizer: str | None = None, chat_template: str | None = None,
 ) -> StageResult:
     """Tokenize completions at `input` (file, folder or completions artifact) into a verified `tokenized` artifact at `output`.
 
@@ -82,17 +82,17 @@ def run(
     out_store = open_store(output, config.store)
     refuse_nested(open_store(input, config.store), out_store)
     if out_store.local_path() is None:
-        result = _run_to_remote(config, input, output, reporter, tokenizer, chat_template, started)
+        result = _run_to_remote(config, input, output, reporter, tokenizer, chat_template, started, force)
     else:
-        result = _run_local(config, input, output, reporter, tokenizer, chat_template, started)
+        result = _run_local(config, input, output, reporter, tokenizer, chat_template, started, force)
     if result.details.counts.get("input_files_failed"):
         raise InputFilesFailed(result)
     return result
 
 
 def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
-               chat_template: str | None, started: float) -> StageResult:
-    plan = _plan(config, input, output, tokenizer, chat_template, reporter)
+               chat_template: str | None, started: float, force: bool) -> StageResult:
+    plan = _plan(config, input, output, tokenizer, chat_template, reporter, force)
     with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src) as runner, _output_lock(plan.out_dir):
         report = _already_done(plan)
         if report is not None and report.manifest is not None:
@@ -119,14 +119,14 @@ def finished_shard_entries(local_dir: Path) -> list[FileEntry]:
 
 
 def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
-                   chat_template: str | None, started: float) -> StageResult:
+                   chat_template: str | None, started: float, force: bool) -> StageResult:
     """A remote OUTPUT (s3://): preflight in seconds, tokenize into a local staging folder while finished shards are
     pushed, then push the rest, verify it all there and commit the manifest last."""
 
     def run_locally(local: Path) -> StageResult:
-        return _run_local(config, input, str(local), reporter, tokenizer, chat_template, started)
+        return _run_local(config, input, str(local), reporter, tokenizer, chat_template, started, force)
 
-    staged, pushed = stage_and_push(output, config.store, KIND, run_locally, finished_shard_entries, reporter=reporter)
+    staged, pushed = stage_and_push(output, config.store, KIND, run_locally, finished_shard_entries, reporter=reporter, force=force)
     result = cast(StageResult, staged)
     return dataclasses.replace(result, url=pushed.destination, report=pushed.verify, seconds=time.perf_counter() - started)
 
@@ -160,9 +160,9 @@ def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> 
 
 
 def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | None, chat_template: str | None,
-          reporter: Reporter) -> _Plan:
+          reporter: Reporter, force: bool) -> _Plan:
     opts = config.tokenize
-    src, warnings = resolve_tokenizer(config, tokenizer, chat_template)
+    src, warnings = resolve_tokenizer(config.target, tokenizer, chat_template)
     for message in warnings:
         reporter.warn(message)
     eot_id = end_of_turn_id(src.tokenizer_json, opts.end_of_turn)
@@ -190,7 +190,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | No
         },
     }
     run_config["tokenize"].pop("workers")  # how many processes ran does not change the rows
-    out = StageOutput(out_store, KIND, "", reporter=reporter)  # its key names the inputs by content: set once their checksums are known
+    out = StageOutput(out_store, KIND, "", force=force, reporter=reporter)  # its key names the inputs by content: set once their checksums are known
     summary = TokenizeSummary(counts={}, shards_total=len(tasks), shards_skipped=0, template_sha256=src.template.sha256,
                               template_matches_target=matches, warnings=warnings, max_length=opts.max_length, input_files=len(files))
     checksums = {f.key: f.checksum for f in files if f.checksum}

@@ -106,15 +106,17 @@ def save_checkpoint(
     lineage: Iterable[InputRef],
     counts: dict[str, Any],
     extra_files: Iterable[Path] = (),
+    *,
+    force: bool = False,
 ) -> VerifyReport:
     """Write, push and commit the checkpoint of `step` under `store`; returns the destination's verify report.
 
     The checkpoint's stage key is `stage_key(counts["run"], lineage)`: the run identity and its data.
     Raises ArtifactError (or the store's error) when the push does not verify: such a checkpoint has no manifest
-    and resume never uses it.
+    and resume never uses it. `force` (`train --force`) goes to the checkpoint's lease: a dead writer's is taken over.
     """
     lineage = list(lineage)
-    out = StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(counts.get("run"), lineage))
+    out = StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(counts.get("run"), lineage), force=force)
     out.begin()  # a resumed run rewrites checkpoints after its resume point
     try:
         with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
@@ -198,7 +200,7 @@ class Checkpoints:
 
     def __init__(
         self, store: Store, resolved: dict[str, Any], identity: dict[str, Any], data: InputRef, keep: int | None,
-        keep_every: int | None, reporter: Reporter, max_failures: int = 3,
+        keep_every: int | None, reporter: Reporter, max_failures: int = 3, force: bool = False,
     ) -> None:
         self.store = store
         self.resolved = resolved
@@ -208,6 +210,7 @@ class Checkpoints:
         self.keep_every = keep_every
         self.reporter = reporter
         self.max_failures = max_failures
+        self.force = force  # `train --force`, for each checkpoint's lease
         self.failures = 0  # pushes failed in a row
         self.last_step: int | None = None  # the newest checkpoint of this run known to verify (resumed from or pushed)
         self._writer: BackgroundWriter[Written] = BackgroundWriter()
@@ -289,7 +292,7 @@ class Checkpoints:
         """On the writer's thread: write, push and verify the snapshot, then prune the older checkpoints."""
         report = save_checkpoint(
             self.store, snapshot.step, snapshot.drafter, snapshot.training_state, self.resolved, [self.data], snapshot.counts,
-            snapshot.files,
+            snapshot.files, force=self.force,
         )
         pruned, prune_failed = [], None
         if self.keep is not None:

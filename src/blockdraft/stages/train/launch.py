@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blockdraft.config import BlockdraftConfig, load_config
 from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.train.placement import resolve_placement
+from blockdraft.stages.train.placement import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_VALUE, resolve_placement
 from blockdraft.stages.train.plan import MemoryPlan, memory_plan
 from blockdraft.stages.train.stage import run
 
@@ -31,30 +32,33 @@ class Launched:
     exit_status: int = 0
 
 
-def launch(config_path: str | None, nproc: int | None = None, reporter: Reporter | None = None, force: bool = False) -> Launched:
-    """Train per the config at `config_path` (None: the defaults) with one process per placement.drafter_devices entry.
-    `force`: start over when checkpoints are there but none verifies (`run`), on every rank.
+def launch(
+    config_path: str | None, nproc: int | None = None, reporter: Reporter | None = None, force: bool = False, sets: Sequence[str] = (),
+) -> Launched:
+    """Train per the config at `config_path` (None: the defaults) with `sets` (`--set section.key=value`) laid over it, with
+    one process per placement.drafter_devices entry. `force`: take over a dead writer's lease and start over when
+    checkpoints are there but none verifies (`run`), on every rank: the ranks get `--force` and `sets` on their command line.
 
     `nproc`, when given, must equal that count. The memory plan is printed and checked first (`check_plan`). In a
     torchrun rank, or with a single drafter device, `run` trains here; otherwise torchrun starts the ranks and this
     waits for it.
     """
-    config = load_config(config_path)
+    config = load_config(config_path, sets=sets)
     wanted = len(config.placement.drafter_devices)
     if nproc is not None and nproc != wanted:
         raise ConfigError(
             f"--nproc {nproc} but placement.drafter_devices lists {wanted} device(s); one process runs per drafter device, "
-            "so list the devices in the config"
+            "so list the devices in the config (or --set placement.drafter_devices=cpu,cpu)"
         )
     in_rank = "LOCAL_RANK" in os.environ
     if not os.environ.get(PLAN_CHECKED):  # ranks this launcher starts skip it: the plan was printed and checked here
         check_plan(config, reporter or Reporter(), show=not in_rank or os.environ.get("RANK", "0") == "0")
     if in_rank or wanted == 1:
-        return Launched(run(config, None, None, reporter, force=force), rank=resolve_placement(config).rank)
+        return Launched(run(config, None, None, reporter, force=force), rank=resolve_placement(config.placement).rank)
     if config_path is None:
         raise ConfigError("training on several drafter devices needs the config as a file; pass --config FILE")
-    env = {**os.environ, PLAN_CHECKED: "1"}
-    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted, force), env=env))
+    env = {CUBLAS_WORKSPACE: CUBLAS_WORKSPACE_VALUE, **os.environ, PLAN_CHECKED: "1"}  # the ranks' environment, not ours
+    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted, force, sets), env=env))
 
 
 def check_plan(config: BlockdraftConfig, reporter: Reporter, show: bool = True) -> MemoryPlan:
@@ -69,12 +73,14 @@ def check_plan(config: BlockdraftConfig, reporter: Reporter, show: bool = True) 
     return planned
 
 
-def torchrun_command(config_path: str, nproc: int, force: bool = False) -> list[str]:
+def torchrun_command(config_path: str, nproc: int, force: bool = False, sets: Sequence[str] = ()) -> list[str]:
     """The command that starts `nproc` training ranks on this machine, each `python -m blockdraft train --config FILE`
-    (with `--force` when this run was given it)."""
+    with this run's `--set` overrides (each rank re-reads the file, so they travel on its command line), and `--force`
+    when this run was given it."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         "-m", "blockdraft", "train", "--config", str(config_path), *(["--force"] if force else []),
+        *(arg for item in sets for arg in ("--set", item)),
     ]
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import DFlashConfig, TrainConfig
 from blockdraft.stages.train.weighting import dpace_weights
 
 
@@ -38,9 +38,9 @@ class Objective:
     temperature: float = 1.0
 
     @classmethod
-    def from_config(cls, config: BlockdraftConfig) -> Objective:
-        """From a `BlockdraftConfig`: dflash.loss_weighting, dflash.dpace_alpha, train.distill_weight, train.distill_temperature."""
-        return cls(config.dflash.loss_weighting, config.dflash.dpace_alpha, config.train.distill_weight, config.train.distill_temperature)
+    def of(cls, dflash: DFlashConfig, train: TrainConfig) -> Objective:
+        """From the two sections that say it: dflash.loss_weighting, dflash.dpace_alpha, train.distill_weight, train.distill_temperature."""
+        return cls(dflash.loss_weighting, dflash.dpace_alpha, train.distill_weight, train.distill_temperature)
 
     @property
     def distills(self) -> bool:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from blockdraft.config import BlockdraftConfig, check_device
+from blockdraft.config import PlacementConfig, check_device
 from blockdraft.errors import ConfigError
 
 
@@ -37,24 +37,24 @@ class RankPlacement:
         return self.rank == 0
 
 
-def check_placement_devices(config: BlockdraftConfig) -> None:
+def check_placement_devices(placement: PlacementConfig) -> None:
     """Every listed device exists on this machine (the lists describe one machine; torchrun across machines runs the same
     lists on each): one it lacks is a ConfigError naming the field and what torch sees, not a torch traceback later."""
-    for field, devices in (("drafter_devices", config.placement.drafter_devices), ("target_devices", config.placement.target_devices)):
+    for field, devices in (("drafter_devices", placement.drafter_devices), ("target_devices", placement.target_devices)):
         for device in devices:
             check_device(f"placement.{field}", device)
 
 
-def resolve_placement(config: BlockdraftConfig) -> RankPlacement:
+def resolve_placement(placement: PlacementConfig) -> RankPlacement:
     """This process's place (`rank_placement`), after `check_placement_devices`."""
-    check_placement_devices(config)
-    return rank_placement(config)
+    check_placement_devices(placement)
+    return rank_placement(placement)
 
 
-def rank_placement(config: BlockdraftConfig) -> RankPlacement:
+def rank_placement(placement: PlacementConfig) -> RankPlacement:
     """This process's devices: drafter_devices[local rank], and target_devices[local rank] (one each) or the single
     target device. Whether this machine has them is `check_placement_devices`'s question."""
-    drafters = config.placement.drafter_devices
+    drafters = placement.drafter_devices
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -64,14 +64,14 @@ def rank_placement(config: BlockdraftConfig) -> RankPlacement:
             f"placement.drafter_devices lists {len(drafters)} device(s) but {local_world} process(es) run on this machine; "
             f"launch one process per drafter device (blockdraft train --nproc {len(drafters)})"
         )
-    target = target_device_of(config, local_rank)
+    target = target_device_of(placement, local_rank)
     return RankPlacement(rank, world, local_rank, torch.device(drafters[local_rank]), torch.device(target))
 
 
-def target_device_of(config: BlockdraftConfig, local_rank: int) -> str:
+def target_device_of(placement: PlacementConfig, local_rank: int) -> str:
     """The device of local rank `local_rank`'s target replica: target_devices[local rank] (one each) or the single
     target device, which then holds one replica per rank (the memory plan counts them)."""
-    drafters, targets = config.placement.drafter_devices, config.placement.target_devices
+    drafters, targets = placement.drafter_devices, placement.target_devices
     if len(targets) == len(drafters):
         return targets[local_rank]
     if len(targets) == 1:
@@ -82,11 +82,18 @@ def target_device_of(config: BlockdraftConfig, local_rank: int) -> str:
     )
 
 
+# cuBLAS runs deterministically only with this workspace setting in the environment of the process that runs it.
+CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_VALUE = "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
+
+
 @contextmanager
 def rank_session(place: RankPlacement, deterministic: bool, timeout_minutes: float = 60.0) -> Iterator[None]:
     """Join the process group (several ranks, none joined yet; a collective waits `timeout_minutes` for the others, as
     train.dist_timeout_minutes says) and, when `deterministic`, switch torch to deterministic algorithms; both are undone
     on exit, so an in-process caller gets its torch settings back."""
+    if deterministic and place.drafter_device.type == "cuda" and CUBLAS_WORKSPACE not in os.environ:  # `launch` sets it for its ranks
+        raise ConfigError(f"train.deterministic on CUDA needs {CUBLAS_WORKSPACE}={CUBLAS_WORKSPACE_VALUE} in the environment "
+                          "(cuBLAS refuses deterministic mode without it); export it and rerun")
     owns_group = place.world_size > 1 and not dist.is_initialized()
     if owns_group:
         if place.drafter_device.type == "cuda":
@@ -95,7 +102,6 @@ def rank_session(place: RankPlacement, deterministic: bool, timeout_minutes: flo
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses deterministic mode without it
         torch.use_deterministic_algorithms(True)
     try:
         yield

@@ -218,7 +218,7 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
         return plans.setdefault(device, DevicePlan(device, sizer(device)))
 
     for rank, drafter_device in enumerate(placement.drafter_devices):
-        target_device = target_device_of(config, rank)
+        target_device = target_device_of(placement, rank)
         tp = on(target_device)
         tp.target_replicas += 1
         tp.add(f"target weights ({t_name})", target_bytes)
@@ -226,7 +226,7 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
         dp = on(drafter_device)
         dp.drafter_ranks += 1
         autocast = drafter_device.startswith("cuda")  # the trainer's bf16 autocast; fp32 elsewhere
-        attention = resolve_attention(getattr(tc, "attention", "auto"), torch.device(drafter_device))
+        attention = resolve_attention(tc.attention, torch.device(drafter_device))
         repeat_kv = attention == "dense" and autocast and spec.num_attention_heads != spec.num_key_value_heads
         act = drafter_activations(spec, b, s, config.dflash.num_anchors, autocast, attention, repeat_kv, tc.activation_checkpointing)
         dp.add("drafter weights (fp32)", 4 * d_params)
@@ -245,7 +245,7 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
         dp.add("backward working space (one layer)", act.layer)
         rows = min(tc.lm_head_chunk_blocks * spec.block_size, b * q)
         chunk = rows * spec.vocab_size * (4 + (t_bytes if t_bytes != 4 else 0))
-        distill = getattr(tc, "distill_weight", 0.0) > 0  # the target's final hidden states come along, its logits per chunk
+        distill = tc.distill_weight > 0  # the target's final hidden states come along, its logits per chunk
         dp.add("LM-head chunk (logits, probabilities)" + (" x 2 (distillation)" if distill else ""), chunk * (2 if distill else 1))
         if distill:
             dp.add(f"target final hidden states ({micro} micro-batches)", b * s * spec.hidden_size * t_bytes * micro)

@@ -63,7 +63,7 @@ def run(
     """
     started = time.perf_counter()
     config = _with_paths(config, input, output)
-    place = resolve_placement(config)
+    place = resolve_placement(config.placement)
     reporter = (reporter or Reporter()).for_rank(place.rank)
     with rank_session(place, config.train.deterministic, config.train.dist_timeout_minutes), ExitStack() as held:
         trainer = _prepare(config, place, reporter, held, force)
@@ -97,7 +97,7 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
     refuse_nested(open_store(tc.data, config.store), out_store, "train.data")
     if place.is_main:
         preflight(out_store)  # fail before step 1 when checkpoints cannot be written (docs/STORE.md, credentials)
-        held.enter_context(Lease(out_store, reporter=reporter))
+        held.enter_context(Lease(out_store, force=force, reporter=reporter))
     data = open_input(tc.data, config.store, kinds=[TOKENIZED_KIND], role="train.data")
     rows = load_train_rows(data, config.store, tc.max_length, Path(tc.log_dir), place.local_rank == 0, lambda: barrier(place))
     return Trainer(config, place, rows, out_store, tc.output, reporter, start_over=force)

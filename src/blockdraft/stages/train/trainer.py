@@ -94,7 +94,7 @@ class Trainer:
         identity = run_identity(resolved, place.world_size, rows.lineage.sha256)
         keep_every = tc.keep_checkpoint_every * tc.checkpoint_every if tc.keep_checkpoint_every else None
         self.checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, keep_every, reporter,
-                                       tc.max_checkpoint_failures)
+                                       tc.max_checkpoint_failures, start_over)
 
         torch.manual_seed(tc.seed)  # the drafter's initial weights (when not train.init_from's)
         self.drafter = DFlashDrafter(self.spec)
@@ -102,7 +102,7 @@ class Trainer:
             self.drafter.load_state_dict(init.state_dict())
         else:
             init_drafter(self.drafter, tc.init, hf_target.config)  # train.init: PyTorch's defaults or HF's normal(0, range)
-        self.objective = Objective.from_config(config)  # the loss: weighting (D-PACE or gamma's decay) and distillation
+        self.objective = Objective.of(config.dflash, tc)  # the loss: weighting (D-PACE or gamma's decay) and distillation
         self.drafter.to(place.drafter_device)
         self.model: nn.Module = DraftForward(self.drafter)
         if place.world_size > 1:

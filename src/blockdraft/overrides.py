@@ -1,0 +1,155 @@
+"""Command-line overrides of the config: `--set section.key=value`, and the stage flags that spell the same thing.
+
+Every command takes `--set` (repeatable); a stage flag such as `tokenize --max-length 50` is another spelling of
+`--set tokenize.max_length=50`. Both become one override dict ({"section": {"key": value}}) that `load_config` lays
+over the file before validating, so the value is typed, checked and pinned exactly as the file's would be. Each
+override remembers how it was spelled, so a bad value's one line names what the user typed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from blockdraft.errors import ConfigError
+
+_NONE_WORDS = ("none", "null")
+
+
+@dataclass
+class Overrides:
+    """Values laid over the config file: `values` in the config's shape, `spelled[section, key]` how each was given."""
+
+    values: dict[str, dict[str, Any]] = field(default_factory=dict)
+    spelled: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def add(self, section: str, key: str, value: Any, spelling: str) -> None:
+        """Set `section.key`; ConfigError when another spelling already set it to something else (compared as the
+        command line writes them: a flag's 3 and a --set's "3" agree)."""
+        earlier = self.spelled.get((section, key))
+        if earlier is not None and _text(self.values[section][key]) != _text(value):
+            raise ConfigError(f"{earlier} and {spelling} both set {section}.{key}; pass only one of them")
+        self.values.setdefault(section, {})[key] = value
+        self.spelled[section, key] = spelling
+
+
+def flag_overrides(flags: Mapping[str, Mapping[str, Any]], overrides: Overrides | None = None) -> Overrides:
+    """The stage flags' values ({"section": {"key": value}}) as overrides, each spelled `--key-name value`; None values
+    are flags not given, so the file decides."""
+    overrides = overrides or Overrides()
+    for section, values in flags.items():
+        for key, value in values.items():
+            if value is not None:
+                overrides.add(section, key, value, f"--{key.replace('_', '-')} {value}")
+    return overrides
+
+
+def set_overrides(items: Iterable[str], model: type[BaseModel], overrides: Overrides | None = None) -> Overrides:
+    """`--set section.key=value` items as overrides of the sections of `model`; one ConfigError line for an item that
+    is not of that form or names a section or key the config does not have."""
+    overrides = overrides or Overrides()
+    for item in items:
+        section, key, text = _split(item, model)
+        annotation = model.model_fields[section].annotation
+        assert isinstance(annotation, type) and issubclass(annotation, BaseModel)  # every section is a model
+        overrides.add(section, key, parse_value(text, annotation.model_fields[key].annotation), f"--set {item}")
+    return overrides
+
+
+def _split(item: str, model: type[BaseModel]) -> tuple[str, str, str]:
+    name, eq, text = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not eq or not dot:
+        raise ConfigError(f"--set {item}: write it as section.key=value, e.g. --set train.max_steps=100")
+    if section not in model.model_fields:
+        raise ConfigError(f"--set {item}: the config has no section '{section}'{_nearest(section, model.model_fields)}; "
+                          f"sections: {', '.join(model.model_fields)}")
+    fields = model.model_fields[section].annotation.model_fields  # type: ignore[union-attr]
+    if key not in fields:
+        raise ConfigError(f"--set {item}: [{section}] has no key '{key}'{_nearest(key, fields)}; "
+                          f"keys: {', '.join(fields)}")
+    return section, key, text.strip()
+
+
+def _nearest(word: str, names: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(names), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def parse_value(text: str, annotation: Any) -> Any:
+    """The command-line text of one value, as data the field's pydantic type validates: `none`/`null` is None where the
+    field allows it; a list field takes a JSON array (`[1, 5]`) or comma-separated items (`cpu,cpu`); other text is
+    left for pydantic, which reads "3", "1e-3" and "true"/"false" as the field's type wants."""
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    optional = origin in (typing.Union, types.UnionType) and type(None) in args
+    if optional and text.lower() in _NONE_WORDS:
+        return None
+    if not _is_list(annotation):
+        return text
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text  # left for pydantic to refuse, naming the field
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _is_list(annotation: Any) -> bool:
+    if typing.get_origin(annotation) is list:
+        return True
+    return any(_is_list(arg) for arg in typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType))
+
+
+def as_set_items(overrides: Overrides) -> list[str]:
+    """The overrides as `--set` items (`section.key=value`, lists as JSON), for a command line that re-reads the config:
+    the training ranks torchrun starts."""
+    return [f"{section}.{key}={_text(value)}" for section, values in overrides.values.items() for key, value in values.items()]
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    return json.dumps(value) if isinstance(value, list) else str(value)
+
+
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+
+
+def validation_line(label: str, err: ValidationError, overrides: Overrides) -> str:
+    """One line for the first problem: an override's names it as it was spelled, a file's names the file and field."""
+    first = err.errors()[0]
+    loc = tuple(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own validators' words
+    spelling = overrides.spelled.get(loc[:2]) if len(loc) >= 2 else None
+    if spelling is not None:
+        section, key = loc[:2]
+        bound = _BOUNDS.get(first["type"])
+        limit = first.get("ctx", {}).get(bound[1]) if bound else None
+        problem = f"must be {bound[0]} {limit}" if bound and limit is not None else message
+        return f"{spelling}: {problem} (it sets {section}.{key}); pass a valid value"
+    where = ".".join(loc) or "(top level)"
+    return f"config {label}: field '{where}': {message}; fix that field in the file"
+
+
+def apply(data: dict, overrides: Overrides, label: str) -> dict:
+    """`data` (the file's tables) with `overrides` laid over it."""
+    for section, values in overrides.values.items():
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):  # `tokenize = 5`: an override has no table to go into
+            raise ConfigError(f"config {label}: '{section}' is a {type(table).__name__}, not a table; "
+                              f"write its fields under a [{section}] header")
+        table.update(values)
+    return data
+
+
+__all__ = ["Overrides", "apply", "as_set_items", "flag_overrides", "parse_value", "set_overrides", "validation_line"]
