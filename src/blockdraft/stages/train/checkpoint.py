@@ -97,6 +97,12 @@ def run_identity(resolved: dict[str, Any], world_size: int, data_sha256: str | N
     return identity
 
 
+def checkpoint_output(store: Store, step: int, identity: dict[str, Any] | None, lineage: list[InputRef]) -> StageOutput:
+    """The checkpoint of `step` under `store` as a stage output: its key is `stage_key(identity, lineage)`, the run
+    identity and its data."""
+    return StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(identity, lineage))
+
+
 def save_checkpoint(
     store: Store,
     step: int,
@@ -114,7 +120,7 @@ def save_checkpoint(
     and resume never uses it.
     """
     lineage = list(lineage)
-    out = StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(counts.get("run"), lineage))
+    out = checkpoint_output(store, step, counts.get("run"), lineage)
     out.begin()  # a resumed run rewrites checkpoints after its resume point
     try:
         with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
@@ -241,6 +247,10 @@ class Checkpoints:
             )
         self.last_step = found.step
         return found
+
+    def done(self, step: int) -> bool:
+        """Whether the checkpoint of `step` of this run is already at the destination, verified (`StageOutput.state`)."""
+        return checkpoint_output(self.store, step, self.identity, [self.data]).done() is not None
 
     def save(
         self, step: int, drafter: DFlashDrafter, state: dict[str, Any], log: MetricsLog, final: bool, ranks_in_sync: int
