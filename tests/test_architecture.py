@@ -159,3 +159,47 @@ def test_the_library_never_writes_the_environment():
             if written:
                 hits.append(f"{path.relative_to(SRC)}:{n.lineno}")
     assert hits == []
+
+
+# What reading a manifest is, outside the store: importing or calling the function that reads one (`read_manifest`),
+# parsing one (`Manifest.model_validate_json`), or reading the manifest's file by name (`read_bytes(MANIFEST_NAME)`).
+# Whether an output is done is `StageOutput.state`'s; an input's manifest comes verified through `open_input` /
+# `verify_artifact`, and one to name an artifact's kind or provenance through `recorded_manifest`.
+MANIFEST_READERS = {"read_manifest"}
+STORE_READS = {"read_bytes", "open_read", "get_file"}
+
+
+def manifest_reads(source: str) -> list[str]:
+    """Where `source` reads a manifest itself, as 'line: what'."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("blockdraft.store"):
+            found += [f"{node.lineno}: imports {a.name}" for a in node.names if a.name in MANIFEST_READERS]
+        elif isinstance(node, ast.Attribute) and node.attr in MANIFEST_READERS:
+            found.append(f"{node.lineno}: uses {node.attr}")
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr == "model_validate_json" and isinstance(func.value, ast.Name) and func.value.id == "Manifest":
+                found.append(f"{node.lineno}: parses a Manifest")
+            reads = isinstance(func, ast.Attribute) and func.attr in STORE_READS
+            if reads and any(isinstance(arg, ast.Name) and arg.id == "MANIFEST_NAME" for arg in [*node.args, *(k.value for k in node.keywords)]):
+                found.append(f"{node.lineno}: reads MANIFEST_NAME")
+    return found
+
+
+def test_no_module_outside_the_store_reads_a_manifest():
+    """Stages, pipeline.py, cli.py (and model/, data/) go through StageOutput, StageInput and the store's functions."""
+    assert manifest_reads("from blockdraft.store.artifact import State, read_manifest\n") == ["1: imports read_manifest"]
+    assert manifest_reads("import blockdraft.store.manifest as m\nm.read_manifest(s)\n") == ["2: uses read_manifest"]
+    assert manifest_reads("Manifest.model_validate_json(store.read_bytes(MANIFEST_NAME))\n") == [
+        "1: parses a Manifest", "1: reads MANIFEST_NAME"]
+    outside = [p for p in SRC.rglob("*.py") if "store" not in p.relative_to(SRC).parts]
+    reads = {str(p.relative_to(SRC)): hits for p in outside if (hits := manifest_reads(p.read_text()))}
+    assert reads == {}
+
+
+def test_model_imports_the_store_only_in_formats():
+    """model/ is the drafter and the target; only model/formats.py, which names and finds drafter artifacts, knows the store."""
+    wrong = {m: sorted(t for t in imported if t.startswith("blockdraft.store")) for m, imported in internal_imports().items()
+             if m.startswith("blockdraft.model") and m != "blockdraft.model.formats"}
+    assert {m: t for m, t in wrong.items() if t} == {}

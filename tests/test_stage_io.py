@@ -11,7 +11,7 @@ import pytest
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, FileEntry, InputRef, Manifest, State, entry_for_local_file
-from blockdraft.store.stage_io import PIECES_DIR, StageOutput, open_input, open_raw_input, stage_key
+from blockdraft.store.stage_io import PIECES_DIR, Holds, OutputState, StageOutput, open_input, open_raw_input, stage_key
 
 KIND = "tokenized"
 FILES = {"shard-0.arrow": b"rows of shard zero" * 50, "meta/info.json": b'{"rows": 2}'}
@@ -79,6 +79,40 @@ def test_done_is_none_when_a_file_no_longer_verifies(dest, tmp_path):
     committed(dest, tmp_path)
     dest.overwrite("out/shard-0.arrow", flipped(FILES["shard-0.arrow"]))
     assert StageOutput(dest.sub("out"), KIND, "k1", dest.settings).done() is None
+
+
+def test_state_tells_done_from_partial_other_config_and_other_key_and_computes_the_key_only_for_this_config(dest, tmp_path):
+    def output(key: str, digest: str, asked: list[str] | None = None) -> StageOutput:
+        def key_of() -> str:
+            if asked is not None:
+                asked.append(key)
+            return key
+
+        return StageOutput(dest.sub("out"), KIND, key_of, dest.settings, made_with={"run.digest": digest}, failures="failed")
+
+    assert output("k1", "d1").state().holds is Holds.NOTHING
+    root = tmp_path / "src"
+    files = local_files(root, FILES)
+    output("k1", "d1").publish(root, files, config={"run": {"digest": "d1"}}, counts={"failed": {"a.jsonl": "truncated"}})
+    partial = output("k1", "d1").state()
+    assert partial.holds is Holds.PARTIAL and partial.failed == {"a.jsonl": "truncated"} and partial.report.state is State.VERIFIED
+    assert output("k1", "d1").done() is None  # committed with failures: not done, a rerun retries them
+    asked: list[str] = []
+    assert output("k1", "d2", asked).state() == OutputState(Holds.OTHER_CONFIG) and asked == []  # the key is never asked for
+    assert output("k2", "d1", asked).state() == OutputState(Holds.OTHER) and asked == ["k2"]
+    output("k1", "d1").publish(root, files, config={"run": {"digest": "d1"}}, counts={"failed": {}})
+    done = output("k1", "d1").state()
+    assert done.holds is Holds.DONE and done.failed is None and output("k1", "d1").done() == done.report
+
+
+def test_a_commit_must_record_what_failed_and_the_config_it_was_made_with(dest, tmp_path):
+    out = StageOutput(dest.sub("out"), KIND, "k1", dest.settings, made_with={"run.digest": "d1"}, failures="failed")
+    root = tmp_path / "src"
+    with pytest.raises(AssertionError, match="failures field"):
+        out.publish(root, local_files(root, FILES), config={"run": {"digest": "d1"}}, counts={"rows": 2})
+    with pytest.raises(AssertionError, match="made_with"):
+        out.publish(root, local_files(root, FILES), config={"run": {"digest": "d2"}}, counts={"failed": 0})
+    assert out.state().holds is Holds.NOTHING
 
 
 def test_begin_uncommits_and_keeps_the_files(dest, tmp_path):

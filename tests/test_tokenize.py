@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -28,9 +31,10 @@ from helpers.tokenize_data import (
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
+import blockdraft
 from blockdraft.cli import app
 from blockdraft.config import load_config
-from blockdraft.errors import ArtifactError, ConfigError
+from blockdraft.errors import ArtifactError
 from blockdraft.reporter import Reporter
 from blockdraft.stages.tokenize.shard import is_held_out
 from blockdraft.store import open_store
@@ -393,23 +397,39 @@ def test_progress_is_reported_in_input_bytes_with_rows_and_tokens(tmp_path):
     assert "resuming: 2 of 3 shards already done (records and files match this run)" in reporter.lines
 
 
-def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(tmp_path):
+SECOND_RUN = """
+import sys
+from blockdraft.config import load_config
+from blockdraft.errors import LeaseError
+from blockdraft.stages.tokenize import run
+try:
+    run(load_config(None, {"target": {"path": sys.argv[3]}, "tokenize": {"workers": 1}}), sys.argv[1], sys.argv[2])
+except LeaseError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def test_a_second_run_on_the_same_output_is_refused_by_the_lease_while_the_first_holds_it(tmp_path):
     corpus = make_corpus(tmp_path / "in", files=2, per_file=3)
+    src = str(Path(blockdraft.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
 
     class SecondRunInside(Reporter):
         def __init__(self) -> None:
             super().__init__()
-            self.refusal: ConfigError | None = None
+            self.refusal: subprocess.CompletedProcess | None = None
 
         def progress(self, task, completed, total=None, **fields):
-            if completed and self.refusal is None:
-                with pytest.raises(ConfigError, match="another tokenize is writing") as caught:
-                    tokenize(corpus, tmp_path / "out", config())
-                self.refusal = caught.value
+            if completed and self.refusal is None:  # another process, as the lease is this process's to share
+                argv = [sys.executable, "-c", SECOND_RUN, str(corpus), str(tmp_path / "out"), str(TOKENIZER_DIR)]
+                self.refusal = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
 
     reporter = SecondRunInside()
     assert tokenize(corpus, tmp_path / "out", config(), reporter).report.state is State.VERIFIED
-    assert reporter.refusal is not None
+    assert reporter.refusal is not None and reporter.refusal.returncode == 3, reporter.refusal and reporter.refusal.stderr
+    [line] = reporter.refusal.stdout.splitlines()
+    assert line.startswith(f"file://{tmp_path / 'out'} is being written by pid {os.getpid()} on ") and "wait for it to finish" in line
 
 
 # Qwen3.5 / Qwen3.6 targets: the stage on multi-turn rows with the real templates, thinking on and off.

@@ -117,7 +117,7 @@ def test_the_warning_comes_only_above_one_percent_of_rows(tmp_path):
     assert clip_warning({"rows_out": 0, "rows_clipped": 0}, 4096) is None
 
 
-def test_clip_counts_add_up_across_workers_resumed_shards_and_older_pieces(tmp_path):
+def test_clip_counts_add_up_across_workers_and_resumed_shards(tmp_path):
     corpus = tmp_path / "in"
     for f in range(3):  # three shards, each with long multi-turn rows
         write_jsonl(corpus / f"part-{f:02d}.jsonl", [*LONG[2 * f : 2 * f + 2], conversation(f, turns=2), TOO_LONG])
@@ -137,12 +137,3 @@ def test_clip_counts_add_up_across_workers_resumed_shards_and_older_pieces(tmp_p
     assert resumed.details.shards_skipped == 2 and clip_counts(resumed.details.counts) == expected
     assert clip_counts(read_manifest(open_store(out))[0].counts) == expected
 
-    # A piece recorded before clipping was counted has no clip counts: its shard is redone rather than counted as 0.
-    half_finished(out, "shard-00001")
-    old = out / PIECES_DIR / "shard-00000.json"
-    piece = json.loads(old.read_text())
-    for k in CLIP_KEYS:
-        del piece["counts"]["stats"][k]
-    old.write_text(json.dumps(piece))
-    redone = tokenize(corpus, out, config(thinking="on", held_out_fraction=0.0, max_length=MAX_LENGTH))
-    assert redone.details.shards_skipped == 1 and clip_counts(redone.details.counts) == expected

@@ -130,9 +130,9 @@ def validation_line(label: str, err: ValidationError, overrides: Overrides) -> s
     first = err.errors()[0]
     loc = tuple(str(p) for p in first["loc"])
     message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own validators' words
-    spelling = overrides.spelled.get(loc[:2]) if len(loc) >= 2 else None
+    spelling = overrides.spelled.get((loc[0], loc[1])) if len(loc) >= 2 else None
     if spelling is not None:
-        section, key = loc[:2]
+        section, key = loc[0], loc[1]
         bound = _BOUNDS.get(first["type"])
         limit = first.get("ctx", {}).get(bound[1]) if bound else None
         problem = f"must be {bound[0]} {limit}" if bound and limit is not None else message

@@ -37,8 +37,9 @@ from blockdraft.stages.eval import EvalReport
 from blockdraft.stages.eval.report import engine_lines
 from blockdraft.stages.export import serving_lines
 from blockdraft.store import open_store
-from blockdraft.store.artifact import State, read_manifest, verify_artifact
+from blockdraft.store.artifact import State, verify_artifact
 from blockdraft.store.preflight import preflight
+from blockdraft.store.stage_io import recorded_manifest
 from blockdraft.store.status import render_progress, status
 from blockdraft.store.transfer import pull, push
 
@@ -197,8 +198,8 @@ def export_for_engine(cfg: BlockdraftConfig, checkpoint: str, folder: Path, repo
 
     engine_python(cfg.eval)  # no engine, no export: the one line naming `make engine` comes first
     reporter.say(f"engine: exporting {checkpoint} into {folder} for the engine to serve")
-    found = read_manifest(open_store(checkpoint, cfg.store))  # its kind only: pull and export verify what they read
-    if found is not None and found[0].kind == EXPORT_KIND:
+    found = recorded_manifest(open_store(checkpoint, cfg.store))  # its kind only: pull and export verify what they read
+    if found is not None and found.kind == EXPORT_KIND:
         pull(checkpoint, folder, cfg.store)
     else:
         export.run(cfg, checkpoint, str(folder), reporter)

@@ -28,8 +28,8 @@ from blockdraft.config import StoreConfig
 from blockdraft.data.records import RawRecord
 from blockdraft.errors import ConfigError
 from blockdraft.store import Store, open_store
-from blockdraft.store.artifact import InputRef, raw_input, read_manifest
-from blockdraft.store.stage_io import StageInput, open_input
+from blockdraft.store.artifact import InputRef, raw_input
+from blockdraft.store.stage_io import StageInput, open_input, recorded_manifest
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
 # Columns that make a Parquet file one of conversations: one of these sets must all be there.
@@ -221,7 +221,7 @@ def resolve_completions(input_url: str, store_config: StoreConfig | None) -> tup
         raise ConfigError(f"input {input_url} does not exist; pass a completions file or folder")
     if local is not None and not local.is_dir():
         raise not_a_regular_file(local, local.stat())
-    if read_manifest(store) is not None:
+    if recorded_manifest(store) is not None:
         artifact = open_input(store)
         keys = [f.path for f in artifact.manifest.files if is_completions_file(f.path)]
         if not keys:

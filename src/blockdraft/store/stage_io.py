@@ -4,7 +4,7 @@ A stage reads its input through `open_input` (verified at its source or refused,
 files fetched with their checksums compared) and writes its output through a `StageOutput`:
 
     out = StageOutput(url, kind, key, store_config)     # key: what the output depends on (config slice + inputs)
-    if (report := out.done()) is not None:              # already there, for this key, verified: nothing to do
+    if (report := out.done()) is not None:              # already there, for this key, verified, nothing failed
         return report
     out.begin()                                         # uncommit, so no reader sees an old manifest over new files
     for piece in work:                                   # optional: resumable pieces (shards, checkpoints)
@@ -12,9 +12,10 @@ files fetched with their checksums compared) and writes its output through a `St
             ... write files ...; out.put_piece(name, piece_key, files, counts)
     out.commit(files, config=..., lineage=[inp.ref], counts=...)   # every file checked at the destination, manifest last
 
-`StageOutput.done` is the only place that decides whether an output is already done, and `finished_piece` the only
-place that decides whether one piece of it is. A piece is recorded as a sub-manifest in the same `Manifest` model under
-`.blockdraft-pieces/` (not listed in the artifact's manifest), written after its files verified at the destination.
+`StageOutput.state` is the only place that decides whether an output is already done (`done` is its report when it is),
+and `finished_piece` the only place that decides whether one piece of it is. A piece is recorded as a sub-manifest in
+the same `Manifest` model under `.blockdraft-pieces/` (not listed in the artifact's manifest), written after its files
+verified at the destination.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -47,15 +48,13 @@ from blockdraft.store.artifact import (
     entry_for_local_file,
     manifest_sha256,
     raw_input,
-    read_manifest,
     read_origin,
     uncommit,
     verify_artifact,
 )
 from blockdraft.store.lease import Lease
+from blockdraft.store.output_state import STAGE_KEY, Expected, Holds, OutputState, config_value, output_state, recorded_manifest
 from blockdraft.store.ownership import PIECE_SUFFIX, claim_output, refuse_nested, release_claim
-
-STAGE_KEY = "stage_key"  # the manifest's config field that names what the output was made from
 
 
 def stage_key(config_slice: Any, lineage: Iterable[InputRef] = ()) -> str:
@@ -214,19 +213,30 @@ def open_raw_input(url: str, store_config: StoreConfig | None = None, role: str 
 class StageOutput:
     """The output artifact of one stage run: `kind` at `url`, made from what `key` names (see `stage_key`).
 
-    `force` and `reporter` go to its lease (`store.lease.Lease`): whether a live writer of another host is taken over
-    (`--force`), and who hears of takeovers."""
+    `key` may be a function, called only when needed (by `state` for a manifest of this kind and config, and by `commit`):
+    a key that names raw inputs by content may have to read them. `made_with` (dotted config path -> value) names config
+    values an output of this run records, compared before the key; `failures` the counts field where a commit records
+    what failed (a run that committed with failures is `Holds.PARTIAL`, not done). `force` and `reporter` go to its
+    lease (`store.lease.Lease`): whether a live writer of another host is taken over (`--force`), and who hears of
+    takeovers."""
 
     def __init__(
-        self, url: str | Store, kind: str, key: str, store_config: StoreConfig | None = None, *,
-        force: bool = False, reporter: Reporter | None = None,
+        self, url: str | Store, kind: str, key: str | Callable[[], str], store_config: StoreConfig | None = None, *,
+        made_with: Mapping[str, Any] | None = None, failures: str | None = None, force: bool = False,
+        reporter: Reporter | None = None,
     ) -> None:
         self.store = url if isinstance(url, Store) else open_store(url, store_config)
         self.kind = kind
-        self.key = key
+        self._key = key
+        self.made_with = dict(made_with or {})
+        self.failures = failures
         self.copy_of: bytes | None = None
         self.lease: Lease | None = None
         self.force, self.reporter = force, reporter
+
+    @property
+    def key(self) -> str:
+        return self._key() if callable(self._key) else self._key
 
     @classmethod
     def copy(
@@ -261,24 +271,15 @@ class StageOutput:
     def url(self) -> str:
         return self.store.url
 
+    def state(self) -> OutputState:
+        """What the destination holds for this output (`output_state.Holds`): the only place that decides whether a
+        stage's output is done, done but for what failed (partial), or to be made."""
+        return output_state(self.store, Expected(self.kind, lambda: self.key, self.made_with, self.failures, self.copy_of))
+
     def done(self) -> VerifyReport | None:
-        """The destination's report when it already holds this output, verified, of this kind and made for this key;
-        else None. The only place that decides whether a stage's output is done."""
-        try:
-            found = read_manifest(self.store)
-        except ArtifactError:  # a torn or foreign manifest: not this output; it is rewritten
-            return None
-        if found is None:
-            return None
-        manifest, raw = found
-        if self.copy_of is not None:
-            made_for_this = raw == self.copy_of
-        else:
-            made_for_this = manifest.kind == self.kind and manifest.config.get(STAGE_KEY) == self.key
-        if not made_for_this:
-            return None
-        report = verify_artifact(self.store)
-        return report if report.state is State.VERIFIED and report.manifest_sha256 == manifest_sha256(raw) else None
+        """The destination's report when `state` says done; else None."""
+        state = self.state()
+        return state.report if state.holds is Holds.DONE else None
 
     def begin(self) -> None:
         """Take the output's lease (one writer per output, `store.lease`: LeaseError naming the writer that holds it), check
@@ -303,8 +304,11 @@ class StageOutput:
     ) -> VerifyReport:
         """Check every file at the destination, then write the manifest (with this output's key) last."""
         assert self.copy_of is None, "a copy commits its source manifest (commit_copy)"
+        config, counts = config or {}, counts or {}
+        assert all(config_value(config, path) == value for path, value in self.made_with.items()), "commit what made_with names"
+        assert self.failures is None or self.failures in counts, "a commit records what failed under its failures field"
         self._committing()
-        report = commit_artifact(self.store, self.kind, files, config={**(config or {}), STAGE_KEY: self.key}, lineage=lineage, counts=counts)
+        report = commit_artifact(self.store, self.kind, files, config={**config, STAGE_KEY: self.key}, lineage=lineage, counts=counts)
         release_claim(self.store)
         self.release()
         return report
@@ -374,6 +378,6 @@ class StageOutput:
 
 
 __all__ = [
-    "MANIFEST_NAME", "PIECES_DIR", "STAGE_KEY", "RawInput", "StageInput", "StageOutput", "open_input", "open_raw_input", "recorded_pieces",
-    "refuse_nested", "stage_key",
+    "MANIFEST_NAME", "PIECES_DIR", "STAGE_KEY", "Holds", "OutputState", "RawInput", "StageInput", "StageOutput", "open_input",
+    "open_raw_input", "recorded_manifest", "recorded_pieces", "refuse_nested", "stage_key",
 ]

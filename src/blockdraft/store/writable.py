@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 from pathlib import Path
 
 from blockdraft.errors import StoreError
@@ -19,6 +20,8 @@ from blockdraft.store.local import TMP_PREFIX
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # What a folder that cannot hold the output answers: no permission, a read-only filesystem, a path through a file.
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST)
+# What writing into an output folder that is read-only, not ours or not a folder raises (a missing one under /proc: ENOENT).
+UNWRITABLE_OUTPUT = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT)
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust writer names the OS error it met
 
 
@@ -76,4 +79,53 @@ def write_failed(exc: BaseException, folder: Path | str, again: str, name: str |
     return None
 
 
-__all__ = ["DISK_FULL", "NOT_WRITABLE", "file_in_the_way", "os_error_of", "require_folder", "write_failed"]
+class DiskFull(StoreError):
+    """The output's filesystem ran out of space (or quota) while a stage wrote to it; the message names where and how much."""
+
+
+def _free_bytes(path: Path) -> int | None:
+    for folder in (path, *path.parents):
+        if folder.exists():
+            return shutil.disk_usage(folder).free
+    return None
+
+
+def disk_full_error(exc: OSError, path: Path, written: int = 0, fraction_done: float = 0.0) -> DiskFull | None:
+    """One line for `exc` when it says the disk (or quota) is full, else None; call it after removing what the failed
+    write left, so that the free space it names is what a rerun starts with.
+
+    `path` is where it was writing (used when the error names no file); `written` bytes of output for `fraction_done` of
+    the input give the estimate of what the whole input needs (a lower bound when the fraction is unknown).
+    """
+    if exc.errno not in DISK_FULL:
+        return None
+    where = Path(exc.filename) if isinstance(exc.filename, (str, os.PathLike)) else path
+    free = _free_bytes(where)
+    free_text = f"{free:,} bytes are free there now" if free is not None else "the free space there is unknown"
+    need = ""
+    if written and 0 < fraction_done < 1:
+        need = f"; this input's rows need about {int(written / fraction_done):,} bytes ({written:,} were written for {100 * fraction_done:.0f}% of it)"
+    elif written:
+        need = f"; this input's rows need more than the {written:,} bytes written when the disk filled"
+    return DiskFull(
+        f"disk full writing {where} ({os.strerror(exc.errno or errno.ENOSPC)}): {free_text}{need}; free space or point OUTPUT "
+        "at a larger disk, then rerun (finished shards are kept; this run's temporary files were removed)"
+    )
+
+
+def unwritable_error(exc: OSError, out_dir: Path) -> StoreError | None:
+    """One line for `exc` when it says the output folder `out_dir` (or a file in it, or a folder above it) cannot be
+    written: read-only, not permitted, a file where a folder must be; else None."""
+    if exc.errno not in UNWRITABLE_OUTPUT or not isinstance(exc.filename, (str, os.PathLike)):
+        return None
+    where, out = Path(os.path.abspath(exc.filename)), Path(os.path.abspath(out_dir))
+    if not (where == out or out in where.parents or where in out.parents):
+        return None
+    return StoreError(f"cannot write the output {out_dir}: {os.strerror(exc.errno or errno.EACCES)} ({where}); "
+                      "point OUTPUT at a folder this user can write")
+
+
+__all__ = [
+    "DISK_FULL", "NOT_WRITABLE", "UNWRITABLE_OUTPUT", "DiskFull", "disk_full_error", "file_in_the_way", "os_error_of", "require_folder",
+    "unwritable_error", "write_failed",
+]

@@ -45,8 +45,8 @@ from blockdraft.model.target import target_dtype
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.store import open_store
-from blockdraft.store.artifact import InputRef, read_manifest
-from blockdraft.store.stage_io import StageInput, StageOutput, refuse_nested, stage_key
+from blockdraft.store.artifact import InputRef
+from blockdraft.store.stage_io import StageInput, StageOutput, recorded_manifest, refuse_nested, stage_key
 from blockdraft.store.writable import os_error_of, require_folder, write_failed
 
 STAGE = "export"
@@ -287,12 +287,11 @@ def _data_facts(lineage: list[InputRef], store_config: StoreConfig | None) -> li
         entry: dict[str, Any] = ref.model_dump(exclude_none=True)
         if ref.kind == "manifest":
             try:
-                found = read_manifest(open_store(ref.url, store_config))
+                manifest = recorded_manifest(open_store(ref.url, store_config))
             except Exception as exc:  # provenance is best effort; the pin (sha256) is recorded either way
                 entry["unreadable"] = type(exc).__name__
             else:
-                if found is not None:
-                    manifest = found[0]
+                if manifest is not None:
                     entry["kind_of_input"] = manifest.kind
                     entry.update(find({"config": manifest.config, "counts": manifest.counts}))
                     entry["inputs"] = _data_facts(manifest.lineage, store_config)

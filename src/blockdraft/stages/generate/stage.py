@@ -13,9 +13,9 @@ A line: {"id", "messages": prompt + [{"role": "assistant", "content", "reasoning
 `tokenize` then uses as they are).
 
 Done and resume (docs/STORE.md): the output's key is `stage_key(settings, lineage)`, so an output made from these
-settings and this input, with no failed request, is left as it is. Each shard is a piece keyed by `stage_key(settings)`
-alone (a completion depends on its prompt and the settings, not on which other prompts the input holds): a rerun keeps
-the finished pieces' ids without reading a shard and generates only the missing prompts (failed ones included), so
+settings and this input is left as it is, unless its commit counted failed requests (`StageOutput.state`: partial).
+Each shard is a piece keyed by `stage_key(settings)` alone (a completion depends on its prompt and the settings, not on
+which other prompts the input holds): a rerun keeps the finished pieces' ids without reading a shard and generates only the missing prompts (failed ones included), so
 nothing is generated twice; a piece made with other settings is refused.
 """
 
@@ -84,10 +84,10 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     # The output key takes the model as configured: None (openai, "whatever the server serves") is not resolved here, so
     # an output that is done is recognised without reaching the server. The piece key below takes the served
     # name, so completions of another served model are never mixed into the same output.
-    out = StageOutput(output, KIND, stage_key(settings, lineage), config.store, force=force, reporter=reporter)
+    # Its commit counts failed requests under "failed": such an output is partial, not done, and a rerun retries them.
+    out = StageOutput(output, KIND, stage_key(settings, lineage), config.store, failures="failed", force=force, reporter=reporter)
     report = out.done()
-    if report is not None and report.manifest is not None and not report.manifest.counts.get("failed"):
-        # Done, for these settings and this input. An output with failed requests is committed but not done: a rerun retries them.
+    if report is not None:  # done, for these settings and this input
         return StageResult(STAGE, output, report, True, time.perf_counter() - started, _summary_of(report))
 
     prompts, bad = read_prompts(in_store, files, config.generate.thinking)

@@ -1,6 +1,6 @@
 """Tokenize's tasks: every input file cut by size into parts (`blockdraft.data.ranges`), one task each; what a finished
-task's piece is keyed on; whether the bytes it was made from are still the input's; and each file's checksum, put
-together from what its tasks read (docs/TOKENIZATION.md, "Tasks").
+task's piece is keyed on; whether what a task read of a whole file is the file as listed; and each file's checksum, put
+together from what its tasks read (docs/TOKENIZATION.md, "Tasks"). Whether a piece is kept is `resume.py`'s.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from itertools import pairwise
 from typing import Any
 
 from blockdraft.data.inputs import InputFile
-from blockdraft.data.ranges import ReadRange, crc_concat, range_crc, split_file
+from blockdraft.data.ranges import ReadRange, crc_concat, split_file
+from blockdraft.errors import ArtifactError
 from blockdraft.store import Store
 from blockdraft.store.stage_io import stage_key
 
@@ -58,23 +59,21 @@ def plan_tasks(store: Store, files: list[InputFile], task_bytes: int) -> list[Sh
 
 def piece_key(config_digest: str, task: ShardTask) -> str:
     """What a finished task depends on besides its input's bytes: the run's config digest, its file (key, size) and part.
-    The bytes are checked apart (`input_unchanged`), so a moved or touched file whose bytes are the same keeps its pieces."""
+    The bytes are checked apart (`resume.input_unchanged`), so a moved or touched file whose bytes are the same keeps its pieces."""
     return stage_key({"config_digest": config_digest, "input": {"key": task.key, "size": task.file.size}, "part": task.part.as_dict()})
 
 
-def input_unchanged(store: Store, task: ShardTask, read: dict[str, Any]) -> bool:
-    """Whether the input bytes a finished piece was made from (`read`, its counts' INPUT_READ) are still the file's: its
-    pin is unchanged and was trusted when recorded, else every byte range its rows depend on (`reads`), read again now,
-    has the CRC it recorded."""
-    if not read:
-        return False
-    if read.get("pin") == task.file.pin and read.get("pin_trusted"):
-        return True
-    ranges = read.get("reads") or []
-    if not ranges or not all(crc for _, _, crc in ranges):
-        return False
-    with store.open_read(task.key) as stream:
-        return all(range_crc(stream, start, end) == crc for start, end, crc in ranges)
+def check_listed(key: str, size: int, checksum: str | None, window: tuple[int, int] | None, crc: str | None) -> None:
+    """ArtifactError when the bytes a task read of a whole file (`window`, their `crc`) are not the file as listed (`size`,
+    and `checksum` when the listing names one): the input changed while it was tokenized."""
+    if window is None:
+        return  # not checksummed: Parquet whose listed checksum is trusted, as its store verified it
+    read = window[1] - window[0]
+    if read != size or checksum not in (None, crc):
+        raise ArtifactError(
+            f"input {key} changed while it was tokenized (read {read} bytes, crc64nvme {crc}; listed {size}, {checksum}); "
+            "rerun when the input is complete"
+        )
 
 
 def file_checksum(size: int, reads: list[dict[str, Any]]) -> str | None:
@@ -95,4 +94,4 @@ def file_checksum(size: int, reads: list[dict[str, Any]]) -> str | None:
     return crc_concat([(crc, window[1] - window[0]) for window, crc in windows])
 
 
-__all__ = ["INPUT_READ", "ShardTask", "file_checksum", "input_unchanged", "piece_key", "plan_tasks"]
+__all__ = ["INPUT_READ", "ShardTask", "check_listed", "file_checksum", "piece_key", "plan_tasks"]

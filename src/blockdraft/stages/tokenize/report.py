@@ -67,7 +67,7 @@ def merge_counts(stats: list[dict[str, Any]]) -> dict[str, Any]:
         c = dict(s)
         rejected.update(c.pop("rejected"))
         thinking.update(c.pop("thinking"))
-        failed.update(c.pop("failed_inputs", {}))  # absent from pieces recorded before inputs could fail
+        failed.update(c.pop("failed_inputs"))
         total.update(c)
     return {**{k: total.get(k, 0) for k in COUNT_KEYS}, "rejected": dict(sorted(rejected.items())), "thinking": dict(sorted(thinking.items())),
             "failed_inputs": dict(sorted(failed.items()))}
@@ -103,9 +103,8 @@ def summary_lines(result: StageResult) -> list[str]:
         f"  thinking mode per row: {', '.join(f'{k} {v:,}' for k, v in c.get('thinking', {}).items()) or '-'}; "
         f"template sha256 {summary.template_sha256[:12]}",
     ]
-    if "rows_clipped" in c:  # absent from manifests written before clipping was counted
-        lines.append(f"  clipped to tokenize.max_length {summary.max_length}: rows {c['rows_clipped']:,}; tokens dropped "
-                     f"{c['tokens_clipped']:,}, of them supervised {c['supervised_tokens_clipped']:,}")
+    lines.append(f"  clipped to tokenize.max_length {summary.max_length}: rows {c['rows_clipped']:,}; tokens dropped "
+                 f"{c['tokens_clipped']:,}, of them supervised {c['supervised_tokens_clipped']:,}")
     rejected = c.get("rejected", {})
     if rejected:
         reasons = ", ".join(f"{k} {v:,}" for k, v in rejected.items())

@@ -4,7 +4,7 @@ quarantine file and, last, its piece record.
 A finished shard is a piece of the output (`StageOutput.put_piece`, written after its files), keyed by `piece_key`:
 the run's config digest, the input file's key and size, and the part. Its counts hold the shard's row statistics
 (`stats`), its Arrow files per split in the order written (`split_files`) and what it read of the input (`input`: the
-file's pin, the raw bytes it read and their checksum; `plan.input_unchanged`, `plan.file_checksum`).
+file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `plan.file_checksum`).
 
 An input file that cannot be decoded whole is dropped whole, with no piece (see `tokenize_shard`; the stage drops the
 file's other parts too).
@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import resource
 import signal
 import sys
 import time
@@ -52,13 +53,13 @@ from blockdraft.data.streams import InputUnreadable
 from blockdraft.data.tokenizer import special_token_pattern
 from blockdraft.stages.tokenize.arrow_rows import SplitWriter
 from blockdraft.stages.tokenize.hf_layout import KIND, QUARANTINE_DIR, SPLITS
-from blockdraft.stages.tokenize.plan import INPUT_READ, ShardTask, piece_key
-from blockdraft.stages.tokenize.shard_io import check_listed, disk_full_error, failed_input, peak_rss_mib
+from blockdraft.stages.tokenize.plan import INPUT_READ, ShardTask, check_listed, piece_key
 from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry
 from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.local import TMP_PREFIX, LocalStore
 from blockdraft.store.stage_io import StageOutput
+from blockdraft.store.writable import disk_full_error
 
 # Part of the config digest: bump it when the rows' bytes change for the same options, so old shards are redone.
 SHARD_FORMAT = "blockdraft-tokenize-shard/3"  # 2: special tokens in content and true/false ids rejected; 3: files by bytes
@@ -69,6 +70,8 @@ CLIP_KEYS = ("rows_clipped", "tokens_clipped", "supervised_tokens_clipped")
 _PR_SET_PDEATHSIG = 1
 # progress(input bytes consumed, rows written, tokens written): deltas since the last call.
 Advance = Callable[[int, int, int], None]
+# A worker's StageOutput only records pieces, keyed each on its own (`piece_key`); the parent's commits the output.
+PIECES_ONLY = ""
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,6 @@ class WorkerSettings:
     input_url: str
     store: StoreConfig
     output_dir: str
-    output_key: str  # the run's stage key (its StageOutput's)
     schema: pa.Schema
 
 
@@ -131,7 +133,7 @@ def is_held_out(source_id: str, fraction: float) -> bool:
 
 class _ShardCounts:
     def __init__(self) -> None:
-        self.c: Counter[str] = Counter(dict.fromkeys(CLIP_KEYS, 0))  # always recorded, so a piece without them is older
+        self.c: Counter[str] = Counter(dict.fromkeys(CLIP_KEYS, 0))  # recorded even when nothing was clipped
         self.rejected: Counter[str] = Counter()
         self.thinking: Counter[str] = Counter()
         self.failed: dict[str, Any] = {}  # an input dropped whole: its key -> reason, detail, rows read before the fault
@@ -209,33 +211,60 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
     if WORKER.get("key") != settings.tools_key:
         raise RuntimeError("tokenize_shard called in a process without this run's tokenizer and template installed")
     out = Path(settings.output_dir)
-    output = StageOutput(LocalStore(out), KIND, settings.output_key)
+    output = StageOutput(LocalStore(out), KIND, PIECES_ONLY)
     _remove_shard_outputs(output, out, task.name)
     writers = {split: SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file, settings.file_bytes) for split in SPLITS}
-    bytes_read = [0]
+    reading = _Reading(task.share, progress or _to_parent_queue())
     try:
-        shard = _write_shard(task, settings, output, writers, bytes_read, progress or _to_parent_queue())
+        shard = _write_shard(task, settings, output, writers, reading)
     except BaseException as exc:
         written = sum(p.stat().st_size for p in _shard_files(out, task.name))
         for writer in writers.values():
             writer.discard()  # closes its open file: an unlinked file still open keeps its space
         _remove_shard_outputs(output, out, task.name)
-        error = disk_full_error(exc, out, written, bytes_read[0] / max(task.share, 1)) if isinstance(exc, OSError) else None
+        error = disk_full_error(exc, out, written, reading.done / max(task.share, 1)) if isinstance(exc, OSError) else None
         if error is None:
             raise
         raise error from None
     return ShardRun(shard, time.monotonic() - started, time.process_time() - cpu_started, peak_rss_mib(), os.getpid())
 
 
+class _Reading:
+    """How much of its task's input bytes (`share`) a shard has read (`done`, for progress and the disk-full estimate),
+    and what of it was reported to `progress`."""
+
+    def __init__(self, share: int, progress: Advance | None) -> None:
+        self.share, self.progress, self.done, self.reported = share, progress, 0, 0
+
+    def report(self, done: int, rows: int, tokens: int) -> None:
+        """`done` input bytes read so far, and the rows and tokens written since the last report."""
+        self.done = done
+        if self.progress is not None:
+            self.progress(done - self.reported, rows, tokens)
+        self.reported = done
+
+
+def peak_rss_mib() -> float:
+    """This process's own high-water resident memory (VmHWM; ru_maxrss would count a spawning parent's after exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput, writers: dict[str, SplitWriter],
-                 bytes_read: list[int], progress: Advance | None) -> ShardOutput:
+                 reading: _Reading) -> ShardOutput:
     tokenizer, template, special = WORKER["tools"]
     out = Path(settings.output_dir)
     counts = _ShardCounts()
     quarantine_path = out / QUARANTINE_DIR / f"{task.name}.jsonl"
     quarantine_path.parent.mkdir(parents=True, exist_ok=True)
     quarantine_tmp = quarantine_path.with_name(TMP_PREFIX + quarantine_path.name)
-    reported = read = 0
+    read = 0
     failure: InputUnreadable | None = None
     store = open_store(settings.input_url, settings.store)
     with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.key) as raw:
@@ -258,10 +287,7 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput,
                 if len(batch) >= CONVERSATION_BATCH:
                     rows, tokens = _process_batch(batch, tokenizer, template, special, settings, writers, counts, reject)
                     batch = []
-                    bytes_read[0] = int(task.share * reader.fraction())
-                    if progress is not None:
-                        progress(bytes_read[0] - reported, rows, tokens)
-                        reported = bytes_read[0]
+                    reading.report(int(task.share * reader.fraction()), rows, tokens)
             rows, tokens = _process_batch(batch, tokenizer, template, special, settings, writers, counts, reject)
         except InputUnreadable as exc:
             failure, rows, tokens = exc, 0, 0
@@ -269,8 +295,7 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput,
         _check_pin(task, raw)
         if task.part.kind == "whole":
             check_listed(task.key, task.file.size, task.file.checksum, reader.window, reader.crc)
-        if progress is not None:
-            progress(task.share - reported, rows, tokens)
+        reading.report(task.share, rows, tokens)
         if failure is not None:
             # Dropped whole: none of its rows or row rejections stay, only the one line that says why.
             line, counts = _failed_counts(task.key, failure, reader.rows_before + read)
@@ -305,7 +330,11 @@ def _check_pin(task: ShardTask, raw: BinaryIO) -> bool:
 
 
 def _failed_counts(key: str, failure: InputUnreadable, rows_read: int) -> tuple[dict[str, Any], _ShardCounts]:
-    line, record = failed_input(key, failure, rows_read)
+    """(its one quarantine line, its counts: `input_files_failed` 1 and its entry in `failed_inputs`) for an input file
+    dropped whole."""
+    record = {"reason": failure.reason, "detail": failure.detail, "rows_read_before_failure": rows_read}
+    line = {"source_id": None, "turn": None, "reason": failure.reason, "detail": failure.detail, "input": key,
+            "position": rows_read + 1, "row": None, "rows_read_before_failure": rows_read}
     counts = _ShardCounts()
     counts.c["input_files_failed"] = 1
     counts.failed[key] = record

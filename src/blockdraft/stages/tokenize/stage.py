@@ -4,26 +4,23 @@ The output folder is a DatasetDict as `datasets.save_to_disk` lays it out (`hf_l
 finished shards' pieces (`.blockdraft-pieces/`, see `blockdraft.store.stage_io`) and the manifest, written last.
 
 One shard = one task: an input file, or a part of a large one (`plan.py`), processed by one worker process (`shard.py`;
-`runner.py` runs them). Done and resume go through the output's `StageOutput`: the output is done when its manifest
-names this run's stage key (the config digest and the inputs by content) and verifies; else each shard is kept only
-when its piece names this run's config digest and the same part of the same input file (key, size), every file it lists
-reads back as listed, and the input bytes it was made from are unchanged (`plan.input_unchanged`). Anything else is
-deleted and redone from scratch.
+`runner.py` runs them). Whether the output is done is its `StageOutput`'s to say: done when its manifest records this
+run's config digest (`made_with`) and stage key (the digest and the inputs by content) and verifies, and nothing failed
+(an input file left out makes it partial: a rerun tries it again). Else the finished shards are kept (`resume.py`) and the
+rest redone; the lease (`StageOutput.begin`) keeps a second run from writing the same output meanwhile.
 
 Each input byte is checksummed once, by the task that reads it: the parent lists inputs without reading them, and a local
-file's checksum (for the lineage) is put together from its tasks' (`plan.file_checksum`). Only a rerun over a committed output
-asks for checksums up front, to tell whether it is done (`_already_done`: a raw input file is read only if it changed).
+file's checksum (for the lineage) is put together from its tasks' (`plan.file_checksum`). Only a rerun over a committed
+output of this config asks for checksums up front, to tell whether it is done (`_InputPins.key`: a raw input file is read
+only if it changed).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,20 +33,21 @@ from blockdraft.data.tokenizer import TokenizerSource, check_mask_token, end_of_
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.tokenize.hf_layout import KIND, output_schema, remove_leftovers, write_split_metadata
-from blockdraft.stages.tokenize.plan import INPUT_READ, ShardTask, file_checksum, input_unchanged, piece_key, plan_tasks
+from blockdraft.stages.tokenize.hf_layout import KIND, output_schema, write_split_metadata
+from blockdraft.stages.tokenize.plan import INPUT_READ, ShardTask, file_checksum, plan_tasks
 from blockdraft.stages.tokenize.report import InputFilesFailed, TokenizeSummary, clip_warning, merge_counts
+from blockdraft.stages.tokenize.resume import drop_failed_files, finished_shard_entries, keep_finished_shards
 from blockdraft.stages.tokenize.runner import ShardRunner
-from blockdraft.stages.tokenize.shard import CLIP_KEYS, SHARD_FORMAT, ShardOutput, WorkerSettings, tools_key
-from blockdraft.stages.tokenize.shard_io import DiskFull, disk_full_error, unwritable_error
+from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, WorkerSettings, tools_key
 from blockdraft.store import ObjectInfo, Store, open_store
-from blockdraft.store.artifact import FileEntry, InputRef, VerifyReport, entry_for_local_file, raw_input, read_manifest
-from blockdraft.store.local import LocalStore
-from blockdraft.store.stage_io import StageOutput, recorded_pieces, refuse_nested, stage_key
+from blockdraft.store.artifact import InputRef, VerifyReport, entry_for_local_file, raw_input
+from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
 from blockdraft.store.staged import stage_and_push
+from blockdraft.store.writable import DiskFull, disk_full_error, unwritable_error
 
 STAGE = "tokenize"
-LOCK_NAME = ".blockdraft-tokenize.lock"  # in the output folder; held by the one run that writes it
+DIGEST_FIELD = "tokenize_run.config_digest"  # where the manifest's config records the digest its rows depend on
+FAILED_FIELD = "failed_inputs"  # the counts field naming the input files a commit left out, by key
 
 
 def run(
@@ -93,8 +91,8 @@ def run(
 def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
                chat_template: str | None, started: float, force: bool) -> StageResult:
     plan = _plan(config, input, output, tokenizer, chat_template, reporter, force)
-    with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src) as runner, _output_lock(plan.out_dir):
-        report = _already_done(plan)
+    with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src) as runner:
+        report = plan.out.done()
         if report is not None and report.manifest is not None:
             # Rewriting the manifest would change its sha256 and make every dependent artifact look stale.
             plan.summary.counts, plan.summary.shards_skipped = report.manifest.counts, len(plan.tasks)
@@ -112,12 +110,6 @@ def _warn_if_clipped(summary: TokenizeSummary, reporter: Reporter) -> None:
         summary.warnings.append(message)
 
 
-def finished_shard_entries(local_dir: Path) -> list[FileEntry]:
-    """Every file of the shards finished so far in `local_dir`, as their pieces (written after the files) list them."""
-    pieces = recorded_pieces(LocalStore(local_dir))
-    return [entry for _, piece in sorted(pieces.items()) for entry in piece.files]
-
-
 def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
                    chat_template: str | None, started: float, force: bool) -> StageResult:
     """A remote OUTPUT (s3://): preflight in seconds, tokenize into a local staging folder while finished shards are
@@ -131,9 +123,57 @@ def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: 
     return dataclasses.replace(result, url=pushed.destination, report=pushed.verify, seconds=time.perf_counter() - started)
 
 
-@dataclass
+class _InputPins:
+    """The inputs by content: an artifact input's lineage, or each raw file with its CRC64NVME as known (listed, asked of
+    the store, or put together from what its tasks read) or its ETag."""
+
+    def __init__(self, store: Store, files: list[InputFile], artifact_lineage: list[InputRef] | None) -> None:
+        self.store, self.files, self.artifact_lineage = store, files, artifact_lineage
+        self.checksums = {f.key: f.checksum for f in files if f.checksum}
+        self.read = False  # whether the tasks' reads have been put together (`combine`)
+
+    def key(self, digest: str) -> str:
+        """The output's stage key: the config digest and the inputs by content. Before the tasks ran (a rerun asking
+        whether the output is done), a checksum not known yet is asked of the store: a local file's comes from the
+        checksum cache, read only when it changed since it was last read."""
+        if not self.read:
+            for f in self.files:
+                if f.key not in self.checksums and (info := self.store.head(f.key)) is not None and info.checksum:
+                    self.checksums[f.key] = info.checksum
+        return stage_key({"config_digest": digest}, self.lineage())
+
+    def lineage(self) -> list[InputRef]:
+        if self.artifact_lineage is not None:
+            return self.artifact_lineage
+        return [raw_input(self.store, ObjectInfo(f.key, f.size, self.checksums.get(f.key), f.etag)) for f in self.files]
+
+    def combine(self, tasks: list[ShardTask], shards: list[ShardOutput]) -> None:
+        """Each file's checksum put together from what its tasks read, compared with the one known before reading:
+        ArtifactError when they differ, the input changed while it was tokenized. A local file's is kept for the lineage
+        (a failed file's, when its tasks did not read it all, asked of the store)."""
+        reads = {s.name: s.counts.get(INPUT_READ, {}) for s in shards}
+        by_file: dict[int, list[dict[str, Any]]] = {}
+        for task in tasks:
+            by_file.setdefault(task.file_index, []).append(reads.get(task.name, {}))
+        self.read = True
+        for i, f in enumerate(self.files):
+            combined = file_checksum(f.size, by_file.get(i, []))
+            known = self.checksums.get(f.key)
+            if combined is not None and known is not None and combined != known:
+                raise ArtifactError(f"input {f.key} changed while it was tokenized (its tasks read crc64nvme {combined}; it had "
+                                    f"{known} when listed); rerun when the input is complete")
+            if not f.pin.startswith(STAT_PIN) or known is not None:
+                continue  # a store object keeps what its store lists (an ETag alone stays so)
+            if combined is None and (info := self.store.head(f.key)) is not None:
+                combined = info.checksum  # a file left out as unreadable: read once more, for the lineage
+            if combined is not None:
+                self.checksums[f.key] = combined
+
+
+@dataclass(frozen=True)
 class _Plan:
-    """One tokenize run, resolved: what it reads, what it writes, and the config digest its shards are keyed on."""
+    """One tokenize run, resolved once (`_plan`): what it reads, what it writes, the config digest its shards are keyed
+    on, and the summary its phases fill in."""
 
     config: BlockdraftConfig
     src: TokenizerSource
@@ -141,11 +181,8 @@ class _Plan:
     digest: str
     out: StageOutput
     out_dir: Path
-    in_store: Store
-    files: list[InputFile]
+    inputs: _InputPins
     tasks: list[ShardTask]
-    artifact_lineage: list[InputRef] | None  # an artifact input's; raw files' is made once their checksums are known
-    checksums: dict[str, str]  # input key -> CRC64NVME known before reading (listed, or from the checksum cache)
     run_config: dict[str, Any]
     summary: TokenizeSummary
 
@@ -190,37 +227,14 @@ def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | No
         },
     }
     run_config["tokenize"].pop("workers")  # how many processes ran does not change the rows
-    out = StageOutput(out_store, KIND, "", force=force, reporter=reporter)  # its key names the inputs by content: set once their checksums are known
+    inputs = _InputPins(in_store, files, artifact_lineage)
+    # The key names the inputs by content: asked for only of an output of this config, and at commit.
+    out = StageOutput(out_store, KIND, lambda: inputs.key(digest), made_with={DIGEST_FIELD: digest}, failures=FAILED_FIELD,
+                      force=force, reporter=reporter)
     summary = TokenizeSummary(counts={}, shards_total=len(tasks), shards_skipped=0, template_sha256=src.template.sha256,
                               template_matches_target=matches, warnings=warnings, max_length=opts.max_length, input_files=len(files))
-    checksums = {f.key: f.checksum for f in files if f.checksum}
-    return _Plan(config, src, eot_id, digest, out, out_dir, in_store, files, tasks, artifact_lineage, checksums, run_config, summary)
-
-
-def _lineage(plan: _Plan) -> list[InputRef]:
-    """The inputs by content: an artifact's manifest, or each raw file with its checksum (`plan.checksums`) or ETag."""
-    if plan.artifact_lineage is not None:
-        return plan.artifact_lineage
-    return [raw_input(plan.in_store, ObjectInfo(f.key, f.size, plan.checksums.get(f.key), f.etag)) for f in plan.files]
-
-
-def _already_done(plan: _Plan) -> VerifyReport | None:
-    """The output's report when it is already this run's output, verified; else None (then nothing was read).
-
-    An output committed with failed input files is not done: a rerun tries them again (the other shards are kept). Only
-    an output of the same config digest asks for the inputs' checksums: a local file's from the checksum cache, read
-    only when it changed since it was last read."""
-    try:
-        found = read_manifest(plan.out.store)
-    except ArtifactError:
-        return None
-    if found is None or found[0].counts.get("input_files_failed") or found[0].config.get("tokenize_run", {}).get("config_digest") != plan.digest:
-        return None
-    for f in plan.files:
-        if f.key not in plan.checksums and (info := plan.in_store.head(f.key)) is not None and info.checksum:
-            plan.checksums[f.key] = info.checksum
-    plan.out.key = stage_key({"config_digest": plan.digest}, _lineage(plan))
-    return plan.out.done()
+    return _Plan(config=config, src=src, eot_id=eot_id, digest=digest, out=out, out_dir=out_dir, inputs=inputs, tasks=tasks,
+                 run_config=run_config, summary=summary)
 
 
 @contextlib.contextmanager
@@ -230,6 +244,7 @@ def _writable(out_dir: Path) -> Iterator[None]:
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"output {out_dir} is a file, not a folder; point OUTPUT at a folder (new, or a tokenize output)")
     try:
+        out_dir.mkdir(parents=True, exist_ok=True)
         yield
     except OSError as exc:
         error = unwritable_error(exc, out_dir)
@@ -238,40 +253,20 @@ def _writable(out_dir: Path) -> Iterator[None]:
         raise error from None
 
 
-@contextlib.contextmanager
-def _output_lock(out_dir: Path) -> Iterator[None]:
-    """An exclusive lock on the output folder for this run (released when the process dies); made by a run that fails, it goes."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    created = not (out_dir / LOCK_NAME).exists()
-    fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(f"another tokenize is writing {out_dir}; wait for it to finish or pick another OUTPUT") from None
-        try:
-            yield
-        except BaseException:
-            if created:
-                (out_dir / LOCK_NAME).unlink(missing_ok=True)
-            raise
-    finally:
-        os.close(fd)
-
-
 def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> VerifyReport:
     """Uncommit, keep the finished shards, redo the rest, then commit; returns the report read back at the destination.
 
     A full disk is one line (`DiskFull`), after every temporary file of the output is removed."""
     plan.out.begin()
     try:
-        kept = _keep_finished_shards(plan)
+        kept = keep_finished_shards(plan.out, plan.inputs.store, plan.digest, plan.tasks, plan.out_dir)
         pending = [t for t in plan.tasks if t.name not in kept]
         plan.summary.shards_skipped = len(kept)
         if kept:
             reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match this run)")
         made = _run_pending(plan, runner, pending, reporter)
-        return _commit(plan, _drop_failed_files(plan, {t.name: kept.get(t.name) or made[t.name] for t in plan.tasks}))
+        shards = {t.name: kept.get(t.name) or made[t.name] for t in plan.tasks}
+        return _commit(plan, drop_failed_files(plan.out, plan.out_dir, plan.tasks, shards))
     except DiskFull:
         plan.out.store.abort_partial_uploads()
         raise
@@ -281,32 +276,6 @@ def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> VerifyRep
             raise
         plan.out.store.abort_partial_uploads()
         raise error from None
-
-
-def _keep_finished_shards(plan: _Plan) -> dict[str, ShardOutput]:
-    """The shards whose pieces match this run, by name; every other piece, temporary file and unnamed file is deleted.
-
-    A piece recorded before clipping was counted (no CLIP_KEYS in its stats) is redone, so the run's counts stay exact.
-    """
-
-    def finished(task: ShardTask) -> ShardOutput | None:
-        piece = plan.out.finished_piece(task.name, piece_key(plan.digest, task))
-        if piece is None or not all(k in piece.counts.get("stats", {}) for k in CLIP_KEYS):
-            return None
-        if not input_unchanged(plan.in_store, task, piece.counts.get(INPUT_READ, {})):
-            return None
-        return ShardOutput(task.name, list(piece.files), piece.counts)
-
-    recorded = plan.out.recorded_pieces()
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # each check reads files back (and maybe input bytes)
-        found = list(pool.map(finished, [t for t in plan.tasks if t.name in recorded]))
-    kept = {shard.name: shard for shard in found if shard is not None}
-    for name in recorded:
-        if name not in kept:
-            plan.out.drop_piece(name)
-    plan.out.store.abort_partial_uploads()  # temporary files of a killed run
-    remove_leftovers(plan.out_dir, {entry.path for shard in kept.values() for entry in shard.files})
-    return kept
 
 
 class _Progress:
@@ -328,8 +297,8 @@ def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], rep
         tools_key=tools_key(plan.src.tokenizer_sha256, plan.src.template), thinking=opts.thinking, max_length=opts.max_length,
         held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, file_bytes=opts.file_bytes,
         max_row_bytes=opts.max_row_bytes, eot_id=plan.eot_id,
-        vocab_size=plan.src.vocab_size, config_digest=plan.digest, input_url=plan.in_store.url, store=plan.config.store,
-        output_dir=str(plan.out_dir), output_key=plan.out.key, schema=output_schema(),
+        vocab_size=plan.src.vocab_size, config_digest=plan.digest, input_url=plan.inputs.store.url, store=plan.config.store,
+        output_dir=str(plan.out_dir), schema=output_schema(),
     )
     progress = _Progress(reporter, sum(t.share for t in pending))
     started = time.monotonic()
@@ -345,56 +314,14 @@ def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], rep
     return {r.output.name: r.output for r in runs}
 
 
-def _drop_failed_files(plan: _Plan, outputs: dict[str, ShardOutput]) -> list[ShardOutput]:
-    """The shards to commit, in task order: a file that one of its tasks could not read whole is left out whole, as one
-    failed input (the first failed task's quarantine line); its other tasks' pieces and files are deleted."""
-    failed_files = {t.file_index for t in plan.tasks if outputs[t.name].stats.get("input_files_failed")}
-    keep: list[ShardOutput] = []
-    named: set[int] = set()
-    for task in plan.tasks:
-        shard = outputs[task.name]
-        if task.file_index not in failed_files or (shard.stats.get("input_files_failed") and task.file_index not in named):
-            keep.append(shard)
-            named.add(task.file_index)
-            continue
-        plan.out.drop_piece(task.name)  # the piece first: a crash in between never leaves a piece over missing files
-        for entry in shard.files:
-            (plan.out_dir / entry.path).unlink(missing_ok=True)
-    return keep
-
-
-def _file_checksums(plan: _Plan, shards: list[ShardOutput]) -> None:
-    """Each file's checksum put together from what its tasks read, compared with the one known before reading (listed, or
-    from the checksum cache): ArtifactError when they differ, the input changed while it was tokenized. A local file's
-    goes into `plan.checksums` for the lineage (a failed file's, when its tasks did not read it all, from the store)."""
-    reads = {s.name: s.counts.get(INPUT_READ, {}) for s in shards}
-    by_file: dict[int, list[dict[str, Any]]] = {}
-    for task in plan.tasks:
-        by_file.setdefault(task.file_index, []).append(reads.get(task.name, {}))
-    for i, f in enumerate(plan.files):
-        combined = file_checksum(f.size, by_file.get(i, []))
-        known = plan.checksums.get(f.key)
-        if combined is not None and known is not None and combined != known:
-            raise ArtifactError(f"input {f.key} changed while it was tokenized (its tasks read crc64nvme {combined}; it had "
-                                f"{known} when listed); rerun when the input is complete")
-        if not f.pin.startswith(STAT_PIN) or known is not None:
-            continue  # a store object keeps what its store lists (an ETag alone stays so)
-        if combined is None and (info := plan.in_store.head(f.key)) is not None:
-            combined = info.checksum  # a file left out as unreadable: read once more, for the lineage
-        if combined is not None:
-            plan.checksums[f.key] = combined
-
-
 def _commit(plan: _Plan, shards: list[ShardOutput]) -> VerifyReport:
     """Split metadata, then the manifest (`StageOutput.commit` verifies every file at the destination first)."""
-    _file_checksums(plan, shards)
-    lineage = _lineage(plan)
-    plan.out.key = stage_key({"config_digest": plan.digest}, lineage)
+    plan.inputs.combine(plan.tasks, shards)
     metadata = write_split_metadata(plan.out_dir, [s.arrow_files() for s in shards], output_schema())
     entries = [entry for s in shards for entry in s.files] + [entry_for_local_file(plan.out_dir, p) for p in metadata]
     counts = merge_counts([s.stats for s in shards])
     counts["shards"] = len(plan.tasks)
-    counts["input_files"] = len(plan.files)
+    counts["input_files"] = len(plan.inputs.files)
     counts["held_out_fraction"] = plan.config.tokenize.held_out_fraction
     plan.summary.counts = counts
-    return plan.out.commit(entries, config=plan.run_config, lineage=lineage, counts=counts)
+    return plan.out.commit(entries, config=plan.run_config, lineage=plan.inputs.lineage(), counts=counts)

@@ -97,6 +97,14 @@ def run_identity(resolved: dict[str, Any], world_size: int, data_sha256: str | N
     return identity
 
 
+def checkpoint_output(
+    store: Store, step: int, identity: dict[str, Any] | None, lineage: list[InputRef], force: bool = False
+) -> StageOutput:
+    """The checkpoint of `step` under `store` as a stage output: its key is `stage_key(identity, lineage)`, the run
+    identity and its data; `force` goes to its lease."""
+    return StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(identity, lineage), force=force)
+
+
 def save_checkpoint(
     store: Store,
     step: int,
@@ -116,7 +124,7 @@ def save_checkpoint(
     and resume never uses it. `force` (`train --force`) goes to the checkpoint's lease: a dead writer's is taken over.
     """
     lineage = list(lineage)
-    out = StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(counts.get("run"), lineage), force=force)
+    out = checkpoint_output(store, step, counts.get("run"), lineage, force)
     out.begin()  # a resumed run rewrites checkpoints after its resume point
     try:
         with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
@@ -244,6 +252,10 @@ class Checkpoints:
             )
         self.last_step = found.step
         return found
+
+    def done(self, step: int) -> bool:
+        """Whether the checkpoint of `step` of this run is already at the destination, verified (`StageOutput.state`)."""
+        return checkpoint_output(self.store, step, self.identity, [self.data]).done() is not None
 
     def save(
         self, step: int, drafter: DFlashDrafter, state: dict[str, Any], log: MetricsLog, final: bool, ranks_in_sync: int

@@ -59,7 +59,7 @@ def run(
     Resumes from the newest checkpoint that verifies; when checkpoints are there but none verifies, raises ArtifactError
     naming them rather than overwrite them from step 0, unless `force`, which starts over.
 
-    `details` is a TrainResult; `already_done` when the newest verified checkpoint already holds every step.
+    `details` is a TrainResult; `already_done` when the final checkpoint of this run was already there, verified.
     """
     started = time.perf_counter()
     config = _with_paths(config, input, output)
@@ -67,12 +67,13 @@ def run(
     reporter = (reporter or Reporter()).for_rank(place.rank)
     with rank_session(place, config.train.deterministic, config.train.dist_timeout_minutes), ExitStack() as held:
         trainer = _prepare(config, place, reporter, held, force)
+        # Already done when the final checkpoint of this run is there and verifies, as its StageOutput says (rank 0 asks).
+        done = place.is_main and trainer.checkpoints.done(trainer.total_steps)
         trainer.train()
-        final = _final_report(trainer, place)
+        final, done = _final_report(trainer, place, done)
     result = TrainResult(
         trainer.total_steps, trainer.resumed_from, final.url, list(trainer.metrics), trainer.drafter, trainer.head, trainer.steps_run
     )
-    done = trainer.steps_run == 0
     return StageResult(STAGE, final.url, final, already_done=done, seconds=time.perf_counter() - started, details=result)
 
 
@@ -103,13 +104,14 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
     return Trainer(config, place, rows, out_store, tc.output, reporter, start_over=force)
 
 
-def _final_report(trainer: Trainer, place: RankPlacement) -> VerifyReport:
-    """The final checkpoint's verify report on every rank: rank 0 wrote (or resumed from) it; the others receive it."""
-    shared = [trainer.last_checkpoint]
+def _final_report(trainer: Trainer, place: RankPlacement, done: bool) -> tuple[VerifyReport, bool]:
+    """The final checkpoint's verify report and whether it was already done, on every rank: rank 0 wrote (or resumed
+    from) it; the others receive both."""
+    shared: list[Any] = [trainer.last_checkpoint, done]
     if place.world_size > 1:
         dist.broadcast_object_list(shared, src=0)
     assert shared[0] is not None, "the final checkpoint raises when it does not verify"
-    return shared[0]
+    return shared[0], shared[1]
 
 
 __all__ = ["STAGE", "TrainResult", "run"]
