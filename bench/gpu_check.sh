@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One-shot GPU check of the training step (about 6-8 minutes on one H200), printing what docs/PERFORMANCE.md records:
 #   1-2. the drafter step at the Qwen3-8B drafter shape (5 layers, H 4096, 3072 tokens x 512 anchors x B 16), dense vs
-#        block-sparse attention: step time, tokens/s, MFU, peak memory;
+#        block-sparse attention: step time, tokens/s, MFU (flex: FLOPs of the tiles its mask keeps), peak memory;
 #   3.   the attention alone at 4096 tokens x 512 anchors x B 16, dense vs block-sparse, forward and backward;
 #   4.   the pipelined step with a random-init Qwen3-8B-shaped target on the same GPU (its own stream):
-#        pipeline ratio = pipelined step / (target forward + drafter step), and bit-equal losses.
+#        pipeline ratio = pipelined step / (target forward + drafter step, each alone on its own thread) beside its
+#        floor max(t, d) / (t + d), and bit-equal losses.
 # Needs a Python with a CUDA build of torch and blockdraft installed (`pip install -e .`); PYTHON overrides the interpreter.
 # Usage: bash bench/gpu_check.sh [OUT_DIR]   (each part's JSON line and log land in OUT_DIR, default ./gpu-check)
 set -uo pipefail

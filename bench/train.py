@@ -9,6 +9,7 @@ figures are the drafter side alone, which is what the drafter devices spend thei
     python -m bench.train --preset cpu-small
     python -m bench.train --pipeline                          # target and drafter overlapped (bench/pipeline.py)
     python -m bench.train --preset qwen3-8b                   # on a GPU: 5 layers, H 4096, 32/8 heads, 512 anchors, B 16
+    python -m bench.train --preset qwen3-8b --attention flex --flops-only   # the FLOPs a step counts, nothing run
     python -m bench.train --preset qwen3-8b --device cpu --hidden 128 --heads 4 --kv-heads 2 --intermediate 384 \\
         --vocab 2048 --seq-len 256 --anchors 32                  # the GPU path's code, checked at toy scale on a CPU
 """
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--chunk-blocks", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1, help="rows per step")
     parser.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto", help="as train.attention")
+    parser.add_argument("--flops-only", action="store_true", help="print the FLOPs one step counts (dense or flex), run nothing")
     args = parser.parse_args()
     cfg = dict(PRESETS[args.preset])
     for key in cfg:
@@ -113,6 +115,17 @@ def main() -> None:
         block_size=cfg["block_size"], mask_token_id=cfg["vocab"] - 1,
         target_layer_ids=list(range(1, cfg["num_features"] + 1)), num_target_layers=cfg["target_layers"], gamma=7.0,
     )
+    s, n = cfg["seq_len"], cfg["anchors"]
+    rows = [(torch.randint(0, spec.vocab_size - 1, (s,)), torch.ones(s, dtype=torch.long)) for _ in range(args.batch)]
+    attention = args.attention if args.flops_only and args.attention != "auto" else resolve_attention(args.attention, device)
+    batch = build_block_batch(rows, num_anchors=n, block_size=spec.block_size, mask_token_id=spec.mask_token_id, gamma=7.0,
+                              generators=[anchor_generator(0, 0, i) for i in range(args.batch)], attention=attention)
+    shares = step_flops(spec, args.batch, s, batch.num_blocks * spec.block_size, attention_pairs(batch))
+    if args.flops_only:
+        print(json.dumps({"preset": args.preset, "attention": attention, "tflops_per_step": shares["total"] / 1e12,
+                          "attention_share": shares["attention_share"], "lm_head_share": shares["lm_head_share"]}))
+        return
+    batch = batch.to(device)
     drafter = DFlashDrafter(spec).to(device)
     head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size).to(device, head_dtype)
@@ -121,11 +134,6 @@ def main() -> None:
     model = DraftForward(drafter)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
 
-    s, n = cfg["seq_len"], cfg["anchors"]
-    rows = [(torch.randint(0, spec.vocab_size - 1, (s,)), torch.ones(s, dtype=torch.long)) for _ in range(args.batch)]
-    batch = build_block_batch(rows, num_anchors=n, block_size=spec.block_size, mask_token_id=spec.mask_token_id, gamma=7.0,
-                              generators=[anchor_generator(0, 0, i) for i in range(args.batch)],
-                              attention=resolve_attention(args.attention, device)).to(device)
     features = torch.randn(args.batch, s, spec.num_target_features * spec.hidden_size, device=device, dtype=head_dtype)
     micro = [MicroBatch(batch, features, tokens=args.batch * s)]
 
@@ -137,7 +145,6 @@ def main() -> None:
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    shares = step_flops(spec, args.batch, s, batch.num_blocks * spec.block_size, attention_pairs(batch))
     flops = shares["total"]
     gemm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gemm_n, gemm_repeats = (8192, 20) if device.type == "cuda" else (1024, 5)
