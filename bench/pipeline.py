@@ -1,13 +1,14 @@
 """Benchmark the pipelined training step: the target's forward for step N+1 overlapping the drafter's step N.
 
     python -m bench.train --pipeline            # CPU: target and drafter one thread each, on 2 free cores
-    python -m bench.train --pipeline --steps 20 --seq-len 256   # a quick look
+    python -m bench.train --pipeline --steps 20 --rounds 2 --seq-len 256   # a quick look
     python -m bench.train --pipeline --preset qwen3-8b            # one GPU: Qwen3-8B-shaped target and drafter
 
 The target is a random-init Qwen3 built from a config (no weights to download) with as many layers as make its forward
 take about as long as the drafter's step (measured first), as on the real job (about 148 vs 169 TFLOP per 3072-token row
 for a 27B target and its 5-layer drafter). The same `Prefetcher` and step (`accumulate`, then AdamW) as `blockdraft train`
-run four loops over the same batches, each side in the thread it has when pipelined:
+run four loops over the same batches, each side in the thread it has when pipelined, taking turns a slice of steps each
+(`--rounds` slices), so that a shared machine's changing load hits all four alike:
 
 - target alone (t): the producer thread makes every step's features, the training thread only takes them;
 - drafter alone (d): the training thread steps over those features, the producer thread idle;
@@ -15,7 +16,7 @@ run four loops over the same batches, each side in the thread it has when pipeli
 - pipelined (`pipeline_depth` 1): the target in the producer thread, one step ahead of the drafter.
 
 Prints `pipeline ratio = X` = pipelined step time / (t + d) beside its floor max(t, d) / (t + d) (the pipelined step can
-be no shorter than its longer side), medians over the steps after the first two, and checks that the drafter's losses
+be no shorter than its longer side), medians over each slice's steps after its first two, and checks that the drafter's losses
 are bit-equal in the three loops that train (same batches, same order).
 """
 
@@ -100,9 +101,9 @@ def _sync(device: torch.device) -> None:
 # one GPU (the target on its own stream), at 3072 tokens x 512 anchors x B 16.
 PRESETS = {
     "cpu": dict(seq_len=512, hidden=256, intermediate=768, head_dim=64, kv_heads=2, vocab=4096, anchors=32, drafter_layers=1,
-                target_layers=None, device="cpu", steps=50),
+                target_layers=None, device="cpu", steps=50, rounds=5),
     "qwen3-8b": dict(seq_len=3072, hidden=4096, intermediate=12288, head_dim=128, kv_heads=8, vocab=151936, anchors=512,
-                     drafter_layers=5, target_layers=36, device="cuda", steps=20),
+                     drafter_layers=5, target_layers=36, device="cuda", steps=32, rounds=4),
 }
 
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipeline", action="store_true")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    for name in ("steps", "seq-len", "hidden", "intermediate", "head-dim", "kv-heads", "vocab", "anchors", "drafter-layers"):
+    for name in ("steps", "rounds", "seq-len", "hidden", "intermediate", "head-dim", "kv-heads", "vocab", "anchors", "drafter-layers"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--target-layers", type=int, help="default: the preset's, or (cpu) as many as balance the drafter")
     parser.add_argument("--block-size", type=int, default=16)
@@ -165,59 +166,61 @@ def main(argv: list[str] | None = None) -> None:
         probe = median_time(lambda: ready(features_of(probe_target, 0)), 5, device)
         layers = max(4, round((probe_layers - 1) * drafter_alone / probe) + 1)  # the forward runs to layer L-2
 
-    def fresh():
-        """The target and the trainer's step on a drafter with the same weights and optimizer state as every other loop."""
-        target, drafter, head = setup(layers)
-        return target, trainer_step(drafter, head)
+    target, drafter, head = setup(layers)  # the target is frozen: every loop shares it
+    loops = {"drafter": trainer_step(drafter, head)}
+    for name in ("unpipelined", "pipelined"):  # the same initial weights (make_drafter seeds them)
+        loops[name] = trainer_step(*make_drafter(target.model, target.layer_ids, args.drafter_layers, args.block_size))
+    times: dict[str, list[float]] = {name: [] for name in ("target", *loops)}
+    losses: dict[str, list[float]] = {name: [] for name in loops}
 
-    # The target alone: the producer thread makes every step's features as in the pipelined loop, the training thread only
-    # takes them (kept for the drafter's loop).
-    target, _ = fresh()
-    made, target_times = [], []
-    with Prefetcher(lambda s, target=target: features_of(target, s), 0, args.steps, 1) as feed:
-        for s in range(args.steps):
-            t0 = time.perf_counter()
-            made.append(ready(feed.get(s)))
-            _sync(device)
-            target_times.append(time.perf_counter() - t0)
-    del target
-    # The drafter alone: the training thread steps over features already made, with the producer thread idle.
-    _, step = fresh()
-    drafter_times, alone_losses = [], []
-    for inputs in made:
-        t0 = time.perf_counter()
-        alone_losses.append(step(inputs))  # reading the loss waits for the drafter's device
-        drafter_times.append(time.perf_counter() - t0)
-    del made, step
-    results = {}
-    for depth in (0, 1):  # unpipelined (one after the other on the training thread), then pipelined
-        target, step = fresh()
-        times, losses = [], []
-        with Prefetcher(lambda s, target=target: features_of(target, s), 0, args.steps, depth) as feed:
-            for s in range(args.steps):
+    def run(name: str, first: int, stop: int, depth: int) -> list:
+        """Steps [first, stop) of one loop, each step timed on the training thread; returns what the steps took in."""
+        taken = []
+        with Prefetcher(lambda s: features_of(target, s), first, stop, depth) as feed:
+            for s in range(first, stop):
                 t0 = time.perf_counter()
-                losses.append(step(ready(feed.get(s))))
-                times.append(time.perf_counter() - t0)
-        results[depth] = (statistics.median(times[2:]), losses)
-        del target, step
+                inputs = ready(feed.get(s))
+                if name != "target":
+                    losses[name].append(loops[name](inputs))  # reading the loss waits for the drafter's device
+                _sync(device)
+                times[name].append(time.perf_counter() - t0)
+                taken.append(inputs)
+        return taken
+
+    # The loops take turns over the steps, a slice each per round, so a shared machine's changing load hits all alike.
+    # The first two steps of a slice fill the pipeline and are left out of the medians.
+    per_round = args.steps // args.rounds
+    kept: dict[str, list[float]] = {name: [] for name in times}
+    for first in range(0, per_round * args.rounds, per_round):
+        stop = first + per_round
+        made = run("target", first, stop, 1)  # the producer thread makes the features, the training thread only takes them
+        mark = len(times["drafter"])
+        for inputs in made:  # the training thread steps over features already made, the producer thread idle
+            t0 = time.perf_counter()
+            losses["drafter"].append(loops["drafter"](inputs))
+            times["drafter"].append(time.perf_counter() - t0)
+        del made
+        run("unpipelined", first, stop, 0)  # the target, then the drafter, both on the training thread
+        run("pipelined", first, stop, 1)  # the target in the producer thread, one step ahead of the drafter
+        for name in kept:
+            kept[name] += times[name][-per_round + 2 :] if name != "drafter" else times[name][mark + 2 :]
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    t, d = statistics.median(target_times[2:]), statistics.median(drafter_times[2:])
-    (serial, serial_losses), (piped, piped_losses) = results[0], results[1]
+    t, d, serial, piped = (statistics.median(kept[name]) for name in ("target", "drafter", "unpipelined", "pipelined"))
     ratio, floor = piped / (t + d), max(t, d) / (t + d)
     report = {
-        "preset": args.preset, "device": str(device), "attention": attention, "peak_memory_gib": peak_gib,
+        "preset": args.preset, "device": str(device), "attention": attention, "peak_memory_gib_three_drafters": peak_gib,
         "load_1min_before": load, "load_1min_after": os.getloadavg()[0], "torch_threads": torch.get_num_threads(),
         "seq_len": args.seq_len, "hidden": args.hidden, "target_layers": layers, "drafter_layers": args.drafter_layers,
-        "anchors": args.anchors, "block_size": args.block_size, "steps": args.steps,
+        "anchors": args.anchors, "block_size": args.block_size, "steps": per_round * args.rounds, "rounds": args.rounds,
         "target_forward_s": t, "drafter_step_s": d, "balance": t / d, "unpipelined_step_s": serial, "pipelined_step_s": piped,
         "unpipelined_ratio": serial / (t + d), "pipeline_ratio": ratio, "pipeline_floor": floor,
         "pipelined_over_unpipelined": piped / serial,
-        "losses_bit_equal": serial_losses == piped_losses == alone_losses,
+        "losses_bit_equal": losses["drafter"] == losses["unpipelined"] == losses["pipelined"],
     }
     print(json.dumps(report))
     print(f"target forward {t * 1e3:.1f} ms, drafter step {d * 1e3:.1f} ms, each alone on its own thread "
           f"(balance {report['balance']:.2f}); unpipelined step {serial * 1e3:.1f} ms, pipelined {piped * 1e3:.1f} ms")
-    print(f"losses over {args.steps} steps bit-equal (alone, unpipelined, pipelined): {report['losses_bit_equal']}")
+    print(f"losses over {report['steps']} steps bit-equal (alone, unpipelined, pipelined): {report['losses_bit_equal']}")
     print(f"pipeline ratio = {ratio:.3f} (floor max(t, d) / (t + d) = {floor:.3f})")
 
 
