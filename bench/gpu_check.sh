@@ -29,5 +29,5 @@ part() {  # part NAME SECONDS ARGS...: one benchmark under a time limit; a failu
 part train-dense 120 bench.train --preset qwen3-8b --attention dense
 part train-flex 150 bench.train --preset qwen3-8b --attention flex
 part attention 120 bench.attention --device cuda --backward
-part pipeline 180 bench.train --pipeline --preset qwen3-8b
+part pipeline 300 bench.train --pipeline --preset qwen3-8b
 echo "== done: $OUT"
