@@ -219,9 +219,9 @@ class Checkpoints:
         self._in_flight: tuple[Snapshot, MetricsLog] | None = None
 
     def newest(self, start_over: bool = False) -> Resumable | None:
-        """The newest checkpoint that verifies, or None when there is none; raises ConfigError when it belongs to another
-        run. When checkpoints are there but none verifies, a start at step 0 would overwrite them: ArtifactError naming
-        them, unless `start_over` (`train --force`), which warns and returns None."""
+        """The newest checkpoint that verifies, or None when there is none; raises ConfigError when it is of another
+        checkpoint format or belongs to another run. When checkpoints are there but none verifies, a start at step 0 would
+        overwrite them: ArtifactError naming them, unless `start_over` (`train --force`), which warns and returns None."""
         found, skipped = search_checkpoints(self.store)
         if found is None and skipped:
             unverified = f"no checkpoint under {self.store.url} verifies ({'; '.join(skipped)})"
