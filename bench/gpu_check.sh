@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# One-shot GPU check of the training step (about 6-8 minutes on one H200), printing what docs/PERFORMANCE.md records:
+# One-shot GPU check (parts 1-4, the training step: about 6-8 minutes on one H200; parts 5-6, the drafter in the engines),
+# printing what docs/PERFORMANCE.md records and, for parts 5-6, the eval report's engine section:
 #   1-2. the drafter step at the Qwen3-8B drafter shape (5 layers, H 4096, 3072 tokens x 512 anchors x B 16), dense vs
 #        block-sparse attention: step time, tokens/s, MFU (flex: FLOPs of the tiles its mask keeps), peak memory;
 #   3.   the attention alone at 4096 tokens x 512 anchors x B 16, dense vs block-sparse, forward and backward;
 #   4.   the pipelined step with a random-init Qwen3-8B-shaped target on the same GPU (its own stream):
 #        pipeline ratio = pipelined step / (target forward + drafter step, each alone on its own thread) beside its
-#        floor max(t, d) / (t + d), and bit-equal losses.
+#        floor max(t, d) / (t + d), and bit-equal losses;
+#   5.   the hybrid engine check: a drafter of the published Qwen3.6 shape (4 sliding-window + 1 full-attention layers)
+#        trained briefly on the tiny hybrid target, exported, and `blockdraft eval --engine vllm` with vLLM's V2 model
+#        runner (bench/engine_gpu.py); prints the report's engine section;
+#   6.   the SGLang check: the same on the tiny dense target with `eval --engine sglang`.
+# Parts 5 and 6 have not run yet (not timed); each is skipped, saying why, when its engine's Python is missing.
 # Needs a Python with a CUDA build of torch and blockdraft installed (`pip install -e .`); PYTHON overrides the interpreter.
+# Part 5 needs vLLM in ENGINE_PYTHON (default .venv-engine/bin/python: `make engine` on this machine installs vllm==0.32.0);
+# part 6 needs SGLang in SGLANG_PYTHON (default .venv-sglang/bin/python), installed by whoever prepares the machine, e.g.
+#   python -m venv .venv-sglang && .venv-sglang/bin/pip install sglang
 # Usage: bash bench/gpu_check.sh [OUT_DIR]   (each part's JSON line and log land in OUT_DIR, default ./gpu-check)
 set -uo pipefail
 PYTHON=${PYTHON:-python}
 OUT=${1:-gpu-check}
+ENGINE_PYTHON=${ENGINE_PYTHON:-.venv-engine/bin/python}
+SGLANG_PYTHON=${SGLANG_PYTHON:-.venv-sglang/bin/python}
 mkdir -p "$OUT"
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0))" \
   | tee "$OUT/device.txt" || exit 1
@@ -30,4 +41,11 @@ part train-dense 120 bench.train --preset qwen3-8b --attention dense
 part train-flex 150 bench.train --preset qwen3-8b --attention flex
 part attention 120 bench.attention --device cuda --backward
 part pipeline 300 bench.train --pipeline --preset qwen3-8b
+
+engine_part() {  # engine_part CHECK ENGINE_PY: one bench/engine_gpu.py check, or why it is skipped
+  if [ ! -x "$2" ]; then echo "== engine-$1: skipped, no engine Python at $2"; return; fi
+  part "engine-$1" 900 bench.engine_gpu "$1" --engine-python "$2" --workdir "$OUT/engine-$1"
+}
+engine_part hybrid-vllm "$ENGINE_PYTHON"
+engine_part sglang "$SGLANG_PYTHON"
 echo "== done: $OUT"

@@ -6,7 +6,8 @@ against `s5cmd cp` down, for one artifact of about 1 GiB in several files.
 Each transfer runs in its own child process, whose peak RSS (VmHWM) is sampled while it runs. blockdraft's time
 is the library call (`push` / `pull`, verification included) timed inside the child, without interpreter
 start-up; s5cmd's is the whole process (it starts in milliseconds). Ratios are throughput ratios
-(blockdraft MB/s ÷ s5cmd MB/s, best run of each): above 1.0 blockdraft is faster. CPU s/GiB (user+sys of
+(blockdraft MB/s ÷ s5cmd MB/s), each against the s5cmd run of the same round, best and median over rounds: above
+1.0 blockdraft is faster. CPU s/GiB (user+sys of
 the client process, from wait4) is less sensitive to a busy machine than wall time.
 """
 
@@ -102,6 +103,7 @@ def main() -> None:
         child(*args.child)
         return
 
+    load_before = _loadavg()
     work = Path(tempfile.mkdtemp(prefix="bd-bench-"))
     s5cmd = str(Path(sys.executable).parent / "s5cmd")
     try:
@@ -154,15 +156,26 @@ def main() -> None:
         seconds, _, cpu = min(results[name])
         return total / seconds / 1e6, max(r for _, r, _ in results[name]), cpu / (total / 1024**3)
 
-    print(f"artifact: {total / MIB:.0f} MiB in {args.files} files; best of {args.repeats}; MB/s = 1e6 bytes/s")
-    print(f"{'transfer':<18}{'MB/s':>7}{'peak RSS MiB':>14}{'CPU s/GiB':>11}   all runs (s)")
+    def ratios(ours: str, theirs: str) -> list[float]:
+        """Throughput ratio per round: each against the reference measured beside it."""
+        return [t[0] / o[0] for o, t in zip(results[ours], results[theirs], strict=True)]
+
+    print(f"artifact: {total / MIB:.0f} MiB in {args.files} files; {args.repeats} rounds; MB/s = 1e6 bytes/s")
+    print(f"{'transfer':<18}{'best MB/s':>10}{'median MB/s':>12}{'peak RSS MiB':>14}{'CPU s/GiB':>11}   all runs (s)")
     for name, label in [("push", "push + verify"), ("s5cmd_up", "s5cmd cp up"), ("pull", "pull + verify"), ("s5cmd_down", "s5cmd cp down")]:
         rate, rss, cpu = best(name)
+        median = total / sorted(t for t, _, _ in results[name])[len(results[name]) // 2] / 1e6
         runs = " ".join(f"{t:.2f}" for t, _, _ in results[name])
-        print(f"{label:<18}{rate:>7.0f}{rss:>14}{cpu:>11.2f}   {runs}")
-    print(f"ratio push+verify / s5cmd up:   {best('push')[0] / best('s5cmd_up')[0]:.2f} (target >= 1.0)")
-    print(f"ratio pull+verify / s5cmd down: {best('pull')[0] / best('s5cmd_down')[0]:.2f} (target >= 0.6)")
+        print(f"{label:<18}{rate:>10.0f}{median:>12.0f}{rss:>14}{cpu:>11.2f}   {runs}")
+    for label, ours, theirs, goal in [("push+verify / s5cmd up", "push", "s5cmd_up", 1.0), ("pull+verify / s5cmd down", "pull", "s5cmd_down", 0.8)]:
+        each = ratios(ours, theirs)
+        listed = " ".join(f"{r:.2f}" for r in each)
+        print(f"RATIO {label}, same round: best {max(each):.2f}, median {sorted(each)[len(each) // 2]:.2f} ({listed})   (goal >= {goal})")
+    print(f"(load average before {load_before}, after {_loadavg()}, on {os.cpu_count()} cores)")
 
+
+def _loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 if __name__ == "__main__":
     main()

@@ -334,3 +334,20 @@ def test_qwen3_5_and_3_6_tool_chain_rows_are_exact(tokenizer, name):
         "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny, 21C\n</tool_response><|im_end|>\n" + OPEN)
     assert "CHAIN-REASONING" in prompt_text(tokenizer, answer)
     assert supervised_text(tokenizer, answer) == "The tool says sunny.\n</think>\n\nSunny and 21C.<|im_end|>"
+
+
+def test_the_sandbox_still_refuses_what_it_refused_when_its_verdicts_are_remembered():
+    """Rendering remembers the sandbox's verdict per (type, attribute): a refused attribute stays refused on every render,
+    an allowed one stays allowed, and a template that tries to mutate its messages fails as a `template_error`."""
+    import jinja2.sandbox
+
+    probe = compile_chat_template("{{ messages[0].content.upper() }}|{{ messages[0].content.__class__ }}|{{ messages.__len__ }}")
+    for _ in range(3):
+        assert probe.render([{"role": "user", "content": "hi"}], None, False, False) == "HI||"
+    mutate = compile_chat_template("{{ messages.append(1) }}{{ messages[0].update({'role': 'x'}) }}")
+    for _ in range(2):
+        with pytest.raises(jinja2.sandbox.SecurityError):
+            mutate.render([{"role": "user", "content": "hi"}], None, False, False)
+    conv = normalise(RawRecord(0, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, ""))
+    (rejected,) = plan_turns(conv, mutate, "auto")
+    assert isinstance(rejected, TurnRejection) and rejected.reason == "template_error" and "SecurityError" in rejected.detail

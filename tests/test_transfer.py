@@ -237,3 +237,48 @@ def test_cli_push_pull_verify(dest, artifact, tmp_path):
     assert (tmp_path / "p" / MANIFEST_NAME).read_bytes() == (artifact / MANIFEST_NAME).read_bytes()
     listing = runner.invoke(app, ["status", dest.url])
     assert listing.exit_code == 0 and listing.stdout.startswith("verified\ttokenized\t")
+
+
+@pytest.mark.fault
+def test_a_short_write_during_pull_is_one_clear_error_not_a_hole(dest, make_artifact, tmp_path):
+    """A write limit inside a 1 MiB chunk makes the kernel write part of it and return the count: the rest is written
+    again and fails (EFBIG, as ENOSPC on a full disk), so the pull stops with the one disk-full line. Unchecked, the
+    checksum of the whole chunk would have passed over a file missing its end."""
+    artifact = make_artifact(tmp_path / "local", {"shard-0.arrow": payload(5, 2 * MIB)}, kind="tokenized")
+    url = dest.sub("tok")
+    push(artifact, url, dest.settings)
+    out = tmp_path / "pulled"
+
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3 * MIB // 2, 3 * MIB // 2))
+
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "blockdraft"), "pull", url, str(out), "--part-size-mib", "5"],
+        capture_output=True, text=True, preexec_fn=limit_file_size, timeout=300, env={**os.environ, "COLUMNS": "400"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "local disk full" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (out / MANIFEST_NAME).exists()
+
+
+def test_pull_reads_no_pulled_file_back(dest, make_artifact, tmp_path):
+    """The checksum is computed on the bytes as they arrive: the kernel sees no read of a pulled file, in the incoming
+    folder or in place (the manifest alone is read back). A read of our own shows that the watch sees reads."""
+    from helpers.inotify import ReadWatch
+
+    files = {f"shard-{i}.arrow": payload(10 + i, 6 * MIB + i) for i in range(3)}
+    artifact = make_artifact(tmp_path / "local", files, kind="tokenized")
+    url = dest.sub("tok")
+    push(artifact, url, dest.settings)
+    out = tmp_path / "pulled"
+    (out / INCOMING_DIR).mkdir(parents=True)
+    watch = ReadWatch(out, out / INCOMING_DIR)
+    try:
+        got = pull(url, out, dest.settings)
+        assert got.verify.state is State.VERIFIED and sorted(got.moved) == sorted(files)
+        assert watch.names_read() & set(files) == set()
+        assert (out / "shard-0.arrow").read_bytes() == files["shard-0.arrow"]
+        assert "shard-0.arrow" in watch.names_read()
+    finally:
+        watch.close()

@@ -162,7 +162,7 @@ def eval_command(
         str | None, typer.Option("--baseline", help="A drafter folder in the export format (e.g. a published one) decoded beside it.")
     ] = None,
     engine: Annotated[
-        str | None, typer.Option("--engine", help="vllm: also serve the export in the engine and compare its acceptance with ours.")
+        str | None, typer.Option("--engine", help="vllm or sglang: also serve the export in that engine and compare its acceptance with ours.")
     ] = None,
     export: Annotated[str | None, typer.Option("--export", help="With --engine: the export folder to serve (default: CHECKPOINT's).")] = None,
 ) -> None:

@@ -181,8 +181,7 @@ class StoreConfig(_Section):
     @field_validator("url")
     @classmethod
     def _known_scheme(cls, url: str) -> str:
-        problem = store_url_problem(url)
-        if problem:
+        if problem := store_url_problem(url):
             raise ValueError(problem)
         return url
 
@@ -196,8 +195,7 @@ class PlacementConfig(_Section):
     @field_validator("target_devices", "drafter_devices")
     @classmethod
     def _device_forms(cls, devices: list[str]) -> list[str]:
-        problem = next(filter(None, map(device_problem, devices)), None)
-        if problem:
+        if problem := next(filter(None, map(device_problem, devices)), None):
             raise ValueError(problem)
         return devices
 
@@ -231,6 +229,8 @@ class TrainConfig(_Section):
     device_memory_gb: float | None = Field(default=None, gt=0)
     log_every: int = Field(default=10, ge=1)
     log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG)
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # also fed every logged step, by rank 0 (README)
+    wandb: dict[Literal["project", "entity", "group", "name", "mode"], str] = Field(default_factory=dict)  # wandb.init's arguments
     plot_every_minutes: float = Field(default=10.0, ge=0)  # curves redrawn in the background at most this often, and at the end
     keep_checkpoints: int | None = Field(default=3, ge=1)  # newest verified checkpoints kept; None keeps all
     # Also kept for good: every Nth checkpoint (its step a multiple of N * checkpoint_every); 1 keeps all, None none.
@@ -261,7 +261,7 @@ class EvalConfig(_Section):
     untrained_baseline: bool = True
     # An export-format drafter folder (e.g. a published one) decoded beside it as "baseline"; checked against the target.
     baseline: str | None = None
-    engine: Literal["none", "vllm"] = "none"  # `vllm`: also serve the export in the engine and compare (`eval --engine`)
+    engine: Literal["none", "vllm", "sglang"] = "none"  # `vllm`: also serve the export in the engine and compare (`eval --engine`)
     engine_python: str = ".venv-engine/bin/python"  # the engine's own environment (`make engine`)
     engine_start_timeout_s: float = Field(default=600.0, gt=0)
     engine_tolerance_fp32: float = Field(default=0.02, ge=0.0)  # per-position acceptance rate and relative tau, float32

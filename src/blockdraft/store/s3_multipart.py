@@ -10,6 +10,7 @@ shared by every file of the store.
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from concurrent.futures import Future
@@ -157,6 +158,18 @@ def get_file(at: S3Location, key: str, local_path: Path) -> tuple[int, str]:
         tmp.unlink(missing_ok=True)
 
 
+def _write_at(fd: int, data: bytes, pos: int) -> None:
+    """Write all of `data` at `pos`. A short write (a disk that filled, or a file-size limit reached, mid-chunk) is
+    retried for the rest, which raises the OSError: the checksum covers `data` whole, so a hole left by an unchecked
+    short write would be zeros on disk under a checksum that verified."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, pos)
+        if written <= 0:
+            raise OSError(errno.EIO, f"a write at offset {pos} made no progress")
+        view, pos = view[written:], pos + written
+
+
 def read_checksum(at: S3Location, key: str) -> tuple[int, str]:
     """(size, base64 CRC64NVME) of the object's bytes as read back: ranged GETs on the shared pool, each streamed in
     `STREAM_CHUNK` pieces and dropped once checksummed, so memory stays bounded whatever the object's size."""
@@ -183,7 +196,7 @@ def _get_range(at: S3Location, key: str, etag: str | None, fd: int | None, offse
         while chunk := body.read(STREAM_CHUNK):
             crc = checksums.crc64nvme(chunk, crc)
             if fd is not None:
-                os.pwrite(fd, chunk, pos)
+                _write_at(fd, chunk, pos)
             pos += len(chunk)
     if pos - offset != length:
         raise StoreError(f"short read downloading {at.url}{key}: {pos - offset} of {length} bytes at offset {offset}; retry the pull")

@@ -1,5 +1,6 @@
 """The serving engine in the loop: the drafter's export served by vLLM exactly as users serve it, its acceptance read
-from the engine's own counters and compared with our decode on the same prompts.
+from the engine's own counters and compared with our decode on the same prompts. This module holds the server's life
+cycle, shared by every engine, and vLLM's command line and requests; SGLang's are in `engine_sglang`.
 
 The engine runs in its own Python (`eval.engine_python`, built by `make engine`: vLLM pins its own torch and
 transformers), as an OpenAI-compatible server on a free loopback port, twice: with the drafter (the settings the export
@@ -47,24 +48,48 @@ _COUNTER = re.compile(r'^(vllm:spec_decode_num_(?:drafts|accepted_tokens_per_pos
 @dataclass
 class ServedRun:
     """What one server produced: the new token ids per prompt, the wall time of the requests, and the deltas of its
-    speculative counters over them (drafts proposed, tokens accepted at each draft position)."""
+    speculative counters over them (drafts proposed, tokens accepted at each draft position). An engine that reports no
+    per-position counts leaves `accepted_per_position` empty and gives the accepted tokens in all as `accepted_total`."""
 
     outputs: list[list[int]]
     seconds: float
     drafts: int
     accepted_per_position: list[int]
     version: str
+    accepted_total: int | None = None
+
+    @property
+    def accepted(self) -> int:
+        """Tokens accepted over all drafts."""
+        return sum(self.accepted_per_position) if self.accepted_per_position else int(self.accepted_total or 0)
+
+
+# How to get each engine's environment, for the one line when it is missing.
+_INSTALL = {
+    "vllm": "run `make engine` to build the engine's environment there (or set eval.engine_python to a Python that has vllm)",
+    "sglang": "install sglang into a Python on a GPU machine (`pip install sglang`; its CPU build needs sgl-kernel built from "
+              "source) and set eval.engine_python to it",
+}
 
 
 def engine_python(cfg: EvalConfig) -> Path:
-    """The engine's interpreter, or EngineError naming `make engine` when it is not there."""
+    """The engine's interpreter, or EngineError saying how to get it when it is not there or cannot import the engine."""
     python = Path(cfg.engine_python)
+    install = _INSTALL.get(cfg.engine, _INSTALL["vllm"])
     if not python.is_file():
-        raise EngineError(
-            f"eval.engine {cfg.engine}: no engine Python at {python}; run `make engine` to build the engine's environment there "
-            "(or set eval.engine_python to a Python that has it)"
-        )
+        raise EngineError(f"eval.engine {cfg.engine}: no engine Python at {python}; {install}")
+    if not _has_module(python, cfg.engine):
+        raise EngineError(f"eval.engine {cfg.engine}: the engine Python at {python} has no {cfg.engine} module; {install}")
     return python
+
+
+def _has_module(python: Path, module: str) -> bool:
+    """Whether `python` finds `module`, without importing it (an engine's import takes seconds)."""
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    try:
+        return subprocess.run([str(python), "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, max_len: int | None, spec: dict[str, Any] | None,
@@ -246,4 +271,4 @@ def free_argv(python: Path, engine: str, target: str, dtype: str, max_len: int |
     return server_argv(python, engine, target, free_port(), dtype, max_len, spec, extra)
 
 
-__all__ = ["SERVED_NAME", "ServedRun", "Server", "engine_python", "free_argv", "generate", "read_counters", "server_argv", "serving"]
+__all__ = ["SERVED_NAME", "ServedRun", "Server", "engine_python", "free_argv", "free_port", "generate", "read_counters", "server_argv", "serving"]

@@ -1,4 +1,5 @@
-"""Runs shard tasks: in this process for one worker, else in a pool of spawned processes that report progress back."""
+"""Runs shard tasks: in this process for one worker (`IN_PROCESS_UP_TO`), else in a pool of spawned processes that report
+progress back."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from blockdraft.stages.tokenize.shard import Advance, ShardRun, WorkerSettings, 
 
 # How often the parent drains the workers' progress queue while it waits for shards (seconds).
 DRAIN_EVERY_S = 0.2
+# A run with at most this many workers tokenizes in the caller's process (no pool to start). bench.tokenize sets 0, so
+# that its scaling figure compares N spawned workers with one spawned worker.
+IN_PROCESS_UP_TO = 1
 
 
 class ShardRunner:
@@ -25,7 +29,7 @@ class ShardRunner:
 
     def __init__(self, workers: int, src: TokenizerSource) -> None:
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
-        if workers <= 1:
+        if workers <= IN_PROCESS_UP_TO:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
             install_tools(src.tokenizer_json, src.template.text, src.template.variables)
             return

@@ -1,8 +1,9 @@
 """One rank's training: the frozen target on its device, a drafter replica on the drafter device, verified checkpoints.
 
 Ranks are data-parallel (DDP): each trains on its own slice of every global batch; see `blockdraft.stages.train.loss`
-for why the loss is scaled so that DDP equals one process on the global batch. Only rank 0 writes the metrics log
-and the checkpoints; every rank checks before each checkpoint that the replicas are still bit-equal.
+for why the loss is scaled so that DDP equals one process on the global batch. Only rank 0 writes the metrics log (and
+feeds the trackers of train.report_to) and the checkpoints; every rank checks before each checkpoint that the replicas
+are still bit-equal.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from blockdraft.stages.train.placement import RankPlacement
 from blockdraft.stages.train.plan import apply_memory_options
 from blockdraft.stages.train.replicas import check_ranks_in_sync, rng_state, set_rng_state
 from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
+from blockdraft.stages.train.trackers import Trackers
 from blockdraft.store import Store
 from blockdraft.store.artifact import VerifyReport
 
@@ -117,6 +119,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
         self.log = MetricsLog(Path(tc.log_dir), tc.plot_every_minutes * 60, reporter.warn)
+        self.trackers: Trackers | None = None  # open while `train` runs
         self.metrics: deque[dict[str, Any]] = deque(maxlen=self.RECENT_METRICS)
         self.steps_run = 0
         self.resumed_from: int | None = None
@@ -133,7 +136,10 @@ class Trainer:
         start = self.resume()
         self.reporter.progress("train", start, self.total_steps)
         pending: PendingStep | None = None
-        with Prefetcher(self.inputs_of, start, self.total_steps, self.tc.pipeline_depth) as feed:
+        with (
+            self._open_trackers(start) as self.trackers,
+            Prefetcher(self.inputs_of, start, self.total_steps, self.tc.pipeline_depth) as feed,
+        ):
             for step in range(start, self.total_steps):
                 launched = self.step(step, feed.get(step))
                 if pending is not None:
@@ -147,6 +153,13 @@ class Trainer:
         self.finish_checkpoints()
         return list(self.metrics)
 
+    def _open_trackers(self, start: int) -> Trackers:
+        """The trackers of train.report_to, logging from step `start + 1` on, in train.log_dir: on rank 0, when there are
+        steps left (a rerun with none starts no W&B run)."""
+        names = self.tc.report_to if self.place.is_main and start < self.total_steps else []
+        wandb: dict[str, str] = dict(self.tc.wandb.items())  # train.wandb, its keys as wandb.init takes them
+        return Trackers(names, Path(self.tc.log_dir), start + 1, wandb, self.checkpoints.resolved, self.reporter.warn)
+
     def _record(self, pending: PendingStep, next_started: float | None) -> None:
         """Read a launched step's metrics (waiting for its device), log them and report progress. Its time runs to the
         next step's launch, or to now when it is read at once."""
@@ -156,6 +169,8 @@ class Trainer:
         done = entry["step"]
         if self.place.is_main and (done % self.tc.log_every == 0 or done == self.total_steps):
             self.log.append(entry)
+            if self.trackers is not None:
+                self.trackers.log(entry)
         self.reporter.progress("train", done, self.total_steps, loss=round(entry["loss"], 4), tau=round(entry["tau_estimate"], 2))
 
     def resume(self) -> int:
