@@ -2,10 +2,11 @@
 # One-shot GPU check (parts 1-4, the training step: about 6-8 minutes on one H200; parts 5-6, the drafter in the engines),
 # printing what docs/PERFORMANCE.md records and, for parts 5-6, the eval report's engine section:
 #   1-2. the drafter step at the Qwen3-8B drafter shape (5 layers, H 4096, 3072 tokens x 512 anchors x B 16), dense vs
-#        block-sparse attention: step time, tokens/s, MFU, peak memory;
+#        block-sparse attention: step time, tokens/s, MFU (flex: FLOPs of the tiles its mask keeps), peak memory;
 #   3.   the attention alone at 4096 tokens x 512 anchors x B 16, dense vs block-sparse, forward and backward;
 #   4.   the pipelined step with a random-init Qwen3-8B-shaped target on the same GPU (its own stream):
-#        pipeline ratio = pipelined step / (target forward + drafter step), and bit-equal losses;
+#        pipeline ratio = pipelined step / (target forward + drafter step, each alone on its own thread) beside its
+#        floor max(t, d) / (t + d), and bit-equal losses;
 #   5.   the hybrid engine check: a drafter of the published Qwen3.6 shape (4 sliding-window + 1 full-attention layers)
 #        trained briefly on the tiny hybrid target, exported, and `blockdraft eval --engine vllm` with vLLM's V2 model
 #        runner (bench/engine_gpu.py); prints the report's engine section;
@@ -39,7 +40,7 @@ part() {  # part NAME SECONDS ARGS...: one benchmark under a time limit; a failu
 part train-dense 120 bench.train --preset qwen3-8b --attention dense
 part train-flex 150 bench.train --preset qwen3-8b --attention flex
 part attention 120 bench.attention --device cuda --backward
-part pipeline 180 bench.train --pipeline --preset qwen3-8b
+part pipeline 300 bench.train --pipeline --preset qwen3-8b
 
 engine_part() {  # engine_part CHECK ENGINE_PY: one bench/engine_gpu.py check, or why it is skipped
   if [ ! -x "$2" ]; then echo "== engine-$1: skipped, no engine Python at $2"; return; fi

@@ -1,19 +1,23 @@
 """Benchmark the pipelined training step: the target's forward for step N+1 overlapping the drafter's step N.
 
     python -m bench.train --pipeline            # CPU: target and drafter one thread each, on 2 free cores
-    python -m bench.train --pipeline --steps 20 --seq-len 256   # a quick look
+    python -m bench.train --pipeline --steps 20 --rounds 2 --seq-len 256   # a quick look
     python -m bench.train --pipeline --preset qwen3-8b            # one GPU: Qwen3-8B-shaped target and drafter
 
 The target is a random-init Qwen3 built from a config (no weights to download) with as many layers as make its forward
 take about as long as the drafter's step (measured first), as on the real job (about 148 vs 169 TFLOP per 3072-token row
-for a 27B target and its 5-layer drafter). The same `Prefetcher` and step code as `blockdraft train` run two ways:
+for a 27B target and its 5-layer drafter). The same `Prefetcher` and step (`accumulate`, then AdamW) as `blockdraft train`
+run four loops over the same batches, each side in the thread it has when pipelined, taking turns a slice of steps each
+(`--rounds` slices), so that a shared machine's changing load hits all four alike:
 
-- unpipelined (`pipeline_depth` 0): the target, then the drafter, one after the other, each side timed alone (target
-  forward; drafter forward, backward and AdamW step), medians over the steps;
-- pipelined (`pipeline_depth` 1): the target in its own thread, one step ahead.
+- target alone (t): the producer thread makes every step's features, the training thread only takes them;
+- drafter alone (d): the training thread steps over those features, the producer thread idle;
+- unpipelined (`pipeline_depth` 0): the target, then the drafter, one after the other on the training thread;
+- pipelined (`pipeline_depth` 1): the target in the producer thread, one step ahead of the drafter.
 
-Prints `pipeline ratio = X` = pipelined step time / (target alone + drafter alone), all from the same run, and checks
-that both loops produce bit-equal losses (same batches, same order).
+Prints `pipeline ratio = X` = pipelined step time / (t + d) beside its floor max(t, d) / (t + d) (the pipelined step can
+be no shorter than its longer side), medians over each slice's steps after its first two, and checks that the drafter's losses
+are bit-equal in the three loops that train (same batches, same order).
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ import torch
 
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel
 from blockdraft.model.block_sparse import resolve_attention
-from blockdraft.stages.train.batch import anchor_generator, build_block_batch
+from blockdraft.stages.train.batch import BlockBatch, anchor_generator, build_block_batch
 from blockdraft.stages.train.pipeline import Prefetcher, SideStreams, StepInputs
-from blockdraft.stages.train.step import DraftForward, forward_backward
+from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
 
 
 def random_target(layers: int, args: argparse.Namespace, device: torch.device, seed: int):
@@ -63,6 +67,21 @@ def make_drafter(target, layer_ids: list[int], drafter_layers: int, block_size: 
     return DFlashDrafter(spec).to(device), TargetHead.from_target(target, device)
 
 
+def trainer_step(drafter: DFlashDrafter, head: TargetHead):
+    """The trainer's optimizer step on one micro-batch (`accumulate`, then AdamW); returns the step's loss, read on the
+    host, so a call ends when the drafter's device has."""
+    model, optimizer = DraftForward(drafter), torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+
+    def step(inputs: tuple[BlockBatch, torch.Tensor]) -> float:
+        batch, features = inputs
+        micro = [MicroBatch(batch, features, tokens=int(batch.input_ids.numel()))]
+        totals, weight_sum, _ = accumulate(model, drafter, head, micro, 64, grad_clip=1.0, world_size=1)
+        optimizer.step()
+        return float(totals[0] / weight_sum)
+
+    return step
+
+
 def median_time(fn, repeats: int, device: torch.device) -> float:
     times = []
     for _ in range(repeats):
@@ -82,9 +101,9 @@ def _sync(device: torch.device) -> None:
 # one GPU (the target on its own stream), at 3072 tokens x 512 anchors x B 16.
 PRESETS = {
     "cpu": dict(seq_len=512, hidden=256, intermediate=768, head_dim=64, kv_heads=2, vocab=4096, anchors=32, drafter_layers=1,
-                target_layers=None, device="cpu", steps=50),
+                target_layers=None, device="cpu", steps=50, rounds=5),
     "qwen3-8b": dict(seq_len=3072, hidden=4096, intermediate=12288, head_dim=128, kv_heads=8, vocab=151936, anchors=512,
-                     drafter_layers=5, target_layers=36, device="cuda", steps=20),
+                     drafter_layers=5, target_layers=36, device="cuda", steps=32, rounds=4),
 }
 
 
@@ -92,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pipeline", action="store_true")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    for name in ("steps", "seq-len", "hidden", "intermediate", "head-dim", "kv-heads", "vocab", "anchors", "drafter-layers"):
+    for name in ("steps", "rounds", "seq-len", "hidden", "intermediate", "head-dim", "kv-heads", "vocab", "anchors", "drafter-layers"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--target-layers", type=int, help="default: the preset's, or (cpu) as many as balance the drafter")
     parser.add_argument("--block-size", type=int, default=16)
@@ -140,67 +159,69 @@ def main(argv: list[str] | None = None) -> None:
     if layers is None:  # balance: the drafter's step time, then target layers to match it (linear in layers)
         probe_layers = 4
         probe_target, drafter, head = setup(probe_layers)
-        model, optimizer = DraftForward(drafter), torch.optim.AdamW(drafter.parameters(), lr=1e-4)
-        batch, features = ready(features_of(probe_target, 0))
-
-        def drafter_step() -> float:
-            out, _ = forward_backward(model, drafter, head, batch, features, 64, grad_clip=1.0)
-            optimizer.step()
-            return float(out.loss.detach())
-
-        drafter_step()
-        drafter_alone = median_time(drafter_step, 5, device)
+        probe_step = trainer_step(drafter, head)
+        inputs = ready(features_of(probe_target, 0))
+        probe_step(inputs)
+        drafter_alone = median_time(lambda: probe_step(inputs), 5, device)
         probe = median_time(lambda: ready(features_of(probe_target, 0)), 5, device)
         layers = max(4, round((probe_layers - 1) * drafter_alone / probe) + 1)  # the forward runs to layer L-2
 
-    def fresh():
-        target, drafter, head = setup(layers)
-        model, optimizer = DraftForward(drafter), torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    target, drafter, head = setup(layers)  # the target is frozen: every loop shares it
+    loops = {"drafter": trainer_step(drafter, head)}
+    for name in ("unpipelined", "pipelined"):  # the same initial weights (make_drafter seeds them)
+        loops[name] = trainer_step(*make_drafter(target.model, target.layer_ids, args.drafter_layers, args.block_size))
+    times: dict[str, list[float]] = {name: [] for name in ("target", *loops)}
+    losses: dict[str, list[float]] = {name: [] for name in loops}
 
-        def step(batch, features) -> float:
-            out, _ = forward_backward(model, drafter, head, batch, features, 64, grad_clip=1.0)
-            optimizer.step()
-            return float(out.loss.detach())
-
-        return target, step
-
-    results, alone = {}, {"target": [], "drafter": []}
-    for depth in (0, 1):
-        target, step = fresh()  # same weights, same optimizer state at the start
-        times, losses = [], []
-        with Prefetcher(lambda s, target=target: features_of(target, s), 0, args.steps, depth) as feed:
-            for s in range(args.steps):
+    def run(name: str, first: int, stop: int, depth: int) -> list:
+        """Steps [first, stop) of one loop, each step timed on the training thread; returns what the steps took in."""
+        taken = []
+        with Prefetcher(lambda s: features_of(target, s), first, stop, depth) as feed:
+            for s in range(first, stop):
                 t0 = time.perf_counter()
                 inputs = ready(feed.get(s))
-                if depth == 0:
-                    _sync(device)
-                t1 = time.perf_counter()
-                losses.append(step(*inputs))  # reading the loss waits for the drafter's device
-                times.append(time.perf_counter() - t0)
-                if depth == 0:  # one after the other: each side timed alone, in the same loop
-                    alone["target"].append(t1 - t0)
-                    alone["drafter"].append(times[-1] - (t1 - t0))
-        results[depth] = (statistics.median(times[2:]), losses)
-        if device.type == "cuda":
-            peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
-        del step
-    target_alone, drafter_alone = (statistics.median(alone[side][2:]) for side in ("target", "drafter"))
-    (serial, serial_losses), (piped, piped_losses) = results[0], results[1]
-    ratio = piped / (target_alone + drafter_alone)
+                if name != "target":
+                    losses[name].append(loops[name](inputs))  # reading the loss waits for the drafter's device
+                _sync(device)
+                times[name].append(time.perf_counter() - t0)
+                taken.append(inputs)
+        return taken
+
+    # The loops take turns over the steps, a slice each per round, so a shared machine's changing load hits all alike.
+    # The first two steps of a slice fill the pipeline and are left out of the medians.
+    per_round = args.steps // args.rounds
+    kept: dict[str, list[float]] = {name: [] for name in times}
+    for first in range(0, per_round * args.rounds, per_round):
+        stop = first + per_round
+        made = run("target", first, stop, 1)  # the producer thread makes the features, the training thread only takes them
+        mark = len(times["drafter"])
+        for inputs in made:  # the training thread steps over features already made, the producer thread idle
+            t0 = time.perf_counter()
+            losses["drafter"].append(loops["drafter"](inputs))
+            times["drafter"].append(time.perf_counter() - t0)
+        del made
+        run("unpipelined", first, stop, 0)  # the target, then the drafter, both on the training thread
+        run("pipelined", first, stop, 1)  # the target in the producer thread, one step ahead of the drafter
+        for name in kept:
+            kept[name] += times[name][-per_round + 2 :] if name != "drafter" else times[name][mark + 2 :]
+    peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    t, d, serial, piped = (statistics.median(kept[name]) for name in ("target", "drafter", "unpipelined", "pipelined"))
+    ratio, floor = piped / (t + d), max(t, d) / (t + d)
     report = {
-        "preset": args.preset, "device": str(device), "attention": attention,
-        "peak_memory_gib": peak_gib if device.type == "cuda" else None, "load_1min_before": load, "load_1min_after": os.getloadavg()[0], "torch_threads": torch.get_num_threads(),
+        "preset": args.preset, "device": str(device), "attention": attention, "peak_memory_gib_three_drafters": peak_gib,
+        "load_1min_before": load, "load_1min_after": os.getloadavg()[0], "torch_threads": torch.get_num_threads(),
         "seq_len": args.seq_len, "hidden": args.hidden, "target_layers": layers, "drafter_layers": args.drafter_layers,
-        "anchors": args.anchors, "block_size": args.block_size, "steps": args.steps,
-        "target_forward_s": target_alone, "drafter_step_s": drafter_alone, "balance": target_alone / drafter_alone,
-        "unpipelined_step_s": serial, "pipelined_step_s": piped, "unpipelined_ratio": serial / (target_alone + drafter_alone),
-        "pipeline_ratio": ratio, "pipelined_over_unpipelined": piped / serial, "losses_bit_equal": serial_losses == piped_losses,
+        "anchors": args.anchors, "block_size": args.block_size, "steps": per_round * args.rounds, "rounds": args.rounds,
+        "target_forward_s": t, "drafter_step_s": d, "balance": t / d, "unpipelined_step_s": serial, "pipelined_step_s": piped,
+        "unpipelined_ratio": serial / (t + d), "pipeline_ratio": ratio, "pipeline_floor": floor,
+        "pipelined_over_unpipelined": piped / serial,
+        "losses_bit_equal": losses["drafter"] == losses["unpipelined"] == losses["pipelined"],
     }
     print(json.dumps(report))
-    print(f"target forward {target_alone * 1e3:.1f} ms, drafter step {drafter_alone * 1e3:.1f} ms alone "
+    print(f"target forward {t * 1e3:.1f} ms, drafter step {d * 1e3:.1f} ms, each alone on its own thread "
           f"(balance {report['balance']:.2f}); unpipelined step {serial * 1e3:.1f} ms, pipelined {piped * 1e3:.1f} ms")
-    print(f"losses over {args.steps} steps bit-equal: {report['losses_bit_equal']}")
-    print(f"pipeline ratio = {ratio:.3f}")
+    print(f"losses over {report['steps']} steps bit-equal (alone, unpipelined, pipelined): {report['losses_bit_equal']}")
+    print(f"pipeline ratio = {ratio:.3f} (floor max(t, d) / (t + d) = {floor:.3f})")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""Benchmark one DFlash training step (drafter forward, chunked LM head + CE, backward, clip, AdamW) on random data.
+"""Benchmark one DFlash training step as the trainer runs it (`accumulate`: drafter forward, chunked LM head + CE,
+backward, clip; then AdamW) on random data.
 
 Prints step time, context tokens/s and the achieved FLOP rate as a fraction of a plain GEMM measured in the same process
-(and, on a GPU, MFU against the chip's bf16 dense peak). The target is not run: its features are random, so the
+(and, on a GPU, MFU against the chip's bf16 dense peak). Attention FLOPs are those the kernel computes: every entry of
+the dense [Q, S+Q] mask, or with `--attention flex` only the 128 x 128 tiles the block mask keeps. The target is not run: its features are random, so the
 figures are the drafter side alone, which is what the drafter devices spend their time on.
 
     python -m bench.train --preset cpu-small
     python -m bench.train --pipeline                          # target and drafter overlapped (bench/pipeline.py)
     python -m bench.train --preset qwen3-8b                   # on a GPU: 5 layers, H 4096, 32/8 heads, 512 anchors, B 16
+    python -m bench.train --preset qwen3-8b --attention flex --flops-only   # the FLOPs a step counts, nothing run
     python -m bench.train --preset qwen3-8b --device cpu --hidden 128 --heads 4 --kv-heads 2 --intermediate 384 \\
         --vocab 2048 --seq-len 256 --anchors 32                  # the GPU path's code, checked at toy scale on a CPU
 """
@@ -21,9 +24,9 @@ import time
 import torch
 
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead
-from blockdraft.model.block_sparse import resolve_attention
-from blockdraft.stages.train.batch import anchor_generator, build_block_batch
-from blockdraft.stages.train.step import DraftForward, forward_backward
+from blockdraft.model.block_sparse import TILE, resolve_attention
+from blockdraft.stages.train.batch import BlockBatch, anchor_generator, build_block_batch
+from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
 
 PRESETS = {
     "cpu-small": dict(layers=2, hidden=256, heads=8, kv_heads=4, intermediate=768, vocab=8192, seq_len=512, anchors=64,
@@ -55,18 +58,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_flops(spec: DrafterSpec, seq_len: int, queries: int) -> dict[str, float]:
-    """Model FLOPs of one step for one row (no recomputation counted): trained matmuls x3 (forward, input and weight
-    gradients), fc x2 (its input needs no gradient), attention x3 counted dense as the kernel computes it, LM head x2
-    (frozen: forward and input gradient)."""
+def attention_pairs(batch: BlockBatch) -> int:
+    """The (query, key) pairs one layer's attention computes per head over the whole batch: every [Q, S+Q] entry of
+    each row on the dense path; on the flex path only the tiles the block mask keeps (partial and full), TILE x TILE
+    pairs each, since the kernel skips the others."""
+    rows, queries = batch.anchors.shape[0], batch.num_blocks * batch.block_size
+    if batch.attention == "dense":
+        return rows * queries * (batch.input_ids.shape[1] + queries)
+    mask = batch.layout.block_mask()
+    assert mask.full_kv_num_blocks is not None  # the layout always lists its full tiles
+    return int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) * TILE * TILE
+
+
+def step_flops(spec: DrafterSpec, rows: int, seq_len: int, queries: int, pairs: int) -> dict[str, float]:
+    """Model FLOPs of one step over `rows` rows (no recomputation counted): trained matmuls x3 (forward, input and weight
+    gradients), fc x2 (its input needs no gradient), attention x3 over the `pairs` (query, key) pairs its kernel computes
+    (`attention_pairs`), LM head x2 (frozen: forward and input gradient)."""
     h, d, q, s = spec.hidden_size, spec.head_dim, queries, seq_len
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     per_layer = 2 * q * h * heads * d + 2 * 2 * (s + q) * h * kv * d + 2 * q * heads * d * h + 3 * 2 * q * h * spec.intermediate_size
-    attention = 2 * 2 * q * (s + q) * heads * d
+    attention = 2 * 2 * pairs * heads * d
     fc = 2 * s * spec.num_target_features * h * h
     lm_head = 2 * q * h * spec.vocab_size
-    total = 3 * spec.num_layers * (per_layer + attention) + 2 * fc + 2 * lm_head
-    return {"total": float(total), "lm_head_share": 2 * lm_head / total, "attention_share": 3 * spec.num_layers * attention / total}
+    total = 3 * spec.num_layers * (rows * per_layer + attention) + rows * (2 * fc + 2 * lm_head)
+    return {"total": float(total), "lm_head_share": rows * 2 * lm_head / total, "attention_share": 3 * spec.num_layers * attention / total}
 
 
 def main() -> None:
@@ -83,6 +98,7 @@ def main() -> None:
     parser.add_argument("--chunk-blocks", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1, help="rows per step")
     parser.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto", help="as train.attention")
+    parser.add_argument("--flops-only", action="store_true", help="print the FLOPs one step counts (dense or flex), run nothing")
     args = parser.parse_args()
     cfg = dict(PRESETS[args.preset])
     for key in cfg:
@@ -99,6 +115,17 @@ def main() -> None:
         block_size=cfg["block_size"], mask_token_id=cfg["vocab"] - 1,
         target_layer_ids=list(range(1, cfg["num_features"] + 1)), num_target_layers=cfg["target_layers"], gamma=7.0,
     )
+    s, n = cfg["seq_len"], cfg["anchors"]
+    rows = [(torch.randint(0, spec.vocab_size - 1, (s,)), torch.ones(s, dtype=torch.long)) for _ in range(args.batch)]
+    attention = args.attention if args.flops_only and args.attention != "auto" else resolve_attention(args.attention, device)
+    batch = build_block_batch(rows, num_anchors=n, block_size=spec.block_size, mask_token_id=spec.mask_token_id, gamma=7.0,
+                              generators=[anchor_generator(0, 0, i) for i in range(args.batch)], attention=attention)
+    shares = step_flops(spec, args.batch, s, batch.num_blocks * spec.block_size, attention_pairs(batch))
+    if args.flops_only:
+        print(json.dumps({"preset": args.preset, "attention": attention, "tflops_per_step": shares["total"] / 1e12,
+                          "attention_share": shares["attention_share"], "lm_head_share": shares["lm_head_share"]}))
+        return
+    batch = batch.to(device)
     drafter = DFlashDrafter(spec).to(device)
     head_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     embed = torch.nn.Embedding(spec.vocab_size, spec.hidden_size).to(device, head_dtype)
@@ -107,23 +134,18 @@ def main() -> None:
     model = DraftForward(drafter)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
 
-    s, n = cfg["seq_len"], cfg["anchors"]
-    rows = [(torch.randint(0, spec.vocab_size - 1, (s,)), torch.ones(s, dtype=torch.long)) for _ in range(args.batch)]
-    batch = build_block_batch(rows, num_anchors=n, block_size=spec.block_size, mask_token_id=spec.mask_token_id, gamma=7.0,
-                              generators=[anchor_generator(0, 0, i) for i in range(args.batch)],
-                              attention=resolve_attention(args.attention, device)).to(device)
     features = torch.randn(args.batch, s, spec.num_target_features * spec.hidden_size, device=device, dtype=head_dtype)
+    micro = [MicroBatch(batch, features, tokens=args.batch * s)]
 
     def step() -> None:
-        forward_backward(model, drafter, head, batch, features, args.chunk_blocks, grad_clip=1.0)
+        accumulate(model, drafter, head, micro, args.chunk_blocks, grad_clip=1.0, world_size=1)
         optimizer.step()
 
     step()  # warm-up: allocator, kernels, optimizer state
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    shares = step_flops(spec, s, batch.num_blocks * spec.block_size)
-    flops = args.batch * shares["total"]
+    flops = shares["total"]
     gemm_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gemm_n, gemm_repeats = (8192, 20) if device.type == "cuda" else (1024, 5)
     # Steps and GEMM bursts interleaved, so that a shared machine's load hits both alike; medians of each.

@@ -5,7 +5,7 @@ target (tests/fixtures/dflash-golden/target: 8 layers, hidden 64) and a 2-layer 
 
 - `rows`: median step time (as `train` logs it: inputs, forward, backward, optimizer) on N rows and on 100 N rows, for N = the
   full demo's size (320) and N = 10,000 (so 100 N is the real job's million), the sizes interleaved, all in one process. Beside it,
-  what drawing the epoch's permutation costs at each size: the time the old per-step `torch.randperm(num_rows)` added to every step.
+  what one full `torch.randperm(num_rows)` costs at each size: what a step would pay if it drew the epoch's permutation itself.
 - `long`: one run of --long-steps with a checkpoint every --checkpoint-every (metrics logged every step, curves redrawn every
   --plot-every-minutes): the time a checkpoint takes on its background thread (write, push, verify, prune), how long the
   training thread is held for it (`Checkpoints.save`), the checkpoint's size, first against last, and the median step time of the
@@ -96,7 +96,7 @@ def rows_section(work: Path, args: argparse.Namespace) -> None:
         print(f"rows {sizes[0]:>9,} vs {sizes[1]:>9,}: median step {small * 1e3:6.2f} ms vs {large * 1e3:6.2f} ms; ratio of the "
               f"paired runs' medians {statistics.median(ratios):.3f} (each: {' '.join(f'{r:.3f}' for r in ratios)}; "
               f"{len(step_times[sizes[0]])} steps per size; data written in {made:.0f} s); one randperm: "
-              f"{randperm_ms(sizes[0]):.2f} ms vs {randperm_ms(sizes[1]):.2f} ms (what the old code added to every step)")
+              f"{randperm_ms(sizes[0]):.2f} ms vs {randperm_ms(sizes[1]):.2f} ms (the cost one full permutation per step would add)")
 
 
 def long_section(work: Path, args: argparse.Namespace) -> None:

@@ -8,7 +8,15 @@ from typer.testing import CliRunner
 from blockdraft.cli import app
 from blockdraft.errors import ArtifactError
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, uncommit, verify_artifact
+from blockdraft.store.artifact import (
+    MANIFEST_NAME,
+    State,
+    commit_artifact,
+    entry_for_local_file,
+    read_manifest,
+    uncommit,
+    verify_artifact,
+)
 from blockdraft.store.checksum import crc64nvme_bytes
 from blockdraft.store.stage_io import open_input
 
@@ -36,6 +44,15 @@ def test_verified_then_each_failure_state(tmp_path, make_artifact):
 
     uncommit(store)
     assert verify_artifact(store).state is State.INCOMPLETE
+
+
+def test_a_manifest_of_another_format_is_refused_with_one_line(tmp_path, make_artifact):
+    make_artifact(tmp_path, {"a.bin": b"alpha"})
+    manifest = tmp_path / MANIFEST_NAME
+    manifest.write_text(manifest.read_text().replace('"blockdraft-manifest/1"', '"blockdraft-manifest/0"'))
+    with pytest.raises(ArtifactError, match=r"format: .*'blockdraft-manifest/0', this blockdraft reads only .*re-run the stage") as caught:
+        read_manifest(open_store(tmp_path))
+    assert "\n" not in str(caught.value)
 
 
 @pytest.mark.fault

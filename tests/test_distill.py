@@ -19,9 +19,9 @@ from blockdraft.stages.train.weighting import dpace_weights
 B, H, V = 4, 16, 40
 
 
-class _PaperLossBefore(torch.autograd.Function):
-    """The chunked head + CE exactly as it was before distillation and D-PACE existed (weighted sum and input gradient),
-    kept here as the reference the default objective must reproduce bit for bit."""
+class _PaperLoss(torch.autograd.Function):
+    """The paper's chunked head + CE alone (weighted sum and input gradient), with no distillation or D-PACE term: the
+    reference the default objective must reproduce bit for bit."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, weights, chunk_rows):
@@ -93,7 +93,7 @@ def reference(hidden, labels, weights, head_w, head_b, teacher: Teacher, objecti
 def test_weight_zero_is_bit_equal_to_the_paper_loss(dtype):
     hidden, labels, weights, head_w, head_b, teacher = problem(dtype=dtype)
     h = hidden.clone().requires_grad_(True)
-    total = _PaperLossBefore.apply(h.reshape(-1, H), head_w, head_b, labels.reshape(-1), weights.reshape(-1), 2 * B)
+    total = _PaperLoss.apply(h.reshape(-1, H), head_w, head_b, labels.reshape(-1), weights.reshape(-1), 2 * B)
     before = total / weights.sum()
     before.backward()
     assert h.grad is not None

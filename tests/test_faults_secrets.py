@@ -26,13 +26,13 @@ import botocore.exceptions as bex
 import pytest
 import zstandard
 from helpers.artifacts import commit_files
+from helpers.chat_server import ChatServer
 
 from blockdraft.config import StoreConfig
 from blockdraft.decode.greedy import Completion, Prompt
 from blockdraft.errors import REDACTED, redact, remember_secret, safe_url
 from blockdraft.stages.export import serving_settings
 from blockdraft.stages.generate import FAILURES_NAME
-from blockdraft.stages.generate.server import ChatServer
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.lease import LEASE_NAME, Lease

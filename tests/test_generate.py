@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from helpers.chat_server import ChatServer, EndpointProcess, FaultPlan
 from helpers.generate_data import output_rows
 from transformers import AutoTokenizer
 
@@ -26,7 +27,6 @@ from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.reporter import Reporter
 from blockdraft.stages import generate
 from blockdraft.stages.generate import FAILURES_NAME, SETTINGS_NAME, SHARDS_DIR
-from blockdraft.stages.generate.server import ChatServer, EndpointProcess, FaultPlan
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 

@@ -16,10 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from helpers.chat_server import EndpointProcess
 
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.stages.generate import SHARDS_DIR
-from blockdraft.stages.generate.server import EndpointProcess
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
 from blockdraft.store.stage_io import recorded_pieces

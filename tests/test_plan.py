@@ -143,7 +143,7 @@ def _spec(layers: int) -> DrafterSpec:
 
 
 def _step(spec: DrafterSpec, checkpointing: bool, autocast: bool, batch: int = 2, context: int = 40, anchors: int = 5):
-    """One drafter forward + loss + backward as `forward_backward` runs it (dense attention on the CPU), with every
+    """One drafter forward + loss + backward as `backward_micro` runs it (dense attention on the CPU), with every
     tensor autograd keeps for backward counted once (by storage); returns (kept bytes, drafter, gradients)."""
     torch.manual_seed(0)
     drafter = DFlashDrafter(spec)

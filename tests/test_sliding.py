@@ -106,7 +106,7 @@ def test_from_target_config_takes_layer_types_from_dflash_config():
 # --- the training mask ------------------------------------------------------------------------------------------------
 
 def test_sliding_training_mask_is_the_engines_rule():
-    """Every entry against the rule written out: full layers as before; sliding = that AND q - W < key <= q."""
+    """Every entry against the rule written out: full layers see their anchor's prefix and their own block; sliding = that AND q - W < key <= q."""
     anchors, keep = torch.tensor([[3, 9, 15], [5, 0, 0]]), torch.tensor([[True, True, True], [True, False, False]])
     b_size, ctx_len, window = 4, 20, 6
     full = block_attention_mask(anchors, keep, ctx_len, b_size)

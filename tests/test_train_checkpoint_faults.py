@@ -5,7 +5,8 @@ The store is a real SeaweedFS server that the test stops and starts again. Each 
 thread when the run reports the checkpoint before (its line or its warning), so which pushes fail never depends on
 timing: a push that starts while the server is down fails, one that starts after it is back succeeds.
 
-Beside them: what a checkpoint saves is a copy taken at its step, and its RNG state holds no GPU but the drafter's.
+Beside them: what a checkpoint saves is a copy taken at its step, its RNG state holds no GPU but the drafter's, and a
+checkpoint of another format is refused with one line.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ from helpers.train_data import config_file, logged_losses, make_rows, write_toke
 from transformers import AutoConfig
 
 from blockdraft.config import DFlashConfig, load_config
-from blockdraft.errors import ArtifactError
+from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.model import DFlashDrafter, DrafterSpec
 from blockdraft.model.formats import checkpoint_key, find_resumable
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train import run
+from blockdraft.stages.train.checkpoint import CHECKPOINT_FORMAT, Checkpoints, run_identity, save_checkpoint
 from blockdraft.stages.train.ckpt_writer import Snapshot
 from blockdraft.stages.train.metrics import MetricsLog
 from blockdraft.stages.train.replicas import rng_state, set_rng_state
 from blockdraft.store import open_store
-from blockdraft.store.artifact import State, verify_artifact
+from blockdraft.store.artifact import InputRef, State, verify_artifact
 
 
 class Scripted(Reporter):
@@ -156,9 +158,6 @@ def test_rng_state_holds_the_cpu_python_and_only_the_drafter_devices_cuda_state(
     expected = (torch.rand(3), random.random())
     set_rng_state(state, cpu)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
-    # A checkpoint written before this held one CUDA state per GPU; on a CPU drafter it is ignored.
-    set_rng_state({**state, "cuda": [torch.zeros(16, dtype=torch.uint8)]}, cpu)
-    assert torch.equal(torch.rand(3), expected[0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -199,3 +198,23 @@ def test_a_snapshot_holds_the_state_of_its_step_while_training_goes_on(tmp_path)
     assert [json.loads(line)["step"] for line in snapshot.files[0].read_text().splitlines()] == [1]
     snapshot.discard()
     assert not snapshot.folder.exists()
+
+
+def test_a_checkpoint_of_another_format_is_refused_with_one_line(tmp_path):
+    """Resume reads `CHECKPOINT_FORMAT` only: a checkpoint whose run identity records no format (or another) stops the run
+    with one line that says how to train again, and every setting (at its default too) is part of the identity."""
+    dflash = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
+    drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
+    resolved = load_config(None, {"target": {"path": "t"}}).resolved()
+    identity = run_identity(resolved, 1, "sha")
+    assert identity["format"] == CHECKPOINT_FORMAT and identity["dflash"]["loss_weighting"] == "exponential"
+    (tmp_path / "data.bin").write_bytes(b"rows")
+    data = InputRef(kind="raw", url=(tmp_path / "data.bin").as_uri(), size=4)
+    store = open_store(tmp_path / "ckpt")
+    unversioned = {key: value for key, value in identity.items() if key != "format"}
+    save_checkpoint(store, 2, drafter, {}, resolved, [data], {"step": 2, "run": unversioned})
+    checkpoints = Checkpoints(store, resolved, identity, data, None, None, Reporter())
+    with pytest.raises(ConfigError, match=r"format unversioned, this blockdraft resumes only .*set train.output to a new location"):
+        checkpoints.newest()
+    save_checkpoint(store, 4, drafter, {}, resolved, [data], {"step": 4, "run": identity})
+    assert checkpoints.newest().step == 4  # the same format and identity resume

@@ -17,7 +17,6 @@ from blockdraft.model.drafter import RMSNorm
 from blockdraft.model.formats import PINNED_CONFIG_NAME, checkpoint_key
 from blockdraft.model.init import init_drafter, initializer_range
 from blockdraft.stages.train import run
-from blockdraft.stages.train.checkpoint import run_identity
 from blockdraft.stages.train.loss import Objective, block_loss
 from blockdraft.stages.train.weighting import dpace_weights
 
@@ -75,15 +74,6 @@ def test_dpace_loss_divides_by_the_supervised_slot_count_and_ignores_gamma():
     ce = torch.nn.functional.cross_entropy(hidden[0] @ head.T, labels[0], reduction="none")
     torch.testing.assert_close(outs[0].loss, (dpace_weights(ce, mask[0], 4, 0.5) * ce).sum() / 5)
     assert Objective(weighting="dpace").normaliser(decays[1]).item() == 5.0 and Objective().normaliser(decays[1]).item() == pytest.approx(3.9)
-
-
-def test_default_run_identity_is_the_one_runs_had_before_loss_weighting_existed():
-    """A run started before dflash.loss_weighting existed resumes: at their defaults, the new settings stay out of the
-    identity its checkpoints recorded. (Needs run_identity to drop later dflash settings at their defaults.)"""
-    resolved = load_config(None, {"target": {"path": "t"}}).resolved()
-    assert not {"loss_weighting", "dpace_alpha"} & set(run_identity(resolved, 1, "sha")["dflash"])
-    resolved["dflash"]["loss_weighting"] = "dpace"
-    assert run_identity(resolved, 1, "sha")["dflash"]["loss_weighting"] == "dpace"
 
 
 @pytest.mark.slow

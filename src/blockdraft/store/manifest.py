@@ -87,6 +87,13 @@ class Manifest(BaseModel):
     files: list[FileEntry] = Field(default_factory=list)
     counts: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("format")
+    @classmethod
+    def _this_format(cls, value: str) -> str:
+        if value != MANIFEST_FORMAT:
+            raise ValueError(f"{value!r}, this blockdraft reads only {MANIFEST_FORMAT!r}")
+        return value
+
     @model_validator(mode="after")
     def _unique_paths(self) -> Manifest:
         seen: set[str] = set()
@@ -117,7 +124,8 @@ def read_manifest(store: Store) -> tuple[Manifest, bytes] | None:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "the file"
         raise ArtifactError(
-            f"{store.url.rstrip('/')}/{MANIFEST_NAME} is not a valid blockdraft manifest ({where}: {first['msg']}); "
+            f"{store.url.rstrip('/')}/{MANIFEST_NAME} is not a valid blockdraft manifest "
+            f"({where}: {first['msg'].removeprefix('Value error, ')}); "
             "re-run the stage (or push/pull) that wrote it"
         ) from None
 

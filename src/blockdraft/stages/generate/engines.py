@@ -1,5 +1,5 @@
 """Engines that complete prompts with the target: `hf` (local transformers, batched greedy) and `openai` (any
-OpenAI-compatible server: vLLM, SGLang, or `blockdraft.stages.generate.server` in tests).
+OpenAI-compatible server: vLLM, SGLang, or the test suite's small endpoint).
 
 An engine turns `Prompt`s into `Completion`s or `Failure`s and yields each as it finishes; it never drops one.
 """

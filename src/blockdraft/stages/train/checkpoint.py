@@ -71,30 +71,35 @@ def resolved_training_config(
     return data
 
 
-# dflash settings added later, with the value every run had before them: at that value they stay out of the identity.
-_LATER_DFLASH = {"layer_types": None, "sliding_window": None, "loss_weighting": "exponential", "dpace_alpha": 0.5}
+# The checkpoint format, recorded first in every checkpoint's run identity: resume reads this format only.
+CHECKPOINT_FORMAT = "blockdraft-checkpoint/2"
 
 
 def run_identity(resolved: dict[str, Any], world_size: int, data_sha256: str | None) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint for its next steps to be the ones the first run would take."""
     t = resolved["train"]
-    # Settings added later enter only when set, so a run started before they existed still resumes.
-    dflash = {k: v for k, v in resolved["dflash"].items() if not (k in _LATER_DFLASH and v == _LATER_DFLASH[k])}
-    identity = {
+    return {
+        "format": CHECKPOINT_FORMAT,
         "target": resolved["target"]["path"],
-        "dflash": dflash,
+        "dflash": resolved["dflash"],
         "data_sha256": data_sha256,
         "seed": t["seed"],
-        "global_batch": t["global_batch_size"],  # rows per optimizer step (before it was a field: batch_size x ranks)
+        "global_batch": t["global_batch_size"],  # rows per optimizer step, however many ranks share them
         "max_length": t["max_length"],
+        "init_from": t.get("init_from"),  # a run started from another drafter is another run
+        "init": t.get("init", "pytorch"),  # other initial weights (train.init), like another seed
+        "distill": {"weight": t["distill_weight"], "temperature": t["distill_temperature"]},  # another objective
     }
-    if t.get("init_from"):  # a run started from another drafter is another run (absent otherwise: older keys hold)
-        identity["init_from"] = t["init_from"]
-    if t.get("init", "pytorch") != "pytorch":  # other initial weights (train.init), like another seed
-        identity["init"] = t["init"]
-    if t.get("distill_weight"):  # another objective (soft targets); absent at 0, so older keys hold
-        identity["distill"] = {"weight": t["distill_weight"], "temperature": t["distill_temperature"]}
-    return identity
+
+
+def refuse_other_format(url: str, recorded: dict[str, Any]) -> None:
+    """ConfigError when the checkpoint at `url` (its recorded run identity) is not of `CHECKPOINT_FORMAT`."""
+    found = recorded.get("format")
+    if found != CHECKPOINT_FORMAT:
+        raise ConfigError(
+            f"{url} is a checkpoint of format {found or 'unversioned'}, this blockdraft resumes only {CHECKPOINT_FORMAT}; "
+            "set train.output to a new location (or delete it) to train again from step 0"
+        )
 
 
 def checkpoint_output(
@@ -225,9 +230,9 @@ class Checkpoints:
         self._in_flight: tuple[Snapshot, MetricsLog] | None = None
 
     def newest(self, start_over: bool = False) -> Resumable | None:
-        """The newest checkpoint that verifies, or None when there is none; raises ConfigError when it belongs to another
-        run. When checkpoints are there but none verifies, a start at step 0 would overwrite them: ArtifactError naming
-        them, unless `start_over` (`train --force`), which warns and returns None."""
+        """The newest checkpoint that verifies, or None when there is none; raises ConfigError when it is of another
+        checkpoint format or belongs to another run. When checkpoints are there but none verifies, a start at step 0 would
+        overwrite them: ArtifactError naming them, unless `start_over` (`train --force`), which warns and returns None."""
         found, skipped = search_checkpoints(self.store)
         if found is None and skipped:
             unverified = f"no checkpoint under {self.store.url} verifies ({'; '.join(skipped)})"
@@ -243,6 +248,7 @@ class Checkpoints:
         if found is None:
             return None
         recorded = found.report.manifest.counts.get("run") if found.report.manifest else None
+        refuse_other_format(found.store.url, recorded or {})
         if recorded != self.identity:
             old, new = recorded or {}, self.identity
             differs = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -335,6 +341,6 @@ class Checkpoints:
 
 
 __all__ = [
-    "Checkpoints", "LoadedCheckpoint", "Written", "PINNED_DATA_FIELDS", "prune_checkpoints", "read_checkpoint", "resolved_training_config",
-    "run_identity", "save_checkpoint",
+    "CHECKPOINT_FORMAT", "Checkpoints", "LoadedCheckpoint", "Written", "PINNED_DATA_FIELDS", "prune_checkpoints",
+    "read_checkpoint", "refuse_other_format", "resolved_training_config", "run_identity", "save_checkpoint",
 ]

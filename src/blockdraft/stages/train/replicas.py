@@ -45,19 +45,11 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    """Restore what `rng_state` saved; the CUDA state goes to `device` only (a checkpoint written before this held one
-    state per GPU: the entry of `device`'s index is used)."""
+    """Restore what `rng_state` saved; its CUDA state, when it holds one, goes to `device`."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    cuda = state.get("cuda")
-    if cuda is None or device.type != "cuda":
-        return
-    if isinstance(cuda, (list, tuple)):
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index >= len(cuda):
-            return
-        cuda = cuda[index]
-    torch.cuda.set_rng_state(cuda, device)
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 __all__ = ["check_ranks_in_sync", "parameter_fingerprint", "rng_state", "set_rng_state"]

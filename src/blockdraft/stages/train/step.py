@@ -70,22 +70,6 @@ def backward_micro(
     return out
 
 
-def forward_backward(
-    model: nn.Module,
-    drafter: DFlashDrafter,
-    head: TargetHead,
-    batch: BlockBatch,
-    features: torch.Tensor,
-    chunk_blocks: int,
-    grad_clip: float,
-) -> tuple[LossOutput, torch.Tensor]:
-    """One batch's gradients from zero, clipped; returns the loss and the total gradient norm before clipping."""
-    for p in drafter.parameters():
-        p.grad = None
-    out = backward_micro(model, drafter, head, batch, features, chunk_blocks)
-    return out, torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
-
-
 def step_weight_sum(micro: list[MicroBatch], world_size: int, objective: Objective = PAPER_OBJECTIVE) -> torch.Tensor:
     """sum(w) (D-PACE: the supervised slot count) over every micro-batch of the step on every rank (one all-reduce): the
     loss's denominator."""
@@ -126,4 +110,4 @@ def accumulate(
     return totals, weight_sum, grad_norm
 
 
-__all__ = ["DraftForward", "MicroBatch", "accumulate", "backward_micro", "forward_backward", "step_weight_sum"]
+__all__ = ["DraftForward", "MicroBatch", "accumulate", "backward_micro", "step_weight_sum"]

@@ -4,7 +4,7 @@ It exists so that the `openai` engine is tested over real HTTP with the tiny tar
 vLLM or SGLang, which batch requests, page the KV cache and scale across GPUs; this server answers one request at a
 time with `transformers` greedy generation.
 
-    python -m blockdraft.stages.generate.server MODEL_DIR [--port 0] [--faults 503,hold,ok] [--request-log FILE] [--api-key KEY]
+    python tests/helpers/chat_server.py MODEL_DIR [--port 0] [--faults 503,hold,ok] [--request-log FILE] [--api-key KEY]
 
 Endpoints: `POST /v1/chat/completions` (messages, max_tokens, temperature, chat_template_kwargs; answers with
 `message.reasoning_content`, `prompt_token_ids` and `choices[0].token_ids` like vLLM with `return_token_ids`),
@@ -271,7 +271,7 @@ class EndpointProcess(RequestEvents):
 
     def __init__(self, model_dir: str | Path, request_log: Path, faults: str = "") -> None:
         self.request_log = request_log
-        cmd = [sys.executable, "-m", "blockdraft.stages.generate.server", str(model_dir), "--port", "0",
+        cmd = [sys.executable, __file__, str(model_dir), "--port", "0",
                "--request-log", str(request_log), "--faults", faults]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert self.proc.stdout is not None
@@ -306,7 +306,7 @@ class EndpointProcess(RequestEvents):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="OpenAI-compatible chat endpoint for a local HF model (tests and demos; "
+    parser = argparse.ArgumentParser(description="OpenAI-compatible chat endpoint for a local HF model (blockdraft's tests; "
                                                  "use vLLM or SGLang in production).")
     parser.add_argument("model_dir")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
