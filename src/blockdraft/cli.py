@@ -49,7 +49,6 @@ app = typer.Typer(
 console = Console(stderr=True)
 
 
-
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The one place user errors are caught: a BlockdraftError is one red line and exit status 2, never a traceback."""
     @functools.wraps(fn)
@@ -193,7 +192,6 @@ EndpointOpt = Annotated[
 
 
 def _store_config(config: str | None, endpoint_url: str | None, concurrency: int | None = None, part_size_mib: int | None = None):
-
     overrides = {"endpoint_url": endpoint_url, "concurrency": concurrency, "part_size_mib": part_size_mib}
     return load_config(config, {"store": overrides}).store
 
@@ -307,25 +305,27 @@ def train(
         bool, typer.Option("--force", help="Take over the output's lease from a writer that is dead but whose lease has not expired "
                                             "yet, and start over at step 0 when train.output holds checkpoints but none verifies.")
     ] = False,
-    plan: Annotated[
-        bool, typer.Option("--plan", help="Print the placement and memory plan (GB per device) from the target's config.json and exit: "
-                                          "no weights, data or GPU needed.")
-    ] = False,
+    plan: Annotated[bool, typer.Option("--plan", help="Print the placement and memory plan (GB per device of each node) from the "
+                                                      "target's config.json and exit: no weights, data or GPU needed.")] = False,
+    nnodes: Annotated[int | None, typer.Option("--nnodes", help="Machines in the run (placement.nnodes), each running this command.")] = None,
+    node_rank: Annotated[int | None, typer.Option("--node-rank", help="This machine's node, 0 to nnodes - 1 (placement.node_rank).")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT on node 0 where the nodes meet.")] = None,
 ) -> None:
     """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
     set_force_takeover(force)
     from blockdraft.stages.train import launch
 
+    nodes = {"placement": {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint}}
     if plan:
         from blockdraft.stages.train.plan import memory_plan
 
-        planned = memory_plan(load_config(config))
+        planned = memory_plan(load_config(config, nodes))
         print("\n".join(planned.lines()))
         if problem := planned.problem():
             raise ConfigError(problem)
         return
     with ConsoleReporter(console) as reporter:
-        launched = launch(config, nproc, reporter, force)
+        launched = launch(config, nproc, reporter, force, nodes)
     if launched.result is not None and launched.rank == 0:
         trained = launched.result.details
         if trained.metrics:
