@@ -283,25 +283,29 @@ def train(
         bool, typer.Option("--force", help="Take over the output's lease from a writer that is dead but whose lease has not expired "
                                             "yet, and start over at step 0 when train.output holds checkpoints but none verifies.")
     ] = False,
-    plan: Annotated[
-        bool, typer.Option("--plan", help="Print the placement and memory plan (GB per device) from the target's config.json and exit: "
-                                          "no weights, data or GPU needed.")
-    ] = False,
+    plan: Annotated[bool, typer.Option("--plan", help="Print the placement and memory plan (GB per device of each node) from the "
+                                                      "target's config.json and exit: no weights, data or GPU needed.")] = False,
+    nnodes: Annotated[int | None, typer.Option("--nnodes", help="Machines in the run (placement.nnodes), each running this command.")] = None,
+    node_rank: Annotated[int | None, typer.Option("--node-rank", help="This machine's node, 0 to nnodes - 1 (placement.node_rank).")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT on node 0 where the nodes meet.")] = None,
     sets: SetOpt = None,
 ) -> None:
     """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
     from blockdraft.stages.train import launch
 
+    # The node flags spell `--set placement.*`, so they reach the ranks torchrun starts with the other overrides.
+    nodes = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint}
+    sets = [*(f"placement.{k}={v}" for k, v in nodes.items() if v is not None), *(sets or ())]
     if plan:
         from blockdraft.stages.train.plan import memory_plan
 
-        planned = memory_plan(load_config(config, sets=sets or ()))
+        planned = memory_plan(load_config(config, sets=sets))
         print("\n".join(planned.lines()))
         if problem := planned.problem():
             raise ConfigError(problem)
         return
     with ConsoleReporter(console) as reporter:
-        launched = launch(config, nproc, reporter, force, sets or ())
+        launched = launch(config, nproc, reporter, force, sets)
     if launched.result is not None and launched.rank == 0:
         trained = launched.result.details
         if trained.metrics:

@@ -82,8 +82,7 @@ def check_device(field: str, value: str) -> str:
     Imports torch on call: only the stages that place models need it, loading a config must not."""
     import torch
 
-    problem = device_problem(value)
-    if problem:
+    if problem := device_problem(value):
         raise ConfigError(f"{field}: {problem}")
     kind, _, index = value.partition(":")
     count = torch.cuda.device_count() if kind == "cuda" and torch.cuda.is_available() else 0
@@ -162,8 +161,7 @@ class DFlashConfig(_Section):
     @field_validator("target_layer_ids")
     @classmethod
     def _ascending_unique(cls, ids: list[int] | None) -> list[int] | None:
-        problem = None if ids is None else layer_ids_problem(ids)
-        if problem:
+        if problem := None if ids is None else layer_ids_problem(ids):
             raise ValueError(f"{problem}; use {sorted(set(ids or []))}")
         return ids
 
@@ -193,6 +191,10 @@ class PlacementConfig(_Section):
 
     target_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
     drafter_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
+    # Several machines, each listing the same devices, meeting at node 0's HOST:PORT (README "More than one node").
+    nnodes: int = Field(default=1, ge=1)
+    node_rank: int = Field(default=0, ge=0)
+    rdzv_endpoint: str | None = None
 
     @field_validator("target_devices", "drafter_devices")
     @classmethod
@@ -305,8 +307,9 @@ class BlockdraftConfig(_Section):
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
 
     @model_validator(mode="after")
-    def _global_batch_splits(self) -> BlockdraftConfig:
-        accumulation_steps(self.train.global_batch_size, self.train.batch_size, len(self.placement.drafter_devices))
+    def _global_batch_splits(self) -> BlockdraftConfig:  # over every rank of every node
+        ranks = len(self.placement.drafter_devices) * self.placement.nnodes
+        accumulation_steps(self.train.global_batch_size, self.train.batch_size, ranks)
         return self
 
     def resolved(self) -> dict:
@@ -373,6 +376,5 @@ def _check_mask_token(config: BlockdraftConfig, label: str) -> None:
     folder = config.target.tokenizer or config.target.path
     if config.dflash.mask_token_id is None or not folder or not Path(folder).is_dir():
         return
-    problem = mask_token_problem(config.dflash.mask_token_id, tokenizer_added_tokens(Path(folder)))
-    if problem:
+    if problem := mask_token_problem(config.dflash.mask_token_id, tokenizer_added_tokens(Path(folder))):
         raise ConfigError(f"config {label}: {problem}")

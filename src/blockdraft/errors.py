@@ -53,6 +53,10 @@ class EvalError(ConfigError):
     """An eval whose checkpoint, prompts or settings contradict each other."""
 
 
+class RankLostError(BlockdraftError, RuntimeError):
+    """A collective of a distributed run failed: another rank (or its whole node) stopped or did not answer in time."""
+
+
 class EngineError(BlockdraftError, RuntimeError):
     """The serving engine is missing, did not start, or did not answer (`eval --engine`)."""
 

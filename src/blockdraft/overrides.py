@@ -128,7 +128,7 @@ _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "les
 def validation_line(label: str, err: ValidationError, overrides: Overrides) -> str:
     """One line for the first problem: an override's names it as it was spelled, a file's names the file and field."""
     first = err.errors()[0]
-    loc = tuple(str(p) for p in first["loc"])
+    loc: list[str] = [str(p) for p in first["loc"]]
     message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own validators' words
     spelling = overrides.spelled.get((loc[0], loc[1])) if len(loc) >= 2 else None
     if spelling is not None:

@@ -1,18 +1,20 @@
 """`blockdraft train`: train in this process when it is a torchrun rank or the only rank, else start torchrun.
 
 torchrun starts one process per drafter device, each running `python -m blockdraft train --config FILE`
-(`blockdraft/__main__.py`), which lands here again as a rank and calls `run`.
+(`blockdraft/__main__.py`), which lands here again as a rank and calls `run`. With placement.nnodes > 1 every node
+runs `blockdraft train` with its placement.node_rank, and the torchruns meet at placement.rdzv_endpoint (`rendezvous_args`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from blockdraft.config import BlockdraftConfig, load_config
+from blockdraft.config import BlockdraftConfig, PlacementConfig, load_config
 from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
@@ -36,14 +38,16 @@ def launch(
     config_path: str | None, nproc: int | None = None, reporter: Reporter | None = None, force: bool = False, sets: Sequence[str] = (),
 ) -> Launched:
     """Train per the config at `config_path` (None: the defaults) with `sets` (`--set section.key=value`) laid over it, with
-    one process per placement.drafter_devices entry. `force`: take over a dead writer's lease and start over when
-    checkpoints are there but none verifies (`run`), on every rank: the ranks get `--force` and `sets` on their command line.
+    one process per placement.drafter_devices entry (on each of placement.nnodes nodes). `force`: take over a dead
+    writer's lease and start over when checkpoints are there but none verifies (`run`), on every rank: the ranks get
+    `--force` and `sets` on their command line.
 
     `nproc`, when given, must equal that count. The memory plan is printed and checked first (`check_plan`). In a
     torchrun rank, or with a single drafter device, `run` trains here; otherwise torchrun starts the ranks and this
     waits for it.
     """
     config = load_config(config_path, sets=sets)
+    rendezvous = rendezvous_args(config.placement)
     wanted = len(config.placement.drafter_devices)
     if nproc is not None and nproc != wanted:
         raise ConfigError(
@@ -53,12 +57,12 @@ def launch(
     in_rank = "LOCAL_RANK" in os.environ
     if not os.environ.get(PLAN_CHECKED):  # ranks this launcher starts skip it: the plan was printed and checked here
         check_plan(config, reporter or Reporter(), show=not in_rank or os.environ.get("RANK", "0") == "0")
-    if in_rank or wanted == 1:
+    if in_rank or (wanted == 1 and config.placement.nnodes == 1):
         return Launched(run(config, None, None, reporter, force=force), rank=resolve_placement(config.placement).rank)
     if config_path is None:
-        raise ConfigError("training on several drafter devices needs the config as a file; pass --config FILE")
+        raise ConfigError("training on several drafter devices or nodes needs the config as a file; pass --config FILE")
     env = {CUBLAS_WORKSPACE: CUBLAS_WORKSPACE_VALUE, **os.environ, PLAN_CHECKED: "1"}  # the ranks' environment, not ours
-    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted, force, sets), env=env))
+    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted, force, sets, rendezvous), env=env))
 
 
 def check_plan(config: BlockdraftConfig, reporter: Reporter, show: bool = True) -> MemoryPlan:
@@ -73,15 +77,39 @@ def check_plan(config: BlockdraftConfig, reporter: Reporter, show: bool = True) 
     return planned
 
 
-def torchrun_command(config_path: str, nproc: int, force: bool = False, sets: Sequence[str] = ()) -> list[str]:
+_ENDPOINT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):(\d{1,5})")  # HOST:PORT, an IPv6 host in brackets
+
+
+def rendezvous_args(placement: PlacementConfig) -> list[str]:
+    """torchrun's arguments for where this node's ranks meet the others: `--standalone` on one node; else a static
+    rendezvous at placement.rdzv_endpoint, which node 0's torchrun serves and the others join. Static, not c10d: c10d
+    orders nodes by host name and ignores --node-rank, and rank 0 (checkpoints, the output's lease, the metrics log,
+    what is printed) belongs on node 0. No restarts: a lost node fails the run, and a rerun resumes from the newest
+    verified checkpoint. A missing or malformed endpoint, or a node rank past the node count, is a ConfigError."""
+    nodes, rank, endpoint = placement.nnodes, placement.node_rank, placement.rdzv_endpoint
+    if rank >= nodes:
+        raise ConfigError(f"placement.node_rank {rank} but placement.nnodes is {nodes}; give each node a rank from 0 to {nodes - 1}")
+    if nodes == 1:
+        return ["--standalone"]
+    if endpoint is None or not _ENDPOINT.fullmatch(endpoint):
+        raise ConfigError(
+            f"placement.nnodes {nodes} needs placement.rdzv_endpoint as HOST:PORT (node 0's address and a free port, the same "
+            f"on every node), not {endpoint!r}; pass --rdzv-endpoint HOST:PORT"
+        )
+    return [f"--nnodes={nodes}", f"--node-rank={rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}", "--max-restarts=0"]
+
+
+def torchrun_command(
+    config_path: str, nproc: int, force: bool = False, sets: Sequence[str] = (), rendezvous: list[str] | None = None
+) -> list[str]:
     """The command that starts `nproc` training ranks on this machine, each `python -m blockdraft train --config FILE`
     with this run's `--set` overrides (each rank re-reads the file, so they travel on its command line), and `--force`
-    when this run was given it."""
+    when this run was given it; `rendezvous`: `rendezvous_args` (default: one node, `--standalone`)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        sys.executable, "-m", "torch.distributed.run", *(rendezvous or ["--standalone"]), f"--nproc-per-node={nproc}",
         "-m", "blockdraft", "train", "--config", str(config_path), *(["--force"] if force else []),
         *(arg for item in sets for arg in ("--set", item)),
     ]
 
 
-__all__ = ["PLAN_CHECKED", "Launched", "check_plan", "launch", "torchrun_command"]
+__all__ = ["PLAN_CHECKED", "Launched", "check_plan", "launch", "rendezvous_args", "torchrun_command"]

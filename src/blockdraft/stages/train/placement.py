@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from blockdraft.config import PlacementConfig, check_device
-from blockdraft.errors import ConfigError
+from blockdraft.errors import ConfigError, RankLostError
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_VALUE = "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
 def rank_session(place: RankPlacement, deterministic: bool, timeout_minutes: float = 60.0) -> Iterator[None]:
     """Join the process group (several ranks, none joined yet; a collective waits `timeout_minutes` for the others, as
     train.dist_timeout_minutes says) and, when `deterministic`, switch torch to deterministic algorithms; both are undone
-    on exit, so an in-process caller gets its torch settings back."""
+    on exit, so an in-process caller gets its torch settings back. A collective that fails because another rank went
+    away or timed out (`lost_rank`) leaves as one RankLostError line, not gloo's traceback."""
     if deterministic and place.drafter_device.type == "cuda" and CUBLAS_WORKSPACE not in os.environ:  # `launch` sets it for its ranks
         raise ConfigError(f"train.deterministic on CUDA needs {CUBLAS_WORKSPACE}={CUBLAS_WORKSPACE_VALUE} in the environment "
                           "(cuBLAS refuses deterministic mode without it); export it and rerun")
@@ -105,10 +107,26 @@ def rank_session(place: RankPlacement, deterministic: bool, timeout_minutes: flo
         torch.use_deterministic_algorithms(True)
     try:
         yield
+    except RuntimeError as exc:
+        if place.world_size > 1 and lost_rank(exc):
+            detail = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0]).split(". ")[0][:160]  # gloo: "[file:line] what."
+            raise RankLostError(
+                f"rank {place.rank} of {place.world_size}: a collective failed ({detail}); another rank stopped or did not answer "
+                f"within train.dist_timeout_minutes = {timeout_minutes:g}: check every node, then rerun `blockdraft train` on every "
+                "node, which resumes from the newest verified checkpoint"
+            ) from None
+        raise
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         if owns_group:
             dist.destroy_process_group()
+
+
+def lost_rank(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that failed for want of another rank: torch's DistError (a timeout, a closed store
+    or communicator), or gloo's RuntimeError (a peer's connection reset or closed, a timed-out receive), which names
+    gloo's transport in its message."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc))
 
 
 def bf16_allreduce_hook(group: dist.ProcessGroup | None, bucket):
@@ -161,6 +179,7 @@ __all__ = [
     "barrier",
     "bf16_allreduce_hook",
     "check_placement_devices",
+    "lost_rank",
     "rank_placement",
     "rank_session",
     "register_grad_allreduce",

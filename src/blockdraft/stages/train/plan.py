@@ -208,7 +208,7 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
     b, s, q = tc.batch_size, tc.max_length, config.dflash.num_anchors * spec.block_size
     feat = b * s * spec.num_target_features * spec.hidden_size
     target_forward = b * s * (2 * spec.num_target_features * spec.hidden_size + 4 * spec.hidden_size + 3 * inner) * t_bytes + b * s * s * t_bytes
-    world = int(os.environ.get("WORLD_SIZE", str(len(placement.drafter_devices))))
+    world = int(os.environ.get("WORLD_SIZE", str(len(placement.drafter_devices) * placement.nnodes)))
     # A step's inputs hold the features of all its micro-batches, and `pipeline_depth` steps wait ahead of the drafter.
     micro = accumulation_steps(tc.global_batch_size, b, world) * (1 + tc.pipeline_depth)
     sizer = capacity or (lambda device: device_capacity(device, tc.device_memory_gb))
@@ -260,7 +260,20 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
         f"micro-batch(es) per rank per step, {tc.pipeline_depth} step(s) ahead; "
         f"activation checkpointing {'on' if tc.activation_checkpointing else 'off'}",
     ]
+    if placement.nnodes > 1:
+        facts.append(node_traffic(placement.nnodes, world, d_params, tc.grad_allreduce_dtype))
     return MemoryPlan(sorted(plans.values(), key=lambda p: _device_order(p.device)), facts, tc.activation_checkpointing)
+
+
+def node_traffic(nodes: int, world: int, params: int, dtype: str) -> str:
+    """The plan's line for several nodes: each holds the devices listed (the same on every node), and per optimizer step
+    the drafter's gradients cross between nodes once (one DDP all-reduce; accumulation's other micro-batches skip it).
+    A ring all-reduce of G bytes over W ranks sends 2 x (W - 1) / W x G over every link of the ring; with each node's
+    ranks next to each other in the ring, that is what leaves each node."""
+    grads = params * _DTYPE_BYTES[dtype]
+    sent = 2 * (world - 1) * grads / world
+    return (f"{nodes} nodes, each with the devices below; inter-node gradient all-reduce per step: {grads / 1e6:.1f} MB of "
+            f"gradients ({dtype}, train.grad_allreduce_dtype), about {sent / 1e6:.1f} MB out of each node (ring over {world} ranks)")
 
 
 def _device_order(device: str) -> tuple[str, int]:
@@ -286,4 +299,5 @@ __all__ = [
     "device_capacity",
     "drafter_activations",
     "memory_plan",
+    "node_traffic",
 ]
