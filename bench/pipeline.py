@@ -33,7 +33,7 @@ import torch
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel
 from blockdraft.model.block_sparse import resolve_attention
 from blockdraft.stages.train.batch import BlockBatch, anchor_generator, build_block_batch
-from blockdraft.stages.train.pipeline import Prefetcher, SideStreams, StepInputs
+from blockdraft.stages.train.prefetch import Prefetcher, SideStreams, StepInputs
 from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
 
 

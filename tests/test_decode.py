@@ -14,7 +14,7 @@ from blockdraft.config import BlockdraftConfig, DFlashConfig, EvalConfig
 from blockdraft.decode.cached_target import CachedTarget
 from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer, ngram_generate
-from blockdraft.decode.speculative import DFlashProposer, greedy_generate, run_speculative, speculative_generate
+from blockdraft.decode.speculative import DFlashProposer, greedy_decode, run_speculative, speculative_generate
 from blockdraft.errors import DecodeError
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.spec import DrafterSpec
@@ -55,7 +55,7 @@ def test_golden_decode_reproduces_reference_outputs_and_acceptance_lengths(golde
 
 def test_target_only_greedy_reproduces_reference_greedy_output(golden_target, golden):
     for case in golden["decode"]:
-        result = greedy_generate(golden_target, case["prompt"], _new_tokens(case))
+        result = greedy_decode(golden_target, case["prompt"], _new_tokens(case))
         assert result.tokens == case["greedy_output"]
         assert result.target_forwards == _new_tokens(case)  # the prefill yields the first token
         assert len(result.margins) == _new_tokens(case) and min(result.margins) > 0
@@ -120,7 +120,7 @@ def test_spec_output_equals_target_greedy_for_random_targets_and_drafters(seed, 
     for p in range(3):
         prompt = [rng.randrange(vocab - 1) for _ in range(rng.randint(1, 12))]
         max_new = rng.randint(5, 40)
-        reference = greedy_generate(target, prompt, max_new)
+        reference = greedy_decode(target, prompt, max_new)
         runs = {
             "untrained": speculative_generate(target, drafter, head, prompt, max_new),
             "ngram": ngram_generate(target, prompt, max_new, [], block_size, vocab - 1),
@@ -146,7 +146,7 @@ def test_stop_token_ends_the_output_like_greedy(golden_target, golden_drafter, g
     prompt_len = len(case["prompt"])
     stop = case["greedy_output"][prompt_len + 9]  # the 10th new token
     first = case["greedy_output"].index(stop, prompt_len)
-    reference = greedy_generate(golden_target, case["prompt"], 24, [stop])
+    reference = greedy_decode(golden_target, case["prompt"], 24, [stop])
     result = speculative_generate(golden_target, golden_drafter, head, case["prompt"], 24, [stop])
     assert reference.tokens == case["greedy_output"][: first + 1]
     assert result.tokens == reference.tokens
@@ -211,7 +211,7 @@ def test_bf16_divergences_are_near_ties_within_the_bf16_tolerance(golden):
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter", dtype=torch.bfloat16).eval()
     head = TargetHead.from_target(target)
     for i, case in enumerate(golden["decode"]):
-        reference = greedy_generate(target, case["prompt"], 40)
+        reference = greedy_decode(target, case["prompt"], 40)
         result = speculative_generate(target, drafter, head, case["prompt"], 40)
         found = first_divergence("dflash", i, result, reference, tolerance)
         assert found is None or found.tolerated, found

@@ -21,7 +21,7 @@ from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.stages import eval as eval_stage
 from blockdraft.stages import tokenize as tokenize_stage
 from blockdraft.stages.eval import EvalReport, first_divergence, summary_lines
-from blockdraft.stages.eval.checkpoint import check_checkpoint_matches, open_checkpoint
+from blockdraft.stages.eval.drafter_input import check_checkpoint_matches, open_checkpoint
 from blockdraft.stages.eval.prompts import held_out_prompts
 from blockdraft.stages.train import resolved_training_config, save_checkpoint
 from blockdraft.store import open_store

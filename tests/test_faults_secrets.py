@@ -29,7 +29,7 @@ from helpers.artifacts import commit_files
 from helpers.chat_server import ChatServer
 
 from blockdraft.config import StoreConfig
-from blockdraft.decode.greedy import Completion, Prompt
+from blockdraft.data.chat import Completion, Prompt
 from blockdraft.errors import REDACTED, redact, remember_secret, safe_url
 from blockdraft.stages.export import serving_settings
 from blockdraft.stages.generate import FAILURES_NAME

@@ -21,7 +21,7 @@ from helpers.generate_data import output_rows
 from transformers import AutoTokenizer
 
 from blockdraft.config import load_config
-from blockdraft.decode.greedy import Completion, Prompt, render_prompt
+from blockdraft.data.chat import Completion, Prompt, render_prompt
 from blockdraft.errors import ConfigError
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.reporter import Reporter

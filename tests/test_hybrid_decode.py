@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from blockdraft.config import DFlashConfig, EvalConfig, load_config
 from blockdraft.decode.cached_target import CachedTarget
 from blockdraft.decode.linear_state import LinearStateRollback, _Replay
-from blockdraft.decode.speculative import DFlashProposer, greedy_generate, run_speculative
+from blockdraft.decode.speculative import DFlashProposer, greedy_decode, run_speculative
 from blockdraft.errors import DecodeError
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.formats import find_resumable
@@ -44,7 +44,7 @@ def hybrid(request, tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(400) for _ in range(rng.randint(4, 12))] for _ in range(PROMPTS)]
-    references = [greedy_generate(model, prompt, NEW_TOKENS) for prompt in prompts]
+    references = [greedy_decode(model, prompt, NEW_TOKENS) for prompt in prompts]
     return folder, model, prompts, references
 
 
@@ -148,7 +148,7 @@ def test_bf16_divergences_on_hybrid_targets_are_reported_near_ties(hybrid):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     tolerance = divergence_tolerance(EvalConfig(), torch.bfloat16)
     for p, prompt in enumerate(prompts):
-        reference = greedy_generate(model, prompt, NEW_TOKENS)
+        reference = greedy_decode(model, prompt, NEW_TOKENS)
         plan = [(i + p) % BLOCK for i in range(NEW_TOKENS + 1)]
         result = run_speculative(model, NoisyOracle(reference.tokens, BLOCK, VOCAB_SIZE, plan), prompt, NEW_TOKENS)
         found = first_divergence("oracle", p, result, reference, tolerance)

@@ -11,7 +11,8 @@ import torch
 from helpers.paths import TEMPLATES
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForConditionalGeneration
 
-from blockdraft.decode.greedy import Prompt, greedy_generate
+from blockdraft.data.chat import Prompt
+from blockdraft.decode.batch_generate import generate_completions
 from blockdraft.errors import ConfigError
 from blockdraft.fixtures.corpus import synthetic_conversations
 from blockdraft.fixtures.hybrid import QWEN3_6_STYLE_TEMPLATE, TINY_HYBRID_TARGET_DIR, VISION_TOKEN_IDS, hybrid_layer_types
@@ -91,7 +92,7 @@ def test_greedy_outputs_follow_the_corpus_and_end(target, built):
     model, tok = target
     rows = [json.loads(x) for x in (HYBRID / "prompts.jsonl").read_text().splitlines()[:16]]
     prompts = [Prompt(r["id"], r["messages"], r["enable_thinking"]) for r in rows]
-    done = greedy_generate(model, tok, prompts, max_new_tokens=160)
+    done = generate_completions(model, tok, prompts, max_new_tokens=160)
     ratios = [distinct_ngram_ratio(d.completion_token_ids or []) for d in done]
     assert sum(ratios) / len(ratios) >= 0.5 and built["distinct_4gram_ratio"] >= 0.5
     assert sum(d.finish_reason == "stop" for d in done) >= 0.9 * len(done) and built["completions_ended"] >= 0.9
@@ -125,7 +126,7 @@ def test_committed_completions_are_the_targets_own_greedy_answers_as_users_load_
     tok = AutoTokenizer.from_pretrained(folder)
     rows = [json.loads(x) for x in (folder / "completions.jsonl").read_text().splitlines()[:16]]
     prompts = [Prompt(r["id"], r["messages"][:-1], bool(r["messages"][-1].get("reasoning_content"))) for r in rows]
-    done = greedy_generate(model, tok, prompts, max_new_tokens=160)
+    done = generate_completions(model, tok, prompts, max_new_tokens=160)
     same = [d.content == r["messages"][-1]["content"] and d.reasoning_content == r["messages"][-1]["reasoning_content"]
             for d, r in zip(done, rows, strict=True)]
     assert sum(same) >= 0.75 * len(rows), same  # greedy near-ties may flip a few; a tokenizer mismatch flips most

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from blockdraft.decode.greedy import Prompt, greedy_generate
+from blockdraft.data.chat import Prompt
+from blockdraft.decode.batch_generate import generate_completions
 from blockdraft.fixtures.corpus import synthetic_conversations
 from blockdraft.fixtures.tiny import (
     CI_SIZE,
@@ -82,7 +83,7 @@ def test_greedy_outputs_follow_the_corpus_and_do_not_loop(target, built):
     model, tok = target
     rows = [json.loads(x) for x in (TINY / "prompts.jsonl").read_text().splitlines()[:24]]
     prompts = [Prompt(r["id"], r["messages"], r["enable_thinking"]) for r in rows]
-    done = greedy_generate(model, tok, prompts, max_new_tokens=160)
+    done = generate_completions(model, tok, prompts, max_new_tokens=160)
     ratios = [distinct_ngram_ratio(d.completion_token_ids) for d in done]
     assert sum(ratios) / len(ratios) >= 0.5 and built["distinct_4gram_ratio"] >= 0.5
     assert sum(d.finish_reason == "stop" for d in done) >= 0.9 * len(done)

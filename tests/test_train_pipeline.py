@@ -26,7 +26,7 @@ from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead
 from blockdraft.model.formats import checkpoint_key
 from blockdraft.stages.train import run
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch
-from blockdraft.stages.train.pipeline import Prefetcher
+from blockdraft.stages.train.prefetch import Prefetcher
 from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
 
 

@@ -15,7 +15,7 @@ from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, DrafterSpec
 from blockdraft.model.drafter import RMSNorm
 from blockdraft.model.formats import PINNED_CONFIG_NAME, checkpoint_key
-from blockdraft.model.init import init_drafter, initializer_range
+from blockdraft.model.weight_init import init_drafter, initializer_range
 from blockdraft.stages.train import run
 from blockdraft.stages.train.loss import Objective, block_loss
 from blockdraft.stages.train.weighting import dpace_weights

@@ -297,7 +297,7 @@ def train(
     nodes = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint}
     sets = [*(f"placement.{k}={v}" for k, v in nodes.items() if v is not None), *(sets or ())]
     if plan:
-        from blockdraft.stages.train.plan import memory_plan
+        from blockdraft.stages.train.memory import memory_plan
 
         planned = memory_plan(load_config(config, sets=sets))
         print("\n".join(planned.lines()))

@@ -42,7 +42,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
-from blockdraft.decode.greedy import Completion, Prompt, greedy_generate
+from blockdraft.data.chat import Completion, Prompt
+from blockdraft.decode.batch_generate import generate_completions
 
 
 @dataclass
@@ -87,7 +88,7 @@ class ChatModel:
 
     def complete(self, prompt: Prompt, max_tokens: int, temperature: float) -> Completion:
         with self._lock:
-            return greedy_generate(self.model, self.tokenizer, [prompt], max_tokens, temperature)[0]
+            return generate_completions(self.model, self.tokenizer, [prompt], max_tokens, temperature)[0]
 
 
 def parse_request(body: Any, request_id: str) -> tuple[Prompt, int, float]:

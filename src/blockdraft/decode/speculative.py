@@ -168,7 +168,7 @@ def run_speculative(
 
 
 @torch.inference_mode()
-def greedy_generate(target_hf_model, prompt_ids, max_new_tokens: int, stop_token_ids: Iterable[int] = ()) -> GreedyResult:
+def greedy_decode(target_hf_model, prompt_ids, max_new_tokens: int, stop_token_ids: Iterable[int] = ()) -> GreedyResult:
     """Target-only greedy decoding with a KV cache, one token per forward; records each position's top-2 margin."""
     prompt, prompt_t = _prompt_tensor(prompt_ids)
     stops = set(int(t) for t in stop_token_ids)
@@ -217,5 +217,5 @@ class DFlashProposer:
 def speculative_generate(
     target_hf_model, drafter, target_head, prompt_ids, max_new_tokens: int, stop_token_ids: Iterable[int] = ()
 ) -> SpecResult:
-    """Greedy speculative decoding of one prompt with a DFlash drafter; output equals `greedy_generate`'s up to near-ties."""
+    """Greedy speculative decoding of one prompt with a DFlash drafter; output equals `greedy_decode`'s up to near-ties."""
     return run_speculative(target_hf_model, DFlashProposer(drafter, target_head), prompt_ids, max_new_tokens, stop_token_ids)

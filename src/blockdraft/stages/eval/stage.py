@@ -23,13 +23,13 @@ from safetensors import SafetensorError
 from blockdraft.config import BlockdraftConfig, check_device
 from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer
-from blockdraft.decode.speculative import DFlashProposer, GreedyResult, SpecResult, greedy_generate, run_speculative
+from blockdraft.decode.speculative import DFlashProposer, GreedyResult, SpecResult, greedy_decode, run_speculative
 from blockdraft.errors import ArtifactError, EvalError, SpecError
 from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter
 from blockdraft.model.target import TargetHead, load_target, load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.eval.checkpoint import Checkpoint, check_checkpoint_matches, open_checkpoint
+from blockdraft.stages.eval.drafter_input import Checkpoint, check_checkpoint_matches, open_checkpoint
 from blockdraft.stages.eval.engine_check import check_in_engine, require_export
 from blockdraft.stages.eval.metrics import (
     Divergence,
@@ -192,7 +192,7 @@ def evaluate(
     rows: list[PromptRow] = []
     reporter.progress(STAGE, 0, len(prompts))
     for index, prompt in enumerate(prompts):
-        reference = greedy_generate(hf_model, prompt, max_new_tokens, stops)
+        reference = greedy_decode(hf_model, prompt, max_new_tokens, stops)
         greedy.append(reference)
         per_drafter: dict[str, Any] = {}
         for name, make in makers.items():
@@ -226,7 +226,7 @@ def evaluate(
 
 def _warm_up(hf_model: Any, proposer: DFlashProposer, prompt: list[int]) -> None:
     """One short run of each path first, so one-time costs (allocations, kernel selection) do not land in one timing."""
-    greedy_generate(hf_model, prompt, 2)
+    greedy_decode(hf_model, prompt, 2)
     run_speculative(hf_model, proposer, prompt, 2)
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from blockdraft.config import GenerateConfig, TargetConfig
-from blockdraft.decode.greedy import Completion, Prompt, greedy_generate, render_prompt, split_reasoning
+from blockdraft.data.chat import Completion, Prompt, render_prompt, split_reasoning
+from blockdraft.decode.batch_generate import generate_completions
 from blockdraft.errors import ConfigError, redact, remember_secret, remember_url, safe_url
 from blockdraft.model.target import load_target_config, target_dtype
 
@@ -76,7 +77,7 @@ class HFEngine:
             except Exception as exc:
                 yield Failure(prompt.id, "template_error", f"{type(exc).__name__}: {exc}"[:300], 1)
         if renderable:
-            yield from greedy_generate(self.model, self.tokenizer, renderable, self.max_new_tokens, self.temperature)
+            yield from generate_completions(self.model, self.tokenizer, renderable, self.max_new_tokens, self.temperature)
 
 
 class RequestError(Exception):

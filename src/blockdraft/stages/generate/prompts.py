@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockdraft.config import StoreConfig
+from blockdraft.data.chat import Prompt
 from blockdraft.data.completions import RowRejected, is_completions_file, list_completions, normalise_message, source_id_of
 from blockdraft.data.records import iter_records
-from blockdraft.decode.greedy import Prompt
 from blockdraft.store import Store
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.stage_io import open_raw_input

@@ -19,7 +19,7 @@ from typing import Any
 
 import zstandard
 
-from blockdraft.decode.greedy import Completion, Prompt
+from blockdraft.data.chat import Completion, Prompt
 from blockdraft.store.artifact import FileEntry, Manifest, entry_for_local_file
 from blockdraft.store.stage_io import STAGE_KEY, StageOutput
 

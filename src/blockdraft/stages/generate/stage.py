@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from blockdraft.config import BlockdraftConfig
+from blockdraft.data.chat import Prompt
 from blockdraft.data.formats import COMPLETIONS_KIND
-from blockdraft.decode.greedy import Prompt
 from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult

@@ -14,8 +14,8 @@ from typing import Any
 
 from blockdraft.data.ranges import range_crc
 from blockdraft.stages.tokenize.hf_layout import remove_leftovers
-from blockdraft.stages.tokenize.plan import INPUT_READ, ShardTask, piece_key
 from blockdraft.stages.tokenize.shard import ShardOutput
+from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, piece_key
 from blockdraft.store import Store
 from blockdraft.store.artifact import FileEntry
 from blockdraft.store.local import LocalStore

@@ -10,8 +10,8 @@ import queue
 from types import TracebackType
 
 from blockdraft.data.tokenizer import TokenizerSource
-from blockdraft.stages.tokenize.plan import ShardTask
 from blockdraft.stages.tokenize.shard import Advance, ShardRun, WorkerSettings, install_tools, tokenize_shard, worker_init
+from blockdraft.stages.tokenize.tasks import ShardTask
 
 # How often the parent drains the workers' progress queue while it waits for shards (seconds).
 DRAIN_EVERY_S = 0.2

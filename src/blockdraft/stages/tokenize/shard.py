@@ -53,7 +53,7 @@ from blockdraft.data.streams import InputUnreadable
 from blockdraft.data.tokenizer import special_token_pattern
 from blockdraft.stages.tokenize.arrow_rows import SplitWriter
 from blockdraft.stages.tokenize.hf_layout import KIND, QUARANTINE_DIR, SPLITS
-from blockdraft.stages.tokenize.plan import INPUT_READ, ShardTask, check_listed, piece_key
+from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, check_listed, piece_key
 from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry
 from blockdraft.store.checksum import crc64nvme_file

@@ -34,11 +34,11 @@ from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.tokenize.hf_layout import KIND, output_schema, write_split_metadata
-from blockdraft.stages.tokenize.plan import INPUT_READ, ShardTask, file_checksum, plan_tasks
 from blockdraft.stages.tokenize.report import InputFilesFailed, TokenizeSummary, clip_warning, merge_counts
 from blockdraft.stages.tokenize.resume import drop_failed_files, finished_shard_entries, keep_finished_shards
 from blockdraft.stages.tokenize.runner import ShardRunner
 from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, WorkerSettings, tools_key
+from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, file_checksum, plan_tasks
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import InputRef, VerifyReport, entry_for_local_file, raw_input
 from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key

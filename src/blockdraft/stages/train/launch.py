@@ -18,8 +18,8 @@ from blockdraft.config import BlockdraftConfig, PlacementConfig, load_config
 from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
+from blockdraft.stages.train.memory import MemoryPlan, memory_plan
 from blockdraft.stages.train.placement import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_VALUE, resolve_placement
-from blockdraft.stages.train.plan import MemoryPlan, memory_plan
 from blockdraft.stages.train.stage import run
 
 PLAN_CHECKED = "BLOCKDRAFT_PLAN_CHECKED"  # set for the ranks torchrun starts from here
@@ -67,7 +67,7 @@ def launch(
 
 def check_plan(config: BlockdraftConfig, reporter: Reporter, show: bool = True) -> MemoryPlan:
     """The placement and memory plan, printed through `reporter` when `show`, before any weights load; a plan that does
-    not fit a device is a ConfigError naming the device and the numbers (see `blockdraft.stages.train.plan`)."""
+    not fit a device is a ConfigError naming the device and the numbers (see `blockdraft.stages.train.memory`)."""
     planned = memory_plan(config)
     if show:
         for line in planned.lines():

@@ -22,17 +22,17 @@ from torch import nn
 from blockdraft.config import BlockdraftConfig, accumulation_steps
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel, load_target
 from blockdraft.model.block_sparse import resolve_attention
-from blockdraft.model.init import init_drafter
+from blockdraft.model.weight_init import init_drafter
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch, expected_acceptance
 from blockdraft.stages.train.checkpoint import Checkpoints, read_checkpoint, resolved_training_config, run_identity
 from blockdraft.stages.train.data import RowOrder, TrainRows, steps_per_epoch
-from blockdraft.stages.train.init import check_init_spec, load_init_drafter
+from blockdraft.stages.train.init_from import check_init_spec, load_init_drafter
 from blockdraft.stages.train.loss import Objective, Teacher
+from blockdraft.stages.train.memory import apply_memory_options
 from blockdraft.stages.train.metrics import MetricsLog
-from blockdraft.stages.train.pipeline import Prefetcher, SideStreams, StepInputs
 from blockdraft.stages.train.placement import RankPlacement
-from blockdraft.stages.train.plan import apply_memory_options
+from blockdraft.stages.train.prefetch import Prefetcher, SideStreams, StepInputs
 from blockdraft.stages.train.replicas import check_ranks_in_sync, rng_state, set_rng_state
 from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
 from blockdraft.stages.train.trackers import Trackers
@@ -111,9 +111,9 @@ class Trainer:
         apply_memory_options(self.drafter, self.model, tc)  # activation checkpointing, bf16 gradient all-reduce
         self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
         self.global_batch = tc.global_batch_size
-        self.accumulate = accumulation_steps(tc.global_batch_size, tc.batch_size, place.world_size)
+        self.accumulation_steps = accumulation_steps(tc.global_batch_size, tc.batch_size, place.world_size)
         self.per_epoch = steps_per_epoch(len(rows), self.global_batch)
-        self.order = RowOrder(len(rows), tc.seed, self.global_batch, tc.batch_size * self.accumulate)
+        self.order = RowOrder(len(rows), tc.seed, self.global_batch, tc.batch_size * self.accumulation_steps)
         self.total_steps = tc.max_steps or tc.epochs * self.per_epoch
         schedule = partial(warmup_cosine, warmup=round(tc.warmup_ratio * self.total_steps), total=self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)

@@ -219,36 +219,36 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
 
     for rank, drafter_device in enumerate(placement.drafter_devices):
         target_device = target_device_of(placement, rank)
-        tp = on(target_device)
-        tp.target_replicas += 1
-        tp.add(f"target weights ({t_name})", target_bytes)
-        tp.add("target forward (features, one layer, mask)", target_forward)
-        dp = on(drafter_device)
-        dp.drafter_ranks += 1
+        target_plan = on(target_device)
+        target_plan.target_replicas += 1
+        target_plan.add(f"target weights ({t_name})", target_bytes)
+        target_plan.add("target forward (features, one layer, mask)", target_forward)
+        drafter_plan = on(drafter_device)
+        drafter_plan.drafter_ranks += 1
         autocast = drafter_device.startswith("cuda")  # the trainer's bf16 autocast; fp32 elsewhere
         attention = resolve_attention(tc.attention, torch.device(drafter_device))
         repeat_kv = attention == "dense" and autocast and spec.num_attention_heads != spec.num_key_value_heads
         act = drafter_activations(spec, b, s, config.dflash.num_anchors, autocast, attention, repeat_kv, tc.activation_checkpointing)
-        dp.add("drafter weights (fp32)", 4 * d_params)
-        dp.add("drafter gradients (fp32)", 4 * d_params)
-        dp.add("AdamW moments (fp32, 2 per parameter)", 8 * d_params)
+        drafter_plan.add("drafter weights (fp32)", 4 * d_params)
+        drafter_plan.add("drafter gradients (fp32)", 4 * d_params)
+        drafter_plan.add("AdamW moments (fp32, 2 per parameter)", 8 * d_params)
         if world > 1:
-            dp.add("DDP gradient buckets (fp32)", 4 * d_params)
-        dp.add(f"frozen embedding + LM head copy ({t_name})", head_bytes)
+            drafter_plan.add("DDP gradient buckets (fp32)", 4 * d_params)
+        drafter_plan.add(f"frozen embedding + LM head copy ({t_name})", head_bytes)
         if autocast:
-            dp.add("bf16 weight copies (autocast)", 2 * d_linear)
+            drafter_plan.add("bf16 weight copies (autocast)", 2 * d_linear)
         copy = ", fp32 copy" if t_bytes != 4 else ""  # a micro-batch's forward makes one of a bf16 target's features
-        dp.add(f"target features ({micro} micro-batches{copy})", feat * (t_bytes * micro + (4 if copy else 0)))
+        drafter_plan.add(f"target features ({micro} micro-batches{copy})", feat * (t_bytes * micro + (4 if copy else 0)))
         masks = (1 + spec.has_sliding) * (s + q) if attention == "dense" else 0  # bool [b, 1, Q, T] per layer kind
-        dp.add("block embeddings" + (" + attention masks" if masks else ""), b * q * (4 * spec.hidden_size + masks))
-        dp.add("activations kept for backward" + (" (checkpointed)" if tc.activation_checkpointing else ""), act.kept)
-        dp.add("backward working space (one layer)", act.layer)
+        drafter_plan.add("block embeddings" + (" + attention masks" if masks else ""), b * q * (4 * spec.hidden_size + masks))
+        drafter_plan.add("activations kept for backward" + (" (checkpointed)" if tc.activation_checkpointing else ""), act.kept)
+        drafter_plan.add("backward working space (one layer)", act.layer)
         rows = min(tc.lm_head_chunk_blocks * spec.block_size, b * q)
         chunk = rows * spec.vocab_size * (4 + (t_bytes if t_bytes != 4 else 0))
         distill = tc.distill_weight > 0  # the target's final hidden states come along, its logits per chunk
-        dp.add("LM-head chunk (logits, probabilities)" + (" x 2 (distillation)" if distill else ""), chunk * (2 if distill else 1))
+        drafter_plan.add("LM-head chunk (logits, probabilities)" + (" x 2 (distillation)" if distill else ""), chunk * (2 if distill else 1))
         if distill:
-            dp.add(f"target final hidden states ({micro} micro-batches)", b * s * spec.hidden_size * t_bytes * micro)
+            drafter_plan.add(f"target final hidden states ({micro} micro-batches)", b * s * spec.hidden_size * t_bytes * micro)
         for device in {target_device, drafter_device}:
             if device.startswith("cuda"):
                 on(device).add("CUDA runtime (per process)", CUDA_RUNTIME_BYTES)
