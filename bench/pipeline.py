@@ -4,16 +4,24 @@
     python -m bench.train --pipeline --steps 20 --rounds 2 --seq-len 256   # a quick look
     python -m bench.train --pipeline --preset qwen3-8b            # one GPU: Qwen3-8B-shaped target and drafter
 
-The target is a random-init Qwen3 built from a config (no weights to download) with as many layers as make its forward
-take about as long as the drafter's step (measured first), as on the real job (about 148 vs 169 TFLOP per 3072-token row
-for a 27B target and its 5-layer drafter). The same `Prefetcher` and step (`accumulate`, then AdamW) as `blockdraft train`
-run four loops over the same batches, each side in the thread it has when pipelined, taking turns a slice of steps each
-(`--rounds` slices), so that a shared machine's changing load hits all four alike:
+What runs is `blockdraft train`'s own code: a `Trainer` built as the train stage builds it (a config, the target loaded from a
+folder, verified rows from a tokenized artifact in a local store), driven through its `inputs_of` (rows read, block batch
+built, target forward on side streams) and its `step` (`accumulate`, AdamW, the LR scheduler), fed by the same `Prefetcher`
+as `Trainer.train`. The target is a random-init Qwen3 written to a temporary folder first (no weights to download; about 16 GB
+for qwen3-8b) with as many layers as make its forward take about as long as the drafter's step (measured first on a 4-layer
+probe), as on the real job (about 148 vs 169 TFLOP per 3072-token row for a 27B target and its 5-layer drafter); the rows are
+random tokens (`bench.train_scale.write_rows`). Not timed: building the trainers, checkpoints and the metrics log (`train`'s
+`_record` and `maybe_checkpoint`: the bench reads each step's loss itself, through the trainer's `_entry`, so that a step's time
+ends when the drafter's device has).
 
-- target alone (t): the producer thread makes every step's features, the training thread only takes them;
-- drafter alone (d): the training thread steps over those features, the producer thread idle;
-- unpipelined (`pipeline_depth` 0): the target, then the drafter, one after the other on the training thread;
-- pipelined (`pipeline_depth` 1): the target in the producer thread, one step ahead of the drafter.
+Three trainers from one config (the same seed, so the same initial drafter) share one target and run four loops over the same
+steps, each side in the thread it has when pipelined, taking turns a slice of steps each (`--rounds` slices), so that a shared
+machine's changing load hits all four alike:
+
+- target alone (t): the producer thread runs `inputs_of` for every step, the training thread only takes and waits for them;
+- drafter alone (d): the training thread runs `step` over those inputs, the producer thread idle;
+- unpipelined (`pipeline_depth` 0): `inputs_of`, then `step`, one after the other on the training thread;
+- pipelined (`pipeline_depth` 1): `inputs_of` in the producer thread, one step ahead of `step`.
 
 Prints `pipeline ratio = X` = pipelined step time / (t + d) beside its floor max(t, d) / (t + d) (the pipelined step can
 be no shorter than its longer side), medians over each slice's steps after its first two, and checks that the drafter's losses
@@ -26,68 +34,94 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel
 from blockdraft.model.block_sparse import resolve_attention
-from blockdraft.stages.train.batch import BlockBatch, anchor_generator, build_block_batch
-from blockdraft.stages.train.prefetch import Prefetcher, SideStreams, StepInputs
-from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
+from blockdraft.stages.train.prefetch import Prefetcher, StepInputs
+from blockdraft.stages.train.step import MicroBatch
+from blockdraft.stages.train.trainer import Trainer
 
 
-def random_target(layers: int, args: argparse.Namespace, device: torch.device, seed: int):
-    """A random-init Qwen3 causal LM of `layers` decoder layers in the preset's shape, frozen, on `device` (bf16 on CUDA,
-    fp32 on the CPU)."""
+def write_target(folder: Path, layers: int, args: argparse.Namespace, device: torch.device) -> Path:
+    """A random-init Qwen3 causal LM of `layers` decoder layers in the preset's shape, saved to `folder` (bf16 for CUDA,
+    fp32 for the CPU)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=layers,
         num_attention_heads=args.hidden // args.head_dim, num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
         max_position_embeddings=40960, tie_word_embeddings=False,
     )
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_config(config, dtype=target_dtype(device))
+    model.save_pretrained(folder)
+    return folder
 
 
-def make_drafter(target, layer_ids: list[int], drafter_layers: int, block_size: int) -> tuple[DFlashDrafter, TargetHead]:
-    cfg = target.config
-    spec = DrafterSpec(
-        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=drafter_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=8192, vocab_size=cfg.vocab_size, block_size=block_size,
-        mask_token_id=cfg.vocab_size - 1, target_layer_ids=layer_ids, num_target_layers=cfg.num_hidden_layers, gamma=7.0,
-    )
-    torch.manual_seed(1)
-    device = next(target.parameters()).device
-    return DFlashDrafter(spec).to(device), TargetHead.from_target(target, device)
+def target_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def trainer_step(drafter: DFlashDrafter, head: TargetHead):
-    """The trainer's optimizer step on one micro-batch (`accumulate`, then AdamW); returns the step's loss, read on the
-    host, so a call ends when the drafter's device has."""
-    model, optimizer = DraftForward(drafter), torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+def build_trainers(work: Path, layers: int, data: str, args: argparse.Namespace, device: torch.device, count: int) -> list[Trainer]:
+    """`count` trainers as the train stage builds them (`_prepare`), one rank, target and drafter on `device`, over a
+    random target of `layers` layers; the second and later share the first one's target (it is frozen)."""
+    from blockdraft.config import load_config
+    from blockdraft.data.formats import TOKENIZED_KIND
+    from blockdraft.reporter import Reporter
+    from blockdraft.stages.train.data import load_train_rows
+    from blockdraft.stages.train.placement import RankPlacement
+    from blockdraft.store import open_store
+    from blockdraft.store.stage_io import open_input
 
-    def step(inputs: tuple[BlockBatch, torch.Tensor]) -> float:
-        batch, features = inputs
-        micro = [MicroBatch(batch, features, tokens=int(batch.input_ids.numel()))]
-        totals, weight_sum, _ = accumulate(model, drafter, head, micro, 64, grad_clip=1.0, world_size=1)
-        optimizer.step()
-        return float(totals[0] / weight_sum)
+    target = write_target(work / f"target-{layers}", layers, args, device)
+    config = load_config(None, {
+        "target": {"path": str(target), "dtype": str(target_dtype(device)).removeprefix("torch.")},
+        "store": {"url": str(work / "store")},
+        "placement": {"target_devices": [str(device)], "drafter_devices": [str(device)]},
+        "dflash": {"block_size": args.block_size, "mask_token_id": args.vocab - 1, "num_draft_layers": args.drafter_layers,
+                   "gamma": 7.0, "num_anchors": args.anchors, "target_layer_ids": sorted({1, layers - 2}) if layers > 3 else [0]},
+        "train": {"data": data, "output": str(work / f"ckpt-{layers}"), "log_dir": str(work / f"logs-{layers}"), "batch_size": 1,
+                  "global_batch_size": 1, "max_length": args.seq_len, "max_steps": args.steps, "lr": 1e-4, "seed": 0,
+                  "attention": args.attention},
+    })
+    tc = config.train
+    place = RankPlacement(rank=0, world_size=1, local_rank=0, drafter_device=device, target_device=device)
+    rows = load_train_rows(open_input(tc.data, config.store, kinds=[TOKENIZED_KIND], role="train.data"), config.store,
+                           tc.max_length, Path(tc.log_dir))
+    trainers = []
+    for _ in range(count):
+        trainer = Trainer(config, place, rows, open_store(tc.output, config.store), tc.output, Reporter())
+        if trainers:
+            trainer.target = trainers[0].target
+        trainers.append(trainer)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return trainers
 
-    return step
+
+def ready(inputs: StepInputs[MicroBatch], device: torch.device) -> StepInputs[MicroBatch]:
+    """The step's inputs once made: the trainer's own wait (an event on CUDA), then the device idle."""
+    inputs.wait(device)
+    _sync(device)
+    return inputs
 
 
-def median_time(fn, repeats: int, device: torch.device) -> float:
+def step_loss(trainer: Trainer, step: int, inputs: StepInputs[MicroBatch] | None) -> float:
+    """`Trainer.step` on `inputs` (None: it makes them itself), then its loss as the trainer logs it, read on the host: a
+    call ends when the drafter's device has."""
+    pending = trainer.step(step, inputs)
+    return trainer._entry(pending, 1.0)["loss"]
+
+
+def median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -126,63 +160,59 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)  # one core for each side: the target's thread and the drafter's
     load = os.getloadavg()[0]
+    from transformers.utils import logging as hf_logging
 
-    g = torch.Generator().manual_seed(0)
-    rows = [(torch.randint(0, args.vocab - 1, (args.seq_len,), generator=g), torch.ones(args.seq_len, dtype=torch.long))
-            for _ in range(args.steps)]
+    from bench.train_scale import write_rows
 
-    def batch_of(step: int):
-        return build_block_batch([rows[step]], num_anchors=args.anchors, block_size=args.block_size,
-                                 mask_token_id=args.vocab - 1, gamma=7.0, generators=[anchor_generator(0, 0, step)],
-                                 attention=attention)
+    hf_logging.disable_progress_bar()  # the targets' writing and loading bars would bury the report
 
-    def setup(layers: int):
-        target = random_target(layers, args, device, seed=0)
-        layer_ids = sorted({1, layers - 2}) if layers > 3 else [0]
-        drafter, head = make_drafter(target, layer_ids, args.drafter_layers, args.block_size)
-        return TargetModel(target, layer_ids), drafter, head
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+        work = Path(tmp)
+        # Random tokens below 500 (every vocabulary here is larger), the first quarter of each row unsupervised.
+        data = write_rows(work / "rows", args.steps, args.seq_len, seed=0)
+        layers = args.target_layers
+        if layers is None:  # balance: the drafter's step time, then target layers to match it (linear in layers)
+            probe_layers = 4
+            (probe,) = build_trainers(work, probe_layers, data, args, device, 1)
+            made = ready(probe.inputs_of(0), device)
+            step_loss(probe, 0, made)
+            drafter_alone = median_time(lambda: step_loss(probe, 0, made), 5)
+            target_alone = median_time(lambda: ready(probe.inputs_of(0), device), 5)
+            layers = max(4, round((probe_layers - 1) * drafter_alone / target_alone) + 1)  # the forward runs to layer L-2
+            del probe, made
+        report = measure(work, layers, data, args, device)
+    report = {"preset": args.preset, "device": str(device), "attention": attention, "load_1min_before": load,
+              "load_1min_after": os.getloadavg()[0], "torch_threads": torch.get_num_threads(), **report}
+    t, d, serial, piped = (report[k] for k in ("target_forward_s", "drafter_step_s", "unpipelined_step_s", "pipelined_step_s"))
+    print(json.dumps(report))
+    print(f"target forward {t * 1e3:.1f} ms, drafter step {d * 1e3:.1f} ms, each alone on its own thread "
+          f"(balance {report['balance']:.2f}); unpipelined step {serial * 1e3:.1f} ms, pipelined {piped * 1e3:.1f} ms")
+    print(f"losses over {report['steps']} steps bit-equal (alone, unpipelined, pipelined): {report['losses_bit_equal']}")
+    print(f"pipeline ratio = {report['pipeline_ratio']:.3f} (floor max(t, d) / (t + d) = {report['pipeline_floor']:.3f})")
+    if report["pipeline_ratio"] < report["pipeline_floor"]:  # no overlap can beat its longer side: the load moved between loops
+        print("the ratio is below its floor: the machine's load changed between the loops; not a figure to quote, run it again")
 
-    streams = SideStreams(device, device)
 
-    def features_of(target: TargetModel, step: int) -> StepInputs:
-        """What the trainer's `inputs_of` does: the batch to the device and the target's features, on side streams."""
-        with streams.active():
-            batch = batch_of(step).to(device)
-            features = target.features(batch.input_ids, batch.attention_mask_context.long())
-        return StepInputs([(batch, features)], streams.record())
+def measure(work: Path, layers: int, data: str, args: argparse.Namespace, device: torch.device) -> dict:
+    """The four loops over the steps, a slice each per round; the medians, their ratios and whether the losses agree."""
+    names = ("drafter", "unpipelined", "pipelined")
+    trainers = dict(zip(names, build_trainers(work, layers, data, args, device, 3), strict=True))
+    producer = trainers["drafter"]  # t's loop runs its `inputs_of`; the inputs of every trainer are the same
+    times: dict[str, list[float]] = {name: [] for name in ("target", *names)}
+    losses: dict[str, list[float]] = {name: [] for name in names}
 
-    def ready(inputs: StepInputs):
-        inputs.wait(device)
-        return inputs.micro[0]
-
-    layers = args.target_layers
-    if layers is None:  # balance: the drafter's step time, then target layers to match it (linear in layers)
-        probe_layers = 4
-        probe_target, drafter, head = setup(probe_layers)
-        probe_step = trainer_step(drafter, head)
-        inputs = ready(features_of(probe_target, 0))
-        probe_step(inputs)
-        drafter_alone = median_time(lambda: probe_step(inputs), 5, device)
-        probe = median_time(lambda: ready(features_of(probe_target, 0)), 5, device)
-        layers = max(4, round((probe_layers - 1) * drafter_alone / probe) + 1)  # the forward runs to layer L-2
-
-    target, drafter, head = setup(layers)  # the target is frozen: every loop shares it
-    loops = {"drafter": trainer_step(drafter, head)}
-    for name in ("unpipelined", "pipelined"):  # the same initial weights (make_drafter seeds them)
-        loops[name] = trainer_step(*make_drafter(target.model, target.layer_ids, args.drafter_layers, args.block_size))
-    times: dict[str, list[float]] = {name: [] for name in ("target", *loops)}
-    losses: dict[str, list[float]] = {name: [] for name in loops}
-
-    def run(name: str, first: int, stop: int, depth: int) -> list:
+    def run(name: str, first: int, stop: int, depth: int) -> list[StepInputs[MicroBatch]]:
         """Steps [first, stop) of one loop, each step timed on the training thread; returns what the steps took in."""
+        trainer = producer if name == "target" else trainers[name]
         taken = []
-        with Prefetcher(lambda s: features_of(target, s), first, stop, depth) as feed:
+        with Prefetcher(trainer.inputs_of, first, stop, depth) as feed:
             for s in range(first, stop):
                 t0 = time.perf_counter()
-                inputs = ready(feed.get(s))
-                if name != "target":
-                    losses[name].append(loops[name](inputs))  # reading the loss waits for the drafter's device
-                _sync(device)
+                inputs = feed.get(s)
+                if name == "target":
+                    ready(inputs, device)
+                else:
+                    losses[name].append(step_loss(trainer, s, inputs))
                 times[name].append(time.perf_counter() - t0)
                 taken.append(inputs)
         return taken
@@ -193,35 +223,26 @@ def main(argv: list[str] | None = None) -> None:
     kept: dict[str, list[float]] = {name: [] for name in times}
     for first in range(0, per_round * args.rounds, per_round):
         stop = first + per_round
-        made = run("target", first, stop, 1)  # the producer thread makes the features, the training thread only takes them
-        mark = len(times["drafter"])
-        for inputs in made:  # the training thread steps over features already made, the producer thread idle
+        made = run("target", first, stop, 1)  # the producer thread makes the inputs, the training thread only takes them
+        for s, inputs in zip(range(first, stop), made, strict=True):  # the training thread steps, the producer thread idle
             t0 = time.perf_counter()
-            losses["drafter"].append(loops["drafter"](inputs))
+            losses["drafter"].append(step_loss(trainers["drafter"], s, inputs))
             times["drafter"].append(time.perf_counter() - t0)
         del made
-        run("unpipelined", first, stop, 0)  # the target, then the drafter, both on the training thread
-        run("pipelined", first, stop, 1)  # the target in the producer thread, one step ahead of the drafter
+        run("unpipelined", first, stop, 0)  # `inputs_of`, then `step`, both on the training thread
+        run("pipelined", first, stop, 1)  # `inputs_of` in the producer thread, one step ahead of `step`
         for name in kept:
-            kept[name] += times[name][-per_round + 2 :] if name != "drafter" else times[name][mark + 2 :]
-    peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    t, d, serial, piped = (statistics.median(kept[name]) for name in ("target", "drafter", "unpipelined", "pipelined"))
-    ratio, floor = piped / (t + d), max(t, d) / (t + d)
-    report = {
-        "preset": args.preset, "device": str(device), "attention": attention, "peak_memory_gib_three_drafters": peak_gib,
-        "load_1min_before": load, "load_1min_after": os.getloadavg()[0], "torch_threads": torch.get_num_threads(),
+            kept[name] += times[name][-per_round + 2 :]
+    t, d, serial, piped = (statistics.median(kept[name]) for name in ("target", *names))
+    return {
+        "peak_memory_gib_three_drafters": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "seq_len": args.seq_len, "hidden": args.hidden, "target_layers": layers, "drafter_layers": args.drafter_layers,
         "anchors": args.anchors, "block_size": args.block_size, "steps": per_round * args.rounds, "rounds": args.rounds,
         "target_forward_s": t, "drafter_step_s": d, "balance": t / d, "unpipelined_step_s": serial, "pipelined_step_s": piped,
-        "unpipelined_ratio": serial / (t + d), "pipeline_ratio": ratio, "pipeline_floor": floor,
+        "unpipelined_ratio": serial / (t + d), "pipeline_ratio": piped / (t + d), "pipeline_floor": max(t, d) / (t + d),
         "pipelined_over_unpipelined": piped / serial,
         "losses_bit_equal": losses["drafter"] == losses["unpipelined"] == losses["pipelined"],
     }
-    print(json.dumps(report))
-    print(f"target forward {t * 1e3:.1f} ms, drafter step {d * 1e3:.1f} ms, each alone on its own thread "
-          f"(balance {report['balance']:.2f}); unpipelined step {serial * 1e3:.1f} ms, pipelined {piped * 1e3:.1f} ms")
-    print(f"losses over {report['steps']} steps bit-equal (alone, unpipelined, pipelined): {report['losses_bit_equal']}")
-    print(f"pipeline ratio = {ratio:.3f} (floor max(t, d) / (t + d) = {floor:.3f})")
 
 
 if __name__ == "__main__":
