@@ -76,7 +76,7 @@ def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoin
 def chat_template_sha256(cfg: BlockdraftConfig) -> str | None:
     """sha256 of the chat template the config resolves to, computed as the tokenize stage does; None when there is none."""
     try:
-        source, _ = resolve_tokenizer(cfg.target, None, None)
+        source, _ = resolve_tokenizer(cfg.target)
     except (ConfigError, OSError, ValueError):
         return None
     return source.template.sha256
