@@ -106,7 +106,7 @@ def tiny_suite(args, target_dir: Path, label: str, drafter: dict) -> None:
         found = find_resumable(open_store(work / "run"))
         drafter = DFlashDrafter.from_pretrained(found.store.local_path()).eval()
     target = load_target(str(target_dir), "cpu", torch.float32)
-    tokenizer = load_target_tokenizer(cfg)
+    tokenizer = load_target_tokenizer(cfg.target)
     prompts = prompts_from_jsonl(target_dir / "prompts.jsonl", tokenizer, cfg, args.tiny_prompts)
     stops = stop_token_ids(target, tokenizer)
     report_set(label, target, drafter, prompts, args.tiny_max_new_tokens, stops, args.repeats, args.threads)

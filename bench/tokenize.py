@@ -185,8 +185,8 @@ def _spawned_run(args: argparse.Namespace, src: Path, out: Path, workers: int) -
 
     # No clipping, so every measurement counts the same tokens.
     options = {"workers": workers, "max_length": 1 << 20, "task_bytes": args.task_mib << 20}
-    cfg = load_config(None, {"target": {"path": args.tokenizer}, "tokenize": options})
-    result = tokenize.run(cfg, str(src), str(out), Reporter(), chat_template=args.chat_template)
+    cfg = load_config(None, {"target": {"path": args.tokenizer, "chat_template": args.chat_template}, "tokenize": options})
+    result = tokenize.run(cfg, str(src), str(out), Reporter())
     s = result.details
     assert result.report.state.value == "verified", result.report.state
     shutil.rmtree(out, ignore_errors=True)
@@ -299,8 +299,9 @@ def timed_run(args: argparse.Namespace, src: Path, out: Path, workers: int) -> d
     from blockdraft.reporter import Reporter
     from blockdraft.stages import tokenize
 
-    cfg = load_config(None, {"target": {"path": args.tokenizer}, "tokenize": {"workers": workers, "max_length": 1 << 20}})
-    result = tokenize.run(cfg, str(src), str(out), Reporter(), chat_template=args.chat_template)
+    target = {"path": args.tokenizer, "chat_template": args.chat_template}
+    cfg = load_config(None, {"target": target, "tokenize": {"workers": workers, "max_length": 1 << 20}})
+    result = tokenize.run(cfg, str(src), str(out), Reporter())
     s = result.details
     assert result.report.state.value == "verified", result.report.state
     shutil.rmtree(out, ignore_errors=True)

@@ -163,8 +163,10 @@ def test_the_library_never_writes_the_environment():
 
 # What reading a manifest is, outside the store: importing or calling the function that reads one (`read_manifest`),
 # parsing one (`Manifest.model_validate_json`), or reading the manifest's file by name (`read_bytes(MANIFEST_NAME)`).
-# Whether an output is done is `StageOutput.state`'s; an input's manifest comes verified through `open_input` /
-# `verify_artifact`, and one to name an artifact's kind or provenance through `recorded_manifest`.
+# Allowed, and not counted: the `.manifest` of what the store's API returns after verifying the artifact, a
+# `VerifyReport` (`verify_artifact`) or a `StageInput` (`open_input`), and `recorded_manifest`'s: the store read and
+# checked it, and the caller only names the verified artifact's kind or lists its files (pipeline.py's read-back of each
+# demo step, model/formats.py finding the newest verified checkpoint). Whether an output is done stays `StageOutput`'s.
 MANIFEST_READERS = {"read_manifest"}
 STORE_READS = {"read_bytes", "open_read", "get_file"}
 

@@ -84,7 +84,7 @@ def test_a_mask_token_id_the_tokenizer_emits_is_refused_at_config_load(tmp_path,
 
 
 def test_a_mask_token_id_of_the_tokenizer_given_with_tokenizer_is_refused_before_any_row(tmp_path):
-    """The tokenizer a tokenize run uses may come from --tokenizer, not the config's target: checked there too."""
+    """`--tokenizer` spells target.tokenizer: the mask id is checked against that tokenizer too."""
     path = tmp_path / "c.toml"
     path.write_text("[dflash]\nmask_token_id = 151645\n")
     out = tmp_path / "out"

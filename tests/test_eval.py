@@ -157,7 +157,7 @@ def test_eval_refuses_a_chat_template_other_than_the_training_rows(tmp_path, gol
     # The tokenizer's own template is the one the rows were rendered with: accepted.
     same = golden_config(tmp_path, target={"tokenizer": str(TOKENIZER_DIR)})
 
-    ckpt = open_checkpoint(str(golden_run), same, tmp_path)
+    ckpt = open_checkpoint(str(golden_run), same.store, tmp_path)
     assert ckpt.template_sha256 is not None
     check_checkpoint_matches(same, ckpt, AutoConfig.from_pretrained(GOLDEN / "target"))
 

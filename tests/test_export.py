@@ -238,7 +238,7 @@ def test_a_second_export_of_the_same_checkpoint_is_already_done_and_another_targ
     # The serving settings name the target: another one is another export.
     other_target = tmp_path / "other-target"
     AutoConfig.from_pretrained(GOLDEN / "target").save_pretrained(other_target)
-    other = export_stage.run(BlockdraftConfig(), str(run), str(out), target=str(other_target))
+    other = export_stage.run(BlockdraftConfig(target=TargetConfig(path=str(other_target))), str(run), str(out))
     assert not other.already_done and str(other_target) in other.details.serving["sglang_command"]
     assert (out / MANIFEST_NAME).read_bytes() != manifest
     assert verify_artifact(open_store(out)).state is State.VERIFIED

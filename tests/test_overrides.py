@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.paths import TOKENIZER_DIR
+from helpers.paths import TEMPLATES, TOKENIZER_DIR
 from helpers.tokenize_data import write_jsonl
 from helpers.train_data import config_file, logged_losses, make_rows, write_tokenized
 from typer.testing import CliRunner
@@ -72,6 +72,23 @@ def test_a_stage_flag_is_a_spelling_of_set():
     items = as_set_items(overrides)
     assert items == ['placement.drafter_devices=["cpu", "cpu"]', "train.max_steps=3", "train.deterministic=false"]
     assert load_config(None, sets=items).resolved() == load_config(None, overrides.values).resolved()
+
+
+def test_the_target_flags_of_tokenize_and_export_spell_the_target_section(tmp_path):
+    """`tokenize --tokenizer/--chat-template` and `export --target` are target.tokenizer/chat_template/path: typed,
+    checked against a --set of the same field, and pinned like any override."""
+    own = TEMPLATES / "trl_qwen3_6.jinja"
+    rows = [{"id": "r0", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["tokenize", str(data), str(out), "--tokenizer", str(TOKENIZER_DIR), "--chat-template", str(own)])
+    assert result.exit_code == 0, result.output
+    pinned = read_manifest(open_store(out))[0].config["target"]
+    assert (pinned["tokenizer"], pinned["chat_template"]) == (str(TOKENIZER_DIR), str(own))
+    line = _one_line(CliRunner().invoke(app, ["tokenize", str(data), str(out), "--tokenizer", "a", "--set", "target.tokenizer=b"]))
+    assert line == "error: --tokenizer a and --set target.tokenizer=b both set target.tokenizer; pass only one of them"
+    line = _one_line(CliRunner().invoke(app, ["export", str(out), str(tmp_path / "x"), "--target", "a", "--set", "target.path=b"]))
+    assert line == "error: --target a and --set target.path=b both set target.path; pass only one of them"
 
 
 def test_torchrun_ranks_get_the_overrides_and_force_on_their_command_line():

@@ -169,8 +169,7 @@ def test_template_caused_rejections_are_quarantined(tmp_path, template, thinking
         path.write_text(template)
     else:
         path = TEMPLATES / f"{template}.jinja"
-    result = tokenize(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"), config(thinking=thinking),
-                               chat_template=str(path))
+    result = tokenize(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"), config(str(path), thinking=thinking))
     assert result.report.state is State.VERIFIED
     assert result.details.counts["rejected"] == expected
     assert Counter(q["reason"] for q in quarantine_lines(tmp_path / "out")) == expected
@@ -236,8 +235,8 @@ def test_rerun_over_half_finished_output_redoes_only_mismatched_shards(tmp_path,
 
     def run(spec, output):
         template = spec.get("chat_template")
-        cfg = config(**spec.get("tokenize", {}))
-        return tokenize(str(corpus), str(output), cfg, chat_template=str(TEMPLATES / f"{template}.jinja") if template else None)
+        cfg = config(str(TEMPLATES / f"{template}.jinja") if template else None, **spec.get("tokenize", {}))
+        return tokenize(str(corpus), str(output), cfg)
 
     run(first, tmp_path / "out")
     half_finished(tmp_path / "out", "shard-00001")
@@ -284,7 +283,7 @@ def test_a_template_that_is_not_the_targets_is_announced_loudly(tmp_path):
     result = CliRunner().invoke(app, ["tokenize", str(corpus), str(tmp_path / "out"), "--config", str(config_file),
                                       "--chat-template", str(TEMPLATES / "trl_qwen3_6.jinja")])
     assert result.exit_code == 0, result.output
-    assert "WARNING" in result.output and "differs from the target's own" in result.output
+    assert "WARNING" in result.output and "differs from the target tokenizer's own" in result.output
     manifest = read_manifest(open_store(tmp_path / "out"))[0]
     assert manifest.config["tokenize_run"]["template_matches_target"] is False
 
@@ -477,7 +476,7 @@ def test_a_qwen3_6_hybrid_target_tokenizes_multi_turn_rows_with_its_own_template
 ])
 def test_qwen3_5_and_3_6_templates_with_thinking_forced_on_or_off(tmp_path, template, thinking, kept, rejected):
     result = tokenize(str(write_jsonl(tmp_path / "in.jsonl", [QWEN3_6_ROW])), str(tmp_path / "out"),
-                      config(thinking=thinking, held_out_fraction=0.0), chat_template=str(TEMPLATES / f"{template}.jinja"))
+                      config(str(TEMPLATES / f"{template}.jinja"), thinking=thinking, held_out_fraction=0.0))
     assert result.details.counts["rejected"] == rejected
     assert Counter(q["reason"] for q in quarantine_lines(tmp_path / "out")) == rejected
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)

@@ -22,7 +22,7 @@ from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.model.formats import checkpoint_key, find_resumable
 from blockdraft.stages.train import run
-from blockdraft.stages.train.launch import rendezvous_args
+from blockdraft.stages.train.launch import PLAN_CHECKED, rendezvous_args
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
 
@@ -85,6 +85,26 @@ def test_rendezvous_arguments_and_refusals(tmp_path, data_url):
         result = CliRunner().invoke(app, ["train", "--config", cfg, *flags])
         assert result.exit_code == 2 and line in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1, result.output  # one line, no traceback
+
+
+def test_node_flags_are_named_as_typed_and_reach_the_ranks_command_line(tmp_path, data_url, monkeypatch):
+    cfg = str(config_file(tmp_path, data_url, batch_size=1, global_batch_size=4, drafters=["cpu", "cpu"]))
+    result = CliRunner().invoke(app, ["train", "--config", cfg, "--nnodes", "0"])
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        "error: --nnodes 0: must be >= 1 (it sets placement.nnodes); pass a valid value"], result.output
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "call", lambda command, env: started.append(command) or 0)  # torchrun, not started
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv(PLAN_CHECKED, raising=False)
+    flags = ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:1", "--set", "train.max_steps=2"]
+    result = CliRunner().invoke(app, ["train", "--config", cfg, *flags])
+    assert result.exit_code == 0, result.output
+    (command,) = started
+    assert command[command.index("train"):] == [
+        "train", "--config", cfg, "--set", "placement.nnodes=2", "--set", "placement.node_rank=1",
+        "--set", "placement.rdzv_endpoint=h:1", "--set", "train.max_steps=2",
+    ]
 
 
 def test_plan_of_two_nodes_names_the_inter_node_gradient_bytes(tmp_path, data_url):

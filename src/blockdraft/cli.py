@@ -109,8 +109,8 @@ def tokenize(
     input: Annotated[str, typer.Argument(help="Completions: a JSONL (.gz/.zst) or Parquet file, a folder of them, or a completions artifact.")],
     output: Annotated[str, typer.Argument(help="Output folder for the tokenized artifact (Arrow shards + manifest).")],
     config: ConfigOpt = None,
-    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (default: the target's, from the config).")] = None,
-    chat_template: Annotated[str | None, typer.Option(help="Jinja chat template file (default: the target's own).")] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (target.tokenizer; default: target.path).")] = None,
+    chat_template: Annotated[str | None, typer.Option(help="Jinja chat template file (target.chat_template; default: the tokenizer's own).")] = None,
     thinking: Annotated[str | None, typer.Option(help="auto (per turn: on when it has reasoning), on or off.")] = None,
     max_length: Annotated[int | None, typer.Option(help="Clip rows to this many tokens (after masking).")] = None,
     held_out_fraction: Annotated[float | None, typer.Option(help="Fraction of conversations in the held-out split.")] = None,
@@ -123,10 +123,11 @@ def tokenize(
 
     if thinking not in (None, "auto", "on", "off"):
         raise typer.BadParameter(f"{thinking!r}; use auto, on or off", param_hint="--thinking")
-    overrides = {"tokenize": {"thinking": thinking, "max_length": max_length, "held_out_fraction": held_out_fraction, "workers": workers}}
+    overrides = {"tokenize": {"thinking": thinking, "max_length": max_length, "held_out_fraction": held_out_fraction, "workers": workers},
+                 "target": {"tokenizer": tokenizer, "chat_template": chat_template}}
     cfg = load_config(config, overrides, sets or ())
     with ConsoleReporter(console) as reporter:
-        result = tokenize_stage.run(cfg, input, output, reporter, force=force, tokenizer=tokenizer, chat_template=chat_template)
+        result = tokenize_stage.run(cfg, input, output, reporter, force=force)
     for line in tokenize_stage.summary_lines(result):
         reporter.say(line)
 
@@ -137,15 +138,16 @@ def export(
     checkpoint: Annotated[str, typer.Argument(help="Verified checkpoint (folder or URL), or a training output holding step-* checkpoints.")],
     out: Annotated[str, typer.Argument(help="Export destination: a folder, file:// or s3:// URL.")],
     config: ConfigOpt = None,
-    target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (default: the checkpoint's target.path).")] = None,
+    target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (target.path; default: the checkpoint's).")] = None,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
     """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, as a verified artifact; print the serving settings."""
     from blockdraft.stages import export as export_stage
 
+    cfg = load_config(config, {"target": {"path": target}}, sets or (), {"target.path": "--target"})
     with ConsoleReporter(console) as reporter:
-        result = export_stage.run(load_config(config, sets=sets or ()), checkpoint, out, reporter, force=force, target=target)
+        result = export_stage.run(cfg, checkpoint, out, reporter, force=force)
     console.print(f"[green]verified[/]: {result.report.summary()} at {result.url}", highlight=False)
     for line in export_stage.serving_lines(result.details.serving):  # for a store URL, the pull step comes first
         print(line)
@@ -277,7 +279,8 @@ def preflight(
 def train(
     config: ConfigOpt = None,
     nproc: Annotated[
-        int | None, typer.Option("--nproc", help="Processes to start with torchrun (one per placement.drafter_devices entry).")
+        int | None, typer.Option("--nproc", help="A check, not a setting: refuse to start unless placement.drafter_devices "
+                                                  "lists this many devices (torchrun starts one process per entry).")
     ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Take over the output's lease from a writer that is dead but whose lease has not expired "
@@ -293,19 +296,19 @@ def train(
     """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
     from blockdraft.stages.train import launch
 
-    # The node flags spell `--set placement.*`, so they reach the ranks torchrun starts with the other overrides.
-    nodes = {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint}
-    sets = [*(f"placement.{k}={v}" for k, v in nodes.items() if v is not None), *(sets or ())]
+    # The node flags are spellings of placement.* (a bad value's line names the flag as typed); launch passes them on
+    # to the ranks torchrun starts as `--set` items.
+    nodes = {"placement": {"nnodes": nnodes, "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint}}
     if plan:
         from blockdraft.stages.train.memory import memory_plan
 
-        planned = memory_plan(load_config(config, sets=sets))
+        planned = memory_plan(load_config(config, nodes, sets or ()))
         print("\n".join(planned.lines()))
         if problem := planned.problem():
             raise ConfigError(problem)
         return
     with ConsoleReporter(console) as reporter:
-        launched = launch(config, nproc, reporter, force, sets)
+        launched = launch(config, nproc, reporter, force, sets or (), nodes)
     if launched.result is not None and launched.rank == 0:
         trained = launched.result.details
         if trained.metrics:

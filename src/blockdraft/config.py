@@ -334,13 +334,16 @@ def _safe_urls(data: Any) -> Any:
     return safe_url(data) if isinstance(data, str) else data
 
 
-def load_config(path: str | Path | None = None, flags: dict | None = None, sets: Sequence[str] = ()) -> BlockdraftConfig:
+def load_config(
+    path: str | Path | None = None, flags: dict | None = None, sets: Sequence[str] = (), flag_names: dict[str, str] | None = None,
+) -> BlockdraftConfig:
     """Load and validate a TOML config with command-line overrides laid over it: `flags` ({"section": {"key": value}},
     None values ignored, so a CLI can pass every option and let the file decide the unset ones) and `sets`
     (`--set section.key=value` items). A bad override's one line names it as the user spelled it (`--max-length -3`,
-    `--set train.max_steps=0`), a bad field of the file names the file and the field.
+    `--set train.max_steps=0`; `flag_names` {"section.key": "--flag"} for a flag not named after its key), a bad field
+    of the file names the file and the field.
     """
-    return load_with(path, set_overrides(sets, BlockdraftConfig, flag_overrides(flags or {})))
+    return load_with(path, set_overrides(sets, BlockdraftConfig, flag_overrides(flags or {}, names=flag_names)))
 
 
 def load_with(path: str | Path | None, overrides: Overrides) -> BlockdraftConfig:

@@ -1,9 +1,10 @@
 """Command-line overrides of the config: `--set section.key=value`, and the stage flags that spell the same thing.
 
-Every command takes `--set` (repeatable); a stage flag such as `tokenize --max-length 50` is another spelling of
-`--set tokenize.max_length=50`. Both become one override dict ({"section": {"key": value}}) that `load_config` lays
-over the file before validating, so the value is typed, checked and pinned exactly as the file's would be. Each
-override remembers how it was spelled, so a bad value's one line names what the user typed.
+Every command that reads the config (all but `demo`) takes `--set` (repeatable); a stage flag such as
+`tokenize --max-length 50` is another spelling of `--set tokenize.max_length=50`. Both become one override dict
+({"section": {"key": value}}) that `load_config` lays over the file before validating, so the value is typed, checked
+and pinned exactly as the file's would be. Each override remembers how it was spelled, so a bad value's one line names
+what the user typed.
 """
 
 from __future__ import annotations
@@ -40,14 +41,19 @@ class Overrides:
         self.spelled[section, key] = spelling
 
 
-def flag_overrides(flags: Mapping[str, Mapping[str, Any]], overrides: Overrides | None = None) -> Overrides:
-    """The stage flags' values ({"section": {"key": value}}) as overrides, each spelled `--key-name value`; None values
+def flag_overrides(
+    flags: Mapping[str, Mapping[str, Any]], overrides: Overrides | None = None, names: Mapping[str, str] | None = None,
+) -> Overrides:
+    """The stage flags' values ({"section": {"key": value}}) as overrides, each spelled `--key-name value`, or with the
+    flag `names["section.key"]` where the flag is named otherwise (`export --target` sets target.path); None values
     are flags not given, so the file decides."""
     overrides = overrides or Overrides()
+    names = names or {}
     for section, values in flags.items():
         for key, value in values.items():
             if value is not None:
-                overrides.add(section, key, value, f"--{key.replace('_', '-')} {value}")
+                flag = names.get(f"{section}.{key}", f"--{key.replace('_', '-')}")
+                overrides.add(section, key, value, f"{flag} {value}")
     return overrides
 
 
@@ -110,7 +116,7 @@ def _is_list(annotation: Any) -> bool:
 
 def as_set_items(overrides: Overrides) -> list[str]:
     """The overrides as `--set` items (`section.key=value`, lists as JSON), for a command line that re-reads the config:
-    the training ranks torchrun starts."""
+    `train`'s node flags on the command line of the ranks torchrun starts (`stages.train.launch`)."""
     return [f"{section}.{key}={_text(value)}" for section, values in overrides.values.items() for key, value in values.items()]
 
 

@@ -25,7 +25,8 @@ import torch
 import zstandard
 from transformers import AutoTokenizer
 
-from blockdraft.config import BlockdraftConfig, EvalConfig, load_config
+from blockdraft.config import BlockdraftConfig, EvalConfig, StoreConfig, load_config
+from blockdraft.data.formats import COMPLETIONS_KIND
 from blockdraft.errors import ArtifactError
 from blockdraft.fixtures.hybrid import TINY_HYBRID_TARGET_DIR
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR, distinct_ngram_ratio
@@ -39,7 +40,7 @@ from blockdraft.stages.export import serving_lines
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
 from blockdraft.store.preflight import preflight
-from blockdraft.store.stage_io import recorded_manifest
+from blockdraft.store.stage_io import open_input, recorded_manifest
 from blockdraft.store.status import render_progress, status
 from blockdraft.store.transfer import pull, push
 
@@ -159,21 +160,21 @@ def _regeneration_prompts(workdir: Path, count: int, target_dir: Path) -> Path:
     return out
 
 
-def _distinct_4gram(completions_url: str, cfg: BlockdraftConfig, target_dir: Path) -> float:
-    """Mean distinct-4-gram ratio of the regenerated answers, read back from the completions artifact."""
-    store = open_store(completions_url, cfg.store)
-    report = verify_artifact(store)
+def _distinct_4gram(completions_url: str, store_config: StoreConfig, target_dir: Path) -> float:
+    """Mean distinct-4-gram ratio of the regenerated answers, read back from the verified completions artifact (each
+    shard checked against its checksum as read)."""
+    data = open_input(completions_url, store_config, (COMPLETIONS_KIND,), "completions")
+    shards = [entry.path for entry in data.manifest.files if entry.path.endswith(".jsonl.zst")]
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     ratios = []
-    for entry in report.manifest.files if report.manifest else []:
-        if not entry.path.endswith(".jsonl.zst"):
-            continue
-        text = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(store.read_bytes(entry.path))).read().decode()
-        for line in text.splitlines():
-            turn = json.loads(line)["messages"][-1]
-            ids = tokenizer.encode((turn.get("reasoning_content") or "") + turn.get("content", ""))
-            if len(ids) >= 8:
-                ratios.append(distinct_ngram_ratio(ids, 4))
+    with data.fetched(shards) as folder:
+        for shard in shards:
+            text = zstandard.ZstdDecompressor().stream_reader(io.BytesIO((folder / shard).read_bytes())).read().decode()
+            for line in text.splitlines():
+                turn = json.loads(line)["messages"][-1]
+                ids = tokenizer.encode((turn.get("reasoning_content") or "") + turn.get("content", ""))
+                if len(ids) >= 8:
+                    ratios.append(distinct_ngram_ratio(ids, 4))
     return sum(ratios) / len(ratios) if ratios else 0.0
 
 
@@ -286,7 +287,7 @@ def _run(
     timed("preflight", lambda: preflight(open_store(store, cfg.store)))
     prompts = str(_regeneration_prompts(workdir, size.conversations, target_dir))
     timed("generate", lambda: _generate(cfg, prompts, f"{store}/completions", reporter, workdir), f"{store}/completions")
-    result.distinct_4gram = _distinct_4gram(f"{store}/completions", cfg, target_dir)
+    result.distinct_4gram = _distinct_4gram(f"{store}/completions", cfg.store, target_dir)
     reporter.say(f"[generate] distinct-4-gram ratio of the target's answers: {result.distinct_4gram:.2f}")
     local_tokenized = str(workdir / "tokenized")
     timed("tokenize", lambda: tokenize.run(cfg, f"{store}/completions", local_tokenized, reporter), local_tokenized)

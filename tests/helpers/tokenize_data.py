@@ -70,8 +70,9 @@ def make_corpus(folder: Path, files: int = 3, per_file: int = 30) -> Path:
     return folder
 
 
-def config(**tokenize) -> BlockdraftConfig:
-    return load_config(None, {"target": {"path": str(TOKENIZER_DIR)}, "tokenize": tokenize})
+def config(chat_template: str | None = None, **tokenize) -> BlockdraftConfig:
+    """The tiny tokenizer's target with `chat_template` (target.chat_template) and these [tokenize] values."""
+    return load_config(None, {"target": {"path": str(TOKENIZER_DIR), "chat_template": chat_template}, "tokenize": tokenize})
 
 
 def tokenize(input: Path | str, output: Path | str, cfg: BlockdraftConfig, reporter: Reporter | None = None, **options) -> StageResult:

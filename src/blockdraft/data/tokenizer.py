@@ -1,4 +1,4 @@
-"""The tokenizer and chat template a run renders with, resolved from the config: the target's own unless overridden.
+"""The tokenizer and chat template a run renders with, resolved from the config's [target] section.
 
 tokenize renders rows with it and eval compares its template hash with the one a checkpoint pinned.
 """
@@ -20,7 +20,8 @@ from blockdraft.errors import ConfigError
 
 @dataclass(frozen=True)
 class TokenizerSource:
-    """The tokenizer and chat template a run uses, resolved from the config and the overrides."""
+    """The tokenizer and chat template a run uses, resolved from the [target] section; `target_template_sha256` is the
+    tokenizer's own template's (None when it has none)."""
 
     tokenizer_json: str
     tokenizer_sha256: str
@@ -58,43 +59,31 @@ def _read_template_file(path: str) -> str:
     return p.read_text()
 
 
-def _target_template(target: TargetConfig) -> str | None:
-    """The target's own chat template text (target.chat_template, else the target tokenizer's), or None when unknown."""
-    if target.chat_template:
-        return _read_template_file(target.chat_template)
-    target_tok = target.tokenizer or target.path
-    if target_tok and Path(target_tok).is_dir():
-        return load_tokenizer(target_tok)[2]
-    return None
-
-
-def resolve_tokenizer(target: TargetConfig, tokenizer: str | None, chat_template: str | None) -> tuple[TokenizerSource, list[str]]:
-    """The tokenizer/template of this run (`tokenizer`, `chat_template`, else the [target] section's) and the warnings to
-    show loudly (template not the target's)."""
-    tok_path = tokenizer or target.tokenizer or target.path
+def resolve_tokenizer(target: TargetConfig) -> tuple[TokenizerSource, list[str]]:
+    """The tokenizer and template of this run from the [target] section (`tokenize --tokenizer/--chat-template` spell
+    target.tokenizer/target.chat_template): target.tokenizer, else target.path; target.chat_template, else that
+    tokenizer's own template. Also the warnings to show loudly: a template that is not the tokenizer's own (the target
+    must then be served with it too), or a tokenizer with no template of its own to compare with."""
+    tok_path = target.tokenizer or target.path
     if not tok_path:
         raise ConfigError("no tokenizer: set target.path (or target.tokenizer) in the config, or pass --tokenizer DIR")
     tokenizer_json, vocab_size, own_template, special_tokens = load_tokenizer(str(tok_path))
-    target_text = _target_template(target)
-    if chat_template:
-        text, source = _read_template_file(chat_template), f"file {Path(chat_template).name}"
-    elif target_text is not None:
-        text, source = target_text, "target"
+    if target.chat_template:
+        text, source = _read_template_file(target.chat_template), f"file {Path(target.chat_template).name}"
     elif own_template is not None:
         text, source = own_template, f"tokenizer {Path(tok_path).name}"
     else:
         raise ConfigError(f"the tokenizer in {tok_path} has no chat template; pass one with --chat-template FILE")
     template = compile_chat_template(text, special_tokens)
-    target_sha = hashlib.sha256(target_text.encode()).hexdigest() if target_text is not None else None
+    own_sha = hashlib.sha256(own_template.encode()).hexdigest() if own_template is not None else None
     warnings = []
-    if target_sha is None:
+    if own_sha is None:
+        warnings.append(f"the tokenizer in {tok_path} has no chat template of its own to compare with: rows use the template from {source}")
+    elif own_sha != template.sha256:
         warnings.append(
-            f"no target chat template to compare with (set target.path in the config): rows use the template from {source}"
-        )
-    elif target_sha != template.sha256:
-        warnings.append(
-            f"the chat template ({source}, sha256 {template.sha256[:12]}) differs from the target's own "
-            f"(sha256 {target_sha[:12]}): a drafter trained on these rows learns another prompt format than the target serves"
+            f"the chat template ({source}, sha256 {template.sha256[:12]}) differs from the target tokenizer's own "
+            f"(sha256 {own_sha[:12]}): serve the target with this template, or a drafter trained on these rows learns "
+            "another prompt format than the target serves"
         )
     src = TokenizerSource(
         tokenizer_json=tokenizer_json,
@@ -102,7 +91,7 @@ def resolve_tokenizer(target: TargetConfig, tokenizer: str | None, chat_template
         vocab_size=vocab_size,
         template=template,
         template_source=source,
-        target_template_sha256=target_sha,
+        target_template_sha256=own_sha,
     )
     return src, warnings
 

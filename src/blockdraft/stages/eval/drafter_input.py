@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import BlockdraftConfig, DFlashConfig, StoreConfig, TargetConfig
 from blockdraft.data.tokenizer import resolve_tokenizer
 from blockdraft.errors import ConfigError, EvalError
 from blockdraft.model.formats import (
@@ -49,11 +49,11 @@ class Checkpoint:
         return self.artifact.fetch([WEIGHTS_NAME], self.workdir)  # config.json is there since `open_checkpoint`
 
 
-def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoint:
+def open_checkpoint(url: str, store: StoreConfig, workdir: Path) -> Checkpoint:
     """The verified drafter at `url` (folder, file:// or s3://): a training checkpoint, a training run's output (its
     newest verified step-* checkpoint) or an export. Only its config files are fetched here. Raises ArtifactError for
     anything else, EvalError when it lacks a drafter file."""
-    artifact = open_drafter_artifact(open_store(url, cfg.store))
+    artifact = open_drafter_artifact(open_store(url, store))
     kind = artifact.kind
     pinned_name = {CHECKPOINT_KIND: PINNED_CONFIG_NAME, EXPORT_KIND: PROVENANCE_NAME}[kind]
     listed = {e.path for e in artifact.manifest.files}
@@ -73,10 +73,11 @@ def open_checkpoint(url: str, cfg: BlockdraftConfig, workdir: Path) -> Checkpoin
     )
 
 
-def chat_template_sha256(cfg: BlockdraftConfig) -> str | None:
-    """sha256 of the chat template the config resolves to, computed as the tokenize stage does; None when there is none."""
+def chat_template_sha256(target: TargetConfig) -> str | None:
+    """sha256 of the chat template the [target] section resolves to, computed as the tokenize stage does; None when there
+    is none."""
     try:
-        source, _ = resolve_tokenizer(cfg.target, None, None)
+        source, _ = resolve_tokenizer(target)
     except (ConfigError, OSError, ValueError):
         return None
     return source.template.sha256
@@ -93,7 +94,7 @@ def check_checkpoint_matches(cfg: BlockdraftConfig, checkpoint: Checkpoint, hf_c
     trained = _trained_dflash(checkpoint)
     given = {
         "dflash.mask_token_id": cfg.dflash.mask_token_id,
-        "dflash.target_layer_ids": _given_layer_ids(cfg, hf_config),
+        "dflash.target_layer_ids": _given_layer_ids(cfg.dflash, hf_config),
         "dflash.block_size": cfg.dflash.block_size,
     }
     for field, value in given.items():
@@ -103,7 +104,7 @@ def check_checkpoint_matches(cfg: BlockdraftConfig, checkpoint: Checkpoint, hf_c
                 f"{value}; set {field} = {trained[field]} in the config (or evaluate a checkpoint trained with this config)"
             )
     if checkpoint.template_sha256 is not None:
-        given_hash = chat_template_sha256(cfg)
+        given_hash = chat_template_sha256(cfg.target)
         if given_hash is not None and given_hash != checkpoint.template_sha256:
             raise EvalError(
                 f"checkpoint {checkpoint.url} was trained on rows rendered with chat template sha256 {checkpoint.template_sha256[:12]}, "
@@ -131,12 +132,12 @@ def _trained_dflash(checkpoint: Checkpoint) -> dict[str, Any]:
     return trained
 
 
-def _given_layer_ids(cfg: BlockdraftConfig, hf_config: Any) -> list[int]:
+def _given_layer_ids(dflash: DFlashConfig, hf_config: Any) -> list[int]:
     """dflash.target_layer_ids as the config gives them, else the default spread for this target (docs/DFLASH.md)."""
-    if cfg.dflash.target_layer_ids is not None:
-        return list(cfg.dflash.target_layer_ids)
+    if dflash.target_layer_ids is not None:
+        return list(dflash.target_layer_ids)
     shape = TargetShape.from_config(hf_config)
-    return list(default_layer_ids(shape.num_layers, cfg.dflash.num_draft_layers))
+    return list(default_layer_ids(shape.num_layers, dflash.num_draft_layers))
 
 
 __all__ = ["Checkpoint", "chat_template_sha256", "check_checkpoint_matches", "open_checkpoint"]

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from blockdraft.config import BlockdraftConfig, StoreConfig
+from blockdraft.config import BlockdraftConfig, StoreConfig, TargetConfig
 from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.errors import EvalError
 from blockdraft.store.artifact import InputRef
@@ -53,15 +53,15 @@ def read_eval_prompts(source: str | None, cfg: BlockdraftConfig, tokenizer: Any,
     return EvalPrompts(ids, source, ref)
 
 
-def load_target_tokenizer(cfg: BlockdraftConfig) -> Any:
+def load_target_tokenizer(target: TargetConfig) -> Any:
     """The target's tokenizer (target.tokenizer, else target.path) with target.chat_template, or None when that folder has none."""
-    source = cfg.target.tokenizer or cfg.target.path
+    source = target.tokenizer or target.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         return None
-    if cfg.target.chat_template:
-        tokenizer.chat_template = Path(cfg.target.chat_template).read_text()
+    if target.chat_template:
+        tokenizer.chat_template = Path(target.chat_template).read_text()
     return tokenizer
 
 

@@ -81,9 +81,9 @@ def run(
 
     with tempfile.TemporaryDirectory(prefix="blockdraft-eval-") as tmp:
         workdir = Path(tmp)
-        ckpt = open_checkpoint(input, config, workdir / "checkpoint")
+        ckpt = open_checkpoint(input, config.store, workdir / "checkpoint")
         check_checkpoint_matches(config, ckpt, hf_config)
-        tokenizer = load_target_tokenizer(config)
+        tokenizer = load_target_tokenizer(config.target)
         chosen = read_eval_prompts(prompts or config.eval.prompts or config.train.data, config, tokenizer, workdir)
         url = output or _default_output(config, ckpt, chosen.ids, max_new_tokens)
         out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt, served), config.store, force=force, reporter=reporter)

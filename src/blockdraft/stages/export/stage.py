@@ -64,13 +64,12 @@ class ExportResult:
 
 def run(
     config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None, *, force: bool = False,
-    target: str | None = None,
 ) -> StageResult:
     """Export the verified checkpoint at `input` (a folder or URL, or a training output holding step-* checkpoints) to
     `output` (a folder or s3:// URL); `details` is an ExportResult.
 
-    `target` overrides where the target model's config is read from (default: target.path pinned in the checkpoint); the
-    tensors are stored in `config.target.dtype`, default that target config's own dtype.
+    The target model's config is read from `config.target.path` (`export --target`), else the target.path pinned in the
+    checkpoint; the tensors are stored in `config.target.dtype`, default that target config's own dtype.
     Raises ArtifactError for an input that is not a verified drafter, ExportError for an inconsistent checkpoint or an
     unreadable target, SpecError for a drafter the target contradicts.
     """
@@ -82,9 +81,9 @@ def run(
     checkpoint = open_drafter_artifact(in_store)
     with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
         resolved = _pinned_config(checkpoint, Path(tmp))
-        target_path = target or resolved.get("target", {}).get("path")
+        target_path = config.target.path or resolved.get("target", {}).get("path")
         if not target_path:
-            raise ExportError("the checkpoint pins no target.path; pass --target with the target model's folder or hub id")
+            raise ExportError("neither the config nor the checkpoint names target.path; pass --target with the target model's folder or hub id")
         target_config = _target_config(target_path)
         dtype = target_dtype(config.target.dtype, target_config)
         key = {"target": target_path, "location": output, "dtype": dtype}

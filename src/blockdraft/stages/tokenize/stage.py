@@ -57,15 +57,14 @@ def run(
     reporter: Reporter | None = None,
     *,
     force: bool = False,
-    tokenizer: str | None = None, chat_template: str | None = None,
 ) -> StageResult:
     """Tokenize completions at `input` (file, folder or completions artifact) into a verified `tokenized` artifact at `output`.
 
     Options come from `config.tokenize` (thinking, max_length, held_out_fraction, workers, task_bytes = input bytes per
     task, file_bytes = bytes per Arrow file, rows_per_shard = rows per Arrow file if set, end_of_turn);
-    `tokenizer`/`chat_template` override the target's (`config.target`). Reports (to a `Reporter()` when none is given)
+    the tokenizer and template from `config.target` (`resolve_tokenizer`). Reports (to a `Reporter()` when none is given)
     progress as ("tokenize", input bytes done, input bytes to do, rows=, tokens=), and warnings (a template not the
-    target's; more than 1% of the rows clipped to `tokenize.max_length`).
+    target tokenizer's own; more than 1% of the rows clipped to `tokenize.max_length`).
     Resumes: finished shards of this run are kept, the rest redone. Returns what was verified at the destination, with a
     `TokenizeSummary` as details; ConfigError for unusable input or options; `DiskFull` (one line: where, how much) when
     the output's disk fills, after removing the temporary files.
@@ -80,17 +79,16 @@ def run(
     out_store = open_store(output, config.store)
     refuse_nested(open_store(input, config.store), out_store)
     if out_store.local_path() is None:
-        result = _run_to_remote(config, input, output, reporter, tokenizer, chat_template, started, force)
+        result = _run_to_remote(config, input, output, reporter, started, force)
     else:
-        result = _run_local(config, input, output, reporter, tokenizer, chat_template, started, force)
+        result = _run_local(config, input, output, reporter, started, force)
     if result.details.counts.get("input_files_failed"):
         raise InputFilesFailed(result)
     return result
 
 
-def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
-               chat_template: str | None, started: float, force: bool) -> StageResult:
-    plan = _plan(config, input, output, tokenizer, chat_template, reporter, force)
+def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, started: float, force: bool) -> StageResult:
+    plan = _plan(config, input, output, reporter, force)
     with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src) as runner:
         report = plan.out.done()
         if report is not None and report.manifest is not None:
@@ -110,13 +108,12 @@ def _warn_if_clipped(summary: TokenizeSummary, reporter: Reporter) -> None:
         summary.warnings.append(message)
 
 
-def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
-                   chat_template: str | None, started: float, force: bool) -> StageResult:
+def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, started: float, force: bool) -> StageResult:
     """A remote OUTPUT (s3://): preflight in seconds, tokenize into a local staging folder while finished shards are
     pushed, then push the rest, verify it all there and commit the manifest last."""
 
     def run_locally(local: Path) -> StageResult:
-        return _run_local(config, input, str(local), reporter, tokenizer, chat_template, started, force)
+        return _run_local(config, input, str(local), reporter, started, force)
 
     staged, pushed = stage_and_push(output, config.store, KIND, run_locally, finished_shard_entries, reporter=reporter, force=force)
     result = cast(StageResult, staged)
@@ -196,10 +193,9 @@ def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> 
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | None, chat_template: str | None,
-          reporter: Reporter, force: bool) -> _Plan:
+def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, force: bool) -> _Plan:
     opts = config.tokenize
-    src, warnings = resolve_tokenizer(config.target, tokenizer, chat_template)
+    src, warnings = resolve_tokenizer(config.target)
     for message in warnings:
         reporter.warn(message)
     eot_id = end_of_turn_id(src.tokenizer_json, opts.end_of_turn)

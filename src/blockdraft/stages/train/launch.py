@@ -11,11 +11,13 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from blockdraft.config import BlockdraftConfig, PlacementConfig, load_config
 from blockdraft.errors import ConfigError
+from blockdraft.overrides import as_set_items, flag_overrides
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.train.memory import MemoryPlan, memory_plan
@@ -36,17 +38,19 @@ class Launched:
 
 def launch(
     config_path: str | None, nproc: int | None = None, reporter: Reporter | None = None, force: bool = False, sets: Sequence[str] = (),
+    flags: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Launched:
-    """Train per the config at `config_path` (None: the defaults) with `sets` (`--set section.key=value`) laid over it, with
-    one process per placement.drafter_devices entry (on each of placement.nnodes nodes). `force`: take over a dead
-    writer's lease and start over when checkpoints are there but none verifies (`run`), on every rank: the ranks get
-    `--force` and `sets` on their command line.
+    """Train per the config at `config_path` (None: the defaults) with `flags` (the node flags, {"placement": {...}}, as
+    `load_config` takes them) and `sets` (`--set section.key=value`) laid over it, with one process per
+    placement.drafter_devices entry (on each of placement.nnodes nodes). `force`: take over a dead writer's lease and
+    start over when checkpoints are there but none verifies (`run`), on every rank: the ranks get `--force`, the flags
+    as `--set` items (`as_set_items`) and `sets` on their command line.
 
-    `nproc`, when given, must equal that count. The memory plan is printed and checked first (`check_plan`). In a
+    `nproc`, when given, must equal that count (a check, not a setting). The memory plan is printed and checked first (`check_plan`). In a
     torchrun rank, or with a single drafter device, `run` trains here; otherwise torchrun starts the ranks and this
     waits for it.
     """
-    config = load_config(config_path, sets=sets)
+    config = load_config(config_path, dict(flags or {}), sets)
     rendezvous = rendezvous_args(config.placement)
     wanted = len(config.placement.drafter_devices)
     if nproc is not None and nproc != wanted:
@@ -62,7 +66,8 @@ def launch(
     if config_path is None:
         raise ConfigError("training on several drafter devices or nodes needs the config as a file; pass --config FILE")
     env = {CUBLAS_WORKSPACE: CUBLAS_WORKSPACE_VALUE, **os.environ, PLAN_CHECKED: "1"}  # the ranks' environment, not ours
-    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted, force, sets, rendezvous), env=env))
+    rank_sets = [*as_set_items(flag_overrides(flags or {})), *sets]
+    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted, force, rank_sets, rendezvous), env=env))
 
 
 def check_plan(config: BlockdraftConfig, reporter: Reporter, show: bool = True) -> MemoryPlan:
