@@ -68,7 +68,7 @@ def run(
     with rank_session(place, config.train.deterministic, config.train.dist_timeout_minutes), ExitStack() as held:
         trainer = _prepare(config, place, reporter, held, force)
         # Already done when the final checkpoint of this run is there and verifies, as its StageOutput says (rank 0 asks).
-        done = place.is_main and trainer.checkpoints.done(trainer.total_steps)
+        done = place.is_main and trainer.checkpoints.has_checkpoint(trainer.total_steps)
         trainer.train()
         final, done = _final_report(trainer, place, done)
     result = TrainResult(

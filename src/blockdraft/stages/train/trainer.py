@@ -91,7 +91,7 @@ class Trainer:
         self.head = TargetHead.from_target(hf_target, place.drafter_device)
         resolved = resolved_training_config(config, self.spec, output_url, rows.tokenize_run)
         resolved["target"]["dtype"] = str(hf_target.dtype).removeprefix("torch.")  # what target.dtype resolved to
-        identity = run_identity(resolved, place.world_size, rows.lineage.sha256)
+        identity = run_identity(resolved, rows.lineage.sha256)
         keep_every = tc.keep_checkpoint_every * tc.checkpoint_every if tc.keep_checkpoint_every else None
         self.checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, keep_every, reporter,
                                        tc.max_checkpoint_failures, start_over)
