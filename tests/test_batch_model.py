@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from blockdraft.model import DFlashDrafter, DraftCache, TargetHead, TargetModel, draft_step, load_target
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch, sample_anchors
 from blockdraft.stages.train.loss import block_loss
-from blockdraft.stages.train.trainer import DraftForward
+from blockdraft.stages.train.step import DraftForward
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
-from blockdraft.errors import SpecError
+from blockdraft.errors import ExportError, SpecError
 from blockdraft.model import DFlashDrafter, DraftCache, DrafterSpec, TargetHead, draft_step, load_target
 from blockdraft.model.formats import EXPORT_KIND, PROVENANCE_NAME
 from blockdraft.reporter import Reporter
@@ -220,6 +220,12 @@ def test_export_refuses_an_artifact_that_is_not_a_checkpoint(tmp_path):
     _data_artifact(data)
     with pytest.raises(Exception, match="'tokenized' artifact, not a drafter checkpoint"):
         export_stage.run(BlockdraftConfig(), str(data), str(tmp_path / "out"))
+
+
+def test_export_refuses_a_drafter_without_its_pinned_config(tmp_path, golden_drafter):
+    export_stage.run(BlockdraftConfig(), str(_checkpoint(tmp_path, golden_drafter)), str(tmp_path / "export"))
+    with pytest.raises(ExportError, match=r"lists no blockdraft-config\.json: it is not a blockdraft training checkpoint"):
+        export_stage.run(BlockdraftConfig(), str(tmp_path / "export"), str(tmp_path / "again"))  # an export pins none
 
 
 def test_a_second_export_of_the_same_checkpoint_is_already_done_and_another_target_exports_again(tmp_path, golden_drafter):

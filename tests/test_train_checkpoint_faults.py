@@ -206,7 +206,7 @@ def test_a_checkpoint_of_another_format_is_refused_with_one_line(tmp_path):
     dflash = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
     drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
     resolved = load_config(None, {"target": {"path": "t"}}).resolved()
-    identity = run_identity(resolved, 1, "sha")
+    identity = run_identity(resolved, "sha")
     assert identity["format"] == CHECKPOINT_FORMAT and identity["dflash"]["loss_weighting"] == "exponential"
     (tmp_path / "data.bin").write_bytes(b"rows")
     data = InputRef(kind="raw", url=(tmp_path / "data.bin").as_uri(), size=4)
@@ -218,3 +218,27 @@ def test_a_checkpoint_of_another_format_is_refused_with_one_line(tmp_path):
         checkpoints.newest()
     save_checkpoint(store, 4, drafter, {}, resolved, [data], {"step": 4, "run": identity})
     assert checkpoints.newest().step == 4  # the same format and identity resume
+
+
+def test_a_checkpoint_of_the_same_settings_on_other_data_is_another_runs(tmp_path):
+    """Whose a checkpoint is, is its `StageOutput`'s to say (the run identity and the data by content, by its stage key):
+    the same recorded settings over other data are refused, and `has_checkpoint` agrees; the same data in another folder
+    (pulled to another node) is the same run's."""
+    dflash = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
+    drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
+    resolved = load_config(None, {"target": {"path": "t"}}).resolved()
+    identity = run_identity(resolved, "sha")
+    (tmp_path / "moved").mkdir()
+    for name, content in (("data.bin", b"rows"), ("other.bin", b"more rows"), ("moved/data.bin", b"rows")):
+        (tmp_path / name).write_bytes(content)
+    data, other, moved = (InputRef(kind="raw", url=(tmp_path / name).as_uri(), size=(tmp_path / name).stat().st_size)
+                          for name in ("data.bin", "other.bin", "moved/data.bin"))
+    store = open_store(tmp_path / "ckpt")
+    save_checkpoint(store, 2, drafter, {}, resolved, [other], {"step": 2, "run": identity})
+    checkpoints = Checkpoints(store, resolved, identity, data, None, None, Reporter())
+    assert not checkpoints.has_checkpoint(2)
+    with pytest.raises(ConfigError, match=r"step-00000002 is a checkpoint of another run \(differs in train.data\)"):
+        checkpoints.newest()
+    assert Checkpoints(store, resolved, identity, other, None, None, Reporter()).newest().step == 2  # control
+    save_checkpoint(store, 4, drafter, {}, resolved, [data], {"step": 4, "run": identity})
+    assert Checkpoints(store, resolved, identity, moved, None, None, Reporter()).newest().step == 4

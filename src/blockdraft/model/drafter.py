@@ -142,6 +142,9 @@ class DFlashDrafter(nn.Module):
         self.rope_inv_freq, self.rope_attention_factor = rope_tables(
             spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings
         )
+        # train.activation_checkpointing (the trainer sets it): in a forward with gradients each layer keeps only its
+        # inputs and runs again in backward, trading compute for activation memory
+        self.checkpoint_layers: bool = False
 
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """Target features [b, S, K*H] -> context C [b, S, H] (fc, then hidden_norm)."""
@@ -174,8 +177,7 @@ class DFlashDrafter(nn.Module):
         else:
             masks = self._layer_masks(attention_mask, block_positions, context_kv[0][0].shape[2], context_positions)
         hidden = block_hidden
-        # train.activation_checkpointing (set by the trainer): a layer keeps only its inputs and runs again in backward
-        recompute = getattr(self, "checkpoint_layers", False) and torch.is_grad_enabled()
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer, kind, (ctx_k, ctx_v) in zip(self.layers, self.spec.layer_types, context_kv, strict=True):
             if recompute:
                 from torch.utils.checkpoint import checkpoint

@@ -30,7 +30,6 @@ def checkpoint_key(step: int) -> str:
     return f"step-{step:08d}"
 
 
-
 @dataclass
 class Resumable:
     step: int
@@ -49,12 +48,16 @@ def find_resumable(store: Store) -> Resumable | None:
     return search_checkpoints(store)[0]
 
 
+def checkpoint_steps(store: Store) -> list[int]:
+    """The steps of the committed checkpoints under `store` (those with a manifest, verified or not), newest first."""
+    return sorted({int(m.group(1)) for info in store.list("step-") if (m := STEP_MANIFEST.match(info.key))}, reverse=True)
+
+
 def search_checkpoints(store: Store) -> tuple[Resumable | None, list[str]]:
     """(the newest checkpoint under `store` that verifies, or None; the committed ones newer than it that did not, each
     with its state and problem). A checkpoint without a manifest (a push that never finished) is neither."""
-    steps = sorted({int(m.group(1)) for info in store.list("step-") if (m := STEP_MANIFEST.match(info.key))}, reverse=True)
     skipped = []
-    for step in steps:
+    for step in checkpoint_steps(store):
         child = store.child(checkpoint_key(step))
         report = verify_artifact(child)
         if report.state is State.VERIFIED and report.manifest is not None and report.manifest.kind == CHECKPOINT_KIND:
@@ -86,5 +89,5 @@ def open_drafter_artifact(store: Store) -> StageInput:
 
 __all__ = [
     "CHECKPOINT_KIND", "CONFIG_NAME", "EXPORT_KIND", "PINNED_CONFIG_NAME", "PROVENANCE_NAME", "SERVING_NAME", "STATE_NAME", "WEIGHTS_NAME",
-    "Resumable", "checkpoint_key", "find_resumable", "open_drafter_artifact", "search_checkpoints",
+    "Resumable", "checkpoint_key", "checkpoint_steps", "find_resumable", "open_drafter_artifact", "search_checkpoints",
 ]

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig
 
 from blockdraft.config import BlockdraftConfig, StoreConfig
-from blockdraft.errors import ExportError, SpecError, safe_url
+from blockdraft.errors import ExportError, safe_url
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.formats import (
     CONFIG_NAME,
@@ -40,7 +40,7 @@ from blockdraft.model.formats import (
     WEIGHTS_NAME,
     open_drafter_artifact,
 )
-from blockdraft.model.spec import DrafterSpec, default_gamma
+from blockdraft.model.spec import DrafterSpec
 from blockdraft.model.target import target_dtype
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
@@ -81,7 +81,7 @@ def run(
     checkpoint = open_drafter_artifact(in_store)
     with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
         resolved = _pinned_config(checkpoint, Path(tmp))
-        target_path = config.target.path or resolved.get("target", {}).get("path")
+        target_path = config.target.path or resolved["target"]["path"]
         if not target_path:
             raise ExportError("neither the config nor the checkpoint names target.path; pass --target with the target model's folder or hub id")
         target_config = _target_config(target_path)
@@ -93,7 +93,7 @@ def run(
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; nothing written")
             return StageResult(STAGE, out.url, done, already_done=True, seconds=time.perf_counter() - started, details=_stored(out))
         drafter = DFlashDrafter.from_pretrained(checkpoint.fetch([CONFIG_NAME, WEIGHTS_NAME], Path(tmp)))
-    dflash = resolved.get("dflash", {})
+    dflash = resolved["dflash"]
     _check_pinned(drafter.spec, dflash)
     with _one_line_write_errors():
         result = export_drafter(
@@ -103,7 +103,7 @@ def run(
             resolved_config=resolved,
             lineage=[checkpoint.ref],
             data_lineage=list(checkpoint.manifest.lineage),
-            gamma=_gamma(dflash, drafter.spec),
+            gamma=dflash["gamma"],
             location=output,
             target_path=target_path,
             store_config=config.store,
@@ -232,9 +232,12 @@ def serving_lines(serving: dict[str, Any]) -> list[str]:
 
 
 def _pinned_config(checkpoint: StageInput, dest: Path) -> dict[str, Any]:
-    """The resolved config the drafter was trained with: the checkpoint's pinned file, else its manifest's config."""
+    """The resolved config the drafter was trained with, as its checkpoint pins it; ExportError for an artifact without it."""
     if PINNED_CONFIG_NAME not in {e.path for e in checkpoint.manifest.files}:
-        return checkpoint.manifest.config or {}
+        raise ExportError(
+            f"{checkpoint.store.url} lists no {PINNED_CONFIG_NAME}: it is not a blockdraft training checkpoint; pass a "
+            "checkpoint or training output that `blockdraft train` wrote"
+        )
     return json.loads((checkpoint.fetch([PINNED_CONFIG_NAME], dest) / PINNED_CONFIG_NAME).read_text())
 
 
@@ -255,16 +258,6 @@ def _target_config(target_path: str) -> Any:
         return AutoConfig.from_pretrained(target_path)
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot read the target's config at {target_path} ({type(exc).__name__}); pass --target PATH") from None
-
-
-def _gamma(dflash: dict[str, Any], spec: DrafterSpec) -> float | None:
-    """The loss-weight decay the drafter was trained with: pinned, else the block size's default, else unknown (None)."""
-    if dflash.get("gamma") is not None:
-        return dflash["gamma"]
-    try:
-        return default_gamma(spec.block_size)
-    except SpecError:  # a block size without a default: provenance records it as unknown
-        return None
 
 
 def _data_facts(lineage: list[InputRef], store_config: StoreConfig | None) -> list[dict[str, Any]]:

@@ -5,7 +5,8 @@ export format (`config.json`, `model.safetensors`), `training-state.pt` (optimiz
 position), the resolved config (`blockdraft-config.json`), the metrics logged since the checkpoint before (its window of
 `metrics.jsonl`: checkpoints do not grow with the run) and the latest training curves. Resume reads only checkpoints that
 verify; one whose push never completed (no manifest) or whose files differ is skipped (`model.formats.search_checkpoints`),
-and when every committed one differs the run stops rather than overwrite them from step 0, unless `train --force`.
+and when every committed one differs the run stops rather than overwrite them from step 0, unless `train --force`. The
+newest that verifies is resumed from only when its `StageOutput` (keyed by the run identity and the data) says `done`.
 Pruning (`prune_checkpoints`) keeps the newest verified ones and every Nth for good. `Checkpoints` pushes each checkpoint
 from a background thread (`blockdraft.stages.train.ckpt_writer`) while training goes on.
 """
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from safetensors.torch import load_file
@@ -32,10 +33,10 @@ from blockdraft.model.formats import (
     CHECKPOINT_KIND,
     PINNED_CONFIG_NAME,
     STATE_NAME,
-    STEP_MANIFEST,
     WEIGHTS_NAME,
     Resumable,
     checkpoint_key,
+    checkpoint_steps,
     search_checkpoints,
 )
 from blockdraft.reporter import Reporter
@@ -43,7 +44,7 @@ from blockdraft.stages.train.ckpt_writer import BackgroundWriter, Snapshot
 from blockdraft.stages.train.metrics import METRICS_NAME, MetricsLog
 from blockdraft.store import Store
 from blockdraft.store.artifact import InputRef, State, VerifyReport, uncommit, verify_artifact
-from blockdraft.store.stage_io import StageOutput, stage_key
+from blockdraft.store.stage_io import Holds, StageOutput, stage_key
 
 PINNED_DATA_FIELDS = ("template_sha256", "thinking", "tokenizer_sha256", "end_of_turn_id")
 
@@ -75,7 +76,7 @@ def resolved_training_config(
 CHECKPOINT_FORMAT = "blockdraft-checkpoint/2"
 
 
-def run_identity(resolved: dict[str, Any], world_size: int, data_sha256: str | None) -> dict[str, Any]:
+def run_identity(resolved: dict[str, Any], data_sha256: str | None) -> dict[str, Any]:
     """What a resumed run must share with the checkpoint for its next steps to be the ones the first run would take."""
     t = resolved["train"]
     return {
@@ -86,8 +87,8 @@ def run_identity(resolved: dict[str, Any], world_size: int, data_sha256: str | N
         "seed": t["seed"],
         "global_batch": t["global_batch_size"],  # rows per optimizer step, however many ranks share them
         "max_length": t["max_length"],
-        "init_from": t.get("init_from"),  # a run started from another drafter is another run
-        "init": t.get("init", "pytorch"),  # other initial weights (train.init), like another seed
+        "init_from": t["init_from"],  # a run started from another drafter is another run
+        "init": t["init"],  # other initial weights (train.init), like another seed
         "distill": {"weight": t["distill_weight"], "temperature": t["distill_temperature"]},  # another objective
     }
 
@@ -105,9 +106,11 @@ def refuse_other_format(url: str, recorded: dict[str, Any]) -> None:
 def checkpoint_output(
     store: Store, step: int, identity: dict[str, Any] | None, lineage: list[InputRef], force: bool = False
 ) -> StageOutput:
-    """The checkpoint of `step` under `store` as a stage output: its key is `stage_key(identity, lineage)`, the run
-    identity and its data; `force` goes to its lease."""
-    return StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(identity, lineage), force=force)
+    """The checkpoint of `step` under `store` as a stage output: its key is the run identity and its data by content
+    (`stage_key`), not by where the data lies, so a run resumes from its checkpoints after its data was pulled to another
+    folder or node; `force` goes to its lease."""
+    by_content = [ref.model_copy(update={"url": ""}) for ref in lineage]
+    return StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(identity, by_content), force=force)
 
 
 def save_checkpoint(
@@ -155,7 +158,7 @@ def prune_checkpoints(store: Store, keep: int, keep_every: int | None = None, ve
     not verify is neither counted nor deleted. Older checkpoints are uncommitted before their files go, so a reader never
     sees a manifest over missing files.
     """
-    steps = sorted({int(m.group(1)) for info in store.list("step-") if (m := STEP_MANIFEST.match(info.key))}, reverse=True)
+    steps = checkpoint_steps(store)
     kept = 0
     for index, step in enumerate(steps):  # newest first; older than the keep-th verified one goes
         kept += step == verified or verify_artifact(store.child(checkpoint_key(step))).state is State.VERIFIED
@@ -247,19 +250,24 @@ class Checkpoints:
             self.reporter.warn(f"not resuming from {line}")
         if found is None:
             return None
-        recorded = found.report.manifest.counts.get("run") if found.report.manifest else None
-        refuse_other_format(found.store.url, recorded or {})
-        if recorded != self.identity:
-            old, new = recorded or {}, self.identity
-            differs = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-            raise ConfigError(
-                f"{found.store.url} is a checkpoint of another run (differs in {', '.join(differs)}); "
-                "set train.output to a new location, or rerun with the original config"
-            )
+        if checkpoint_output(self.store, found.step, self.identity, [self.data]).state().holds is not Holds.DONE:
+            self._refuse_other_run(found)
         self.last_step = found.step
         return found
 
-    def done(self, step: int) -> bool:
+    def _refuse_other_run(self, found: Resumable) -> NoReturn:
+        """ConfigError for a verified checkpoint that its `StageOutput` says is not this run's: the run identity it
+        recorded (`counts["run"]`) names the format or the settings that differ; with none differing, its data does."""
+        assert found.report.manifest is not None  # it verified
+        recorded = found.report.manifest.counts.get("run") or {}
+        refuse_other_format(found.store.url, recorded)
+        differs = sorted(k for k in set(recorded) | set(self.identity) if recorded.get(k) != self.identity.get(k))
+        raise ConfigError(
+            f"{found.store.url} is a checkpoint of another run (differs in {', '.join(differs) or 'train.data'}); "
+            "set train.output to a new location, or rerun with the original config"
+        )
+
+    def has_checkpoint(self, step: int) -> bool:
         """Whether the checkpoint of `step` of this run is already at the destination, verified (`StageOutput.state`)."""
         return checkpoint_output(self.store, step, self.identity, [self.data]).done() is not None
 

@@ -284,7 +284,7 @@ def _device_order(device: str) -> tuple[str, int]:
 def apply_memory_options(drafter: DFlashDrafter, model: nn.Module, train: TrainConfig) -> None:
     """train.activation_checkpointing (each drafter layer recomputed in backward) and train.grad_allreduce_dtype (the
     DDP gradient all-reduce in bf16); call right after the DDP wrap, `model` being the wrapped module or the bare one."""
-    drafter.checkpoint_layers = train.activation_checkpointing  # pyright: ignore[reportArgumentType]  (a plain flag)
+    drafter.checkpoint_layers = train.activation_checkpointing
     if isinstance(model, nn.parallel.DistributedDataParallel):
         register_grad_allreduce(model, train.grad_allreduce_dtype)
 

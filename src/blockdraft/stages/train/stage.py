@@ -23,6 +23,7 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.train.data import load_train_rows
 from blockdraft.stages.train.placement import RankPlacement, barrier, rank_session, resolve_placement
+from blockdraft.stages.train.setup import build_training
 from blockdraft.stages.train.trainer import Trainer
 from blockdraft.store import open_store
 from blockdraft.store.artifact import VerifyReport
@@ -68,11 +69,12 @@ def run(
     with rank_session(place, config.train.deterministic, config.train.dist_timeout_minutes), ExitStack() as held:
         trainer = _prepare(config, place, reporter, held, force)
         # Already done when the final checkpoint of this run is there and verifies, as its StageOutput says (rank 0 asks).
-        done = place.is_main and trainer.checkpoints.done(trainer.total_steps)
+        done = place.is_main and trainer.setup.checkpoints.has_checkpoint(trainer.setup.total_steps)
         trainer.train()
         final, done = _final_report(trainer, place, done)
     result = TrainResult(
-        trainer.total_steps, trainer.resumed_from, final.url, list(trainer.metrics), trainer.drafter, trainer.head, trainer.steps_run
+        trainer.setup.total_steps, trainer.resumed_from, final.url, list(trainer.metrics), trainer.setup.drafter, trainer.setup.head,
+        trainer.steps_run,
     )
     return StageResult(STAGE, final.url, final, already_done=done, seconds=time.perf_counter() - started, details=result)
 
@@ -101,7 +103,8 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
         held.enter_context(Lease(out_store, force=force, reporter=reporter))
     data = open_input(tc.data, config.store, kinds=[TOKENIZED_KIND], role="train.data")
     rows = load_train_rows(data, config.store, tc.max_length, Path(tc.log_dir), place.local_rank == 0, lambda: barrier(place))
-    return Trainer(config, place, rows, out_store, tc.output, reporter, start_over=force)
+    setup = build_training(config, place, rows, out_store, tc.output, reporter, start_over=force)
+    return Trainer(config, place, rows, setup, reporter, start_over=force)
 
 
 def _final_report(trainer: Trainer, place: RankPlacement, done: bool) -> tuple[VerifyReport, bool]:

@@ -1,4 +1,4 @@
-"""One rank's training: the frozen target on its device, a drafter replica on the drafter device, verified checkpoints.
+"""One rank's training loop over its `TrainingSetup` (`setup`): steps, metrics, resume and verified checkpoints.
 
 Ranks are data-parallel (DDP): each trains on its own slice of every global batch; see `blockdraft.stages.train.loss`
 for why the loss is scaled so that DDP equals one process on the global batch. Only rank 0 writes the metrics log (and
@@ -8,43 +8,28 @@ are still bit-equal.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from torch import nn
 
-from blockdraft.config import BlockdraftConfig, accumulation_steps
-from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel, load_target
-from blockdraft.model.block_sparse import resolve_attention
-from blockdraft.model.weight_init import init_drafter
+from blockdraft.config import BlockdraftConfig
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch, expected_acceptance
-from blockdraft.stages.train.checkpoint import Checkpoints, read_checkpoint, resolved_training_config, run_identity
-from blockdraft.stages.train.data import RowOrder, TrainRows, steps_per_epoch
-from blockdraft.stages.train.init_from import check_init_spec, load_init_drafter
-from blockdraft.stages.train.loss import Objective, Teacher
-from blockdraft.stages.train.memory import apply_memory_options
+from blockdraft.stages.train.checkpoint import read_checkpoint
+from blockdraft.stages.train.data import TrainRows
+from blockdraft.stages.train.loss import Teacher
 from blockdraft.stages.train.metrics import MetricsLog
 from blockdraft.stages.train.placement import RankPlacement
 from blockdraft.stages.train.prefetch import Prefetcher, SideStreams, StepInputs
 from blockdraft.stages.train.replicas import check_ranks_in_sync, rng_state, set_rng_state
-from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
+from blockdraft.stages.train.setup import TrainingSetup
+from blockdraft.stages.train.step import MicroBatch, accumulate
 from blockdraft.stages.train.trackers import Trackers
-from blockdraft.store import Store
 from blockdraft.store.artifact import VerifyReport
-
-
-def warmup_cosine(step: int, warmup: int, total: int) -> float:
-    """LR multiplier: linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
 @dataclass
@@ -63,7 +48,8 @@ class PendingStep:
 class Trainer:
     """One rank of a training run: `train()` resumes (`resume`), then runs `step` and `maybe_checkpoint` to the end.
 
-    `out_store`/`output_url`: where checkpoints go; `rows`: the verified training rows; `reporter`: this rank's.
+    `setup`: the run's drafter, target, objective, optimizer and checkpoints (`setup.build_training`); `rows`: the
+    verified training rows; `reporter`: this rank's; `start_over`: `train --force`, for resuming.
     After `train()`: `steps_run`, `metrics` (the last `RECENT_METRICS` steps of this run: no rank holds the whole history;
     rank 0's `train.log_dir/metrics.jsonl` has it), `resumed_from` (a step or None), `last_checkpoint` (the newest
     checkpoint this run verified or resumed from; None on ranks other than 0 unless resumed).
@@ -71,53 +57,11 @@ class Trainer:
 
     RECENT_METRICS = 1000
 
-    def __init__(
-        self, config: BlockdraftConfig, place: RankPlacement, rows: TrainRows, out_store: Store, output_url: str, reporter: Reporter,
-        start_over: bool = False,
-    ) -> None:
+    def __init__(self, config: BlockdraftConfig, place: RankPlacement, rows: TrainRows, setup: TrainingSetup, reporter: Reporter,
+                 start_over: bool = False) -> None:
         tc = self.tc = config.train
         self.start_over = start_over  # `train --force`: start at step 0 when checkpoints are there but none verifies
-        self.attention: Literal["dense", "flex"] = resolve_attention(tc.attention, place.drafter_device)  # fails before the target loads
-        self.config, self.place, self.rows, self.reporter = config, place, rows, reporter
-        assert config.target.path is not None  # the stage checked it (load_target_config) before any data moved
-        hf_target = load_target(config.target.path, place.target_device, config.target.dtype, reporter=reporter)
-        self.spec = DrafterSpec.from_target_config(hf_target.config, config.dflash)
-        init = load_init_drafter(tc.init_from, config.store) if tc.init_from else None
-        if init is not None:  # train.init_from: its weights and shapes, checked against what this run derives
-            self.spec = check_init_spec(init.spec, self.spec, config.dflash, hf_target.config, str(tc.init_from))
-        assert self.spec.gamma is not None  # from_target_config resolves dflash.gamma or its default
-        self.gamma: float = self.spec.gamma
-        self.target = TargetModel(hf_target, self.spec.target_layer_ids)
-        self.head = TargetHead.from_target(hf_target, place.drafter_device)
-        resolved = resolved_training_config(config, self.spec, output_url, rows.tokenize_run)
-        resolved["target"]["dtype"] = str(hf_target.dtype).removeprefix("torch.")  # what target.dtype resolved to
-        identity = run_identity(resolved, place.world_size, rows.lineage.sha256)
-        keep_every = tc.keep_checkpoint_every * tc.checkpoint_every if tc.keep_checkpoint_every else None
-        self.checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, keep_every, reporter,
-                                       tc.max_checkpoint_failures, start_over)
-
-        torch.manual_seed(tc.seed)  # the drafter's initial weights (when not train.init_from's)
-        self.drafter = DFlashDrafter(self.spec)
-        if init is not None:
-            self.drafter.load_state_dict(init.state_dict())
-        else:
-            init_drafter(self.drafter, tc.init, hf_target.config)  # train.init: PyTorch's defaults or HF's normal(0, range)
-        self.objective = Objective.of(config.dflash, tc)  # the loss: weighting (D-PACE or gamma's decay) and distillation
-        self.drafter.to(place.drafter_device)
-        self.model: nn.Module = DraftForward(self.drafter)
-        if place.world_size > 1:
-            device_ids = [place.drafter_device] if place.drafter_device.type == "cuda" else None
-            self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
-        apply_memory_options(self.drafter, self.model, tc)  # activation checkpointing, bf16 gradient all-reduce
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-        self.global_batch = tc.global_batch_size
-        self.accumulation_steps = accumulation_steps(tc.global_batch_size, tc.batch_size, place.world_size)
-        self.per_epoch = steps_per_epoch(len(rows), self.global_batch)
-        self.order = RowOrder(len(rows), tc.seed, self.global_batch, tc.batch_size * self.accumulation_steps)
-        self.total_steps = tc.max_steps or tc.epochs * self.per_epoch
-        schedule = partial(warmup_cosine, warmup=round(tc.warmup_ratio * self.total_steps), total=self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
-
+        self.config, self.place, self.rows, self.setup, self.reporter = config, place, rows, setup, reporter
         self.log = MetricsLog(Path(tc.log_dir), tc.plot_every_minutes * 60, reporter.warn)
         self.trackers: Trackers | None = None  # open while `train` runs
         self.metrics: deque[dict[str, Any]] = deque(maxlen=self.RECENT_METRICS)
@@ -134,19 +78,19 @@ class Trainer:
         step's metrics are read after the next step is launched, so reading them never idles the drafter's device;
         before a checkpoint and at the end they are read at once."""
         start = self.resume()
-        self.reporter.progress("train", start, self.total_steps)
+        self.reporter.progress("train", start, self.setup.total_steps)
         pending: PendingStep | None = None
         with (
             self._open_trackers(start) as self.trackers,
-            Prefetcher(self.inputs_of, start, self.total_steps, self.tc.pipeline_depth) as feed,
+            Prefetcher(self.inputs_of, start, self.setup.total_steps, self.tc.pipeline_depth) as feed,
         ):
-            for step in range(start, self.total_steps):
+            for step in range(start, self.setup.total_steps):
                 launched = self.step(step, feed.get(step))
                 if pending is not None:
                     self._record(pending, launched.started)
                 pending = launched
                 done = step + 1
-                if done % self.tc.checkpoint_every == 0 or done == self.total_steps:
+                if done % self.tc.checkpoint_every == 0 or done == self.setup.total_steps:
                     self._record(pending, None)
                     pending = None
                     self.maybe_checkpoint(done)
@@ -156,9 +100,9 @@ class Trainer:
     def _open_trackers(self, start: int) -> Trackers:
         """The trackers of train.report_to, logging from step `start + 1` on, in train.log_dir: on rank 0, when there are
         steps left (a rerun with none starts no W&B run)."""
-        names = self.tc.report_to if self.place.is_main and start < self.total_steps else []
+        names = self.tc.report_to if self.place.is_main and start < self.setup.total_steps else []
         wandb: dict[str, str] = dict(self.tc.wandb.items())  # train.wandb, its keys as wandb.init takes them
-        return Trackers(names, Path(self.tc.log_dir), start + 1, wandb, self.checkpoints.resolved, self.reporter.warn)
+        return Trackers(names, Path(self.tc.log_dir), start + 1, wandb, self.setup.checkpoints.resolved, self.reporter.warn)
 
     def _record(self, pending: PendingStep, next_started: float | None) -> None:
         """Read a launched step's metrics (waiting for its device), log them and report progress. Its time runs to the
@@ -167,25 +111,25 @@ class Trainer:
         self.metrics.append(entry)
         self.steps_run += 1
         done = entry["step"]
-        if self.place.is_main and (done % self.tc.log_every == 0 or done == self.total_steps):
+        if self.place.is_main and (done % self.tc.log_every == 0 or done == self.setup.total_steps):
             self.log.append(entry)
             if self.trackers is not None:
                 self.trackers.log(entry)
-        self.reporter.progress("train", done, self.total_steps, loss=round(entry["loss"], 4), tau=round(entry["tau_estimate"], 2))
+        self.reporter.progress("train", done, self.setup.total_steps, loss=round(entry["loss"], 4), tau=round(entry["tau_estimate"], 2))
 
     def resume(self) -> int:
         """Load the newest verified checkpoint of this run into the drafter, optimizer, scheduler and RNGs (every rank);
         returns the step to start from: the checkpoint's, or 0 (a fresh metrics log) when there is none."""
-        found = self.checkpoints.newest(self.start_over)
+        found = self.setup.checkpoints.newest(self.start_over)
         if found is None:
             if self.place.is_main:
                 self.log.start_fresh()
             return 0
         with read_checkpoint(found) as loaded:
             device = self.place.drafter_device
-            self.drafter.load_state_dict({name: tensor.to(device) for name, tensor in loaded.drafter_state.items()})
-            self.optimizer.load_state_dict(loaded.training_state["optimizer"])
-            self.scheduler.load_state_dict(loaded.training_state["scheduler"])
+            self.setup.drafter.load_state_dict({name: tensor.to(device) for name, tensor in loaded.drafter_state.items()})
+            self.setup.optimizer.load_state_dict(loaded.training_state["optimizer"])
+            self.setup.scheduler.load_state_dict(loaded.training_state["scheduler"])
             set_rng_state(loaded.training_state["rng"], self.place.drafter_device)
             if self.place.is_main and (first := self.log.restart_from(loaded.folder, found.step)) is not None:
                 self.reporter.warn(
@@ -203,12 +147,12 @@ class Trainer:
         inputs = inputs if inputs is not None else self.inputs_of(step)
         inputs.wait(self.place.drafter_device)
         totals, weight_sum, grad_norm = accumulate(
-            self.model, self.drafter, self.head, inputs.micro, self.tc.lm_head_chunk_blocks, self.tc.grad_clip, self.place.world_size,
-            self.objective,
+            self.setup.model, self.setup.drafter, self.setup.head, inputs.micro, self.tc.lm_head_chunk_blocks, self.tc.grad_clip, self.place.world_size,
+            self.setup.objective,
         )
-        lr = float(self.scheduler.get_last_lr()[0])
-        self.optimizer.step()
-        self.scheduler.step()
+        lr = float(self.setup.scheduler.get_last_lr()[0])
+        self.setup.optimizer.step()
+        self.setup.scheduler.step()
         return PendingStep(step, started, totals, weight_sum, grad_norm, lr)
 
     def maybe_checkpoint(self, done: int) -> VerifyReport | None:
@@ -217,21 +161,21 @@ class Trainer:
         other steps rank 0 only takes in a push that has ended. Returns the report of a checkpoint that verified during
         this call (the one before, or the final one), else None; raises when train.max_checkpoint_failures pushes in a
         row failed, or the final one did."""
-        final = done == self.total_steps
+        final = done == self.setup.total_steps
         if done % self.tc.checkpoint_every != 0 and not final:
-            return self._counted(self.checkpoints.poll()) if self.place.is_main else None
+            return self._counted(self.setup.checkpoints.poll()) if self.place.is_main else None
         if self.place.world_size > 1:
-            check_ranks_in_sync(self.drafter, self.place.world_size)
+            check_ranks_in_sync(self.setup.drafter, self.place.world_size)
         if not self.place.is_main:
             return None
         if final:  # the curves of the whole run, in the final checkpoint; before, they are redrawn in the background
             self.log.plotter.now()
         state = self._training_state(done)
-        return self._counted(self.checkpoints.save(done, self.drafter, state, self.log, final, self.place.world_size))
+        return self._counted(self.setup.checkpoints.save(done, self.setup.drafter, state, self.log, final, self.place.world_size))
 
     def finish_checkpoints(self) -> VerifyReport | None:
         """Rank 0: wait for the checkpoint still being pushed, if any, and take it in (the end of `train`)."""
-        return self._counted(self.checkpoints.finish()) if self.place.is_main else None
+        return self._counted(self.setup.checkpoints.finish()) if self.place.is_main else None
 
     def _counted(self, report: VerifyReport | None) -> VerifyReport | None:
         self.last_checkpoint = report or self.last_checkpoint
@@ -242,27 +186,27 @@ class Trainer:
         target's dtype. Runs in the prefetching thread: the token ids go straight to the target's device, and the target's
         forward and the copies to the drafter's device run on side streams (CUDA) whose event the step waits on."""
         tc, place = self.tc, self.place
-        epoch, in_epoch = divmod(step, self.per_epoch)
-        idx = self.order.rows(epoch, in_epoch, place.rank)
+        epoch, in_epoch = divmod(step, self.setup.per_epoch)
+        idx = self.setup.order.rows(epoch, in_epoch, place.rank)
         micro = []
         for first in range(0, len(idx), tc.batch_size):
             rows = idx[first : first + tc.batch_size]
             batch = build_block_batch(
                 [self.rows.row(i) for i in rows],
                 num_anchors=self.config.dflash.num_anchors,
-                block_size=self.spec.block_size,
-                mask_token_id=self.spec.mask_token_id,
-                gamma=self.gamma,
+                block_size=self.setup.spec.block_size,
+                mask_token_id=self.setup.spec.mask_token_id,
+                gamma=self.setup.gamma,
                 generators=[anchor_generator(tc.seed, epoch, i) for i in rows],
-                attention=self.attention,
+                attention=self.setup.attention,
             )
             with self._streams.active():  # the target's forward and the copies, off the drafter's stream (CUDA)
                 ids, mask = batch.input_ids.to(place.target_device), batch.attention_mask_context.long().to(place.target_device)
                 final = None
-                if self.objective.distills:  # the whole target runs: its final hidden states give each slot's distribution
-                    features, final = self.target.features_and_final(ids, mask)
+                if self.setup.objective.distills:  # the whole target runs: its final hidden states give each slot's distribution
+                    features, final = self.setup.target.features_and_final(ids, mask)
                 else:
-                    features = self.target.features(ids, mask)
+                    features = self.setup.target.features(ids, mask)
                 moved = batch.to(place.drafter_device)
                 teacher = None if final is None else Teacher.for_blocks(final.to(place.drafter_device), moved.block_positions)
                 micro.append(MicroBatch(moved, features.to(place.drafter_device), batch.num_tokens, teacher))
@@ -271,14 +215,14 @@ class Trainer:
     def _entry(self, pending: PendingStep, seconds: float) -> dict[str, Any]:
         """The metrics of a launched step from its all-reduced totals [1 + 2 * (B - 1) + 1]: weighted CE, per-slot
         correct and counted, tokens."""
-        nslots = self.spec.block_size - 1
+        nslots = self.setup.spec.block_size - 1
         totals = pending.totals.cpu()
         correct, counted = totals[1 : 1 + nslots], totals[1 + nslots : 1 + 2 * nslots]
         accuracy = (correct / counted.clamp_min(1)).tolist()
         tokens = int(totals[-1])
         return {
             "step": pending.step + 1,
-            "epoch": pending.step // self.per_epoch,
+            "epoch": pending.step // self.setup.per_epoch,
             "loss": float(totals[0] / pending.weight_sum.cpu().clamp_min(1e-12)),
             "lr": pending.lr,
             "grad_norm": float(pending.grad_norm),
@@ -292,12 +236,12 @@ class Trainer:
     def _training_state(self, done: int) -> dict[str, Any]:
         """What a resumed run needs besides the weights: optimizer, scheduler, RNGs, and where in the data it stood."""
         return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "optimizer": self.setup.optimizer.state_dict(),
+            "scheduler": self.setup.scheduler.state_dict(),
             "rng": rng_state(self.place.drafter_device),
-            "data": {"step": done, "epoch": done // self.per_epoch, "step_in_epoch": done % self.per_epoch},
+            "data": {"step": done, "epoch": done // self.setup.per_epoch, "step_in_epoch": done % self.setup.per_epoch},
             "world_size": self.place.world_size,
         }
 
 
-__all__ = ["DraftForward", "PendingStep", "Trainer", "warmup_cosine"]
+__all__ = ["PendingStep", "Trainer"]
