@@ -250,7 +250,7 @@ def _get_range(at: S3Location, key: str, etag: str | None, fds: tuple[int, int] 
                 got += n
             if not got:
                 break
-            crc = checksums.crc64nvme(buf[:got], crc)
+            crc = checksums.crc64nvme(buf[:got], crc)  # pyright: ignore[reportArgumentType] - awscrt reads any buffer, no copy
             if fds is not None:
                 _write_at(fds[0], buf[:got], pos, fds[1])
             pos += got
