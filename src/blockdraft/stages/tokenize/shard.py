@@ -1,10 +1,10 @@
-"""One shard, in one worker process: one task (an input file, or one part of it: `plan.py`) -> its Arrow files, its
+"""One shard, in one worker process: one task (an input file, or one part of it: `tasks.py`) -> its Arrow files, its
 quarantine file and, last, its piece record.
 
 A finished shard is a piece of the output (`StageOutput.put_piece`, written after its files), keyed by `piece_key`:
 the run's config digest, the input file's key and size, and the part. Its counts hold the shard's row statistics
 (`stats`), its Arrow files per split in the order written (`split_files`) and what it read of the input (`input`: the
-file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `plan.file_checksum`).
+file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `tasks.file_checksum`).
 
 An input file that cannot be decoded whole is dropped whole, with no piece (see `tokenize_shard`; the stage drops the
 file's other parts too).
@@ -62,7 +62,7 @@ from blockdraft.store.stage_io import StageOutput
 from blockdraft.store.writable import disk_full_error
 
 # Part of the config digest: bump it when the rows' bytes change for the same options, so old shards are redone.
-SHARD_FORMAT = "blockdraft-tokenize-shard/3"  # 2: special tokens in content and true/false ids rejected; 3: files by bytes
+SHARD_FORMAT = "blockdraft-tokenize-shard/3"
 # Conversations rendered and encoded together; small enough that a worker's memory stays flat.
 CONVERSATION_BATCH = 32
 # What clipping to max_length cut off, in every piece's stats: rows clipped, tokens dropped, supervised tokens dropped.

@@ -3,14 +3,14 @@
 The output folder is a DatasetDict as `datasets.save_to_disk` lays it out (`hf_layout`), plus quarantine files, the
 finished shards' pieces (`.blockdraft-pieces/`, see `blockdraft.store.stage_io`) and the manifest, written last.
 
-One shard = one task: an input file, or a part of a large one (`plan.py`), processed by one worker process (`shard.py`;
+One shard = one task: an input file, or a part of a large one (`tasks.py`), processed by one worker process (`shard.py`;
 `runner.py` runs them). Whether the output is done is its `StageOutput`'s to say: done when its manifest records this
 run's config digest (`made_with`) and stage key (the digest and the inputs by content) and verifies, and nothing failed
 (an input file left out makes it partial: a rerun tries it again). Else the finished shards are kept (`resume.py`) and the
 rest redone; the lease (`StageOutput.begin`) keeps a second run from writing the same output meanwhile.
 
 Each input byte is checksummed once, by the task that reads it: the parent lists inputs without reading them, and a local
-file's checksum (for the lineage) is put together from its tasks' (`plan.file_checksum`). Only a rerun over a committed
+file's checksum (for the lineage) is put together from its tasks' (`tasks.file_checksum`). Only a rerun over a committed
 output of this config asks for checksums up front, to tell whether it is done (`_InputPins.key`: a raw input file is read
 only if it changed).
 """
