@@ -47,7 +47,7 @@ def finished_shard(out: StageOutput, in_store: Store, digest: str, task: ShardTa
 
 def keep_finished_shards(out: StageOutput, in_store: Store, digest: str, tasks: list[ShardTask], out_dir: Path) -> dict[str, ShardOutput]:
     """The shards whose pieces match this run, by name; every other piece, temporary file and unnamed file is deleted."""
-    recorded = out.recorded_pieces()
+    recorded = recorded_pieces(out.store)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # each check reads files back (and maybe input bytes)
         found = list(pool.map(lambda task: finished_shard(out, in_store, digest, task), [t for t in tasks if t.name in recorded]))
     kept = {shard.name: shard for shard in found if shard is not None}
