@@ -33,7 +33,7 @@ def input_unchanged(store: Store, task: ShardTask, read: dict[str, Any]) -> bool
     ranges = read.get("reads") or []
     if not ranges or not all(crc for _, _, crc in ranges):
         return False
-    with store.open_read(task.key) as stream:
+    with store.open_read(task.input_key) as stream:
         return all(range_crc(stream, start, end) == crc for start, end, crc in ranges)
 
 

@@ -4,7 +4,7 @@ quarantine file and, last, its piece record.
 A finished shard is a piece of the output (`StageOutput.put_piece`, written after its files), keyed by `piece_key`:
 the run's config digest, the input file's key and size, and the part. Its counts hold the shard's row statistics
 (`stats`), its Arrow files per split in the order written (`split_files`) and what it read of the input (`input`: the
-file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `tasks.file_checksum`).
+file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `tasks.checksum_from_reads`).
 
 An input file that cannot be decoded whole is dropped whole, with no piece (see `tokenize_shard`; the stage drops the
 file's other parts too).
@@ -36,6 +36,7 @@ from tokenizers import Tokenizer
 
 from blockdraft.config import StoreConfig
 from blockdraft.data.completions import RowRejected, check_special_tokens, normalise, source_id_of
+from blockdraft.data.formats import HELD_OUT_SPLIT, TOKENIZED_KIND, TRAIN_SPLIT
 from blockdraft.data.inputs import STAT_PIN, check_unchanged, pin_is_trusted
 from blockdraft.data.ranges import RangeReader
 from blockdraft.data.records import RawRecord
@@ -52,7 +53,7 @@ from blockdraft.data.render import (
 from blockdraft.data.streams import InputUnreadable
 from blockdraft.data.tokenizer import special_token_pattern
 from blockdraft.stages.tokenize.arrow_rows import SplitWriter
-from blockdraft.stages.tokenize.hf_layout import KIND, QUARANTINE_DIR, SPLITS
+from blockdraft.stages.tokenize.hf_layout import QUARANTINE_DIR, SPLITS
 from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, check_listed, piece_key
 from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry
@@ -211,7 +212,7 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
     if WORKER.get("key") != settings.tools_key:
         raise RuntimeError("tokenize_shard called in a process without this run's tokenizer and template installed")
     out = Path(settings.output_dir)
-    output = StageOutput(LocalStore(out), KIND, PIECES_ONLY)
+    output = StageOutput(LocalStore(out), TOKENIZED_KIND, PIECES_ONLY)
     _remove_shard_outputs(output, out, task.name)
     writers = {split: SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file, settings.file_bytes) for split in SPLITS}
     reading = _Reading(task.share, progress or _to_parent_queue())
@@ -267,15 +268,15 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput,
     read = 0
     failure: InputUnreadable | None = None
     store = open_store(settings.input_url, settings.store)
-    with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.key) as raw:
+    with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.input_key) as raw:
         trusted = _check_pin(task, raw)
         # Parquet is read by seeking; its checksum is a second, sequential pass, skipped when the listing names it.
-        reader = RangeReader(raw, task.key, task.file.size, task.part,
-                             checksum=not (task.key.lower().endswith(".parquet") and task.file.checksum), max_row_bytes=settings.max_row_bytes)
+        reader = RangeReader(raw, task.input_key, task.file.size, task.part,
+                             checksum=not (task.input_key.lower().endswith(".parquet") and task.file.checksum), max_row_bytes=settings.max_row_bytes)
 
         def reject(record: RawRecord, source_id: str | None, turn: int | None, reason: str, detail: str) -> None:
             counts.rejected[reason] += 1
-            entry = {"source_id": source_id, "turn": turn, "reason": reason, "detail": detail, "input": task.key,
+            entry = {"source_id": source_id, "turn": turn, "reason": reason, "detail": detail, "input": task.input_key,
                      "position": record.position, "offset": record.offset, "row": record.text}
             quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
@@ -294,11 +295,11 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput,
         reader.finish()
         _check_pin(task, raw)
         if task.part.kind == "whole":
-            check_listed(task.key, task.file.size, task.file.checksum, reader.window, reader.crc)
+            check_listed(task.input_key, task.file.size, task.file.checksum, reader.window, reader.crc)
         reading.report(task.share, rows, tokens)
         if failure is not None:
             # Dropped whole: none of its rows or row rejections stay, only the one line that says why.
-            line, counts = _failed_counts(task.key, failure, reader.rows_before + read)
+            line, counts = _failed_counts(task.input_key, failure, reader.rows_before + read)
             quarantine.seek(0)
             quarantine.truncate()
             quarantine.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -325,7 +326,7 @@ def _check_pin(task: ShardTask, raw: BinaryIO) -> bool:
     if not task.file.pin.startswith(STAT_PIN):
         return True
     st = os.fstat(raw.fileno())
-    check_unchanged(task.key, task.file, st)
+    check_unchanged(task.input_key, task.file, st)
     return pin_is_trusted(st)
 
 
@@ -386,7 +387,7 @@ def _process_batch(
             counts.c["rejected_turns"] += 1
             reject(record, source_id, result.turn, result.reason, result.detail)
             continue
-        split = "held_out" if is_held_out(source_id, settings.held_out_fraction) else "train"
+        split = HELD_OUT_SPLIT if is_held_out(source_id, settings.held_out_fraction) else TRAIN_SPLIT
         writers[split].add(result, source_id)
         counts.add_row(split, result)
         rows, tokens = rows + 1, tokens + int(result.input_ids.shape[0])

@@ -10,7 +10,7 @@ run's config digest (`made_with`) and stage key (the digest and the inputs by co
 rest redone; the lease (`StageOutput.begin`) keeps a second run from writing the same output meanwhile.
 
 Each input byte is checksummed once, by the task that reads it: the parent lists inputs without reading them, and a local
-file's checksum (for the lineage) is put together from its tasks' (`tasks.file_checksum`). Only a rerun over a committed
+file's checksum (for the lineage) is put together from its tasks' (`tasks.checksum_from_reads`). Only a rerun over a committed
 output of this config asks for checksums up front, to tell whether it is done (`_InputPins.key`: a raw input file is read
 only if it changed).
 """
@@ -28,17 +28,18 @@ from pathlib import Path
 from typing import Any, cast
 
 from blockdraft.config import BlockdraftConfig
+from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.data.inputs import STAT_PIN, InputFile, list_inputs
 from blockdraft.data.tokenizer import TokenizerSource, check_mask_token, end_of_turn_id, resolve_tokenizer
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.tokenize.hf_layout import KIND, output_schema, write_split_metadata
+from blockdraft.stages.tokenize.hf_layout import output_schema, write_split_metadata
 from blockdraft.stages.tokenize.report import InputFilesFailed, TokenizeSummary, clip_warning, merge_counts
 from blockdraft.stages.tokenize.resume import drop_failed_files, finished_shard_entries, keep_finished_shards
 from blockdraft.stages.tokenize.runner import ShardRunner
 from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, WorkerSettings, tools_key
-from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, file_checksum, plan_tasks
+from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, checksum_from_reads, plan_tasks
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import InputRef, VerifyReport, entry_for_local_file, raw_input
 from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
@@ -118,7 +119,7 @@ def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: 
     def run_locally(local: Path) -> StageResult:
         return _run_local(config, input, str(local), reporter, tokenizer, chat_template, started, force)
 
-    staged, pushed = stage_and_push(output, config.store, KIND, run_locally, finished_shard_entries, reporter=reporter, force=force)
+    staged, pushed = stage_and_push(output, config.store, TOKENIZED_KIND, run_locally, finished_shard_entries, reporter=reporter, force=force)
     result = cast(StageResult, staged)
     return dataclasses.replace(result, url=pushed.destination, report=pushed.verify, seconds=time.perf_counter() - started)
 
@@ -157,7 +158,7 @@ class _InputPins:
             by_file.setdefault(task.file_index, []).append(reads.get(task.name, {}))
         self.read = True
         for i, f in enumerate(self.files):
-            combined = file_checksum(f.size, by_file.get(i, []))
+            combined = checksum_from_reads(f.size, by_file.get(i, []))
             known = self.checksums.get(f.key)
             if combined is not None and known is not None and combined != known:
                 raise ArtifactError(f"input {f.key} changed while it was tokenized (its tasks read crc64nvme {combined}; it had "
@@ -229,7 +230,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | No
     run_config["tokenize"].pop("workers")  # how many processes ran does not change the rows
     inputs = _InputPins(in_store, files, artifact_lineage)
     # The key names the inputs by content: asked for only of an output of this config, and at commit.
-    out = StageOutput(out_store, KIND, lambda: inputs.key(digest), made_with={DIGEST_FIELD: digest}, failures=FAILED_FIELD,
+    out = StageOutput(out_store, TOKENIZED_KIND, lambda: inputs.key(digest), made_with={DIGEST_FIELD: digest}, failures=FAILED_FIELD,
                       force=force, reporter=reporter)
     summary = TokenizeSummary(counts={}, shards_total=len(tasks), shards_skipped=0, template_sha256=src.template.sha256,
                               template_matches_target=matches, warnings=warnings, max_length=opts.max_length, input_files=len(files))
