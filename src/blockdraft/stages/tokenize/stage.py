@@ -59,6 +59,7 @@ def run(
     *,
     force: bool = False,
     tokenizer: str | None = None, chat_template: str | None = None,
+    spawn_one: bool = False,
 ) -> StageResult:
     """Tokenize completions at `input` (file, folder or completions artifact) into a verified `tokenized` artifact at `output`.
 
@@ -66,7 +67,8 @@ def run(
     task, file_bytes = bytes per Arrow file, rows_per_shard = rows per Arrow file if set, end_of_turn);
     `tokenizer`/`chat_template` override the target's (`config.target`). Reports (to a `Reporter()` when none is given)
     progress as ("tokenize", input bytes done, input bytes to do, rows=, tokens=), and warnings (a template not the
-    target's; more than 1% of the rows clipped to `tokenize.max_length`).
+    target's; more than 1% of the rows clipped to `tokenize.max_length`). `spawn_one`: run even a single worker in a
+    spawned process (`ShardRunner`).
     Resumes: finished shards of this run are kept, the rest redone. Returns what was verified at the destination, with a
     `TokenizeSummary` as details; ConfigError for unusable input or options; `DiskFull` (one line: where, how much) when
     the output's disk fills, after removing the temporary files.
@@ -81,18 +83,18 @@ def run(
     out_store = open_store(output, config.store)
     refuse_nested(open_store(input, config.store), out_store)
     if out_store.local_path() is None:
-        result = _run_to_remote(config, input, output, reporter, tokenizer, chat_template, started, force)
+        result = _run_to_remote(config, input, output, reporter, tokenizer, chat_template, started, force, spawn_one)
     else:
-        result = _run_local(config, input, output, reporter, tokenizer, chat_template, started, force)
+        result = _run_local(config, input, output, reporter, tokenizer, chat_template, started, force, spawn_one)
     if result.details.counts.get("input_files_failed"):
         raise InputFilesFailed(result)
     return result
 
 
 def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
-               chat_template: str | None, started: float, force: bool) -> StageResult:
+               chat_template: str | None, started: float, force: bool, spawn_one: bool) -> StageResult:
     plan = _plan(config, input, output, tokenizer, chat_template, reporter, force)
-    with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src) as runner:
+    with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src, spawn_one) as runner:
         report = plan.out.done()
         if report is not None and report.manifest is not None:
             # Rewriting the manifest would change its sha256 and make every dependent artifact look stale.
@@ -112,12 +114,12 @@ def _warn_if_clipped(summary: TokenizeSummary, reporter: Reporter) -> None:
 
 
 def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
-                   chat_template: str | None, started: float, force: bool) -> StageResult:
+                   chat_template: str | None, started: float, force: bool, spawn_one: bool) -> StageResult:
     """A remote OUTPUT (s3://): preflight in seconds, tokenize into a local staging folder while finished shards are
     pushed, then push the rest, verify it all there and commit the manifest last."""
 
     def run_locally(local: Path) -> StageResult:
-        return _run_local(config, input, str(local), reporter, tokenizer, chat_template, started, force)
+        return _run_local(config, input, str(local), reporter, tokenizer, chat_template, started, force, spawn_one)
 
     staged, pushed = stage_and_push(output, config.store, TOKENIZED_KIND, run_locally, finished_shard_entries, reporter=reporter, force=force)
     result = cast(StageResult, staged)
