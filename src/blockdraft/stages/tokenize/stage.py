@@ -38,7 +38,7 @@ from blockdraft.stages.tokenize.hf_layout import output_schema, write_split_meta
 from blockdraft.stages.tokenize.report import InputFilesFailed, TokenizeSummary, clip_warning, merge_counts
 from blockdraft.stages.tokenize.resume import drop_failed_files, finished_shard_entries, keep_finished_shards
 from blockdraft.stages.tokenize.runner import ShardRunner
-from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, WorkerSettings, tools_key
+from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, ShardRun, WorkerSettings, tools_key
 from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, checksum_from_reads, plan_tasks
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import InputRef, VerifyReport, entry_for_local_file, raw_input
@@ -96,21 +96,48 @@ def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Repo
     plan = _plan(config, input, output, tokenizer, chat_template, reporter, force)
     with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src, spawn_one) as runner:
         report = plan.out.done()
-        if report is not None and report.manifest is not None:
-            # Rewriting the manifest would change its sha256 and make every dependent artifact look stale.
-            plan.summary.counts, plan.summary.shards_skipped = report.manifest.counts, len(plan.tasks)
-            _warn_if_clipped(plan.summary, reporter)
-            return StageResult(STAGE, plan.out.url, report, True, time.perf_counter() - started, plan.summary)
-        report = _tokenize(plan, runner, reporter)
-    _warn_if_clipped(plan.summary, reporter)
-    return StageResult(STAGE, plan.out.url, report, False, time.perf_counter() - started, plan.summary)
+        done = report is not None and report.manifest is not None
+        if report is not None and done:
+            # Left as it is: rewriting the manifest would change its sha256 and make every dependent artifact look stale.
+            ran = _Ran(kept=len(plan.tasks))
+        else:
+            report, ran = _tokenize(plan, runner, reporter)
+    assert report.manifest is not None, "a done or committed output has its manifest"
+    summary = _summary(plan, report.manifest.counts, ran, reporter)
+    return StageResult(STAGE, plan.out.url, report, done, time.perf_counter() - started, summary)
 
 
-def _warn_if_clipped(summary: TokenizeSummary, reporter: Reporter) -> None:
-    message = clip_warning(summary.counts, summary.max_length)
-    if message is not None:
+@dataclass(frozen=True)
+class _Ran:
+    """What this call did to the output: `kept` shards from an earlier run, the shards it ran and their phase's seconds."""
+
+    kept: int
+    runs: list[ShardRun] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _summary(plan: _Plan, counts: dict[str, Any], ran: _Ran, reporter: Reporter) -> TokenizeSummary:
+    """The run's summary, from the committed manifest's `counts` and what this call ran; warns when rows were clipped."""
+    warnings = list(plan.warnings)
+    max_length = plan.config.tokenize.max_length
+    if (message := clip_warning(counts, max_length)) is not None:
         reporter.warn(message)
-        summary.warnings.append(message)
+        warnings.append(message)
+    by_process: dict[int, float] = {}
+    for r in ran.runs:
+        by_process[r.pid] = by_process.get(r.pid, 0.0) + r.cpu_seconds
+    return TokenizeSummary(
+        counts=counts, shards_total=len(plan.tasks), shards_skipped=ran.kept, template_sha256=plan.src.template.sha256,
+        template_matches_target=_matches_target(plan.src), warnings=warnings, max_length=max_length,
+        shard_phase_seconds=ran.seconds, worker_seconds=[r.seconds for r in ran.runs],
+        worker_cpu_seconds=[r.cpu_seconds for r in ran.runs], worker_peak_rss_mib=[r.peak_rss_mib for r in ran.runs],
+        input_files=len(plan.inputs.files), process_cpu_seconds=dict(sorted(by_process.items())),
+    )
+
+
+def _matches_target(src: TokenizerSource) -> bool | None:
+    """Whether the template is the target's own (None: the target names none)."""
+    return None if src.target_template_sha256 is None else src.target_template_sha256 == src.template.sha256
 
 
 def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, tokenizer: str | None,
@@ -176,7 +203,7 @@ class _InputPins:
 @dataclass(frozen=True)
 class _Plan:
     """One tokenize run, resolved once (`_plan`): what it reads, what it writes, the config digest its shards are keyed
-    on, and the summary its phases fill in."""
+    on, and the tokenizer's warnings."""
 
     config: BlockdraftConfig
     src: TokenizerSource
@@ -187,7 +214,7 @@ class _Plan:
     inputs: _InputPins
     tasks: list[ShardTask]
     run_config: dict[str, Any]
-    summary: TokenizeSummary
+    warnings: list[str]
 
 
 def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> str:
@@ -213,7 +240,6 @@ def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | No
     assert out_dir is not None, "a remote output is staged in a local folder by run()"
     in_store, files, artifact_lineage = list_inputs(input, config.store)
     tasks = plan_tasks(in_store, files, opts.task_bytes)
-    matches = None if src.target_template_sha256 is None else src.target_template_sha256 == src.template.sha256
     run_config = {
         **config.resolved(),
         "tokenize_run": {
@@ -222,7 +248,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | No
             "template_sha256": src.template.sha256,
             "template_source": src.template_source,
             "target_template_sha256": src.target_template_sha256,
-            "template_matches_target": matches,
+            "template_matches_target": _matches_target(src),
             "tokenizer_sha256": src.tokenizer_sha256,
             "end_of_turn": opts.end_of_turn,
             "end_of_turn_id": eot_id,
@@ -234,10 +260,8 @@ def _plan(config: BlockdraftConfig, input: str, output: str, tokenizer: str | No
     # The key names the inputs by content: asked for only of an output of this config, and at commit.
     out = StageOutput(out_store, TOKENIZED_KIND, lambda: inputs.key(digest), made_with={DIGEST_FIELD: digest}, failures=FAILED_FIELD,
                       force=force, reporter=reporter)
-    summary = TokenizeSummary(counts={}, shards_total=len(tasks), shards_skipped=0, template_sha256=src.template.sha256,
-                              template_matches_target=matches, warnings=warnings, max_length=opts.max_length, input_files=len(files))
     return _Plan(config=config, src=src, eot_id=eot_id, digest=digest, out=out, out_dir=out_dir, inputs=inputs, tasks=tasks,
-                 run_config=run_config, summary=summary)
+                 run_config=run_config, warnings=warnings)
 
 
 @contextlib.contextmanager
@@ -256,20 +280,21 @@ def _writable(out_dir: Path) -> Iterator[None]:
         raise error from None
 
 
-def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> VerifyReport:
-    """Uncommit, keep the finished shards, redo the rest, then commit; returns the report read back at the destination.
+def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> tuple[VerifyReport, _Ran]:
+    """Uncommit, keep the finished shards, redo the rest, then commit; returns the report read back at the destination
+    and what this call ran.
 
     A full disk is one line (`DiskFull`), after every temporary file of the output is removed."""
     plan.out.begin()
     try:
         kept = keep_finished_shards(plan.out, plan.inputs.store, plan.digest, plan.tasks, plan.out_dir)
         pending = [t for t in plan.tasks if t.name not in kept]
-        plan.summary.shards_skipped = len(kept)
         if kept:
             reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match this run)")
-        made = _run_pending(plan, runner, pending, reporter)
+        ran = _run_pending(plan, runner, pending, reporter, len(kept))
+        made = {r.output.name: r.output for r in ran.runs}
         shards = {t.name: kept.get(t.name) or made[t.name] for t in plan.tasks}
-        return _commit(plan, drop_failed_files(plan.out, plan.out_dir, plan.tasks, shards))
+        return _commit(plan, drop_failed_files(plan.out, plan.out_dir, plan.tasks, shards)), ran
     except DiskFull:
         plan.out.store.abort_partial_uploads()
         raise
@@ -294,7 +319,7 @@ class _Progress:
         self.reporter.progress(STAGE, self.bytes, self.total, rows=self.rows, tokens=self.tokens)
 
 
-def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], reporter: Reporter) -> dict[str, ShardOutput]:
+def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], reporter: Reporter, kept: int) -> _Ran:
     opts = plan.config.tokenize
     settings = WorkerSettings(
         tools_key=tools_key(plan.src.tokenizer_sha256, plan.src.template), thinking=opts.thinking, max_length=opts.max_length,
@@ -306,15 +331,7 @@ def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], rep
     progress = _Progress(reporter, sum(t.share for t in pending))
     started = time.monotonic()
     runs = runner.run(pending, settings, progress.advance)
-    plan.summary.shard_phase_seconds = time.monotonic() - started
-    plan.summary.worker_seconds = [r.seconds for r in runs]
-    plan.summary.worker_cpu_seconds = [r.cpu_seconds for r in runs]
-    plan.summary.worker_peak_rss_mib = [r.peak_rss_mib for r in runs]
-    by_process: dict[int, float] = {}
-    for r in runs:
-        by_process[r.pid] = by_process.get(r.pid, 0.0) + r.cpu_seconds
-    plan.summary.process_cpu_seconds = dict(sorted(by_process.items()))
-    return {r.output.name: r.output for r in runs}
+    return _Ran(kept, runs, time.monotonic() - started)
 
 
 def _commit(plan: _Plan, shards: list[ShardOutput]) -> VerifyReport:
@@ -326,5 +343,4 @@ def _commit(plan: _Plan, shards: list[ShardOutput]) -> VerifyReport:
     counts["shards"] = len(plan.tasks)
     counts["input_files"] = len(plan.inputs.files)
     counts["held_out_fraction"] = plan.config.tokenize.held_out_fraction
-    plan.summary.counts = counts
     return plan.out.commit(entries, config=plan.run_config, lineage=plan.inputs.lineage(), counts=counts)
