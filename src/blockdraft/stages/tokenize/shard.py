@@ -280,16 +280,17 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput,
                      "position": record.position, "offset": record.offset, "row": record.text}
             quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
+        batches = _Batches(tokenizer, template, special, settings, writers, counts, reject)
         batch: list[RawRecord] = []
         try:
             for record in reader.records():
                 batch.append(record)
                 read += 1
                 if len(batch) >= CONVERSATION_BATCH:
-                    rows, tokens = _process_batch(batch, tokenizer, template, special, settings, writers, counts, reject)
+                    rows, tokens = batches.process(batch)
                     batch = []
                     reading.report(int(task.share * reader.fraction()), rows, tokens)
-            rows, tokens = _process_batch(batch, tokenizer, template, special, settings, writers, counts, reject)
+            rows, tokens = batches.process(batch)
         except InputUnreadable as exc:
             failure, rows, tokens = exc, 0, 0
         reader.finish()
@@ -342,53 +343,58 @@ def _failed_counts(key: str, failure: InputUnreadable, rows_read: int) -> tuple[
     return line, counts
 
 
-def _process_batch(
-    batch: list[RawRecord],
-    tokenizer: Any,
-    template: ChatTemplate,
-    special: re.Pattern[str] | None,
-    settings: WorkerSettings,
-    writers: dict[str, SplitWriter],
-    counts: _ShardCounts,
-    reject: Any,
-) -> tuple[int, int]:
-    """Normalise, render, encode and mask; write rows; return (rows, tokens) written."""
-    planned: list[tuple[RawRecord, str, PlannedTurn]] = []
-    ready: list[tuple[RawRecord, str, TurnRow | TurnRejection]] = []
-    for record in batch:
-        counts.c["rows_in"] += 1
-        try:
-            conv = normalise(record)
-            if conv.prompt_ids is None:  # generator ids are trained as they are, not rendered from the text
-                check_special_tokens(conv, special)
-        except RowRejected as exc:
-            counts.c["rejected_rows"] += 1
-            reject(record, source_id_of(record), None, exc.reason, exc.detail)
-            continue
-        if conv.prompt_ids is not None:
-            counts.c["turns_in"] += 1
-            ready.append((record, conv.source_id, row_from_generator_ids(conv, settings.max_length, settings.vocab_size)))
-            continue
-        for item in plan_turns(conv, template, settings.thinking):  # type: ignore[arg-type]
-            counts.c["turns_in"] += 1
-            if isinstance(item, PlannedTurn):
-                planned.append((record, conv.source_id, item))
-            else:
-                ready.append((record, conv.source_id, item))
-    if planned:
-        # One `encode` per text, not `encode_batch`: that starts the tokenizer's own thread pool, which does not scale on few
-        # cores (the stage scales by worker processes, one core each) and can deadlock in a forked child.
-        encodings = [tokenizer.encode(p.full, add_special_tokens=False) for _, _, p in planned]
-        for (record, source_id, p), enc in zip(planned, encodings, strict=True):
-            ready.append((record, source_id, mask_turn(p, enc, settings.eot_id, settings.max_length)))
-    rows = tokens = 0
-    for record, source_id, result in ready:
-        if isinstance(result, TurnRejection):
-            counts.c["rejected_turns"] += 1
-            reject(record, source_id, result.turn, result.reason, result.detail)
-            continue
-        split = HELD_OUT_SPLIT if is_held_out(source_id, settings.held_out_fraction) else TRAIN_SPLIT
-        writers[split].add(result, source_id)
-        counts.add_row(split, result)
-        rows, tokens = rows + 1, tokens + int(result.input_ids.shape[0])
-    return rows, tokens
+@dataclass
+class _Batches:
+    """What a shard's conversation batches go through and into: the worker's tokenizer, template and special-token
+    pattern, its settings, the split writers, the shard's counts and its quarantine (`reject`)."""
+
+    tokenizer: Any
+    template: ChatTemplate
+    special: re.Pattern[str] | None
+    settings: WorkerSettings
+    writers: dict[str, SplitWriter]
+    counts: _ShardCounts
+    reject: Callable[[RawRecord, str | None, int | None, str, str], None]  # (record, source_id, turn, reason, detail)
+
+    def process(self, batch: list[RawRecord]) -> tuple[int, int]:
+        """Normalise, render, encode and mask one batch; write its rows; return (rows, tokens) written."""
+        settings, counts, reject = self.settings, self.counts, self.reject
+        planned: list[tuple[RawRecord, str, PlannedTurn]] = []
+        ready: list[tuple[RawRecord, str, TurnRow | TurnRejection]] = []
+        for record in batch:
+            counts.c["rows_in"] += 1
+            try:
+                conv = normalise(record)
+                if conv.prompt_ids is None:  # generator ids are trained as they are, not rendered from the text
+                    check_special_tokens(conv, self.special)
+            except RowRejected as exc:
+                counts.c["rejected_rows"] += 1
+                reject(record, source_id_of(record), None, exc.reason, exc.detail)
+                continue
+            if conv.prompt_ids is not None:
+                counts.c["turns_in"] += 1
+                ready.append((record, conv.source_id, row_from_generator_ids(conv, settings.max_length, settings.vocab_size)))
+                continue
+            for item in plan_turns(conv, self.template, settings.thinking):  # type: ignore[arg-type]
+                counts.c["turns_in"] += 1
+                if isinstance(item, PlannedTurn):
+                    planned.append((record, conv.source_id, item))
+                else:
+                    ready.append((record, conv.source_id, item))
+        if planned:
+            # One `encode` per text, not `encode_batch`: that starts the tokenizer's own thread pool, which does not scale on few
+            # cores (the stage scales by worker processes, one core each) and can deadlock in a forked child.
+            encodings = [self.tokenizer.encode(p.full, add_special_tokens=False) for _, _, p in planned]
+            for (record, source_id, p), enc in zip(planned, encodings, strict=True):
+                ready.append((record, source_id, mask_turn(p, enc, settings.eot_id, settings.max_length)))
+        rows = tokens = 0
+        for record, source_id, result in ready:
+            if isinstance(result, TurnRejection):
+                counts.c["rejected_turns"] += 1
+                reject(record, source_id, result.turn, result.reason, result.detail)
+                continue
+            split = HELD_OUT_SPLIT if is_held_out(source_id, settings.held_out_fraction) else TRAIN_SPLIT
+            self.writers[split].add(result, source_id)
+            counts.add_row(split, result)
+            rows, tokens = rows + 1, tokens + int(result.input_ids.shape[0])
+        return rows, tokens
