@@ -145,9 +145,6 @@ def main() -> None:
     ap.add_argument("--many", type=int, default=8, help="--scale: files in the many-files layout")
     ap.add_argument("--big-row", type=int, default=0, metavar="MB", help="peak RSS of tokenize on a row of MB megabytes instead")
     args = ap.parse_args()
-    from blockdraft.stages.tokenize import runner
-
-    runner.IN_PROCESS_UP_TO = 0  # every run spawns its workers, one included: N spawned workers against one spawned worker
     work = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
     try:
         if args.big_row:
@@ -178,7 +175,7 @@ peak_rss_mib: list[float] = []  # each spawned run's largest worker peak RSS (Vm
 
 def _spawned_run(args: argparse.Namespace, src: Path, out: Path, workers: int) -> tuple[int, float, float]:
     """(tokens, CPU seconds summed over the worker processes' shards, shard phase wall seconds) of one tokenize run with
-    `workers` spawned worker processes (one included: `runner.IN_PROCESS_UP_TO` is 0 in this bench)."""
+    `workers` spawned worker processes (one included: `spawn_one`)."""
     from blockdraft.config import load_config
     from blockdraft.reporter import Reporter
     from blockdraft.stages import tokenize
@@ -186,7 +183,7 @@ def _spawned_run(args: argparse.Namespace, src: Path, out: Path, workers: int) -
     # No clipping, so every measurement counts the same tokens.
     options = {"workers": workers, "max_length": 1 << 20, "task_bytes": args.task_mib << 20}
     cfg = load_config(None, {"target": {"path": args.tokenizer, "chat_template": args.chat_template}, "tokenize": options})
-    result = tokenize.run(cfg, str(src), str(out), Reporter())
+    result = tokenize.run(cfg, str(src), str(out), Reporter(), spawn_one=True)
     s = result.details
     assert result.report.state.value == "verified", result.report.state
     shutil.rmtree(out, ignore_errors=True)
@@ -301,7 +298,7 @@ def timed_run(args: argparse.Namespace, src: Path, out: Path, workers: int) -> d
 
     target = {"path": args.tokenizer, "chat_template": args.chat_template}
     cfg = load_config(None, {"target": target, "tokenize": {"workers": workers, "max_length": 1 << 20}})
-    result = tokenize.run(cfg, str(src), str(out), Reporter())
+    result = tokenize.run(cfg, str(src), str(out), Reporter(), spawn_one=True)
     s = result.details
     assert result.report.state.value == "verified", result.report.state
     shutil.rmtree(out, ignore_errors=True)

@@ -62,7 +62,7 @@ def attention_pairs(batch: BlockBatch) -> int:
     """The (query, key) pairs one layer's attention computes per head over the whole batch: every [Q, S+Q] entry of
     each row on the dense path; on the flex path only the tiles the block mask keeps (partial and full), TILE x TILE
     pairs each, since the kernel skips the others."""
-    rows, queries = batch.anchors.shape[0], batch.num_blocks * batch.block_size
+    rows, queries = batch.anchors.shape[0], batch.anchors.shape[1] * batch.block_size
     if batch.attention == "dense":
         return rows * queries * (batch.input_ids.shape[1] + queries)
     mask = batch.layout.block_mask()
@@ -120,7 +120,7 @@ def main() -> None:
     attention = args.attention if args.flops_only and args.attention != "auto" else resolve_attention(args.attention, device)
     batch = build_block_batch(rows, num_anchors=n, block_size=spec.block_size, mask_token_id=spec.mask_token_id, gamma=7.0,
                               generators=[anchor_generator(0, 0, i) for i in range(args.batch)], attention=attention)
-    shares = step_flops(spec, args.batch, s, batch.num_blocks * spec.block_size, attention_pairs(batch))
+    shares = step_flops(spec, args.batch, s, batch.anchors.shape[1] * spec.block_size, attention_pairs(batch))
     if args.flops_only:
         print(json.dumps({"preset": args.preset, "attention": attention, "tflops_per_step": shares["total"] / 1e12,
                           "attention_share": shares["attention_share"], "lm_head_share": shares["lm_head_share"]}))
@@ -162,7 +162,7 @@ def main() -> None:
     result = {
         "preset": args.preset, "device": str(device), "attention": batch.attention, "torch_threads": torch.get_num_threads(), **cfg,
         "batch": args.batch, "params_m": sum(p.numel() for p in drafter.parameters()) / 1e6,
-        "step_s": step_s, "tokens_per_s": args.batch * s / step_s, "queries_per_s": args.batch * batch.num_blocks * spec.block_size / step_s,
+        "step_s": step_s, "tokens_per_s": args.batch * s / step_s, "queries_per_s": args.batch * batch.anchors.shape[1] * spec.block_size / step_s,
         "tflops_per_step": flops / 1e12, "lm_head_share": shares["lm_head_share"],
         "attention_share": shares["attention_share"], "achieved_tflops": achieved / 1e12, "gemm_tflops": gemm / 1e12,
         "fraction_of_gemm": fraction,

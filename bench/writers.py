@@ -5,8 +5,7 @@ train` runs (seeds 0 and 1) into one train.output.
     .venv/bin/python -m bench.writers [--trials 20] [--train-trials 20]
 
 For each trial it records both exit codes and checks, after both ended, that the output verifies (bytes read back) and
-holds the manifest of a process that said `verified`; a loser must exit 2 naming the lease's owner (a local tokenize
-may also lose to the folder lock it takes first). Prints one JSON line
+holds the manifest of a process that said `verified`; a loser must exit 2 naming the lease's owner. Prints one JSON line
 per kind: trials, trials where both overlapped (one lost), false `verified` (must be 0).
 """
 
@@ -47,8 +46,7 @@ def _race(argvs: list[list[str]]) -> list[tuple[int, str]]:
 
 def _judge(url: str, results: list[tuple[int, str]], allowed: list[bytes]) -> dict[str, int]:
     """One trial's outcome: overlapped (one process lost the lease), false_verified (a `verified` the output contradicts)."""
-    lost = ("is being written by pid", "another tokenize is writing")  # the lease's line; a local tokenize's folder lock
-    losers = [err for rc, err in results if rc == 2 and any(s in err for s in lost)]
+    losers = [err for rc, err in results if rc == 2 and "is being written by pid" in err]  # the lease's line
     other = [rc for rc, err in results if rc != 0 and err not in losers]
     report = verify_artifact(open_store(url), deep=True)
     found = read_manifest(open_store(url))

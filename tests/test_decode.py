@@ -7,14 +7,15 @@ import random
 
 import pytest
 import torch
+from helpers.decode import ngram_generate, speculative_generate
 from helpers.paths import GOLDEN
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig
 
 from blockdraft.config import BlockdraftConfig, DFlashConfig, EvalConfig
 from blockdraft.decode.cached_target import CachedTarget
 from blockdraft.decode.linear_state import check_rollback_supported
-from blockdraft.decode.ngram import NgramProposer, ngram_generate
-from blockdraft.decode.speculative import DFlashProposer, greedy_decode, run_speculative, speculative_generate
+from blockdraft.decode.ngram import NgramProposer
+from blockdraft.decode.speculative import DFlashProposer, greedy_decode, run_speculative
 from blockdraft.errors import DecodeError
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.spec import DrafterSpec

@@ -130,7 +130,7 @@ def test_tokenize_into_a_folder_holding_the_users_dataset_refuses_and_deletes_no
 
     out = _one_line_error(CliRunner().invoke(app, ["tokenize", str(corpus), str(out_dir), "--tokenizer", str(TOKENIZER_DIR)]))
     assert "not a file of a blockdraft 'tokenized' artifact" in out
-    assert _snapshot(out_dir) == before  # not even the run's folder lock is left behind
+    assert _snapshot(out_dir) == before  # not even the run's lease is left behind
 
 
 def test_input_equal_to_inside_or_containing_the_output_is_refused_by_every_stage(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, FileEntry, InputRef, Manifest, State, entry_for_local_file
-from blockdraft.store.stage_io import PIECES_DIR, Holds, OutputState, StageOutput, open_input, open_raw_input, stage_key
+from blockdraft.store.stage_io import PIECES_DIR, Holds, OutputState, StageOutput, open_input, open_raw_input, recorded_pieces, stage_key
 
 KIND = "tokenized"
 FILES = {"shard-0.arrow": b"rows of shard zero" * 50, "meta/info.json": b'{"rows": 2}'}
@@ -170,9 +170,9 @@ def test_put_piece_then_finished_piece_round_trip(dest, tmp_path):
     assert piece is not None and piece.files == entries and piece.counts == {"rows": 1}
     assert dest.exists(f"out/{PIECES_DIR}/shard-0.json")
     assert out.done() is None  # a recorded piece commits nothing
-    assert set(out.recorded_pieces()) == {"shard-0"}
+    assert set(recorded_pieces(out.store)) == {"shard-0"}
     out.drop_piece("shard-0")
-    assert out.finished_piece("shard-0", "p0") is None and out.recorded_pieces() == {}
+    assert out.finished_piece("shard-0", "p0") is None and recorded_pieces(out.store) == {}
 
 
 @pytest.mark.fault
@@ -185,7 +185,7 @@ def test_a_piece_whose_file_was_corrupted_or_deleted_is_not_finished(dest, tmp_p
     dest.remove("out/b.arrow")
     assert out.finished_piece("a", "pa") is None
     assert out.finished_piece("b", "pb") is None
-    assert set(out.recorded_pieces()) == {"a", "b"}  # still recorded; only finished_piece decides
+    assert set(recorded_pieces(out.store)) == {"a", "b"}  # still recorded; only finished_piece decides
 
 
 def test_a_piece_recorded_for_another_piece_key_or_kind_is_not_finished(dest, tmp_path):
@@ -194,6 +194,9 @@ def test_a_piece_recorded_for_another_piece_key_or_kind_is_not_finished(dest, tm
     assert out.finished_piece("shard-0", "p0-other-config") is None
     assert StageOutput(dest.sub("out"), "completions", "k1", dest.settings).finished_piece("shard-0", "p0") is None
     assert out.finished_piece("shard-0", "p0") is not None
+    out.put_piece("shard-1", "p1", uploaded(out, tmp_path, {"shard-1.arrow": b"one"}))
+    assert out.piece_names("p0") == (["shard-0"], ["shard-1"])
+    assert StageOutput(dest.sub("out"), "completions", "k1", dest.settings).piece_names("p0") == ([], ["shard-0", "shard-1"])
 
 
 @pytest.mark.fault
@@ -211,7 +214,7 @@ def test_a_torn_piece_record_is_not_finished(dest, tmp_path):
     out = StageOutput(dest.sub("out"), KIND, "k1", dest.settings)
     out.store.put_bytes(f"{PIECES_DIR}/shard-0.json", b'{"kind": "tokenized-pie')
     assert out.finished_piece("shard-0", "p0") is None
-    assert out.recorded_pieces() == {}
+    assert recorded_pieces(out.store) == {}
 
 
 # ---------------------------------------------------------------------------------------------- inputs

@@ -33,9 +33,11 @@ from typer.testing import CliRunner
 
 import blockdraft
 from blockdraft.cli import app
-from blockdraft.config import load_config
+from blockdraft.config import TargetConfig, load_config
+from blockdraft.data.tokenizer import resolve_tokenizer
 from blockdraft.errors import ArtifactError
 from blockdraft.reporter import Reporter
+from blockdraft.stages.tokenize.runner import ShardRunner
 from blockdraft.stages.tokenize.shard import is_held_out
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, read_manifest, verify_artifact
@@ -487,3 +489,12 @@ def test_qwen3_5_and_3_6_templates_with_thinking_forced_on_or_off(tmp_path, temp
         assert supervised == QWEN3_6_SUPERVISED[row["turn"]]
         assert prompt.endswith("<|im_start|>assistant\n<think>\n" if thinking == "on" else "<think>\n\n</think>\n\n")
         assert ("Seven is prime." in prompt) == (template.endswith("_training") and row["turn"] > 0)
+
+
+def test_one_worker_runs_in_this_process_unless_asked_to_spawn_it():
+    src, _ = resolve_tokenizer(TargetConfig(path=str(TOKENIZER_DIR)))
+    with ShardRunner(1, src) as in_process:
+        assert in_process.pool is None
+    with ShardRunner(1, src, spawn_one=True) as spawned:
+        assert spawned.pool is not None
+        assert spawned.pool.submit(os.getpid).result() != os.getpid()

@@ -6,6 +6,7 @@
 - `reporters`: reporters that keep what a stage told them (`ProgressLog`).
 - `tokenize_data`: conversations and corpora on disk, a tokenize config and run, the rows and files of an output.
 - `train_data`: learnable tokenized rows from the golden target, a train config file, the metrics log.
+- `decode`: one-call speculative decoding of one prompt with a DFlash or n-gram drafter.
 - `hybrid`: tiny random hybrid-attention targets (composite Qwen3.5 with vision tower and M-RoPE, Qwen3-Next) built from
   config and saved with a tokenizer and the Qwen3.6 chat template.
 

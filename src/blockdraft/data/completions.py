@@ -14,7 +14,6 @@ rejects it as `row_too_large`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 import os
@@ -28,7 +27,6 @@ from blockdraft.config import StoreConfig
 from blockdraft.data.records import RawRecord
 from blockdraft.errors import ConfigError
 from blockdraft.store import Store, open_store
-from blockdraft.store.artifact import InputRef, raw_input
 from blockdraft.store.stage_io import StageInput, open_input, recorded_manifest
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
@@ -240,25 +238,3 @@ def not_a_regular_file(path: Path, st: os.stat_result) -> ConfigError:
              stat.S_IFSOCK: "a socket"}
     kind = kinds.get(stat.S_IFMT(st.st_mode), "not a regular file")
     return ConfigError(f"input {path} is {kind}, not a regular file; pass completions files (or a folder of them) that hold their rows")
-
-
-def list_completions(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[tuple[str, int, str]], list[InputRef]]:
-    """(store, [(key, size, checksum)], lineage) of the completions at `input_url`: a file, a folder or an artifact."""
-    store, keys, artifact = resolve_completions(input_url, store_config)
-    if artifact is not None:
-        listed = set(keys)
-        return store, [(f.path, f.size, f.checksum) for f in artifact.manifest.files if f.path in listed], [artifact.ref]
-    files, lineage = [], []
-    # One round trip per object on S3 (a full read on a folder): in parallel.
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        infos = list(pool.map(store.head, keys))
-    for key, info in zip(keys, infos):
-        if info is None:
-            raise ConfigError(f"input {input_url}/{key} disappeared while listing; retry when the input is complete")
-        if info.checksum is None and info.etag is None:
-            size, checksum = store.checksum_by_reading(key)
-            info = type(info)(key=key, size=size, checksum=checksum, etag=info.etag)
-        # An object uploaded without CRC64NVME is pinned by its ETag (recorded as lineage), not re-read whole.
-        files.append((key, info.size, info.checksum or f"etag:{info.etag}"))
-        lineage.append(raw_input(store, info))
-    return store, files, lineage

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 COMPLETIONS_KIND = "completions"  # generate's output: shards/*.jsonl.zst, failures.ndjson, generate.settings
 TOKENIZED_KIND = "tokenized"  # tokenize's output: the `datasets.save_to_disk` layout of a DatasetDict
-SPLITS = ("train", "held_out")  # the tokenized artifact's splits, in this order
+TRAIN_SPLIT = "train"  # the split train reads and eval's prompts leave out
+HELD_OUT_SPLIT = "held_out"  # the rows tokenize holds out of training (tokenize.held_out_fraction)
+SPLITS = (TRAIN_SPLIT, HELD_OUT_SPLIT)  # the tokenized artifact's splits, in this order
 
-__all__ = ["COMPLETIONS_KIND", "SPLITS", "TOKENIZED_KIND"]
+__all__ = ["COMPLETIONS_KIND", "HELD_OUT_SPLIT", "SPLITS", "TOKENIZED_KIND", "TRAIN_SPLIT"]

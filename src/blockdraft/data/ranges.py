@@ -34,6 +34,7 @@ from awscrt import checksums
 from blockdraft.config import MAX_ROW_BYTES
 from blockdraft.data.records import (
     PARQUET_BATCH_ROWS,
+    SKIP_CHUNK,
     RawRecord,
     bounded_lines,
     check_parquet_columns,
@@ -55,7 +56,6 @@ RATIO_SAMPLE = 1 << 20
 # A compressed file of at most task_bytes / COMPRESSED_MIN bytes is read whole, unopened here (it would take better than
 # 8x compression to hold more than task_bytes: at worst one task is larger).
 COMPRESSED_MIN = 8
-SKIP_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from blockdraft.data.streams import CountingReader, InputUnreadable, decoding, d
 PARQUET_BATCH_ROWS = 256
 ARRAY_READ = 1 << 20  # bytes read at a time from a JSON array
 MAX_ARRAY_ELEMENT = 256 << 20  # one element of a JSON array larger than this is refused: use JSON Lines
-SKIP_CHUNK = 1 << 20  # bytes read at a time while skipping the rest of a line
+SKIP_CHUNK = 1 << 20  # bytes read at a time while skipping input: the rest of a line, or up to a part's start
 HEAD_BYTES = 256  # what a record keeps of a row too large to hold (for the quarantine)
 PARQUET_COLUMNS = (("messages",), ("conversations",), ("prompt_token_ids", "completion_token_ids"), ("prompt_ids", "completion_ids"))
 

@@ -6,11 +6,7 @@ is the floor a trained drafter has to beat on the same prompts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
-
-from blockdraft.decode.speculative import SpecResult, run_speculative
 
 
 class NgramProposer:
@@ -43,16 +39,3 @@ class NgramProposer:
                     return follow + [self.mask_token_id] * (width - len(follow))
         return [self.mask_token_id] * width
 
-
-def ngram_generate(
-    target_hf_model,
-    prompt_ids,
-    max_new_tokens: int,
-    stop_token_ids: Iterable[int],
-    block_size: int,
-    pad_token_id: int,
-    max_ngram: int = 3,
-) -> SpecResult:
-    """Speculative decoding with the prompt-lookup drafter; same loop, rules and result as `speculative_generate`."""
-    proposer = NgramProposer(block_size, pad_token_id, max_ngram=max_ngram)
-    return run_speculative(target_hf_model, proposer, prompt_ids, max_new_tokens, stop_token_ids)

@@ -213,9 +213,3 @@ class DFlashProposer:
         hidden = draft_step(self.drafter, self.cache, features, self.head.embed(block), start)  # [1, B, H]
         return self.head.logits(hidden[:, 1:]).argmax(dim=-1)[0].tolist()
 
-
-def speculative_generate(
-    target_hf_model, drafter, target_head, prompt_ids, max_new_tokens: int, stop_token_ids: Iterable[int] = ()
-) -> SpecResult:
-    """Greedy speculative decoding of one prompt with a DFlash drafter; output equals `greedy_decode`'s up to near-ties."""
-    return run_speculative(target_hf_model, DFlashProposer(drafter, target_head), prompt_ids, max_new_tokens, stop_token_ids)

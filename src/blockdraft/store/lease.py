@@ -265,11 +265,6 @@ def busy_error(url: str, record: LeaseRecord) -> LeaseError:
     return LeaseError(f"{url} is being written by {record.describe()}; wait for that run to finish, or rerun with --force if it is dead")
 
 
-def held_leases() -> list[str]:
-    """The output roots whose lease this process holds (for tests and diagnostics)."""
-    return sorted(_held)
-
-
 @atexit.register
 def _release_all() -> None:
     for key in list(_held):
@@ -279,5 +274,5 @@ def _release_all() -> None:
 
 
 __all__ = [
-    "LEASE_NAME", "LEASE_TTL_S", "Lease", "LeaseRecord", "busy_error", "held_here", "held_leases", "holds_live", "read_lease",
+    "LEASE_NAME", "LEASE_TTL_S", "Lease", "LeaseRecord", "busy_error", "held_here", "holds_live", "read_lease",
 ]

@@ -363,15 +363,21 @@ class StageOutput:
             piece = Manifest.model_validate_json(self.store.read_bytes(self._piece_key(name)))
         except (FileNotFoundError, ValueError):
             return None
-        if piece.config.get(STAGE_KEY) != piece_key or piece.kind != self.kind + PIECE_SUFFIX:
+        if not self._recorded_for(piece, piece_key):
             return None
         if any(p is not None for p in check_files(self.store, piece.files)):
             return None
         return piece
 
-    def recorded_pieces(self) -> dict[str, Manifest]:
-        """Every piece sub-manifest at the destination, by name, as recorded (not checked): see `recorded_pieces`."""
-        return recorded_pieces(self.store)
+    def piece_names(self, piece_key: str) -> tuple[list[str], list[str]]:
+        """The names of the pieces recorded for `piece_key` (finished or not: `finished_piece` says) and of those recorded
+        for another key or kind, each sorted; from the sub-manifests alone, no file is read."""
+        recorded = recorded_pieces(self.store)
+        ours = sorted(name for name, piece in recorded.items() if self._recorded_for(piece, piece_key))
+        return ours, sorted(name for name in recorded if name not in ours)
+
+    def _recorded_for(self, piece: Manifest, piece_key: str) -> bool:
+        return piece.config.get(STAGE_KEY) == piece_key and piece.kind == self.kind + PIECE_SUFFIX
 
     def drop_piece(self, name: str) -> None:
         self.store.delete(self._piece_key(name))

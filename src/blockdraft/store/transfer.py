@@ -43,7 +43,7 @@ from blockdraft.store.local import LocalStore
 from blockdraft.store.ownership import claim_output, mark_writing, refuse_nested, release_claim
 from blockdraft.store.preflight import preflight
 from blockdraft.store.stage_io import StageOutput
-from blockdraft.store.writable import DISK_FULL, require_folder, write_failed
+from blockdraft.store.writable import DISK_FULL, free_bytes, require_folder, write_failed
 
 
 @dataclass
@@ -169,13 +169,6 @@ def _refuse(url: str, problems: list[FileProblem]) -> ArtifactError:
     return ArtifactError(f"refusing to pull {url}: {len(problems)} file(s) do not verify: {listed}")
 
 
-def _free_bytes(folder: Path) -> int:
-    probe = folder
-    while not probe.exists():
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
-
-
 def pull(
     url: str, local_dir: str | Path, store_config: StoreConfig | None = None, *, force: bool = False, reporter: Reporter | None = None
 ) -> TransferReport:
@@ -257,7 +250,7 @@ def _download_and_swap(source: Store, dest: LocalStore, kind: str, files: list[F
     todo = [e for e, ok in zip(files, present) if not ok]
     report.skipped = [e.path for e, ok in zip(files, present) if ok]
     need = sum(e.size for e in todo)
-    free = _free_bytes(dest.root)
+    free = free_bytes(dest.root)
     if need > free:
         raise StoreError(f"not enough local disk space in {dest.root}: the pull needs {need} bytes, {free} are free; free space or pull elsewhere")
     bad: list[FileProblem] = []

@@ -83,11 +83,10 @@ class DiskFull(StoreError):
     """The output's filesystem ran out of space (or quota) while a stage wrote to it; the message names where and how much."""
 
 
-def _free_bytes(path: Path) -> int | None:
-    for folder in (path, *path.parents):
-        if folder.exists():
-            return shutil.disk_usage(folder).free
-    return None
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds `path`, or would hold it: that of its nearest existing folder."""
+    folder = next((f for f in (path, *path.parents) if f.exists()), Path(path.anchor or "."))
+    return shutil.disk_usage(folder).free
 
 
 def disk_full_error(exc: OSError, path: Path, written: int = 0, fraction_done: float = 0.0) -> DiskFull | None:
@@ -100,8 +99,7 @@ def disk_full_error(exc: OSError, path: Path, written: int = 0, fraction_done: f
     if exc.errno not in DISK_FULL:
         return None
     where = Path(exc.filename) if isinstance(exc.filename, (str, os.PathLike)) else path
-    free = _free_bytes(where)
-    free_text = f"{free:,} bytes are free there now" if free is not None else "the free space there is unknown"
+    free_text = f"{free_bytes(where):,} bytes are free there now"
     need = ""
     if written and 0 < fraction_done < 1:
         need = f"; this input's rows need about {int(written / fraction_done):,} bytes ({written:,} were written for {100 * fraction_done:.0f}% of it)"
@@ -126,6 +124,6 @@ def unwritable_error(exc: OSError, out_dir: Path) -> StoreError | None:
 
 
 __all__ = [
-    "DISK_FULL", "NOT_WRITABLE", "UNWRITABLE_OUTPUT", "DiskFull", "disk_full_error", "file_in_the_way", "os_error_of", "require_folder",
+    "DISK_FULL", "NOT_WRITABLE", "UNWRITABLE_OUTPUT", "DiskFull", "disk_full_error", "file_in_the_way", "free_bytes", "os_error_of", "require_folder",
     "unwritable_error", "write_failed",
 ]

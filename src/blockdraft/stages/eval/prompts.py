@@ -18,12 +18,11 @@ import pyarrow as pa
 from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, StoreConfig, TargetConfig
-from blockdraft.data.formats import TOKENIZED_KIND
+from blockdraft.data.formats import TOKENIZED_KIND, TRAIN_SPLIT
 from blockdraft.errors import EvalError
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.stage_io import StageInput, open_input, open_raw_input
 
-TRAIN_SPLIT = "train"
 STATE_FILE = "state.json"  # what `datasets.save_to_disk` writes beside a dataset's Arrow files
 
 

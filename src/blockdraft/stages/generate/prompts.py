@@ -6,19 +6,21 @@ pinned by content as lineage (raw objects by size and checksum or ETag, an artif
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
 
 from blockdraft.config import StoreConfig
 from blockdraft.data.chat import Prompt
-from blockdraft.data.completions import RowRejected, is_completions_file, list_completions, normalise_message, source_id_of
+from blockdraft.data.completions import RowRejected, is_completions_file, normalise_message, resolve_completions, source_id_of
 from blockdraft.data.records import iter_records
+from blockdraft.errors import ConfigError
 from blockdraft.store import Store
-from blockdraft.store.artifact import InputRef
+from blockdraft.store.artifact import InputRef, raw_input
 from blockdraft.store.stage_io import open_raw_input
 
 # (key, size, checksum) of each input file, as listed
-InputFile = tuple[str, int, str]
+PromptFile = tuple[str, int, str]
 
 
 @dataclass
@@ -31,19 +33,36 @@ class BadPrompt:
     detail: str
 
 
-def list_input(input_url: str, store_config: StoreConfig) -> tuple[Store, list[InputFile], list[InputRef]]:
-    """(store, files, lineage) of the input: one object, a folder or prefix, or an artifact.
-
-    A single s3:// object is taken as it is (`list_completions` would list its parent); raises ConfigError when absent.
+def list_prompt_files(input_url: str, store_config: StoreConfig) -> tuple[Store, list[PromptFile], list[InputRef]]:
+    """(store, files, lineage) of the input: one object, a folder or prefix, or an artifact. Every raw file is pinned by
+    its checksum (read whole when its store holds none and no ETag) or ETag, as lineage; raises ConfigError when absent.
+    A single s3:// object is taken as it is (listing would list its parent).
     """
     if input_url.startswith("s3://") and is_completions_file(input_url):
         raw = open_raw_input(input_url, store_config)
         info = raw.info
         return raw.store, [(info.key, info.size, info.checksum or f"etag:{info.etag}")], [raw.ref]
-    return list_completions(input_url, store_config)
+    store, keys, artifact = resolve_completions(input_url, store_config)
+    if artifact is not None:
+        listed = set(keys)
+        return store, [(f.path, f.size, f.checksum) for f in artifact.manifest.files if f.path in listed], [artifact.ref]
+    files, lineage = [], []
+    # One round trip per object on S3 (a full read on a folder): in parallel.
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        infos = list(pool.map(store.head, keys))
+    for key, info in zip(keys, infos, strict=True):
+        if info is None:
+            raise ConfigError(f"input {input_url}/{key} disappeared while listing; retry when the input is complete")
+        if info.checksum is None and info.etag is None:
+            size, checksum = store.checksum_by_reading(key)
+            info = type(info)(key=key, size=size, checksum=checksum, etag=info.etag)
+        # An object uploaded without CRC64NVME is pinned by its ETag (recorded as lineage), not re-read whole.
+        files.append((key, info.size, info.checksum or f"etag:{info.etag}"))
+        lineage.append(raw_input(store, info))
+    return store, files, lineage
 
 
-def read_prompts(store: Store, files: list[InputFile], thinking: str) -> tuple[list[Prompt], list[BadPrompt]]:
+def read_prompts(store: Store, files: list[PromptFile], thinking: str) -> tuple[list[Prompt], list[BadPrompt]]:
     """Every prompt of the input files in order; rows that cannot be prompts (and repeated ids) as `BadPrompt`s."""
     prompts: list[Prompt] = []
     bad: list[BadPrompt] = []

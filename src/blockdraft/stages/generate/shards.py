@@ -21,7 +21,7 @@ import zstandard
 
 from blockdraft.data.chat import Completion, Prompt
 from blockdraft.store.artifact import FileEntry, Manifest, entry_for_local_file
-from blockdraft.store.stage_io import STAGE_KEY, StageOutput
+from blockdraft.store.stage_io import StageOutput
 
 SHARDS_DIR = "shards"
 _SHARD_KEY = re.compile(rf"^{SHARDS_DIR}/(part-(\d+))\.jsonl\.zst$")
@@ -126,9 +126,7 @@ class HeldShards:
 def held_shards(out: StageOutput, piece_key: str) -> HeldShards:
     """The shards at the destination that a rerun with `piece_key` keeps, and the ones it must refuse or remove."""
     held = HeldShards()
-    recorded = out.recorded_pieces()
-    held.other_key = sorted(name for name, piece in recorded.items() if piece.config.get(STAGE_KEY) != piece_key)
-    ours = sorted(name for name in recorded if name not in held.other_key)
+    ours, held.other_key = out.piece_names(piece_key)
     with ThreadPoolExecutor(PIECE_CHECK_WORKERS) as pool:
         finished: list[Manifest | None] = list(pool.map(lambda name: out.finished_piece(name, piece_key), ours))
     kept: set[str] = set()

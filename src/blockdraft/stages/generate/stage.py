@@ -36,7 +36,7 @@ from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.generate.engines import Failure, HFEngine, OpenAIEngine
-from blockdraft.stages.generate.prompts import BadPrompt, list_input, read_prompts
+from blockdraft.stages.generate.prompts import BadPrompt, list_prompt_files, read_prompts
 from blockdraft.stages.generate.shards import HeldShards, ShardWriter, completion_row, held_shards
 from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry, VerifyReport
@@ -79,7 +79,7 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     started = time.perf_counter()
     reporter = reporter or Reporter()
     refuse_nested(open_store(input, config.store), open_store(output, config.store))
-    in_store, files, lineage = list_input(input, config.store)
+    in_store, files, lineage = list_prompt_files(input, config.store)
     settings = _settings(config)
     # The output key takes the model as configured: None (openai, "whatever the server serves") is not resolved here, so
     # an output that is done is recognised without reaching the server. The piece key below takes the served

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from blockdraft.stages.tokenize.hf_layout import KIND
 from blockdraft.stages.tokenize.report import InputFilesFailed, TokenizeSummary, summary_lines
 from blockdraft.stages.tokenize.resume import finished_shard_entries
 from blockdraft.stages.tokenize.stage import run
 
-__all__ = ["KIND", "InputFilesFailed", "TokenizeSummary", "finished_shard_entries", "run", "summary_lines"]
+__all__ = ["InputFilesFailed", "TokenizeSummary", "finished_shard_entries", "run", "summary_lines"]

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from blockdraft.data.formats import SPLITS, TOKENIZED_KIND
+from blockdraft.data.formats import SPLITS
 from blockdraft.store.local import TMP_PREFIX
 
-KIND = TOKENIZED_KIND
 QUARANTINE_DIR = "quarantine"
 EMPTY_SPLIT_FILE = "empty.arrow"
 

@@ -33,7 +33,7 @@ def input_unchanged(store: Store, task: ShardTask, read: dict[str, Any]) -> bool
     ranges = read.get("reads") or []
     if not ranges or not all(crc for _, _, crc in ranges):
         return False
-    with store.open_read(task.key) as stream:
+    with store.open_read(task.input_key) as stream:
         return all(range_crc(stream, start, end) == crc for start, end, crc in ranges)
 
 
@@ -47,7 +47,7 @@ def finished_shard(out: StageOutput, in_store: Store, digest: str, task: ShardTa
 
 def keep_finished_shards(out: StageOutput, in_store: Store, digest: str, tasks: list[ShardTask], out_dir: Path) -> dict[str, ShardOutput]:
     """The shards whose pieces match this run, by name; every other piece, temporary file and unnamed file is deleted."""
-    recorded = out.recorded_pieces()
+    recorded = recorded_pieces(out.store)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # each check reads files back (and maybe input bytes)
         found = list(pool.map(lambda task: finished_shard(out, in_store, digest, task), [t for t in tasks if t.name in recorded]))
     kept = {shard.name: shard for shard in found if shard is not None}

@@ -1,5 +1,5 @@
-"""Runs shard tasks: in this process for one worker (`IN_PROCESS_UP_TO`), else in a pool of spawned processes that report
-progress back."""
+"""Runs shard tasks: in this process for one worker (unless asked to spawn it), else in a pool of spawned processes that
+report progress back."""
 
 from __future__ import annotations
 
@@ -15,21 +15,19 @@ from blockdraft.stages.tokenize.tasks import ShardTask
 
 # How often the parent drains the workers' progress queue while it waits for shards (seconds).
 DRAIN_EVERY_S = 0.2
-# A run with at most this many workers tokenizes in the caller's process (no pool to start). bench.tokenize sets 0, so
-# that its scaling figure compares N spawned workers with one spawned worker.
-IN_PROCESS_UP_TO = 1
 
 
 class ShardRunner:
     """Runs shard tasks with `workers` processes; use as a context manager (the pool shuts down on exit).
 
-    The pool starts (and each worker builds its tokenizer) as soon as the runner exists, so that start-up overlaps
+    One worker runs in this process (no pool to start) unless `spawn_one`: bench.tokenize spawns it, so that its scaling
+    figure compares N spawned workers with one spawned worker. The pool starts (and each worker builds its tokenizer) as soon as the runner exists, so that start-up overlaps
     the parent's verifying of the output and of the finished shards.
     """
 
-    def __init__(self, workers: int, src: TokenizerSource) -> None:
+    def __init__(self, workers: int, src: TokenizerSource, spawn_one: bool = False) -> None:
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
-        if workers <= IN_PROCESS_UP_TO:
+        if workers <= 1 and not spawn_one:
             install_tools(src.tokenizer_json, src.template.text, src.template.variables)
             return
         ctx = multiprocessing.get_context("spawn")

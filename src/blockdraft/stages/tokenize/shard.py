@@ -1,10 +1,10 @@
-"""One shard, in one worker process: one task (an input file, or one part of it: `plan.py`) -> its Arrow files, its
+"""One shard, in one worker process: one task (an input file, or one part of it: `tasks.py`) -> its Arrow files, its
 quarantine file and, last, its piece record.
 
 A finished shard is a piece of the output (`StageOutput.put_piece`, written after its files), keyed by `piece_key`:
 the run's config digest, the input file's key and size, and the part. Its counts hold the shard's row statistics
 (`stats`), its Arrow files per split in the order written (`split_files`) and what it read of the input (`input`: the
-file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `plan.file_checksum`).
+file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `tasks.checksum_from_reads`).
 
 An input file that cannot be decoded whole is dropped whole, with no piece (see `tokenize_shard`; the stage drops the
 file's other parts too).
@@ -36,6 +36,7 @@ from tokenizers import Tokenizer
 
 from blockdraft.config import StoreConfig
 from blockdraft.data.completions import RowRejected, check_special_tokens, normalise, source_id_of
+from blockdraft.data.formats import HELD_OUT_SPLIT, TOKENIZED_KIND, TRAIN_SPLIT
 from blockdraft.data.inputs import STAT_PIN, check_unchanged, pin_is_trusted
 from blockdraft.data.ranges import RangeReader
 from blockdraft.data.records import RawRecord
@@ -52,7 +53,7 @@ from blockdraft.data.render import (
 from blockdraft.data.streams import InputUnreadable
 from blockdraft.data.tokenizer import special_token_pattern
 from blockdraft.stages.tokenize.arrow_rows import SplitWriter
-from blockdraft.stages.tokenize.hf_layout import KIND, QUARANTINE_DIR, SPLITS
+from blockdraft.stages.tokenize.hf_layout import QUARANTINE_DIR, SPLITS
 from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, check_listed, piece_key
 from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry
@@ -62,7 +63,7 @@ from blockdraft.store.stage_io import StageOutput
 from blockdraft.store.writable import disk_full_error
 
 # Part of the config digest: bump it when the rows' bytes change for the same options, so old shards are redone.
-SHARD_FORMAT = "blockdraft-tokenize-shard/3"  # 2: special tokens in content and true/false ids rejected; 3: files by bytes
+SHARD_FORMAT = "blockdraft-tokenize-shard/3"
 # Conversations rendered and encoded together; small enough that a worker's memory stays flat.
 CONVERSATION_BATCH = 32
 # What clipping to max_length cut off, in every piece's stats: rows clipped, tokens dropped, supervised tokens dropped.
@@ -211,7 +212,7 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
     if WORKER.get("key") != settings.tools_key:
         raise RuntimeError("tokenize_shard called in a process without this run's tokenizer and template installed")
     out = Path(settings.output_dir)
-    output = StageOutput(LocalStore(out), KIND, PIECES_ONLY)
+    output = StageOutput(LocalStore(out), TOKENIZED_KIND, PIECES_ONLY)
     _remove_shard_outputs(output, out, task.name)
     writers = {split: SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file, settings.file_bytes) for split in SPLITS}
     reading = _Reading(task.share, progress or _to_parent_queue())
@@ -267,38 +268,39 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput,
     read = 0
     failure: InputUnreadable | None = None
     store = open_store(settings.input_url, settings.store)
-    with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.key) as raw:
+    with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.input_key) as raw:
         trusted = _check_pin(task, raw)
         # Parquet is read by seeking; its checksum is a second, sequential pass, skipped when the listing names it.
-        reader = RangeReader(raw, task.key, task.file.size, task.part,
-                             checksum=not (task.key.lower().endswith(".parquet") and task.file.checksum), max_row_bytes=settings.max_row_bytes)
+        reader = RangeReader(raw, task.input_key, task.file.size, task.part,
+                             checksum=not (task.input_key.lower().endswith(".parquet") and task.file.checksum), max_row_bytes=settings.max_row_bytes)
 
         def reject(record: RawRecord, source_id: str | None, turn: int | None, reason: str, detail: str) -> None:
             counts.rejected[reason] += 1
-            entry = {"source_id": source_id, "turn": turn, "reason": reason, "detail": detail, "input": task.key,
+            entry = {"source_id": source_id, "turn": turn, "reason": reason, "detail": detail, "input": task.input_key,
                      "position": record.position, "offset": record.offset, "row": record.text}
             quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
+        batches = _Batches(tokenizer, template, special, settings, writers, counts, reject)
         batch: list[RawRecord] = []
         try:
             for record in reader.records():
                 batch.append(record)
                 read += 1
                 if len(batch) >= CONVERSATION_BATCH:
-                    rows, tokens = _process_batch(batch, tokenizer, template, special, settings, writers, counts, reject)
+                    rows, tokens = batches.process(batch)
                     batch = []
                     reading.report(int(task.share * reader.fraction()), rows, tokens)
-            rows, tokens = _process_batch(batch, tokenizer, template, special, settings, writers, counts, reject)
+            rows, tokens = batches.process(batch)
         except InputUnreadable as exc:
             failure, rows, tokens = exc, 0, 0
         reader.finish()
         _check_pin(task, raw)
         if task.part.kind == "whole":
-            check_listed(task.key, task.file.size, task.file.checksum, reader.window, reader.crc)
+            check_listed(task.input_key, task.file.size, task.file.checksum, reader.window, reader.crc)
         reading.report(task.share, rows, tokens)
         if failure is not None:
             # Dropped whole: none of its rows or row rejections stay, only the one line that says why.
-            line, counts = _failed_counts(task.key, failure, reader.rows_before + read)
+            line, counts = _failed_counts(task.input_key, failure, reader.rows_before + read)
             quarantine.seek(0)
             quarantine.truncate()
             quarantine.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -325,7 +327,7 @@ def _check_pin(task: ShardTask, raw: BinaryIO) -> bool:
     if not task.file.pin.startswith(STAT_PIN):
         return True
     st = os.fstat(raw.fileno())
-    check_unchanged(task.key, task.file, st)
+    check_unchanged(task.input_key, task.file, st)
     return pin_is_trusted(st)
 
 
@@ -341,53 +343,58 @@ def _failed_counts(key: str, failure: InputUnreadable, rows_read: int) -> tuple[
     return line, counts
 
 
-def _process_batch(
-    batch: list[RawRecord],
-    tokenizer: Any,
-    template: ChatTemplate,
-    special: re.Pattern[str] | None,
-    settings: WorkerSettings,
-    writers: dict[str, SplitWriter],
-    counts: _ShardCounts,
-    reject: Any,
-) -> tuple[int, int]:
-    """Normalise, render, encode and mask; write rows; return (rows, tokens) written."""
-    planned: list[tuple[RawRecord, str, PlannedTurn]] = []
-    ready: list[tuple[RawRecord, str, TurnRow | TurnRejection]] = []
-    for record in batch:
-        counts.c["rows_in"] += 1
-        try:
-            conv = normalise(record)
-            if conv.prompt_ids is None:  # generator ids are trained as they are, not rendered from the text
-                check_special_tokens(conv, special)
-        except RowRejected as exc:
-            counts.c["rejected_rows"] += 1
-            reject(record, source_id_of(record), None, exc.reason, exc.detail)
-            continue
-        if conv.prompt_ids is not None:
-            counts.c["turns_in"] += 1
-            ready.append((record, conv.source_id, row_from_generator_ids(conv, settings.max_length, settings.vocab_size)))
-            continue
-        for item in plan_turns(conv, template, settings.thinking):  # type: ignore[arg-type]
-            counts.c["turns_in"] += 1
-            if isinstance(item, PlannedTurn):
-                planned.append((record, conv.source_id, item))
-            else:
-                ready.append((record, conv.source_id, item))
-    if planned:
-        # One `encode` per text, not `encode_batch`: that starts the tokenizer's own thread pool, which does not scale on few
-        # cores (the stage scales by worker processes, one core each) and can deadlock in a forked child.
-        encodings = [tokenizer.encode(p.full, add_special_tokens=False) for _, _, p in planned]
-        for (record, source_id, p), enc in zip(planned, encodings, strict=True):
-            ready.append((record, source_id, mask_turn(p, enc, settings.eot_id, settings.max_length)))
-    rows = tokens = 0
-    for record, source_id, result in ready:
-        if isinstance(result, TurnRejection):
-            counts.c["rejected_turns"] += 1
-            reject(record, source_id, result.turn, result.reason, result.detail)
-            continue
-        split = "held_out" if is_held_out(source_id, settings.held_out_fraction) else "train"
-        writers[split].add(result, source_id)
-        counts.add_row(split, result)
-        rows, tokens = rows + 1, tokens + int(result.input_ids.shape[0])
-    return rows, tokens
+@dataclass
+class _Batches:
+    """What a shard's conversation batches go through and into: the worker's tokenizer, template and special-token
+    pattern, its settings, the split writers, the shard's counts and its quarantine (`reject`)."""
+
+    tokenizer: Any
+    template: ChatTemplate
+    special: re.Pattern[str] | None
+    settings: WorkerSettings
+    writers: dict[str, SplitWriter]
+    counts: _ShardCounts
+    reject: Callable[[RawRecord, str | None, int | None, str, str], None]  # (record, source_id, turn, reason, detail)
+
+    def process(self, batch: list[RawRecord]) -> tuple[int, int]:
+        """Normalise, render, encode and mask one batch; write its rows; return (rows, tokens) written."""
+        settings, counts, reject = self.settings, self.counts, self.reject
+        planned: list[tuple[RawRecord, str, PlannedTurn]] = []
+        ready: list[tuple[RawRecord, str, TurnRow | TurnRejection]] = []
+        for record in batch:
+            counts.c["rows_in"] += 1
+            try:
+                conv = normalise(record)
+                if conv.prompt_ids is None:  # generator ids are trained as they are, not rendered from the text
+                    check_special_tokens(conv, self.special)
+            except RowRejected as exc:
+                counts.c["rejected_rows"] += 1
+                reject(record, source_id_of(record), None, exc.reason, exc.detail)
+                continue
+            if conv.prompt_ids is not None:
+                counts.c["turns_in"] += 1
+                ready.append((record, conv.source_id, row_from_generator_ids(conv, settings.max_length, settings.vocab_size)))
+                continue
+            for item in plan_turns(conv, self.template, settings.thinking):  # type: ignore[arg-type]
+                counts.c["turns_in"] += 1
+                if isinstance(item, PlannedTurn):
+                    planned.append((record, conv.source_id, item))
+                else:
+                    ready.append((record, conv.source_id, item))
+        if planned:
+            # One `encode` per text, not `encode_batch`: that starts the tokenizer's own thread pool, which does not scale on few
+            # cores (the stage scales by worker processes, one core each) and can deadlock in a forked child.
+            encodings = [self.tokenizer.encode(p.full, add_special_tokens=False) for _, _, p in planned]
+            for (record, source_id, p), enc in zip(planned, encodings, strict=True):
+                ready.append((record, source_id, mask_turn(p, enc, settings.eot_id, settings.max_length)))
+        rows = tokens = 0
+        for record, source_id, result in ready:
+            if isinstance(result, TurnRejection):
+                counts.c["rejected_turns"] += 1
+                reject(record, source_id, result.turn, result.reason, result.detail)
+                continue
+            split = HELD_OUT_SPLIT if is_held_out(source_id, settings.held_out_fraction) else TRAIN_SPLIT
+            self.writers[split].add(result, source_id)
+            counts.add_row(split, result)
+            rows, tokens = rows + 1, tokens + int(result.input_ids.shape[0])
+        return rows, tokens

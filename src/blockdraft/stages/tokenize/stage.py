@@ -3,14 +3,14 @@
 The output folder is a DatasetDict as `datasets.save_to_disk` lays it out (`hf_layout`), plus quarantine files, the
 finished shards' pieces (`.blockdraft-pieces/`, see `blockdraft.store.stage_io`) and the manifest, written last.
 
-One shard = one task: an input file, or a part of a large one (`plan.py`), processed by one worker process (`shard.py`;
+One shard = one task: an input file, or a part of a large one (`tasks.py`), processed by one worker process (`shard.py`;
 `runner.py` runs them). Whether the output is done is its `StageOutput`'s to say: done when its manifest records this
 run's config digest (`made_with`) and stage key (the digest and the inputs by content) and verifies, and nothing failed
 (an input file left out makes it partial: a rerun tries it again). Else the finished shards are kept (`resume.py`) and the
 rest redone; the lease (`StageOutput.begin`) keeps a second run from writing the same output meanwhile.
 
 Each input byte is checksummed once, by the task that reads it: the parent lists inputs without reading them, and a local
-file's checksum (for the lineage) is put together from its tasks' (`plan.file_checksum`). Only a rerun over a committed
+file's checksum (for the lineage) is put together from its tasks' (`tasks.checksum_from_reads`). Only a rerun over a committed
 output of this config asks for checksums up front, to tell whether it is done (`_InputPins.key`: a raw input file is read
 only if it changed).
 """
@@ -28,17 +28,18 @@ from pathlib import Path
 from typing import Any, cast
 
 from blockdraft.config import BlockdraftConfig
+from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.data.inputs import STAT_PIN, InputFile, list_inputs
 from blockdraft.data.tokenizer import TokenizerSource, check_mask_token, end_of_turn_id, resolve_tokenizer
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.tokenize.hf_layout import KIND, output_schema, write_split_metadata
+from blockdraft.stages.tokenize.hf_layout import output_schema, write_split_metadata
 from blockdraft.stages.tokenize.report import InputFilesFailed, TokenizeSummary, clip_warning, merge_counts
 from blockdraft.stages.tokenize.resume import drop_failed_files, finished_shard_entries, keep_finished_shards
 from blockdraft.stages.tokenize.runner import ShardRunner
-from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, WorkerSettings, tools_key
-from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, file_checksum, plan_tasks
+from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, ShardRun, WorkerSettings, tools_key
+from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, checksum_from_reads, plan_tasks
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import InputRef, VerifyReport, entry_for_local_file, raw_input
 from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
@@ -57,6 +58,7 @@ def run(
     reporter: Reporter | None = None,
     *,
     force: bool = False,
+    spawn_one: bool = False,
 ) -> StageResult:
     """Tokenize completions at `input` (file, folder or completions artifact) into a verified `tokenized` artifact at `output`.
 
@@ -64,7 +66,8 @@ def run(
     task, file_bytes = bytes per Arrow file, rows_per_shard = rows per Arrow file if set, end_of_turn);
     the tokenizer and template from `config.target` (`resolve_tokenizer`). Reports (to a `Reporter()` when none is given)
     progress as ("tokenize", input bytes done, input bytes to do, rows=, tokens=), and warnings (a template not the
-    target tokenizer's own; more than 1% of the rows clipped to `tokenize.max_length`).
+    target tokenizer's own; more than 1% of the rows clipped to `tokenize.max_length`). `spawn_one`: run even a single
+    worker in a spawned process (`ShardRunner`).
     Resumes: finished shards of this run are kept, the rest redone. Returns what was verified at the destination, with a
     `TokenizeSummary` as details; ConfigError for unusable input or options; `DiskFull` (one line: where, how much) when
     the output's disk fills, after removing the temporary files.
@@ -79,43 +82,72 @@ def run(
     out_store = open_store(output, config.store)
     refuse_nested(open_store(input, config.store), out_store)
     if out_store.local_path() is None:
-        result = _run_to_remote(config, input, output, reporter, started, force)
+        result = _run_to_remote(config, input, output, reporter, started, force, spawn_one)
     else:
-        result = _run_local(config, input, output, reporter, started, force)
+        result = _run_local(config, input, output, reporter, started, force, spawn_one)
     if result.details.counts.get("input_files_failed"):
         raise InputFilesFailed(result)
     return result
 
 
-def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, started: float, force: bool) -> StageResult:
+def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, started: float, force: bool,
+               spawn_one: bool) -> StageResult:
     plan = _plan(config, input, output, reporter, force)
-    with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src) as runner:
+    with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src, spawn_one) as runner:
         report = plan.out.done()
-        if report is not None and report.manifest is not None:
-            # Rewriting the manifest would change its sha256 and make every dependent artifact look stale.
-            plan.summary.counts, plan.summary.shards_skipped = report.manifest.counts, len(plan.tasks)
-            _warn_if_clipped(plan.summary, reporter)
-            return StageResult(STAGE, plan.out.url, report, True, time.perf_counter() - started, plan.summary)
-        report = _tokenize(plan, runner, reporter)
-    _warn_if_clipped(plan.summary, reporter)
-    return StageResult(STAGE, plan.out.url, report, False, time.perf_counter() - started, plan.summary)
+        done = report is not None and report.manifest is not None
+        if report is not None and done:
+            # Left as it is: rewriting the manifest would change its sha256 and make every dependent artifact look stale.
+            ran = _Ran(kept=len(plan.tasks))
+        else:
+            report, ran = _tokenize(plan, runner, reporter)
+    assert report.manifest is not None, "a done or committed output has its manifest"
+    summary = _summary(plan, report.manifest.counts, ran, reporter)
+    return StageResult(STAGE, plan.out.url, report, done, time.perf_counter() - started, summary)
 
 
-def _warn_if_clipped(summary: TokenizeSummary, reporter: Reporter) -> None:
-    message = clip_warning(summary.counts, summary.max_length)
-    if message is not None:
+@dataclass(frozen=True)
+class _Ran:
+    """What this call did to the output: `kept` shards from an earlier run, the shards it ran and their phase's seconds."""
+
+    kept: int
+    runs: list[ShardRun] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _summary(plan: _Plan, counts: dict[str, Any], ran: _Ran, reporter: Reporter) -> TokenizeSummary:
+    """The run's summary, from the committed manifest's `counts` and what this call ran; warns when rows were clipped."""
+    warnings = list(plan.warnings)
+    max_length = plan.config.tokenize.max_length
+    if (message := clip_warning(counts, max_length)) is not None:
         reporter.warn(message)
-        summary.warnings.append(message)
+        warnings.append(message)
+    by_process: dict[int, float] = {}
+    for r in ran.runs:
+        by_process[r.pid] = by_process.get(r.pid, 0.0) + r.cpu_seconds
+    return TokenizeSummary(
+        counts=counts, shards_total=len(plan.tasks), shards_skipped=ran.kept, template_sha256=plan.src.template.sha256,
+        template_matches_target=_matches_target(plan.src), warnings=warnings, max_length=max_length,
+        shard_phase_seconds=ran.seconds, worker_seconds=[r.seconds for r in ran.runs],
+        worker_cpu_seconds=[r.cpu_seconds for r in ran.runs], worker_peak_rss_mib=[r.peak_rss_mib for r in ran.runs],
+        input_files=len(plan.inputs.files), process_cpu_seconds=dict(sorted(by_process.items())),
+    )
 
 
-def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, started: float, force: bool) -> StageResult:
+def _matches_target(src: TokenizerSource) -> bool | None:
+    """Whether the template is the target's own (None: the target names none)."""
+    return None if src.target_template_sha256 is None else src.target_template_sha256 == src.template.sha256
+
+
+def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, started: float, force: bool,
+                   spawn_one: bool) -> StageResult:
     """A remote OUTPUT (s3://): preflight in seconds, tokenize into a local staging folder while finished shards are
     pushed, then push the rest, verify it all there and commit the manifest last."""
 
     def run_locally(local: Path) -> StageResult:
-        return _run_local(config, input, str(local), reporter, started, force)
+        return _run_local(config, input, str(local), reporter, started, force, spawn_one)
 
-    staged, pushed = stage_and_push(output, config.store, KIND, run_locally, finished_shard_entries, reporter=reporter, force=force)
+    staged, pushed = stage_and_push(output, config.store, TOKENIZED_KIND, run_locally, finished_shard_entries, reporter=reporter, force=force)
     result = cast(StageResult, staged)
     return dataclasses.replace(result, url=pushed.destination, report=pushed.verify, seconds=time.perf_counter() - started)
 
@@ -154,7 +186,7 @@ class _InputPins:
             by_file.setdefault(task.file_index, []).append(reads.get(task.name, {}))
         self.read = True
         for i, f in enumerate(self.files):
-            combined = file_checksum(f.size, by_file.get(i, []))
+            combined = checksum_from_reads(f.size, by_file.get(i, []))
             known = self.checksums.get(f.key)
             if combined is not None and known is not None and combined != known:
                 raise ArtifactError(f"input {f.key} changed while it was tokenized (its tasks read crc64nvme {combined}; it had "
@@ -170,7 +202,7 @@ class _InputPins:
 @dataclass(frozen=True)
 class _Plan:
     """One tokenize run, resolved once (`_plan`): what it reads, what it writes, the config digest its shards are keyed
-    on, and the summary its phases fill in."""
+    on, and the tokenizer's warnings."""
 
     config: BlockdraftConfig
     src: TokenizerSource
@@ -181,7 +213,7 @@ class _Plan:
     inputs: _InputPins
     tasks: list[ShardTask]
     run_config: dict[str, Any]
-    summary: TokenizeSummary
+    warnings: list[str]
 
 
 def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> str:
@@ -206,7 +238,6 @@ def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter,
     assert out_dir is not None, "a remote output is staged in a local folder by run()"
     in_store, files, artifact_lineage = list_inputs(input, config.store)
     tasks = plan_tasks(in_store, files, opts.task_bytes)
-    matches = None if src.target_template_sha256 is None else src.target_template_sha256 == src.template.sha256
     run_config = {
         **config.resolved(),
         "tokenize_run": {
@@ -215,7 +246,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter,
             "template_sha256": src.template.sha256,
             "template_source": src.template_source,
             "target_template_sha256": src.target_template_sha256,
-            "template_matches_target": matches,
+            "template_matches_target": _matches_target(src),
             "tokenizer_sha256": src.tokenizer_sha256,
             "end_of_turn": opts.end_of_turn,
             "end_of_turn_id": eot_id,
@@ -225,12 +256,10 @@ def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter,
     run_config["tokenize"].pop("workers")  # how many processes ran does not change the rows
     inputs = _InputPins(in_store, files, artifact_lineage)
     # The key names the inputs by content: asked for only of an output of this config, and at commit.
-    out = StageOutput(out_store, KIND, lambda: inputs.key(digest), made_with={DIGEST_FIELD: digest}, failures=FAILED_FIELD,
+    out = StageOutput(out_store, TOKENIZED_KIND, lambda: inputs.key(digest), made_with={DIGEST_FIELD: digest}, failures=FAILED_FIELD,
                       force=force, reporter=reporter)
-    summary = TokenizeSummary(counts={}, shards_total=len(tasks), shards_skipped=0, template_sha256=src.template.sha256,
-                              template_matches_target=matches, warnings=warnings, max_length=opts.max_length, input_files=len(files))
     return _Plan(config=config, src=src, eot_id=eot_id, digest=digest, out=out, out_dir=out_dir, inputs=inputs, tasks=tasks,
-                 run_config=run_config, summary=summary)
+                 run_config=run_config, warnings=warnings)
 
 
 @contextlib.contextmanager
@@ -249,20 +278,21 @@ def _writable(out_dir: Path) -> Iterator[None]:
         raise error from None
 
 
-def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> VerifyReport:
-    """Uncommit, keep the finished shards, redo the rest, then commit; returns the report read back at the destination.
+def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> tuple[VerifyReport, _Ran]:
+    """Uncommit, keep the finished shards, redo the rest, then commit; returns the report read back at the destination
+    and what this call ran.
 
     A full disk is one line (`DiskFull`), after every temporary file of the output is removed."""
     plan.out.begin()
     try:
         kept = keep_finished_shards(plan.out, plan.inputs.store, plan.digest, plan.tasks, plan.out_dir)
         pending = [t for t in plan.tasks if t.name not in kept]
-        plan.summary.shards_skipped = len(kept)
         if kept:
             reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match this run)")
-        made = _run_pending(plan, runner, pending, reporter)
+        ran = _run_pending(plan, runner, pending, reporter, len(kept))
+        made = {r.output.name: r.output for r in ran.runs}
         shards = {t.name: kept.get(t.name) or made[t.name] for t in plan.tasks}
-        return _commit(plan, drop_failed_files(plan.out, plan.out_dir, plan.tasks, shards))
+        return _commit(plan, drop_failed_files(plan.out, plan.out_dir, plan.tasks, shards)), ran
     except DiskFull:
         plan.out.store.abort_partial_uploads()
         raise
@@ -287,7 +317,7 @@ class _Progress:
         self.reporter.progress(STAGE, self.bytes, self.total, rows=self.rows, tokens=self.tokens)
 
 
-def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], reporter: Reporter) -> dict[str, ShardOutput]:
+def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], reporter: Reporter, kept: int) -> _Ran:
     opts = plan.config.tokenize
     settings = WorkerSettings(
         tools_key=tools_key(plan.src.tokenizer_sha256, plan.src.template), thinking=opts.thinking, max_length=opts.max_length,
@@ -299,15 +329,7 @@ def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], rep
     progress = _Progress(reporter, sum(t.share for t in pending))
     started = time.monotonic()
     runs = runner.run(pending, settings, progress.advance)
-    plan.summary.shard_phase_seconds = time.monotonic() - started
-    plan.summary.worker_seconds = [r.seconds for r in runs]
-    plan.summary.worker_cpu_seconds = [r.cpu_seconds for r in runs]
-    plan.summary.worker_peak_rss_mib = [r.peak_rss_mib for r in runs]
-    by_process: dict[int, float] = {}
-    for r in runs:
-        by_process[r.pid] = by_process.get(r.pid, 0.0) + r.cpu_seconds
-    plan.summary.process_cpu_seconds = dict(sorted(by_process.items()))
-    return {r.output.name: r.output for r in runs}
+    return _Ran(kept, runs, time.monotonic() - started)
 
 
 def _commit(plan: _Plan, shards: list[ShardOutput]) -> VerifyReport:
@@ -319,5 +341,4 @@ def _commit(plan: _Plan, shards: list[ShardOutput]) -> VerifyReport:
     counts["shards"] = len(plan.tasks)
     counts["input_files"] = len(plan.inputs.files)
     counts["held_out_fraction"] = plan.config.tokenize.held_out_fraction
-    plan.summary.counts = counts
     return plan.out.commit(entries, config=plan.run_config, lineage=plan.inputs.lineage(), counts=counts)

@@ -36,7 +36,8 @@ class ShardTask:
     parts: int
 
     @property
-    def key(self) -> str:
+    def input_key(self) -> str:
+        """The input file's object path in its store."""
         return self.file.key
 
 
@@ -60,7 +61,7 @@ def plan_tasks(store: Store, files: list[InputFile], task_bytes: int) -> list[Sh
 def piece_key(config_digest: str, task: ShardTask) -> str:
     """What a finished task depends on besides its input's bytes: the run's config digest, its file (key, size) and part.
     The bytes are checked apart (`resume.input_unchanged`), so a moved or touched file whose bytes are the same keeps its pieces."""
-    return stage_key({"config_digest": config_digest, "input": {"key": task.key, "size": task.file.size}, "part": task.part.as_dict()})
+    return stage_key({"config_digest": config_digest, "input": {"key": task.input_key, "size": task.file.size}, "part": task.part.as_dict()})
 
 
 def check_listed(key: str, size: int, checksum: str | None, window: tuple[int, int] | None, crc: str | None) -> None:
@@ -76,7 +77,7 @@ def check_listed(key: str, size: int, checksum: str | None, window: tuple[int, i
         )
 
 
-def file_checksum(size: int, reads: list[dict[str, Any]]) -> str | None:
+def checksum_from_reads(size: int, reads: list[dict[str, Any]]) -> str | None:
     """A file's CRC64NVME from what its tasks read (their INPUT_READ, in part order): one that read the whole file, or
     parts whose windows tile it, combined; None when they do not cover it (the caller then asks the store)."""
     windows: list[tuple[list[int], str]] = []
@@ -94,4 +95,4 @@ def file_checksum(size: int, reads: list[dict[str, Any]]) -> str | None:
     return crc_concat([(crc, window[1] - window[0]) for window, crc in windows])
 
 
-__all__ = ["INPUT_READ", "ShardTask", "check_listed", "file_checksum", "piece_key", "plan_tasks"]
+__all__ = ["INPUT_READ", "ShardTask", "check_listed", "checksum_from_reads", "piece_key", "plan_tasks"]

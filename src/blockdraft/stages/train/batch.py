@@ -124,10 +124,6 @@ class BlockBatch:
         return self.layout if self.attention == "flex" else self.attention_mask
 
     @property
-    def num_blocks(self) -> int:
-        return self.anchors.shape[1]
-
-    @property
     def num_tokens(self) -> int:
         """Real (unpadded) context tokens in the batch."""
         return int(self.attention_mask_context.sum())

@@ -15,12 +15,11 @@ import torch
 from datasets import Dataset
 
 from blockdraft.config import StoreConfig
+from blockdraft.data.formats import TRAIN_SPLIT
 from blockdraft.errors import ArtifactError
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.stage_io import StageInput
 from blockdraft.store.transfer import pull
-
-TRAIN_SPLIT = "train"
 
 
 def _load_dataset(root: Path) -> Dataset:
