@@ -210,6 +210,7 @@ def _allreduce_rank(rank: int, port: int, out: Path) -> None:
             model(torch.full((2, 4), 1.0 + rank / 3)).sum().backward()
             grads[dtype] = linear.weight.grad
         torch.save(grads, out / f"rank{rank}.pt")
+        dist.barrier()  # neither rank tears gloo down while the other still has a collective in flight
     finally:
         dist.destroy_process_group()
 

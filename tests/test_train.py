@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers.paths import GOLDEN_TARGET
 from helpers.reporters import ProgressLog
-from helpers.train_data import config_file, logged_losses, make_rows, write_tokenized
+from helpers.train_data import assert_same_training, config_file, logged_losses, make_rows, write_tokenized
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
@@ -120,14 +120,7 @@ def test_two_gloo_ranks_stay_in_sync_and_match_one_process(tmp_path, data_url):
     assert final1.state is State.VERIFIED and final2.state is State.VERIFIED
     assert final2.manifest.counts["ranks_in_sync"] == 2  # both replicas' parameters were compared bit for bit
     assert proc.stdout.splitlines().count(final2.url) == 1  # rank 0 alone prints the final checkpoint
-    w1 = load_file(str(one / "ckpt" / checkpoint_key(steps) / "model.safetensors"))
-    w2 = load_file(str(two / "ckpt" / checkpoint_key(steps) / "model.safetensors"))
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], atol=2e-5, rtol=1e-4, msg=name)
-    l1, l2 = logged_losses(one / "logs"), logged_losses(two / "logs")
-    assert sorted(l1) == sorted(l2) == list(range(1, steps + 1))
-    for step in l1:
-        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
+    assert_same_training(one, two, steps, rtol=1e-4, atol=2e-5)
 
 
 KILLER = """

@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from helpers.train_data import config_file, logged_losses, make_rows, write_tokenized
-from safetensors.torch import load_file
+from helpers.train_data import assert_same_training, config_file, make_rows, write_tokenized
 from typer.testing import CliRunner
 
 import blockdraft
@@ -134,15 +132,7 @@ def test_two_nodes_match_one_node_with_two_ranks(tmp_path, data_url):
     assert final.state is State.VERIFIED and final.manifest.counts["ranks_in_sync"] == 2
     # Rank 0 is on node 0: it alone prints the final checkpoint.
     assert (two / "node0.out").read_text().splitlines() == [final.url] and (two / "node1.out").read_text() == ""
-    w1 = load_file(str(one / "ckpt" / checkpoint_key(steps) / "model.safetensors"))
-    w2 = load_file(str(two / "ckpt" / checkpoint_key(steps) / "model.safetensors"))
-    assert w1.keys() == w2.keys()
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], rtol=1e-5, atol=1e-7, msg=name)
-    l1, l2 = logged_losses(one / "logs"), logged_losses(two / "logs")
-    assert sorted(l1) == sorted(l2) == list(range(1, steps + 1))
-    for step in l1:
-        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
+    assert_same_training(one, two, steps, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow

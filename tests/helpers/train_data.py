@@ -62,3 +62,21 @@ def config_file(tmp: Path, data: str, output: str | None = None, **train) -> Pat
 def logged_losses(log_dir: Path) -> dict[int, float]:
     """Loss by step as the metrics log holds it."""
     return {e["step"]: e["loss"] for e in map(json.loads, (log_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def assert_same_training(one: Path, two: Path, steps: int, rtol: float, atol: float) -> None:
+    """Two runs (each with `ckpt/` and `logs/` under its folder) trained the same: the final checkpoint's weights within
+    rtol/atol, and every step's logged loss within rel 1e-5."""
+    from safetensors.torch import load_file
+
+    from blockdraft.model.formats import checkpoint_key
+
+    w1 = load_file(str(one / "ckpt" / checkpoint_key(steps) / "model.safetensors"))
+    w2 = load_file(str(two / "ckpt" / checkpoint_key(steps) / "model.safetensors"))
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=rtol, atol=atol, msg=name)
+    l1, l2 = logged_losses(one / "logs"), logged_losses(two / "logs")
+    assert sorted(l1) == sorted(l2) == list(range(1, steps + 1))
+    for step in l1:
+        assert abs(l2[step] - l1[step]) <= 1e-5 * abs(l1[step]), (step, l1[step], l2[step])
