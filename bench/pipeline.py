@@ -74,6 +74,7 @@ def build_trainers(work: Path, layers: int, data: str, args: argparse.Namespace,
     from blockdraft.reporter import Reporter
     from blockdraft.stages.train.data import load_train_rows
     from blockdraft.stages.train.placement import RankPlacement
+    from blockdraft.stages.train.setup import build_training
     from blockdraft.store import open_store
     from blockdraft.store.stage_io import open_input
 
@@ -94,9 +95,11 @@ def build_trainers(work: Path, layers: int, data: str, args: argparse.Namespace,
                            tc.max_length, Path(tc.log_dir))
     trainers = []
     for _ in range(count):
-        trainer = Trainer(config, place, rows, open_store(tc.output, config.store), tc.output, Reporter())
+        reporter = Reporter()
+        setup = build_training(config, place, rows, open_store(tc.output, config.store), tc.output, reporter)
         if trainers:
-            trainer.target = trainers[0].target
+            setup.target = trainers[0].setup.target
+        trainer = Trainer(config, place, rows, setup, reporter)
         trainers.append(trainer)
         if device.type == "cuda":
             torch.cuda.empty_cache()
