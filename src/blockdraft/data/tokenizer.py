@@ -71,7 +71,7 @@ def resolve_tokenizer(target: TargetConfig) -> tuple[TokenizerSource, list[str]]
     if target.chat_template:
         text, source = _read_template_file(target.chat_template), f"file {Path(target.chat_template).name}"
     elif own_template is not None:
-        text, source = own_template, f"tokenizer {Path(tok_path).name}"
+        text, source = own_template, "target"  # the target tokenizer's own template
     else:
         raise ConfigError(f"the tokenizer in {tok_path} has no chat template; pass one with --chat-template FILE")
     template = compile_chat_template(text, special_tokens)
