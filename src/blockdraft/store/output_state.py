@@ -22,7 +22,7 @@ STAGE_KEY = "stage_key"  # the manifest's config field that names what the outpu
 class Holds(str, Enum):
     """What the destination holds for one stage output."""
 
-    NOTHING = "nothing"  # no manifest, a torn one, or one whose files no longer verify
+    NOTHING = "nothing"  # no manifest, a torn one, or one whose files do not verify
     OTHER = "other"  # another kind, or made for another key (other inputs)
     OTHER_CONFIG = "other config"  # this kind, recorded with another config (`made_with`); its key is never computed
     PARTIAL = "partial"  # this output, verified, committed with failures: a rerun retries what failed
@@ -59,10 +59,10 @@ class Expected:
     copy_of: bytes | None
 
 
-def _made_for(expected: Expected, manifest: Manifest, raw: bytes) -> Holds | None:
-    """None when the manifest was made for `expected`, else what it holds instead."""
+def _made_for(expected: Expected, manifest: Manifest, sha256: str) -> Holds | None:
+    """None when the manifest (whose bytes hash to `sha256`) was made for `expected`, else what it holds instead."""
     if expected.copy_of is not None:
-        return None if raw == expected.copy_of else Holds.OTHER
+        return None if sha256 == manifest_sha256(expected.copy_of) else Holds.OTHER
     if manifest.kind != expected.kind:
         return Holds.OTHER
     if any(config_value(manifest.config, path) != value for path, value in expected.made_with.items()):
@@ -70,21 +70,26 @@ def _made_for(expected: Expected, manifest: Manifest, raw: bytes) -> Holds | Non
     return None if manifest.config.get(STAGE_KEY) == expected.key() else Holds.OTHER
 
 
-def output_state(store: Store, expected: Expected) -> OutputState:
-    """What `store` holds for the output `expected` describes (see `Holds`)."""
-    try:
-        found = read_manifest(store)
-    except ArtifactError:  # a torn or foreign manifest: not this output; it is rewritten
-        return OutputState(Holds.NOTHING)
-    if found is None:
-        return OutputState(Holds.NOTHING)
-    manifest, raw = found
-    other = _made_for(expected, manifest, raw)
+def output_state(store: Store, expected: Expected, verified: VerifyReport | None = None) -> OutputState:
+    """What `store` holds for the output `expected` describes (see `Holds`). `verified`: the destination's report when the
+    caller has just verified it (resume picking the newest verified checkpoint), so it is not read and verified again."""
+    if verified is not None and verified.state is State.VERIFIED and verified.manifest is not None and verified.manifest_sha256:
+        manifest, sha256, report = verified.manifest, verified.manifest_sha256, verified
+    else:
+        try:
+            found = read_manifest(store)
+        except ArtifactError:  # a torn or foreign manifest: not this output; it is rewritten
+            return OutputState(Holds.NOTHING)
+        if found is None:
+            return OutputState(Holds.NOTHING)
+        manifest, sha256, report = found[0], manifest_sha256(found[1]), None
+    other = _made_for(expected, manifest, sha256)
     if other is not None:
         return OutputState(other)
-    report = verify_artifact(store)
-    if report.state is not State.VERIFIED or report.manifest_sha256 != manifest_sha256(raw):
-        return OutputState(Holds.NOTHING)
+    if report is None:
+        report = verify_artifact(store)
+        if report.state is not State.VERIFIED or report.manifest_sha256 != sha256:
+            return OutputState(Holds.NOTHING)
     failed = manifest.counts.get(expected.failures) if expected.failures else None
     return OutputState(Holds.PARTIAL, report, failed) if failed else OutputState(Holds.DONE, report)
 

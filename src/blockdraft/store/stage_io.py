@@ -271,10 +271,12 @@ class StageOutput:
     def url(self) -> str:
         return self.store.url
 
-    def state(self) -> OutputState:
+    def state(self, verified: VerifyReport | None = None) -> OutputState:
         """What the destination holds for this output (`output_state.Holds`): the only place that decides whether a
-        stage's output is done, done but for what failed (partial), or to be made."""
-        return output_state(self.store, Expected(self.kind, lambda: self.key, self.made_with, self.failures, self.copy_of))
+        stage's output is done, done but for what failed (partial), or to be made. `verified`: the destination's report
+        when the caller has just verified it, so it is not verified twice."""
+        expected = Expected(self.kind, lambda: self.key, self.made_with, self.failures, self.copy_of)
+        return output_state(self.store, expected, verified)
 
     def done(self) -> VerifyReport | None:
         """The destination's report when `state` says done; else None."""

@@ -250,7 +250,7 @@ class Checkpoints:
             self.reporter.warn(f"not resuming from {line}")
         if found is None:
             return None
-        if checkpoint_output(self.store, found.step, self.identity, [self.data]).state().holds is not Holds.DONE:
+        if checkpoint_output(self.store, found.step, self.identity, [self.data]).state(found.report).holds is not Holds.DONE:
             self._refuse_other_run(found)
         self.last_step = found.step
         return found
