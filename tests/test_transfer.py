@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from blockdraft.cli import app
 from blockdraft.errors import ArtifactError
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
+from blockdraft.store.artifact import BYTES_AS_WRITTEN, MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.base import TMP_PREFIX
 from blockdraft.store.ownership import WRITING_NAME
 from blockdraft.store.stage_io import open_input
@@ -278,6 +278,7 @@ def test_pull_reads_no_pulled_file_back(dest, make_artifact, tmp_path):
         got = pull(url, out, dest.settings)
         assert got.verify.state is State.VERIFIED and sorted(got.moved) == sorted(files)
         assert watch.names_read() & set(files) == set()
+        assert got.verify.method == BYTES_AS_WRITTEN  # and it says so: checksummed as written, not read back
         assert (out / "shard-0.arrow").read_bytes() == files["shard-0.arrow"]
         assert "shard-0.arrow" in watch.names_read()
     finally:

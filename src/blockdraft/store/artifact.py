@@ -115,6 +115,8 @@ def check_file(
 
 VERIFY_WORKERS = 8
 BYTES_READ_BACK = "bytes read back"
+# pull: each file's CRC64NVME computed on the bytes as they were received and written, not read back from the disk
+BYTES_AS_WRITTEN = "bytes checksummed as they were written"
 SERVER_CHECKSUMS = "checksums as stored by the server"
 LOCAL_CACHED = "checksums cached for unchanged files, bytes read back for the others"
 
@@ -329,7 +331,7 @@ def commit_manifest(store: Store, raw: bytes) -> VerifyReport:
 
 
 __all__ = [
-    "BYTES_READ_BACK", "INCOMING_DIR", "LOCAL_CACHED", "MANIFEST_FORMAT", "MANIFEST_NAME", "ORIGIN_NAME", "PIECES_DIR",
+    "BYTES_AS_WRITTEN", "BYTES_READ_BACK", "INCOMING_DIR", "LOCAL_CACHED", "MANIFEST_FORMAT", "MANIFEST_NAME", "ORIGIN_NAME", "PIECES_DIR",
     "SERVER_CHECKSUMS", "FileEntry", "FileProblem", "InputRef", "Manifest", "State", "VerifyReport",
     "check_file", "check_files", "check_method", "commit_artifact", "commit_manifest", "entry_for_local_file",
     "entry_path_problem", "manifest_sha256", "raw_input", "read_manifest", "read_origin", "record_origin", "uncommit",

@@ -20,7 +20,7 @@ from blockdraft.errors import ArtifactError, StoreError
 from blockdraft.reporter import Reporter
 from blockdraft.store import open_store
 from blockdraft.store.artifact import (
-    BYTES_READ_BACK,
+    BYTES_AS_WRITTEN,
     INCOMING_DIR,
     MANIFEST_NAME,
     FileEntry,
@@ -213,7 +213,7 @@ def pull(
         manifest_sha256=manifest_sha256(raw),
         verified_files=len(manifest.files),
         verified_bytes=sum(e.size for e in manifest.files),
-        method=BYTES_READ_BACK,
+        method=BYTES_AS_WRITTEN,
     )
     _record_pulled_origin(source, dest, raw)
     report.seconds = time.monotonic() - start
