@@ -180,3 +180,23 @@ def test_a_copy_pulled_from_s3_pins_the_bucket(tmp_path, s3_env):
     commit_files(tmp_path / "ckpt", {"w": b"w"}, kind="checkpoint", lineage=[data.ref])
     shutil.rmtree(tmp_path / "node")
     assert verify_artifact(open_store(tmp_path / "ckpt"), check_inputs=True).state is State.VERIFIED
+
+
+def test_inputs_on_the_same_s3_store_resolve_with_the_endpoint_given(tmp_path, s3_env, monkeypatch):
+    """`--endpoint-url` (or store.endpoint_url) reaches the inputs' store too: a checkpoint whose input is on the same
+    server is `verified` by `status` and `verify` with no AWS_ENDPOINT_URL in the environment, not `input unreachable here`."""
+    bucket = s3_env.new_bucket()
+    run = f"s3://{bucket}/run"
+    commit_files(tmp_path / "tokenized", {"data.arrow": b"rows" * 200}, kind="tokenized")
+    push(str(tmp_path / "tokenized"), f"{run}/tokenized")
+    data = open_input(f"{run}/tokenized")
+    commit_files(tmp_path / "checkpoint", {"model.safetensors": b"w" * 300}, kind="checkpoint", lineage=[data.ref])
+    push(str(tmp_path / "checkpoint"), f"{run}/checkpoint")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    endpoint = ["--endpoint-url", s3_env.endpoint]
+    surveyed = CliRunner().invoke(app, ["status", run, *endpoint])
+    assert surveyed.exit_code == 0, surveyed.output
+    assert "unreachable" not in surveyed.output and surveyed.output.count("verified\t") == 2
+    (tmp_path / "c.toml").write_text(f'[store]\nendpoint_url = "{s3_env.endpoint}"\n')
+    checked = CliRunner().invoke(app, ["verify", f"{run}/checkpoint", "--config", str(tmp_path / "c.toml")])
+    assert checked.exit_code == 0 and "verified\tcheckpoint\t" in checked.output and "unreachable" not in checked.output, checked.output

@@ -88,9 +88,11 @@ def verify(
     sets: SetOpt = None,
 ) -> None:
     """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum, its inputs unchanged."""
-    store = open_store(url, store_config(config, sets, endpoint_url))
+    settings = store_config(config, sets, endpoint_url)
+    store = open_store(url, settings)
     require_folder(store, "artifact", f"pass the folder that holds its {MANIFEST_NAME}")
-    report = verify_artifact(store, check_inputs=True, deep=deep, cached=True)
+    # Its inputs open with the same endpoint and credentials settings: an input on the same server resolves.
+    report = verify_artifact(store, check_inputs=True, open_url=lambda u: open_store(u, settings), deep=deep, cached=True)
     if report.state is State.INCOMPLETE and next(iter(store.list()), None) is None:
         raise ArtifactError(f"nothing at {store.url}: no manifest and no files; check the path or URL")
     kind = report.manifest.kind if report.manifest else "-"
@@ -243,10 +245,11 @@ def status(
 ) -> None:
     """Every artifact under a prefix: state, kind, lineage and counts, read from the destination. Exits 1 unless every artifact
     is verified or only has an input this machine cannot reach; 2 when there is nothing under the prefix."""
-    store = open_store(url, store_config(config, sets, endpoint_url))
+    settings = store_config(config, sets, endpoint_url)
+    store = open_store(url, settings)
     require_folder(store, "status path", "pass the folder or prefix that holds the artifacts")
     page = progress_page(progress) if progress else None  # before the survey: a page that cannot be written fails in seconds
-    artifacts = survey(store, deep=deep)
+    artifacts = survey(store, deep=deep, store_config=settings)
     if not artifacts:
         raise ArtifactError(
             f"nothing under {store.url}: no manifest and no finished file (a mistyped path, or a write stopped before its "

@@ -305,7 +305,7 @@ def _run(
     evaluated = timed("eval", lambda: eval_stage.run(cfg, run_dir, f"{store}/eval", reporter, prompts=held_out, export=served), f"{store}/eval")
 
     # Every artifact, as the store holds it.
-    artifacts = timed("status", lambda: status(open_store(store, cfg.store)))
+    artifacts = timed("status", lambda: status(open_store(store, cfg.store), store_config=cfg.store))
     (workdir / "PROGRESS.md").write_text(render_progress(store, artifacts))
     result.states = {a.root or ".": a.state.value for a in artifacts}
     report = result.eval_report = evaluated.details

@@ -11,6 +11,8 @@ import datetime as _dt
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from blockdraft.config import StoreConfig
+from blockdraft.store import open_store
 from blockdraft.store.artifact import (
     BYTES_READ_BACK,
     LOCAL_CACHED,
@@ -112,11 +114,15 @@ def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
     return sorted(committed), sorted(incomplete)
 
 
-def status(store: Store, deep: bool = False) -> list[ArtifactStatus]:
+def status(store: Store, deep: bool = False, store_config: StoreConfig | None = None) -> list[ArtifactStatus]:
     """Every artifact under `store`, verified from the destination; inputs checked too, transitively, for `stale` (an input's
     content changed) and `input unreachable here` (an input outside `store` that this machine cannot read). `deep` reads
     every byte of a remote store back instead of trusting the checksums its server stored. A local file unchanged since it
-    was last read keeps the checksum cached then (a listing, not a read: `--deep` reads every byte)."""
+    was last read keeps the checksum cached then (a listing, not a read: `--deep` reads every byte). Inputs are opened with
+    `store_config` (endpoint, profile, region), the settings `store` was opened with: an input on the same server resolves."""
+    def open_url(url: str) -> Store:
+        return open_store(url, store_config)
+
     keys = [info.key for info in store.list()]
     committed, incomplete = find_artifact_roots(keys)
     out = []
@@ -124,7 +130,7 @@ def status(store: Store, deep: bool = False) -> list[ArtifactStatus]:
     with batched_writes():  # checksums newly read are remembered a thousand to a commit, not one each
         for root in sorted(committed + incomplete):
             child = store.child(root) if root else store
-            report = verify_artifact(child, check_inputs=True, within=store.url, memo=memo, deep=deep, cached=True)
+            report = verify_artifact(child, check_inputs=True, open_url=open_url, within=store.url, memo=memo, deep=deep, cached=True)
             out.append(ArtifactStatus(root=root, url=child.url, report=report))
     return out
 
