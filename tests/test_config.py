@@ -76,3 +76,14 @@ def test_missing_and_malformed_files(tmp_path):
     (tmp_path / "bad.toml").write_text("[train\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(tmp_path / "bad.toml")
+
+
+@pytest.mark.parametrize(("text", "item"), [("[tokenize]\nmax_lenght = 5\n", "tokenize.max_lenght=5"), ("[trian]\nlr = 1\n", "trian.lr=1")])
+def test_a_mistyped_name_in_the_file_gets_the_same_suggestion_as_set(tmp_path, text, item):
+    (tmp_path / "c.toml").write_text(text)
+    with pytest.raises(ConfigError) as in_file:
+        load_config(tmp_path / "c.toml")
+    with pytest.raises(ConfigError) as in_set:
+        load_config(None, sets=[item])
+    said = str(in_set.value).removeprefix(f"--set {item}: ")
+    assert "did you mean" in said and f"config {tmp_path / 'c.toml'}: {said}; fix that name in the file" == str(in_file.value)

@@ -358,7 +358,7 @@ def load_with(path: str | Path | None, overrides: Overrides) -> BlockdraftConfig
     try:
         config = BlockdraftConfig.model_validate(apply(data, overrides, label))
     except ValidationError as exc:
-        raise ConfigError(validation_line(label, exc, overrides)) from None
+        raise ConfigError(validation_line(label, exc, overrides, BlockdraftConfig)) from None
     _check_mask_token(config, label)
     return config
 

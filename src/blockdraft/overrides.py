@@ -13,7 +13,7 @@ import difflib
 import json
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,13 +75,21 @@ def _split(item: str, model: type[BaseModel]) -> tuple[str, str, str]:
     if not eq or not dot:
         raise ConfigError(f"--set {item}: write it as section.key=value, e.g. --set train.max_steps=100")
     if section not in model.model_fields:
-        raise ConfigError(f"--set {item}: the config has no section '{section}'{_nearest(section, model.model_fields)}; "
-                          f"sections: {', '.join(model.model_fields)}")
+        raise ConfigError(f"--set {item}: {unknown_name([section], model)}")
     fields = model.model_fields[section].annotation.model_fields  # type: ignore[union-attr]
     if key not in fields:
-        raise ConfigError(f"--set {item}: [{section}] has no key '{key}'{_nearest(key, fields)}; "
-                          f"keys: {', '.join(fields)}")
+        raise ConfigError(f"--set {item}: {unknown_name([section, key], model)}")
     return section, key, text.strip()
+
+
+def unknown_name(loc: Sequence[str], model: type[BaseModel]) -> str:
+    """What to say of a section (`[name]`) or key (`[section, name]`) that `model` does not have: the nearest name and
+    the names there are, worded the same for a `--set` item and for the config file."""
+    if len(loc) == 1:
+        return f"the config has no section '{loc[0]}'{_nearest(loc[0], model.model_fields)}; sections: {', '.join(model.model_fields)}"
+    section, key = loc[0], loc[-1]
+    fields = model.model_fields[section].annotation.model_fields  # type: ignore[union-attr]
+    return f"[{section}] has no key '{key}'{_nearest(key, fields)}; keys: {', '.join(fields)}"
 
 
 def _nearest(word: str, names: Iterable[str]) -> str:
@@ -131,10 +139,13 @@ def _text(value: Any) -> str:
 _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
 
 
-def validation_line(label: str, err: ValidationError, overrides: Overrides) -> str:
-    """One line for the first problem: an override's names it as it was spelled, a file's names the file and field."""
+def validation_line(label: str, err: ValidationError, overrides: Overrides, model: type[BaseModel] | None = None) -> str:
+    """One line for the first problem: an override's names it as it was spelled, a file's names the file and field; a
+    section or key of the file that `model` does not have gets the nearest name, as `--set` does."""
     first = err.errors()[0]
     loc: list[str] = [str(p) for p in first["loc"]]
+    if model is not None and first["type"] == "extra_forbidden" and 1 <= len(loc) <= 2:
+        return f"config {label}: {unknown_name(loc, model)}; fix that name in the file"
     message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own validators' words
     spelling = overrides.spelled.get((loc[0], loc[1])) if len(loc) >= 2 else None
     if spelling is not None:
@@ -158,4 +169,4 @@ def apply(data: dict, overrides: Overrides, label: str) -> dict:
     return data
 
 
-__all__ = ["Overrides", "apply", "as_set_items", "flag_overrides", "parse_value", "set_overrides", "validation_line"]
+__all__ = ["Overrides", "apply", "as_set_items", "flag_overrides", "parse_value", "set_overrides", "unknown_name", "validation_line"]
