@@ -248,6 +248,15 @@ def test_open_input_refuses_an_artifact_that_does_not_verify_in_one_line(damage,
     assert damage == "incomplete" or "shard-0.arrow" in message
 
 
+def test_open_input_of_a_mistyped_path_says_it_does_not_exist(dest, tmp_path):
+    """Nothing at all at the URL (a typo in train.data, say) is 'does not exist', not 'incomplete: no manifest'."""
+    committed(dest, tmp_path)
+    typo = open_store(dest.sub("ouT"), dest.settings).url
+    with pytest.raises(ArtifactError) as caught:
+        open_input(dest.sub("ouT"), dest.settings, kinds=[KIND], role="train.data")
+    assert str(caught.value) == f"train.data {typo} does not exist (nothing there); check the path or URL"
+
+
 def test_open_input_refuses_the_wrong_kind_in_one_line(dest, tmp_path):
     committed(dest, tmp_path)
     with pytest.raises(ArtifactError) as caught:

@@ -146,6 +146,8 @@ def open_input(url: str | Store, store_config: StoreConfig | None = None, kinds:
     """
     store = url if isinstance(url, Store) else open_store(url, store_config)
     report = verify_artifact(store)
+    if report.state is State.INCOMPLETE and next(iter(store.list()), None) is None:
+        raise ArtifactError(f"{role} {store.url} does not exist (nothing there); check the path or URL")
     if report.state is not State.VERIFIED or report.manifest is None:
         raise ArtifactError(f"{role} {store.url} is {report.state.value}: {report.summary()}; fix or regenerate it first")
     if kinds and report.manifest.kind not in kinds:
