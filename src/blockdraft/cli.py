@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -73,9 +74,25 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def free_cores(cores: int, load: float) -> int:
+    """Cores left to this process: the usable cores less the runnable load (1-minute average), at least one."""
+    return max(1, cores - round(load))
+
+
+def choose_torch_threads(environ: dict[str, str] | os._Environ = os.environ) -> None:
+    """Size torch's CPU thread pool from the cores free now, unless OMP_NUM_THREADS says how many (the user's choice, and
+    torchrun's for the ranks it starts). Set before torch is imported, so the pool is made that size; once torch is loaded
+    (in-process callers, the tests) nothing is changed. On 2 busy cores an eval ran 6x slower with torch's default of
+    one thread per core than with one thread (docs/PERFORMANCE.md, "torch threads")."""
+    if "OMP_NUM_THREADS" in environ or "torch" in sys.modules:
+        return
+    environ["OMP_NUM_THREADS"] = str(free_cores(len(os.sched_getaffinity(0)), os.getloadavg()[0]))
+
+
 @app.callback()
 def _root() -> None:
     """blockdraft: completions -> tokenize -> push/pull -> train -> eval/export, every step verified."""
+    choose_torch_threads()
 
 
 @app.command()
