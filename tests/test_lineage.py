@@ -200,3 +200,19 @@ def test_inputs_on_the_same_s3_store_resolve_with_the_endpoint_given(tmp_path, s
     (tmp_path / "c.toml").write_text(f'[store]\nendpoint_url = "{s3_env.endpoint}"\n')
     checked = CliRunner().invoke(app, ["verify", f"{run}/checkpoint", "--config", str(tmp_path / "c.toml")])
     assert checked.exit_code == 0 and "verified\tcheckpoint\t" in checked.output and "unreachable" not in checked.output, checked.output
+
+
+def test_push_and_pull_take_a_name_under_an_s3_store_url(tmp_path, s3_env, monkeypatch):
+    """With store.url on S3, `push tokenized NAME` and `pull NAME DIR` mean NAME under store.url; ./NAME stays a local path."""
+    monkeypatch.chdir(tmp_path)  # a bare name taken as a local path would land here
+    bucket = s3_env.new_bucket()
+    (tmp_path / "c.toml").write_text(f'[store]\nurl = "s3://{bucket}/run"\n')
+    commit_files(tmp_path / "tokenized", {"data.arrow": b"rows" * 200}, kind="tokenized")
+    config = ["--config", str(tmp_path / "c.toml")]
+    pushed = CliRunner().invoke(app, ["push", str(tmp_path / "tokenized"), "data/tokenized", *config])
+    assert pushed.exit_code == 0 and f"verified\ttokenized\ts3://{bucket}/run/data/tokenized" in pushed.output, pushed.output
+    assert verify_artifact(open_store(f"s3://{bucket}/run/data/tokenized")).state is State.VERIFIED
+    pulled = CliRunner().invoke(app, ["pull", "data/tokenized", str(tmp_path / "copy"), *config])
+    assert pulled.exit_code == 0 and verify_artifact(open_store(tmp_path / "copy")).state is State.VERIFIED, pulled.output
+    local = CliRunner().invoke(app, ["push", "tokenized", "./local", *config])
+    assert local.exit_code == 0 and verify_artifact(open_store(tmp_path / "local")).state is State.VERIFIED, local.output

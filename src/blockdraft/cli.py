@@ -23,6 +23,7 @@ from blockdraft.cli_options import (
     ForceOpt,
     PartSizeOpt,
     SetOpt,
+    in_store,
     progress_page,
     store_config,
     write_page,
@@ -216,7 +217,7 @@ def eval_command(
 @user_errors
 def push(
     local_dir: Annotated[str, typer.Argument(help="Folder holding a committed artifact (with its manifest).")],
-    url: Annotated[str, typer.Argument(help="Destination: s3://bucket/prefix or file:// folder.")],
+    url: Annotated[str, typer.Argument(help="Destination: s3://bucket/prefix, a file:// folder, or a name under an s3:// store.url.")],
     config: ConfigOpt = None,
     endpoint_url: EndpointOpt = None,
     concurrency: ConcurrencyOpt = None,
@@ -225,8 +226,9 @@ def push(
     sets: SetOpt = None,
 ) -> None:
     """Upload an artifact, verify every file at the destination, then write its manifest there (last)."""
+    settings = store_config(config, sets, endpoint_url, concurrency, part_size_mib)
     with ConsoleReporter(console) as reporter:
-        report = push_artifact(local_dir, url, store_config(config, sets, endpoint_url, concurrency, part_size_mib), force=force, reporter=reporter)
+        report = push_artifact(local_dir, in_store(url, settings), settings, force=force, reporter=reporter)
     print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pushed[/]: {report.summary()}", highlight=False)
 
@@ -234,7 +236,7 @@ def push(
 @app.command()
 @user_errors
 def pull(
-    url: Annotated[str, typer.Argument(help="Source artifact: s3://bucket/prefix or file:// folder.")],
+    url: Annotated[str, typer.Argument(help="Source artifact: s3://bucket/prefix, a file:// folder, or a name under an s3:// store.url.")],
     local_dir: Annotated[str, typer.Argument(help="Local folder to fill; its manifest is written last.")],
     config: ConfigOpt = None,
     endpoint_url: EndpointOpt = None,
@@ -244,8 +246,9 @@ def pull(
     sets: SetOpt = None,
 ) -> None:
     """Download an artifact, recompute every checksum, and write the local manifest last; refuse one that does not verify."""
+    settings = store_config(config, sets, endpoint_url, concurrency, part_size_mib)
     with ConsoleReporter(console) as reporter:
-        report = pull_artifact(url, local_dir, store_config(config, sets, endpoint_url, concurrency, part_size_mib), force=force, reporter=reporter)
+        report = pull_artifact(in_store(url, settings), local_dir, settings, force=force, reporter=reporter)
     print(f"verified\t{report.kind}\t{report.destination}")
     console.print(f"[green]pulled[/]: {report.summary()}", highlight=False)
 

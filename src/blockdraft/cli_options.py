@@ -43,6 +43,15 @@ def store_config(
     return load_config(config, {"store": flags}, sets or ()).store
 
 
+def in_store(location: str, settings: StoreConfig) -> str:
+    """A push destination or pull source as given, or, when it is a bare relative name (`tokenized`, `runs/try-2/export`:
+    no scheme, not absolute, not starting with `.` or `~`) and store.url is on S3, that name under store.url."""
+    bare = "://" not in location and not location.startswith(("/", ".", "~"))
+    if bare and settings.url.startswith("s3://"):
+        return f"{settings.url.rstrip('/')}/{location}"
+    return location
+
+
 def progress_page(progress: str) -> Path:
     """The `--progress` page's path, refused at once (one line) when its folder is missing or it names a folder."""
     page = Path(progress)
