@@ -23,3 +23,13 @@ def test_a_user_error_is_one_line_and_exit_status_2_without_a_traceback(tmp_path
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "nowhere.toml does not exist" in lines[0]
     assert "Traceback" not in result.output
+
+
+def test_a_stage_package_does_not_hide_its_launch_module_behind_a_function():
+    """`blockdraft.stages.train.launch` is the module (what mock targets and readers find), not a re-exported function."""
+    import types
+
+    import blockdraft.stages.train
+    import blockdraft.stages.train.launch  # noqa: F401
+
+    assert isinstance(blockdraft.stages.train.launch, types.ModuleType)

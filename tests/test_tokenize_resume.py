@@ -18,7 +18,7 @@ from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.base import TMP_PREFIX
 
-CLI = [sys.executable, "-c", "from blockdraft.cli import main; main()"]
+CLI = [sys.executable, "-m", "blockdraft"]
 
 
 def children_of(pid: int) -> set[int]:

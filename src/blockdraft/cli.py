@@ -317,7 +317,7 @@ def train(
     sets: SetOpt = None,
 ) -> None:
     """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
-    from blockdraft.stages.train import launch
+    from blockdraft.stages.train.launch import launch
 
     # The node flags are spellings of placement.* (a bad value's line names the flag as typed); launch passes them on
     # to the ranks torchrun starts as `--set` items.
@@ -399,7 +399,3 @@ def demo(
         print(line)
     if not result.ok:
         raise typer.Exit(1)
-
-
-def main() -> None:  # pragma: no cover - console entry point
-    sys.exit(app())
