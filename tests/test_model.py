@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from helpers.paths import GOLDEN
+from helpers.paths import FIXTURES, GOLDEN
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from blockdraft.config import DFlashConfig
-from blockdraft.errors import SpecError
+from blockdraft.errors import ConfigError, SpecError
 from blockdraft.model import (
     DFlashDrafter,
     DraftCache,
@@ -155,7 +155,7 @@ def test_spec_from_target_config_matches_golden(target, drafter):
 def test_refusals_name_the_field(target, drafter):
     with pytest.raises(SpecError, match=r"mask_token_id 512 .*vocab_size 512"):
         DrafterSpec.from_target_config(target.config, DFlashConfig(mask_token_id=512))
-    with pytest.raises(SpecError, match="dflash.mask_token_id is not set"):
+    with pytest.raises(SpecError, match="dflash.mask_token_id is not set and this target"):
         DrafterSpec.from_target_config(target.config, DFlashConfig())
     with pytest.raises(SpecError, match=r"target_layer_ids \[7\] outside .* 0\.\.6"):
         DrafterSpec.from_target_config(target.config, DFlashConfig(mask_token_id=511, target_layer_ids=[1, 7]))
@@ -359,3 +359,22 @@ def test_load_target_reads_straight_to_its_device_in_the_asked_dtype(tmp_path):
     half = load_target(str(GOLDEN / "target"), "cpu", "bfloat16")
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
     assert {t.device.type for t in [*half.parameters(), *half.buffers()]} == {"cpu"}
+
+
+def test_the_mask_id_defaults_to_the_known_reserved_id_of_qwen3_and_qwen35_else_one_line_says_how_to_choose(target):
+    from transformers import AutoConfig
+
+    from blockdraft.added_tokens import known_mask_token_id, local_text_config, tokenizer_added_tokens
+    from blockdraft.data.tokenizer import check_mask_token
+
+    qwen3 = AutoConfig.from_pretrained(FIXTURES / "qwen3-tokenizer")  # Qwen3's config.json (vocab 151936), no weights
+    assert DrafterSpec.from_target_config(qwen3, DFlashConfig()).mask_token_id == 151669
+    assert 151669 not in tokenizer_added_tokens(FIXTURES / "qwen3-tokenizer")  # a row no text encodes to
+    assert known_mask_token_id(local_text_config(str(FIXTURES / "qwen3.6-27b"))) == 248070
+    assert DrafterSpec.from_target_config(qwen3, DFlashConfig(mask_token_id=151670)).mask_token_id == 151670  # the config wins
+    with pytest.raises(SpecError) as unknown:  # the tiny target: a Qwen3 shape with its own 512-row vocabulary
+        DrafterSpec.from_target_config(target.config, DFlashConfig())
+    assert "has no known reserved id; set dflash.mask_token_id to a reserved id" in str(unknown.value)
+    tokenizer_json = json.dumps({"added_tokens": [{"id": 151669, "content": "<|mine|>"}]})
+    with pytest.raises(ConfigError, match=r"151669 is the tokenizer's token <\|mine\|>"):  # what tokenize checks the default with
+        check_mask_token(known_mask_token_id(local_text_config(str(FIXTURES / "qwen3-tokenizer"))), tokenizer_json)

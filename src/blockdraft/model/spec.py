@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from blockdraft.added_tokens import HOW_TO_CHOOSE, known_mask_token_id
 from blockdraft.config import DFlashConfig, layer_ids_problem
 from blockdraft.errors import SpecError
 from blockdraft.model.attention import FULL_ATTENTION, LAYER_KINDS, SLIDING_ATTENTION
@@ -233,10 +234,14 @@ class DrafterSpec:
         """Defaults per docs/DFLASH.md from the target's HF config and the [dflash] section."""
         cfg = _text_config(hf_config)
         target = TargetShape.from_config(hf_config)
-        if dflash_cfg.mask_token_id is None:
+        mask_token_id = dflash_cfg.mask_token_id
+        if mask_token_id is None:  # the family's reserved id when the target is a known one
+            fields = {"model_type": getattr(cfg, "model_type", None), "vocab_size": getattr(cfg, "vocab_size", None)}
+            mask_token_id = known_mask_token_id(fields)
+        if mask_token_id is None:
             raise SpecError(
-                "dflash.mask_token_id is not set; set it to a reserved token id that is a row of the target's embedding "
-                "(Qwen3: 151669, Qwen3.5/3.6: 248070)"
+                f"dflash.mask_token_id is not set and this target (model_type {getattr(cfg, 'model_type', None)}, vocab_size "
+                f"{target.vocab_size}) has no known reserved id; {HOW_TO_CHOOSE}"
             )
         num_layers = dflash_cfg.num_draft_layers
         if dflash_cfg.target_layer_ids is not None:
@@ -259,7 +264,7 @@ class DrafterSpec:
             max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
             vocab_size=target.vocab_size,
             block_size=dflash_cfg.block_size,
-            mask_token_id=dflash_cfg.mask_token_id,
+            mask_token_id=mask_token_id,
             target_layer_ids=layer_ids,
             num_target_layers=target.num_layers,
             gamma=gamma,

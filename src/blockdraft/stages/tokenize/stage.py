@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from blockdraft.added_tokens import known_mask_token_id, local_text_config
 from blockdraft.config import BlockdraftConfig
 from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.data.inputs import STAT_PIN, InputFile, list_inputs
@@ -231,7 +232,9 @@ def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter,
     for message in warnings:
         reporter.warn(message)
     eot_id = end_of_turn_id(src.tokenizer_json, opts.end_of_turn)
-    check_mask_token(config.dflash.mask_token_id, src.tokenizer_json)
+    # The mask id training will use, the derived default included, must be none of the tokenizer's added tokens.
+    mask = config.dflash.mask_token_id
+    check_mask_token(mask if mask is not None else known_mask_token_id(local_text_config(config.target.path)), src.tokenizer_json)
     digest = _config_digest(config, src, eot_id)
     out_store = open_store(output, config.store)
     out_dir = out_store.local_path()
