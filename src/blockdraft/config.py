@@ -25,7 +25,8 @@ from blockdraft.overrides import Overrides, apply, flag_overrides, set_overrides
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No setting is infinite or NaN: `inf` as a learning rate trains to NaN, as a timeout or a memory size overflows later.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class TargetConfig(_Section):
@@ -204,6 +205,10 @@ class PlacementConfig(_Section):
         return devices
 
 
+MAX_DEVICE_MEMORY_GB = 1e6  # a petabyte: more is a typo, and the plan's byte counts would leave float range
+MAX_DIST_TIMEOUT_MINUTES = 7 * 24 * 60.0  # a week; torch's timeout is a timedelta, which a larger value overflows
+
+
 class TrainConfig(_Section):
     data: str | None = None
     output: str | None = None
@@ -219,7 +224,7 @@ class TrainConfig(_Section):
     grad_clip: float = Field(default=1.0, gt=0)  # the max gradient norm; 0 would zero every update
     max_length: int = Field(default=3072, ge=2)
     checkpoint_every: int = Field(default=500, ge=1)
-    seed: int = 0
+    seed: int = Field(default=0, ge=-(2**63), lt=2**64)  # what torch.manual_seed takes (64 bits)
     deterministic: bool = False
     lm_head_chunk_blocks: int = Field(default=64, ge=1)
     # The drafter's training attention: block-sparse FlexAttention ("flex", CUDA only: no CPU backward) or the dense
@@ -230,7 +235,7 @@ class TrainConfig(_Section):
     # device's memory in GB for the plan (None: what torch reports for a GPU, the RAM for the CPU, else unknown).
     activation_checkpointing: bool = False
     grad_allreduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    device_memory_gb: float | None = Field(default=None, gt=0)
+    device_memory_gb: float | None = Field(default=None, gt=0, le=MAX_DEVICE_MEMORY_GB)
     log_every: int = Field(default=10, ge=1)
     log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG)
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # also fed every logged step, by rank 0 (README)
@@ -242,7 +247,7 @@ class TrainConfig(_Section):
     # Checkpoints are pushed in the background while training goes on; this many failed pushes in a row stop the run.
     max_checkpoint_failures: int = Field(default=3, ge=1)
     # How long a rank waits for the others in a collective (rank 1 while rank 0 awaits a slow push) before the run fails.
-    dist_timeout_minutes: float = Field(default=60.0, gt=0)
+    dist_timeout_minutes: float = Field(default=60.0, gt=0, le=MAX_DIST_TIMEOUT_MINUTES)
     # A drafter in the export format (a folder or store URL: an export, checkpoint or training output) to start from
     # instead of random weights; its DFlash parameters must match this config and the target.
     init_from: str | None = None

@@ -31,6 +31,7 @@ from transformers import AutoConfig
 from blockdraft.config import BlockdraftConfig, StoreConfig
 from blockdraft.errors import ExportError, safe_url
 from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.model.finite import describe_nonfinite, nonfinite_weights
 from blockdraft.model.formats import (
     CONFIG_NAME,
     EXPORT_KIND,
@@ -129,13 +130,16 @@ def export_drafter(
     """Check the drafter against the target's HF config, write the export files to `out`, commit them as an artifact.
 
     Refuses (SpecError) a mask id >= the target's embedding rows, layer ids outside the target, a hidden size that differs,
-    before anything is written. `lineage` pins the export's inputs (the checkpoint); `data_lineage` (the checkpoint's own
-    inputs: the tokenized data) is described in blockdraft-export.json with the template and thinking fields of those
+    and (ExportError) weights that hold NaN or infinite values, before anything is written. `lineage` pins the export's
+    inputs (the checkpoint); `data_lineage` (the checkpoint's own inputs: the tokenized data) is described in blockdraft-export.json with the template and thinking fields of those
     inputs' manifests. `location` is where the drafter will be found (default: the output's URL): the serving settings name
     it, or for a store URL a local folder with the pull step. `dtype` is the stored dtype (None: `target_dtype`).
     """
     spec = drafter.spec
     spec.check_target(target_config)
+    if bad := nonfinite_weights(drafter):  # a diverged drafter would verify and serve garbage
+        raise ExportError(f"the drafter to export is not finite: {describe_nonfinite(bad)}; export a checkpoint of a run "
+                          "that did not diverge (retrain with a lower train.lr)")
     dtype = target_dtype(dtype, target_config)
     endpoint = store_config.endpoint_url if store_config is not None else None
     serving = serving_settings(location or out.url, spec.block_size, target_path, dtype, endpoint)

@@ -160,7 +160,7 @@ class MetricsLog:
 
     def append(self, entry: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+            f.write(json.dumps(entry, allow_nan=False) + "\n")  # JSON has no NaN: a non-finite step stops the run first
         self.last = entry
         self.plotter.maybe()
 

@@ -21,11 +21,13 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch, expected_acceptance
 from blockdraft.stages.train.checkpoint import read_checkpoint
 from blockdraft.stages.train.data import TrainRows
+from blockdraft.stages.train.finite import check_finite_step, check_finite_weights
 from blockdraft.stages.train.loss import Teacher
 from blockdraft.stages.train.metrics import MetricsLog
 from blockdraft.stages.train.placement import RankPlacement
 from blockdraft.stages.train.prefetch import Prefetcher, SideStreams, StepInputs
 from blockdraft.stages.train.replicas import check_ranks_in_sync, rng_state, set_rng_state
+from blockdraft.stages.train.resumed import resume_line
 from blockdraft.stages.train.setup import TrainingSetup
 from blockdraft.stages.train.step import MicroBatch, accumulate
 from blockdraft.stages.train.trackers import Trackers
@@ -108,6 +110,7 @@ class Trainer:
         """Read a launched step's metrics (waiting for its device), log them and report progress. Its time runs to the
         next step's launch, or to now when it is read at once."""
         entry = self._entry(pending, (next_started or time.perf_counter()) - pending.started)
+        check_finite_step(entry, self.setup.checkpoints.last_step)  # every rank: the numbers are all-reduced
         self.metrics.append(entry)
         self.steps_run += 1
         done = entry["step"]
@@ -137,6 +140,8 @@ class Trainer:
                     f"entries from step {first} on (a checkpoint keeps only those logged since the one before)"
                 )
         self.reporter.say(f"resuming from verified checkpoint {found.store.url} (step {found.step})")
+        if found.report.manifest is not None and (changed := resume_line(found.step, found.report.manifest.config, self.setup.checkpoints.resolved)):
+            self.reporter.warn(changed)
         self.resumed_from, self.last_checkpoint = found.step, found.report
         return found.step
 
@@ -164,6 +169,7 @@ class Trainer:
         final = done == self.setup.total_steps
         if done % self.tc.checkpoint_every != 0 and not final:
             return self._counted(self.setup.checkpoints.poll()) if self.place.is_main else None
+        check_finite_weights(self.setup.drafter, done)  # every rank: the replicas are equal
         if self.place.world_size > 1:
             check_ranks_in_sync(self.setup.drafter, self.place.world_size)
         if not self.place.is_main:
