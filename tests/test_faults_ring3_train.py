@@ -122,7 +122,7 @@ def test_a_resumed_run_says_the_checkpoints_learning_rate_goes_on_and_what_it_ta
     lr_at_4 = json.loads((tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()[-1])["lr"]
     resumed = load_config(config_file(tmp_path, data_url, max_steps=6, checkpoint_every=2, lr=1e-1))
     run(resumed, reporter=(reporter := Reporter()))
-    (line,) = [w for w in reporter.warnings if "changed since its checkpoint" in w]
+    (line,) = reporter.warnings
     assert "NOT used: train.lr = 0.1 (the checkpoint's: 0.003)" in line
     assert "train.max_steps = 6 (was 4)" in line and "train.checkpoint_every = 2 (was 4)" in line
     entries = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -134,3 +134,4 @@ def test_no_warning_when_a_run_resumes_with_its_own_config(tmp_path, data_url):
     run(cfg)
     again = run(cfg, reporter=(reporter := Reporter()))  # resumes at step 2, its final checkpoint
     assert again.details.resumed_from == 2 and reporter.warnings == []
+    assert not [line for line in reporter.lines if "changed since its checkpoint" in line]

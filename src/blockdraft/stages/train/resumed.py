@@ -35,9 +35,10 @@ def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> dict[
             if key not in LOCATIONS and old.get(key) != new.get(key)}
 
 
-def resume_line(step: int, recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """The warning for a run resumed at `step` whose config differs from the one its checkpoint recorded (`recorded`,
-    `current`: resolved configs), saying which changed settings are used and which are not; None when none differs."""
+def resume_note(step: int, recorded: dict[str, Any], current: dict[str, Any]) -> tuple[str, bool] | None:
+    """The line for a run resumed at `step` whose config differs from the one its checkpoint recorded (`recorded`,
+    `current`: resolved configs), saying which changed settings are used and which are not, and whether it is a warning
+    (a changed setting is not used); None when none differs."""
     changed = changed_settings(recorded, current)
     if not changed:
         return None
@@ -52,8 +53,9 @@ def resume_line(step: int, recorded: dict[str, Any], current: dict[str, Any]) ->
         listed = ", ".join(f"{k} = {new} (was {old})" for k, (old, new) in list(used.items())[:SHOWN])
         more = f" and {len(used) - SHOWN} more" if len(used) > SHOWN else ""
         parts.append(f"used from this config: {listed}{more}")
-    return "; ".join(parts) + ("; the weights, optimizer, schedule position, RNG and data position come from the "
+    line = "; ".join(parts) + ("; the weights, optimizer, schedule position, RNG and data position come from the "
                                "checkpoint, everything else from the config")
+    return line, bool(ignored)
 
 
-__all__ = ["CHECKPOINT_SETTINGS", "changed_settings", "resume_line"]
+__all__ = ["CHECKPOINT_SETTINGS", "changed_settings", "resume_note"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -21,7 +20,9 @@ from blockdraft.model import DFlashDrafter, TargetHead
 from blockdraft.model.target import load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
+from blockdraft.stages.train.agree import check_same_config, check_same_data
 from blockdraft.stages.train.data import load_train_rows
+from blockdraft.stages.train.log_dir import check_log_dir
 from blockdraft.stages.train.placement import RankPlacement, barrier, rank_session, resolve_placement
 from blockdraft.stages.train.setup import build_training
 from blockdraft.stages.train.trainer import Trainer
@@ -89,20 +90,24 @@ def _with_paths(config: BlockdraftConfig, input: str | None, output: str | None)
 
 
 def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter, held: ExitStack, force: bool = False) -> Trainer:
-    """Check what fails fast (the target's config, a writable output store that no other run writes, a verified input),
-    open the rows, build the trainer. Rank 0 takes the output's lease (one run per train.output: another run's
-    checkpoints never interleave with this one's, and a resume never picks another run's step) and `held` gives it back
-    when training ends. Of the processes on one machine only local rank 0 pulls a remote input."""
+    """Check what fails fast (every rank runs rank 0's config on rank 0's data, the target's config, a writable output
+    store that no other run writes, a log folder apart from both, a verified input), open the rows, build the trainer
+    (which claims the log folder for this run). Rank 0 takes the output's lease (one run per train.output: another
+    run's checkpoints never interleave with this one's, and a resume never picks another run's step) and `held` gives
+    it back when training ends. Of the processes on one machine only local rank 0 pulls a remote input."""
     tc = config.train
     assert tc.data is not None and tc.output is not None  # set by _with_paths
+    check_same_config(config, place)  # every node runs rank 0's settings, or none trains
     load_target_config(config.target.path)  # a missing target fails in seconds, before any data moves
-    out_store = open_store(tc.output, config.store)
-    refuse_nested(open_store(tc.data, config.store), out_store, "train.data")
+    out_store, data_store = open_store(tc.output, config.store), open_store(tc.data, config.store)
+    refuse_nested(data_store, out_store, "train.data")
+    log_dir = check_log_dir(tc.log_dir, {"train.data": data_store, "train.output": out_store})
     if place.is_main:
         preflight(out_store)  # fail before step 1 when checkpoints cannot be written (docs/STORE.md, credentials)
         held.enter_context(Lease(out_store, force=force, reporter=reporter))
     data = open_input(tc.data, config.store, kinds=[TOKENIZED_KIND], role="train.data")
-    rows = load_train_rows(data, config.store, tc.max_length, Path(tc.log_dir), place.local_rank == 0, lambda: barrier(place))
+    check_same_data(config, data.ref.sha256 or "", place)  # and rank 0's data
+    rows = load_train_rows(data, config.store, tc.max_length, log_dir, place.local_rank == 0, lambda: barrier(place))
     setup = build_training(config, place, rows, out_store, tc.output, reporter, start_over=force)
     return Trainer(config, place, rows, setup, reporter, start_over=force)
 

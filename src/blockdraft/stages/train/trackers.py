@@ -49,14 +49,18 @@ class TensorBoardTracker:
 
 class WandbTracker:
     """A W&B run whose folder is `folder/wandb`, started with `settings` (train.wandb: project, entity, group, name,
-    mode) and the run's resolved config. W&B neither prints nor wraps the terminal: the reporter owns it."""
+    mode) and the run's resolved config. W&B neither prints nor wraps the terminal (the reporter owns it) and records
+    no command line."""
 
     def __init__(self, folder: Path, settings: Mapping[str, str], config: dict[str, Any]) -> None:
         import wandb
 
         folder.mkdir(parents=True, exist_ok=True)
         arguments: dict[str, Any] = dict(settings)  # wandb.init checks the values (a bad mode fails there: one warning)
-        self.run = wandb.init(dir=str(folder), config=config, settings=wandb.Settings(silent=True, console="off"), **arguments)
+        # W&B's run metadata holds the raw command line, which may carry a secret (`--set store.endpoint_url=http://u:pw@h`):
+        # it is not collected; `config` (the resolved config, its URLs redacted) says what ran.
+        quiet = wandb.Settings(silent=True, console="off", x_disable_meta=True)
+        self.run = wandb.init(dir=str(folder), config=config, settings=quiet, **arguments)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)

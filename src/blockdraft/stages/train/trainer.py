@@ -22,12 +22,13 @@ from blockdraft.stages.train.batch import anchor_generator, build_block_batch, e
 from blockdraft.stages.train.checkpoint import read_checkpoint
 from blockdraft.stages.train.data import TrainRows
 from blockdraft.stages.train.finite import check_finite_step, check_finite_weights
+from blockdraft.stages.train.log_dir import claim_log_dir
 from blockdraft.stages.train.loss import Teacher
 from blockdraft.stages.train.metrics import MetricsLog
 from blockdraft.stages.train.placement import RankPlacement
 from blockdraft.stages.train.prefetch import Prefetcher, SideStreams, StepInputs
 from blockdraft.stages.train.replicas import check_ranks_in_sync, rng_state, set_rng_state
-from blockdraft.stages.train.resumed import resume_line
+from blockdraft.stages.train.resumed import resume_note
 from blockdraft.stages.train.setup import TrainingSetup
 from blockdraft.stages.train.step import MicroBatch, accumulate
 from blockdraft.stages.train.trackers import Trackers
@@ -124,6 +125,8 @@ class Trainer:
         """Load the newest verified checkpoint of this run into the drafter, optimizer, scheduler and RNGs (every rank);
         returns the step to start from: the checkpoint's, or 0 (a fresh metrics log) when there is none."""
         found = self.setup.checkpoints.newest(self.start_over)
+        if self.place.is_main:  # after the checkpoint's own refusal of another run, before the first entry is written
+            self.reporter.say(f"metrics log: {claim_log_dir(Path(self.tc.log_dir), self.setup.checkpoints.identity, self.tc.output)}")
         if found is None:
             if self.place.is_main:
                 self.log.start_fresh()
@@ -140,8 +143,8 @@ class Trainer:
                     f"entries from step {first} on (a checkpoint keeps only those logged since the one before)"
                 )
         self.reporter.say(f"resuming from verified checkpoint {found.store.url} (step {found.step})")
-        if found.report.manifest is not None and (changed := resume_line(found.step, found.report.manifest.config, self.setup.checkpoints.resolved)):
-            self.reporter.warn(changed)
+        if found.report.manifest is not None and (note := resume_note(found.step, found.report.manifest.config, self.setup.checkpoints.resolved)):
+            (self.reporter.warn if note[1] else self.reporter.say)(note[0])
         self.resumed_from, self.last_checkpoint = found.step, found.report
         return found.step
 
