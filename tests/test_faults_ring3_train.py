@@ -135,3 +135,67 @@ def test_no_warning_when_a_run_resumes_with_its_own_config(tmp_path, data_url):
     again = run(cfg, reporter=(reporter := Reporter()))  # resumes at step 2, its final checkpoint
     assert again.details.resumed_from == 2 and reporter.warnings == []
     assert not [line for line in reporter.lines if "changed since its checkpoint" in line]
+
+
+# ---- case 4: train.log_dir is checked like train.output and belongs to one run ----
+
+
+@pytest.mark.parametrize(("where", "says"), [
+    ("data", "is train.data"), ("data/train", "lies inside train.data"), ("ckpt", "is train.output"),
+    ("ckpt/step-00000004", "lies inside train.output"), ("artifact/logs", "lies inside the artifact at"),
+    ("a-file", "is a file, not a folder"), ("a-file/logs", "cannot be written"),
+])
+def test_a_log_dir_inside_the_runs_input_output_or_an_artifact_or_unwritable_is_one_line(tmp_path, data_url, where, says):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(data_url, data)
+    shutil.copytree(data_url, tmp_path / "artifact")
+    (tmp_path / "a-file").write_text("a user's file\n")
+    cfg = load_config(config_file(tmp_path, str(data), max_steps=4), sets=[f"train.log_dir={tmp_path / where}"])
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "blockdraft.toml"), "--set", f"train.log_dir={tmp_path / where}"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]  # after the memory plan's lines
+    assert line.startswith(f"error: train.log_dir {tmp_path / where}") and says in line and "train.log_dir to a folder" in line
+    assert cfg.train.log_dir == str(tmp_path / where)
+    assert (tmp_path / "a-file").read_text() == "a user's file\n" and not (tmp_path / "ckpt").exists()
+
+
+def test_a_log_dir_belongs_to_one_run_a_rerun_continues_it_and_another_run_is_refused(tmp_path, data_url):
+    """The first run records itself in its log folder and says where the log is; its rerun continues the log; a run
+    with another output (or identity) sharing the folder is refused before it replaces metrics.jsonl."""
+    cfg = load_config(config_file(tmp_path, data_url, max_steps=2, checkpoint_every=2))
+    run(cfg, reporter=(reporter := Reporter()))
+    logs = tmp_path / "logs"
+    assert f"metrics log: {logs / 'metrics.jsonl'}" in reporter.lines
+    owner = json.loads((logs / "blockdraft-log.json").read_text())
+    assert owner["format"] == "blockdraft-log/1" and owner["output"] == str(tmp_path / "ckpt")
+    before = (logs / "metrics.jsonl").read_text()
+    assert run(cfg).already_done and (logs / "metrics.jsonl").read_text() == before
+
+    other = load_config(config_file(tmp_path, data_url, output=str(tmp_path / "other"), max_steps=2, seed=5))
+    with pytest.raises(ConfigError) as err:
+        run(other)
+    assert f"train.log_dir {logs} holds the metrics of another run (train.output {tmp_path / 'ckpt'})" in one_line(err)
+    assert (logs / "metrics.jsonl").read_text() == before and not list((tmp_path / "other").glob("step-*"))
+
+    (logs / "blockdraft-log.json").unlink()  # a log no run recorded as its own is not taken over either
+    with pytest.raises(ConfigError, match="holds a metrics.jsonl that no run recorded as its own"):
+        run(other)
+    assert (logs / "metrics.jsonl").read_text() == before
+
+
+# ---- case 11: W&B records no command line, which may carry a secret ----
+
+
+def test_wandb_run_files_hold_no_secret_of_the_command_line(tmp_path, data_url, monkeypatch):
+    secret = "SECRETpw4711"
+    monkeypatch.setattr("sys.argv", ["blockdraft", "train", "--set", f"store.endpoint_url=http://user:{secret}@127.0.0.1:9"])
+    path = config_file(tmp_path, data_url, max_steps=2, checkpoint_every=2, report_to=["wandb"])
+    path.write_text(path.read_text() + 'wandb = { mode = "offline", project = "blockdraft-tests" }\n')
+    cfg = load_config(path, sets=[f"store.endpoint_url=http://user:{secret}@127.0.0.1:9"])
+    run(cfg, reporter=(reporter := Reporter()))
+    assert reporter.warnings == []
+    files = [p for p in (tmp_path / "logs" / "wandb").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)  # the run was recorded
+    assert [p for p in files if secret.encode() in p.read_bytes()] == []
