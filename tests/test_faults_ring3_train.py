@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from helpers.train_data import config_file, make_rows, write_tokenized
 from typer.testing import CliRunner
 
+import blockdraft
 from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.errors import ConfigError, DivergedError, ExportError
@@ -199,3 +206,122 @@ def test_wandb_run_files_hold_no_secret_of_the_command_line(tmp_path, data_url, 
     files = [p for p in (tmp_path / "logs" / "wandb").rglob("*") if p.is_file()]
     assert any(p.suffix == ".wandb" for p in files)  # the run was recorded
     assert [p for p in files if secret.encode() in p.read_bytes()] == []
+
+
+# ---- cases 7 and 8: several nodes (processes on this machine, one gloo rank each, meeting on the loopback) ----
+
+BLOCKDRAFT = str(Path(sys.executable).with_name("blockdraft"))  # the installed console script
+NODE_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(blockdraft.__file__).parents[1])}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node(cfg: Path, rank: int, port: int, cwd: Path, *sets: str) -> subprocess.Popen:
+    """Node `rank` of 2 started in `cwd` with `--set` items `sets`; its output in cwd/node{rank}.out and .err."""
+    args = ["train", "--config", str(cfg), "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    args += [arg for item in sets for arg in ("--set", item)]
+    with open(cwd / f"node{rank}.out", "w") as out, open(cwd / f"node{rank}.err", "w") as err:
+        return subprocess.Popen([BLOCKDRAFT, *args], cwd=cwd, env=NODE_ENV, stdout=out, stderr=err)
+
+
+def stop(*nodes: subprocess.Popen) -> None:
+    """Kill the nodes still running (a failed test leaves none behind: a node 0 that no node joins waits)."""
+    for started in nodes:
+        if started.poll() is None:
+            started.kill()
+            started.wait()
+
+
+def errors_of(folder: Path, rank: int) -> list[str]:
+    text = (folder / f"node{rank}.err").read_text()
+    assert "Traceback" not in text, text[-3000:]
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.slow
+def test_a_node_started_with_another_setting_is_refused_at_start_naming_the_field_and_the_node(tmp_path, data_url):
+    """Node 1 with another train.lr: both nodes stop before any data or model loads, each with one line naming train.lr
+    and node 1."""
+    cfg = config_file(tmp_path, data_url, max_steps=2, batch_size=1, global_batch_size=2, dist_timeout_minutes=1.0)
+    port = free_port()
+    nodes = [node(cfg, 0, port, tmp_path), node(cfg, 1, port, tmp_path, "train.lr=0.001")]
+    try:
+        assert [n.wait(timeout=240) for n in nodes] == [2, 2]
+    finally:
+        stop(*nodes)
+    for rank in (0, 1):
+        (line,) = errors_of(tmp_path, rank)
+        assert line.startswith("error: node 1 (rank 1) was started with train.lr = 0.001, node 0 (rank 0) with 0.003"), line
+    assert not list((tmp_path / "ckpt").glob("step-*"))  # nothing trained
+
+
+def test_ranks_reading_other_data_at_the_same_path_are_refused_naming_the_node(tmp_path):
+    """Two real gloo ranks whose train.data has the same path: with the same manifest digest they agree; with another
+    (each node's own copy) every rank stops with the same line naming node 1."""
+    import torch.multiprocessing as mp
+    from helpers.agree_rank import compare_data
+
+    rounds = [["c" * 64] * 2, ["a" * 64, "b" * 64]]
+    mp.spawn(compare_data, args=(free_port(), "tok", rounds, str(tmp_path)), nprocs=2, join=True)
+    assert [(tmp_path / f"rank{r}-0").read_text() for r in (0, 1)] == ["agreed", "agreed"]
+    said = [(tmp_path / f"rank{r}-1").read_text() for r in (0, 1)]
+    assert said[0] == said[1] and said[0].startswith("node 1 (rank 1) reads other data at train.data tok"), said
+    assert "manifest sha256 bbbbbbbbbbbb..., node 0's aaaaaaaaaaaa..." in said[0] and "same tokenized artifact" in said[0]
+
+
+def test_a_rendezvous_endpoint_out_of_range_or_a_taken_port_is_one_line(tmp_path, data_url):
+    cfg = str(config_file(tmp_path, data_url, batch_size=1, global_batch_size=2))
+    result = CliRunner().invoke(app, ["train", "--config", cfg, "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:99999"])
+    (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert result.exit_code == 2 and "Traceback" not in result.output and "a free port from 1 to 65535" in line
+    assert "not '127.0.0.1:99999'" in line
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(app, ["train", "--config", cfg, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"])
+    (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"port {port} is in use on this machine" in line and "its own --node-rank" in line
+
+
+def _listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_two_nodes_both_started_as_node_0_each_end_in_one_line_within_the_timeout(tmp_path, data_url):
+    """The second node 0 finds the rendezvous port taken; the first, whose node 1 never comes, gives up after
+    train.dist_timeout_minutes with one line, not torchrun's traceback and not its default 15 minutes."""
+    timeout_minutes = 0.1
+    cfg = config_file(tmp_path, data_url, max_steps=2, batch_size=1, global_batch_size=2, dist_timeout_minutes=timeout_minutes)
+    port = free_port()
+    first = node(cfg, 0, port, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not _listening(port):
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.err").read_text()[-3000:]
+            time.sleep(0.05)
+        started = time.monotonic()
+        args = ["train", "--config", str(cfg), "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        second = CliRunner().invoke(app, args)
+        (line,) = [x for x in second.output.splitlines() if x.startswith("error:")]
+        assert second.exit_code == 2 and f"port {port} is in use" in line and "Traceback" not in second.output
+        status = first.wait(timeout=timeout_minutes * 60 + 120)
+    finally:
+        stop(first)
+    waited = time.monotonic() - started
+    assert status == 2 and waited < timeout_minutes * 60 + 60, (status, waited)
+    (line,) = errors_of(tmp_path, 0)
+    assert f"the nodes did not meet at 127.0.0.1:{port}" in line and "train.dist_timeout_minutes (6 s)" in line

@@ -126,7 +126,8 @@ class Trainer:
         returns the step to start from: the checkpoint's, or 0 (a fresh metrics log) when there is none."""
         found = self.setup.checkpoints.newest(self.start_over)
         if self.place.is_main:  # after the checkpoint's own refusal of another run, before the first entry is written
-            self.reporter.say(f"metrics log: {claim_log_dir(Path(self.tc.log_dir), self.setup.checkpoints.identity, self.tc.output)}")
+            output = self.tc.output or self.setup.checkpoints.store.url
+            self.reporter.say(f"metrics log: {claim_log_dir(Path(self.tc.log_dir), self.setup.checkpoints.identity, output)}")
         if found is None:
             if self.place.is_main:
                 self.log.start_fresh()
