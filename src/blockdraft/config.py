@@ -237,7 +237,9 @@ class TrainConfig(_Section):
     grad_allreduce_dtype: Literal["float32", "bfloat16"] = "float32"
     device_memory_gb: float | None = Field(default=None, gt=0, le=MAX_DEVICE_MEMORY_GB)
     log_every: int = Field(default=10, ge=1)
-    log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG)
+    # Local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG); one run's own (blockdraft-log.json
+    # names it: another run is refused), apart from train.data, train.output and any artifact (stages/train/log_dir.py).
+    log_dir: str = "blockdraft-train-logs"
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # also fed every logged step, by rank 0 (README)
     wandb: dict[Literal["project", "entity", "group", "name", "mode"], str] = Field(default_factory=dict)  # wandb.init's arguments
     plot_every_minutes: float = Field(default=10.0, ge=0)  # curves redrawn in the background at most this often, and at the end
