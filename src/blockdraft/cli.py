@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import shlex
 import sys
 import tempfile
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from blockdraft.cli_options import (
 )
 from blockdraft.config import load_config
 from blockdraft.console import ConsoleReporter
-from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, redact
+from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, TrainingInterrupted, redact
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.preflight import preflight as run_preflight
@@ -307,13 +308,17 @@ def train(
         if problem := planned.problem():
             raise ConfigError(problem)
         return
-    with ConsoleReporter(console) as reporter:
-        launched = launch(config, nproc, reporter, force, sets or (), nodes)
+    try:
+        with ConsoleReporter(console) as reporter:
+            launched = launch(config, nproc, reporter, force, sets or (), nodes)
+    except TrainingInterrupted as exc:  # Ctrl-C: where it stood, and the command that resumes
+        console.print(f"{escape(str(exc))}: {escape(shlex.join(['blockdraft', *sys.argv[1:]]))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     if launched.result is not None and launched.rank == 0:
         trained = launched.result.details
         if trained.metrics:
             last = trained.metrics[-1]
-            console.print(f"trained {trained.steps} steps; loss {last['loss']:.4f}, tau estimate {last['tau_estimate']:.2f}", highlight=False)
+            console.print(f"trained {trained.steps} steps; loss {last['loss']:.4f}, {trained.summary}", highlight=False)
         else:
             console.print(f"nothing to train: the verified checkpoint already holds all {trained.steps} steps", highlight=False)
         print(launched.result.url)

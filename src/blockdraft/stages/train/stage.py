@@ -39,7 +39,8 @@ class TrainResult:
     """steps: optimizer steps done in total; resumed_from: the step this run started from (None: from scratch);
     checkpoint_url: the final checkpoint; metrics: the last `Trainer.RECENT_METRICS` steps of this run (all ranks; the
     whole log is train.log_dir/metrics.jsonl); drafter: the trained module; head: the frozen drafter-side embedding and
-    LM head; steps_run: the steps this run did (0: the checkpoint already held them all)."""
+    LM head; steps_run: the steps this run did (0: the checkpoint already held them all); signal: the held-out, decoded
+    and target-agreement figures and warnings (`TrainingSignal.counts`), and `summary` the line that says them."""
 
     steps: int
     resumed_from: int | None
@@ -48,6 +49,8 @@ class TrainResult:
     drafter: DFlashDrafter
     head: TargetHead
     steps_run: int
+    signal: dict[str, Any]
+    summary: str
 
 
 def run(
@@ -74,7 +77,7 @@ def run(
         final, done = _final_report(trainer, place, done)
     result = TrainResult(
         trainer.setup.total_steps, trainer.resumed_from, final.url, list(trainer.metrics), trainer.setup.drafter, trainer.setup.head,
-        trainer.steps_run,
+        trainer.steps_run, trainer.signal.counts(), trainer.signal.summary(),
     )
     return StageResult(STAGE, final.url, final, already_done=done, seconds=time.perf_counter() - started, details=result)
 
