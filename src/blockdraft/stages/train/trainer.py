@@ -8,6 +8,7 @@ are still bit-equal.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -83,6 +84,9 @@ class Trainer:
         self.signal = TrainingSignal(reporter.warn, len(rows), setup.per_epoch)
         self._held: dict[int, dict[str, Any]] = {}  # held-out figures measured after a step, logged with its entry
         self._lines: ProgressLines | None = None
+        # The target's feature hooks are one set per model: the prefetching thread and the held-out measurement or a
+        # checkpoint's decode (on the training thread) take turns with it.
+        self._target_turn = threading.Lock()
 
     def train(self) -> list[dict[str, Any]]:
         """Resume, then step to `total_steps`, logging and checkpointing on the way; returns this run's latest metrics
@@ -112,8 +116,9 @@ class Trainer:
                     done = step + 1
                     at_checkpoint = done % self.tc.checkpoint_every == 0 or done == self.setup.total_steps
                     if self.held_out is not None and (at_checkpoint or done % self.tc.eval_every == 0):
-                        self._held[done] = self.held_out.measure(self.setup, self.place, self.config.dflash.num_anchors,
-                                                                 self.tc.lm_head_chunk_blocks)
+                        with self._target_turn:
+                            self._held[done] = self.held_out.measure(self.setup, self.place, self.config.dflash.num_anchors,
+                                                                     self.tc.lm_head_chunk_blocks)
                     if at_checkpoint:
                         self._record(pending, None)
                         pending = None
@@ -230,7 +235,8 @@ class Trainer:
         """Rank 0: the checkpoint of step `done` decoded for real on the held-out prompts (`decoded.decode_checkpoint`)."""
         hf_model = self.setup.target.model
         stops = target_stop_ids(hf_model, self.config.target.tokenizer or self.config.target.path)
-        decoded = decode_checkpoint(self.setup.drafter, hf_model, self.decode_prompts, self.config.eval, stops)
+        with self._target_turn:
+            decoded = decode_checkpoint(self.setup.drafter, hf_model, self.decode_prompts, self.config.eval, stops)
         self.reporter.say(
             f"checkpoint step {done} decoded on {decoded['prompts']} held-out prompts: tau {decoded['tau']:.2f}, speedup "
             f"{decoded['speedup']:.2f}x, lossless {'yes' if decoded['lossless'] else 'NO'} ({decoded['seconds']:.1f}s)"
@@ -264,7 +270,7 @@ class Trainer:
                 generators=[anchor_generator(tc.seed, epoch, i) for i in rows],
                 attention=self.setup.attention,
             )
-            with self._streams.active():  # the target's forward and the copies, off the drafter's stream (CUDA)
+            with self._streams.active(), self._target_turn:  # the target's forward and copies, off the drafter's stream (CUDA)
                 ids, mask = batch.input_ids.to(place.target_device), batch.attention_mask_context.long().to(place.target_device)
                 final = None
                 if self.setup.objective.distills:  # the whole target runs: its final hidden states give each slot's distribution
