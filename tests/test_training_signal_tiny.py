@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.pipeline import SIZES, demo_config, write_toml
@@ -72,3 +74,11 @@ def test_agreement_warns_on_text_the_target_would_not_write_and_decoded_tau_is_t
     assert result.signal["decoded_tau"] == pytest.approx(report.drafters["dflash"].tau, abs=0.01)
     assert result.signal["decoded_lossless"] and report.lossless.ok
     assert abs(result.signal["held_out_tau"] - report.drafters["dflash"].tau) < 0.25  # measured 0.03 and 0.01
+    # The same figure before any training: `tokenize --check-target` (its output already done) and `train --plan`.
+    config = str(tmp_path / "blockdraft.toml")
+    for args in (["tokenize", str(tmp_path / "completions"), str(tmp_path / "tokenized"), "--check-target"], ["train", "--plan"]):
+        out = CliRunner().invoke(app, [*args, "--config", config])
+        assert out.exit_code == 0, out.output
+        said = out.stderr.replace("\n", " ")
+        assert f"target agreement {agreement:.2f}:" in said
+        assert ("WARNING: target agreement" in said) == reverse

@@ -116,6 +116,8 @@ def tokenize(
     max_length: Annotated[int | None, typer.Option(help="Clip rows to this many tokens (after masking).")] = None,
     held_out_fraction: Annotated[float | None, typer.Option(help="Fraction of conversations in the held-out split.")] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes (one input shard each at a time).")] = None,
+    check_target: Annotated[bool, typer.Option("--check-target", help="Then run the target (target.path) over a sample of the "
+                                                                      "rows: target agreement, and a warning when it is low.")] = False,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
@@ -131,6 +133,21 @@ def tokenize(
         result = tokenize_stage.run(cfg, input, output, reporter, force=force)
     for line in tokenize_stage.summary_lines(result):
         reporter.say(line)
+    if check_target:
+        folder = open_store(result.url, cfg.store).local_path()
+        if folder is None:
+            raise ConfigError(f"--check-target reads a local tokenized folder, not {result.url}; pull it first, or check it on the training node with train --plan")
+        _say_agreement(folder, cfg)
+
+
+def _say_agreement(folder: Path, cfg: Any) -> None:
+    """Target agreement of the tokenized folder's train rows, one line, and the warning line when it is low."""
+    from blockdraft.data.agreement import agreement_warning, describe_agreement, tokenized_agreement
+
+    result = tokenized_agreement(folder, cfg)
+    console.print(describe_agreement(result), highlight=False, markup=False, soft_wrap=True)
+    if (line := agreement_warning(result, cfg.train.min_target_agreement)) is not None:
+        console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -303,10 +320,16 @@ def train(
     if plan:
         from blockdraft.stages.train.memory import memory_plan
 
-        planned = memory_plan(load_config(config, nodes, sets or ()))
+        cfg = load_config(config, nodes, sets or ())
+        planned = memory_plan(cfg)
         print("\n".join(planned.lines()))
         if problem := planned.problem():
             raise ConfigError(problem)
+        # With the target's weights and the data in local folders, also how far the target agrees with the data.
+        data = Path(cfg.train.data) if cfg.train.data and "://" not in cfg.train.data else None
+        weights = cfg.target.path is not None and any(Path(cfg.target.path).glob("*.safetensors"))
+        if data is not None and (data / "dataset_dict.json").is_file() and weights and cfg.train.target_agreement_rows:
+            _say_agreement(data, cfg)
         return
     try:
         with ConsoleReporter(console) as reporter:

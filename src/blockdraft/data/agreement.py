@@ -11,9 +11,13 @@ Rows are split by thinking mode: "on" when the supervised tokens hold a think bl
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from blockdraft.config import BlockdraftConfig
+from blockdraft.errors import ConfigError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # More tokens than this between <think> and </think> is reasoning; an empty block renders as a newline or two.
@@ -50,7 +54,7 @@ def thinking_of(ids: Sequence[int], mask: Sequence[int], think: tuple[int, int] 
 
 
 @torch.no_grad()
-def target_agreement(hf_model: Any, rows: Iterable[tuple[Sequence[int], Sequence[int]]], think: tuple[int, int] | None = None) -> dict[str, Any]:
+def target_agreement(hf_model: Any, rows: Iterable[tuple[Sequence[int] | torch.Tensor, Sequence[int] | torch.Tensor]], think: tuple[int, int] | None = None) -> dict[str, Any]:
     """{"agreement", "positions", "rows", "by_thinking": {mode: {"agreement", "positions", "rows"}}} of the target
     `hf_model` over `rows` ((input_ids, loss_mask) pairs), one row per forward."""
     device = next(hf_model.parameters()).device
@@ -77,6 +81,32 @@ def target_agreement(hf_model: Any, rows: Iterable[tuple[Sequence[int], Sequence
     }
 
 
+def sample_indices(num_rows: int, count: int, seed: int) -> list[int]:
+    """The rows agreement is measured on: the first `count` of a permutation drawn with `seed`, in row order."""
+    return sorted(torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed))[:count].tolist())
+
+
+def tokenized_agreement(folder: Path, config: BlockdraftConfig) -> dict[str, Any]:
+    """Target agreement of the train rows of the tokenized artifact in the local `folder` (`tokenize --check-target`,
+    `train --plan`): train.target_agreement_rows rows drawn with train.seed and clipped to train.max_length, as train
+    measures it before its first step, the target on placement.target_devices[0]."""
+    from datasets import Dataset
+
+    from blockdraft.data.formats import TRAIN_SPLIT
+    from blockdraft.model import load_target
+
+    tc = config.train
+    if config.target.path is None:
+        raise ConfigError("target agreement needs the target: set target.path")
+    if not (folder / TRAIN_SPLIT).is_dir():
+        raise ConfigError(f"{folder} holds no '{TRAIN_SPLIT}' split to check against the target; pass a tokenized artifact")
+    ds = Dataset.load_from_disk(str(folder / TRAIN_SPLIT))
+    hf_model = load_target(config.target.path, config.placement.target_devices[0], config.target.dtype)
+    rows = ((ds[i]["input_ids"][: tc.max_length], ds[i]["loss_mask"][: tc.max_length])
+            for i in sample_indices(len(ds), max(tc.target_agreement_rows, 1), tc.seed))
+    return target_agreement(hf_model, rows, think_ids(load_tokenizer(config.target.tokenizer or config.target.path)))
+
+
 def describe_agreement(result: dict[str, Any]) -> str:
     """One line: the share, and the share of each thinking mode."""
     modes = ", ".join(f"thinking {m} {v['agreement']:.2f} ({v['rows']} rows)" for m, v in result["by_thinking"].items())
@@ -97,4 +127,4 @@ def agreement_warning(result: dict[str, Any], threshold: float) -> str | None:
     )
 
 
-__all__ = ["agreement_warning", "describe_agreement", "load_tokenizer", "target_agreement", "think_ids", "thinking_of"]
+__all__ = ["agreement_warning", "describe_agreement", "load_tokenizer", "sample_indices", "target_agreement", "tokenized_agreement", "think_ids", "thinking_of"]

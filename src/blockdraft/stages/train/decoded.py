@@ -26,6 +26,7 @@ def held_out_prompts(dataset: Dataset | None, count: int) -> list[list[int]]:
     from token 0 has none and is skipped)."""
     prompts: list[list[int]] = []
     for r in dataset if dataset is not None and count else ():
+        assert isinstance(r, dict)  # a Dataset's row
         supervised = np.flatnonzero(np.asarray(r["loss_mask"]))
         if supervised.size and supervised[0]:
             prompts.append(list(r["input_ids"][: supervised[0]]))

@@ -12,11 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from blockdraft.config import BlockdraftConfig
-from blockdraft.data.agreement import agreement_warning, describe_agreement, load_tokenizer, target_agreement, think_ids
+from blockdraft.data.agreement import (
+    agreement_warning,
+    describe_agreement,
+    load_tokenizer,
+    sample_indices,
+    target_agreement,
+    think_ids,
+)
 from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, TargetHead
@@ -119,9 +125,9 @@ def _target_agreement(config: BlockdraftConfig, hf_model: Any, rows: TrainRows, 
     """Target agreement (`blockdraft.data.agreement`) on train.target_agreement_rows training rows drawn with train.seed,
     said in one line, and one warning when it is below train.min_target_agreement."""
     tc = config.train
-    picked = torch.randperm(len(rows), generator=torch.Generator().manual_seed(tc.seed))[: tc.target_agreement_rows]
     tokenizer = load_tokenizer(config.target.tokenizer or config.target.path)
-    result = target_agreement(hf_model, (rows.row(i) for i in sorted(picked.tolist())), think_ids(tokenizer))
+    picked = sample_indices(len(rows), tc.target_agreement_rows, tc.seed)
+    result = target_agreement(hf_model, (rows.row(i) for i in picked), think_ids(tokenizer))
     reporter.say(describe_agreement(result))
     if (line := agreement_warning(result, tc.min_target_agreement)) is not None:
         reporter.warn(line)
