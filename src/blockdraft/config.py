@@ -253,6 +253,17 @@ class TrainConfig(_Section):
     # hard labels only (the paper's objective) and never runs the target past its feature layers.
     distill_weight: float = Field(default=0.0, ge=0.0, le=1.0)
     distill_temperature: float = Field(default=1.0, gt=0.0)
+    # The training signal (docs/TRAINING-SIGNAL.md). Every eval_every steps and at each checkpoint, rank 0 measures the
+    # loss, per-slot accuracies and tau estimate on a fixed, seeded sample of eval_rows held-out rows, without gradients.
+    eval_every: int = Field(default=100, ge=1)
+    eval_rows: int = Field(default=32, ge=1)
+    # Each checkpoint is also decoded for real (eval's loop, lossless check) on this many held-out prompts; 0: none.
+    decode_eval_prompts: int = Field(default=2, ge=0)
+    # Before step 1 the target is run over this many training rows: the share of supervised positions where its greedy
+    # next token is the label (target agreement); below min_target_agreement is one warning line. 0 rows: not measured.
+    target_agreement_rows: int = Field(default=32, ge=0)
+    min_target_agreement: float = Field(default=0.7, ge=0.0, le=1.0)
+    log_every_s: float = Field(default=30.0, gt=0)  # one plain progress line this often when stderr is not a terminal
 
 
 class EvalConfig(_Section):
