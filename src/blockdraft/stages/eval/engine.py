@@ -104,13 +104,13 @@ def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, m
         argv += ["--max-model-len", str(max_len)]
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
-    if not _cuda_here():
+    if not cuda_here():
         # vLLM's CPU backend: no graph capture to wait for, and a memory fraction that fits beside the decode we run.
         argv += ["--enforce-eager", "--gpu-memory-utilization", "0.15"]
     return argv + list(extra)
 
 
-def _cuda_here() -> bool:
+def cuda_here() -> bool:
     import torch
 
     return torch.cuda.is_available()

@@ -17,6 +17,7 @@ from blockdraft.stages.eval.metrics import Divergence, DrafterMetrics, GreedyMet
 REPORT_NAME = "report.json"
 TAU_PLOT_NAME = "tau_histogram.png"
 POSITION_PLOT_NAME = "position_acceptance.png"
+UNARY_NAME = "dflash_unary"  # a DFlash2 drafter proposing each slot's unary argmax instead of its selector's walk
 
 
 class Lossless(BaseModel):
@@ -67,7 +68,9 @@ class EngineCheck(BaseModel):
 class EvalReport(BaseModel):
     """What one eval run measured, and on what.
 
-    `drafters` maps a drafter name (dflash, ngram, untrained) to its metrics. `checkpoint`, `target`, `prompts_source`
+    `drafters` maps a drafter name (dflash, ngram, untrained) to its metrics; for a DFlash2 drafter (`architecture`
+    "dflash2") `dflash` is its candidate selector's walk and `dflash_unary` the same drafter proposing each slot's unary
+    argmax, on the same prompts: what the selector earns. `checkpoint`, `target`, `prompts_source`
     (as given) and `template_sha256` (the chat template the checkpoint's training rows were rendered with) say what the
     figures hold for; `evaluate` leaves them None, the stage fills them in.
     """
@@ -88,6 +91,7 @@ class EvalReport(BaseModel):
     prompts_source: str | None = None
     template_sha256: str | None = None
     engine: EngineCheck | None = None
+    architecture: str = "dflash"
 
     def to_json(self) -> str:
         """`report.json`'s text. Python's encoder, so a margin of inf stays `Infinity` (pydantic's would write null)."""
@@ -165,6 +169,9 @@ def summary_lines(report: EvalReport) -> list[str]:
             f"{name}\ttau {m.tau:.3f}\ttokens/s {m.tokens_per_s:.1f}\tspeedup {m.speedup:.2f}x"
             f"\tforwards/token {m.target_forwards_per_token:.3f}"
         )
+    walk, unary = report.drafters.get("dflash"), report.drafters.get(UNARY_NAME)
+    if walk is not None and unary is not None and unary.tau > 0:
+        lines.append(f"selector\twalk tau {walk.tau:.3f} vs unary argmax tau {unary.tau:.3f} ({walk.tau / unary.tau - 1:+.1%})")
     verdict = "ok" if lossless.ok else "FAILED"
     lines.append(f"lossless\t{verdict}\t{len(lossless.divergences)} divergence(s), tolerance {lossless.tolerance:g}")
     for d in lossless.divergences:
@@ -189,6 +196,6 @@ def engine_lines(e: EngineCheck) -> list[str]:
 
 
 __all__ = [
-    "POSITION_PLOT_NAME", "REPORT_NAME", "TAU_PLOT_NAME", "EngineCheck", "EvalReport", "engine_lines", "Lossless", "PromptRow", "summary_lines",
+    "POSITION_PLOT_NAME", "REPORT_NAME", "TAU_PLOT_NAME", "UNARY_NAME", "EngineCheck", "EvalReport", "engine_lines", "Lossless", "PromptRow", "summary_lines",
     "write_plots", "write_report",
 ]
