@@ -103,6 +103,7 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
     assert list(report) == [
         "block_size", "mask_token_id", "target_layer_ids", "max_new_tokens", "num_prompts", "stop_token_ids", "target_dtype",
         "greedy", "drafters", "lossless", "prompts", "checkpoint", "target", "prompts_source", "template_sha256", "engine",
+        "prompt_sets",
     ]
     assert report["engine"] is None  # no engine asked for
     assert list(report["greedy"]) == ["new_tokens", "target_forwards", "target_forwards_per_token", "wall_s", "tokens_per_s", "min_margin"]
@@ -113,10 +114,12 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
     ]
     assert report["drafters"]["dflash"]["rollback_s"] == 0.0  # a full-attention target has no linear-attention state to roll back
     assert list(report["prompts"][0]) == [
-        "index", "prompt_len", "new_tokens", "tau_dflash", "acceptance_lengths_dflash", "tau_ngram", "acceptance_lengths_ngram",
+        "index", "prompt_set", "prompt_len", "new_tokens", "tau_dflash", "acceptance_lengths_dflash", "tau_ngram", "acceptance_lengths_ngram",
         "tau_untrained", "acceptance_lengths_untrained",
     ]
-    assert report["checkpoint"] == str(golden_run) and report["prompts_source"] == str(prompts)
+    assert report["checkpoint"] == str(golden_run) and report["prompts_source"] == [str(prompts)]
+    assert list(report["prompt_sets"]) == ["plain"]  # one set, whose figures are those over every prompt
+    assert report["prompt_sets"]["plain"]["drafters"]["dflash"]["tau"] == report["drafters"]["dflash"]["tau"]
     assert [p["acceptance_lengths_dflash"] for p in report["prompts"]] == [c["acceptance_lengths"] for c in golden["decode"]]
     assert report["lossless"] == {"ok": True, "tolerance": 1e-4, "divergences": []}
     assert len(report["template_sha256"]) == 64  # pinned in the checkpoint from its data

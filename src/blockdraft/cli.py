@@ -158,7 +158,16 @@ def export(
 def eval_command(
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="Checkpoint or export artifact: folder, file:// or s3:// URL.")],
     config: ConfigOpt = None,
-    prompts: Annotated[str | None, typer.Option("--prompts", help="Prompts JSONL, or a tokenized artifact (its held-out rows).")] = None,
+    prompts: Annotated[
+        list[str] | None,
+        typer.Option("--prompts", help="A prompt set (.jsonl/.parquet, a folder `datasets` saved, hf://datasets/NAME) or a tokenized "
+                     "artifact (its held-out rows); repeat for several sets."),
+    ] = None,
+    prompt_sets: Annotated[
+        list[str] | None,
+        typer.Option("--prompt-set", help="The layout of each --prompts, in order (gsm8k, math500, humaneval, mbpp, mt_bench, alpaca, "
+                     "plain, or auto); default: recognised from the columns."),
+    ] = None,
     max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", min=1, help="New tokens per prompt.")] = None,
     output: Annotated[str | None, typer.Option("--output", help="Where the eval artifact goes (default: STORE/eval/<hash>).")] = None,
     baseline: Annotated[
@@ -175,7 +184,7 @@ def eval_command(
     from blockdraft.pipeline import export_for_engine
     from blockdraft.stages import eval as eval_stage
 
-    flags = {"prompts": prompts, "max_new_tokens": max_new_tokens, "baseline": baseline, "engine": engine}
+    flags = {"prompts": prompts or None, "prompt_sets": prompt_sets or None, "max_new_tokens": max_new_tokens, "baseline": baseline, "engine": engine}
     cfg = load_config(config, {"eval": flags}, sets or ())
     with ConsoleReporter(console) as reporter, tempfile.TemporaryDirectory(prefix="blockdraft-engine-export-") as tmp:
         if cfg.eval.engine != "none" and export is None:

@@ -34,8 +34,21 @@ class PromptRow(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     index: int
+    prompt_set: str
     prompt_len: int
     new_tokens: int
+
+
+class PromptSetMetrics(BaseModel):
+    """One prompt set's figures: its layout and source (as given), the greedy reference and each drafter's metrics over
+    its prompts alone (tau, speedup, per-position acceptance), and whether none of its prompts diverged beyond tolerance."""
+
+    layout: str
+    source: str | None
+    num_prompts: int
+    greedy: GreedyMetrics
+    drafters: dict[str, DrafterMetrics]
+    lossless: bool
 
 
 class EngineCheck(BaseModel):
@@ -67,8 +80,8 @@ class EngineCheck(BaseModel):
 class EvalReport(BaseModel):
     """What one eval run measured, and on what.
 
-    `drafters` maps a drafter name (dflash, ngram, untrained) to its metrics. `checkpoint`, `target`, `prompts_source`
-    (as given) and `template_sha256` (the chat template the checkpoint's training rows were rendered with) say what the
+    `drafters` maps a drafter name (dflash, ngram, untrained) to its metrics over every prompt; `prompt_sets` the same per
+    prompt set, by set name, in the order given. `checkpoint`, `target`, `prompts_source` (the sources as given) and `template_sha256` (the chat template the checkpoint's training rows were rendered with) say what the
     figures hold for; `evaluate` leaves them None, the stage fills them in.
     """
 
@@ -85,9 +98,10 @@ class EvalReport(BaseModel):
     prompts: list[PromptRow]
     checkpoint: str | None = None
     target: str | None = None
-    prompts_source: str | None = None
+    prompts_source: list[str] | None = None
     template_sha256: str | None = None
     engine: EngineCheck | None = None
+    prompt_sets: dict[str, PromptSetMetrics] = {}
 
     def to_json(self) -> str:
         """`report.json`'s text. Python's encoder, so a margin of inf stays `Infinity` (pydantic's would write null)."""
@@ -157,7 +171,8 @@ def write_plots(report: EvalReport, folder: Path) -> list[Path]:
 
 
 def summary_lines(report: EvalReport) -> list[str]:
-    """A short human summary: the greedy reference, one line per drafter, the lossless verdict and each divergence."""
+    """A short human summary: the greedy reference, one line per drafter over every prompt, one line per prompt set, the
+    lossless verdict and each divergence."""
     greedy, lossless = report.greedy, report.lossless
     lines = [f"greedy\ttokens/s {greedy.tokens_per_s:.1f}\tforwards/token {greedy.target_forwards_per_token:.3f}"]
     for name, m in report.drafters.items():
@@ -165,6 +180,8 @@ def summary_lines(report: EvalReport) -> list[str]:
             f"{name}\ttau {m.tau:.3f}\ttokens/s {m.tokens_per_s:.1f}\tspeedup {m.speedup:.2f}x"
             f"\tforwards/token {m.target_forwards_per_token:.3f}"
         )
+    for set_name, m in report.prompt_sets.items():
+        lines.append(set_line(set_name, m))
     verdict = "ok" if lossless.ok else "FAILED"
     lines.append(f"lossless\t{verdict}\t{len(lossless.divergences)} divergence(s), tolerance {lossless.tolerance:g}")
     for d in lossless.divergences:
@@ -175,6 +192,16 @@ def summary_lines(report: EvalReport) -> list[str]:
     if report.engine is not None:
         lines += engine_lines(report.engine)
     return lines
+
+
+def set_line(name: str, m: PromptSetMetrics) -> str:
+    """One prompt set in the summary: the trained drafter's tau, speedup and per-position acceptance on its prompts."""
+    d = m.drafters["dflash"]
+    positions = " ".join(f"{a:.2f}" for a in d.position_acceptance)
+    return (
+        f"set {name}\t{m.layout}, {m.num_prompts} prompt(s)\ttau {d.tau:.3f}\tspeedup {d.speedup:.2f}x"
+        f"\taccepted per position {positions}\tlossless {'ok' if m.lossless else 'FAILED'}"
+    )
 
 
 def engine_lines(e: EngineCheck) -> list[str]:
@@ -189,6 +216,7 @@ def engine_lines(e: EngineCheck) -> list[str]:
 
 
 __all__ = [
-    "POSITION_PLOT_NAME", "REPORT_NAME", "TAU_PLOT_NAME", "EngineCheck", "EvalReport", "engine_lines", "Lossless", "PromptRow", "summary_lines",
+    "POSITION_PLOT_NAME", "REPORT_NAME", "TAU_PLOT_NAME", "EngineCheck", "EvalReport", "engine_lines", "Lossless", "PromptRow", "PromptSetMetrics",
+    "set_line", "summary_lines",
     "write_plots", "write_report",
 ]
