@@ -68,7 +68,7 @@ def test_export_of_golden_drafter_equals_reference_files(tmp_path, golden_drafte
         assert config[field] == golden_config[field], field
     report = verify_artifact(open_store(out))
     assert report.state is State.VERIFIED and report.manifest.kind == EXPORT_KIND
-    assert {f.path for f in report.manifest.files} == {"config.json", "model.safetensors", PROVENANCE_NAME, SERVING_NAME}
+    assert {f.path for f in report.manifest.files} == {"config.json", "model.safetensors", PROVENANCE_NAME, SERVING_NAME, "README.md"}
     assert result.report.state is State.VERIFIED
 
 

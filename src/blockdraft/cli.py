@@ -135,20 +135,33 @@ def tokenize(
 @app.command()
 @user_errors
 def export(
-    checkpoint: Annotated[str, typer.Argument(help="Verified checkpoint (folder or URL), or a training output holding step-* checkpoints.")],
-    out: Annotated[str, typer.Argument(help="Export destination: a folder, file:// or s3:// URL.")],
+    checkpoint: Annotated[str, typer.Argument(help="Verified checkpoint (folder or URL), or a training output holding step-* checkpoints; "
+                                              "with --card-only, the export.")],
+    out: Annotated[str | None, typer.Argument(help="Export destination: a folder, file:// or s3:// URL.")] = None,
     config: ConfigOpt = None,
     target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (target.path; default: the checkpoint's).")] = None,
+    eval: Annotated[str | None, typer.Option("--eval", help="The eval artifact of this checkpoint whose figures the model card (README.md) gives.")] = None,
+    card_only: Annotated[bool, typer.Option("--card-only", help="Rewrite the model card of the export given (after a new eval); nothing else.")] = False,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
-    """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, as a verified artifact; print the serving settings."""
+    """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, with its model card, as a verified artifact; print
+    the serving settings."""
     from blockdraft.stages import export as export_stage
 
     cfg = load_config(config, {"target": {"path": target}}, sets or (), {"target.path": "--target"})
+    if card_only and out is not None:
+        raise typer.BadParameter("--card-only takes the export alone: blockdraft export --card-only EXPORT --eval EVAL", param_hint="OUT")
+    if not card_only and out is None:
+        raise typer.BadParameter("give the export destination: blockdraft export CHECKPOINT OUT", param_hint="OUT")
     with ConsoleReporter(console) as reporter:
-        result = export_stage.run(cfg, checkpoint, out, reporter, force=force)
+        if card_only:
+            result = export_stage.rewrite_card(cfg, checkpoint, reporter, eval=eval, force=force)
+        else:
+            assert out is not None
+            result = export_stage.run(cfg, checkpoint, out, reporter, force=force, eval=eval)
     console.print(f"[green]verified[/]: {result.report.summary()} at {result.url}", highlight=False)
+    print(f"Card:   {result.url.rstrip('/')}/{export_stage.CARD_NAME}")
     for line in export_stage.serving_lines(result.details.serving):  # for a store URL, the pull step comes first
         print(line)
 
