@@ -157,7 +157,8 @@ def _drafter(drafter_config: dict[str, Any], provenance: dict[str, Any], counts:
         ("parameters", counts.get("parameters")), ("tensors", counts.get("tensors")),
     ]
     lines = ["## Drafter\n", "From the export's `config.json`, `blockdraft-export.json` and manifest counts:\n"]
-    lines += [f"- {label}: {value:,}" if isinstance(value, int) else f"- {label}: {value}" for label, value in shape if value is not None]
+    lines += [f"- {label}: {value:,}" if isinstance(value, int) else f"- {label}: {json.dumps(value) if isinstance(value, list) else value}"
+              for label, value in shape if value is not None]
     lines.append(f"\nDFlash settings pinned in the checkpoint (`blockdraft-export.json`, `dflash`):\n\n```json\n"
                  f"{json.dumps(dflash, indent=2, sort_keys=True)}\n```")
     return "\n".join(lines) + "\n"
