@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from blockdraft.config import BlockdraftConfig, check_device
+from blockdraft.config import BlockdraftConfig, EvalConfig, check_device
 from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer
 from blockdraft.decode.speculative import DFlashProposer, GreedyResult, SpecResult, greedy_decode, run_speculative
@@ -41,6 +41,7 @@ from blockdraft.stages.eval.metrics import (
 )
 from blockdraft.stages.eval.prompts import EvalPrompts, load_target_tokenizer, read_eval_prompts, stop_token_ids
 from blockdraft.stages.eval.report import REPORT_NAME, EvalReport, Lossless, PromptRow, write_report
+from blockdraft.stages.eval.sampled import evaluate_sampled, sampling_of
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, VerifyReport
 from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
@@ -150,6 +151,7 @@ def _decode_and_measure(
         untrained_seed=UNTRAINED_SEED if cfg.eval.untrained_baseline else None,
         reporter=reporter,
         baselines=drafters,
+        sampled=cfg.eval,
     )
 
 
@@ -163,10 +165,12 @@ def evaluate(
     untrained_seed: int | None = UNTRAINED_SEED,
     reporter: Reporter | None = None,
     baselines: dict[str, DFlashDrafter] | None = None,
+    sampled: EvalConfig | None = None,
 ) -> EvalReport:
     """Run target-only greedy, the DFlash drafter, the n-gram baseline, (with `untrained_seed`) a freshly initialised
     drafter of the same shape, and each of `baselines` (other drafters by name, e.g. a published one) on every prompt;
-    compare each speculative output with greedy. The report's `checkpoint`, `target`, `prompts_source` and
+    compare each speculative output with greedy. With `sampled` at a temperature above 0, the same drafters also decode
+    at its sampling settings (`EvalReport.sampled`). The report's `checkpoint`, `target`, `prompts_source` and
     `template_sha256` are left None. Progress: ("eval", prompts done, prompts)."""
     reporter = reporter or Reporter()
     param = next(drafter.parameters())
@@ -207,6 +211,10 @@ def evaluate(
         reporter.progress(STAGE, index + 1, len(prompts))
 
     greedy_summary = greedy_metrics(greedy)
+    sampling = sampling_of(sampled) if sampled is not None else None
+    at_temperature = None
+    if sampled is not None and sampling is not None:
+        at_temperature = evaluate_sampled(hf_model, makers, block_sizes, prompts, max_new_tokens, stops, sampled, sampling, reporter)
     return EvalReport(
         block_size=spec.block_size,
         mask_token_id=spec.mask_token_id,
@@ -221,6 +229,7 @@ def evaluate(
         },
         lossless=Lossless(ok=all(d.tolerated for d in divergences), tolerance=tolerance, divergences=divergences),
         prompts=rows,
+        sampled=at_temperature,
     )
 
 
