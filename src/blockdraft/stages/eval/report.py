@@ -223,7 +223,8 @@ def engine_lines(e: EngineCheck) -> list[str]:
         f"engine\t{e.engine} {e.version} {e.dtype}\ttau {e.tau:.3f} (ours {e.ours_tau:.3f})\tspeedup {e.speedup:.2f}x"
         f"\ttokens/s {e.tokens_per_s:.1f} (target-only {e.target_only_tokens_per_s:.1f})",
         f"engine\t{verdict} ({e.rule}): drafts {e.drafts} (ours {e.ours_cycles}), accepted per position {e.accepted_per_position} "
-        f"(ours {e.ours_accepted_per_position}); lossless in the engine {e.outputs_equal_target_only}/{e.num_prompts}",
+        f"(ours {e.ours_accepted_per_position}); " + (f"lossless in the engine {e.outputs_equal_target_only}/{e.num_prompts}" if not e.temperature
+                                                      else f"at T={e.temperature:g} over {e.num_prompts} sampled requests"),
     ]
 
 
