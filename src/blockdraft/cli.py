@@ -190,14 +190,23 @@ def eval_command(
         str | None, typer.Option("--engine", help="vllm or sglang: also serve the export in that engine and compare its acceptance with ours.")
     ] = None,
     export: Annotated[str | None, typer.Option("--export", help="With --engine: the export folder to serve (default: CHECKPOINT's).")] = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", min=0.0, help="Above 0: also decode sampled at this temperature (0: greedy only).")
+    ] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="Sampled decodes: nucleus mass kept (1.0: off).")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", min=0, help="Sampled decodes: most likely tokens kept (0: off).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", min=0, help="Sampled decodes: decode i is seeded with SEED + i.")] = None,
+    samples_per_prompt: Annotated[int | None, typer.Option("--samples-per-prompt", min=1, help="Sampled decodes per prompt.")] = None,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
-    """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy."""
+    """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy, and
+    with --temperature above 0 the same at those sampling settings."""
     from blockdraft.pipeline import export_for_engine
     from blockdraft.stages import eval as eval_stage
 
-    flags = {"prompts": prompts or None, "prompt_sets": prompt_sets or None, "max_new_tokens": max_new_tokens, "baseline": baseline, "engine": engine}
+    flags = {"prompts": prompts or None, "prompt_sets": prompt_sets or None, "max_new_tokens": max_new_tokens, "baseline": baseline,
+             "engine": engine, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "samples_per_prompt": samples_per_prompt}
     cfg = load_config(config, {"eval": flags}, sets or ())
     with ConsoleReporter(console) as reporter, tempfile.TemporaryDirectory(prefix="blockdraft-engine-export-") as tmp:
         if cfg.eval.engine != "none" and export is None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from blockdraft.config import BlockdraftConfig, check_device
+from blockdraft.config import BlockdraftConfig, EvalConfig, check_device
 from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer
 from blockdraft.decode.speculative import DFlashProposer, GreedyResult, SpecResult, greedy_decode, run_speculative
@@ -42,6 +42,7 @@ from blockdraft.stages.eval.metrics import (
 from blockdraft.stages.eval.prompt_sets import PLAIN
 from blockdraft.stages.eval.prompts import EvalPrompts, EvalSet, load_target_tokenizer, read_eval_prompts, stop_token_ids
 from blockdraft.stages.eval.report import REPORT_NAME, EvalReport, Lossless, PromptRow, PromptSetMetrics, write_report
+from blockdraft.stages.eval.sampled import evaluate_sampled, sampling_of
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, VerifyReport
 from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
@@ -155,6 +156,7 @@ def _decode_and_measure(
         reporter=reporter,
         baselines=drafters,
         sets=chosen.sets,
+        sampled=cfg.eval,
     )
 
 
@@ -169,12 +171,14 @@ def evaluate(
     reporter: Reporter | None = None,
     baselines: dict[str, DFlashDrafter] | None = None,
     sets: Sequence[EvalSet] | None = None,
+    sampled: EvalConfig | None = None,
 ) -> EvalReport:
     """Run target-only greedy, the DFlash drafter, the n-gram baseline, (with `untrained_seed`) a freshly initialised
     drafter of the same shape, and each of `baselines` (other drafters by name, e.g. a published one) on every prompt;
     compare each speculative output with greedy. `sets`: the prompt sets `prompts` is made of, in order (None: one set,
-    `prompts`); the report gives each its own figures beside those over every prompt. The report's `checkpoint`, `target`, `prompts_source` and
-    `template_sha256` are left None. Progress: ("eval", prompts done, prompts)."""
+    `prompts`); the report gives each its own figures beside those over every prompt. With `sampled` at a temperature
+    above 0, the same drafters also decode at its sampling settings (`EvalReport.sampled`). The report's `checkpoint`,
+    `target`, `prompts_source` and `template_sha256` are left None. Progress: ("eval", prompts done, prompts)."""
     reporter = reporter or Reporter()
     param = next(drafter.parameters())
     head = TargetHead.from_target(hf_model, device=param.device).to(param.dtype)
@@ -224,6 +228,10 @@ def evaluate(
             drafters={n: with_speedup(acceptance_metrics(r[start:stop], block_sizes[n]), set_greedy) for n, r in spec_results.items()},
             lossless=all(d.tolerated for d in divergences if start <= d.prompt_index < stop),
         )
+    sampling = sampling_of(sampled) if sampled is not None else None
+    at_temperature = None
+    if sampled is not None and sampling is not None:
+        at_temperature = evaluate_sampled(hf_model, makers, block_sizes, prompts, max_new_tokens, stops, sampled, sampling, reporter)
     return EvalReport(
         block_size=spec.block_size,
         mask_token_id=spec.mask_token_id,
@@ -239,6 +247,7 @@ def evaluate(
         lossless=Lossless(ok=all(d.tolerated for d in divergences), tolerance=tolerance, divergences=divergences),
         prompts=rows,
         prompt_sets=per_set,
+        sampled=at_temperature,
     )
 
 
