@@ -132,3 +132,21 @@ def test_an_eval_of_another_checkpoint_is_refused_in_one_line(tmp_path, evaluate
     (line,) = result.output.strip().splitlines()
     assert "is of checkpoint" in line and "not of the exported checkpoint" in line and "pass an eval of this checkpoint" in line
     assert not (tmp_path / "export" / MANIFEST_NAME).exists()
+
+
+def test_the_card_gives_the_sampling_settings_and_sampled_figures_of_an_eval_at_temperature(tmp_path, evaluated):
+    run, _, config = evaluated
+    cfg = load_config(None, tiny_config(tmp_path, eval={"untrained_baseline": False, "num_prompts": 1, "temperature": 0.8,
+                                                       "top_k": 20, "seed": 3, "samples_per_prompt": 2}))
+    eval_stage.run(cfg, str(run), str(tmp_path / "eval"), prompts=[str(SETS / "gsm8k.parquet")], max_new_tokens=4)
+    sampled = json.loads((tmp_path / "eval" / "report.json").read_text())["sampled"]
+    export("--config", str(config), str(run), str(tmp_path / "export"), "--eval", str(tmp_path / "eval"))
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert (f"Sampled decoding: temperature 0.8, top-p {sampled['top_p']:g}, top-k 20, seed 3, 2 decode(s) per prompt, "
+            f"{sampled['decodes']} in all") in card
+    for name, d in sampled["drafters"].items():
+        row = re.search(rf"^\| {name} \| (\S+) \| (\S+) to (\S+) \| (\S+)x \|$", card, re.MULTILINE)
+        assert row is not None, name
+        tau, low, high, speedup = (float(x) for x in row.groups())
+        assert (tau, low, high, speedup) == (round(d["metrics"]["tau"], 3), round(d["tau_ci95"][0], 3), round(d["tau_ci95"][1], 3),
+                                             round(d["metrics"]["speedup"], 2))

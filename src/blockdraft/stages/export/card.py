@@ -112,15 +112,34 @@ def _evaluation(evaluation: EvalSource | None) -> str:
     lines.append("\nPer-position acceptance of the drafter (fraction of cycles accepting draft k, k = 1, 2, ...):\n")
     for name, _, _, metrics, _ in rows:
         lines.append(f"- {name}: " + ", ".join(_fmt(a, 3) for a in metrics["dflash"]["position_acceptance"]))
+    lines += _sampled(report.get("sampled"))
     engine = report.get("engine")
     if engine:
         verdict = "agrees with blockdraft's decode" if engine.get("disagreement") is None else f"disagrees: {engine['disagreement']}"
+        at = f" at temperature {engine['temperature']:g}" if engine.get("temperature") else ""
         lines.append(
-            f"\nServed by {engine['engine']} {engine['version']} ({engine['dtype']}): tau {_fmt(engine['tau'], 3)}, speedup "
+            f"\nServed by {engine['engine']} {engine['version']} ({engine['dtype']}){at}: tau {_fmt(engine['tau'], 3)}, speedup "
             f"{_fmt(engine['speedup'], 2)}x, {engine['outputs_equal_target_only']}/{engine['num_prompts']} outputs equal to the "
             f"engine's target-only outputs; {verdict} ({engine['rule']})."
         )
     return "\n".join(lines) + "\n"
+
+
+def _sampled(sampled: dict[str, Any] | None) -> list[str]:
+    """The report's decodes at temperature (over every prompt; the report keeps them per drafter, not per set)."""
+    if not sampled:
+        return []
+    lines = [
+        f"\nSampled decoding: temperature {sampled['temperature']:g}, top-p {sampled['top_p']:g}, top-k {sampled['top_k']}, seed "
+        f"{sampled['seed']}, {sampled['samples_per_prompt']} decode(s) per prompt, {sampled['decodes']} in all, over every prompt; "
+        "drafts verified by rejection sampling, speedup over target-only sampling.\n",
+        "| drafter | tau | tau 95% interval | speedup |",
+        "|---|---|---|---|",
+    ]
+    for name, d in sampled["drafters"].items():
+        low, high = d["tau_ci95"]
+        lines.append(f"| {name} | {_fmt(d['metrics']['tau'], 3)} | {_fmt(low, 3)} to {_fmt(high, 3)} | {_fmt(d['metrics']['speedup'], 2)}x |")
+    return lines
 
 
 def _data(data: list[DataSource], provenance: dict[str, Any]) -> str:
