@@ -191,7 +191,7 @@ class PlacementConfig(_Section):
 
     target_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
     drafter_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
-    # Several machines, each listing the same devices, meeting at node 0's HOST:PORT (README "More than one node").
+    # Several machines, each listing the same devices, meeting at node 0's HOST:PORT (docs/TRAINING.md, "More than one node").
     nnodes: int = Field(default=1, ge=1)
     node_rank: int = Field(default=0, ge=0)
     rdzv_endpoint: str | None = None
@@ -233,7 +233,7 @@ class TrainConfig(_Section):
     device_memory_gb: float | None = Field(default=None, gt=0)
     log_every: int = Field(default=10, ge=1)
     log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG)
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # also fed every logged step, by rank 0 (README)
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # also fed every logged step, by rank 0 (docs/TRAINING.md)
     wandb: dict[Literal["project", "entity", "group", "name", "mode"], str] = Field(default_factory=dict)  # wandb.init's arguments
     plot_every_minutes: float = Field(default=10.0, ge=0)  # curves redrawn in the background at most this often, and at the end
     keep_checkpoints: int | None = Field(default=3, ge=1)  # newest verified checkpoints kept; None keeps all
