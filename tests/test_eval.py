@@ -103,7 +103,7 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
     assert list(report) == [
         "block_size", "mask_token_id", "target_layer_ids", "max_new_tokens", "num_prompts", "stop_token_ids", "target_dtype",
         "greedy", "drafters", "lossless", "prompts", "checkpoint", "target", "prompts_source", "template_sha256", "engine", "sampled",
-        "prompt_sets",
+        "prompt_sets", "architecture",
     ]
     assert report["engine"] is None and report["sampled"] is None  # no engine asked for, temperature 0: greedy only
     assert list(report["greedy"]) == ["new_tokens", "target_forwards", "target_forwards_per_token", "wall_s", "tokens_per_s", "min_margin"]

@@ -198,8 +198,10 @@ def export_for_engine(cfg: BlockdraftConfig, checkpoint: str, folder: Path, repo
     """A local copy of the export of `checkpoint` (a checkpoint, a training output, or an export already made) for the
     engine to serve: `export` writes it into `folder`, or pulls it there when `checkpoint` is an export in a store."""
     from blockdraft.stages.eval.engine import engine_python
+    from blockdraft.stages.eval.engine_check import refuse_unservable
 
     engine_python(cfg.eval)  # no engine, no export: the one line naming `make engine` comes first
+    refuse_unservable(cfg.eval, cfg.dflash.architecture)  # nor for a drafter the engine cannot serve here
     reporter.say(f"engine: exporting {checkpoint} into {folder} for the engine to serve")
     found = recorded_manifest(open_store(checkpoint, cfg.store))  # its kind only: pull and export verify what they read
     if found is not None and found.kind == EXPORT_KIND:

@@ -20,6 +20,7 @@ import torch
 
 from blockdraft.decode.cached_target import CachedTarget, top2_margin
 from blockdraft.decode.sampling import Proposal, Sampler, Verify, rejection_verify
+from blockdraft.model.dflash2 import greedy_walk, unary_logits
 from blockdraft.model.drafter import DFlashDrafter, DraftCache, draft_step
 from blockdraft.model.target import TargetHead
 
@@ -209,14 +210,17 @@ def greedy_decode(target_hf_model, prompt_ids, max_new_tokens: int, stop_token_i
 
 
 class DFlashProposer:
-    """The DFlash drafter as a `Proposer`: one `draft_step` over the new context and [anchor, m x (B-1)].
+    """The DFlash drafter as a `Proposer`: one `draft_step` over the new context and [anchor, m x (B-1)], then the argmax
+    of each slot, or for a DFlash2 drafter the candidate selector's greedy walk from the anchor (`use_selector` False:
+    the unary argmax instead, which measures what the selector earns).
 
     `target_head` supplies the target's embedding and LM head on the drafter's device (`blockdraft.model.target.TargetHead`).
     """
 
-    def __init__(self, drafter: DFlashDrafter, target_head: TargetHead):
+    def __init__(self, drafter: DFlashDrafter, target_head: TargetHead, use_selector: bool = True):
         self.drafter = drafter
         self.head = target_head
+        self.use_selector = use_selector and drafter.candidate_selector is not None
         self.block_size = drafter.spec.block_size
         self.mask_token_id = drafter.spec.mask_token_id
         self.layer_ids = list(drafter.spec.target_layer_ids)
@@ -225,20 +229,34 @@ class DFlashProposer:
         self.device, self.dtype = param.device, param.dtype
 
     def propose(self, tokens: list[int], new_features: torch.Tensor | None, start: int) -> list[int]:
-        return self._logits(tokens, new_features, start).argmax(dim=-1)[0].tolist()
+        hidden, block = self._draft(tokens, new_features, start)
+        logits = self.head.logits(hidden[:, 1:])
+        spec2 = self.drafter.spec.dflash2
+        if spec2 is None:
+            return logits.argmax(dim=-1)[0].tolist()
+        unary = unary_logits(logits, spec2)
+        if not self.use_selector:
+            return unary.argmax(dim=-1)[0].tolist()
+        assert self.drafter.candidate_selector is not None  # built with spec.dflash2
+        return greedy_walk(self.drafter.candidate_selector, hidden[:, 1:], unary, block[:, 0]).path[0].tolist()
 
-    def _logits(self, tokens: list[int], new_features: torch.Tensor | None, start: int) -> torch.Tensor:
-        """[1, B-1, V]: the target's LM head on the drafter's hidden states of the B-1 draft slots."""
+    def _draft(self, tokens: list[int], new_features: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the drafter's hidden states [1, B, H], the block [1, B] they were drafted for: tokens[start], then masks)."""
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = tokens[start]
         assert new_features is not None, "a DFlash drafter reads target features at every cycle"
         features = new_features.to(device=self.device, dtype=self.dtype)
         # draft_step crops its cache back to `start` itself: context K/V only, never the block's.
-        hidden = draft_step(self.drafter, self.cache, features, self.head.embed(block), start)  # [1, B, H]
-        return self.head.logits(hidden[:, 1:])
+        return draft_step(self.drafter, self.cache, features, self.head.embed(block), start), block
 
     def sample(self, tokens: list[int], new_features: torch.Tensor | None, start: int, sampler: Sampler) -> Proposal:
-        """Each slot's token drawn from the drafter's logits after the same temperature / top-k / top-p as the target's."""
-        q = sampler.probs(self._logits(tokens, new_features, start)[0])  # [B-1, V]
+        """Each slot's token drawn from the drafter's logits after the same temperature / top-k / top-p as the target's.
+
+        A DFlash2 drafter's slots are drawn from its unary logits: the selector's walk is a greedy search, and rejection
+        sampling is lossless for whatever distribution the drafts are drawn from, as long as it is the one it is given."""
+        hidden, _ = self._draft(tokens, new_features, start)
+        logits = self.head.logits(hidden[:, 1:])
+        spec2 = self.drafter.spec.dflash2
+        q = sampler.probs((logits if spec2 is None else unary_logits(logits, spec2))[0])  # [B-1, V]
         return Proposal(sampler.draw(q).tolist(), q)
 

@@ -33,6 +33,7 @@ from blockdraft.decode.sampling import Sampling
 from blockdraft.errors import EngineError
 from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
 from blockdraft.model.formats import SERVING_NAME
+from blockdraft.model.spec import ARCHITECTURE_NAMES, DFLASH, DFLASH2
 from blockdraft.reporter import Reporter
 from blockdraft.stages.eval.engine import ServedRun, cuda_here, engine_python, free_argv, free_port, generate, serving
 from blockdraft.stages.eval.engine_sglang import generate_sglang, sglang_argv, sglang_spec, sglang_version
@@ -55,7 +56,19 @@ def require_export(cfg: EvalConfig, export: str | None) -> Path:
     missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME, SERVING_NAME) if not (folder / name).is_file()]
     if missing:
         raise EngineError(f"--export {export} has no {', '.join(missing)}; pass a folder that `blockdraft export` wrote")
+    architectures = json.loads((folder / CONFIG_NAME).read_text()).get("architectures") or []
+    refuse_unservable(cfg, DFLASH2 if ARCHITECTURE_NAMES[DFLASH2] in architectures else DFLASH)
     return folder
+
+
+def refuse_unservable(cfg: EvalConfig, architecture: str) -> None:
+    """EngineError when `cfg.engine` cannot serve a drafter of `architecture` on this machine: vLLM 0.32 serves DFlash2 only
+    on its V2 model runner, whose candidate walk is a Triton kernel, so not on the CPU (its V1 runner refuses it)."""
+    if cfg.engine == "vllm" and architecture == DFLASH2 and not cuda_here():
+        raise EngineError(
+            "vLLM 0.32 serves a DFlash2 drafter only on its V2 model runner (the candidate walk is a Triton kernel, GPU "
+            "only) and this machine has no CUDA device; run `eval --engine vllm` on a GPU machine, or eval without --engine"
+        )
 
 
 def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequence[Sequence[int]], report: EvalReport,
@@ -228,4 +241,4 @@ def disagreement(check: EngineCheck, exact: bool, tolerance: float) -> str | Non
             f"tau {check.tau:.3f}; ours {check.ours_cycles} cycles, accepted {ours_}, tau {check.ours_tau:.3f}")
 
 
-__all__ = ["check_in_engine", "compare", "disagreement", "ours", "require_export", "sampled_disagreement"]
+__all__ = ["check_in_engine", "compare", "disagreement", "ours", "refuse_unservable", "require_export", "sampled_disagreement"]

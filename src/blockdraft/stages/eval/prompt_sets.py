@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from blockdraft.config import StoreConfig
+from blockdraft.data.records import loads_row
 from blockdraft.errors import EvalError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef
@@ -163,9 +164,10 @@ def _jsonl_rows(path: Path, name: str, limit: int) -> list[tuple[str, dict[str, 
                 continue
             where = f"{name} line {lineno}"
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EvalError(f"{where} is not valid JSON ({exc.msg}); fix that line") from None
+                row = loads_row(line)
+            except ValueError as exc:
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+                raise EvalError(f"{where} is not valid JSON ({why}); fix that line") from None
             if not isinstance(row, dict):
                 raise EvalError(f"{where} is not a JSON object; give one prompt object per line")
             rows.append((where, row))

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, TargetConfig
 from blockdraft.data.formats import TOKENIZED_KIND, TRAIN_SPLIT
+from blockdraft.data.records import loads_row
 from blockdraft.errors import EvalError
 from blockdraft.stages.eval.prompt_sets import is_prompt_set, read_prompt_set
 from blockdraft.store.artifact import InputRef
@@ -136,9 +137,10 @@ def prompts_from_jsonl(path: Path, tokenizer: Any, cfg: BlockdraftConfig, limit:
                 continue
             where = f"{path.name} line {lineno}"
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EvalError(f"{where} is not valid JSON ({exc.msg}); fix that line") from None
+                row = loads_row(line)
+            except ValueError as exc:
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+                raise EvalError(f"{where} is not valid JSON ({why}); fix that line") from None
             if not isinstance(row, dict):
                 raise EvalError(f"{where} is not a JSON object; give one prompt object per line")
             prompts.append(_render_prompt(row, tokenizer, cfg, where))

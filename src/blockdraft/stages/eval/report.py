@@ -20,6 +20,7 @@ TAU_PLOT_NAME = "tau_histogram.png"
 POSITION_PLOT_NAME = "position_acceptance.png"
 SAMPLED_TAU_PLOT_NAME = "tau_histogram_sampled.png"  # the same two plots for the sampled decodes (eval.temperature > 0)
 SAMPLED_POSITION_PLOT_NAME = "position_acceptance_sampled.png"
+UNARY_NAME = "dflash_unary"  # a DFlash2 drafter proposing each slot's unary argmax instead of its selector's walk
 
 
 class Lossless(BaseModel):
@@ -85,11 +86,13 @@ class EngineCheck(BaseModel):
 class EvalReport(BaseModel):
     """What one eval run measured, and on what.
 
-    `drafters` maps a drafter name (dflash, ngram, untrained) to its metrics over every prompt; `prompt_sets` the same per
-    prompt set, by set name, in the order given. `checkpoint`, `target`, `prompts_source` (the sources as given) and
-    `template_sha256` (the chat template the checkpoint's training rows were rendered with) say what the figures hold for;
-    `evaluate` leaves them None, the stage fills them in. `sampled`: the same drafters at the eval's sampling settings
-    (None at temperature 0); greedy is always measured, as the token-for-token check needs it.
+    `drafters` maps a drafter name (dflash, ngram, untrained) to its metrics over every prompt; for a DFlash2 drafter
+    (`architecture` "dflash2") `dflash` is its candidate selector's walk and `dflash_unary` the same drafter proposing each
+    slot's unary argmax, on the same prompts: what the selector earns. `prompt_sets`: the same per prompt set, by set
+    name, in the order given. `checkpoint`, `target`, `prompts_source` (the sources as given) and `template_sha256` (the
+    chat template the checkpoint's training rows were rendered with) say what the figures hold for; `evaluate` leaves
+    them None, the stage fills them in. `sampled`: the same drafters at the eval's sampling settings (None at temperature
+    0); greedy is always measured, as the token-for-token check needs it.
     """
 
     block_size: int
@@ -110,6 +113,7 @@ class EvalReport(BaseModel):
     engine: EngineCheck | None = None
     sampled: SampledEval | None = None
     prompt_sets: dict[str, PromptSetMetrics] = {}
+    architecture: str = "dflash"
 
     def to_json(self) -> str:
         """`report.json`'s text. Python's encoder, so a margin of inf stays `Infinity` (pydantic's would write null)."""
@@ -203,6 +207,9 @@ def summary_lines(report: EvalReport) -> list[str]:
             f"{name}\ttau {m.tau:.3f}\ttokens/s {m.tokens_per_s:.1f}\tspeedup {m.speedup:.2f}x"
             f"\tforwards/token {m.target_forwards_per_token:.3f}"
         )
+    walk, unary = report.drafters.get("dflash"), report.drafters.get(UNARY_NAME)
+    if walk is not None and unary is not None and unary.tau > 0:
+        lines.append(f"selector\twalk tau {walk.tau:.3f} vs unary argmax tau {unary.tau:.3f} ({walk.tau / unary.tau - 1:+.1%})")
     for set_name, m in report.prompt_sets.items():
         lines.append(set_line(set_name, m))
     verdict = "ok" if lossless.ok else "FAILED"
@@ -257,6 +264,7 @@ def engine_lines(e: EngineCheck) -> list[str]:
 
 
 __all__ = [
-    "POSITION_PLOT_NAME", "REPORT_NAME", "SAMPLED_POSITION_PLOT_NAME", "SAMPLED_TAU_PLOT_NAME", "TAU_PLOT_NAME", "EngineCheck", "EvalReport",
-    "engine_lines", "Lossless", "PromptRow", "PromptSetMetrics", "sampled_lines", "set_line", "summary_lines", "write_plots", "write_report",
+    "POSITION_PLOT_NAME", "REPORT_NAME", "SAMPLED_POSITION_PLOT_NAME", "SAMPLED_TAU_PLOT_NAME", "TAU_PLOT_NAME", "UNARY_NAME", "EngineCheck",
+    "EvalReport", "engine_lines", "Lossless", "PromptRow", "PromptSetMetrics", "sampled_lines", "set_line", "summary_lines", "write_plots",
+    "write_report",
 ]

@@ -29,7 +29,7 @@ from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter
 from blockdraft.model.target import TargetHead, load_target, load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.eval.drafter_input import Checkpoint, check_checkpoint_matches, open_checkpoint
+from blockdraft.stages.eval.drafter_input import Checkpoint, check_checkpoint_matches, drafter_folder_sha256, open_checkpoint
 from blockdraft.stages.eval.engine_check import check_in_engine, require_export
 from blockdraft.stages.eval.metrics import (
     Divergence,
@@ -41,7 +41,7 @@ from blockdraft.stages.eval.metrics import (
 )
 from blockdraft.stages.eval.prompt_sets import PLAIN
 from blockdraft.stages.eval.prompts import EvalPrompts, EvalSet, load_target_tokenizer, read_eval_prompts, stop_token_ids
-from blockdraft.stages.eval.report import REPORT_NAME, EvalReport, Lossless, PromptRow, PromptSetMetrics, write_report
+from blockdraft.stages.eval.report import REPORT_NAME, UNARY_NAME, EvalReport, Lossless, PromptRow, PromptSetMetrics, write_report
 from blockdraft.stages.eval.sampled import evaluate_sampled, sampling_of
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, VerifyReport
@@ -187,6 +187,8 @@ def evaluate(
         "dflash": lambda: DFlashProposer(drafter, head),
         "ngram": lambda: NgramProposer(spec.block_size, spec.mask_token_id),
     }
+    if spec.dflash2 is not None:  # the same drafter without its selector: the walk's gain on these prompts
+        makers[UNARY_NAME] = lambda: DFlashProposer(drafter, head, use_selector=False)
     if untrained_seed is not None:
         torch.manual_seed(untrained_seed)
         untrained = DFlashDrafter(spec).to(device=param.device, dtype=param.dtype).eval()
@@ -233,6 +235,7 @@ def evaluate(
     if sampled is not None and sampling is not None:
         at_temperature = evaluate_sampled(hf_model, makers, block_sizes, prompts, max_new_tokens, stops, sampled, sampling, reporter)
     return EvalReport(
+        architecture=spec.architecture,
         block_size=spec.block_size,
         mask_token_id=spec.mask_token_id,
         target_layer_ids=list(spec.target_layer_ids),
@@ -299,19 +302,8 @@ def _output_key(
 
 
 def _drafter_digest(folder: str | None, role: str) -> str | None:
-    """sha256 over a drafter folder's config.json and weights (the baseline, the export served by the engine), so a
-    changed one is a new eval (None: no such folder)."""
-    if folder is None:
-        return None
-    digest = hashlib.sha256()
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        path = Path(folder) / name
-        if not path.is_file():
-            raise ArtifactError(f"{role} {folder} has no {name}; give a drafter folder in the export format")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-    return digest.hexdigest()
+    """`drafter_folder_sha256` of the baseline or the export served by the engine (None: no such folder)."""
+    return None if folder is None else drafter_folder_sha256(folder, role)
 
 
 __all__ = ["KIND", "STAGE", "UNTRAINED_SEED", "evaluate", "run"]

@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -167,6 +167,8 @@ def export_drafter(
             "sliding_window": spec.sliding_window,
             "rope_scaling": spec.rope_scaling,
             "gamma": gamma,
+            "architecture": spec.architecture,
+            **(asdict(spec.dflash2) if spec.dflash2 is not None else {}),
         },
         "config": resolved_config or {},
         "data": _data_facts(list(data_lineage or []), store_config),
@@ -266,7 +268,9 @@ def _pinned_config(checkpoint: StageInput, dest: Path) -> dict[str, Any]:
 def _check_pinned(spec: DrafterSpec, dflash: dict[str, Any]) -> None:
     """The checkpoint's resolved config and its config.json must agree on what the engines read."""
     pinned = {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size,
-              "layer_types": spec.layer_types, "sliding_window": spec.sliding_window}
+              "layer_types": spec.layer_types, "sliding_window": spec.sliding_window, "architecture": spec.architecture}
+    if spec.dflash2 is not None:
+        pinned.update(asdict(spec.dflash2))
     for name, value in pinned.items():
         if dflash.get(name) is not None and dflash[name] != value:
             raise ExportError(
