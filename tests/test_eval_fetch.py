@@ -112,7 +112,7 @@ def test_eval_against_an_s3_tokenized_artifact_moves_at_most_the_held_out_bytes(
 
     moved = Moved(monkeypatch)
     result = eval_stage.run(cfg, str(tmp_path / "ckpt"), max_new_tokens=6)
-    assert result.details.num_prompts == 3 and result.details.prompts_source == remote and result.details.lossless.ok
+    assert result.details.num_prompts == 3 and result.details.prompts_source == [remote] and result.details.lossless.ok
 
     read = moved.under(f"{remote}/")
     files = {path: n for path, n in read.items() if path != MANIFEST_NAME}

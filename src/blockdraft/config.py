@@ -309,7 +309,11 @@ class TrainConfig(_Section):
 
 
 class EvalConfig(_Section):
-    prompts: str | None = None
+    # Prompt sources, one set each: a prompts file (.jsonl, .parquet), a folder `datasets` saved, hf://datasets/NAME, or a
+    # tokenized artifact (its held-out rows); none: train.data's held-out rows.
+    prompts: list[str] = Field(default_factory=list)
+    # One layout per source (`auto`: recognised from its columns), or none: every layout recognised.
+    prompt_sets: list[str] = Field(default_factory=list)
     max_new_tokens: int = Field(default=256, ge=1)
     num_prompts: int = Field(default=32, ge=1)
     divergence_margin_fp32: float = Field(default=1e-4, ge=0.0)
@@ -324,6 +328,20 @@ class EvalConfig(_Section):
     engine_tolerance_fp32: float = Field(default=0.02, ge=0.0)  # per-position acceptance rate and relative tau, float32
     engine_tolerance: float = Field(default=0.03, ge=0.0)  # the same below float32 (docs/PERFORMANCE.md, "engine")
     engine_args: list[str] = Field(default_factory=list)  # more arguments for the engine's server, appended last
+    # At temperature > 0 the engine's acceptance is a sample too: the chance that the check fails an engine that agrees.
+    engine_alpha: float = Field(default=0.01, gt=0.0, lt=1.0)
+    # Sampling (docs/EVAL.md, "Measuring a drafter"): temperature 0 decodes greedy only; above 0, eval also decodes each
+    # prompt `samples_per_prompt` times with these settings (decode i seeded with seed + i) and reports acceptance there.
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)  # 1.0: off
+    top_k: int = Field(default=0, ge=0)  # 0: off
+    seed: int = Field(default=0, ge=0)
+    samples_per_prompt: int = Field(default=1, ge=1)
+
+    @field_validator("prompts", "prompt_sets", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value  # `prompts = "file"` in a file or `--set`: one source
 
 
 class GenerateConfig(_Section):

@@ -76,6 +76,7 @@ SIZES: dict[str, DemoSize] = {
 }
 
 BLOCK_SIZE = 8
+DEMO_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 
 @dataclass
@@ -144,7 +145,8 @@ def demo_config(
             "checkpoint_every": size.train_steps,
             "seed": 0,
         },
-        "eval": {"num_prompts": size.eval_prompts, "max_new_tokens": size.eval_new_tokens},
+        # Qwen3's thinking-mode sampling settings: the demo measures tau greedy and at the temperature users serve.
+        "eval": {"num_prompts": size.eval_prompts, "max_new_tokens": size.eval_new_tokens, **DEMO_SAMPLING},
         "generate": {"engine": "hf", "max_new_tokens": size.generate_new_tokens, "batch_size": 160, "thinking": "auto"},
     }
 
@@ -217,6 +219,12 @@ def demo_lines(result: DemoResult) -> list[str]:
     lines.append(f"tau dflash {tau.get('dflash', 0):.2f}   n-gram {tau.get('ngram', 0):.2f}   untrained {tau.get('untrained', 0):.2f}"
                  f"   (block size {report.block_size if report else '-'})")
     lines.append(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: {'yes' if result.lossless else 'NO'}")
+    sampled = report.sampled if report is not None else None
+    if report is not None and sampled is not None:
+        d = sampled.drafters["dflash"]
+        lines.append(f"dflash tau greedy {tau.get('dflash', 0):.2f} ({result.speedup:.2f}x)   at temperature {sampled.temperature:g}, top-p "
+                     f"{sampled.top_p:g}, top-k {sampled.top_k}: {d.metrics.tau:.2f} [95% {d.tau_ci95[0]:.2f}-{d.tau_ci95[1]:.2f}] "
+                     f"({d.metrics.speedup:.2f}x over target-only sampling)")
     if report is not None and report.engine is not None:
         lines += engine_lines(report.engine)
     lines.append(f"target's answers, distinct-4-gram ratio: {result.distinct_4gram:.2f}")
@@ -278,6 +286,10 @@ def _run(
     if engine != "none":
         sections["eval"]["engine"] = engine
         sections["eval"]["engine_python"] = str(Path(EvalConfig().engine_python).absolute())
+        from blockdraft.stages.eval.engine import cuda_here
+
+        if not cuda_here():
+            sections["eval"]["top_k"] = 0  # vLLM's CPU build cannot verify drafts with top-k (docs/EVAL.md)
     write_toml(workdir / "blockdraft.toml", sections)
     cfg = load_config(workdir / "blockdraft.toml")
     result = DemoResult(workdir=workdir, store_url=store, engine=engine)

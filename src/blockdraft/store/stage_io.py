@@ -344,6 +344,31 @@ class StageOutput:
             entries.append(entry)
         return self.commit(entries, config=config, lineage=lineage, counts=counts)
 
+    @classmethod
+    def amending(cls, current: StageInput, *, force: bool = False, reporter: Reporter | None = None) -> StageOutput:
+        """The output `current` (a verified artifact) as a writer that replaces some of its files (`amend`), keeping the
+        key it was made for, so the stage that made it still finds it done afterwards."""
+        return cls(current.store, current.kind, current.manifest.config.get(STAGE_KEY, ""), force=force, reporter=reporter)
+
+    def amend(self, current: StageInput, root: Path, paths: Iterable[Path]) -> VerifyReport:
+        """Replace or add the local files `paths` (under `root`) in the committed output `current`: its other files stay
+        as listed, its config, lineage and counts as recorded; the manifest is taken down first (`begin`), every file is
+        checked at the destination, and the new manifest is written last."""
+        recorded = current.manifest
+        self.begin()
+        try:
+            added = []
+            for path in paths:
+                entry = entry_for_local_file(root, path)
+                self.store.put_file(entry.path, path, checksum=entry.checksum)
+                added.append(entry)
+            replaced = {e.path for e in added}
+            kept = [e for e in recorded.files if e.path not in replaced]
+            config = {k: v for k, v in recorded.config.items() if k != STAGE_KEY}
+            return self.commit([*kept, *added], config=config, lineage=recorded.lineage, counts=recorded.counts)
+        finally:
+            self.release()
+
     # -- pieces: the resumable parts of a long stage (tokenize shards, generate shards)
 
     def _piece_key(self, name: str) -> str:
