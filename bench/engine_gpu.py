@@ -6,7 +6,7 @@ of this script.
 - `hybrid-vllm`: the tiny Qwen3.5-style hybrid target with a drafter of the published Qwen3.6 drafter's shape (four
   sliding-window layers, then one full-attention layer), served by vLLM with the V2 model runner
   (`VLLM_USE_V2_MODEL_RUNNER=1`). vLLM 0.32's V1 runner refuses drafters that mix sliding and full layers, and the V2
-  runner needs Triton, so this cannot run on vLLM's CPU build (README, "Qwen3.5 / Qwen3.6 targets"). The target is
+  runner needs Triton, so this cannot run on vLLM's CPU build (docs/HYBRID.md, "In the engine"). The target is
   copied with a `preprocessor_config.json` (its image processor's patch sizes, from the target's vision config), which
   vLLM's Qwen3.5 loader asks for; the vision tower is kept out of the engine's memory profiling
   (`--limit-mm-per-prompt`), since the eval sends text only. bf16: vLLM runs Gated DeltaNet in bf16.

@@ -1,4 +1,4 @@
-"""The one config: the README's example validates, flags override the file, mistakes are one line naming the field."""
+"""The one config: docs/CONFIG.md's example and the README quickstart's config validate, flags override the file, mistakes are one line naming the field."""
 
 from __future__ import annotations
 
@@ -10,15 +10,24 @@ import pytest
 from blockdraft.config import load_config
 from blockdraft.errors import ConfigError
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_example_config_validates(tmp_path):
-    block = re.search(r"```toml\n(.*?)```", README.read_text(), re.S).group(1)
+def test_the_config_pages_example_validates(tmp_path):
+    block = re.search(r"```toml\n(.*?)```", (ROOT / "docs" / "CONFIG.md").read_text(), re.S).group(1)
     (tmp_path / "c.toml").write_text(block)
     cfg = load_config(tmp_path / "c.toml")
     assert cfg.dflash.mask_token_id == 151669 and cfg.placement.drafter_devices == ["cuda:2", "cuda:3"]
     assert cfg.resolved()["train"]["epochs"] == 6  # resolved config carries every field, defaults included
+
+
+def test_the_readme_quickstarts_config_validates(tmp_path):
+    """The config the README's quickstart writes (its heredoc) loads, with the paths its commands use."""
+    block = re.search(r"cat > try/blockdraft.toml <<'EOF'\n(.*?)\nEOF\n", (ROOT / "README.md").read_text(), re.S).group(1)
+    (tmp_path / "c.toml").write_text(block)
+    cfg = load_config(tmp_path / "c.toml")
+    assert cfg.store.url == "s3://drafters/tiny" and cfg.train.data == "try/train-node/tokenized"
+    assert cfg.dflash.mask_token_id == 448 and cfg.generate.thinking == "on"
 
 
 def test_flags_override_the_file_and_none_flags_do_not(tmp_path):

@@ -1,5 +1,5 @@
 """The memory plan: printed from the target's config.json alone, equal to the hand calculation of docs/PERFORMANCE.md for
-the README's Qwen3.6-27B example, refused in one line when it does not fit; the activation estimate against what autograd
+the Qwen3.6-27B example of docs/HYBRID.md, refused in one line when it does not fit; the activation estimate against what autograd
 really keeps; activation checkpointing and the bf16 gradient all-reduce (gloo)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ GB = 1e9
 
 
 def readme_config(tmp_path: Path, targets: list[str], drafters: list[str], memory_gb: float | None = 80, **train) -> Path:
-    """The README's Qwen3.6-27B example (target on two GPUs, one drafter rank on each of two others) as a TOML file."""
+    """The Qwen3.6-27B example of docs/HYBRID.md (target on two GPUs, one drafter rank on each of two others) as a TOML file."""
     extra = "".join(f"{key} = {json.dumps(value)}\n" for key, value in train.items())
     memory = f"device_memory_gb = {memory_gb}\n" if memory_gb is not None else ""
     path = tmp_path / "blockdraft.toml"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import shlex
 import sys
 import tempfile
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from blockdraft.cli_options import (
 )
 from blockdraft.config import load_config
 from blockdraft.console import ConsoleReporter
-from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, redact
+from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, TrainingInterrupted, redact
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.preflight import preflight as run_preflight
@@ -115,6 +116,8 @@ def tokenize(
     max_length: Annotated[int | None, typer.Option(help="Clip rows to this many tokens (after masking).")] = None,
     held_out_fraction: Annotated[float | None, typer.Option(help="Fraction of conversations in the held-out split.")] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes (one input shard each at a time).")] = None,
+    check_target: Annotated[bool, typer.Option("--check-target", help="Then run the target (target.path) over a sample of the "
+                                                                      "rows: target agreement, and a warning when it is low.")] = False,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
@@ -130,6 +133,21 @@ def tokenize(
         result = tokenize_stage.run(cfg, input, output, reporter, force=force)
     for line in tokenize_stage.summary_lines(result):
         reporter.say(line)
+    if check_target:
+        folder = open_store(result.url, cfg.store).local_path()
+        if folder is None:
+            raise ConfigError(f"--check-target reads a local tokenized folder, not {result.url}; pull it first, or check it on the training node with train --plan")
+        _say_agreement(folder, cfg)
+
+
+def _say_agreement(folder: Path, cfg: Any) -> None:
+    """Target agreement of the tokenized folder's train rows, one line, and the warning line when it is low."""
+    from blockdraft.data.agreement import agreement_warning, describe_agreement, tokenized_agreement
+
+    result = tokenized_agreement(folder, cfg)
+    console.print(describe_agreement(result), highlight=False, markup=False, soft_wrap=True)
+    if (line := agreement_warning(result, cfg.train.min_target_agreement)) is not None:
+        console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -302,18 +320,28 @@ def train(
     if plan:
         from blockdraft.stages.train.memory import memory_plan
 
-        planned = memory_plan(load_config(config, nodes, sets or ()))
+        cfg = load_config(config, nodes, sets or ())
+        planned = memory_plan(cfg)
         print("\n".join(planned.lines()))
         if problem := planned.problem():
             raise ConfigError(problem)
+        # With the target's weights and the data in local folders, also how far the target agrees with the data.
+        data = Path(cfg.train.data) if cfg.train.data and "://" not in cfg.train.data else None
+        weights = cfg.target.path is not None and any(Path(cfg.target.path).glob("*.safetensors"))
+        if data is not None and (data / "dataset_dict.json").is_file() and weights and cfg.train.target_agreement_rows:
+            _say_agreement(data, cfg)
         return
-    with ConsoleReporter(console) as reporter:
-        launched = launch(config, nproc, reporter, force, sets or (), nodes)
+    try:
+        with ConsoleReporter(console) as reporter:
+            launched = launch(config, nproc, reporter, force, sets or (), nodes)
+    except TrainingInterrupted as exc:  # Ctrl-C: where it stood, and the command that resumes
+        console.print(f"{escape(str(exc))}: {escape(shlex.join(['blockdraft', *sys.argv[1:]]))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     if launched.result is not None and launched.rank == 0:
         trained = launched.result.details
         if trained.metrics:
             last = trained.metrics[-1]
-            console.print(f"trained {trained.steps} steps; loss {last['loss']:.4f}, tau estimate {last['tau_estimate']:.2f}", highlight=False)
+            console.print(f"trained {trained.steps} steps; loss {last['loss']:.4f}, {trained.summary}", highlight=False)
         else:
             console.print(f"nothing to train: the verified checkpoint already holds all {trained.steps} steps", highlight=False)
         print(launched.result.url)

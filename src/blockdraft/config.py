@@ -226,7 +226,7 @@ class PlacementConfig(_Section):
 
     target_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
     drafter_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
-    # Several machines, each listing the same devices, meeting at node 0's HOST:PORT (README "More than one node").
+    # Several machines, each listing the same devices, meeting at node 0's HOST:PORT (docs/TRAINING.md, "More than one node").
     nnodes: int = Field(default=1, ge=1)
     node_rank: int = Field(default=0, ge=0)
     rdzv_endpoint: str | None = None
@@ -268,7 +268,7 @@ class TrainConfig(_Section):
     device_memory_gb: float | None = Field(default=None, gt=0)
     log_every: int = Field(default=10, ge=1)
     log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG)
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # also fed every logged step, by rank 0 (README)
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # also fed every logged step, by rank 0 (docs/TRAINING.md)
     wandb: dict[Literal["project", "entity", "group", "name", "mode"], str] = Field(default_factory=dict)  # wandb.init's arguments
     plot_every_minutes: float = Field(default=10.0, ge=0)  # curves redrawn in the background at most this often, and at the end
     keep_checkpoints: int | None = Field(default=3, ge=1)  # newest verified checkpoints kept; None keeps all
@@ -288,6 +288,17 @@ class TrainConfig(_Section):
     # hard labels only (the paper's objective) and never runs the target past its feature layers.
     distill_weight: float = Field(default=0.0, ge=0.0, le=1.0)
     distill_temperature: float = Field(default=1.0, gt=0.0)
+    # The training signal (docs/TRAINING-SIGNAL.md). Every eval_every steps and at each checkpoint, rank 0 measures the
+    # loss, per-slot accuracies and tau estimate on a fixed, seeded sample of eval_rows held-out rows, without gradients.
+    eval_every: int = Field(default=100, ge=1)
+    eval_rows: int = Field(default=32, ge=1)
+    # Each checkpoint is also decoded for real (eval's loop, lossless check) on this many held-out prompts; 0: none.
+    decode_eval_prompts: int = Field(default=2, ge=0)
+    # Before step 1 the target is run over this many training rows: the share of supervised positions where its greedy
+    # next token is the label (target agreement); below min_target_agreement is one warning line. 0 rows: not measured.
+    target_agreement_rows: int = Field(default=32, ge=0)
+    min_target_agreement: float = Field(default=0.7, ge=0.0, le=1.0)
+    log_every_s: float = Field(default=30.0, gt=0)  # one plain progress line this often when stderr is not a terminal
 
 
 class EvalConfig(_Section):

@@ -65,6 +65,10 @@ class LeaseError(StoreError):
     """Another writer holds the output (its lease names it), or this writer lost its lease before committing."""
 
 
+class TrainingInterrupted(BlockdraftError):
+    """Ctrl-C during `train`: the message names the last verified checkpoint (the one a rerun resumes from)."""
+
+
 REDACTED = "[redacted]"
 # Credentials read from the environment by name; a key read from another variable is added with `remember_secret`.
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "OPENAI_API_KEY")

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, StoreConfig, TargetConfig
 from blockdraft.data.formats import TOKENIZED_KIND, TRAIN_SPLIT
+from blockdraft.data.records import loads_row
 from blockdraft.errors import EvalError
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.stage_io import StageInput, open_input, open_raw_input
@@ -98,9 +99,10 @@ def prompts_from_jsonl(path: Path, tokenizer: Any, cfg: BlockdraftConfig, limit:
                 continue
             where = f"{path.name} line {lineno}"
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EvalError(f"{where} is not valid JSON ({exc.msg}); fix that line") from None
+                row = loads_row(line)
+            except ValueError as exc:
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+                raise EvalError(f"{where} is not valid JSON ({why}); fix that line") from None
             if not isinstance(row, dict):
                 raise EvalError(f"{where} is not a JSON object; give one prompt object per line")
             prompts.append(_render_prompt(row, tokenizer, cfg, where))

@@ -15,13 +15,21 @@ from typing import Any
 import torch.distributed as dist
 
 from blockdraft.config import BlockdraftConfig
+from blockdraft.data.agreement import (
+    agreement_warning,
+    describe_agreement,
+    load_tokenizer,
+    sample_indices,
+    target_agreement,
+    think_ids,
+)
 from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, TargetHead
 from blockdraft.model.target import load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.train.data import load_train_rows
+from blockdraft.stages.train.data import TrainRows, load_train_rows
 from blockdraft.stages.train.placement import RankPlacement, barrier, rank_session, resolve_placement
 from blockdraft.stages.train.setup import build_training
 from blockdraft.stages.train.trainer import Trainer
@@ -39,7 +47,8 @@ class TrainResult:
     """steps: optimizer steps done in total; resumed_from: the step this run started from (None: from scratch);
     checkpoint_url: the final checkpoint; metrics: the last `Trainer.RECENT_METRICS` steps of this run (all ranks; the
     whole log is train.log_dir/metrics.jsonl); drafter: the trained module; head: the frozen drafter-side embedding and
-    LM head; steps_run: the steps this run did (0: the checkpoint already held them all)."""
+    LM head; steps_run: the steps this run did (0: the checkpoint already held them all); signal: the held-out, decoded
+    and target-agreement figures and warnings (`TrainingSignal.counts`), and `summary` the line that says them."""
 
     steps: int
     resumed_from: int | None
@@ -48,6 +57,8 @@ class TrainResult:
     drafter: DFlashDrafter
     head: TargetHead
     steps_run: int
+    signal: dict[str, Any]
+    summary: str
 
 
 def run(
@@ -74,7 +85,7 @@ def run(
         final, done = _final_report(trainer, place, done)
     result = TrainResult(
         trainer.setup.total_steps, trainer.resumed_from, final.url, list(trainer.metrics), trainer.setup.drafter, trainer.setup.head,
-        trainer.steps_run,
+        trainer.steps_run, trainer.signal.counts(), trainer.signal.summary(),
     )
     return StageResult(STAGE, final.url, final, already_done=done, seconds=time.perf_counter() - started, details=result)
 
@@ -104,7 +115,23 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
     data = open_input(tc.data, config.store, kinds=[TOKENIZED_KIND], role="train.data")
     rows = load_train_rows(data, config.store, tc.max_length, Path(tc.log_dir), place.local_rank == 0, lambda: barrier(place))
     setup = build_training(config, place, rows, out_store, tc.output, reporter, start_over=force)
-    return Trainer(config, place, rows, setup, reporter, start_over=force)
+    trainer = Trainer(config, place, rows, setup, reporter, start_over=force)
+    if place.is_main and tc.target_agreement_rows:
+        trainer.signal.agreement = _target_agreement(config, setup.target.model, rows, reporter)
+    return trainer
+
+
+def _target_agreement(config: BlockdraftConfig, hf_model: Any, rows: TrainRows, reporter: Reporter) -> dict[str, Any]:
+    """Target agreement (`blockdraft.data.agreement`) on train.target_agreement_rows training rows drawn with train.seed,
+    said in one line, and one warning when it is below train.min_target_agreement."""
+    tc = config.train
+    tokenizer = load_tokenizer(config.target.tokenizer or config.target.path)
+    picked = sample_indices(len(rows), tc.target_agreement_rows, tc.seed)
+    result = target_agreement(hf_model, (rows.row(i) for i in picked), think_ids(tokenizer))
+    reporter.say(describe_agreement(result))
+    if (line := agreement_warning(result, tc.min_target_agreement)) is not None:
+        reporter.warn(line)
+    return result
 
 
 def _final_report(trainer: Trainer, place: RankPlacement, done: bool) -> tuple[VerifyReport, bool]:

@@ -18,9 +18,12 @@ INSTALL_HINT = "pip install 'blockdraft[trackers]'"
 
 def tracked_scalars(entry: Mapping[str, Any]) -> dict[str, float]:
     """The numbers of a metrics entry that the trackers get, by their name there (slot k's accuracy is
-    `train/slot_accuracy/k`, k from 1)."""
+    `train/slot_accuracy/k`, k from 1; the held-out figures of a step that has them are `eval/...` beside them)."""
     scalars = {f"train/{name}": float(entry[name]) for name in ("loss", "tau_estimate", "lr", "grad_norm", "tokens_per_s", "step_time_s")}
     scalars.update({f"train/slot_accuracy/{k}": float(acc) for k, acc in enumerate(entry["slot_accuracy"], start=1)})
+    if (held := entry.get("eval")) is not None:  # the held-out figures measured after this step, under eval/
+        scalars.update({f"eval/{name}": float(held[name]) for name in ("loss", "tau_estimate")})
+        scalars.update({f"eval/slot_accuracy/{k}": float(acc) for k, acc in enumerate(held["slot_accuracy"], start=1)})
     return scalars
 
 
