@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.errors import BlockdraftError, OutsideArtifactError
+from blockdraft.pipeline import DEMO_MARK, claim_workdir
 from blockdraft.stages.eval.prompts import prompts_from_jsonl
 from blockdraft.store.artifact import INCOMING_DIR, MANIFEST_NAME
 from blockdraft.store.local import LocalStore
@@ -106,3 +107,26 @@ def test_a_store_writes_no_working_file_through_a_link_swapped_in_after_a_check(
         with pytest.raises(OutsideArtifactError, match="resolves outside"):
             write()
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_demo_refuses_a_workdir_holding_the_users_own_files_and_leaves_them(tmp_path):
+    work = tmp_path / "work"
+    (work / "train-logs").mkdir(parents=True)
+    own = {"blockdraft.toml": "[train]\nlr = 1e-4\n", "prompts.jsonl": '{"prompt": "mine"}\n', "PROGRESS.md": "my notes\n",
+           "train-logs/metrics.jsonl": '{"step": 1}\n'}
+    for name, text in own.items():
+        (work / name).write_text(text)
+    result = CliRunner().invoke(app, ["demo", "--workdir", str(work), "--profile", "ci"])
+    assert result.exit_code != 0 and "holds files the demo did not write (PROGRESS.md" in result.output, result.output
+    assert "Traceback" not in result.output
+    assert {name: (work / name).read_text() for name in own} == own
+    assert sorted(p.name for p in work.iterdir()) == ["PROGRESS.md", "blockdraft.toml", "prompts.jsonl", "train-logs"]
+
+
+def test_a_folder_the_demo_made_is_the_demos_again(tmp_path):
+    claim_workdir(tmp_path / "new")  # a new folder, then the same one again: both are the demo's
+    (tmp_path / "new" / "blockdraft.toml").write_text("written by the demo\n")
+    claim_workdir(tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    claim_workdir(tmp_path / "empty")
+    assert (tmp_path / "new" / DEMO_MARK).is_file() and (tmp_path / "empty" / DEMO_MARK).is_file()
