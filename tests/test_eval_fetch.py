@@ -19,6 +19,7 @@ from blockdraft.stages.eval.prompts import held_out_prompts
 from blockdraft.stages.train import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, commit_artifact, entry_for_local_file
+from blockdraft.store.local import LocalStore
 from blockdraft.store.s3 import S3Store
 from blockdraft.store.stage_io import open_input
 from blockdraft.store.transfer import push
@@ -60,8 +61,8 @@ class Moved:
             S3Store.get_file, S3Store.read_bytes, S3Store.checksum_by_reading, S3Store.open_read
         )
 
-        def counted_get_file(store: S3Store, key: str, local_path: Path) -> tuple[int, str]:
-            size, checksum = get_file(store, key, local_path)
+        def counted_get_file(store: S3Store, key: str, into: LocalStore, as_key: str) -> tuple[int, str]:
+            size, checksum = get_file(store, key, into, as_key)
             moved[url(store, key)] += size
             return size, checksum
 

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, EvalConfig, StoreConfig, load_config
 from blockdraft.data.formats import COMPLETIONS_KIND
-from blockdraft.errors import ArtifactError
+from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.fixtures.hybrid import TINY_HYBRID_TARGET_DIR
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR, distinct_ngram_ratio
 from blockdraft.model.formats import EXPORT_KIND
@@ -275,11 +275,31 @@ class _Stopwatch:
         return value
 
 
+DEMO_MARK = ".blockdraft-demo"  # in a workdir the demo made: its files there are the demo's to replace
+
+
+def claim_workdir(workdir: Path) -> None:
+    """Make `workdir` the demo's, or refuse (ConfigError naming one file) a folder holding files the demo did not write:
+    its config, prompts, status page and training logs have fixed names there, and a user's own files of those names
+    would be replaced. A folder an earlier demo made (`DEMO_MARK`) is the demo's again."""
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"--workdir {workdir} is a file, not a folder; pick a new or empty folder")
+    if workdir.is_dir() and not (workdir / DEMO_MARK).is_file():
+        found = next(iter(sorted(p.name for p in workdir.iterdir())), None)
+        if found is not None:
+            raise ConfigError(
+                f"--workdir {workdir} holds files the demo did not write ({found}, ...), and the demo would replace its own "
+                "names there (blockdraft.toml, prompts.jsonl, PROGRESS.md, train-logs/); pick a new or empty folder"
+            )
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / DEMO_MARK).write_text("a folder blockdraft demo made; a rerun replaces its files\n")
+
+
 def _run(
     workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, reporter: Reporter, target: DemoTarget,
     engine: str,
 ) -> DemoResult:
-    workdir.mkdir(parents=True, exist_ok=True)
+    claim_workdir(workdir)
     store = (store_url or f"file://{workdir / 'store'}").rstrip("/")
     target_dir = TARGETS[target]
     sections = demo_config(workdir, store, size, endpoint_url, target)

@@ -53,6 +53,7 @@ from blockdraft.store.artifact import (
     verify_artifact,
 )
 from blockdraft.store.lease import Lease
+from blockdraft.store.local import LocalStore
 from blockdraft.store.output_state import STAGE_KEY, Expected, Holds, OutputState, config_value, output_state, recorded_manifest
 from blockdraft.store.ownership import PIECE_SUFFIX, claim_output, refuse_nested, release_claim
 
@@ -113,7 +114,7 @@ class StageInput:
             return local
         for path in paths:
             entry = self.entry(path)
-            size, checksum = self.store.get_file(path, dest / path)
+            size, checksum = self.store.get_file(path, LocalStore(dest), path)
             if size != entry.size or checksum != entry.checksum:
                 (dest / path).unlink(missing_ok=True)
                 raise ArtifactError(
@@ -177,7 +178,7 @@ class RawInput:
         local = self.store.local_path()
         if local is not None:
             return local / self.info.key
-        size, checksum = self.store.get_file(self.info.key, dest)
+        size, checksum = self.store.get_file(self.info.key, LocalStore(dest.parent), dest.name)
         if size != self.info.size or (self.info.checksum is not None and checksum != self.info.checksum):
             dest.unlink(missing_ok=True)
             raise ArtifactError(f"{self.url} changed while read (received {size} bytes, pinned {self.info.size}); rerun when it is stable")
