@@ -12,9 +12,13 @@ of this script.
   (`--limit-mm-per-prompt`), since the eval sends text only. bf16: vLLM runs Gated DeltaNet in bf16.
 - `sglang`: the tiny dense target with a one-layer drafter, served by SGLang (`eval --engine sglang`), in bf16 (the dtype
   SGLang's GPU attention backends take).
+- `dflash2-vllm`, `dflash2-sglang`: the tiny dense target with a DFlash2 drafter (`dflash.architecture = "dflash2"`, the
+  published drafter's taps, groups and top-K, a smaller selector rank), trained and exported by the same commands, served
+  by vLLM's V2 model runner (the only one that serves DFlash2: its candidate walk is a Triton kernel) and by SGLang.
 
     python -m bench.engine_gpu hybrid-vllm --engine-python .venv-engine/bin/python [--workdir DIR] [--steps N]
     python -m bench.engine_gpu sglang --engine-python .venv-sglang/bin/python
+    python -m bench.engine_gpu dflash2-vllm --engine-python .venv-engine/bin/python
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ CHECKS: dict[str, dict[str, Any]] = {
     "sglang": {"target": TINY_TARGET_DIR, "engine": "sglang", "block_size": 8, "drafter": {"num_draft_layers": 1}, "env": {},
                "engine_args": []},
 }
+DFLASH2_DRAFTER = {"num_draft_layers": 1, "architecture": "dflash2", "selector_rank": 64}
+CHECKS["dflash2-vllm"] = {"target": TINY_TARGET_DIR, "engine": "vllm", "block_size": 8, "drafter": DFLASH2_DRAFTER,
+                          "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "engine_args": []}
+CHECKS["dflash2-sglang"] = {**CHECKS["sglang"], "drafter": DFLASH2_DRAFTER}
 
 
 def with_processor_config(target: Path, dest: Path) -> Path:

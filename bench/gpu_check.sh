@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One-shot GPU check (parts 1-4, the training step: about 6-8 minutes on one H200; parts 5-6, the drafter in the engines),
-# printing what docs/PERFORMANCE.md records and, for parts 5-6, the eval report's engine section:
+# One-shot GPU check (parts 1-4, the training step: about 6-8 minutes on one H200; parts 5-8, the drafter in the engines),
+# printing what docs/PERFORMANCE.md records and, for parts 5-8, the eval report's engine section:
 #   1-2. the drafter step at the Qwen3-8B drafter shape (5 layers, H 4096, 3072 tokens x 512 anchors x B 16), dense vs
 #        block-sparse attention: step time, tokens/s, MFU (flex: FLOPs of the tiles its mask keeps), peak memory;
 #   3.   the attention alone at 4096 tokens x 512 anchors x B 16, dense vs block-sparse, forward and backward;
@@ -11,7 +11,10 @@
 #        trained briefly on the tiny hybrid target, exported, and `blockdraft eval --engine vllm` with vLLM's V2 model
 #        runner (bench/engine_gpu.py); prints the report's engine section;
 #   6.   the SGLang check: the same on the tiny dense target with `eval --engine sglang`.
-# Parts 5 and 6 have not run yet (not timed); each is skipped, saying why, when its engine's Python is missing.
+#   7-8. DFlash2: a DFlash2 drafter trained briefly on the tiny dense target (`dflash.architecture = "dflash2"`), exported,
+#        and `blockdraft eval --engine vllm` on vLLM's V2 model runner (the one that serves DFlash2), then the same with
+#        `eval --engine sglang`.
+# Parts 5-8 have not run yet (not timed); each is skipped, saying why, when its engine's Python is missing.
 # Needs a Python with a CUDA build of torch and blockdraft installed (`pip install -e .`); PYTHON overrides the interpreter.
 # Part 5 needs vLLM in ENGINE_PYTHON (default .venv-engine/bin/python: `make engine` on this machine installs vllm==0.32.0);
 # part 6 needs SGLang in SGLANG_PYTHON (default .venv-sglang/bin/python), installed by whoever prepares the machine, e.g.
@@ -48,4 +51,6 @@ engine_part() {  # engine_part CHECK ENGINE_PY: one bench/engine_gpu.py check, o
 }
 engine_part hybrid-vllm "$ENGINE_PYTHON"
 engine_part sglang "$SGLANG_PYTHON"
+engine_part dflash2-vllm "$ENGINE_PYTHON"
+engine_part dflash2-sglang "$SGLANG_PYTHON"
 echo "== done: $OUT"

@@ -41,6 +41,7 @@ def test_demo_ci_profile_on_the_local_store(tmp_path):
     assert out.exit_code == 0, out.output
     lines = out.stdout.splitlines()
     assert "speedup over target-only greedy" in out.stdout and "lossless: yes" in out.stdout
+    assert "dflash tau greedy" in out.stdout and "at temperature 0.6, top-p 0.95, top-k 20:" in out.stdout
     table = dict(line.split("\t") for line in lines if "\t" in line)
     assert table.pop("artifact") == "state"
     assert STAGES <= set(table) and set(table.values()) == {"verified"}, table

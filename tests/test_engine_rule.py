@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import pytest
+from helpers.engine import ENGINE_PYTHON, needs_engine
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import EvalConfig
-from blockdraft.stages.eval.engine import ServedRun
-from blockdraft.stages.eval.engine_check import compare, ours
+from blockdraft.decode.sampling import Sampling
+from blockdraft.decode.speculative import SpecResult
+from blockdraft.errors import EngineError
+from blockdraft.stages.eval.engine import ServedRun, _request
+from blockdraft.stages.eval.engine_check import compare, ours, require_export
 from blockdraft.stages.eval.metrics import GreedyMetrics
 from blockdraft.stages.eval.report import EvalReport, Lossless, PromptRow
+from blockdraft.stages.eval.sampled import SampledEval, sampled_drafter
 
 GREEDY = GreedyMetrics(new_tokens=0, target_forwards=0, target_forwards_per_token=0.0, wall_s=1.0, tokens_per_s=0.0, min_margin=None)
 
 
 def _report(lengths: list[list[int]], max_new_tokens: int = 10, dtype: str = "float32") -> EvalReport:
-    rows = [PromptRow(index=i, prompt_len=5, new_tokens=0, acceptance_lengths_dflash=ls) for i, ls in enumerate(lengths)]
+    rows = [PromptRow(index=i, prompt_set="plain", prompt_len=5, new_tokens=0, acceptance_lengths_dflash=ls) for i, ls in enumerate(lengths)]
     return EvalReport(block_size=4, mask_token_id=9, target_layer_ids=[1], max_new_tokens=max_new_tokens, num_prompts=len(rows),
                       stop_token_ids=[2], target_dtype=dtype, greedy=GREEDY, drafters={}, lossless=Lossless(ok=True, tolerance=0.0, divergences=[]),
                       prompts=rows)
@@ -64,3 +70,41 @@ def test_without_the_engines_environment_eval_stops_at_once_naming_make_engine(t
     result = CliRunner().invoke(app, ["eval", "--config", str(config), "--checkpoint", str(tmp_path / "run"), "--engine", "vllm"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "no engine Python at" in result.output and "run `make engine`" in " ".join(result.output.split())
+
+
+def _sampled_report(lengths: list[list[int]]) -> EvalReport:
+    report = _report([], max_new_tokens=1000)
+    drafter = sampled_drafter([SpecResult(tokens=[1], prompt_len=1, acceptance_lengths=ls) for ls in lengths], 4, GREEDY)
+    sampled = SampledEval(temperature=0.6, top_p=0.95, top_k=20, seed=0, samples_per_prompt=1, decodes=len(lengths),
+                          target_only=GREEDY, drafters={"dflash": drafter})
+    return report.model_copy(update={"sampled": sampled})
+
+
+def test_at_temperature_counts_within_the_binomial_interval_agree_and_a_shift_beyond_it_does_not():
+    report = _sampled_report([[4, 2, 1, 3]] * 50)  # 200 cycles, acceptance at positions 1..3: 150, 100, 50
+    cycles, accepted = ours(report)
+    assert (cycles, accepted) == (200, [150, 100, 50])
+    close = compare(EvalConfig(), _served(cycles, [145, 108, 44]), _served(0, [0, 0, 0]), report, "float32")
+    assert close.rule == "binomial 99%, z 3.02 (T=0.6)" and close.disagreement is None
+    # The rule is not the greedy rule: the same counts fail a greedy comparison at the float32 tolerance.
+    assert compare(EvalConfig(), _served(cycles, [145, 108, 44]), _served(0, [0, 0, 0]), _report([[4, 2, 1, 3]] * 50, 1000), "float32").disagreement
+    far = compare(EvalConfig(), _served(cycles, [150, 70, 50]), _served(0, [0, 0, 0]), report, "float32")
+    assert far.disagreement is not None and "at draft position(s) 2 (binomial 99%" in far.disagreement
+    # Sampled outputs differ by chance, so they are not held to the target-only outputs at temperature.
+    assert compare(EvalConfig(), _served(cycles, accepted, [[1]]), _served(0, [0, 0, 0], [[2]]), report, "float32").disagreement is None
+
+
+def test_a_sampled_request_carries_the_settings_and_its_own_seed():
+    body = _request([1, 2], 8, [3], Sampling(0.6, 0.95, 20), seed=7)
+    assert (body["temperature"], body["top_p"], body["top_k"], body["seed"]) == (0.6, 0.95, 20, 7)
+    assert _request([1, 2], 8, [3])["temperature"] == 0.0 and "seed" not in _request([1, 2], 8, [3])
+
+
+@needs_engine
+def test_top_k_at_temperature_is_refused_before_decoding_where_vllm_runs_on_cpu(tmp_path):
+    for name in ("config.json", "model.safetensors", "serving.json"):
+        (tmp_path / name).write_text("{}")
+    cfg = EvalConfig(engine="vllm", engine_python=str(ENGINE_PYTHON), temperature=0.6, top_p=0.95, top_k=20)
+    with pytest.raises(EngineError, match=r"set eval.top_k = 0 \(--top-k 0\) for the engine check on CPU"):
+        require_export(cfg, str(tmp_path))
+    assert require_export(cfg.model_copy(update={"top_k": 0}), str(tmp_path)) == tmp_path

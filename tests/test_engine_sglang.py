@@ -106,7 +106,7 @@ def test_prompts_go_in_as_token_ids_greedy_and_the_counts_are_summed_over_them_n
 
 
 def _report(lengths: list[list[int]]) -> EvalReport:
-    rows = [PromptRow(index=i, prompt_len=5, new_tokens=0, acceptance_lengths_dflash=ls) for i, ls in enumerate(lengths)]
+    rows = [PromptRow(index=i, prompt_set="plain", prompt_len=5, new_tokens=0, acceptance_lengths_dflash=ls) for i, ls in enumerate(lengths)]
     return EvalReport(block_size=4, mask_token_id=9, target_layer_ids=[1], max_new_tokens=1000, num_prompts=len(rows),
                       stop_token_ids=[2], target_dtype="bfloat16", greedy=GREEDY, drafters={},
                       lossless=Lossless(ok=True, tolerance=0.0, divergences=[]), prompts=rows)

@@ -102,9 +102,10 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
     report = json.loads((out / "report.json").read_text())
     assert list(report) == [
         "block_size", "mask_token_id", "target_layer_ids", "max_new_tokens", "num_prompts", "stop_token_ids", "target_dtype",
-        "greedy", "drafters", "lossless", "prompts", "checkpoint", "target", "prompts_source", "template_sha256", "engine",
+        "greedy", "drafters", "lossless", "prompts", "checkpoint", "target", "prompts_source", "template_sha256", "engine", "sampled",
+        "prompt_sets", "architecture",
     ]
-    assert report["engine"] is None  # no engine asked for
+    assert report["engine"] is None and report["sampled"] is None  # no engine asked for, temperature 0: greedy only
     assert list(report["greedy"]) == ["new_tokens", "target_forwards", "target_forwards_per_token", "wall_s", "tokens_per_s", "min_margin"]
     assert list(report["drafters"]) == ["dflash", "ngram", "untrained"]
     assert list(report["drafters"]["dflash"]) == [
@@ -113,10 +114,12 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
     ]
     assert report["drafters"]["dflash"]["rollback_s"] == 0.0  # a full-attention target has no linear-attention state to roll back
     assert list(report["prompts"][0]) == [
-        "index", "prompt_len", "new_tokens", "tau_dflash", "acceptance_lengths_dflash", "tau_ngram", "acceptance_lengths_ngram",
+        "index", "prompt_set", "prompt_len", "new_tokens", "tau_dflash", "acceptance_lengths_dflash", "tau_ngram", "acceptance_lengths_ngram",
         "tau_untrained", "acceptance_lengths_untrained",
     ]
-    assert report["checkpoint"] == str(golden_run) and report["prompts_source"] == str(prompts)
+    assert report["checkpoint"] == str(golden_run) and report["prompts_source"] == [str(prompts)]
+    assert list(report["prompt_sets"]) == ["plain"]  # one set, whose figures are those over every prompt
+    assert report["prompt_sets"]["plain"]["drafters"]["dflash"]["tau"] == report["drafters"]["dflash"]["tau"]
     assert [p["acceptance_lengths_dflash"] for p in report["prompts"]] == [c["acceptance_lengths"] for c in golden["decode"]]
     assert report["lossless"] == {"ok": True, "tolerance": 1e-4, "divergences": []}
     assert len(report["template_sha256"]) == 64  # pinned in the checkpoint from its data
@@ -265,6 +268,44 @@ def test_a_second_eval_of_the_same_checkpoint_prompts_and_settings_is_already_do
 
     longer = eval_stage.run(cfg, str(golden_run), str(out), prompts=str(prompts), max_new_tokens=12)
     assert not longer.already_done and longer.details.max_new_tokens == 12
+
+
+def test_eval_at_temperature_reports_sampled_acceptance_with_intervals_beside_unchanged_greedy(tmp_path, golden_run):
+    golden = json.loads((GOLDEN / "golden.json").read_text())["decode"][:2]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": case["prompt"]}) + "\n" for case in golden))
+    config = tmp_path / "blockdraft.toml"
+    config.write_text(
+        f'[target]\npath = "{(GOLDEN / "target").as_posix()}"\n'
+        "[dflash]\nblock_size = 4\nmask_token_id = 511\nnum_draft_layers = 3\n"
+        f'[store]\nurl = "{(tmp_path / "store").as_posix()}"\n[eval]\nuntrained_baseline = false\n'
+    )
+    base = ["eval", "--config", str(config), "--checkpoint", str(golden_run), "--prompts", str(prompts), "--max-new-tokens", "24"]
+    sampled = [*base, "--temperature", "0.6", "--top-p", "0.95", "--top-k", "20", "--samples-per-prompt", "3", "--seed", "5"]
+    result = CliRunner().invoke(app, [*sampled, "--output", str(tmp_path / "t06")])
+    assert result.exit_code == 0, result.output
+    assert "sampled\ttemperature 0.6 top-p 0.95 top-k 20: 6 decodes (3 per prompt, seed 5)" in result.output
+    report = EvalReport.from_json((tmp_path / "t06" / "report.json").read_text())
+    # Greedy is measured as before: the golden vectors' acceptance, token for token lossless.
+    assert [p.acceptance_lengths_dflash for p in report.prompts] == [c["acceptance_lengths"] for c in golden]  # type: ignore[attr-defined]
+    assert report.lossless.ok
+    s = report.sampled
+    assert s is not None and (s.temperature, s.top_p, s.top_k, s.seed, s.samples_per_prompt, s.decodes) == (0.6, 0.95, 20, 5, 3, 6)
+    dflash = s.drafters["dflash"]
+    assert len(dflash.acceptance_lengths) == 6 and dflash.metrics.cycles == sum(map(len, dflash.acceptance_lengths))
+    assert dflash.tau_ci95[0] <= dflash.metrics.tau <= dflash.tau_ci95[1] and dflash.tau_ci95[0] < dflash.tau_ci95[1]
+    assert all(lo <= r <= hi for r, (lo, hi) in zip(dflash.metrics.position_acceptance, dflash.position_acceptance_ci95))
+    assert dflash.metrics.tau < report.drafters["dflash"].tau  # the golden drafter was trained on greedy continuations
+    assert set(s.drafters) == {"dflash", "ngram"} and s.target_only.new_tokens == 6 * 24
+    assert f"dflash\ttau {dflash.metrics.tau:.3f} [{dflash.tau_ci95[0]:.3f}, {dflash.tau_ci95[1]:.3f}] at T=0.6" in result.output
+    for png in ("tau_histogram_sampled.png", "position_acceptance_sampled.png", "tau_histogram.png"):
+        assert (tmp_path / "t06" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The settings are part of the eval's key: the same command is already done, another temperature or seed is not.
+    again = CliRunner().invoke(app, [*sampled, "--output", str(tmp_path / "t06")])
+    assert again.exit_code == 0 and "already holds" in again.output
+    other = CliRunner().invoke(app, [*sampled, "--seed", "6", "--output", str(tmp_path / "t06")])
+    assert other.exit_code == 0 and "already holds" not in other.output
+    assert EvalReport.from_json((tmp_path / "t06" / "report.json").read_text()).sampled.drafters["dflash"].acceptance_lengths != dflash.acceptance_lengths  # type: ignore[union-attr]
 
 
 def test_eval_without_output_writes_to_the_store_and_finds_its_report_there_again(tmp_path, golden_run):

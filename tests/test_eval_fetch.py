@@ -19,6 +19,7 @@ from blockdraft.stages.eval.prompts import held_out_prompts
 from blockdraft.stages.train import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, commit_artifact, entry_for_local_file
+from blockdraft.store.local import LocalStore
 from blockdraft.store.s3 import S3Store
 from blockdraft.store.stage_io import open_input
 from blockdraft.store.transfer import push
@@ -60,8 +61,8 @@ class Moved:
             S3Store.get_file, S3Store.read_bytes, S3Store.checksum_by_reading, S3Store.open_read
         )
 
-        def counted_get_file(store: S3Store, key: str, local_path: Path) -> tuple[int, str]:
-            size, checksum = get_file(store, key, local_path)
+        def counted_get_file(store: S3Store, key: str, into: LocalStore, as_key: str) -> tuple[int, str]:
+            size, checksum = get_file(store, key, into, as_key)
             moved[url(store, key)] += size
             return size, checksum
 
@@ -112,7 +113,7 @@ def test_eval_against_an_s3_tokenized_artifact_moves_at_most_the_held_out_bytes(
 
     moved = Moved(monkeypatch)
     result = eval_stage.run(cfg, str(tmp_path / "ckpt"), max_new_tokens=6)
-    assert result.details.num_prompts == 3 and result.details.prompts_source == remote and result.details.lossless.ok
+    assert result.details.num_prompts == 3 and result.details.prompts_source == [remote] and result.details.lossless.ok
 
     read = moved.under(f"{remote}/")
     files = {path: n for path, n in read.items() if path != MANIFEST_NAME}

@@ -68,7 +68,7 @@ def test_export_of_golden_drafter_equals_reference_files(tmp_path, golden_drafte
         assert config[field] == golden_config[field], field
     report = verify_artifact(open_store(out))
     assert report.state is State.VERIFIED and report.manifest.kind == EXPORT_KIND
-    assert {f.path for f in report.manifest.files} == {"config.json", "model.safetensors", PROVENANCE_NAME, SERVING_NAME}
+    assert {f.path for f in report.manifest.files} == {"config.json", "model.safetensors", PROVENANCE_NAME, SERVING_NAME, "README.md"}
     assert result.report.state is State.VERIFIED
 
 
@@ -180,7 +180,7 @@ def test_export_from_training_run_records_provenance(tmp_path, golden_drafter):
     provenance = json.loads((out / PROVENANCE_NAME).read_text())
     assert provenance["dflash"] == {"mask_token_id": 511, "target_layer_ids": [1, 3, 5], "block_size": 4,
                                     "num_target_layers": 8, "layer_types": ["full_attention"] * 3, "sliding_window": None,
-                                    "rope_scaling": None, "gamma": 3.0}
+                                    "rope_scaling": None, "gamma": 3.0, "architecture": "dflash"}
     assert provenance["config"]["target"]["path"] == str(GOLDEN / "target")
     (data,) = provenance["data"]
     assert data["kind_of_input"] == "tokenized" and len(data["sha256"]) == 64

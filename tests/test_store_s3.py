@@ -21,6 +21,7 @@ from blockdraft.errors import StoreError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, check_file, read_manifest, verify_artifact
 from blockdraft.store.checksum import crc64nvme_file
+from blockdraft.store.local import LocalStore
 from blockdraft.store.ownership import WRITING_NAME
 from blockdraft.store.preflight import PROBE_PREFIX, preflight
 from blockdraft.store.s3_client import resolve_endpoint
@@ -96,7 +97,7 @@ def test_uploads_carry_a_full_object_crc64nvme_the_server_reports(s3_bucket, s3_
         head = s3_env.client().head_object(Bucket=s3_bucket, Key=f"x/{name}", ChecksumMode="ENABLED")
         assert head["ChecksumCRC64NVME"] == local_crc and head["ContentLength"] == local_size
         assert store.head(name).checksum == local_crc
-        assert store.get_file(name, tmp_path / f"back-{name}") == (local_size, local_crc)
+        assert store.get_file(name, LocalStore(tmp_path), f"back-{name}") == (local_size, local_crc)
 
 
 @pytest.mark.fault

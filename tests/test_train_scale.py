@@ -142,7 +142,7 @@ def test_curves_are_redrawn_at_most_every_interval_from_bounded_points(tmp_path)
     log.plotter._started = 0.0
     log.start_fresh()
     for step in range(1, 5001):
-        log.append({"step": step, "loss": 1.0 / step, "slot_accuracy": [0.5, 0.25]})
+        log.append({"step": step, "loss": 1.0 / step, "tau_estimate": 1.5, "slot_accuracy": [0.5, 0.25]})
         clock[0] += 1.0  # a second per step: 5000 s, so at most 8 redraws (600 s apart) and one in flight at a time
         if step % 1000 == 0:
             log.plotter.wait()
@@ -151,4 +151,4 @@ def test_curves_are_redrawn_at_most_every_interval_from_bounded_points(tmp_path)
     assert (tmp_path / PLOT_NAME).stat().st_size > 1000
     points = read_curves(tmp_path / METRICS_NAME, max_points=100)
     assert 100 <= len(points) < 200  # 5000 entries in bins of 32: the plot's cost does not grow with the log
-    assert points[0][0] == pytest.approx(16.5) and points[-1][1:] == pytest.approx([sum(1 / s for s in range(4993, 5001)) / 8, 0.5, 0.25])
+    assert points[0][0] == pytest.approx(16.5) and points[-1][1:] == pytest.approx([sum(1 / s for s in range(4993, 5001)) / 8, 1.5, 0.5, 0.25])

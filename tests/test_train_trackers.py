@@ -55,7 +55,12 @@ def expected_scalars(entries: list[dict]) -> dict[str, list[tuple[int, float]]]:
     slots = len(entries[0]["slot_accuracy"])
     tags = {f"train/{name}": (lambda e, n=name: e[n]) for name in SCALARS}
     tags |= {f"train/slot_accuracy/{k + 1}": (lambda e, k=k: e["slot_accuracy"][k]) for k in range(slots)}
-    return {tag: [(e["step"], float(np.float32(value(e)))) for e in entries] for tag, value in tags.items()}
+    scalars = {tag: [(e["step"], float(np.float32(value(e)))) for e in entries] for tag, value in tags.items()}
+    held = [e for e in entries if "eval" in e]  # the held-out figures, at the steps that measured them
+    evals = {f"eval/{name}": (lambda h, n=name: h[n]) for name in ("loss", "tau_estimate")}
+    evals |= {f"eval/slot_accuracy/{k + 1}": (lambda h, k=k: h["slot_accuracy"][k]) for k in range(slots)}
+    scalars |= {tag: [(e["step"], float(np.float32(value(e["eval"])))) for e in held] for tag, value in evals.items() if held}
+    return scalars
 
 
 def test_tensorboard_and_wandb_offline_get_every_metric_at_every_logged_step(tmp_path, data_url):
@@ -65,8 +70,10 @@ def test_tensorboard_and_wandb_offline_get_every_metric_at_every_logged_step(tmp
     run(cfg, reporter=(reporter := Reporter()))
     logs = tmp_path / "logs"
     entries = logged(logs)
-    assert [e["step"] for e in entries] == [2, 4, 6] and reporter.warnings == []
-    assert tensorboard_scalars(logs) == expected_scalars(entries)  # 3 slots (block size 4): 9 tags, each at steps 2, 4, 6
+    # Every log_every-th step, and the checkpoint of step 3, which measured the held-out rows.
+    assert [e["step"] for e in entries] == [2, 3, 4, 6] and reporter.warnings == []
+    assert [e["step"] for e in entries if "eval" in e] == [3, 6]
+    assert tensorboard_scalars(logs) == expected_scalars(entries)  # 3 slots (block size 4): 9 train/ tags and 5 eval/ tags
 
     # W&B's offline run folder, under the log folder: its record file holds every tracked name.
     (run_folder,) = (logs / "wandb").glob("offline-run-*")
@@ -89,7 +96,7 @@ def test_a_resumed_run_replaces_the_steps_it_redoes_in_tensorboard(tmp_path, dat
     # The step-4 checkpoint is lost: the run resumes at step 2 and logs steps 3 and 4 again, in a new event file.
     shutil.rmtree(tmp_path / "ckpt" / checkpoint_key(4))
     path.write_text(path.read_text().replace("max_steps = 4", "max_steps = 5"))
-    run(load_config(path))
+    run(load_config(path), force=True)  # another schedule: --force continues with a new cosine
     logs = tmp_path / "logs"
     assert len(list(logs.glob("events.out.tfevents.*"))) == 2
     got = tensorboard_scalars(logs)

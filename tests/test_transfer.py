@@ -19,6 +19,7 @@ from blockdraft.errors import ArtifactError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import BYTES_AS_WRITTEN, MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.base import TMP_PREFIX
+from blockdraft.store.local import LocalStore
 from blockdraft.store.ownership import WRITING_NAME
 from blockdraft.store.stage_io import open_input
 from blockdraft.store.status import render_progress, status
@@ -210,7 +211,8 @@ def test_full_disk_during_pull_is_one_clear_error_and_no_manifest(dest, artifact
         env={**os.environ, "COLUMNS": "400"},
     )
     assert proc.returncode == 2, proc.stderr
-    assert "local disk full" in proc.stderr and "the local folder was left as it was" in proc.stderr
+    assert "local disk full" in proc.stderr and "the local copy is as it was" in proc.stderr
+    assert f"stay in {out / INCOMING_DIR}" in proc.stderr and "rerun the pull, which resumes from them" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (out / MANIFEST_NAME).exists()
     assert not list(out.rglob(TMP_PREFIX + "*"))
@@ -298,12 +300,11 @@ def test_direct_writes_keep_every_byte_with_an_unaligned_tail_or_a_refused_direc
     aligned[: len(data)] = data
     for name, view in [("aligned", aligned[: len(data)]), ("unaligned", memoryview(bytearray(b"x" + data))[1:])]:
         path = tmp_path / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        direct = _open_direct(path)
-        try:
-            _write_at(fd, view, DIRECT_ALIGN, direct)
-        finally:
-            os.close(fd)
-            if direct >= 0:
-                os.close(direct)
+        with LocalStore(tmp_path).writing(name) as new:
+            direct = _open_direct(new)
+            try:
+                _write_at(new.fd, view, DIRECT_ALIGN, direct)
+            finally:
+                if direct >= 0:
+                    os.close(direct)
         assert path.read_bytes() == bytes(DIRECT_ALIGN) + data, name

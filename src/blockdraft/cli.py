@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import sys
 import tempfile
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from blockdraft.cli_options import (
 )
 from blockdraft.config import load_config
 from blockdraft.console import ConsoleReporter
-from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, redact
+from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, TrainingInterrupted, redact
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.preflight import preflight as run_preflight
@@ -135,6 +136,8 @@ def tokenize(
     max_length: Annotated[int | None, typer.Option(help="Clip rows to this many tokens (after masking).")] = None,
     held_out_fraction: Annotated[float | None, typer.Option(help="Fraction of conversations in the held-out split.")] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes (one input shard each at a time).")] = None,
+    check_target: Annotated[bool, typer.Option("--check-target", help="Then run the target (target.path) over a sample of the "
+                                                                      "rows: target agreement, and a warning when it is low.")] = False,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
@@ -150,25 +153,53 @@ def tokenize(
         result = tokenize_stage.run(cfg, input, output, reporter, force=force)
     for line in tokenize_stage.summary_lines(result):
         reporter.say(line)
+    if check_target:
+        folder = open_store(result.url, cfg.store).local_path()
+        if folder is None:
+            raise ConfigError(f"--check-target reads a local tokenized folder, not {result.url}; pull it first, or check it on the training node with train --plan")
+        _say_agreement(folder, cfg)
+
+
+def _say_agreement(folder: Path, cfg: Any) -> None:
+    """Target agreement of the tokenized folder's train rows, one line, and the warning line when it is low."""
+    from blockdraft.data.agreement import agreement_warning, describe_agreement, tokenized_agreement
+
+    result = tokenized_agreement(folder, cfg)
+    console.print(describe_agreement(result), highlight=False, markup=False, soft_wrap=True)
+    if (line := agreement_warning(result, cfg.train.min_target_agreement)) is not None:
+        console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
 @user_errors
 def export(
-    checkpoint: Annotated[str, typer.Argument(help="Verified checkpoint (folder or URL), or a training output holding step-* checkpoints.")],
-    out: Annotated[str, typer.Argument(help="Export destination: a folder, file:// or s3:// URL.")],
+    checkpoint: Annotated[str, typer.Argument(help="Verified checkpoint (folder or URL), or a training output holding step-* checkpoints; "
+                                              "with --card-only, the export.")],
+    out: Annotated[str | None, typer.Argument(help="Export destination: a folder, file:// or s3:// URL.")] = None,
     config: ConfigOpt = None,
     target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (target.path; default: the checkpoint's).")] = None,
+    eval: Annotated[str | None, typer.Option("--eval", help="The eval artifact of this checkpoint whose figures the model card (README.md) gives.")] = None,
+    card_only: Annotated[bool, typer.Option("--card-only", help="Rewrite the model card of the export given (after a new eval); nothing else.")] = False,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
-    """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, as a verified artifact; print the serving settings."""
+    """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, with its model card, as a verified artifact; print
+    the serving settings."""
     from blockdraft.stages import export as export_stage
 
     cfg = load_config(config, {"target": {"path": target}}, sets or (), {"target.path": "--target"})
+    if card_only and out is not None:
+        raise typer.BadParameter("--card-only takes the export alone: blockdraft export --card-only EXPORT --eval EVAL", param_hint="OUT")
+    if not card_only and out is None:
+        raise typer.BadParameter("give the export destination: blockdraft export CHECKPOINT OUT", param_hint="OUT")
     with ConsoleReporter(console) as reporter:
-        result = export_stage.run(cfg, checkpoint, out, reporter, force=force)
+        if card_only:
+            result = export_stage.rewrite_card(cfg, checkpoint, reporter, eval=eval, force=force)
+        else:
+            assert out is not None
+            result = export_stage.run(cfg, checkpoint, out, reporter, force=force, eval=eval)
     console.print(f"[green]verified[/]: {result.report.summary()} at {result.url}", highlight=False)
+    print(f"Card:   {result.url.rstrip('/')}/{export_stage.CARD_NAME}")
     for line in export_stage.serving_lines(result.details.serving):  # for a store URL, the pull step comes first
         print(line)
 
@@ -178,7 +209,16 @@ def export(
 def eval_command(
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="Checkpoint or export artifact: folder, file:// or s3:// URL.")],
     config: ConfigOpt = None,
-    prompts: Annotated[str | None, typer.Option("--prompts", help="Prompts JSONL, or a tokenized artifact (its held-out rows).")] = None,
+    prompts: Annotated[
+        list[str] | None,
+        typer.Option("--prompts", help="A prompt set (.jsonl/.parquet, a folder `datasets` saved, hf://datasets/NAME) or a tokenized "
+                     "artifact (its held-out rows); repeat for several sets."),
+    ] = None,
+    prompt_sets: Annotated[
+        list[str] | None,
+        typer.Option("--prompt-set", help="The layout of each --prompts, in order (gsm8k, math500, humaneval, mbpp, mt_bench, alpaca, "
+                     "plain, or auto); default: recognised from the columns."),
+    ] = None,
     max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", min=1, help="New tokens per prompt.")] = None,
     output: Annotated[str | None, typer.Option("--output", help="Where the eval artifact goes (default: STORE/eval/<hash>).")] = None,
     baseline: Annotated[
@@ -188,14 +228,23 @@ def eval_command(
         str | None, typer.Option("--engine", help="vllm or sglang: also serve the export in that engine and compare its acceptance with ours.")
     ] = None,
     export: Annotated[str | None, typer.Option("--export", help="With --engine: the export folder to serve (default: CHECKPOINT's).")] = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", min=0.0, help="Above 0: also decode sampled at this temperature (0: greedy only).")
+    ] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="Sampled decodes: nucleus mass kept (1.0: off).")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", min=0, help="Sampled decodes: most likely tokens kept (0: off).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", min=0, help="Sampled decodes: decode i is seeded with SEED + i.")] = None,
+    samples_per_prompt: Annotated[int | None, typer.Option("--samples-per-prompt", min=1, help="Sampled decodes per prompt.")] = None,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
-    """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy."""
+    """Speculative decoding for real: tau, speedup and a token-for-token lossless check against target-only greedy, and
+    with --temperature above 0 the same at those sampling settings."""
     from blockdraft.pipeline import export_for_engine
     from blockdraft.stages import eval as eval_stage
 
-    flags = {"prompts": prompts, "max_new_tokens": max_new_tokens, "baseline": baseline, "engine": engine}
+    flags = {"prompts": prompts or None, "prompt_sets": prompt_sets or None, "max_new_tokens": max_new_tokens, "baseline": baseline,
+             "engine": engine, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "samples_per_prompt": samples_per_prompt}
     cfg = load_config(config, {"eval": flags}, sets or ())
     with ConsoleReporter(console) as reporter, tempfile.TemporaryDirectory(prefix="blockdraft-engine-export-") as tmp:
         if cfg.eval.engine != "none" and export is None:
@@ -325,18 +374,28 @@ def train(
     if plan:
         from blockdraft.stages.train.memory import memory_plan
 
-        planned = memory_plan(load_config(config, nodes, sets or ()))
+        cfg = load_config(config, nodes, sets or ())
+        planned = memory_plan(cfg)
         print("\n".join(planned.lines()))
         if problem := planned.problem():
             raise ConfigError(problem)
+        # With the target's weights and the data in local folders, also how far the target agrees with the data.
+        data = Path(cfg.train.data) if cfg.train.data and "://" not in cfg.train.data else None
+        weights = cfg.target.path is not None and any(Path(cfg.target.path).glob("*.safetensors"))
+        if data is not None and (data / "dataset_dict.json").is_file() and weights and cfg.train.target_agreement_rows:
+            _say_agreement(data, cfg)
         return
-    with ConsoleReporter(console) as reporter:
-        launched = launch(config, nproc, reporter, force, sets or (), nodes)
+    try:
+        with ConsoleReporter(console) as reporter:
+            launched = launch(config, nproc, reporter, force, sets or (), nodes)
+    except TrainingInterrupted as exc:  # Ctrl-C: where it stood, and the command that resumes
+        console.print(f"{escape(str(exc))}: {escape(shlex.join(['blockdraft', *sys.argv[1:]]))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     if launched.result is not None and launched.rank == 0:
         trained = launched.result.details
         if trained.metrics:
             last = trained.metrics[-1]
-            console.print(f"trained {trained.steps} steps; loss {last['loss']:.4f}, tau estimate {last['tau_estimate']:.2f}", highlight=False)
+            console.print(f"trained {trained.steps} steps; loss {last['loss']:.4f}, {trained.summary}", highlight=False)
         else:
             console.print(f"nothing to train: the verified checkpoint already holds all {trained.steps} steps", highlight=False)
         print(launched.result.url)

@@ -25,7 +25,8 @@ from blockdraft.overrides import Overrides, apply, flag_overrides, set_overrides
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No setting is infinite or NaN: `inf` as a learning rate trains to NaN, as a timeout or a memory size overflows later.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class TargetConfig(_Section):
@@ -157,6 +158,18 @@ class DFlashConfig(_Section):
     # drafter's own per-slot confidence, smoothed by dpace_alpha). Pinned in checkpoints like gamma (docs/DFLASH.md).
     loss_weighting: Literal["exponential", "dpace"] = "exponential"
     dpace_alpha: float = Field(default=0.5, gt=0.0, le=1.0)
+    # "dflash", or "dflash2": DFlash plus a grouped dynamic causal convolution around every attention and MLP and a
+    # candidate selector that walks a path through each slot's top-K (docs/DFLASH.md, "DFlash2"). The fields below are
+    # DFlash2's, with the published drafter's values as defaults; a DFlash config that sets one is refused.
+    architecture: Literal["dflash", "dflash2"] = "dflash"
+    conv_kernel_size: int = Field(default=2, ge=1)  # taps per convolution; at most block_size (taps never cross a block)
+    conv_group_size: int = Field(default=16, ge=1)  # channels sharing one dynamic tap; must divide the hidden size
+    selector_rank: int = Field(default=256, ge=1)  # width of the predecessor/successor codebooks
+    selector_top_k: int = Field(default=16, ge=1)  # candidates per slot; at most the vocabulary
+    selector_loss_alpha: float = Field(default=1.0, ge=0.0)  # weight of the selector's K-way cross-entropy in the loss
+    input_embedding_scale: float = Field(default=1.0, gt=0.0)  # multiplies the block's token embeddings
+    output_multiplier: float = Field(default=1.0, gt=0.0)  # multiplies the unary logits
+    final_logit_softcapping: float | None = Field(default=None, gt=0.0)  # cap * tanh(unary / cap) when set
 
     @field_validator("target_layer_ids")
     @classmethod
@@ -164,6 +177,29 @@ class DFlashConfig(_Section):
         if problem := None if ids is None else layer_ids_problem(ids):
             raise ValueError(f"{problem}; use {sorted(set(ids or []))}")
         return ids
+
+    @model_validator(mode="after")
+    def _dflash2_fields(self) -> DFlashConfig:
+        # a resolved config (every default written out) validates again, so only a value other than the default counts
+        set_here = sorted(name for name in DFLASH2_FIELDS if getattr(self, name) != DFlashConfig.model_fields[name].default)
+        if self.architecture == "dflash" and set_here:
+            raise ValueError(
+                f"dflash.{set_here[0]} is a DFlash2 setting but dflash.architecture is 'dflash'; set dflash.architecture = \"dflash2\" "
+                f"or drop dflash.{set_here[0]}"
+            )
+        if self.architecture == "dflash2" and self.conv_kernel_size > self.block_size:
+            raise ValueError(
+                f"dflash.conv_kernel_size {self.conv_kernel_size} is more taps than dflash.block_size {self.block_size} (a tap never "
+                "crosses a block); set conv_kernel_size to at most block_size"
+            )
+        return self
+
+
+# The DFlashConfig fields only a DFlash2 drafter has (`architecture = "dflash2"`).
+DFLASH2_FIELDS = frozenset({
+    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha", "input_embedding_scale",
+    "output_multiplier", "final_logit_softcapping",
+})
 
 
 class StoreConfig(_Section):
@@ -204,6 +240,10 @@ class PlacementConfig(_Section):
         return devices
 
 
+MAX_DEVICE_MEMORY_GB = 1e6  # a petabyte: more is a typo, and the plan's byte counts would leave float range
+MAX_DIST_TIMEOUT_MINUTES = 7 * 24 * 60.0  # a week; torch's timeout is a timedelta, which a larger value overflows
+
+
 class TrainConfig(_Section):
     data: str | None = None
     output: str | None = None
@@ -219,7 +259,7 @@ class TrainConfig(_Section):
     grad_clip: float = Field(default=1.0, gt=0)  # the max gradient norm; 0 would zero every update
     max_length: int = Field(default=3072, ge=2)
     checkpoint_every: int = Field(default=500, ge=1)
-    seed: int = 0
+    seed: int = Field(default=0, ge=-(2**63), lt=2**64)  # what torch.manual_seed takes (64 bits)
     deterministic: bool = False
     lm_head_chunk_blocks: int = Field(default=64, ge=1)
     # The drafter's training attention: block-sparse FlexAttention ("flex", CUDA only: no CPU backward) or the dense
@@ -230,9 +270,11 @@ class TrainConfig(_Section):
     # device's memory in GB for the plan (None: what torch reports for a GPU, the RAM for the CPU, else unknown).
     activation_checkpointing: bool = False
     grad_allreduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    device_memory_gb: float | None = Field(default=None, gt=0)
+    device_memory_gb: float | None = Field(default=None, gt=0, le=MAX_DEVICE_MEMORY_GB)
     log_every: int = Field(default=10, ge=1)
-    log_dir: str = "blockdraft-train-logs"  # local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG)
+    # Local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG); one run's own (blockdraft-log.json
+    # names it: another run is refused), apart from train.data, train.output and any artifact (stages/train/log_dir.py).
+    log_dir: str = "blockdraft-train-logs"
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # also fed every logged step, by rank 0 (docs/TRAINING.md)
     wandb: dict[Literal["project", "entity", "group", "name", "mode"], str] = Field(default_factory=dict)  # wandb.init's arguments
     plot_every_minutes: float = Field(default=10.0, ge=0)  # curves redrawn in the background at most this often, and at the end
@@ -242,7 +284,7 @@ class TrainConfig(_Section):
     # Checkpoints are pushed in the background while training goes on; this many failed pushes in a row stop the run.
     max_checkpoint_failures: int = Field(default=3, ge=1)
     # How long a rank waits for the others in a collective (rank 1 while rank 0 awaits a slow push) before the run fails.
-    dist_timeout_minutes: float = Field(default=60.0, gt=0)
+    dist_timeout_minutes: float = Field(default=60.0, gt=0, le=MAX_DIST_TIMEOUT_MINUTES)
     # A drafter in the export format (a folder or store URL: an export, checkpoint or training output) to start from
     # instead of random weights; its DFlash parameters must match this config and the target.
     init_from: str | None = None
@@ -253,10 +295,25 @@ class TrainConfig(_Section):
     # hard labels only (the paper's objective) and never runs the target past its feature layers.
     distill_weight: float = Field(default=0.0, ge=0.0, le=1.0)
     distill_temperature: float = Field(default=1.0, gt=0.0)
+    # The training signal (docs/TRAINING-SIGNAL.md). Every eval_every steps and at each checkpoint, rank 0 measures the
+    # loss, per-slot accuracies and tau estimate on a fixed, seeded sample of eval_rows held-out rows, without gradients.
+    eval_every: int = Field(default=100, ge=1)
+    eval_rows: int = Field(default=32, ge=1)
+    # Each checkpoint is also decoded for real (eval's loop, lossless check) on this many held-out prompts; 0: none.
+    decode_eval_prompts: int = Field(default=2, ge=0)
+    # Before step 1 the target is run over this many training rows: the share of supervised positions where its greedy
+    # next token is the label (target agreement); below min_target_agreement is one warning line. 0 rows: not measured.
+    target_agreement_rows: int = Field(default=32, ge=0)
+    min_target_agreement: float = Field(default=0.7, ge=0.0, le=1.0)
+    log_every_s: float = Field(default=30.0, gt=0)  # one plain progress line this often when stderr is not a terminal
 
 
 class EvalConfig(_Section):
-    prompts: str | None = None
+    # Prompt sources, one set each: a prompts file (.jsonl, .parquet), a folder `datasets` saved, hf://datasets/NAME, or a
+    # tokenized artifact (its held-out rows); none: train.data's held-out rows.
+    prompts: list[str] = Field(default_factory=list)
+    # One layout per source (`auto`: recognised from its columns), or none: every layout recognised.
+    prompt_sets: list[str] = Field(default_factory=list)
     max_new_tokens: int = Field(default=256, ge=1)
     num_prompts: int = Field(default=32, ge=1)
     divergence_margin_fp32: float = Field(default=1e-4, ge=0.0)
@@ -271,6 +328,20 @@ class EvalConfig(_Section):
     engine_tolerance_fp32: float = Field(default=0.02, ge=0.0)  # per-position acceptance rate and relative tau, float32
     engine_tolerance: float = Field(default=0.03, ge=0.0)  # the same below float32 (docs/PERFORMANCE.md, "engine")
     engine_args: list[str] = Field(default_factory=list)  # more arguments for the engine's server, appended last
+    # At temperature > 0 the engine's acceptance is a sample too: the chance that the check fails an engine that agrees.
+    engine_alpha: float = Field(default=0.01, gt=0.0, lt=1.0)
+    # Sampling (docs/EVAL.md, "Measuring a drafter"): temperature 0 decodes greedy only; above 0, eval also decodes each
+    # prompt `samples_per_prompt` times with these settings (decode i seeded with seed + i) and reports acceptance there.
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)  # 1.0: off
+    top_k: int = Field(default=0, ge=0)  # 0: off
+    seed: int = Field(default=0, ge=0)
+    samples_per_prompt: int = Field(default=1, ge=1)
+
+    @field_validator("prompts", "prompt_sets", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value  # `prompts = "file"` in a file or `--set`: one source
 
 
 class GenerateConfig(_Section):

@@ -44,6 +44,11 @@ class ConsoleReporter(Reporter):
             self._tasks[task] = self._bar.add_task(task, total=total, info=info)
         self._bar.update(self._tasks[task], completed=completed, total=total, info=info)
 
+    def status_line(self, line: str) -> None:
+        """Printed only without a terminal (a Slurm or nohup log): on one, the progress bar shows the same."""
+        if not self.console.is_terminal:
+            self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()

@@ -57,12 +57,20 @@ class RankLostError(BlockdraftError, RuntimeError):
     """A collective of a distributed run failed: another rank (or its whole node) stopped or did not answer in time."""
 
 
+class DivergedError(BlockdraftError, RuntimeError):
+    """Training produced a loss, a gradient norm or weights that are not finite (NaN or infinite): the run stops."""
+
+
 class EngineError(BlockdraftError, RuntimeError):
     """The serving engine is missing, did not start, or did not answer (`eval --engine`)."""
 
 
 class LeaseError(StoreError):
     """Another writer holds the output (its lease names it), or this writer lost its lease before committing."""
+
+
+class TrainingInterrupted(BlockdraftError):
+    """Ctrl-C during `train`: the message names the last verified checkpoint (the one a rerun resumes from)."""
 
 
 REDACTED = "[redacted]"
@@ -145,6 +153,6 @@ def redact(text: str, *secrets: str | None) -> str:
 
 
 __all__ = [
-    "REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "EngineError", "EvalError", "ExportError", "LeaseError",
+    "REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "DivergedError", "EngineError", "EvalError", "ExportError", "LeaseError",
     "OutsideArtifactError", "SpecError", "StoreError", "redact", "remember_secret", "remember_url", "safe_url", "url_secrets",
 ]

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, EvalConfig, StoreConfig, load_config
 from blockdraft.data.formats import COMPLETIONS_KIND
-from blockdraft.errors import ArtifactError
+from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.fixtures.hybrid import TINY_HYBRID_TARGET_DIR
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR, distinct_ngram_ratio
 from blockdraft.model.formats import EXPORT_KIND
@@ -76,6 +76,7 @@ SIZES: dict[str, DemoSize] = {
 }
 
 BLOCK_SIZE = 8
+DEMO_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 
 @dataclass
@@ -144,7 +145,8 @@ def demo_config(
             "checkpoint_every": size.train_steps,
             "seed": 0,
         },
-        "eval": {"num_prompts": size.eval_prompts, "max_new_tokens": size.eval_new_tokens},
+        # Qwen3's thinking-mode sampling settings: the demo measures tau greedy and at the temperature users serve.
+        "eval": {"num_prompts": size.eval_prompts, "max_new_tokens": size.eval_new_tokens, **DEMO_SAMPLING},
         "generate": {"engine": "hf", "max_new_tokens": size.generate_new_tokens, "batch_size": 160, "thinking": "auto"},
     }
 
@@ -196,8 +198,10 @@ def export_for_engine(cfg: BlockdraftConfig, checkpoint: str, folder: Path, repo
     """A local copy of the export of `checkpoint` (a checkpoint, a training output, or an export already made) for the
     engine to serve: `export` writes it into `folder`, or pulls it there when `checkpoint` is an export in a store."""
     from blockdraft.stages.eval.engine import engine_python
+    from blockdraft.stages.eval.engine_check import refuse_unservable
 
     engine_python(cfg.eval)  # no engine, no export: the one line naming `make engine` comes first
+    refuse_unservable(cfg.eval, cfg.dflash.architecture)  # nor for a drafter the engine cannot serve here
     reporter.say(f"engine: exporting {checkpoint} into {folder} for the engine to serve")
     found = recorded_manifest(open_store(checkpoint, cfg.store))  # its kind only: pull and export verify what they read
     if found is not None and found.kind == EXPORT_KIND:
@@ -215,6 +219,12 @@ def demo_lines(result: DemoResult) -> list[str]:
     lines.append(f"tau dflash {tau.get('dflash', 0):.2f}   n-gram {tau.get('ngram', 0):.2f}   untrained {tau.get('untrained', 0):.2f}"
                  f"   (block size {report.block_size if report else '-'})")
     lines.append(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: {'yes' if result.lossless else 'NO'}")
+    sampled = report.sampled if report is not None else None
+    if report is not None and sampled is not None:
+        d = sampled.drafters["dflash"]
+        lines.append(f"dflash tau greedy {tau.get('dflash', 0):.2f} ({result.speedup:.2f}x)   at temperature {sampled.temperature:g}, top-p "
+                     f"{sampled.top_p:g}, top-k {sampled.top_k}: {d.metrics.tau:.2f} [95% {d.tau_ci95[0]:.2f}-{d.tau_ci95[1]:.2f}] "
+                     f"({d.metrics.speedup:.2f}x over target-only sampling)")
     if report is not None and report.engine is not None:
         lines += engine_lines(report.engine)
     lines.append(f"target's answers, distinct-4-gram ratio: {result.distinct_4gram:.2f}")
@@ -265,17 +275,41 @@ class _Stopwatch:
         return value
 
 
+DEMO_MARK = ".blockdraft-demo"  # in a workdir the demo made: its files there are the demo's to replace
+
+
+def claim_workdir(workdir: Path) -> None:
+    """Make `workdir` the demo's, or refuse (ConfigError naming one file) a folder holding files the demo did not write:
+    its config, prompts, status page and training logs have fixed names there, and a user's own files of those names
+    would be replaced. A folder an earlier demo made (`DEMO_MARK`) is the demo's again."""
+    if workdir.exists() and not workdir.is_dir():
+        raise ConfigError(f"--workdir {workdir} is a file, not a folder; pick a new or empty folder")
+    if workdir.is_dir() and not (workdir / DEMO_MARK).is_file():
+        found = next(iter(sorted(p.name for p in workdir.iterdir())), None)
+        if found is not None:
+            raise ConfigError(
+                f"--workdir {workdir} holds files the demo did not write ({found}, ...), and the demo would replace its own "
+                "names there (blockdraft.toml, prompts.jsonl, PROGRESS.md, train-logs/); pick a new or empty folder"
+            )
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / DEMO_MARK).write_text("a folder blockdraft demo made; a rerun replaces its files\n")
+
+
 def _run(
     workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, reporter: Reporter, target: DemoTarget,
     engine: str,
 ) -> DemoResult:
-    workdir.mkdir(parents=True, exist_ok=True)
+    claim_workdir(workdir)
     store = (store_url or f"file://{workdir / 'store'}").rstrip("/")
     target_dir = TARGETS[target]
     sections = demo_config(workdir, store, size, endpoint_url, target)
     if engine != "none":
         sections["eval"]["engine"] = engine
         sections["eval"]["engine_python"] = str(Path(EvalConfig().engine_python).absolute())
+        from blockdraft.stages.eval.engine import cuda_here
+
+        if not cuda_here():
+            sections["eval"]["top_k"] = 0  # vLLM's CPU build cannot verify drafts with top-k (docs/EVAL.md)
     write_toml(workdir / "blockdraft.toml", sections)
     cfg = load_config(workdir / "blockdraft.toml")
     result = DemoResult(workdir=workdir, store_url=store, engine=engine)

@@ -41,6 +41,10 @@ class Reporter:
     def progress(self, task: str, completed: float, total: float | None = None, **fields: Any) -> None:
         """How far `task` is; called often, so it must be cheap. Nothing to do by default."""
 
+    def status_line(self, line: str) -> None:
+        """A periodic plain progress line, for a log that shows no progress bar (no terminal); logged by default."""
+        log.info(line)
+
     def for_rank(self, rank: int) -> Reporter:
         """This reporter on rank 0, a silent one on every other rank."""
         return self if rank == 0 else SilentReporter()

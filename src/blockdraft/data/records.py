@@ -130,10 +130,40 @@ def line_record(position: int | None, line: bytes, offset: int) -> RawRecord:
     """One JSON Lines row: parsed, or `data` None when the line is not JSON (the row is then rejected as `bad_json`)."""
     text = line.decode("utf-8", errors="replace").rstrip("\r\n")
     try:
-        data = json.loads(line)
+        data = loads_row(line)
     except ValueError:
         data = None
     return RawRecord(position, data, text, offset)
+
+
+def loads_row(text: str | bytes) -> Any:
+    """`json.loads`, with JSON nested deeper than Python's parser recurses raised as ValueError like any other row that
+    does not parse (`RecursionError` would end the whole run)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep to parse") from None
+
+
+def value_end(text: str, start: int) -> int | None:
+    """Where the JSON value that opens at `text[start]` with a bracket ends (the index after its closing bracket), found
+    by counting brackets outside strings, without parsing it; None when `text` ends first. For an element the parser
+    cannot hold (nested past its recursion limit), so that it is skipped as one bad row."""
+    depth, i, n = 0, start, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return None
 
 
 def _iter_json_array(buffered: BinaryIO, reader: CountingReader, key: str, counter: list[int] | None) -> Iterator[RawRecord]:
@@ -187,6 +217,18 @@ def _iter_json_array(buffered: BinaryIO, reader: CountingReader, key: str, count
         try:
             value, end = decoder.raw_decode(buf, pos)
             complete = end < len(buf) or eof  # a number cut at the end of what was read would parse short
+            text = json.dumps(value, ensure_ascii=False)
+        except RecursionError:  # valid JSON nested deeper than the parser recurses: one bad row, skipped whole
+            skipped = value_end(buf, pos)
+            if skipped is None and eof:
+                raise unreadable(f"the file ends inside element {index + 1}") from None
+            if skipped is not None:
+                head, pos, want, index, expect_value = buf[pos:pos + HEAD_BYTES], skipped, ARRAY_READ, index + 1, False
+                if counter is not None:
+                    counter[0] = reader.bytes_read
+                yield RawRecord(index, None, head + "...")
+                continue
+            value, end, complete, text = None, 0, False, ""
         except json.JSONDecodeError as exc:
             # Cut by the end of what was read so far (an open string, or an error within a few characters of the end)
             # reads on; an error anywhere else is in the file itself.
@@ -203,7 +245,7 @@ def _iter_json_array(buffered: BinaryIO, reader: CountingReader, key: str, count
         pos, want, index, expect_value = end, ARRAY_READ, index + 1, False
         if counter is not None:
             counter[0] = reader.bytes_read
-        yield RawRecord(index, value, json.dumps(value, ensure_ascii=False))
+        yield RawRecord(index, value, text)
 
 
 def _iter_parquet(stream: BinaryIO, key: str, counter: list[int] | None, max_row_bytes: int, conversations: bool) -> Iterator[RawRecord]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from blockdraft.decode.sampling import Proposal, Sampler
+
 
 class NgramProposer:
     """Drafts B-1 tokens by matching the longest suffix (max_ngram down to min_ngram tokens) earlier in the sequence.
@@ -39,3 +41,7 @@ class NgramProposer:
                     return follow + [self.mask_token_id] * (width - len(follow))
         return [self.mask_token_id] * width
 
+
+    def sample(self, tokens: list[int], new_features: torch.Tensor | None, start: int, sampler: Sampler) -> Proposal:
+        """The same copy at temperature: chosen without chance, so a point mass on each draft (`Proposal.q` None)."""
+        return Proposal(self.propose(tokens, new_features, start))

@@ -1,8 +1,12 @@
-"""Greedy speculative decoding, exactly as docs/DFLASH.md "Decode loop" specifies, and target-only greedy decoding.
+"""Speculative decoding, exactly as docs/DFLASH.md "Decode loop" and "Sampled verify" specify, and target-only greedy
+decoding.
 
 One sequence at a time (batch 1), like the reference implementation the golden vectors come from. The loop is written
 once (`run_speculative`) and takes the drafter as a `Proposer`, so the DFlash drafter and the n-gram baseline are
-verified by the very same target code.
+verified by the very same target code. Without a `Sampler` it is greedy (draft accepted when it is the target's argmax);
+with one, drafts are sampled and verified by rejection sampling (`blockdraft.decode.sampling`). Greedy is the limit of
+the sampled rule at temperature 0, where p and q are point masses at their argmax: min(1, p/q) is 1 exactly when the
+draft is the target's argmax, and the residual is that argmax; the loop runs that case as the argmax rule itself.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Protocol
 import torch
 
 from blockdraft.decode.cached_target import CachedTarget, top2_margin
+from blockdraft.decode.sampling import Proposal, Sampler, Verify, rejection_verify
+from blockdraft.model.dflash2 import greedy_walk, unary_logits
 from blockdraft.model.drafter import DFlashDrafter, DraftCache, draft_step
 from blockdraft.model.target import TargetHead
 
@@ -34,6 +40,10 @@ class Proposer(Protocol):
         """`tokens`: every committed token, positions 0..start (the anchor last). `new_features` [1, n, K*H]: target
         features of positions start-n..start-1 not given before (None when `layer_ids` is None). Returns B-1 drafts
         for positions start+1..start+B-1."""
+        ...
+
+    def sample(self, tokens: list[int], new_features: torch.Tensor | None, start: int, sampler: Sampler) -> Proposal:
+        """As `propose`, at temperature: the drafts drawn with `sampler`, with the distribution each was drawn from."""
         ...
 
 
@@ -107,11 +117,15 @@ def run_speculative(
     max_new_tokens: int,
     stop_token_ids: Iterable[int] = (),
     rollback_linear_state: bool = True,
+    sampler: Sampler | None = None,
+    verify: Verify = rejection_verify,
 ) -> SpecResult:
     """Prefill, then draft / verify / accept / crop until P + max_new_tokens positions are filled or a stop token appears.
 
-    `rollback_linear_state` False exists for the negative control of the tests only: a hybrid target then keeps the
-    linear-attention state of rejected drafts, and the output diverges from greedy."""
+    `sampler` None: greedy. With a sampler, the prefill's token and every committed token are drawn, and `verify`
+    decides each cycle (only the tests' broken verifies replace `rejection_verify`). `rollback_linear_state` False exists
+    for the negative control of the tests only: a hybrid target then keeps the linear-attention state of rejected drafts,
+    and the output diverges from greedy."""
     prompt, prompt_t = _prompt_tensor(prompt_ids)
     stops = set(int(t) for t in stop_token_ids)
     block_size = proposer.block_size
@@ -120,7 +134,8 @@ def run_speculative(
 
     # 1. Prefill: positions 0..P-1; the greedy token goes to position P; all P positions are the first new context.
     logits, features = target.forward(prompt_t, 0, last_only=True)  # [1, 1, V]: P x V logits can be gigabytes
-    tokens = prompt + [int(logits[0, -1].argmax())]
+    first = logits[0, -1].argmax() if sampler is None else sampler.draw(sampler.probs(logits[0, -1]))
+    tokens = prompt + [int(first)]
     prompt_len = len(prompt)
     max_length = prompt_len + max_new_tokens
     start = prompt_len
@@ -131,19 +146,25 @@ def run_speculative(
     while start < max_length:
         # 2a. Draft B-1 tokens after the anchor at `start`.
         t0 = time.perf_counter()
-        drafts = proposer.propose(tokens, features, start)
+        proposal = Proposal(proposer.propose(tokens, features, start)) if sampler is None else proposer.sample(tokens, features, start, sampler)
+        drafts = proposal.tokens
         _sync(target.device)
         t1 = time.perf_counter()
         # 2b. Verify: one target forward over [anchor, drafts] at positions start..start+B-1.
         block = torch.tensor([[tokens[start], *drafts]], dtype=torch.long)
         logits, block_features = target.forward(block, start)
-        posterior = logits[0].argmax(dim=-1).tolist()
-        # 2c. Accept the longest prefix with draft[k] == posterior[k-1]; posterior[a] is the bonus token.
-        accepted = 0
-        while accepted < block_size - 1 and drafts[accepted] == posterior[accepted]:
-            accepted += 1
+        if sampler is None:
+            # 2c. Accept the longest prefix with draft[k] == posterior[k-1]; posterior[a] is the bonus token.
+            posterior = logits[0].argmax(dim=-1).tolist()
+            accepted = 0
+            while accepted < block_size - 1 and drafts[accepted] == posterior[accepted]:
+                accepted += 1
+            bonus = posterior[accepted]
+        else:
+            # 2c'. Rejection sampling against the target's processed distribution at each position of the block.
+            accepted, bonus = verify(proposal, sampler.probs(logits[0]), sampler)
         tokens.extend(drafts[:accepted])
-        tokens.append(posterior[accepted])
+        tokens.append(bonus)
         # 2d. Commit a+1 positions; the bonus is not in the cache, it is the next anchor.
         start += accepted + 1
         target.crop(start)
@@ -189,14 +210,17 @@ def greedy_decode(target_hf_model, prompt_ids, max_new_tokens: int, stop_token_i
 
 
 class DFlashProposer:
-    """The DFlash drafter as a `Proposer`: one `draft_step` over the new context and [anchor, m x (B-1)].
+    """The DFlash drafter as a `Proposer`: one `draft_step` over the new context and [anchor, m x (B-1)], then the argmax
+    of each slot, or for a DFlash2 drafter the candidate selector's greedy walk from the anchor (`use_selector` False:
+    the unary argmax instead, which measures what the selector earns).
 
     `target_head` supplies the target's embedding and LM head on the drafter's device (`blockdraft.model.target.TargetHead`).
     """
 
-    def __init__(self, drafter: DFlashDrafter, target_head: TargetHead):
+    def __init__(self, drafter: DFlashDrafter, target_head: TargetHead, use_selector: bool = True):
         self.drafter = drafter
         self.head = target_head
+        self.use_selector = use_selector and drafter.candidate_selector is not None
         self.block_size = drafter.spec.block_size
         self.mask_token_id = drafter.spec.mask_token_id
         self.layer_ids = list(drafter.spec.target_layer_ids)
@@ -205,11 +229,34 @@ class DFlashProposer:
         self.device, self.dtype = param.device, param.dtype
 
     def propose(self, tokens: list[int], new_features: torch.Tensor | None, start: int) -> list[int]:
+        hidden, block = self._draft(tokens, new_features, start)
+        logits = self.head.logits(hidden[:, 1:])
+        spec2 = self.drafter.spec.dflash2
+        if spec2 is None:
+            return logits.argmax(dim=-1)[0].tolist()
+        unary = unary_logits(logits, spec2)
+        if not self.use_selector:
+            return unary.argmax(dim=-1)[0].tolist()
+        assert self.drafter.candidate_selector is not None  # built with spec.dflash2
+        return greedy_walk(self.drafter.candidate_selector, hidden[:, 1:], unary, block[:, 0]).path[0].tolist()
+
+    def _draft(self, tokens: list[int], new_features: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the drafter's hidden states [1, B, H], the block [1, B] they were drafted for: tokens[start], then masks)."""
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = tokens[start]
         assert new_features is not None, "a DFlash drafter reads target features at every cycle"
         features = new_features.to(device=self.device, dtype=self.dtype)
         # draft_step crops its cache back to `start` itself: context K/V only, never the block's.
-        hidden = draft_step(self.drafter, self.cache, features, self.head.embed(block), start)  # [1, B, H]
-        return self.head.logits(hidden[:, 1:]).argmax(dim=-1)[0].tolist()
+        return draft_step(self.drafter, self.cache, features, self.head.embed(block), start), block
+
+    def sample(self, tokens: list[int], new_features: torch.Tensor | None, start: int, sampler: Sampler) -> Proposal:
+        """Each slot's token drawn from the drafter's logits after the same temperature / top-k / top-p as the target's.
+
+        A DFlash2 drafter's slots are drawn from its unary logits: the selector's walk is a greedy search, and rejection
+        sampling is lossless for whatever distribution the drafts are drawn from, as long as it is the one it is given."""
+        hidden, _ = self._draft(tokens, new_features, start)
+        logits = self.head.logits(hidden[:, 1:])
+        spec2 = self.drafter.spec.dflash2
+        q = sampler.probs((logits if spec2 is None else unary_logits(logits, spec2))[0])  # [B-1, V]
+        return Proposal(sampler.draw(q).tolist(), q)
 

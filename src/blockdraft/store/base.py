@@ -10,9 +10,10 @@ import abc
 import os
 import uuid
 from collections.abc import Collection, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
 
@@ -31,6 +32,29 @@ ROOT_MARKERS = ("blockdraft-manifest.json", ".blockdraft-lease.json", ".blockdra
 def is_bookkeeping(key: str) -> bool:
     """Whether `key` (relative, '/'-separated) is blockdraft's bookkeeping: a part of its path is a name only it creates."""
     return any(part.startswith(BOOKKEEPING_PREFIX) for part in key.split("/"))
+
+
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class NewFile:
+    """A file being written at one key of a LocalStore (`LocalStore.writing`): created under a temp name in the key's folder,
+    which is held open (`dir_fd`), so the rename into place happens in that same folder whatever is swapped in on the way."""
+
+    def __init__(self, dir_fd: int, name: str) -> None:
+        self.dir_fd, self.name = dir_fd, name
+        self.tmp = f"{TMP_PREFIX}{name}.{uuid.uuid4().hex[:8]}"
+        self.fd = os.open(self.tmp, _NEW_FILE_FLAGS, 0o644, dir_fd=dir_fd)
+
+    def reopen(self, flags: int) -> int:
+        """Another descriptor of the temp file (an O_DIRECT one), opened in the same held folder."""
+        return os.open(self.tmp, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
+
+
+class LocalFolder(Protocol):
+    """Where a download lands: a local store's `writing` (`LocalStore`)."""
+
+    def writing(self, key: str) -> AbstractContextManager[NewFile]: ...
 
 
 @dataclass(frozen=True)
@@ -102,25 +126,19 @@ class Store(abc.ABC):
                 size += len(chunk)
         return size, crc.b64
 
-    def get_file(self, key: str, local_path: Path) -> tuple[int, str]:
-        """Download to `local_path`, atomically (a temp name renamed when whole).
+    def get_file(self, key: str, into: LocalFolder, as_key: str) -> tuple[int, str]:
+        """Download to `as_key` of the local folder `into`, atomically (`LocalStore.writing`: a temp name renamed when
+        whole, no link followed on the way).
 
         Returns (size, base64 CRC64NVME) of the bytes as received, for the caller to compare with the manifest.
         """
-        local_path = Path(local_path)
-        local_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local_path.parent / f"{TMP_PREFIX}{local_path.name}.{uuid.uuid4().hex[:8]}"
         crc = Crc64Nvme()
         size = 0
-        try:
-            with self.open_read(key) as src, open(tmp, "wb") as dst:
-                while chunk := src.read(READ_CHUNK):
-                    crc.update(chunk)
-                    dst.write(chunk)
-                    size += len(chunk)
-            os.replace(tmp, local_path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with into.writing(as_key) as new, self.open_read(key) as src, open(new.fd, "wb", closefd=False) as dst:
+            while chunk := src.read(READ_CHUNK):
+                crc.update(chunk)
+                dst.write(chunk)
+                size += len(chunk)
         return size, crc.b64
 
     def abort_partial_uploads(self, keys: Collection[str] | None = None) -> int:

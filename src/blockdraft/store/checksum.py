@@ -38,8 +38,8 @@ def crc64nvme_bytes(data: bytes) -> str:
     return crc.b64
 
 
-def crc64nvme_file(path: str | Path) -> tuple[int, str]:
-    """(size, base64 checksum) of a local file, read in chunks."""
+def crc64nvme_file(path: str | Path | int) -> tuple[int, str]:
+    """(size, base64 checksum) of a local file (a path, or a descriptor it closes), read in chunks."""
     crc = Crc64Nvme()
     size = 0
     with open(path, "rb") as f:

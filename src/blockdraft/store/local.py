@@ -6,17 +6,18 @@ import errno
 import os
 import shutil
 import stat
-import tempfile
 from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 from blockdraft.errors import OutsideArtifactError, StoreError
-from blockdraft.store.base import ROOT_MARKERS, TMP_PREFIX, ObjectInfo, Store
-from blockdraft.store.checksum import crc64nvme_file
+from blockdraft.store.base import ROOT_MARKERS, TMP_PREFIX, NewFile, ObjectInfo, Store
+from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme, crc64nvme_file
 from blockdraft.store.checksum_cache import cached_checksum, file_checksum, remember_checksum
 
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # what `Path.is_file` reads as "not a file"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class LocalStore(Store):
@@ -35,9 +36,6 @@ class LocalStore(Store):
     def parent(self) -> LocalStore | None:
         return None if self.root.parent == self.root else LocalStore(self.root.parent)
 
-    def _path(self, key: str) -> Path:
-        return Path(self._inside(key))
-
     def _inside(self, key: str) -> str:
         """The file of `key`, refused (OutsideArtifactError) when it resolves outside this folder: a key with '..' or an
         absolute path, or a symlink (of the file or of a folder on the way) pointing elsewhere. Nothing outside the
@@ -47,6 +45,121 @@ class LocalStore(Store):
         if real != self._real and not real.startswith(self._real.rstrip(os.sep) + os.sep):
             raise OutsideArtifactError(f"{self.url}/{key} resolves outside {self._root} (to {real}); remove that link or entry")
         return path
+
+    def _folder_fd(self, key: str, create: bool) -> int | None:
+        """A descriptor of the folder that holds `key`, reached from the root one name at a time without following a
+        link (openat with O_NOFOLLOW): what every write opens, so nothing is created, replaced or removed outside the
+        root through a link planted (or swapped in) anywhere below it, with no window between a check and the use.
+        Missing folders are created when `create`, else None; a link (or a file) on the way is OutsideArtifactError."""
+        if key.startswith("/") or ".." in key.split("/"):
+            self._inside(key)  # names the escape
+        parts = [p for p in key.split("/")[:-1] if p]
+        if create:
+            os.makedirs(self._root, exist_ok=True)
+        try:
+            fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        for i, part in enumerate(parts):
+            try:
+                if create:
+                    try:
+                        os.mkdir(part, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                below = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                os.close(fd)
+                return None
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise self._not_a_folder("/".join(parts[: i + 1]), key) from None
+                raise
+            os.close(fd)
+            fd = below
+        return fd
+
+    def _not_a_folder(self, folder: str, key: str) -> OutsideArtifactError:
+        path = os.path.join(self._root, folder)
+        if os.path.islink(path):
+            return OutsideArtifactError(
+                f"{self.url}/{key} resolves outside {self._root}: {folder} is a link (to {os.path.realpath(path)}), "
+                "and blockdraft writes nothing through a link; remove that link"
+            )
+        return OutsideArtifactError(f"{self.url}/{key} cannot be written: {path} is a file, not a folder; move that file away")
+
+    @contextmanager
+    def writing(self, key: str) -> Iterator[NewFile]:
+        """A new file for `key`, renamed into place (replacing what is there, a link itself, never its target) when the
+        block ends without an error, removed otherwise."""
+        fd = self._folder_fd(key, create=True)
+        assert fd is not None
+        new = None
+        try:
+            new = NewFile(fd, os.path.basename(key))
+            yield new
+            os.close(new.fd)
+            new.fd = -1
+            os.replace(new.tmp, new.name, src_dir_fd=fd, dst_dir_fd=fd)
+            new.tmp = ""
+        finally:
+            if new is not None:
+                if new.fd >= 0:
+                    os.close(new.fd)
+                if new.tmp:
+                    try:
+                        os.unlink(new.tmp, dir_fd=fd)
+                    except FileNotFoundError:
+                        pass
+            os.close(fd)
+
+    def read_checksum(self, key: str) -> tuple[int, str] | None:
+        """(size, checksum) of every byte of `key`'s file as read now, opened like `writing` opens (no link followed on the
+        way, nor the file itself a link); None when there is no such regular file. For files a writer will move."""
+        fd = self._folder_fd(key, create=False)
+        if fd is None:
+            return None
+        try:
+            try:
+                file_fd = os.open(os.path.basename(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in _ABSENT:
+                    return None
+                raise
+            if not stat.S_ISREG(os.fstat(file_fd).st_mode):
+                os.close(file_fd)
+                return None
+            return crc64nvme_file(file_fd)
+        finally:
+            os.close(fd)
+
+    def move(self, source_key: str, key: str) -> None:
+        """Rename the file at `source_key` to `key`, both folders opened like `writing` opens them."""
+        src = self._folder_fd(source_key, create=False)
+        if src is None:
+            raise FileNotFoundError(source_key)
+        try:
+            dst = self._folder_fd(key, create=True)
+            assert dst is not None
+            try:
+                os.replace(os.path.basename(source_key), os.path.basename(key), src_dir_fd=src, dst_dir_fd=dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+
+    def remove_folder(self, key: str) -> None:
+        """Remove the folder `key` and all below it, never following a link (`shutil.rmtree` with a folder descriptor:
+        a link in there is removed itself, and a link at `key` is refused)."""
+        parent = self._folder_fd(key, create=False)
+        if parent is not None:
+            try:
+                shutil.rmtree(os.path.basename(key), dir_fd=parent)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(parent)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if self.root.is_dir():
@@ -107,52 +220,46 @@ class LocalStore(Store):
     def open_read(self, key: str) -> BinaryIO:
         return open(self._inside(key), "rb")
 
-    def _atomic_target(self, key: str) -> tuple[Path, Path]:
-        dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{dest.name}.", dir=dest.parent)
-        os.close(fd)
-        return dest, Path(tmp)
-
     def put_file(self, key: str, local_path: Path, checksum: str | None = None) -> None:
-        dest, tmp = self._atomic_target(key)
-        try:
-            shutil.copyfile(local_path, tmp)
-            if checksum is not None and (got := crc64nvme_file(tmp)[1]) != checksum:
+        with self.writing(key) as new, open(local_path, "rb") as src, open(new.fd, "wb", closefd=False) as dst:
+            crc = Crc64Nvme()
+            while chunk := src.read(READ_CHUNK):
+                crc.update(chunk)
+                dst.write(chunk)
+            if checksum is not None and crc.b64 != checksum:
                 raise StoreError(
-                    f"the bytes copied from {local_path.name} to {key} do not match its expected checksum (crc64nvme {got} != {checksum}); "
+                    f"the bytes copied from {local_path.name} to {key} do not match its expected checksum (crc64nvme {crc.b64} != {checksum}); "
                     "the source changed or the copy is bad"
                 )
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
 
-    def _synced_tmp(self, key: str, data: bytes) -> tuple[Path, Path]:
-        """`data` written and synced under a temp name beside `key`'s path: (destination, temp file)."""
-        dest, tmp = self._atomic_target(key)
-        with open(tmp, "wb") as f:
+    @staticmethod
+    def _write_synced(new: NewFile, data: bytes) -> None:
+        with open(new.fd, "wb", closefd=False) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        return dest, tmp
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        dest, tmp = self._synced_tmp(key, data)
-        try:
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with self.writing(key) as new:
+            self._write_synced(new, data)
 
     def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
-        dest, tmp = self._synced_tmp(key, data)
+        fd = self._folder_fd(key, create=True)
+        assert fd is not None
         try:
+            new = NewFile(fd, os.path.basename(key))
             try:
-                os.link(tmp, dest)  # whole, and only if `dest` does not exist (atomic on POSIX filesystems)
-            except FileExistsError:
-                return False
-            return True
+                self._write_synced(new, data)
+                try:  # whole, and only if nothing (not even a link) has that name (atomic on POSIX filesystems)
+                    os.link(new.tmp, new.name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    return False
+                return True
+            finally:
+                os.close(new.fd)
+                os.unlink(new.tmp, dir_fd=fd)
         finally:
-            tmp.unlink(missing_ok=True)
+            os.close(fd)
 
     def abort_partial_uploads(self, keys: Collection[str] | None = None) -> int:
         """Remove temp files left by a killed writer (a rename never happened, so they are nobody's data): those of `keys`,
@@ -160,21 +267,42 @@ class LocalStore(Store):
         temp names (`TMP_PREFIX`) are ever removed."""
         if not self.root.is_dir():
             return 0
-        leftovers = _own_temp_files(self.root) if keys is None else [p for key in keys for p in _temp_files_of(self.root / key)]
-        for path in leftovers:
-            path.unlink(missing_ok=True)
-        return len(leftovers)
+        if keys is None:
+            leftovers = _own_temp_files(self.root)
+            for path in leftovers:
+                path.unlink(missing_ok=True)
+            return len(leftovers)
+        return sum(self._remove_temp_files_of(key) for key in keys)
+
+    def _remove_temp_files_of(self, key: str) -> int:
+        """Remove the temp files that writes of `key` leave beside it: `TMP_PREFIX + name` and `TMP_PREFIX + name + ".*"`,
+        in its folder opened like `writing` opens it."""
+        fd = self._folder_fd(key, create=False)
+        if fd is None:
+            return 0
+        stem, removed = TMP_PREFIX + os.path.basename(key), 0
+        try:
+            for name in os.listdir(fd):
+                if name == stem or name.startswith(stem + "."):
+                    try:
+                        os.unlink(name, dir_fd=fd)
+                        removed += 1
+                    except (FileNotFoundError, IsADirectoryError, PermissionError):
+                        pass
+            return removed
+        finally:
+            os.close(fd)
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
-
-
-def _temp_files_of(path: Path) -> list[Path]:
-    """The temp files that writes of `path` leave beside it: `TMP_PREFIX + name` and `TMP_PREFIX + name + ".*"`."""
-    folder, stem = path.parent, TMP_PREFIX + path.name
-    if not folder.is_dir():
-        return []
-    return [p for p in folder.iterdir() if (p.name == stem or p.name.startswith(stem + ".")) and p.is_file()]
+        fd = self._folder_fd(key, create=False)
+        if fd is None:
+            return
+        try:
+            os.unlink(os.path.basename(key), dir_fd=fd)  # a link itself, never its target
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def _own_temp_files(root: Path) -> list[Path]:

@@ -67,6 +67,7 @@ class InputRef(BaseModel):
 
     kind "manifest": another artifact, pinned by the sha256 of its manifest bytes.
     kind "raw": a file without a manifest (completions someone else uploaded), pinned by size and checksum/ETag.
+    kind "dataset": rows read through `datasets` (a prompt set eval read), pinned by the sha256 of those rows.
     """
 
     kind: str

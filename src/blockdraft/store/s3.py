@@ -16,7 +16,7 @@ from botocore.exceptions import ClientError
 
 from blockdraft.config import StoreConfig
 from blockdraft.store import s3_multipart
-from blockdraft.store.base import ROOT_MARKERS, ObjectInfo, Store
+from blockdraft.store.base import ROOT_MARKERS, LocalFolder, ObjectInfo, Store
 from blockdraft.store.s3_client import S3Location, b64, make_connection, parse_s3_url
 
 
@@ -127,9 +127,9 @@ class S3Store(Store):
         """Every byte read back with ranged GETs in parallel (bounded memory) and checksummed; nothing is written."""
         return s3_multipart.read_checksum(self.at, key)
 
-    def get_file(self, key: str, local_path: Path) -> tuple[int, str]:
+    def get_file(self, key: str, into: LocalFolder, as_key: str) -> tuple[int, str]:
         """Ranged GETs on the shared pool into a temp file renamed when whole; (size, base64 CRC64NVME) as received."""
-        return s3_multipart.get_file(self.at, key, local_path)
+        return s3_multipart.get_file(self.at, key, into, as_key)
 
 
 class _ObjectReader(io.RawIOBase):

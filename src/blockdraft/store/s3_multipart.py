@@ -14,14 +14,13 @@ import errno
 import mmap
 import os
 import threading
-import uuid
 from concurrent.futures import Future
 from pathlib import Path
 
 from awscrt import checksums
 
 from blockdraft.errors import StoreError
-from blockdraft.store.base import TMP_PREFIX
+from blockdraft.store.base import LocalFolder, NewFile
 from blockdraft.store.s3_client import MIB, S3Location, b64
 
 STREAM_CHUNK = 1 * MIB
@@ -130,8 +129,8 @@ def _settle(futures: list[Future]) -> None:
 # ---------------------------------------------------------------------------------------------- downloads
 
 
-def get_file(at: S3Location, key: str, local_path: Path) -> tuple[int, str]:
-    """Ranged GETs on the shared pool, written at their offsets into a temp file renamed when whole.
+def get_file(at: S3Location, key: str, into: LocalFolder, as_key: str) -> tuple[int, str]:
+    """Ranged GETs on the shared pool, written at their offsets into a temp file of `into` renamed to `as_key` when whole.
 
     Returns (size in bytes, base64 CRC64NVME) of the bytes received. If-Match pins every range to the same object
     version. No preallocation: writing into fallocated (unwritten) ext4 extents measured slower here;
@@ -140,35 +139,25 @@ def get_file(at: S3Location, key: str, local_path: Path) -> tuple[int, str]:
     """
     info = at.call("reading metadata of", key, at.conn.client.head_object, Key=at.key(key))
     size, etag = info["ContentLength"], info.get("ETag")
-    local_path = Path(local_path)
-    local_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = local_path.parent / f"{TMP_PREFIX}{local_path.name}.{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    direct = _open_direct(tmp)
-    try:
-        ranges = _ranges(size, at.conn.part_size)
-        futures = [at.conn.pool.submit(_get_range, at, key, etag, (fd, direct), offset, length) for offset, length in ranges]
+    with into.writing(as_key) as new:
+        direct = _open_direct(new)
         try:
-            crcs = [f.result() for f in futures]
-        except BaseException:
-            _settle(futures)
-            raise
-        for each in (direct, fd):
-            if each >= 0:
-                os.close(each)
-        fd = direct = -1
+            ranges = _ranges(size, at.conn.part_size)
+            futures = [at.conn.pool.submit(_get_range, at, key, etag, (new.fd, direct), offset, length) for offset, length in ranges]
+            try:
+                crcs = [f.result() for f in futures]
+            except BaseException:
+                _settle(futures)
+                raise
+        finally:
+            if direct >= 0:
+                os.close(direct)
         # No fsync: a crash can leave the page cache unwritten, but every reader verifies checksums, so
         # such a file shows as corrupt, never as verified.
-        os.replace(tmp, local_path)
-        return size, b64(_fold(crcs, ranges))
-    finally:
-        for each in (direct, fd):
-            if each >= 0:
-                os.close(each)
-        tmp.unlink(missing_ok=True)
+    return size, b64(_fold(crcs, ranges))
 
 
-def _open_direct(path: Path) -> int:
+def _open_direct(new: NewFile) -> int:
     """A second descriptor of `path` with O_DIRECT, or -1 where the file system (or platform) has none.
 
     Why: buffered writes copy every byte into freshly allocated page-cache pages, and on this VM first-touching those
@@ -179,7 +168,7 @@ def _open_direct(path: Path) -> int:
     if not flag:
         return -1
     try:
-        return os.open(path, os.O_WRONLY | flag)
+        return new.reopen(os.O_WRONLY | flag)
     except OSError:
         return -1
 

@@ -53,6 +53,7 @@ from blockdraft.store.artifact import (
     verify_artifact,
 )
 from blockdraft.store.lease import Lease
+from blockdraft.store.local import LocalStore
 from blockdraft.store.output_state import STAGE_KEY, Expected, Holds, OutputState, config_value, output_state, recorded_manifest
 from blockdraft.store.ownership import PIECE_SUFFIX, claim_output, refuse_nested, release_claim
 
@@ -113,7 +114,7 @@ class StageInput:
             return local
         for path in paths:
             entry = self.entry(path)
-            size, checksum = self.store.get_file(path, dest / path)
+            size, checksum = self.store.get_file(path, LocalStore(dest), path)
             if size != entry.size or checksum != entry.checksum:
                 (dest / path).unlink(missing_ok=True)
                 raise ArtifactError(
@@ -179,7 +180,7 @@ class RawInput:
         local = self.store.local_path()
         if local is not None:
             return local / self.info.key
-        size, checksum = self.store.get_file(self.info.key, dest)
+        size, checksum = self.store.get_file(self.info.key, LocalStore(dest.parent), dest.name)
         if size != self.info.size or (self.info.checksum is not None and checksum != self.info.checksum):
             dest.unlink(missing_ok=True)
             raise ArtifactError(f"{self.url} changed while read (received {size} bytes, pinned {self.info.size}); rerun when it is stable")
@@ -345,6 +346,31 @@ class StageOutput:
                 raise
             entries.append(entry)
         return self.commit(entries, config=config, lineage=lineage, counts=counts)
+
+    @classmethod
+    def amending(cls, current: StageInput, *, force: bool = False, reporter: Reporter | None = None) -> StageOutput:
+        """The output `current` (a verified artifact) as a writer that replaces some of its files (`amend`), keeping the
+        key it was made for, so the stage that made it still finds it done afterwards."""
+        return cls(current.store, current.kind, current.manifest.config.get(STAGE_KEY, ""), force=force, reporter=reporter)
+
+    def amend(self, current: StageInput, root: Path, paths: Iterable[Path]) -> VerifyReport:
+        """Replace or add the local files `paths` (under `root`) in the committed output `current`: its other files stay
+        as listed, its config, lineage and counts as recorded; the manifest is taken down first (`begin`), every file is
+        checked at the destination, and the new manifest is written last."""
+        recorded = current.manifest
+        self.begin()
+        try:
+            added = []
+            for path in paths:
+                entry = entry_for_local_file(root, path)
+                self.store.put_file(entry.path, path, checksum=entry.checksum)
+                added.append(entry)
+            replaced = {e.path for e in added}
+            kept = [e for e in recorded.files if e.path not in replaced]
+            config = {k: v for k, v in recorded.config.items() if k != STAGE_KEY}
+            return self.commit([*kept, *added], config=config, lineage=recorded.lineage, counts=recorded.counts)
+        finally:
+            self.release()
 
     # -- pieces: the resumable parts of a long stage (tokenize shards, generate shards)
 

@@ -7,8 +7,6 @@ Both resume: files already verified at the destination are skipped; anything els
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +35,6 @@ from blockdraft.store.artifact import (
     uncommit,
 )
 from blockdraft.store.base import Store
-from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.lease import Lease
 from blockdraft.store.local import LocalStore
 from blockdraft.store.ownership import claim_output, mark_writing, refuse_nested, release_claim
@@ -158,10 +155,9 @@ def push(
     return report
 
 
-def _local_matches(path: Path, entry: FileEntry) -> bool:
-    if not path.is_file() or path.stat().st_size != entry.size:
-        return False
-    return crc64nvme_file(path)[1] == entry.checksum
+def _local_matches(dest: LocalStore, key: str, entry: FileEntry) -> bool:
+    """Whether `key` in `dest` holds `entry`'s bytes, read now (`LocalStore.read_checksum`: no link followed)."""
+    return dest.read_checksum(key) == (entry.size, entry.checksum)
 
 
 def _refuse(url: str, problems: list[FileProblem]) -> ArtifactError:
@@ -244,9 +240,10 @@ def _pull_into(
 def _download_and_swap(source: Store, dest: LocalStore, kind: str, files: list[FileEntry], report: TransferReport, workers: int) -> None:
     """Download what the local folder lacks into its incoming folder, each file's checksum recomputed on the bytes
     written; refuse (nothing local touched) if any differs; then uncommit the local copy and move the new files in."""
+    # Every working path goes through `dest` (`LocalStore.writing`, `read_checksum`, `move`): opened one name at a time
+    # without following a link, so a link planted at the incoming folder (or below it) is refused, never written through.
     dest.abort_partial_uploads([f"{INCOMING_DIR}/{e.path}" for e in files])  # temp files of an interrupted pull
-    incoming = dest.root / INCOMING_DIR
-    present = [_local_matches(dest.root / e.path, e) or _local_matches(incoming / e.path, e) for e in files]
+    present = [_local_matches(dest, e.path, e) or _local_matches(dest, f"{INCOMING_DIR}/{e.path}", e) for e in files]
     todo = [e for e, ok in zip(files, present) if not ok]
     report.skipped = [e.path for e, ok in zip(files, present) if ok]
     need = sum(e.size for e in todo)
@@ -254,20 +251,24 @@ def _download_and_swap(source: Store, dest: LocalStore, kind: str, files: list[F
     if need > free:
         raise StoreError(f"not enough local disk space in {dest.root}: the pull needs {need} bytes, {free} are free; free space or pull elsewhere")
     bad: list[FileProblem] = []
+    arrived: list[FileEntry] = []
 
     def download(entry: FileEntry) -> None:
-        target = incoming / entry.path
         try:
-            size, checksum = source.get_file(entry.path, target)
+            size, checksum = source.get_file(entry.path, dest, f"{INCOMING_DIR}/{entry.path}")
         except OSError as exc:
             if exc.errno in DISK_FULL:
+                kept = sum(e.size for e in arrived)
                 raise StoreError(
-                    f"local disk full writing {target.name} into {dest.root} ({exc.strerror}; the pull needs {need} bytes); "
-                    "free space or pull elsewhere; the local folder was left as it was"
+                    f"local disk full writing {Path(entry.path).name} into {dest.root} ({exc.strerror}; the pull needs {need:,} bytes); "
+                    f"the local copy is as it was, and the {len(arrived)} file(s) ({kept:,} bytes) downloaded and verified so far stay in "
+                    f"{dest.root / INCOMING_DIR}: free space, then rerun the pull, which resumes from them (or delete that folder)"
                 ) from None
             raise
-        if size != entry.size or checksum != entry.checksum:
-            target.unlink(missing_ok=True)
+        if size == entry.size and checksum == entry.checksum:
+            arrived.append(entry)
+        else:
+            dest.delete(f"{INCOMING_DIR}/{entry.path}")
             bad.append(FileProblem(entry.path, State.CORRUPT, f"received {size} bytes crc64nvme {checksum} != listed {entry.size} bytes {entry.checksum}"))
 
     _run_all(download, todo, workers)
@@ -276,11 +277,11 @@ def _download_and_swap(source: Store, dest: LocalStore, kind: str, files: list[F
     mark_writing(dest, kind)  # from here on, files in place may belong to no manifest: a rerun resumes over them
     uncommit(dest)
     for entry in files:
-        waiting = incoming / entry.path
-        if waiting.is_file():
-            (dest.root / entry.path).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(waiting, dest.root / entry.path)
-    shutil.rmtree(incoming, ignore_errors=True)
+        try:
+            dest.move(f"{INCOMING_DIR}/{entry.path}", entry.path)
+        except FileNotFoundError:
+            pass  # already in place (verified there)
+    dest.remove_folder(INCOMING_DIR)
     report.moved = [e.path for e in todo]
     report.moved_bytes = need
 

@@ -1,8 +1,11 @@
 """The drafter eval runs: a verified checkpoint, training output or export, opened through the one input reader, and
-refused when what it was trained with (DFlash settings, chat template) contradicts the config given."""
+refused when what it was trained with (DFlash settings, chat template) contradicts the config given; or a plain local
+folder in the export format (a published DFlash or DFlash2 drafter), pinned by its files' sha256 and checked against the
+target only, as `eval.baseline` is."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +13,7 @@ from typing import Any
 
 from blockdraft.config import BlockdraftConfig, DFlashConfig, StoreConfig, TargetConfig
 from blockdraft.data.tokenizer import resolve_tokenizer
-from blockdraft.errors import ConfigError, EvalError
+from blockdraft.errors import ArtifactError, ConfigError, EvalError
 from blockdraft.model.formats import (
     CHECKPOINT_KIND,
     CONFIG_NAME,
@@ -22,37 +25,77 @@ from blockdraft.model.formats import (
 )
 from blockdraft.model.spec import TargetShape, default_layer_ids
 from blockdraft.store import open_store
-from blockdraft.store.artifact import InputRef
+from blockdraft.store.artifact import MANIFEST_NAME, InputRef
 from blockdraft.store.stage_io import StageInput
 
 
 @dataclass
 class Checkpoint:
-    """A verified checkpoint or export: its small files read, its weights fetched only when `fetch_weights` is called."""
+    """A verified checkpoint or export: its small files read, its weights fetched only when `fetch_weights` is called.
+    Or (`artifact` None) a plain export-format folder at `workdir`, which has no pinned config and no training data."""
 
-    artifact: StageInput
-    workdir: Path  # where a remote drafter's files are fetched to
+    artifact: StageInput | None
+    workdir: Path  # where a remote drafter's files are fetched to; a plain folder's own path
     pinned: dict[str, Any]  # the resolved config the drafter was trained with
     export_config: dict[str, Any]  # the drafter's config.json
     template_sha256: str | None  # of the chat template its training rows were rendered with, from the data's manifest
+    plain_sha256: str | None = None  # a plain folder's config.json and weights, by content
+
+    @property
+    def is_plain(self) -> bool:
+        return self.artifact is None
 
     @property
     def url(self) -> str:
-        return self.artifact.store.url
+        return str(self.workdir) if self.artifact is None else self.artifact.store.url
 
     @property
     def ref(self) -> InputRef:
+        if self.artifact is None:
+            return InputRef(kind="raw", url=f"file://{self.workdir}", sha256=self.plain_sha256)
         return self.artifact.ref
 
     def fetch_weights(self) -> Path:
         """The folder that holds the drafter (config.json + weights), its weights fetched with checksums when remote."""
+        if self.artifact is None:
+            return self.workdir
         return self.artifact.fetch([WEIGHTS_NAME], self.workdir)  # config.json is there since `open_checkpoint`
+
+
+def plain_drafter_folder(url: str) -> Path | None:
+    """The local folder at `url` when it is a plain export-format drafter (config.json, no blockdraft manifest), else None."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    local = Path(url.removeprefix("file://"))
+    if local.is_dir() and (local / CONFIG_NAME).is_file() and not (local / MANIFEST_NAME).exists():
+        return local.absolute()
+    return None
+
+
+def drafter_folder_sha256(folder: str | Path, role: str) -> str:
+    """sha256 over a drafter folder's config.json and weights, so a changed one is a new eval; ArtifactError when one is missing."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        path = Path(folder) / name
+        if not path.is_file():
+            raise ArtifactError(f"{role} {folder} has no {name}; give a drafter folder in the export format")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def open_checkpoint(url: str, store: StoreConfig, workdir: Path) -> Checkpoint:
     """The verified drafter at `url` (folder, file:// or s3://): a training checkpoint, a training run's output (its
     newest verified step-* checkpoint) or an export. Only its config files are fetched here. Raises ArtifactError for
-    anything else, EvalError when it lacks a drafter file."""
+    anything else, EvalError when it lacks a drafter file. A plain export-format folder is read where it is."""
+    plain = plain_drafter_folder(url)
+    if plain is not None:
+        try:
+            export_config = json.loads((plain / CONFIG_NAME).read_text())
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(f"{plain / CONFIG_NAME} is not readable ({exc}); give a drafter folder in the export format") from None
+        return Checkpoint(None, plain, {}, export_config, None, drafter_folder_sha256(plain, "checkpoint"))
     artifact = open_drafter_artifact(open_store(url, store))
     kind = artifact.kind
     pinned_name = {CHECKPOINT_KIND: PINNED_CONFIG_NAME, EXPORT_KIND: PROVENANCE_NAME}[kind]
@@ -89,8 +132,11 @@ def check_checkpoint_matches(cfg: BlockdraftConfig, checkpoint: Checkpoint, hf_c
     Compared: what the given config resolves to for this target (explicit values, else docs/DFLASH.md's defaults) against
     what the drafter was trained with (its config.json, and the resolved config pinned beside it). A field the given
     config leaves unset without a default (mask id) is taken from the checkpoint. Raises EvalError (SpecError when the
-    config's own layer ids cannot be derived for this target).
+    config's own layer ids cannot be derived for this target). A plain folder was not trained with this config: it is
+    checked against the target when it loads, as `eval.baseline` is.
     """
+    if checkpoint.is_plain:
+        return
     trained = _trained_dflash(checkpoint)
     given = {
         "dflash.mask_token_id": cfg.dflash.mask_token_id,
@@ -140,4 +186,6 @@ def _given_layer_ids(dflash: DFlashConfig, hf_config: Any) -> list[int]:
     return list(default_layer_ids(shape.num_layers, dflash.num_draft_layers))
 
 
-__all__ = ["Checkpoint", "chat_template_sha256", "check_checkpoint_matches", "open_checkpoint"]
+__all__ = [
+    "Checkpoint", "chat_template_sha256", "check_checkpoint_matches", "drafter_folder_sha256", "open_checkpoint", "plain_drafter_folder",
+]

@@ -5,7 +5,8 @@ cycle, shared by every engine, and vLLM's command line and requests; SGLang's ar
 The engine runs in its own Python (`eval.engine_python`, built by `make engine`: vLLM pins its own torch and
 transformers), as an OpenAI-compatible server on a free loopback port, twice: with the drafter (the settings the export
 wrote in serving.json) and target-only. Prompts go in as token ids, one request at a time (batch 1, as our decode
-runs), greedy, with our `max_new_tokens` and stop ids; the new token ids come back (`return_token_ids`) and the
+runs), greedy or at the eval's sampling settings with a seed per request, with our `max_new_tokens` and stop ids; the
+new token ids come back (`return_token_ids`) and the
 speculative-decoding counters come from `/metrics` (read before and after, so warm-up requests do not count).
 
 A server never outlives the command: it runs in its own process group, which is stopped on every exit from `serving`
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from blockdraft.config import EvalConfig
+from blockdraft.decode.sampling import Sampling
 from blockdraft.errors import EngineError, redact
 from blockdraft.reporter import Reporter
 
@@ -104,13 +106,13 @@ def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, m
         argv += ["--max-model-len", str(max_len)]
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
-    if not _cuda_here():
+    if not cuda_here():
         # vLLM's CPU backend: no graph capture to wait for, and a memory fraction that fits beside the decode we run.
         argv += ["--enforce-eager", "--gpu-memory-utilization", "0.15"]
     return argv + list(extra)
 
 
-def _cuda_here() -> bool:
+def cuda_here() -> bool:
     import torch
 
     return torch.cuda.is_available()
@@ -243,15 +245,16 @@ def read_counters(server: Server, positions: int) -> tuple[int, list[int]]:
 
 
 def generate(server: Server, prompts: Sequence[Sequence[int]], max_new_tokens: int, stops: Sequence[int], positions: int,
-             reporter: Reporter, label: str) -> ServedRun:
-    """Every prompt through `server`, one request at a time, greedy; the counters' deltas over exactly these requests."""
+             reporter: Reporter, label: str, sampling: Sampling | None = None, seed: int = 0) -> ServedRun:
+    """Every prompt through `server`, one request at a time, greedy (`sampling` None) or sampled, request i seeded with
+    `seed + i`; the counters' deltas over exactly these requests."""
     server.post("/v1/completions", _request(prompts[0], 2, stops))  # warm-up: first-request costs stay out of the timing
     drafts_before, accepted_before = read_counters(server, positions)
     outputs: list[list[int]] = []
     reporter.progress(label, 0, len(prompts))
     started = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        answer = server.post("/v1/completions", _request(prompt, max_new_tokens, stops))
+        answer = server.post("/v1/completions", _request(prompt, max_new_tokens, stops, sampling, seed + i))
         outputs.append([int(t) for t in answer["choices"][0]["token_ids"]])
         reporter.progress(label, i + 1, len(prompts))
     seconds = time.perf_counter() - started
@@ -260,9 +263,15 @@ def generate(server: Server, prompts: Sequence[Sequence[int]], max_new_tokens: i
     return ServedRun(outputs, seconds, drafts - drafts_before, [a - b for a, b in zip(accepted, accepted_before)], version)
 
 
-def _request(prompt: Sequence[int], max_new_tokens: int, stops: Sequence[int]) -> dict[str, Any]:
-    return {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": 0.0,
-            "stop_token_ids": list(stops), "return_token_ids": True, "skip_special_tokens": False}
+def _request(prompt: Sequence[int], max_new_tokens: int, stops: Sequence[int], sampling: Sampling | None = None,
+             seed: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": 0.0,
+                            "stop_token_ids": list(stops), "return_token_ids": True, "skip_special_tokens": False}
+    if sampling is not None:
+        body.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+    return body
 
 
 def free_argv(python: Path, engine: str, target: str, dtype: str, max_len: int | None, spec: dict[str, Any] | None,
@@ -271,4 +280,4 @@ def free_argv(python: Path, engine: str, target: str, dtype: str, max_len: int |
     return server_argv(python, engine, target, free_port(), dtype, max_len, spec, extra)
 
 
-__all__ = ["SERVED_NAME", "ServedRun", "Server", "engine_python", "free_argv", "free_port", "generate", "read_counters", "server_argv", "serving"]
+__all__ = ["SERVED_NAME", "ServedRun", "Server", "cuda_here", "engine_python", "free_argv", "free_port", "generate", "read_counters", "server_argv", "serving"]

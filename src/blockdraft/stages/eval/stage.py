@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from blockdraft.config import BlockdraftConfig, check_device
+from blockdraft.config import BlockdraftConfig, EvalConfig, check_device
 from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer
 from blockdraft.decode.speculative import DFlashProposer, GreedyResult, SpecResult, greedy_decode, run_speculative
@@ -29,7 +29,7 @@ from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter
 from blockdraft.model.target import TargetHead, load_target, load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.eval.drafter_input import Checkpoint, check_checkpoint_matches, open_checkpoint
+from blockdraft.stages.eval.drafter_input import Checkpoint, check_checkpoint_matches, drafter_folder_sha256, open_checkpoint
 from blockdraft.stages.eval.engine_check import check_in_engine, require_export
 from blockdraft.stages.eval.metrics import (
     Divergence,
@@ -39,8 +39,10 @@ from blockdraft.stages.eval.metrics import (
     greedy_metrics,
     with_speedup,
 )
-from blockdraft.stages.eval.prompts import EvalPrompts, load_target_tokenizer, read_eval_prompts, stop_token_ids
-from blockdraft.stages.eval.report import REPORT_NAME, EvalReport, Lossless, PromptRow, write_report
+from blockdraft.stages.eval.prompt_sets import PLAIN
+from blockdraft.stages.eval.prompts import EvalPrompts, EvalSet, load_target_tokenizer, read_eval_prompts, stop_token_ids
+from blockdraft.stages.eval.report import REPORT_NAME, UNARY_NAME, EvalReport, Lossless, PromptRow, PromptSetMetrics, write_report
+from blockdraft.stages.eval.sampled import evaluate_sampled, sampling_of
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, VerifyReport
 from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
@@ -57,15 +59,16 @@ def run(
     reporter: Reporter | None = None,
     *,
     force: bool = False,
-    prompts: str | None = None,
+    prompts: str | Sequence[str] | None = None,
     max_new_tokens: int | None = None,
     export: str | None = None,
 ) -> StageResult:
     """Evaluate the drafter at `input` (a checkpoint, a training output or an export) into `output` (default
     STORE/eval/<hash of checkpoint, prompts, settings>); `details` is the EvalReport.
 
-    `prompts`: a JSONL file, or a tokenized artifact URL (its held-out rows); default eval.prompts, else the held-out rows
-    of train.data. `max_new_tokens`: default eval.max_new_tokens. Progress: ("eval", prompts done, prompts). A report
+    `prompts`: one source or several, each a prompt set (a .jsonl or .parquet file of a layout `prompt_sets` reads, a
+    folder `datasets` saved, hf://datasets/NAME) or a tokenized artifact URL (its held-out rows); default eval.prompts,
+    else the held-out rows of train.data. eval.prompt_sets names each source's layout (default: recognised). `max_new_tokens`: default eval.max_new_tokens. Progress: ("eval", prompts done, prompts). A report
     whose lossless check failed is still committed: the caller decides what a divergence means (the CLI exits 1).
     """
     started = time.perf_counter()
@@ -84,8 +87,9 @@ def run(
         ckpt = open_checkpoint(input, config.store, workdir / "checkpoint")
         check_checkpoint_matches(config, ckpt, hf_config)
         tokenizer = load_target_tokenizer(config.target)
-        chosen = read_eval_prompts(prompts or config.eval.prompts or config.train.data, config, tokenizer, workdir)
-        url = output or _default_output(config, ckpt, chosen.ids, max_new_tokens)
+        sources = prompts or config.eval.prompts or config.train.data
+        chosen = read_eval_prompts(sources, config, tokenizer, workdir, config.eval.prompt_sets)
+        url = output or _default_output(config, ckpt, chosen, max_new_tokens)
         out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt, served), config.store, force=force, reporter=reporter)
         refuse_nested(open_store(input, config.store), out.store, "checkpoint")
         done = out.done()
@@ -94,7 +98,7 @@ def run(
             stored = EvalReport.from_json(out.store.read_bytes(REPORT_NAME))
             return StageResult(STAGE, url, done, already_done=True, seconds=time.perf_counter() - started, details=stored)
 
-        report = _decode_and_measure(config, ckpt, chosen.ids, max_new_tokens, tokenizer, reporter)
+        report = _decode_and_measure(config, ckpt, chosen, max_new_tokens, tokenizer, reporter)
         if served is not None:
             assert config.target.path is not None  # refused above without one
             engine = check_in_engine(config.eval, served, config.target.path, chosen.ids, report, workdir, reporter)
@@ -102,11 +106,11 @@ def run(
         report = report.model_copy(update={
             "checkpoint": input,
             "target": config.target.path,
-            "prompts_source": chosen.source,
+            "prompts_source": chosen.sources,
             # What the consistency check compared, so a reader can trace the figures to the data and template they hold for.
             "template_sha256": ckpt.template_sha256,
         })
-        verified = _commit(out, report, config, [ckpt.ref, chosen.ref], workdir / "report")
+        verified = _commit(out, report, config, [ckpt.ref, *chosen.refs], workdir / "report")
     return StageResult(STAGE, url, verified, seconds=time.perf_counter() - started, details=report)
 
 
@@ -118,7 +122,7 @@ def _commit(out: StageOutput, report: EvalReport, config: BlockdraftConfig, line
 
 
 def _decode_and_measure(
-    cfg: BlockdraftConfig, ckpt: Checkpoint, prompts: list[list[int]], max_new_tokens: int, tokenizer: Any, reporter: Reporter
+    cfg: BlockdraftConfig, ckpt: Checkpoint, chosen: EvalPrompts, max_new_tokens: int, tokenizer: Any, reporter: Reporter
 ) -> EvalReport:
     """Load the target and the drafter on their devices, refuse prompts outside the vocabulary, and `evaluate`."""
     assert cfg.target.path is not None  # `run` refuses a config without one
@@ -140,6 +144,7 @@ def _decode_and_measure(
             ) from None
         drafters[name] = drafter.eval()
     drafter = drafters.pop("dflash")
+    prompts = chosen.ids
     vocab = drafter.spec.vocab_size
     bad = next((t for p in prompts for t in p if not 0 <= t < vocab), None)
     if bad is not None:
@@ -150,6 +155,8 @@ def _decode_and_measure(
         untrained_seed=UNTRAINED_SEED if cfg.eval.untrained_baseline else None,
         reporter=reporter,
         baselines=drafters,
+        sets=chosen.sets,
+        sampled=cfg.eval,
     )
 
 
@@ -163,11 +170,15 @@ def evaluate(
     untrained_seed: int | None = UNTRAINED_SEED,
     reporter: Reporter | None = None,
     baselines: dict[str, DFlashDrafter] | None = None,
+    sets: Sequence[EvalSet] | None = None,
+    sampled: EvalConfig | None = None,
 ) -> EvalReport:
     """Run target-only greedy, the DFlash drafter, the n-gram baseline, (with `untrained_seed`) a freshly initialised
     drafter of the same shape, and each of `baselines` (other drafters by name, e.g. a published one) on every prompt;
-    compare each speculative output with greedy. The report's `checkpoint`, `target`, `prompts_source` and
-    `template_sha256` are left None. Progress: ("eval", prompts done, prompts)."""
+    compare each speculative output with greedy. `sets`: the prompt sets `prompts` is made of, in order (None: one set,
+    `prompts`); the report gives each its own figures beside those over every prompt. With `sampled` at a temperature
+    above 0, the same drafters also decode at its sampling settings (`EvalReport.sampled`). The report's `checkpoint`,
+    `target`, `prompts_source` and `template_sha256` are left None. Progress: ("eval", prompts done, prompts)."""
     reporter = reporter or Reporter()
     param = next(drafter.parameters())
     head = TargetHead.from_target(hf_model, device=param.device).to(param.dtype)
@@ -176,6 +187,8 @@ def evaluate(
         "dflash": lambda: DFlashProposer(drafter, head),
         "ngram": lambda: NgramProposer(spec.block_size, spec.mask_token_id),
     }
+    if spec.dflash2 is not None:  # the same drafter without its selector: the walk's gain on these prompts
+        makers[UNARY_NAME] = lambda: DFlashProposer(drafter, head, use_selector=False)
     if untrained_seed is not None:
         torch.manual_seed(untrained_seed)
         untrained = DFlashDrafter(spec).to(device=param.device, dtype=param.dtype).eval()
@@ -185,6 +198,8 @@ def evaluate(
         makers[name] = lambda other=other: DFlashProposer(other, head)
         block_sizes[name] = other.spec.block_size
 
+    spans = _set_spans(sets, len(prompts))
+    set_of = [name for name, _, _, (start, stop) in spans for _ in range(start, stop)]
     _warm_up(hf_model, makers["dflash"](), list(prompts[0]))
     greedy: list[GreedyResult] = []
     spec_results: dict[str, list[SpecResult]] = {name: [] for name in makers}
@@ -203,11 +218,24 @@ def evaluate(
             found = first_divergence(name, index, result, reference, tolerance)
             if found is not None:
                 divergences.append(found)
-        rows.append(PromptRow(index=index, prompt_len=len(prompt), new_tokens=len(reference.new_tokens), **per_drafter))
+        rows.append(PromptRow(index=index, prompt_set=set_of[index], prompt_len=len(prompt), new_tokens=len(reference.new_tokens), **per_drafter))
         reporter.progress(STAGE, index + 1, len(prompts))
 
     greedy_summary = greedy_metrics(greedy)
+    per_set = {}
+    for name, layout, source, (start, stop) in spans:
+        set_greedy = greedy_metrics(greedy[start:stop])
+        per_set[name] = PromptSetMetrics(
+            layout=layout, source=source, num_prompts=stop - start, greedy=set_greedy,
+            drafters={n: with_speedup(acceptance_metrics(r[start:stop], block_sizes[n]), set_greedy) for n, r in spec_results.items()},
+            lossless=all(d.tolerated for d in divergences if start <= d.prompt_index < stop),
+        )
+    sampling = sampling_of(sampled) if sampled is not None else None
+    at_temperature = None
+    if sampled is not None and sampling is not None:
+        at_temperature = evaluate_sampled(hf_model, makers, block_sizes, prompts, max_new_tokens, stops, sampled, sampling, reporter)
     return EvalReport(
+        architecture=spec.architecture,
         block_size=spec.block_size,
         mask_token_id=spec.mask_token_id,
         target_layer_ids=list(spec.target_layer_ids),
@@ -221,7 +249,21 @@ def evaluate(
         },
         lossless=Lossless(ok=all(d.tolerated for d in divergences), tolerance=tolerance, divergences=divergences),
         prompts=rows,
+        prompt_sets=per_set,
+        sampled=at_temperature,
     )
+
+
+def _set_spans(sets: Sequence[EvalSet] | None, count: int) -> list[tuple[str, str, str | None, tuple[int, int]]]:
+    """(name, layout, source, (first prompt, end)) of each set; None: every prompt in one set of unnamed source."""
+    if sets is None:
+        return [(PLAIN, PLAIN, None, (0, count))]
+    spans, start = [], 0
+    for s in sets:
+        spans.append((s.name, s.layout, s.source, (start, start + len(s.ids))))
+        start += len(s.ids)
+    assert start == count, "the sets hold exactly the prompts decoded"
+    return spans
 
 
 def _warm_up(hf_model: Any, proposer: DFlashProposer, prompt: list[int]) -> None:
@@ -230,9 +272,10 @@ def _warm_up(hf_model: Any, proposer: DFlashProposer, prompt: list[int]) -> None
     run_speculative(hf_model, proposer, prompt, 2)
 
 
-def _default_output(cfg: BlockdraftConfig, ckpt: Checkpoint, prompts: list[list[int]], max_new_tokens: int) -> str:
-    """STORE/eval/<16 hex>: one folder per checkpoint (by content), prompt ids, length and eval/target settings."""
-    key = json.dumps([ckpt.ref.sha256, prompts, max_new_tokens, cfg.digest("eval", "target")]).encode()
+def _default_output(cfg: BlockdraftConfig, ckpt: Checkpoint, prompts: EvalPrompts, max_new_tokens: int) -> str:
+    """STORE/eval/<16 hex>: one folder per checkpoint (by content), prompt sets and their ids, length and eval/target settings."""
+    sets = [[s.name, s.ids] for s in prompts.sets]
+    key = json.dumps([ckpt.ref.sha256, sets, max_new_tokens, cfg.digest("eval", "target")]).encode()
     return f"{cfg.store.url.rstrip('/')}/eval/{hashlib.sha256(key).hexdigest()[:16]}"
 
 
@@ -251,27 +294,16 @@ def _output_key(
         "placement": resolved["placement"],
         "thinking": resolved["tokenize"]["thinking"],
         "checkpoint": checkpoint,
-        "prompts": prompts.source,
+        "prompts": prompts.sources,
         "baseline_sha256": _drafter_digest(cfg.eval.baseline, "eval.baseline"),
         "engine_export_sha256": _drafter_digest(str(served) if served else None, "--export"),
     }
-    return stage_key(settings, [ckpt.ref, prompts.ref])
+    return stage_key(settings, [ckpt.ref, *prompts.refs])
 
 
 def _drafter_digest(folder: str | None, role: str) -> str | None:
-    """sha256 over a drafter folder's config.json and weights (the baseline, the export served by the engine), so a
-    changed one is a new eval (None: no such folder)."""
-    if folder is None:
-        return None
-    digest = hashlib.sha256()
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        path = Path(folder) / name
-        if not path.is_file():
-            raise ArtifactError(f"{role} {folder} has no {name}; give a drafter folder in the export format")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-    return digest.hexdigest()
+    """`drafter_folder_sha256` of the baseline or the export served by the engine (None: no such folder)."""
+    return None if folder is None else drafter_folder_sha256(folder, role)
 
 
 __all__ = ["KIND", "STAGE", "UNTRAINED_SEED", "evaluate", "run"]

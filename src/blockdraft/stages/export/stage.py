@@ -1,8 +1,10 @@
 """`export`: a verified training checkpoint -> the z-lab drafter format that SGLang and vLLM load, as an artifact.
 
 The export folder holds `config.json` + `model.safetensors` exactly as docs/DFLASH.md specifies (no embedding,
-no LM head), `blockdraft-export.json` (the resolved blockdraft config, the DFlash parameters, the chat-template hash,
-thinking mode and data lineage the drafter was trained with) and `serving.json` (the engine settings), and its manifest.
+no LM head), `blockdraft-export.json` (the target, the resolved blockdraft config, the DFlash parameters, the
+chat-template hash, thinking mode and data lineage the drafter was trained with), `serving.json` (the engine settings)
+and `README.md` (the model card, `card.py`: the Hub's folder layout), and its manifest. `rewrite_card` writes the card of
+an existing export again (after a new eval) through the store's `StageOutput.amend`.
 The tensors are stored in the target's dtype (`target.dtype`, default the target config's own), as published drafters are:
 SGLang under `--dtype auto` runs a drafter in the dtype its config.json names (float32 becoming float16), so an fp32 export
 beside a bf16 target fails at the first request. The checkpoint keeps its fp32 master weights; only the export casts.
@@ -20,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -29,8 +31,9 @@ from safetensors import SafetensorError
 from transformers import AutoConfig
 
 from blockdraft.config import BlockdraftConfig, StoreConfig
-from blockdraft.errors import ExportError, safe_url
+from blockdraft.errors import BlockdraftError, ExportError, safe_url
 from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.model.finite import describe_nonfinite, nonfinite_weights
 from blockdraft.model.formats import (
     CONFIG_NAME,
     EXPORT_KIND,
@@ -44,13 +47,14 @@ from blockdraft.model.spec import DrafterSpec
 from blockdraft.model.target import target_dtype
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
+from blockdraft.stages.export.card import CARD_NAME, EVAL_KIND, EVAL_REPORT_NAME, DataSource, EvalSource, render_card
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef
-from blockdraft.store.stage_io import StageInput, StageOutput, recorded_manifest, refuse_nested, stage_key
+from blockdraft.store.stage_io import StageInput, StageOutput, open_input, recorded_manifest, refuse_nested, stage_key
 from blockdraft.store.writable import os_error_of, require_folder, write_failed
 
 STAGE = "export"
-PROVENANCE_FORMAT = "blockdraft-export/1"
+PROVENANCE_FORMAT = "blockdraft-export/2"
 
 
 @dataclass
@@ -64,9 +68,14 @@ class ExportResult:
 
 def run(
     config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None, *, force: bool = False,
+    eval: str | None = None,
 ) -> StageResult:
     """Export the verified checkpoint at `input` (a folder or URL, or a training output holding step-* checkpoints) to
     `output` (a folder or s3:// URL); `details` is an ExportResult.
+
+    `eval`: the eval artifact of this checkpoint whose figures the model card gives (refused when it is of another
+    checkpoint); without it the card says no eval was run. An export already done keeps its files, and with `eval` its
+    card is rewritten from that eval (`rewrite_card`).
 
     The target model's config is read from `config.target.path` (`export --target`), else the target.path pinned in the
     checkpoint; the tensors are stored in `config.target.dtype`, default that target config's own dtype.
@@ -87,8 +96,12 @@ def run(
         target_config = _target_config(target_path)
         dtype = target_dtype(config.target.dtype, target_config)
         key = {"target": target_path, "location": output, "dtype": dtype}
+        evaluation = open_eval(eval, checkpoint.ref, config.store, Path(tmp) / "eval") if eval else None
         out = StageOutput(out_store, EXPORT_KIND, stage_key(key, [checkpoint.ref]), force=force, reporter=reporter)
         done = out.done()
+        if done is not None and eval is not None:
+            reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card from {eval}")
+            return rewrite_card(config, output, reporter, eval=eval, force=force)
         if done is not None:
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; nothing written")
             return StageResult(STAGE, out.url, done, already_done=True, seconds=time.perf_counter() - started, details=_stored(out))
@@ -108,6 +121,7 @@ def run(
             target_path=target_path,
             store_config=config.store,
             dtype=dtype,
+            evaluation=evaluation,
         )
     result.seconds = time.perf_counter() - started
     return result
@@ -125,22 +139,28 @@ def export_drafter(
     target_path: str | None = None,
     store_config: StoreConfig | None = None,
     dtype: str | None = None,
+    evaluation: EvalSource | None = None,
 ) -> StageResult:
     """Check the drafter against the target's HF config, write the export files to `out`, commit them as an artifact.
 
     Refuses (SpecError) a mask id >= the target's embedding rows, layer ids outside the target, a hidden size that differs,
-    before anything is written. `lineage` pins the export's inputs (the checkpoint); `data_lineage` (the checkpoint's own
-    inputs: the tokenized data) is described in blockdraft-export.json with the template and thinking fields of those
+    and (ExportError) weights that hold NaN or infinite values, before anything is written. `lineage` pins the export's
+    inputs (the checkpoint); `data_lineage` (the checkpoint's own inputs: the tokenized data) is described in blockdraft-export.json with the template and thinking fields of those
     inputs' manifests. `location` is where the drafter will be found (default: the output's URL): the serving settings name
     it, or for a store URL a local folder with the pull step. `dtype` is the stored dtype (None: `target_dtype`).
+    `evaluation`: the eval whose figures the model card gives (None: the card says no eval was run).
     """
     spec = drafter.spec
     spec.check_target(target_config)
+    if bad := nonfinite_weights(drafter):  # a diverged drafter would verify and serve garbage
+        raise ExportError(f"the drafter to export is not finite: {describe_nonfinite(bad)}; export a checkpoint of a run "
+                          "that did not diverge (retrain with a lower train.lr)")
     dtype = target_dtype(dtype, target_config)
     endpoint = store_config.endpoint_url if store_config is not None else None
     serving = serving_settings(location or out.url, spec.block_size, target_path, dtype, endpoint)
     provenance = {
         "format": PROVENANCE_FORMAT,
+        "target": target_path,
         "dtype": dtype,
         "dflash": {
             "mask_token_id": spec.mask_token_id,
@@ -151,6 +171,8 @@ def export_drafter(
             "sliding_window": spec.sliding_window,
             "rope_scaling": spec.rope_scaling,
             "gamma": gamma,
+            "architecture": spec.architecture,
+            **(asdict(spec.dflash2) if spec.dflash2 is not None else {}),
         },
         "config": resolved_config or {},
         "data": _data_facts(list(data_lineage or []), store_config),
@@ -164,6 +186,12 @@ def export_drafter(
                 (root / name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
                 paths.append(root / name)
             counts = {"tensors": len(drafter.state_dict()), "parameters": sum(p.numel() for p in drafter.parameters())}
+            card = render_card(
+                target_path or "TARGET_MODEL", location or out.url, json.loads((root / CONFIG_NAME).read_text()), provenance, serving,
+                counts, evaluation, verified_data(list(data_lineage or []), store_config),
+            )
+            (root / CARD_NAME).write_text(card)
+            paths.append(root / CARD_NAME)
             report = out.publish(root, paths, config=resolved_config or {}, lineage=lineage or [], counts=counts)
     finally:
         out.release()  # a failed write gives the lease back too (a commit already did)
@@ -244,7 +272,9 @@ def _pinned_config(checkpoint: StageInput, dest: Path) -> dict[str, Any]:
 def _check_pinned(spec: DrafterSpec, dflash: dict[str, Any]) -> None:
     """The checkpoint's resolved config and its config.json must agree on what the engines read."""
     pinned = {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size,
-              "layer_types": spec.layer_types, "sliding_window": spec.sliding_window}
+              "layer_types": spec.layer_types, "sliding_window": spec.sliding_window, "architecture": spec.architecture}
+    if spec.dflash2 is not None:
+        pinned.update(asdict(spec.dflash2))
     for name, value in pinned.items():
         if dflash.get(name) is not None and dflash[name] != value:
             raise ExportError(
@@ -291,9 +321,84 @@ def _data_facts(lineage: list[InputRef], store_config: StoreConfig | None) -> li
     return facts
 
 
+def open_eval(url: str, checkpoint: InputRef, store_config: StoreConfig | None, dest: Path) -> EvalSource:
+    """The verified eval artifact at `url` and its report, refused (ExportError) unless it is an eval of `checkpoint`: its
+    lineage pins that checkpoint's manifest by sha256."""
+    found = open_input(url, store_config, kinds=[EVAL_KIND], role="eval")
+    evaluated = found.manifest.lineage[0] if found.manifest.lineage else None
+    if evaluated is None or evaluated.sha256 != checkpoint.sha256:
+        of = f"checkpoint {evaluated.url} (manifest sha256 {(evaluated.sha256 or '')[:12]})" if evaluated else "no checkpoint"
+        raise ExportError(
+            f"eval {found.store.url} is of {of}, not of the exported checkpoint {checkpoint.url} (manifest sha256 "
+            f"{(checkpoint.sha256 or '')[:12]}); pass an eval of this checkpoint (`blockdraft eval --checkpoint {checkpoint.url}`)"
+        )
+    report = json.loads((found.fetch([EVAL_REPORT_NAME], dest) / EVAL_REPORT_NAME).read_text())
+    return EvalSource(found.store.url, found.ref.sha256 or "", report)
+
+
+def verified_data(lineage: list[InputRef], store_config: StoreConfig | None) -> list[DataSource]:
+    """Each training data input, with its manifest's counts and tokenize settings when it verifies here with the very
+    manifest the checkpoint pinned; else the reason its figures are left out."""
+    sources = []
+    for ref in lineage:
+        source = DataSource(ref.url, ref.sha256)
+        if ref.kind != "manifest":
+            source.why = "a file without a manifest"
+        else:
+            try:
+                found = open_input(ref.url, store_config)
+            except (BlockdraftError, OSError):
+                source.why = "it does not verify from here"
+            else:
+                if found.ref.sha256 != ref.sha256:
+                    source.why = "it changed since the checkpoint was trained on it"
+                else:
+                    source.counts, source.run = dict(found.manifest.counts), dict(found.manifest.config.get("tokenize_run") or {})
+        sources.append(source)
+    return sources
+
+
+def rewrite_card(
+    config: BlockdraftConfig, export: str, reporter: Reporter | None = None, *, eval: str | None = None, force: bool = False,
+) -> StageResult:
+    """Write the model card of the verified export at `export` again, from `eval` (an eval of the exported checkpoint;
+    None: the card says no eval was run) and the training data as it verifies now; every other file stays as committed
+    and the manifest is rewritten through `StageOutput.amend`. `details` is the export's ExportResult."""
+    started = time.perf_counter()
+    reporter = reporter or Reporter()
+    current = open_input(export, config.store, kinds=[EXPORT_KIND], role="export")
+    with tempfile.TemporaryDirectory(prefix="blockdraft-card-") as tmp:
+        root = Path(tmp) / "card"
+        folder = current.fetch([CONFIG_NAME, PROVENANCE_NAME, SERVING_NAME], Path(tmp) / "export")
+        provenance = json.loads((folder / PROVENANCE_NAME).read_text())
+        if provenance.get("format") != PROVENANCE_FORMAT:
+            raise ExportError(
+                f"{current.store.url}'s {PROVENANCE_NAME} is format {provenance.get('format')!r}, not {PROVENANCE_FORMAT!r}: an "
+                "older blockdraft wrote it; export the checkpoint again (blockdraft export CHECKPOINT OUT --force)"
+            )
+        if not current.manifest.lineage:
+            raise ExportError(f"{current.store.url} records no checkpoint it was exported from; export the checkpoint again")
+        checkpoint = current.manifest.lineage[0]
+        evaluation = open_eval(eval, checkpoint, config.store, Path(tmp) / "eval") if eval else None
+        data = [InputRef(**{k: e[k] for k in InputRef.model_fields if k in e}) for e in provenance.get("data", [])]
+        serving = json.loads((folder / SERVING_NAME).read_text())
+        card = render_card(
+            provenance["target"], current.store.url, json.loads((folder / CONFIG_NAME).read_text()), provenance, serving,
+            dict(current.manifest.counts), evaluation, verified_data(data, config.store),
+        )
+        root.mkdir()
+        (root / CARD_NAME).write_text(card)
+        with _one_line_write_errors():
+            report = StageOutput.amending(current, force=force, reporter=reporter).amend(current, root, [root / CARD_NAME])
+    return StageResult(STAGE, current.store.url, report, seconds=time.perf_counter() - started, details=ExportResult(serving, provenance))
+
+
 def _stored(out: StageOutput) -> ExportResult:
     """The ExportResult of an export that is already done, read from its (verified) files."""
     return ExportResult(json.loads(out.store.read_bytes(SERVING_NAME)), json.loads(out.store.read_bytes(PROVENANCE_NAME)))
 
 
-__all__ = ["SERVING_NAME", "STAGE", "ExportResult", "drafter_folder", "export_drafter", "run", "serving_lines", "serving_settings"]
+__all__ = [
+    "SERVING_NAME", "STAGE", "ExportResult", "drafter_folder", "export_drafter", "open_eval", "rewrite_card", "run", "serving_lines",
+    "serving_settings", "verified_data",
+]

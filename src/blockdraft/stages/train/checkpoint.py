@@ -73,7 +73,7 @@ def resolved_training_config(
 
 
 # The checkpoint format, recorded first in every checkpoint's run identity: resume reads this format only.
-CHECKPOINT_FORMAT = "blockdraft-checkpoint/2"
+CHECKPOINT_FORMAT = "blockdraft-checkpoint/3"  # 3: the scheduler state records its plan (schedule.WarmupCosine)
 
 
 def run_identity(resolved: dict[str, Any], data_sha256: str | None) -> dict[str, Any]:
@@ -272,16 +272,18 @@ class Checkpoints:
         return checkpoint_output(self.store, step, self.identity, [self.data]).done() is not None
 
     def save(
-        self, step: int, drafter: DFlashDrafter, state: dict[str, Any], log: MetricsLog, final: bool, ranks_in_sync: int
+        self, step: int, drafter: DFlashDrafter, state: dict[str, Any], log: MetricsLog, final: bool, ranks_in_sync: int,
+        signal: dict[str, Any] | None = None,
     ) -> VerifyReport | None:
         """Take the checkpoint of `step` now (weights and `state` copied to the host, the metrics logged since the last
         checkpoint that counted, the curves as last drawn) and push it in the background, once the one in flight is taken
-        in; the final one is awaited. `ranks_in_sync`: how many replicas were checked bit-equal just before (1 without DDP).
+        in; the final one is awaited. `ranks_in_sync`: how many replicas were checked bit-equal just before (1 without DDP);
+        `signal`: the run's held-out, decoded and agreement figures (`TrainingSignal.counts`), recorded in its counts.
 
         Returns the report of a checkpoint that verified during this call (the one before, or the final one), else None.
         Raises ArtifactError when the final checkpoint does not verify, or when `max_failures` pushes in a row failed."""
         report = self.finish()
-        counts = {"step": step, "run": self.identity, "ranks_in_sync": ranks_in_sync, "last": log.last}
+        counts = {"step": step, "run": self.identity, "ranks_in_sync": ranks_in_sync, "last": log.last, **(signal or {})}
         snapshot = Snapshot.take(step, drafter, state, log, counts, final)
         self._in_flight = (snapshot, log)
         self._writer.start(partial(self._write, snapshot))

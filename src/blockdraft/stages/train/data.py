@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 
 from blockdraft.config import StoreConfig
-from blockdraft.data.formats import TRAIN_SPLIT
+from blockdraft.data.formats import HELD_OUT_SPLIT, TRAIN_SPLIT
 from blockdraft.errors import ArtifactError
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.stage_io import StageInput
@@ -25,7 +25,8 @@ from blockdraft.store.transfer import pull
 def _load_dataset(root: Path) -> Dataset:
     """The train split of a tokenize output folder (`datasets.save_to_disk` layout of a DatasetDict, docs/TOKENIZATION.md).
 
-    Only the train split is opened: the held-out split may be empty, and training never reads it.
+    Only the train split is opened here: the held-out split may be empty, and training never steps on it
+    (`_load_held_out` opens it for the held-out figures).
     """
     listing = root / "dataset_dict.json"
     if not listing.is_file():
@@ -39,12 +40,22 @@ def _load_dataset(root: Path) -> Dataset:
     return ds.select_columns(["input_ids", "loss_mask"])
 
 
+def _load_held_out(root: Path) -> Dataset | None:
+    """The held-out split of a tokenize output folder, or None when it has none or it holds no row."""
+    if HELD_OUT_SPLIT not in json.loads((root / "dataset_dict.json").read_text()).get("splits", []):
+        return None
+    ds = Dataset.load_from_disk(str(root / HELD_OUT_SPLIT))
+    return ds.select_columns(["input_ids", "loss_mask"]) if len(ds) else None
+
+
 class TrainRows:
     """The train rows, memory-mapped from the artifact's Arrow files (read one row at a time, never all at once),
-    plus the data artifact's lineage entry and what its tokenize run recorded (template hash, thinking mode, ...)."""
+    plus the data artifact's lineage entry and what its tokenize run recorded (template hash, thinking mode, ...).
+    `held_out`: the artifact's held-out rows (None: it has none), read only for the held-out figures."""
 
-    def __init__(self, dataset, lineage: InputRef, max_length: int, tokenize_run: dict | None = None) -> None:
+    def __init__(self, dataset, lineage: InputRef, max_length: int, tokenize_run: dict | None = None, held_out=None) -> None:
         self.dataset = dataset
+        self.held_out = held_out
         self.lineage = lineage
         self.max_length = max_length
         self.tokenize_run = tokenize_run or {}
@@ -80,7 +91,7 @@ def load_train_rows(
     dataset = _load_dataset(local)
     if len(dataset) == 0:
         raise ArtifactError(f"tokenized artifact {data.store.url} has no train rows; tokenize more data or lower tokenize.held_out_fraction")
-    return TrainRows(dataset, data.ref, max_length, data.manifest.config.get("tokenize_run"))
+    return TrainRows(dataset, data.ref, max_length, data.manifest.config.get("tokenize_run"), _load_held_out(local))
 
 
 def steps_per_epoch(num_rows: int, global_batch: int) -> int:

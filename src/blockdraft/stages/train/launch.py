@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,7 @@ from blockdraft.stages.train.placement import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE
 from blockdraft.stages.train.stage import run
 
 PLAN_CHECKED = "BLOCKDRAFT_PLAN_CHECKED"  # set for the ranks torchrun starts from here
+TORCHRUN = "blockdraft.stages.train.torchrun"  # torchrun, with a rendezvous that fails as one line
 
 
 @dataclass
@@ -52,6 +54,8 @@ def launch(
     """
     config = load_config(config_path, dict(flags or {}), sets)
     rendezvous = rendezvous_args(config.placement)
+    if config.placement.nnodes > 1:  # torchrun waits 15 minutes for the nodes by default: as long as a collective here
+        rendezvous.append(f"--rdzv-conf=timeout={max(1, round(config.train.dist_timeout_minutes * 60))}")
     wanted = len(config.placement.drafter_devices)
     if nproc is not None and nproc != wanted:
         raise ConfigError(
@@ -65,6 +69,8 @@ def launch(
         return Launched(run(config, None, None, reporter, force=force), rank=resolve_placement(config.placement).rank)
     if config_path is None:
         raise ConfigError("training on several drafter devices or nodes needs the config as a file; pass --config FILE")
+    if config.placement.nnodes > 1 and config.placement.node_rank == 0:
+        refuse_taken_port(config.placement)
     env = {CUBLAS_WORKSPACE: CUBLAS_WORKSPACE_VALUE, **os.environ, PLAN_CHECKED: "1"}  # the ranks' environment, not ours
     rank_sets = [*as_set_items(flag_overrides(flags or {})), *sets]
     return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted, force, rank_sets, rendezvous), env=env))
@@ -96,12 +102,34 @@ def rendezvous_args(placement: PlacementConfig) -> list[str]:
         raise ConfigError(f"placement.node_rank {rank} but placement.nnodes is {nodes}; give each node a rank from 0 to {nodes - 1}")
     if nodes == 1:
         return ["--standalone"]
-    if endpoint is None or not _ENDPOINT.fullmatch(endpoint):
+    found = None if endpoint is None else _ENDPOINT.fullmatch(endpoint)
+    if endpoint is None or found is None or not 1 <= int(found.group(2)) <= 65535:
         raise ConfigError(
-            f"placement.nnodes {nodes} needs placement.rdzv_endpoint as HOST:PORT (node 0's address and a free port, the same "
-            f"on every node), not {endpoint!r}; pass --rdzv-endpoint HOST:PORT"
+            f"placement.nnodes {nodes} needs placement.rdzv_endpoint as HOST:PORT (node 0's address and a free port from 1 "
+            f"to 65535, the same on every node), not {endpoint!r}; pass --rdzv-endpoint HOST:PORT"
         )
     return [f"--nnodes={nodes}", f"--node-rank={rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}", "--max-restarts=0"]
+
+
+def refuse_taken_port(placement: PlacementConfig) -> None:
+    """ConfigError when placement.rdzv_endpoint's port is already taken on this machine, which node 0's torchrun serves
+    the rendezvous on (all interfaces): another program holds it, or another process was started as node 0 too."""
+    assert placement.rdzv_endpoint is not None  # rendezvous_args checked it
+    port = int(placement.rdzv_endpoint.rsplit(":", 1)[1])
+    try:
+        probe = socket.socket(socket.AF_INET6)  # dual-stack: taken over IPv4 or IPv6
+    except OSError:  # IPv6 switched off on this machine
+        probe = socket.socket(socket.AF_INET)
+    with probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torchrun's store: a closed run's TIME_WAIT is no owner
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            raise ConfigError(
+                f"placement.rdzv_endpoint {placement.rdzv_endpoint}: port {port} is in use on this machine ({exc.strerror}), "
+                "where node 0 serves the rendezvous: another program holds it, or another node was started as --node-rank 0; "
+                "pass a free port (the same on every node) and give each node its own --node-rank"
+            ) from None
 
 
 def torchrun_command(
@@ -111,10 +139,10 @@ def torchrun_command(
     with this run's `--set` overrides (each rank re-reads the file, so they travel on its command line), and `--force`
     when this run was given it; `rendezvous`: `rendezvous_args` (default: one node, `--standalone`)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", *(rendezvous or ["--standalone"]), f"--nproc-per-node={nproc}",
+        sys.executable, "-m", TORCHRUN, *(rendezvous or ["--standalone"]), f"--nproc-per-node={nproc}",
         "-m", "blockdraft", "train", "--config", str(config_path), *(["--force"] if force else []),
         *(arg for item in sets for arg in ("--set", item)),
     ]
 
 
-__all__ = ["PLAN_CHECKED", "Launched", "check_plan", "launch", "rendezvous_args", "torchrun_command"]
+__all__ = ["PLAN_CHECKED", "TORCHRUN", "Launched", "check_plan", "launch", "refuse_taken_port", "rendezvous_args", "torchrun_command"]

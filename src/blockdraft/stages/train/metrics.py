@@ -30,14 +30,18 @@ def _whole_lines(path: Path) -> Iterator[str]:
             yield line
 
 
-def read_curves(path: Path, max_points: int = PLOT_POINTS) -> list[list[float]]:
-    """[step, loss, slot 1 accuracy, ...] per point, read from the log at `path` in one pass, in memory bounded by
-    `max_points`: consecutive entries are averaged in bins that double in size whenever 2 * max_points bins are full."""
+def read_curves(path: Path, max_points: int = PLOT_POINTS, held_out: bool = False) -> list[list[float]]:
+    """[step, loss, tau estimate, slot 1 accuracy, ...] per point, read from the log at `path` in one pass, in memory
+    bounded by `max_points`: consecutive entries are averaged in bins that double in size whenever 2 * max_points bins
+    are full. `held_out`: the same of the held-out figures, from the entries that have them."""
     points: list[list[float]] = []
     size, total, count = 1, None, 0
     for line in _whole_lines(path):
         e = json.loads(line)
-        row = [float(e["step"]), float(e["loss"]), *map(float, e["slot_accuracy"])]
+        if held_out and "eval" not in e:
+            continue
+        f = e["eval"] if held_out else e
+        row = [float(e["step"]), float(f["loss"]), float(f["tau_estimate"]), *map(float, f["slot_accuracy"])]
         total = row if total is None else [a + b for a, b in zip(total, row, strict=True)]
         count += 1
         if count == size:
@@ -52,25 +56,35 @@ def read_curves(path: Path, max_points: int = PLOT_POINTS) -> list[list[float]]:
 
 
 def draw_curves(source: Path, target: Path) -> None:
-    """Loss (log scale) and accuracy of each draft slot against the step, from the log `source`, into the PNG `target`
+    """Loss (log scale), tau estimate and accuracy of each draft slot against the step (training and held-out), from the log `source`, into the PNG `target`
     (written beside it and renamed, so a reader never sees half a file). Uses no pyplot state: safe off the main thread."""
     import matplotlib
     from matplotlib.figure import Figure
 
-    points = read_curves(source)
-    steps = [p[0] for p in points]
-    fig = Figure(figsize=(11, 4))
-    ax_loss, ax_acc = fig.subplots(1, 2)
-    ax_loss.plot(steps, [p[1] for p in points], color="black")
+    points, held = read_curves(source), read_curves(source, held_out=True)
+    steps, held_steps = [p[0] for p in points], [p[0] for p in held]
+    fig = Figure(figsize=(15, 4))
+    ax_loss, ax_tau, ax_acc = fig.subplots(1, 3)
+    ax_loss.plot(steps, [p[1] for p in points], color="black", label="training rows")
+    ax_tau.plot(steps, [p[2] for p in points], color="black", label="training rows")
+    if held:  # the held-out figures (docs/TRAINING-SIGNAL.md), beside the training ones
+        ax_loss.plot(held_steps, [p[1] for p in held], color="tab:orange", marker=".", label="held-out")
+        ax_tau.plot(held_steps, [p[2] for p in held], color="tab:orange", marker=".", label="held-out")
     ax_loss.set_yscale("log")
     ax_loss.set_xlabel("step")
     ax_loss.set_title("loss (weighted CE)")
+    ax_loss.legend(fontsize=7)
+    ax_tau.set_xlabel("step")
+    ax_tau.set_title("tau estimate (teacher forced)")
+    ax_tau.legend(fontsize=7)
     if points:
-        num_slots = len(points[0]) - 2
+        num_slots = len(points[0]) - 3
         cmap = matplotlib.colormaps["viridis"].resampled(max(num_slots, 2))
         for k in range(num_slots):
-            ax_acc.plot(steps, [p[2 + k] for p in points], color=cmap(k), label=f"slot {k + 1}")
-        ax_acc.legend(fontsize=7, ncol=2)
+            ax_acc.plot(steps, [p[3 + k] for p in points], color=cmap(k), label=f"slot {k + 1}")
+            if held:
+                ax_acc.plot(held_steps, [p[3 + k] for p in held], color=cmap(k), linestyle="--")
+        ax_acc.legend(fontsize=7, ncol=2, title="dashed: held-out" if held else None, title_fontsize=7)
     ax_acc.set_ylim(0, 1)
     ax_acc.set_xlabel("step")
     ax_acc.set_title("per-slot accuracy")
@@ -160,7 +174,7 @@ class MetricsLog:
 
     def append(self, entry: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+            f.write(json.dumps(entry, allow_nan=False) + "\n")  # JSON has no NaN: a non-finite step stops the run first
         self.last = entry
         self.plotter.maybe()
 

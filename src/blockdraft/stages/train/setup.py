@@ -6,9 +6,7 @@ resolved config and run identity). `Trainer` runs the loop over it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import torch
@@ -25,15 +23,9 @@ from blockdraft.stages.train.init_from import check_init_spec, load_init_drafter
 from blockdraft.stages.train.loss import Objective
 from blockdraft.stages.train.memory import apply_memory_options
 from blockdraft.stages.train.placement import RankPlacement
+from blockdraft.stages.train.schedule import new_scheduler, planned_steps
 from blockdraft.stages.train.step import DraftForward
 from blockdraft.store import Store
-
-
-def warmup_cosine(step: int, warmup: int, total: int) -> float:
-    """LR multiplier: linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
 @dataclass
@@ -96,8 +88,6 @@ def build_training(
     accumulation = accumulation_steps(tc.global_batch_size, tc.batch_size, place.world_size)
     per_epoch = steps_per_epoch(len(rows), tc.global_batch_size)
     order = RowOrder(len(rows), tc.seed, tc.global_batch_size, tc.batch_size * accumulation)
-    total_steps = tc.max_steps or tc.epochs * per_epoch
-    schedule = partial(warmup_cosine, warmup=round(tc.warmup_ratio * total_steps), total=total_steps)
     return TrainingSetup(
         attention=attention,
         spec=spec,
@@ -109,11 +99,11 @@ def build_training(
         objective=Objective.of(config.dflash, tc),  # the loss: weighting (D-PACE or gamma's decay) and distillation
         model=model,
         optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+        scheduler=new_scheduler(optimizer, tc, per_epoch),
         per_epoch=per_epoch,
         order=order,
-        total_steps=total_steps,
+        total_steps=planned_steps(tc, per_epoch),
     )
 
 
-__all__ = ["TrainingSetup", "build_training", "warmup_cosine"]
+__all__ = ["TrainingSetup", "build_training"]

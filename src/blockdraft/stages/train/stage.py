@@ -9,19 +9,28 @@ from __future__ import annotations
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from blockdraft.config import BlockdraftConfig
+from blockdraft.data.agreement import (
+    agreement_warning,
+    describe_agreement,
+    load_tokenizer,
+    sample_indices,
+    target_agreement,
+    think_ids,
+)
 from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, TargetHead
 from blockdraft.model.target import load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.train.data import load_train_rows
+from blockdraft.stages.train.agree import check_same_config, check_same_data
+from blockdraft.stages.train.data import TrainRows, load_train_rows
+from blockdraft.stages.train.log_dir import check_log_dir
 from blockdraft.stages.train.placement import RankPlacement, barrier, rank_session, resolve_placement
 from blockdraft.stages.train.setup import build_training
 from blockdraft.stages.train.trainer import Trainer
@@ -39,7 +48,8 @@ class TrainResult:
     """steps: optimizer steps done in total; resumed_from: the step this run started from (None: from scratch);
     checkpoint_url: the final checkpoint; metrics: the last `Trainer.RECENT_METRICS` steps of this run (all ranks; the
     whole log is train.log_dir/metrics.jsonl); drafter: the trained module; head: the frozen drafter-side embedding and
-    LM head; steps_run: the steps this run did (0: the checkpoint already held them all)."""
+    LM head; steps_run: the steps this run did (0: the checkpoint already held them all); signal: the held-out, decoded
+    and target-agreement figures and warnings (`TrainingSignal.counts`), and `summary` the line that says them."""
 
     steps: int
     resumed_from: int | None
@@ -48,6 +58,8 @@ class TrainResult:
     drafter: DFlashDrafter
     head: TargetHead
     steps_run: int
+    signal: dict[str, Any]
+    summary: str
 
 
 def run(
@@ -74,7 +86,7 @@ def run(
         final, done = _final_report(trainer, place, done)
     result = TrainResult(
         trainer.setup.total_steps, trainer.resumed_from, final.url, list(trainer.metrics), trainer.setup.drafter, trainer.setup.head,
-        trainer.steps_run,
+        trainer.steps_run, trainer.signal.counts(), trainer.signal.summary(),
     )
     return StageResult(STAGE, final.url, final, already_done=done, seconds=time.perf_counter() - started, details=result)
 
@@ -89,22 +101,42 @@ def _with_paths(config: BlockdraftConfig, input: str | None, output: str | None)
 
 
 def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter, held: ExitStack, force: bool = False) -> Trainer:
-    """Check what fails fast (the target's config, a writable output store that no other run writes, a verified input),
-    open the rows, build the trainer. Rank 0 takes the output's lease (one run per train.output: another run's
-    checkpoints never interleave with this one's, and a resume never picks another run's step) and `held` gives it back
-    when training ends. Of the processes on one machine only local rank 0 pulls a remote input."""
+    """Check what fails fast (every rank runs rank 0's config on rank 0's data, the target's config, a writable output
+    store that no other run writes, a log folder apart from both, a verified input), open the rows, build the trainer
+    (which claims the log folder for this run). Rank 0 takes the output's lease (one run per train.output: another
+    run's checkpoints never interleave with this one's, and a resume never picks another run's step) and `held` gives
+    it back when training ends. Of the processes on one machine only local rank 0 pulls a remote input."""
     tc = config.train
     assert tc.data is not None and tc.output is not None  # set by _with_paths
+    check_same_config(config, place)  # every node runs rank 0's settings, or none trains
     load_target_config(config.target.path)  # a missing target fails in seconds, before any data moves
-    out_store = open_store(tc.output, config.store)
-    refuse_nested(open_store(tc.data, config.store), out_store, "train.data")
+    out_store, data_store = open_store(tc.output, config.store), open_store(tc.data, config.store)
+    refuse_nested(data_store, out_store, "train.data")
+    log_dir = check_log_dir(tc.log_dir, {"train.data": data_store, "train.output": out_store})
     if place.is_main:
         preflight(out_store)  # fail before step 1 when checkpoints cannot be written (docs/STORE.md, credentials)
         held.enter_context(Lease(out_store, force=force, reporter=reporter))
     data = open_input(tc.data, config.store, kinds=[TOKENIZED_KIND], role="train.data")
-    rows = load_train_rows(data, config.store, tc.max_length, Path(tc.log_dir), place.local_rank == 0, lambda: barrier(place))
+    check_same_data(config, data.ref.sha256 or "", place)  # and rank 0's data
+    rows = load_train_rows(data, config.store, tc.max_length, log_dir, place.local_rank == 0, lambda: barrier(place))
     setup = build_training(config, place, rows, out_store, tc.output, reporter, start_over=force)
-    return Trainer(config, place, rows, setup, reporter, start_over=force)
+    trainer = Trainer(config, place, rows, setup, reporter, start_over=force)
+    if place.is_main and tc.target_agreement_rows:
+        trainer.signal.agreement = _target_agreement(config, setup.target.model, rows, reporter)
+    return trainer
+
+
+def _target_agreement(config: BlockdraftConfig, hf_model: Any, rows: TrainRows, reporter: Reporter) -> dict[str, Any]:
+    """Target agreement (`blockdraft.data.agreement`) on train.target_agreement_rows training rows drawn with train.seed,
+    said in one line, and one warning when it is below train.min_target_agreement."""
+    tc = config.train
+    tokenizer = load_tokenizer(config.target.tokenizer or config.target.path)
+    picked = sample_indices(len(rows), tc.target_agreement_rows, tc.seed)
+    result = target_agreement(hf_model, (rows.row(i) for i in picked), think_ids(tokenizer))
+    reporter.say(describe_agreement(result))
+    if (line := agreement_warning(result, tc.min_target_agreement)) is not None:
+        reporter.warn(line)
+    return result
 
 
 def _final_report(trainer: Trainer, place: RankPlacement, done: bool) -> tuple[VerifyReport, bool]:

@@ -18,9 +18,12 @@ INSTALL_HINT = "pip install 'blockdraft[trackers]'"
 
 def tracked_scalars(entry: Mapping[str, Any]) -> dict[str, float]:
     """The numbers of a metrics entry that the trackers get, by their name there (slot k's accuracy is
-    `train/slot_accuracy/k`, k from 1)."""
+    `train/slot_accuracy/k`, k from 1; the held-out figures of a step that has them are `eval/...` beside them)."""
     scalars = {f"train/{name}": float(entry[name]) for name in ("loss", "tau_estimate", "lr", "grad_norm", "tokens_per_s", "step_time_s")}
     scalars.update({f"train/slot_accuracy/{k}": float(acc) for k, acc in enumerate(entry["slot_accuracy"], start=1)})
+    if (held := entry.get("eval")) is not None:  # the held-out figures measured after this step, under eval/
+        scalars.update({f"eval/{name}": float(held[name]) for name in ("loss", "tau_estimate")})
+        scalars.update({f"eval/slot_accuracy/{k}": float(acc) for k, acc in enumerate(held["slot_accuracy"], start=1)})
     return scalars
 
 
@@ -49,14 +52,18 @@ class TensorBoardTracker:
 
 class WandbTracker:
     """A W&B run whose folder is `folder/wandb`, started with `settings` (train.wandb: project, entity, group, name,
-    mode) and the run's resolved config. W&B neither prints nor wraps the terminal: the reporter owns it."""
+    mode) and the run's resolved config. W&B neither prints nor wraps the terminal (the reporter owns it) and records
+    no command line."""
 
     def __init__(self, folder: Path, settings: Mapping[str, str], config: dict[str, Any]) -> None:
         import wandb
 
         folder.mkdir(parents=True, exist_ok=True)
         arguments: dict[str, Any] = dict(settings)  # wandb.init checks the values (a bad mode fails there: one warning)
-        self.run = wandb.init(dir=str(folder), config=config, settings=wandb.Settings(silent=True, console="off"), **arguments)
+        # W&B's run metadata holds the raw command line, which may carry a secret (`--set store.endpoint_url=http://u:pw@h`):
+        # it is not collected; `config` (the resolved config, its URLs redacted) says what ran.
+        quiet = wandb.Settings(silent=True, console="off", x_disable_meta=True)
+        self.run = wandb.init(dir=str(folder), config=config, settings=quiet, **arguments)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)

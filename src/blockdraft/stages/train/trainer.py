@@ -8,6 +8,7 @@ are still bit-equal.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -17,16 +18,25 @@ from typing import Any
 import torch
 
 from blockdraft.config import BlockdraftConfig
+from blockdraft.errors import TrainingInterrupted
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch, expected_acceptance
 from blockdraft.stages.train.checkpoint import read_checkpoint
 from blockdraft.stages.train.data import TrainRows
+from blockdraft.stages.train.decoded import decode_checkpoint, held_out_prompts, target_stop_ids
+from blockdraft.stages.train.finite import check_finite_step, check_finite_weights
+from blockdraft.stages.train.heldout import HeldOut
+from blockdraft.stages.train.log_dir import claim_log_dir
 from blockdraft.stages.train.loss import Teacher
 from blockdraft.stages.train.metrics import MetricsLog
 from blockdraft.stages.train.placement import RankPlacement
 from blockdraft.stages.train.prefetch import Prefetcher, SideStreams, StepInputs
+from blockdraft.stages.train.progress import ProgressLines
 from blockdraft.stages.train.replicas import check_ranks_in_sync, rng_state, set_rng_state
+from blockdraft.stages.train.resumed import resume_note
+from blockdraft.stages.train.schedule import describe_limit, resume_schedule
 from blockdraft.stages.train.setup import TrainingSetup
+from blockdraft.stages.train.signal import TrainingSignal
 from blockdraft.stages.train.step import MicroBatch, accumulate
 from blockdraft.stages.train.trackers import Trackers
 from blockdraft.store.artifact import VerifyReport
@@ -69,6 +79,17 @@ class Trainer:
         self.resumed_from: int | None = None
         self.last_checkpoint: VerifyReport | None = None
         self._streams = SideStreams(place.target_device, place.drafter_device)
+        # The training signal (docs/TRAINING-SIGNAL.md), on rank 0: a fixed held-out sample measured every
+        # train.eval_every steps and at each checkpoint, and held-out prompts each checkpoint is decoded on.
+        main = place.is_main
+        self.held_out = HeldOut.sample(rows.held_out, tc.eval_rows, tc.seed, tc.max_length, tc.batch_size) if main else None
+        self.decode_prompts = held_out_prompts(rows.held_out, tc.decode_eval_prompts) if main else []
+        self.signal = TrainingSignal(reporter.warn, len(rows), setup.per_epoch)
+        self._held: dict[int, dict[str, Any]] = {}  # held-out figures measured after a step, logged with its entry
+        self._lines: ProgressLines | None = None
+        # The target's feature hooks are one set per model: the prefetching thread and the held-out measurement or a
+        # checkpoint's decode (on the training thread) take turns with it.
+        self._target_turn = threading.Lock()
 
     def train(self) -> list[dict[str, Any]]:
         """Resume, then step to `total_steps`, logging and checkpointing on the way; returns this run's latest metrics
@@ -78,24 +99,47 @@ class Trainer:
         step's metrics are read after the next step is launched, so reading them never idles the drafter's device;
         before a checkpoint and at the end they are read at once."""
         start = self.resume()
+        self.reporter.say(describe_limit(self.tc, self.setup.per_epoch, len(self.rows)))
+        if self.place.is_main and self.held_out is None:
+            self.reporter.say("train.data has no held-out rows: no held-out figures and no checkpoint decoded during training "
+                              "(tokenize with tokenize.held_out_fraction > 0)")
         self.reporter.progress("train", start, self.setup.total_steps)
+        self._lines = ProgressLines(self.reporter, self.tc.log_every_s, start, self.setup.total_steps)
         pending: PendingStep | None = None
-        with (
-            self._open_trackers(start) as self.trackers,
-            Prefetcher(self.inputs_of, start, self.setup.total_steps, self.tc.pipeline_depth) as feed,
-        ):
-            for step in range(start, self.setup.total_steps):
-                launched = self.step(step, feed.get(step))
-                if pending is not None:
-                    self._record(pending, launched.started)
-                pending = launched
-                done = step + 1
-                if done % self.tc.checkpoint_every == 0 or done == self.setup.total_steps:
-                    self._record(pending, None)
-                    pending = None
-                    self.maybe_checkpoint(done)
+        try:
+            with (
+                self._open_trackers(start) as self.trackers,
+                Prefetcher(self.inputs_of, start, self.setup.total_steps, self.tc.pipeline_depth) as feed,
+            ):
+                for step in range(start, self.setup.total_steps):
+                    launched = self.step(step, feed.get(step))
+                    if pending is not None:
+                        self._record(pending, launched.started)
+                    pending = launched
+                    done = step + 1
+                    at_checkpoint = done % self.tc.checkpoint_every == 0 or done == self.setup.total_steps
+                    if self.held_out is not None and (at_checkpoint or done % self.tc.eval_every == 0):
+                        with self._target_turn:
+                            self._held[done] = self.held_out.measure(self.setup, self.place, self.config.dflash.num_anchors,
+                                                                     self.tc.lm_head_chunk_blocks)
+                    if at_checkpoint:
+                        self._record(pending, None)
+                        pending = None
+                    self.maybe_checkpoint(done)  # between checkpoints: takes in a push that verified, and says so then
+        except KeyboardInterrupt:
+            raise TrainingInterrupted(self._interrupted(start)) from None
         self.finish_checkpoints()
         return list(self.metrics)
+
+    def _interrupted(self, start: int) -> str:
+        """The line for Ctrl-C: where training stood and the last verified checkpoint, the one a rerun resumes from."""
+        if self.place.is_main:
+            self._counted(self.setup.checkpoints.poll())  # a push that ended just now still counts
+        at = f"training interrupted after step {start + self.steps_run}"
+        step = self.setup.checkpoints.last_step
+        if self.last_checkpoint is None or step is None:
+            return f"{at}; no checkpoint of this run verified yet: a rerun starts at step 0"
+        return f"{at}; the last verified checkpoint is {self.last_checkpoint.url} (step {step}): rerun the same command to resume from it"
 
     def _open_trackers(self, start: int) -> Trackers:
         """The trackers of train.report_to, logging from step `start + 1` on, in train.log_dir: on rank 0, when there are
@@ -108,19 +152,34 @@ class Trainer:
         """Read a launched step's metrics (waiting for its device), log them and report progress. Its time runs to the
         next step's launch, or to now when it is read at once."""
         entry = self._entry(pending, (next_started or time.perf_counter()) - pending.started)
+        check_finite_step(entry, self.setup.checkpoints.last_step)  # every rank: the numbers are all-reduced
         self.metrics.append(entry)
         self.steps_run += 1
         done = entry["step"]
-        if self.place.is_main and (done % self.tc.log_every == 0 or done == self.setup.total_steps):
+        self.signal.trained(entry)
+        held = self._held.pop(done, None)
+        if held is not None:  # measured after this step: logged with it, whatever train.log_every says
+            entry["eval"] = held
+            self.signal.measured(held, done)
+        if self.place.is_main and (held is not None or done % self.tc.log_every == 0 or done == self.setup.total_steps):
             self.log.append(entry)
             if self.trackers is not None:
                 self.trackers.log(entry)
-        self.reporter.progress("train", done, self.setup.total_steps, loss=round(entry["loss"], 4), tau=round(entry["tau_estimate"], 2))
+        held_tau = self.signal.held_out["tau_estimate"] if self.signal.held_out else None
+        fields = {"loss": round(entry["loss"], 4), "tau": round(entry["tau_estimate"], 2)}
+        if held_tau is not None:
+            fields["held-out tau"] = round(held_tau, 2)
+        self.reporter.progress("train", done, self.setup.total_steps, **fields)
+        if self._lines is not None:
+            self._lines.step(entry, held_tau)
 
     def resume(self) -> int:
         """Load the newest verified checkpoint of this run into the drafter, optimizer, scheduler and RNGs (every rank);
         returns the step to start from: the checkpoint's, or 0 (a fresh metrics log) when there is none."""
         found = self.setup.checkpoints.newest(self.start_over)
+        if self.place.is_main:  # after the checkpoint's own refusal of another run, before the first entry is written
+            output = self.tc.output or self.setup.checkpoints.store.url
+            self.reporter.say(f"metrics log: {claim_log_dir(Path(self.tc.log_dir), self.setup.checkpoints.identity, output)}")
         if found is None:
             if self.place.is_main:
                 self.log.start_fresh()
@@ -129,7 +188,10 @@ class Trainer:
             device = self.place.drafter_device
             self.setup.drafter.load_state_dict({name: tensor.to(device) for name, tensor in loaded.drafter_state.items()})
             self.setup.optimizer.load_state_dict(loaded.training_state["optimizer"])
+            planned = dict(vars(self.setup.scheduler.lr_lambdas[0]))  # this config's plan, before the recorded one replaces it
             self.setup.scheduler.load_state_dict(loaded.training_state["scheduler"])
+            if (restarted := resume_schedule(self.setup.scheduler, planned, found.step, self.start_over)) is not None:
+                self.reporter.warn(restarted)
             set_rng_state(loaded.training_state["rng"], self.place.drafter_device)
             if self.place.is_main and (first := self.log.restart_from(loaded.folder, found.step)) is not None:
                 self.reporter.warn(
@@ -137,6 +199,8 @@ class Trainer:
                     f"entries from step {first} on (a checkpoint keeps only those logged since the one before)"
                 )
         self.reporter.say(f"resuming from verified checkpoint {found.store.url} (step {found.step})")
+        if found.report.manifest is not None and (note := resume_note(found.step, found.report.manifest.config, self.setup.checkpoints.resolved)):
+            (self.reporter.warn if note[1] else self.reporter.say)(note[0])
         self.resumed_from, self.last_checkpoint = found.step, found.report
         return found.step
 
@@ -164,14 +228,30 @@ class Trainer:
         final = done == self.setup.total_steps
         if done % self.tc.checkpoint_every != 0 and not final:
             return self._counted(self.setup.checkpoints.poll()) if self.place.is_main else None
+        check_finite_weights(self.setup.drafter, done)  # every rank: the replicas are equal
         if self.place.world_size > 1:
             check_ranks_in_sync(self.setup.drafter, self.place.world_size)
         if not self.place.is_main:
             return None
         if final:  # the curves of the whole run, in the final checkpoint; before, they are redrawn in the background
             self.log.plotter.now()
+        if self.decode_prompts:
+            self._decode(done)
         state = self._training_state(done)
-        return self._counted(self.setup.checkpoints.save(done, self.setup.drafter, state, self.log, final, self.place.world_size))
+        return self._counted(self.setup.checkpoints.save(done, self.setup.drafter, state, self.log, final, self.place.world_size,
+                                                         self.signal.counts()))
+
+    def _decode(self, done: int) -> None:
+        """Rank 0: the checkpoint of step `done` decoded for real on the held-out prompts (`decoded.decode_checkpoint`)."""
+        hf_model = self.setup.target.model
+        stops = target_stop_ids(hf_model, self.config.target.tokenizer or self.config.target.path)
+        with self._target_turn:
+            decoded = decode_checkpoint(self.setup.drafter, hf_model, self.decode_prompts, self.config.eval, stops)
+        self.reporter.say(
+            f"checkpoint step {done} decoded on {decoded['prompts']} held-out prompts: tau {decoded['tau']:.2f}, speedup "
+            f"{decoded['speedup']:.2f}x, lossless {'yes' if decoded['lossless'] else 'NO'} ({decoded['seconds']:.1f}s)"
+        )
+        self.signal.decoded_at(decoded, done)
 
     def finish_checkpoints(self) -> VerifyReport | None:
         """Rank 0: wait for the checkpoint still being pushed, if any, and take it in (the end of `train`)."""
@@ -200,7 +280,7 @@ class Trainer:
                 generators=[anchor_generator(tc.seed, epoch, i) for i in rows],
                 attention=self.setup.attention,
             )
-            with self._streams.active():  # the target's forward and the copies, off the drafter's stream (CUDA)
+            with self._streams.active(), self._target_turn:  # the target's forward and copies, off the drafter's stream (CUDA)
                 ids, mask = batch.input_ids.to(place.target_device), batch.attention_mask_context.long().to(place.target_device)
                 final = None
                 if self.setup.objective.distills:  # the whole target runs: its final hidden states give each slot's distribution

@@ -1,0 +1,258 @@
+"""The standard prompt sets eval reads, in the layouts they are distributed in, as prompt rows of the plain layout.
+
+A set is a Parquet or JSONL file (a path, file:// or s3:// URL), a folder `datasets.save_to_disk` wrote, or
+`hf://datasets/NAME` (loaded through `datasets.load_dataset`, the hub or its local cache). Its layout is recognised from
+its columns (`LAYOUTS`, most specific first) or named (`eval.prompt_sets`, `--prompt-set`); every layout but `plain`
+becomes a one-turn chat (`{"messages": [user turn]}`), which eval renders with the target's template and thinking mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from blockdraft.config import StoreConfig
+from blockdraft.data.records import loads_row
+from blockdraft.errors import EvalError
+from blockdraft.store import open_store
+from blockdraft.store.artifact import InputRef
+from blockdraft.store.stage_io import open_raw_input, recorded_manifest
+
+HF_DATASETS = "hf://datasets/"
+SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what `datasets.save_to_disk` writes at a folder's root
+PLAIN = "plain"
+PLAIN_COLUMNS = ("input_ids", "messages", "prompt")
+
+
+def _text(column: str) -> Callable[[dict[str, Any]], str | None]:
+    return lambda row: row.get(column) if isinstance(row.get(column), str) else None
+
+
+def _first_turn(row: dict[str, Any]) -> str | None:
+    turns = row.get("turns")
+    return turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], str) else None
+
+
+def _instruction(row: dict[str, Any]) -> str | None:
+    instruction, extra = row.get("instruction"), row.get("input")
+    if not isinstance(instruction, str):
+        return None
+    return f"{instruction}\n\n{extra}" if isinstance(extra, str) and extra.strip() else instruction
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A prompt set's layout: `signature` (columns that recognise it), `text` (the columns its user turn is made of, all
+    a file named with this layout must have) and `user_turn` (a row's user turn, None when the row lacks it)."""
+
+    name: str
+    signature: tuple[str, ...]
+    text: tuple[str, ...]
+    user_turn: Callable[[dict[str, Any]], str | None]
+
+    def describe(self) -> str:
+        return f"{self.name} ({'/'.join(self.text)})"
+
+
+# Most specific first: HumanEval's `prompt` and MBPP's `text` are told from a plain file by their test columns.
+LAYOUTS = (
+    Layout("humaneval", ("prompt", "entry_point"), ("prompt",), _text("prompt")),
+    Layout("mbpp", ("text", "test_list"), ("text",), _text("text")),
+    Layout("gsm8k", ("question",), ("question",), _text("question")),
+    Layout("math500", ("problem",), ("problem",), _text("problem")),
+    Layout("mt_bench", ("turns",), ("turns",), _first_turn),
+    Layout("alpaca", ("instruction",), ("instruction",), _instruction),
+)
+LAYOUT_NAMES = (*(layout.name for layout in LAYOUTS), PLAIN)
+
+
+def known_layouts() -> str:
+    return ", ".join([*(layout.describe() for layout in LAYOUTS), f"{PLAIN} ({'/'.join(PLAIN_COLUMNS)})"])
+
+
+@dataclass
+class PromptSet:
+    """The rows of one prompt set in the plain layout (`input_ids`, `messages` or `prompt`), its layout and its lineage
+    entry; `where[i]` names row i in an error (file and line or row)."""
+
+    layout: str
+    source: str
+    rows: list[dict[str, Any]]
+    where: list[str]
+    ref: InputRef
+
+
+def read_prompt_set(source: str, layout: str | None, store_config: StoreConfig, workdir: Path, limit: int) -> PromptSet:
+    """Up to `limit` prompt rows of the set at `source`, in `layout` (None: recognised from its columns). Raises EvalError
+    for an unknown layout (naming the columns found and the layouts known) or a row its layout cannot read."""
+    if layout is not None and layout not in LAYOUT_NAMES:
+        raise EvalError(f"prompt set {layout!r} is not one eval knows; use one of {', '.join(LAYOUT_NAMES)}")
+    name = source.rsplit("/", 1)[-1]
+    if source.startswith(HF_DATASETS):
+        raw, ref = _hub_rows(source, limit)
+    elif source.endswith((".jsonl", ".parquet")):
+        file = open_raw_input(source, store_config, role="prompts file")
+        path = file.fetch(workdir / f"prompt-set-{len(list(workdir.glob('prompt-set-*')))}-{name}")
+        raw, ref = (_jsonl_rows(path, name, limit) if source.endswith(".jsonl") else _parquet_rows(path, name, limit)), file.ref
+    else:
+        raw, ref = _saved_rows(source, limit)
+    rows: list[dict[str, Any]] = []
+    where: list[str] = []
+    chosen: Layout | None = None
+    for place, row in raw:
+        if chosen is None and layout != PLAIN:
+            chosen = _layout_of(row, layout, source)
+        rows.append(row if chosen is None else _as_chat(row, chosen, place))
+        where.append(place)
+    return PromptSet(chosen.name if chosen else PLAIN, source, rows, where, ref)
+
+
+def is_prompt_set(source: str, store_config: StoreConfig) -> bool:
+    """Whether `source` is read by `read_prompt_set`: a file, a hub dataset, or a local folder `datasets` saved without a
+    blockdraft manifest (a tokenized artifact is laid out as `datasets` saves it too, and is read by its held-out rows)."""
+    if source.startswith(HF_DATASETS) or source.endswith((".jsonl", ".parquet")):
+        return True
+    url = source.partition("?")[0]
+    folder = Path(url.removeprefix("file://"))
+    if "://" in url.removeprefix("file://") or not any((folder / f).is_file() for f in SAVED_DATASET_FILES):
+        return False
+    return recorded_manifest(open_store(url, store_config)) is None
+
+
+def _layout_of(row: dict[str, Any], named: str | None, source: str) -> Layout | None:
+    """The layout of a set from its first row (None: plain), or the one named, checked to have its columns."""
+    columns = set(row)
+    if named is not None:
+        layout = next(layout for layout in LAYOUTS if layout.name == named)
+        if not set(layout.text) <= columns:
+            raise EvalError(
+                f"prompts {source} has columns {sorted(columns)}, not the {layout.describe()} of the {named} layout; "
+                "name the set it holds with --prompt-set, or give a file of that set"
+            )
+        return layout
+    for layout in LAYOUTS:
+        if set(layout.signature) <= columns:
+            return layout
+    if columns & set(PLAIN_COLUMNS):
+        return None
+    raise EvalError(
+        f"prompts {source} has columns {sorted(columns)}, a layout eval does not know; known: {known_layouts()}; "
+        "rename the prompt's column or convert the file to one of them"
+    )
+
+
+def _as_chat(row: dict[str, Any], layout: Layout, where: str) -> dict[str, Any]:
+    turn = layout.user_turn(row)
+    if turn is None:
+        raise EvalError(f"{where}: a {layout.name} row needs {layout.describe()} as text; fix that row")
+    return {"messages": [{"role": "user", "content": turn}]}
+
+
+def _jsonl_rows(path: Path, name: str, limit: int) -> list[tuple[str, dict[str, Any]]]:
+    rows: list[tuple[str, dict[str, Any]]] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{name} line {lineno}"
+            try:
+                row = loads_row(line)
+            except ValueError as exc:
+                why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+                raise EvalError(f"{where} is not valid JSON ({why}); fix that line") from None
+            if not isinstance(row, dict):
+                raise EvalError(f"{where} is not a JSON object; give one prompt object per line")
+            rows.append((where, row))
+            if len(rows) >= limit:
+                break
+    return rows
+
+
+def _parquet_rows(path: Path, name: str, limit: int) -> list[tuple[str, dict[str, Any]]]:
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=min(limit, 1024))
+        return _numbered(name, (row for batch in batches for row in batch.to_pylist()), limit)
+    except (pa.ArrowException, OSError) as exc:
+        raise EvalError(f"{name} is not a readable Parquet file ({exc}); give a Parquet or JSONL file") from None
+
+
+def _numbered(name: str, rows: Iterator[dict[str, Any]], limit: int) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for index, row in enumerate(rows, 1):
+        out.append((f"{name} row {index}", row))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _dataset_ref(url: str, rows: list[tuple[str, dict[str, Any]]]) -> InputRef:
+    """A dataset read through `datasets` has no object to pin: it is pinned by the sha256 of the rows eval read."""
+    digest = hashlib.sha256(json.dumps([row for _, row in rows], sort_keys=True, default=str).encode()).hexdigest()
+    return InputRef(kind="dataset", url=url, sha256=digest)
+
+
+def _one_split(dataset: Any, split: str | None, source: str) -> Any:
+    """The split eval reads of a DatasetDict: the one asked for, else `test`, else the only one."""
+    import datasets
+
+    if isinstance(dataset, datasets.Dataset):
+        return dataset
+    names = list(dataset)
+    chosen = split or ("test" if "test" in names else names[0] if len(names) == 1 else None)
+    if chosen not in names:
+        raise EvalError(f"prompts {source} has splits {names}; name one as {source.split('?')[0]}?split=NAME")
+    return dataset[chosen]
+
+
+def _saved_rows(source: str, limit: int) -> tuple[list[tuple[str, dict[str, Any]]], InputRef]:
+    """The rows of a local folder `datasets.save_to_disk` wrote (a Dataset or a DatasetDict)."""
+    import datasets
+
+    url, _, query = source.partition("?")
+    folder = Path(url.removeprefix("file://"))
+    try:
+        dataset = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError) as exc:
+        raise EvalError(f"prompts {source} is neither a prompts file (.jsonl, .parquet) nor a folder `datasets` saved ({exc})") from None
+    split = parse_qs(query).get("split", [None])[0]
+    rows = _numbered(folder.name, _head(dataset, split, source, limit), limit)
+    return rows, _dataset_ref(source, rows)
+
+
+def _head(dataset: Any, split: str | None, source: str, limit: int) -> Iterator[dict[str, Any]]:
+    chosen = _one_split(dataset, split, source)
+    return iter(chosen.select(range(min(limit, len(chosen)))).to_list())
+
+
+def _hub_rows(source: str, limit: int) -> tuple[list[tuple[str, dict[str, Any]]], InputRef]:
+    """The rows of `hf://datasets/NAME[?config=C&split=S]` through `datasets.load_dataset`: from the hub when it is
+    reachable, else from the local cache `datasets` keeps (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE read only that)."""
+    import datasets
+
+    parts = urlsplit(source)
+    name = parts.path.strip("/")
+    query = parse_qs(parts.query)
+    config, split = query.get("config", [None])[0], query.get("split", [None])[0]
+    if not name:
+        raise EvalError(f"prompts {source} names no dataset; give hf://datasets/OWNER/NAME")
+    try:
+        dataset = datasets.load_dataset(name, config, split=split)
+    except (ConnectionError, FileNotFoundError, ValueError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise EvalError(
+            f"prompts {source} does not load through datasets ({first}); check the name (and ?config=, ?split=), the network, "
+            "or download it with `datasets` first"
+        ) from None
+    rows = _numbered(name, _head(dataset, split, source, limit), limit)
+    return rows, _dataset_ref(source, rows)
+
+
+__all__ = ["HF_DATASETS", "LAYOUTS", "LAYOUT_NAMES", "PLAIN", "Layout", "PromptSet", "is_prompt_set", "known_layouts", "read_prompt_set"]

@@ -1,0 +1,191 @@
+"""The export's model card, `README.md`: YAML front matter as the Hugging Face Hub reads it, then what was measured.
+
+Every figure comes from a verified artifact and the card names it: the eval artifact's `report.json` (read as JSON: a
+stage never imports another), the tokenized data's manifest, the export's own `config.json`, `blockdraft-export.json`,
+`serving.json` and manifest counts. A figure that was not measured is left out, never written as a placeholder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+CARD_NAME = "README.md"
+EVAL_KIND = "eval"
+EVAL_REPORT_NAME = "report.json"  # the report an eval artifact holds (written by the eval stage)
+TAGS = ("speculative-decoding", "dflash", "blockdraft")
+LIBRARY_NAME = "blockdraft"
+DATA_COUNTS = (  # the tokenized manifest's counts the card gives, and how it names them
+    ("rows_in", "conversations"), ("rows_out", "rows"), ("train_rows", "train rows"), ("held_out_rows", "held-out rows"),
+    ("tokens", "tokens"), ("supervised_tokens", "supervised tokens"),
+)
+
+
+@dataclass
+class EvalSource:
+    """A verified eval artifact of this checkpoint: where it is, its manifest's sha256 and its report as JSON."""
+
+    url: str
+    manifest_sha256: str
+    report: dict[str, Any]
+
+
+@dataclass
+class DataSource:
+    """One training data input, pinned by `sha256`; `counts` and `run` (its manifest's counts and `tokenize_run` config)
+    only when it verified here with that very manifest, else None with `why` saying what stopped it."""
+
+    url: str
+    sha256: str | None
+    counts: dict[str, Any] | None = None
+    run: dict[str, Any] | None = None
+    why: str | None = None
+
+
+def render_card(
+    target: str,
+    export_url: str,
+    drafter_config: dict[str, Any],
+    provenance: dict[str, Any],
+    serving: dict[str, Any],
+    counts: dict[str, Any],
+    evaluation: EvalSource | None,
+    data: list[DataSource],
+) -> str:
+    """The card's text. `drafter_config` is the export's config.json, `provenance` its blockdraft-export.json, `serving`
+    its serving.json, `counts` its manifest counts."""
+    parts = [
+        _front_matter(target),
+        f"# DFlash drafter for {target}\n\n"
+        f"A DFlash block-diffusion drafter for speculative decoding with `{target}`, trained and exported by blockdraft "
+        f"(export `{export_url}`). Every figure below is read from the verified artifact it names; what was not measured "
+        "is not shown.\n",
+        _evaluation(evaluation),
+        _data(data, provenance),
+        _drafter(drafter_config, provenance, counts),
+        _serving(serving),
+    ]
+    return "\n".join(parts)
+
+
+def _front_matter(target: str) -> str:
+    tags = "".join(f"- {tag}\n" for tag in TAGS)
+    return (
+        f"---\nbase_model: {json.dumps(target)}\nlibrary_name: {LIBRARY_NAME}\ntags:\n{tags}"
+        "# license: set the license these weights are published under (e.g. `license: apache-2.0`, usually the target's);\n"
+        "# blockdraft does not choose one.\n---\n"
+    )
+
+
+def _fmt(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}"
+
+
+def _evaluation(evaluation: EvalSource | None) -> str:
+    if evaluation is None:
+        return (
+            "## Evaluation\n\nNo eval was run for this export. Measure it with `blockdraft eval --checkpoint CHECKPOINT "
+            "--prompts SET ...`, then rewrite this card with `blockdraft export --card-only EXPORT --eval EVAL`.\n"
+        )
+    report = evaluation.report
+    drafters = list(report["drafters"])
+    others = [d for d in drafters if d != "dflash"]
+    lines = [
+        "## Evaluation\n",
+        f"From `{EVAL_REPORT_NAME}` of the eval artifact `{evaluation.url}` (manifest sha256 `{evaluation.manifest_sha256}`), "
+        f"an eval of checkpoint `{report.get('checkpoint')}` on the target `{report.get('target')}`.\n",
+        f"Decoding: greedy, each output compared token for token with the target's own greedy output; up to "
+        f"{report['max_new_tokens']} new tokens per prompt; target in {report['target_dtype']}; draft block size {report['block_size']}.\n",
+        "tau: tokens committed per draft/verify cycle (accepted drafts + 1); speedup: wall time of target-only greedy over "
+        "that of speculative decoding, on the same prompts and machine.\n",
+        "| prompt set | layout | prompts | tau | speedup | lossless | " + " | ".join(f"tau {d}" for d in others) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(others),
+    ]
+    rows = [(name, s["layout"], s["num_prompts"], s["drafters"], s["lossless"]) for name, s in report.get("prompt_sets", {}).items()]
+    rows.append(("all", "", report["num_prompts"], report["drafters"], report["lossless"]["ok"]))
+    for name, layout, prompts, metrics, lossless in rows:
+        dflash = metrics["dflash"]
+        cells = [name, layout, str(prompts), _fmt(dflash["tau"], 3), _fmt(dflash["speedup"], 2) + "x", "yes" if lossless else "NO"]
+        cells += [_fmt(metrics[d]["tau"], 3) for d in others]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("\nPer-position acceptance of the drafter (fraction of cycles accepting draft k, k = 1, 2, ...):\n")
+    for name, _, _, metrics, _ in rows:
+        lines.append(f"- {name}: " + ", ".join(_fmt(a, 3) for a in metrics["dflash"]["position_acceptance"]))
+    lines += _sampled(report.get("sampled"))
+    engine = report.get("engine")
+    if engine:
+        verdict = "agrees with blockdraft's decode" if engine.get("disagreement") is None else f"disagrees: {engine['disagreement']}"
+        at = f" at temperature {engine['temperature']:g}" if engine.get("temperature") else ""
+        lines.append(
+            f"\nServed by {engine['engine']} {engine['version']} ({engine['dtype']}){at}: tau {_fmt(engine['tau'], 3)}, speedup "
+            f"{_fmt(engine['speedup'], 2)}x, {engine['outputs_equal_target_only']}/{engine['num_prompts']} outputs equal to the "
+            f"engine's target-only outputs; {verdict} ({engine['rule']})."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _sampled(sampled: dict[str, Any] | None) -> list[str]:
+    """The report's decodes at temperature (over every prompt; the report keeps them per drafter, not per set)."""
+    if not sampled:
+        return []
+    lines = [
+        f"\nSampled decoding: temperature {sampled['temperature']:g}, top-p {sampled['top_p']:g}, top-k {sampled['top_k']}, seed "
+        f"{sampled['seed']}, {sampled['samples_per_prompt']} decode(s) per prompt, {sampled['decodes']} in all, over every prompt; "
+        "drafts verified by rejection sampling, speedup over target-only sampling.\n",
+        "| drafter | tau | tau 95% interval | speedup |",
+        "|---|---|---|---|",
+    ]
+    for name, d in sampled["drafters"].items():
+        low, high = d["tau_ci95"]
+        lines.append(f"| {name} | {_fmt(d['metrics']['tau'], 3)} | {_fmt(low, 3)} to {_fmt(high, 3)} | {_fmt(d['metrics']['speedup'], 2)}x |")
+    return lines
+
+
+def _data(data: list[DataSource], provenance: dict[str, Any]) -> str:
+    lines = ["## Training data\n"]
+    if not data:
+        lines.append("The checkpoint records no training data input.")
+    for source in data:
+        if source.counts is None or source.run is None:
+            lines.append(f"- `{source.url}`, pinned by manifest sha256 `{source.sha256}`: {source.why}; its figures are not shown.")
+            continue
+        figures = ", ".join(f"{label} {source.counts[key]:,}" for key, label in DATA_COUNTS if key in source.counts)
+        run = source.run
+        settings = []
+        if "thinking" in run:
+            settings.append(f"thinking mode {run['thinking']}")
+        if "template_sha256" in run:
+            settings.append(f"chat template sha256 `{run['template_sha256']}`")
+        lines.append(f"- `{source.url}` (tokenized artifact, manifest sha256 `{source.sha256}`): {figures}; {'; '.join(settings)}.")
+    trained = (provenance.get("config") or {}).get("train") or {}
+    if trained:
+        lines.append(f"\nTraining settings pinned in the checkpoint (`blockdraft-export.json`, `config.train`):\n\n```json\n"
+                     f"{json.dumps(trained, indent=2, sort_keys=True)}\n```")
+    return "\n".join(lines) + "\n"
+
+
+def _drafter(drafter_config: dict[str, Any], provenance: dict[str, Any], counts: dict[str, Any]) -> str:
+    dflash = provenance.get("dflash") or {}
+    shape = [
+        ("draft layers", drafter_config.get("num_hidden_layers")), ("hidden size", drafter_config.get("hidden_size")),
+        ("attention heads", drafter_config.get("num_attention_heads")), ("key/value heads", drafter_config.get("num_key_value_heads")),
+        ("block size", dflash.get("block_size")), ("mask token id", dflash.get("mask_token_id")),
+        ("target layer ids", dflash.get("target_layer_ids")), ("layer types", dflash.get("layer_types")),
+        ("sliding window", dflash.get("sliding_window")), ("stored dtype", provenance.get("dtype")),
+        ("parameters", counts.get("parameters")), ("tensors", counts.get("tensors")),
+    ]
+    lines = ["## Drafter\n", "From the export's `config.json`, `blockdraft-export.json` and manifest counts:\n"]
+    lines += [f"- {label}: {value:,}" if isinstance(value, int) else f"- {label}: {json.dumps(value) if isinstance(value, list) else value}"
+              for label, value in shape if value is not None]
+    lines.append(f"\nDFlash settings pinned in the checkpoint (`blockdraft-export.json`, `dflash`):\n\n```json\n"
+                 f"{json.dumps(dflash, indent=2, sort_keys=True)}\n```")
+    return "\n".join(lines) + "\n"
+
+
+def _serving(serving: dict[str, Any]) -> str:
+    commands = [c for c in (serving.get("pull_command"), serving.get("sglang_command"), serving.get("vllm_command")) if c]
+    return "## Serving\n\nFrom the export's `serving.json`:\n\n```sh\n" + "\n".join(commands) + "\n```\n"
+
+
+__all__ = ["CARD_NAME", "EVAL_KIND", "EVAL_REPORT_NAME", "DataSource", "EvalSource", "render_card"]

@@ -1,0 +1,132 @@
+"""Third ring of faults, the store and data side: nothing written where it does not belong (a planted link in a working
+folder, a demo folder or a progress page holding someone else's files), a suspended writer that comes back after its lease
+was taken over, a row nested deeper than Python recurses, and the messages that named the wrong cause."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from helpers.artifacts import Destination, commit_files
+from helpers.tokenize_data import config, conversation, rows_of, tokenize, write_jsonl
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
+from blockdraft.config import load_config
+from blockdraft.errors import BlockdraftError, OutsideArtifactError
+from blockdraft.pipeline import DEMO_MARK, claim_workdir
+from blockdraft.stages.eval.prompts import prompts_from_jsonl
+from blockdraft.store.artifact import INCOMING_DIR, MANIFEST_NAME
+from blockdraft.store.local import LocalStore
+from blockdraft.store.manifest import PIECES_DIR
+from blockdraft.store.ownership import WRITING_NAME
+from blockdraft.store.transfer import pull, push
+
+DEEP = 50_000
+
+
+def deep_rows() -> list[str]:
+    """An array and an object each nested `DEEP` levels: valid JSON no recursive parser can hold."""
+    return ["[" * DEEP + "]" * DEEP, '{"a":' * DEEP + "1" + "}" * DEEP]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_row_nested_50000_deep_is_quarantined_as_bad_json_and_the_run_goes_on(tmp_path, workers):
+    rows = [json.dumps(conversation(0)), *deep_rows(), json.dumps(conversation(1))]
+    source = write_jsonl(tmp_path / "in" / "deep.jsonl", rows)
+    (tmp_path / "in" / "deep-array.json").write_text("[" + ",".join([json.dumps(conversation(2)), *deep_rows()]) + "]")
+    out = tmp_path / "out"
+    result = tokenize(source.parent, out, config(held_out_fraction=0.0, workers=workers))
+    counts = result.details.counts
+    assert counts["input_files_failed"] == 0 and counts["rejected"] == {"bad_json": 4}, counts
+    assert sorted(r["source_id"] for r in rows_of(out)["train"]) == ["c0", "c1", "c2"]
+    assert not (out / WRITING_NAME).exists()
+
+
+def test_eval_prompts_nested_50000_deep_are_one_line_naming_the_row(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + deep_rows()[1] + "\n")
+    with pytest.raises(BlockdraftError, match="prompts.jsonl line 2 is not valid JSON"):
+        prompts_from_jsonl(prompts, None, load_config(None, {}), 10)
+
+
+# ------------------------------------------------------------------------------------------ working paths in a destination
+
+
+@pytest.mark.parametrize("planted", [INCOMING_DIR, f"{INCOMING_DIR}/sub"])
+def test_a_link_planted_at_a_pulls_incoming_folder_is_refused_and_nothing_outside_is_touched(tmp_path, planted):
+    src = commit_files(tmp_path / "src", {"a.bin": b"a" * 64, "sub/b.bin": b"b" * 64})
+    other = tmp_path / "other"
+    (other / "sub").mkdir(parents=True)
+    for name in ("a.bin", "sub/b.bin", "b.bin"):  # the user's files, some named like the artifact's
+        (other / name).write_bytes(b"the user's own " + name.encode())
+    dest = tmp_path / "dest"
+    (dest / INCOMING_DIR).parent.mkdir(parents=True)
+    if planted != INCOMING_DIR:
+        (dest / INCOMING_DIR).mkdir()
+    os.symlink(other / ("sub" if planted != INCOMING_DIR else ""), dest / planted)
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+
+    with pytest.raises(OutsideArtifactError, match="resolves outside"):
+        pull(f"file://{src}", dest)
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+    assert not (dest / MANIFEST_NAME).exists()
+    result = CliRunner().invoke(app, ["pull", str(src), str(dest)])
+    assert result.exit_code != 0 and "resolves outside" in result.output and "Traceback" not in result.output
+
+
+def test_a_link_planted_in_a_pulls_incoming_folder_is_refused_from_s3(s3_env, tmp_path):
+    dest_s3 = Destination.s3(s3_env)
+    src = commit_files(tmp_path / "src", {"a.bin": b"a" * 64})
+    push(src, dest_s3.url, dest_s3.settings)
+    other = tmp_path / "other"
+    other.mkdir()
+    local = tmp_path / "dest"
+    local.mkdir()
+    os.symlink(other, local / INCOMING_DIR)
+    with pytest.raises(OutsideArtifactError, match="resolves outside"):
+        pull(dest_s3.url, local, dest_s3.settings)
+    assert list(other.iterdir()) == []
+
+
+def test_a_store_writes_no_working_file_through_a_link_swapped_in_after_a_check(tmp_path):
+    """The folder is opened where it is written: a link that replaces a folder between two writes is refused by the
+    second, whatever an earlier check found."""
+    store = LocalStore(tmp_path / "dest")
+    store.put_bytes(f"{PIECES_DIR}/one.json", b"{}")
+    store.put_bytes(MANIFEST_NAME, b"{}")
+    (tmp_path / "elsewhere").mkdir()
+    shutil.rmtree(tmp_path / "dest" / PIECES_DIR)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "dest" / PIECES_DIR)
+    for write in (lambda: store.put_bytes(f"{PIECES_DIR}/two.json", b"{}"),
+                  lambda: store.put_bytes_if_absent(f"{PIECES_DIR}/two.json", b"{}"),
+                  lambda: store.put_file(f"{PIECES_DIR}/two.json", tmp_path / "dest" / MANIFEST_NAME),
+                  lambda: store.delete(f"{PIECES_DIR}/x.json")):
+        with pytest.raises(OutsideArtifactError, match="resolves outside"):
+            write()
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_demo_refuses_a_workdir_holding_the_users_own_files_and_leaves_them(tmp_path):
+    work = tmp_path / "work"
+    (work / "train-logs").mkdir(parents=True)
+    own = {"blockdraft.toml": "[train]\nlr = 1e-4\n", "prompts.jsonl": '{"prompt": "mine"}\n', "PROGRESS.md": "my notes\n",
+           "train-logs/metrics.jsonl": '{"step": 1}\n'}
+    for name, text in own.items():
+        (work / name).write_text(text)
+    result = CliRunner().invoke(app, ["demo", "--workdir", str(work), "--profile", "ci"])
+    assert result.exit_code != 0 and "holds files the demo did not write (PROGRESS.md" in result.output, result.output
+    assert "Traceback" not in result.output
+    assert {name: (work / name).read_text() for name in own} == own
+    assert sorted(p.name for p in work.iterdir()) == ["PROGRESS.md", "blockdraft.toml", "prompts.jsonl", "train-logs"]
+
+
+def test_a_folder_the_demo_made_is_the_demos_again(tmp_path):
+    claim_workdir(tmp_path / "new")  # a new folder, then the same one again: both are the demo's
+    (tmp_path / "new" / "blockdraft.toml").write_text("written by the demo\n")
+    claim_workdir(tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    claim_workdir(tmp_path / "empty")
+    assert (tmp_path / "new" / DEMO_MARK).is_file() and (tmp_path / "empty" / DEMO_MARK).is_file()

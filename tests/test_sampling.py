@@ -1,0 +1,130 @@
+"""Sampled decoding (docs/DFLASH.md, "Sampled verify"): the processed distribution is the one Hugging Face's warpers give,
+and speculative sampling is lossless in distribution: the first new tokens from our loop follow target-only sampling's
+distribution exactly, under a chi-square test, while the same test rejects a deliberately broken verify."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.paths import GOLDEN
+from transformers import AutoModelForCausalLM
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from blockdraft.decode.cached_target import CachedTarget
+from blockdraft.decode.sampling import Proposal, Sampler, Sampling, processed_probs, rejection_verify, sample_decode
+from blockdraft.decode.speculative import DFlashProposer, run_speculative
+from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.model.target import TargetHead
+
+THINKING = Sampling(temperature=0.6, top_p=0.95, top_k=20)  # Qwen3's recommended thinking-mode settings
+SAMPLES = 1200  # speculative decodes per verify: the chi-square's power against the broken verifies is shown below
+ALPHA = 1e-3  # the correct verify fails with this probability (a fixed seed makes each run the same)
+TARGET_ONLY_SAMPLES = 400  # the target-only reference sampler is checked with fewer (it has no verify to get wrong)
+MIN_EXPECTED = 5.0  # cells with fewer expected samples are pooled into one, as the chi-square approximation needs
+
+
+@pytest.fixture(scope="module")
+def golden():
+    target = AutoModelForCausalLM.from_pretrained(GOLDEN / "target", attn_implementation="eager", dtype=torch.float32).eval()
+    drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter").eval()
+    prompt = json.loads((GOLDEN / "golden.json").read_text())["decode"][1]["prompt"]
+    return target, drafter, TargetHead.from_target(target), prompt
+
+
+def test_processed_probs_are_huggingfaces_temperature_top_k_top_p():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300) * 3
+    logits[0, :4] = 5.0  # ties at the k-th value are kept, as both rules keep them
+    for s in (THINKING, Sampling(1.0), Sampling(0.7, top_k=5), Sampling(1.3, top_p=0.5), Sampling(0.9, top_p=0.8, top_k=50)):
+        x = TemperatureLogitsWarper(s.temperature)(None, logits.clone())
+        if s.top_k:
+            x = TopKLogitsWarper(s.top_k)(None, x)
+        if s.top_p < 1:
+            x = TopPLogitsWarper(s.top_p)(None, x)
+        torch.testing.assert_close(processed_probs(logits, s), torch.softmax(x, dim=-1), atol=1e-6, rtol=1e-5)
+
+
+def _exact_first_two(target, prompt: list[int], sampling: Sampling) -> dict[tuple[int, int], float]:
+    """P(x1, x2) of target-only sampling, by enumeration: p(x1 | prompt) * p(x2 | prompt, x1) over x1's support."""
+    with torch.inference_mode():
+        p1 = processed_probs(target(torch.tensor([prompt])).logits[0, -1], sampling)
+        firsts = p1.nonzero()[:, 0]
+        rows = torch.tensor([[*prompt, int(x)] for x in firsts])
+        p2 = processed_probs(target(rows).logits[:, -1], sampling)
+    return {(int(x1), int(x2)): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(firsts) for x2 in p2[i].nonzero()[:, 0]}
+
+
+def chi_square(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float]) -> tuple[float, int, float]:
+    """Pearson's chi-square of `counts` against the distribution `expected`: (statistic, degrees of freedom, p-value).
+    Cells expected below MIN_EXPECTED are pooled into one; an outcome of probability 0 lands there too."""
+    n = sum(counts.values())
+    big = {cell for cell, prob in expected.items() if prob * n >= MIN_EXPECTED}
+    observed = [counts.get(cell, 0) for cell in big]
+    wanted = [expected[cell] * n for cell in big]
+    rest_observed, rest_wanted = n - sum(observed), n - sum(wanted)
+    if rest_wanted > 0:
+        observed.append(rest_observed)
+        wanted.append(rest_wanted)
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted))
+    df = len(wanted) - 1
+    return stat, df, float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def _accept_every_draft(proposal: Proposal, p: torch.Tensor, sampler: Sampler) -> tuple[int, int]:
+    """Broken: every draft is kept, so the output follows the drafter's q."""
+    n = len(proposal.tokens)
+    return n, int(sampler.draw(p[n]))
+
+
+def _skip_the_residual(proposal: Proposal, p: torch.Tensor, sampler: Sampler) -> tuple[int, int]:
+    """Broken: min(1, p/q) acceptance, but a rejection draws from p itself instead of the residual max(0, p - q)."""
+    accepted, _ = rejection_verify(proposal, p, sampler)
+    return accepted, int(sampler.draw(p[accepted]))
+
+
+def _first_two_of_speculative(golden, verify) -> dict[tuple[int, ...], int]:
+    target, drafter, head, prompt = golden
+    counts: dict[tuple[int, ...], int] = {}
+    for seed in range(SAMPLES):
+        result = run_speculative(target, DFlashProposer(drafter, head), prompt, 2, sampler=Sampler(THINKING, seed), verify=verify)
+        cell = tuple(result.new_tokens)
+        counts[cell] = counts.get(cell, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("verify,lossless", [(rejection_verify, True), (_accept_every_draft, False), (_skip_the_residual, False)],
+                         ids=["rejection sampling", "accepts every draft", "skips the residual"])
+def test_speculative_sampling_follows_target_only_sampling_and_a_broken_verify_fails(golden, verify, lossless):
+    target, _, _, prompt = golden
+    expected = _exact_first_two(target, prompt, THINKING)
+    assert abs(sum(expected.values()) - 1) < 1e-5
+    stat, df, p_value = chi_square(_first_two_of_speculative(golden, verify), expected)
+    print(f"{verify.__name__}: chi-square {stat:.1f}, {df} degrees of freedom, p = {p_value:.3g}")
+    assert df >= 20, "too few cells for the test to say anything"
+    assert (p_value >= ALPHA) == lossless, f"chi-square {stat:.1f} with {df} degrees of freedom, p = {p_value:.3g}"
+
+
+def test_target_only_sampling_follows_the_processed_distribution(golden):
+    target, _, _, prompt = golden
+    counts: dict[tuple[int, ...], int] = {}
+    for seed in range(TARGET_ONLY_SAMPLES):
+        cell = tuple(sample_decode(target, prompt, 2, Sampler(THINKING, seed)).new_tokens)
+        counts[cell] = counts.get(cell, 0) + 1
+    stat, df, p_value = chi_square(counts, _exact_first_two(target, prompt, THINKING))
+    assert p_value >= ALPHA, f"chi-square {stat:.1f} with {df} degrees of freedom, p = {p_value:.3g}"
+
+
+def test_a_seed_reproduces_a_sampled_decode_and_another_seed_differs(golden):
+    target, drafter, head, prompt = golden
+    runs = [run_speculative(target, DFlashProposer(drafter, head), prompt, 16, sampler=Sampler(THINKING, seed)) for seed in (7, 7, 8)]
+    assert runs[0].tokens == runs[1].tokens and runs[0].acceptance_lengths == runs[1].acceptance_lengths
+    assert runs[0].tokens != runs[2].tokens
+    # Drafts from a point-mass proposal (q None) are verified by the same rule: accepted with probability p(x).
+    with torch.inference_mode():
+        logits, _ = CachedTarget(target).forward(torch.tensor([prompt]), 0)
+    p = processed_probs(logits[0, -2:], THINKING)
+    best = int(p[0].argmax())
+    accepted = sum(rejection_verify(Proposal([best]), p, Sampler(THINKING, s))[0] for s in range(400))
+    assert abs(accepted / 400 - float(p[0, best])) < 4 * (float(p[0, best]) * (1 - float(p[0, best])) / 400) ** 0.5
