@@ -77,18 +77,29 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def free_cores(cores: int, load: float) -> int:
-    """Cores left to this process: the usable cores less the runnable load (1-minute average), at least one."""
+    """Cores left to this process: the usable cores less the runnable load, at least one."""
     return max(1, cores - round(load))
 
 
 def choose_torch_threads(environ: dict[str, str] | os._Environ = os.environ) -> None:
-    """Size torch's CPU thread pool from the cores free now, unless OMP_NUM_THREADS says how many (the user's choice, and
+    """Size torch's CPU thread pool from the cores free now (the larger of the 1-minute load and the tasks runnable this
+    instant), unless OMP_NUM_THREADS says how many (the user's choice, and
     torchrun's for the ranks it starts). Set before torch is imported, so the pool is made that size; once torch is loaded
     (in-process callers, the tests) nothing is changed. On 2 busy cores an eval ran 6x slower with torch's default of
     one thread per core than with one thread (docs/PERFORMANCE.md, "torch threads")."""
     if "OMP_NUM_THREADS" in environ or "torch" in sys.modules:
         return
-    environ["OMP_NUM_THREADS"] = str(free_cores(len(os.sched_getaffinity(0)), os.getloadavg()[0]))
+    environ["OMP_NUM_THREADS"] = str(free_cores(len(os.sched_getaffinity(0)), max(os.getloadavg()[0], runnable_now() - 1)))
+
+
+def runnable_now() -> int:
+    """Tasks runnable this instant, this one included (/proc/stat's procs_running): the 1-minute load average lags a job
+    that started seconds ago. 0 where the file is not there."""
+    try:
+        with open("/proc/stat") as stat:
+            return next((int(line.split()[1]) for line in stat if line.startswith("procs_running ")), 0)
+    except OSError:
+        return 0
 
 
 @app.callback()
