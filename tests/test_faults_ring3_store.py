@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 
 import pytest
@@ -130,3 +131,26 @@ def test_a_folder_the_demo_made_is_the_demos_again(tmp_path):
     (tmp_path / "empty").mkdir()
     claim_workdir(tmp_path / "empty")
     assert (tmp_path / "new" / DEMO_MARK).is_file() and (tmp_path / "empty" / DEMO_MARK).is_file()
+
+
+# ------------------------------------------------------------------------------------------ messages that name the cause
+
+
+def test_an_endpoint_with_a_query_string_is_refused_by_name(tmp_path):
+    result = CliRunner().invoke(app, ["status", "s3://b/x", "--endpoint-url", "http://user:SECRET@127.0.0.1:1/?region=x"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "has a query string" in result.output and "not a valid URI" not in result.output and "SECRET" not in result.output
+
+
+def test_bit_rot_on_the_server_is_named_as_a_damaged_server_copy_not_a_short_read(s3_env, tmp_path):
+    dest = Destination.s3(s3_env)
+    payload = random.Random(1).randbytes(300_000)
+    push(commit_files(tmp_path / "src", {"w.bin": payload}), dest.url, dest.settings)
+    volumes = [p for p in s3_env.data.rglob(f"{dest.bucket}_*.dat") if payload[1000:1100] in p.read_bytes()]
+    assert len(volumes) == 1
+    data = bytearray(volumes[0].read_bytes())
+    data[data.find(payload[1000:1100]) + 50] ^= 1
+    volumes[0].write_bytes(bytes(data))
+    with pytest.raises(BlockdraftError, match="the server's copy is damaged") as caught:
+        pull(dest.url, tmp_path / "pulled", dest.settings)
+    assert "retry the pull" not in str(caught.value) and "w.bin" in str(caught.value)

@@ -82,10 +82,12 @@ def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_
     assert (done.stage, done.url, done.report.state, done.already_done) == ("train", final, State.VERIFIED, False)
     assert (result.steps, result.resumed_from, result.checkpoint_url) == (60, None, final)
     assert [c[1] for c in reporter.calls] == list(range(61)) and {c[2] for c in reporter.calls} == {60}
-    assert reporter.calls[-1][3] == {"loss": round(losses[-1], 4), "tau": round(last[-1]["tau_estimate"], 2)}
+    assert reporter.calls[-1][3] == {"loss": round(losses[-1], 4), "tau": round(last[-1]["tau_estimate"], 2),
+                                     "held-out tau": round(result.signal["held_out_tau"], 2)}
     logged_at = f"metrics log: {tmp_path / 'logs' / 'metrics.jsonl'}"  # said before step 1
     assert reporter.lines[0] == logged_at
-    assert [line.split(":")[0] for line in reporter.lines[1:]] == ["checkpoint step 30", "checkpoint step 60"]
+    pushed = [line.split(":")[0] for line in reporter.lines if line.startswith("checkpoint step") and " decoded on " not in line]
+    assert pushed == ["checkpoint step 30", "checkpoint step 60"]
 
     # A rerun finds every step in the newest verified checkpoint: nothing to do, the same checkpoint reported.
     again = run(cfg, reporter=(rerun := Reporter()))

@@ -16,6 +16,7 @@ import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -220,6 +221,19 @@ class StoreConfig(_Section):
         if problem := store_url_problem(url):
             raise ValueError(problem)
         return url
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _plain_endpoint(cls, endpoint: str | None) -> str | None:
+        """An S3 endpoint is scheme://host[:port][/path]: a query string or fragment is refused here by name (the S3
+        client would call the whole URL "not a valid URI")."""
+        if endpoint is None:
+            return None
+        parts = urlsplit(endpoint)
+        if parts.query or parts.fragment or endpoint.rstrip().endswith(("?", "#")):
+            raise ValueError("has a query string or fragment ('?...' or '#...'), which an S3 endpoint cannot take: give "
+                             "scheme://host[:port] only")
+        return endpoint
 
 
 class PlacementConfig(_Section):

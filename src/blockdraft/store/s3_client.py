@@ -227,8 +227,16 @@ def _describe_client_error(exc: bex.ClientError, url: str, where: str, action: s
         return StoreError(f"access denied: no {perm} permission on {url} for these credentials (while {action}); use an identity allowed to {perm} there")
     if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"):
         return StoreError(f"{where} rejected the bytes of {url} while {action}: checksum mismatch in transit ({code}); retry")
+    if code == "InternalError" and action in ("downloading", "reading"):
+        return StoreError(f"{where} could not read its stored copy of {url} (InternalError) while {action}: {SERVER_COPY_DAMAGED}")
     message = redact(str(err.get("Message", "")))[:200]  # the server's words: redacted before they are cut and kept
     return StoreError(f"S3 error while {action} {url}: {code} {message}".rstrip())
+
+
+SERVER_COPY_DAMAGED = (
+    "when a rerun fails at the same object, the server's copy is damaged (bit rot on its disk, which it found by its own "
+    "checksum): check the server's volumes and logs, then push the artifact again from a verified copy"
+)
 
 
 def probe_failed(exc: BaseException, url: str, endpoint: str | None, action: str) -> StoreError:

@@ -21,7 +21,7 @@ from awscrt import checksums
 
 from blockdraft.errors import StoreError
 from blockdraft.store.base import LocalFolder, NewFile
-from blockdraft.store.s3_client import MIB, S3Location, b64
+from blockdraft.store.s3_client import MIB, SERVER_COPY_DAMAGED, S3Location, b64
 
 STREAM_CHUNK = 1 * MIB
 # O_DIRECT writes are whole blocks at block-aligned offsets from aligned memory; 4 KiB covers 512 B and 4 KiB devices.
@@ -246,5 +246,6 @@ def _get_range(at: S3Location, key: str, etag: str | None, fds: tuple[int, int] 
             if got < want:
                 break
     if pos != end:
-        raise StoreError(f"short read downloading {at.url}{key}: {pos - offset} of {length} bytes at offset {offset}; retry the pull")
+        raise StoreError(f"the server stopped sending {at.url}{key} after {pos - offset} of {length} bytes at offset {offset} "
+                         f"(its connection was cut, or it could not read its stored copy); {SERVER_COPY_DAMAGED}")
     return crc

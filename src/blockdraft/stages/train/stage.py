@@ -14,14 +14,6 @@ from typing import Any
 import torch.distributed as dist
 
 from blockdraft.config import BlockdraftConfig
-from blockdraft.data.agreement import (
-    agreement_warning,
-    describe_agreement,
-    load_tokenizer,
-    sample_indices,
-    target_agreement,
-    think_ids,
-)
 from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, TargetHead
@@ -29,7 +21,7 @@ from blockdraft.model.target import load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.train.agree import check_same_config, check_same_data
-from blockdraft.stages.train.data import TrainRows, load_train_rows
+from blockdraft.stages.train.data import load_train_rows
 from blockdraft.stages.train.log_dir import check_log_dir
 from blockdraft.stages.train.placement import RankPlacement, barrier, rank_session, resolve_placement
 from blockdraft.stages.train.setup import build_training
@@ -120,23 +112,7 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
     check_same_data(config, data.ref.sha256 or "", place)  # and rank 0's data
     rows = load_train_rows(data, config.store, tc.max_length, log_dir, place.local_rank == 0, lambda: barrier(place))
     setup = build_training(config, place, rows, out_store, tc.output, reporter, start_over=force)
-    trainer = Trainer(config, place, rows, setup, reporter, start_over=force)
-    if place.is_main and tc.target_agreement_rows:
-        trainer.signal.agreement = _target_agreement(config, setup.target.model, rows, reporter)
-    return trainer
-
-
-def _target_agreement(config: BlockdraftConfig, hf_model: Any, rows: TrainRows, reporter: Reporter) -> dict[str, Any]:
-    """Target agreement (`blockdraft.data.agreement`) on train.target_agreement_rows training rows drawn with train.seed,
-    said in one line, and one warning when it is below train.min_target_agreement."""
-    tc = config.train
-    tokenizer = load_tokenizer(config.target.tokenizer or config.target.path)
-    picked = sample_indices(len(rows), tc.target_agreement_rows, tc.seed)
-    result = target_agreement(hf_model, (rows.row(i) for i in picked), think_ids(tokenizer))
-    reporter.say(describe_agreement(result))
-    if (line := agreement_warning(result, tc.min_target_agreement)) is not None:
-        reporter.warn(line)
-    return result
+    return Trainer(config, place, rows, setup, reporter, start_over=force)
 
 
 def _final_report(trainer: Trainer, place: RankPlacement, done: bool) -> tuple[VerifyReport, bool]:

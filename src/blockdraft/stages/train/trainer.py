@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from blockdraft.config import BlockdraftConfig
+from blockdraft.data.agreement import agreement_warning, describe_agreement, load_tokenizer, sample_indices, target_agreement, think_ids
 from blockdraft.errors import TrainingInterrupted
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train.batch import anchor_generator, build_block_batch, expected_acceptance
@@ -99,10 +100,13 @@ class Trainer:
         step's metrics are read after the next step is launched, so reading them never idles the drafter's device;
         before a checkpoint and at the end they are read at once."""
         start = self.resume()
-        self.reporter.say(describe_limit(self.tc, self.setup.per_epoch, len(self.rows)))
-        if self.place.is_main and self.held_out is None:
-            self.reporter.say("train.data has no held-out rows: no held-out figures and no checkpoint decoded during training "
-                              "(tokenize with tokenize.held_out_fraction > 0)")
+        if start < self.setup.total_steps:  # what the steps left will be measured against
+            self.reporter.say(describe_limit(self.tc, self.setup.per_epoch, len(self.rows)))
+            if self.place.is_main and self.tc.target_agreement_rows:
+                self.signal.agreement = self._target_agreement()
+            if self.place.is_main and self.held_out is None:
+                self.reporter.say("train.data has no held-out rows: no held-out figures and no checkpoint decoded during "
+                                  "training (tokenize with tokenize.held_out_fraction > 0)")
         self.reporter.progress("train", start, self.setup.total_steps)
         self._lines = ProgressLines(self.reporter, self.tc.log_every_s, start, self.setup.total_steps)
         pending: PendingStep | None = None
@@ -130,6 +134,18 @@ class Trainer:
             raise TrainingInterrupted(self._interrupted(start)) from None
         self.finish_checkpoints()
         return list(self.metrics)
+
+    def _target_agreement(self) -> dict[str, Any]:
+        """Target agreement (`blockdraft.data.agreement`) on train.target_agreement_rows training rows drawn with
+        train.seed, said in one line, and one warning when it is below train.min_target_agreement."""
+        target = self.config.target
+        picked = sample_indices(len(self.rows), self.tc.target_agreement_rows, self.tc.seed)
+        think = think_ids(load_tokenizer(target.tokenizer or target.path))
+        result = target_agreement(self.setup.target.model, (self.rows.row(i) for i in picked), think)
+        self.reporter.say(describe_agreement(result))
+        if (line := agreement_warning(result, self.tc.min_target_agreement)) is not None:
+            self.reporter.warn(line)
+        return result
 
     def _interrupted(self, start: int) -> str:
         """The line for Ctrl-C: where training stood and the last verified checkpoint, the one a rerun resumes from."""
