@@ -44,6 +44,9 @@ def _load_held_out(root: Path) -> Dataset | None:
     """The held-out split of a tokenize output folder, or None when it has none or it holds no row."""
     if HELD_OUT_SPLIT not in json.loads((root / "dataset_dict.json").read_text()).get("splits", []):
         return None
+    # An empty split is saved with no Arrow file at all, which `load_from_disk` cannot open.
+    if not json.loads((root / HELD_OUT_SPLIT / "state.json").read_text()).get("_data_files"):
+        return None
     ds = Dataset.load_from_disk(str(root / HELD_OUT_SPLIT))
     return ds.select_columns(["input_ids", "loss_mask"]) if len(ds) else None
 
