@@ -1,6 +1,7 @@
 """The whole pipeline on a tiny CPU target, in one sitting: what `blockdraft demo` (the README's main command) runs.
 `target="hybrid"` (`blockdraft demo --target hybrid`) runs it on the tiny Qwen3.5-style hybrid target (linear attention with
-full attention every 4th layer) with a drafter of one sliding-window layer and one full-attention layer.
+full attention every 4th layer) with a drafter of one sliding-window layer and one full-attention layer. `drafter="dflash2"`
+(`--drafter dflash2`) trains, evaluates and exports a DFlash2 drafter of the same shape instead (`ARCHITECTURES`).
 
     prompts --generate--> completions --tokenize--> tokenized --push--> store --pull--> training node
         --train--> checkpoints --eval--> tau / speedup / lossless --export--> SGLang/vLLM folder --status--> all verified
@@ -55,6 +56,14 @@ TARGETS: dict[str, Path] = {"tiny": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGE
 DRAFTERS: dict[str, dict[str, Any]] = {
     "tiny": {"num_draft_layers": 1},
     "hybrid": {"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32},
+}
+
+DemoDrafter = Literal["dflash", "dflash2"]
+# The architecture's own settings: DFlash2 with the published drafter's taps, groups and top-K, and the selector rank that
+# bench/quality measured on these targets (docs/PERFORMANCE.md).
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "dflash": {},
+    "dflash2": {"architecture": "dflash2", "selector_rank": 64},
 }
 
 
@@ -122,15 +131,17 @@ def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> None:
 
 def demo_config(
     workdir: Path, store_url: str, size: DemoSize, endpoint_url: str | None = None, target: DemoTarget = "tiny",
+    drafter: DemoDrafter = "dflash",
 ) -> dict[str, dict[str, Any]]:
-    """The demo's config sections: the tiny (or tiny hybrid) target, block size 8, its drafter (`DRAFTERS`), the store and
-    the stage sizes."""
+    """The demo's config sections: the tiny (or tiny hybrid) target, block size 8, its drafter (`DRAFTERS`, of the
+    architecture `drafter`: `ARCHITECTURES`), the store and the stage sizes."""
     fixture = json.loads((TARGETS[target] / "fixture.json").read_text())
     store = store_url.rstrip("/")
     return {
         "target": {"path": str(TARGETS[target])},
         "tokenize": {"held_out_fraction": 0.0, "max_length": 1024},
-        "dflash": {"block_size": BLOCK_SIZE, "mask_token_id": fixture["mask_token_id"], **DRAFTERS[target], "num_anchors": size.anchors},
+        "dflash": {"block_size": BLOCK_SIZE, "mask_token_id": fixture["mask_token_id"], **DRAFTERS[target], **ARCHITECTURES[drafter],
+                   "num_anchors": size.anchors},
         "store": {"url": store, "endpoint_url": endpoint_url},
         "train": {
             "data": str(workdir / "train-node" / "tokenized"),
@@ -230,15 +241,16 @@ def run_demo(
     reporter: Reporter | None = None,
     target: DemoTarget = "tiny",
     engine: str = "none",
+    drafter: DemoDrafter = "dflash",
 ) -> DemoResult:
     """Run every stage once on the tiny target (`target="hybrid"`: the tiny hybrid one) and return what the destination
     says about each artifact. `engine="vllm"`: the target's answers come from vLLM serving it, and the eval also serves the
-    export in vLLM and compares (`eval --engine`)."""
+    export in vLLM and compares (`eval --engine`). `drafter="dflash2"`: a DFlash2 drafter."""
     threads = torch.get_num_threads()
     # One thread: these tiny matmuls gain nothing from two, and two threads stall badly when anything else shares the cores.
     torch.set_num_threads(1)
     try:
-        return _run(Path(workdir).absolute(), store_url, SIZES[profile], endpoint_url, reporter or Reporter(), target, engine)
+        return _run(Path(workdir).absolute(), store_url, SIZES[profile], endpoint_url, reporter or Reporter(), target, engine, drafter)
     finally:
         torch.set_num_threads(threads)
 
@@ -267,12 +279,12 @@ class _Stopwatch:
 
 def _run(
     workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, reporter: Reporter, target: DemoTarget,
-    engine: str,
+    engine: str, drafter: DemoDrafter,
 ) -> DemoResult:
     workdir.mkdir(parents=True, exist_ok=True)
     store = (store_url or f"file://{workdir / 'store'}").rstrip("/")
     target_dir = TARGETS[target]
-    sections = demo_config(workdir, store, size, endpoint_url, target)
+    sections = demo_config(workdir, store, size, endpoint_url, target, drafter)
     if engine != "none":
         sections["eval"]["engine"] = engine
         sections["eval"]["engine_python"] = str(Path(EvalConfig().engine_python).absolute())
