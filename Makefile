@@ -4,6 +4,7 @@ VENV ?= .venv
 # CPU build of torch for this machine; GPU users install the torch they need first (pyproject allows a range).
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+REFERENCE_SPEC := dflash==0.1.0
 STAMP := $(VENV)/.installed
 
 # The serving engine for `eval --engine vllm`, in its own environment (vLLM pins its own torch and transformers):
@@ -20,6 +21,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# The DFlash2 reference implementation, a test oracle only (tests/test_dflash2*.py). Without its dependencies: it pins
+	# datasets, requests and tqdm to other versions than ours, and its model code needs only torch and transformers.
+	$(BIN)/python -m pip install -q --no-deps "$(REFERENCE_SPEC)"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -157,6 +157,18 @@ class DFlashConfig(_Section):
     # drafter's own per-slot confidence, smoothed by dpace_alpha). Pinned in checkpoints like gamma (docs/DFLASH.md).
     loss_weighting: Literal["exponential", "dpace"] = "exponential"
     dpace_alpha: float = Field(default=0.5, gt=0.0, le=1.0)
+    # "dflash", or "dflash2": DFlash plus a grouped dynamic causal convolution around every attention and MLP and a
+    # candidate selector that walks a path through each slot's top-K (docs/DFLASH.md, "DFlash2"). The fields below are
+    # DFlash2's, with the published drafter's values as defaults; a DFlash config that sets one is refused.
+    architecture: Literal["dflash", "dflash2"] = "dflash"
+    conv_kernel_size: int = Field(default=2, ge=1)  # taps per convolution; at most block_size (taps never cross a block)
+    conv_group_size: int = Field(default=16, ge=1)  # channels sharing one dynamic tap; must divide the hidden size
+    selector_rank: int = Field(default=256, ge=1)  # width of the predecessor/successor codebooks
+    selector_top_k: int = Field(default=16, ge=1)  # candidates per slot; at most the vocabulary
+    selector_loss_alpha: float = Field(default=1.0, ge=0.0)  # weight of the selector's K-way cross-entropy in the loss
+    input_embedding_scale: float = Field(default=1.0, gt=0.0)  # multiplies the block's token embeddings
+    output_multiplier: float = Field(default=1.0, gt=0.0)  # multiplies the unary logits
+    final_logit_softcapping: float | None = Field(default=None, gt=0.0)  # cap * tanh(unary / cap) when set
 
     @field_validator("target_layer_ids")
     @classmethod
@@ -164,6 +176,29 @@ class DFlashConfig(_Section):
         if problem := None if ids is None else layer_ids_problem(ids):
             raise ValueError(f"{problem}; use {sorted(set(ids or []))}")
         return ids
+
+    @model_validator(mode="after")
+    def _dflash2_fields(self) -> DFlashConfig:
+        # a resolved config (every default written out) validates again, so only a value other than the default counts
+        set_here = sorted(name for name in DFLASH2_FIELDS if getattr(self, name) != DFlashConfig.model_fields[name].default)
+        if self.architecture == "dflash" and set_here:
+            raise ValueError(
+                f"dflash.{set_here[0]} is a DFlash2 setting but dflash.architecture is 'dflash'; set dflash.architecture = \"dflash2\" "
+                f"or drop dflash.{set_here[0]}"
+            )
+        if self.architecture == "dflash2" and self.conv_kernel_size > self.block_size:
+            raise ValueError(
+                f"dflash.conv_kernel_size {self.conv_kernel_size} is more taps than dflash.block_size {self.block_size} (a tap never "
+                "crosses a block); set conv_kernel_size to at most block_size"
+            )
+        return self
+
+
+# The DFlashConfig fields only a DFlash2 drafter has (`architecture = "dflash2"`).
+DFLASH2_FIELDS = frozenset({
+    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha", "input_embedding_scale",
+    "output_multiplier", "final_logit_softcapping",
+})
 
 
 class StoreConfig(_Section):

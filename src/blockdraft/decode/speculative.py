@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from blockdraft.decode.cached_target import CachedTarget, top2_margin
+from blockdraft.model.dflash2 import greedy_walk, unary_logits
 from blockdraft.model.drafter import DFlashDrafter, DraftCache, draft_step
 from blockdraft.model.target import TargetHead
 
@@ -189,14 +190,17 @@ def greedy_decode(target_hf_model, prompt_ids, max_new_tokens: int, stop_token_i
 
 
 class DFlashProposer:
-    """The DFlash drafter as a `Proposer`: one `draft_step` over the new context and [anchor, m x (B-1)].
+    """The DFlash drafter as a `Proposer`: one `draft_step` over the new context and [anchor, m x (B-1)], then the argmax
+    of each slot, or for a DFlash2 drafter the candidate selector's greedy walk from the anchor (`use_selector` False:
+    the unary argmax instead, which measures what the selector earns).
 
     `target_head` supplies the target's embedding and LM head on the drafter's device (`blockdraft.model.target.TargetHead`).
     """
 
-    def __init__(self, drafter: DFlashDrafter, target_head: TargetHead):
+    def __init__(self, drafter: DFlashDrafter, target_head: TargetHead, use_selector: bool = True):
         self.drafter = drafter
         self.head = target_head
+        self.use_selector = use_selector and drafter.candidate_selector is not None
         self.block_size = drafter.spec.block_size
         self.mask_token_id = drafter.spec.mask_token_id
         self.layer_ids = list(drafter.spec.target_layer_ids)
@@ -211,5 +215,13 @@ class DFlashProposer:
         features = new_features.to(device=self.device, dtype=self.dtype)
         # draft_step crops its cache back to `start` itself: context K/V only, never the block's.
         hidden = draft_step(self.drafter, self.cache, features, self.head.embed(block), start)  # [1, B, H]
-        return self.head.logits(hidden[:, 1:]).argmax(dim=-1)[0].tolist()
+        logits = self.head.logits(hidden[:, 1:])
+        spec2 = self.drafter.spec.dflash2
+        if spec2 is None:
+            return logits.argmax(dim=-1)[0].tolist()
+        unary = unary_logits(logits, spec2)
+        if not self.use_selector:
+            return unary.argmax(dim=-1)[0].tolist()
+        assert self.drafter.candidate_selector is not None  # built with spec.dflash2
+        return greedy_walk(self.drafter.candidate_selector, hidden[:, 1:], unary, block[:, 0]).path[0].tolist()
 

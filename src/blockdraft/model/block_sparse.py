@@ -46,11 +46,14 @@ class AnchorLayout:
     context_len: int
     block_size: int
 
-    def key_intervals(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def key_intervals(
+        self, sliding_window: int | None, causal: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per query, the key indices it sees: ctx_lo, ctx_hi [b, Q] and own_lo, own_hi [Q] (half-open intervals).
 
         Full attention: context keys below the anchor (none for a padded block) and all of its own block. A sliding layer
-        with window W also needs q - W < key position <= q: context from a + k - W + 1 on, and its own slots up to k."""
+        with window W also needs q - W < key position <= q: context from a + k - W + 1 on, and its own slots up to k;
+        a non-causal one (DFlash2) sees all of its own block (W >= B)."""
         b, n = self.anchors.shape
         s, size = self.context_len, self.block_size
         query = torch.arange(n * size, device=self.anchors.device)  # [Q]
@@ -60,11 +63,13 @@ class AnchorLayout:
         if sliding_window is None:
             return torch.zeros_like(ctx_hi), ctx_hi, s + block * size, s + (block + 1) * size
         ctx_lo = anchor + slot - sliding_window + 1
+        if not causal:
+            return ctx_lo, ctx_hi, s + block * size, s + (block + 1) * size
         return ctx_lo, ctx_hi, s + torch.maximum(block * size, query - sliding_window + 1), s + query + 1
 
-    def block_mask(self, sliding_window: int | None = None) -> BlockMask:
+    def block_mask(self, sliding_window: int | None = None, causal: bool = True) -> BlockMask:
         """The FlexAttention `BlockMask` of this layout (sliding_window None: a full-attention layer), on the anchors' device."""
-        ctx_lo, ctx_hi, own_lo, own_hi = self.key_intervals(sliding_window)
+        ctx_lo, ctx_hi, own_lo, own_hi = self.key_intervals(sliding_window, causal)
         b, q = ctx_hi.shape
         kv = self.context_len + q
 

@@ -1,7 +1,9 @@
 """The DFlash drafter: Qwen3-style layers whose keys/values also cover the projected target context (KV injection).
 
-Parameter names are exactly the export format's (`fc`, `hidden_norm`, `layers.{i}.…`, `norm`), so `state_dict()` is
-the export tensor set. Shapes: b = batch, S = context length, Q = block (query) length, H = hidden size,
+Parameter names are exactly the export format's (`fc`, `hidden_norm`, `layers.{i}.…`, `norm`; a DFlash2 drafter adds
+`layers.{i}.attention_conv.…`, `layers.{i}.mlp_conv.…` and `candidate_selector.…`), so `state_dict()` is the export
+tensor set. One class for both architectures: `spec.dflash2` adds DFlash2's modules (`blockdraft.model.dflash2`) to the
+same forward, which training and the cached draft step share. Shapes: b = batch, S = context length, Q = block (query) length, H = hidden size,
 K = number of target feature layers, h/g = query/KV heads, d = head dim.
 """
 
@@ -20,6 +22,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from blockdraft.errors import ArtifactError, SpecError
 from blockdraft.model.attention import FULL_ATTENTION, SLIDING_ATTENTION, layer_masks
 from blockdraft.model.block_sparse import AnchorLayout, sparse_attention
+from blockdraft.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from blockdraft.model.rope import apply_rope, rope_cos_sin, rope_tables
 from blockdraft.model.spec import DrafterSpec
 
@@ -112,7 +115,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual layer; the context enters only as extra K/V of the attention."""
+    """Pre-norm residual layer; the context enters only as extra K/V of the attention.
+
+    DFlash2: inside each residual branch a grouped dynamic causal convolution runs over the block slots before and after
+    the sublayer (`attention_conv`, `mlp_conv`); the residual itself and the context are untouched."""
 
     def __init__(self, spec: DrafterSpec) -> None:
         super().__init__()
@@ -120,11 +126,24 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
+        self.attention_conv: GroupedDynamicCausalConv | None = None
+        self.mlp_conv: GroupedDynamicCausalConv | None = None
+        if spec.dflash2 is not None:
+            taps, group = spec.dflash2.conv_kernel_size, spec.dflash2.conv_group_size
+            self.attention_conv = GroupedDynamicCausalConv(spec.hidden_size, taps, group, spec.block_size)
+            self.mlp_conv = GroupedDynamicCausalConv(spec.hidden_size, taps, group, spec.block_size)
 
     def forward(self, hidden, ctx_k, ctx_v, cos, sin, mask):
         """hidden [b, Q, H] -> [b, Q, H]; ctx_k/ctx_v [b, g, S, d] this layer's context K/V; cos/sin [b, Q, d]."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx_k, ctx_v, cos, sin, mask)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        x = self.input_layernorm(hidden)
+        if self.attention_conv is None:
+            hidden = hidden + self.self_attn(x, ctx_k, ctx_v, cos, sin, mask)
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        assert self.mlp_conv is not None  # built together
+        x, after = self.attention_conv.prepare(x)
+        hidden = hidden + self.attention_conv.finish(self.self_attn(x, ctx_k, ctx_v, cos, sin, mask), after)
+        x, after = self.mlp_conv.prepare(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp_conv.finish(self.mlp(x), after)
 
 
 class DFlashDrafter(nn.Module):
@@ -138,6 +157,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(hidden, spec.rms_norm_eps)
+        self.candidate_selector: CandidateSelector | None = None
+        if spec.dflash2 is not None:
+            self.candidate_selector = CandidateSelector(hidden, spec.vocab_size, spec.dflash2.selector_rank, spec.dflash2.selector_top_k)
         # fp32 on the CPU and not a buffer: no dtype cast of the module degrades it, and state_dict stays the export set
         self.rope_inv_freq, self.rope_attention_factor = rope_tables(
             spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings
@@ -170,7 +192,11 @@ class DFlashDrafter(nn.Module):
 
         attention_mask [b, 1, Q, S+Q] bool is the full-attention layers' mask (None: see everything); a sliding layer
         sees that AND its causal window over positions (context_positions [b, S], None: 0..S-1, the draft cache's).
-        An `AnchorLayout` (the packed training batch) runs the block-sparse path instead: the same pattern as a BlockMask."""
+        An `AnchorLayout` (the packed training batch) runs the block-sparse path instead: the same pattern as a BlockMask.
+        DFlash2: the block embeddings are scaled by `input_embedding_scale` first, and the convolutions take the slots as
+        blocks of `block_size` back to back (a shorter Q is one block)."""
+        if self.spec.dflash2 is not None and self.spec.dflash2.input_embedding_scale != 1.0:
+            block_hidden = block_hidden * self.spec.dflash2.input_embedding_scale
         cos, sin = self._rope(block_positions, block_hidden.dtype)
         if isinstance(attention_mask, AnchorLayout):
             masks = self._block_masks(attention_mask)
@@ -190,7 +216,8 @@ class DFlashDrafter(nn.Module):
     def _block_masks(self, layout: AnchorLayout) -> dict[str, BlockMask]:
         """One BlockMask per distinct layer kind, built once per forward and shared by the layers of that kind."""
         window = {FULL_ATTENTION: None, SLIDING_ATTENTION: self.spec.sliding_window}
-        return {kind: layout.block_mask(window[kind]) for kind in set(self.spec.layer_types)}
+        causal = self.spec.dflash2 is None  # DFlash2's sliding layers are not causal
+        return {kind: layout.block_mask(window[kind], causal) for kind in set(self.spec.layer_types)}
 
     def _layer_masks(
         self, base: torch.Tensor | None, block_positions: torch.Tensor, context_len: int, context_positions: torch.Tensor | None
@@ -202,7 +229,7 @@ class DFlashDrafter(nn.Module):
             b = block_positions.shape[0]
             context_positions = torch.arange(context_len, device=block_positions.device).expand(b, context_len)
         keys = torch.cat((context_positions, block_positions), dim=1)
-        return layer_masks(self.spec.layer_types, base, block_positions, keys, self.spec.sliding_window)
+        return layer_masks(self.spec.layer_types, base, block_positions, keys, self.spec.sliding_window, self.spec.dflash2 is None)
 
     def forward(
         self,

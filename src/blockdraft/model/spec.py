@@ -56,16 +56,23 @@ def _rope_theta(cfg: Any) -> float:
     return float(getattr(cfg, "rope_theta", None) or 10000.0)
 
 
-def _export_layer_types(config: dict[str, Any]) -> tuple[list[str], int | None]:
+def _export_layer_types(config: dict[str, Any], dflash2: bool = False) -> tuple[list[str], int | None]:
     """(layer_types, sliding_window) of an export config.json; the window only counts when a layer slides (Qwen3 configs
-    carry a sliding_window even when no layer uses it)."""
+    carry a sliding_window even when no layer uses it). A DFlash2 drafter's layers are all non-causal (its sliding
+    layers window the context only), which its config says with `is_causal` false."""
     layer_types = list(config.get("layer_types") or [])
     if not layer_types and config.get("use_sliding_window"):
         raise SpecError("drafter config.json sets use_sliding_window without layer_types; add layer_types (one kind per layer)")
     window = config.get("sliding_window") if SLIDING_ATTENTION in layer_types else None
     dflash = config.get("dflash_config") or {}
     causal = config.get("is_causal", dflash.get("causal"))
-    if causal is not None and any((kind == SLIDING_ATTENTION) != bool(causal) for kind in layer_types or [FULL_ATTENTION]):
+    if dflash2:
+        if causal or (causal is None and SLIDING_ATTENTION in layer_types):
+            raise SpecError(
+                f"drafter config.json is a DFlash2 drafter with is_causal {causal}; blockdraft computes every DFlash2 layer "
+                "non-causal (the published drafters set is_causal false), so it cannot load this drafter faithfully"
+            )
+    elif causal is not None and any((kind == SLIDING_ATTENTION) != bool(causal) for kind in layer_types or [FULL_ATTENTION]):
         raise SpecError(
             f"drafter config.json sets is_causal {causal}; blockdraft computes sliding layers causal and full layers "
             "non-causal (as SGLang does), so it cannot load this drafter faithfully"
@@ -109,6 +116,93 @@ class TargetShape:
         return self.layer_types is not None and any(t != "full_attention" for t in self.layer_types)
 
 
+DFLASH = "dflash"
+DFLASH2 = "dflash2"
+ARCHITECTURE_NAMES = {DFLASH: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}  # config.json's `architectures`
+
+
+@dataclass
+class DFlash2Spec:
+    """What a DFlash2 drafter adds to DFlash (docs/DFLASH.md, "DFlash2"): per layer two grouped dynamic causal
+    convolutions of `conv_kernel_size` taps over groups of `conv_group_size` channels, and a candidate selector of rank
+    `selector_rank` over the top `selector_top_k` unary candidates. `input_embedding_scale` multiplies the block's
+    embeddings; the unary logits are the head's times `output_multiplier`, soft-capped by `final_logit_softcapping`."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def validate(self, hidden_size: int, block_size: int, vocab_size: int) -> None:
+        """Raises SpecError naming the field the drafter's shape cannot take."""
+        if self.conv_group_size < 1 or hidden_size % self.conv_group_size:
+            raise SpecError(
+                f"dflash.conv_group_size {self.conv_group_size} does not divide the hidden size {hidden_size}; pick a divisor "
+                "(the published drafters use 16)"
+            )
+        if not 1 <= self.conv_kernel_size <= block_size:
+            raise SpecError(
+                f"dflash.conv_kernel_size {self.conv_kernel_size} must be 1..block_size {block_size} (a tap never crosses a "
+                "block); lower it"
+            )
+        if not 1 <= self.selector_top_k <= vocab_size:
+            raise SpecError(
+                f"dflash.selector_top_k {self.selector_top_k} must be 1..the vocabulary {vocab_size}; lower it"
+            )
+        if self.selector_rank < 1:
+            raise SpecError(f"dflash.selector_rank {self.selector_rank} must be at least 1")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            raise SpecError(f"dflash.final_logit_softcapping {self.final_logit_softcapping} must be positive or unset")
+
+    @classmethod
+    def from_config(cls, dflash_cfg: DFlashConfig) -> DFlash2Spec:
+        return cls(
+            conv_kernel_size=dflash_cfg.conv_kernel_size,
+            conv_group_size=dflash_cfg.conv_group_size,
+            selector_rank=dflash_cfg.selector_rank,
+            selector_top_k=dflash_cfg.selector_top_k,
+            input_embedding_scale=dflash_cfg.input_embedding_scale,
+            output_multiplier=dflash_cfg.output_multiplier,
+            final_logit_softcapping=dflash_cfg.final_logit_softcapping,
+        )
+
+    def export_fields(self) -> dict[str, Any]:
+        """The `dflash_config` entries of the export; the three scales only where they are not 1 / unset."""
+        fields: dict[str, Any] = {
+            "conv_kernel_size": self.conv_kernel_size,
+            "conv_group_size": self.conv_group_size,
+            "selector_rank": self.selector_rank,
+            "selector_top_k": self.selector_top_k,
+        }
+        if self.input_embedding_scale != 1.0:
+            fields["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            fields["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            fields["final_logit_softcapping"] = self.final_logit_softcapping
+        return fields
+
+    @classmethod
+    def from_export_fields(cls, dflash: dict[str, Any]) -> DFlash2Spec:
+        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if dflash.get(k) is None]
+        if missing:
+            raise SpecError(f"drafter config.json is a DFlash2DraftModel but lacks dflash_config.{missing[0]}; it is not a DFlash2 export")
+        cap = dflash.get("final_logit_softcapping")
+        return cls(
+            conv_kernel_size=int(dflash["conv_kernel_size"]),
+            conv_group_size=int(dflash["conv_group_size"]),
+            selector_rank=int(dflash["selector_rank"]),
+            selector_top_k=int(dflash["selector_top_k"]),
+            input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
+            output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+            # the reference ignores a cap of 0 or below: the same as unset
+            final_logit_softcapping=float(cap) if cap is not None and float(cap) > 0 else None,
+        )
+
+
 @dataclass
 class DrafterSpec:
     """Shapes and DFlash parameters of one drafter. vocab_size = the target's embedding rows (config.vocab_size).
@@ -135,8 +229,11 @@ class DrafterSpec:
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
     rope_scaling: dict[str, Any] | None = None
+    dflash2: DFlash2Spec | None = None  # None: a DFlash drafter
 
     def __post_init__(self) -> None:
+        if isinstance(self.dflash2, dict):  # from `to_dict`
+            self.dflash2 = DFlash2Spec(**self.dflash2)
         self.layer_types = list(self.layer_types) or [FULL_ATTENTION] * self.num_layers
         self.rope_scaling = clean_scaling(self.rope_scaling, "the drafter's rope_scaling")
         self.validate()
@@ -169,6 +266,13 @@ class DrafterSpec:
         if self.block_size < 2:
             raise SpecError(f"dflash.block_size {self.block_size} must be at least 2")
         self._validate_layer_types()
+        if self.dflash2 is not None:
+            self.dflash2.validate(self.hidden_size, self.block_size, self.vocab_size)
+
+    @property
+    def architecture(self) -> str:
+        """"dflash" or "dflash2"."""
+        return DFLASH if self.dflash2 is None else DFLASH2
 
     def _validate_layer_types(self) -> None:
         if len(self.layer_types) != self.num_layers:
@@ -265,12 +369,14 @@ class DrafterSpec:
             gamma=gamma,
             layer_types=list(dflash_cfg.layer_types or []),
             sliding_window=dflash_cfg.sliding_window,
+            dflash2=DFlash2Spec.from_config(dflash_cfg) if dflash_cfg.architecture == DFLASH2 else None,
         )
 
     def to_export_config(self) -> dict[str, Any]:
-        """The z-lab `config.json` (docs/DFLASH.md, export format): Qwen3 fields, both rope spellings, block_size twice."""
-        return {
-            "architectures": ["DFlashDraftModel"],
+        """The z-lab `config.json` (docs/DFLASH.md, export format): Qwen3 fields, both rope spellings, block_size twice;
+        a DFlash2 drafter adds its `dflash_config` fields and `is_causal` false (its layers are all non-causal)."""
+        config: dict[str, Any] = {
+            "architectures": [ARCHITECTURE_NAMES[self.architecture]],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -299,6 +405,11 @@ class DrafterSpec:
                 "block_size": self.block_size,
             },
         }
+        if self.dflash2 is not None:
+            # the reference reads a sliding layer as causal unless is_causal says otherwise
+            config["is_causal"] = False
+            config["dflash_config"].update(self.dflash2.export_fields())
+        return config
 
     @classmethod
     def from_export_config(cls, config: dict[str, Any], gamma: float | None = None) -> DrafterSpec:
@@ -319,7 +430,20 @@ class DrafterSpec:
         if problem:
             raise SpecError(f"drafter config.json dflash_config.target_layer_ids {problem}; this drafter cannot be loaded or served")
         heads = config["num_attention_heads"]
-        layer_types, window = _export_layer_types(config)
+        names = list(config.get("architectures") or [ARCHITECTURE_NAMES[DFLASH]])
+        unknown = [n for n in names if n not in ARCHITECTURE_NAMES.values()]
+        if unknown:
+            raise SpecError(
+                f"drafter config.json names architecture {unknown[0]}; blockdraft loads "
+                f"{' and '.join(ARCHITECTURE_NAMES.values())}"
+            )
+        dflash2 = DFlash2Spec.from_export_fields(dflash) if ARCHITECTURE_NAMES[DFLASH2] in names else None
+        if dflash2 is None and any(k in dflash for k in ("conv_kernel_size", "selector_top_k")):
+            raise SpecError(
+                "drafter config.json has DFlash2 fields in dflash_config but architectures says DFlashDraftModel; set "
+                "architectures to [\"DFlash2DraftModel\"]"
+            )
+        layer_types, window = _export_layer_types(config, dflash2=dflash2 is not None)
         theta, scaling = _export_rope(config)
         return cls(
             hidden_size=config["hidden_size"],
@@ -340,6 +464,7 @@ class DrafterSpec:
             layer_types=layer_types,
             sliding_window=window,
             rope_scaling=scaling,
+            dflash2=dflash2,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from blockdraft.model.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from blockdraft.model.drafter import RMSNorm
 
 INIT_CHOICES = ("pytorch", "hf_normal")
@@ -47,9 +48,15 @@ def hf_normal_(module: nn.Module, std: float) -> None:
 
 
 def init_drafter(drafter: nn.Module, how: str, hf_target_config: Any) -> None:
-    """Apply `train.init` to a freshly built drafter: "pytorch" leaves it as constructed, "hf_normal" redraws it."""
+    """Apply `train.init` to a freshly built drafter: "pytorch" leaves it as constructed, "hf_normal" redraws it. Either
+    way a DFlash2 drafter's convolutions stay at the identity and its codebooks at their own initialisation."""
     if how == "hf_normal":
         hf_normal_(drafter, initializer_range(hf_target_config))
+        for sub in drafter.modules():
+            if isinstance(sub, GroupedDynamicCausalConv):
+                sub.reset_to_identity()
+            elif isinstance(sub, CandidateSelector):
+                sub.reset_codebooks()
     elif how != "pytorch":
         raise ValueError(f"train.init {how!r} is not one of {', '.join(INIT_CHOICES)}")
 
