@@ -96,6 +96,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     from blockdraft.config import load_config
     from blockdraft.stages import eval as eval_stage
     from blockdraft.stages import train as train_stage
+    from blockdraft.stages.eval.stage import UNARY_ARGMAX
 
     torch.set_num_threads(1)
     fixture, objective, seed, work = job["fixture"], job["objective"], job["seed"], Path(job["work"])
@@ -220,6 +221,7 @@ def main() -> None:
     parser.add_argument("--dflash2", action="store_true", help=f"DFlash2 against DFlash: --objectives {DFLASH2_OBJECTIVES}")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, help="training steps for every fixture (default: each fixture's, see FIXTURES)")
+    parser.add_argument("--step-scale", type=float, default=1.0, help="each fixture's own steps times this (without --steps)")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts per eval")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--distill-weight", type=float, default=0.5)
@@ -238,7 +240,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="blockdraft-quality-") as tmp:
         work = Path(tmp)
         data = {fixture: tokenize(fixture, work) for fixture in fixtures}
-        steps = {fixture: 12 if args.quick else args.steps or FIXTURES[fixture][1] for fixture in fixtures}
+        steps = {fixture: 12 if args.quick else args.steps or round(FIXTURES[fixture][1] * args.step_scale) for fixture in fixtures}
 
         def job(fixture: str, objective: str, seed: int, n: int) -> dict[str, Any]:
             return {"fixture": fixture, "objective": objective, "seed": seed, "work": str(work), "data": data[fixture], "steps": n,

@@ -164,7 +164,8 @@ def evaluate(
     reporter: Reporter | None = None,
     baselines: dict[str, DFlashDrafter] | None = None,
 ) -> EvalReport:
-    """Run target-only greedy, the DFlash drafter, the n-gram baseline, (with `untrained_seed`) a freshly initialised
+    """Run target-only greedy, the DFlash drafter (a DFlash2 drafter's walk, and as `UNARY_ARGMAX` its unary argmax), the
+    n-gram baseline, (with `untrained_seed`) a freshly initialised
     drafter of the same shape, and each of `baselines` (other drafters by name, e.g. a published one) on every prompt;
     compare each speculative output with greedy. The report's `checkpoint`, `target`, `prompts_source` and
     `template_sha256` are left None. Progress: ("eval", prompts done, prompts)."""
@@ -176,6 +177,8 @@ def evaluate(
         "dflash": lambda: DFlashProposer(drafter, head),
         "ngram": lambda: NgramProposer(spec.block_size, spec.mask_token_id),
     }
+    if drafter.candidate_selector is not None:  # DFlash2: the same drafter's unary argmax beside its walk
+        makers[UNARY_ARGMAX] = lambda: DFlashProposer(drafter, head, use_selector=False)
     if untrained_seed is not None:
         torch.manual_seed(untrained_seed)
         untrained = DFlashDrafter(spec).to(device=param.device, dtype=param.dtype).eval()
@@ -222,6 +225,10 @@ def evaluate(
         lossless=Lossless(ok=all(d.tolerated for d in divergences), tolerance=tolerance, divergences=divergences),
         prompts=rows,
     )
+
+
+# The report's name for a DFlash2 drafter proposing its unary argmax instead of the walk: what the selector earns.
+UNARY_ARGMAX = "dflash_argmax"
 
 
 def _warm_up(hf_model: Any, proposer: DFlashProposer, prompt: list[int]) -> None:
