@@ -7,7 +7,11 @@ lr, through `blockdraft train`; each drafter is then measured by `blockdraft eva
 - `ce`: the paper's recipe (hard-label CE, exponential slot decay, PyTorch's default init): the baseline;
 - `distill`: soft targets, `train.distill_weight` (--distill-weight, default 0.5) at temperature 1;
 - `dpace`: `dflash.loss_weighting = "dpace"` (D-PACE weights, alpha 0.5);
-- `hf_normal`: `train.init = "hf_normal"` (normal(0, the target's initializer_range)).
+- `hf_normal`: `train.init = "hf_normal"` (normal(0, the target's initializer_range));
+- `dflash2`: the DFlash2 drafter (`dflash.architecture = "dflash2"`, selector rank 64, top-K 16, alpha 1, a gold token
+  outside the top-K injected into the selector's loss); `dflash2_skip`: the same, with no selector loss for such a slot;
+- `ce_wall`: the DFlash baseline again, at DFlash2's wall time: its steps are the fixture's times the ratio of DFlash2's
+  median step time to DFlash's, measured on this run's equal-step runs (so it runs after them).
 
 Fixtures: `tiny` (8-layer Qwen3, one-layer B = 8 drafter) and `hybrid` (Qwen3.5-style linear attention, a drafter of one
 sliding-window and one full-attention layer). Per fixture and objective it prints tau's mean and sd over the seeds and the
@@ -17,6 +21,11 @@ tau); an objective may become a default only where that share is >= 3% on both f
     .venv/bin/python -m bench.quality                 # full size: 5 seeds, both fixtures, 2 workers (about 15 min on 2 cores)
     .venv/bin/python -m bench.quality --quick         # 1 seed, a few steps: checks that it runs, not the figures
     .venv/bin/python -m bench.quality --fixtures tiny --objectives ce,distill --seeds 3 --out runs.jsonl
+    .venv/bin/python -m bench.quality --dflash2       # DFlash2 against DFlash: equal steps and equal wall time, both rules
+
+With `--dflash2` it also prints the architecture table: per fixture the walk's tau (for DFlash the argmax's: it has no
+walk), the unary argmax's tau of the same DFlash2 drafter on the same prompts, acceptance per draft position, candidate
+recall over the last training steps, the median training step time and the drafter's parameter count.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -36,7 +46,12 @@ OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = {
     "distill": {"train": {"distill_weight": 0.5}},
     "dpace": {"dflash": {"loss_weighting": "dpace"}},
     "hf_normal": {"train": {"init": "hf_normal"}},
+    "dflash2": {"dflash": {"architecture": "dflash2", "selector_rank": 64, "selector_top_k": 16, "selector_missing_gold": "inject"}},
+    "dflash2_skip": {"dflash": {"architecture": "dflash2", "selector_rank": 64, "selector_top_k": 16, "selector_missing_gold": "skip"}},
+    "ce_wall": {},
 }
+DFLASH2_OBJECTIVES = "ce,dflash2,dflash2_skip,ce_wall"
+RECENT = 20  # training steps whose recall is averaged
 # (drafter settings, training steps at full size): both at B = 8 with 32 anchors per row and 4 rows per step.
 FIXTURES: dict[str, tuple[dict[str, Any], int]] = {
     "tiny": ({"num_draft_layers": 1}, 240),
@@ -81,6 +96,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     from blockdraft.config import load_config
     from blockdraft.stages import eval as eval_stage
     from blockdraft.stages import train as train_stage
+    from blockdraft.stages.eval.report import UNARY_NAME
 
     torch.set_num_threads(1)
     fixture, objective, seed, work = job["fixture"], job["objective"], job["seed"], Path(job["work"])
@@ -105,12 +121,24 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     t1 = time.perf_counter()
     prompts = str(fixture_dir(fixture) / "prompts.jsonl")
     report = eval_stage.run(cfg, str(work / name / "run"), prompts=prompts, max_new_tokens=job["max_new_tokens"]).details
-    return {
+    drafted = report.drafters["dflash"]
+    recent = trained.metrics[-RECENT:]
+    out = {
         "fixture": fixture, "objective": objective, "seed": seed, "steps": job["steps"],
-        "tau": report.drafters["dflash"].tau, "tau_ngram": report.drafters["ngram"].tau, "lossless": report.lossless.ok,
+        "tau": drafted.tau, "tau_ngram": report.drafters["ngram"].tau, "lossless": report.lossless.ok,
+        "position_acceptance": drafted.position_acceptance,
         "final_loss": trained.metrics[-1]["loss"], "tau_estimate": trained.metrics[-1]["tau_estimate"],
+        "step_ms": 1000 * statistics.median(e["step_time_s"] for e in trained.metrics[1:] or trained.metrics),
+        "params": sum(p.numel() for p in trained.drafter.parameters()),
         "train_s": round(t1 - t0, 1), "eval_s": round(time.perf_counter() - t1, 1),
     }
+    if "candidate_recall" in recent[-1]:
+        out.update(candidate_recall=statistics.fmean(e["candidate_recall"] for e in recent),
+                   walk_tau_estimate=trained.metrics[-1]["walk_tau_estimate"])
+        argmax = report.drafters.get(UNARY_NAME)
+        if argmax is not None:
+            out.update(tau_argmax=argmax.tau, position_acceptance_argmax=argmax.position_acceptance)
+    return out
 
 
 def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -144,12 +172,56 @@ def table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def wall_steps(results: list[dict[str, Any]], fixture: str, steps: int) -> int:
+    """DFlash's steps at DFlash2's wall time on `fixture`: `steps` times the ratio of the two median step times."""
+    med = {o: statistics.median(r["step_ms"] for r in results if r["fixture"] == fixture and r["objective"] == o) for o in ("ce", "dflash2")}
+    return round(steps * med["dflash2"] / med["ce"])
+
+
+def paired_gain(runs: dict[tuple[str, int], dict[str, Any]], objective: str, base: str) -> str:
+    """The mean paired difference of tau against `base` on the same seeds, as a share of base's mean, and the seeds won."""
+    rs = [r for (o, _), r in sorted(runs.items()) if o == objective and (base, r["seed"]) in runs]
+    if objective in ("ce", "ce_wall", base) or not rs:
+        return "-"
+    diffs = [r["tau"] - runs[base, r["seed"]]["tau"] for r in rs]
+    share = statistics.fmean(diffs) / statistics.fmean(runs[base, r["seed"]]["tau"] for r in rs)
+    return f"{100 * share:+.1f}% ({sum(d > 0 for d in diffs)}/{len(diffs)})"
+
+
+def arch_table(results: list[dict[str, Any]]) -> str:
+    """DFlash2 against DFlash per fixture: mean over seeds of each figure, and the paired gain of tau over each baseline."""
+    names = {"ce": "DFlash, equal steps", "ce_wall": "DFlash, equal wall time", "dflash2": "DFlash2 (inject)",
+             "dflash2_skip": "DFlash2 (skip)"}
+    lines = ["| fixture | drafter | steps | tau (walk) mean +- sd | vs DFlash equal steps | vs DFlash equal wall | tau (argmax) |"
+             " acceptance per position | candidate recall | ms/step | params |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for fixture in dict.fromkeys(r["fixture"] for r in results):
+        runs = {(r["objective"], r["seed"]): r for r in results if r["fixture"] == fixture}
+        for objective in (o for o in names if any(k[0] == o for k in runs)):
+            rs = [r for (o, _), r in sorted(runs.items()) if o == objective]
+            taus = [r["tau"] for r in rs]
+            gain = partial(paired_gain, runs, objective)
+
+            acc = [statistics.fmean(col) for col in zip(*(r["position_acceptance"] for r in rs), strict=True)]
+            argmax = f"{statistics.fmean(r['tau_argmax'] for r in rs):.3f}" if all("tau_argmax" in r for r in rs) else "-"
+            recall = f"{statistics.fmean(r['candidate_recall'] for r in rs):.3f}" if all("candidate_recall" in r for r in rs) else "-"
+            sd = statistics.stdev(taus) if len(taus) > 1 else 0.0
+            lines.append(
+                f"| {fixture} | {names[objective]} | {rs[0]['steps']} | {statistics.fmean(taus):.3f} +- {sd:.3f} | {gain('ce')} | "
+                f"{gain('ce_wall')} | {argmax} | {' '.join(f'{a:.2f}' for a in acc)} | {recall} | "
+                f"{statistics.median(r['step_ms'] for r in rs):.1f} | {rs[0]['params']:,} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fixtures", default="tiny,hybrid")
-    parser.add_argument("--objectives", default=",".join(OBJECTIVES))
+    parser.add_argument("--objectives", default="ce,distill,dpace,hf_normal")
+    parser.add_argument("--dflash2", action="store_true", help=f"DFlash2 against DFlash: --objectives {DFLASH2_OBJECTIVES}")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, help="training steps for every fixture (default: each fixture's, see FIXTURES)")
+    parser.add_argument("--step-scale", type=float, default=1.0, help="each fixture's own steps times this (without --steps)")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts per eval")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--distill-weight", type=float, default=0.5)
@@ -157,30 +229,40 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 seed, 12 steps, 2 prompts x 24 tokens: a check that it runs")
     parser.add_argument("--out", help="also write every run's figures to this JSONL file")
     args = parser.parse_args()
-    fixtures, objectives = args.fixtures.split(","), args.objectives.split(",")
+    fixtures, objectives = args.fixtures.split(","), (DFLASH2_OBJECTIVES if args.dflash2 else args.objectives).split(",")
     unknown = [x for x in fixtures if x not in FIXTURES] + [x for x in objectives if x not in OBJECTIVES]
     if unknown or "ce" not in objectives:
         parser.error(f"unknown fixture or objective {unknown}" if unknown else "--objectives must include ce (the baseline)")
+    if "ce_wall" in objectives and "dflash2" not in objectives:
+        parser.error("ce_wall needs dflash2 (its steps follow DFlash2's step time)")
     seeds, prompts, new_tokens = (1, 2, 24) if args.quick else (args.seeds, args.prompts, args.max_new_tokens)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="blockdraft-quality-") as tmp:
         work = Path(tmp)
         data = {fixture: tokenize(fixture, work) for fixture in fixtures}
-        jobs = [
-            {"fixture": fixture, "objective": objective, "seed": seed, "work": str(work), "data": data[fixture],
-             "steps": 12 if args.quick else args.steps or FIXTURES[fixture][1], "prompts": prompts, "max_new_tokens": new_tokens,
-             "distill_weight": args.distill_weight}
-            for fixture in fixtures for seed in range(seeds) for objective in objectives
-        ]
-        results = []
+        steps = {fixture: 12 if args.quick else args.steps or round(FIXTURES[fixture][1] * args.step_scale) for fixture in fixtures}
+
+        def job(fixture: str, objective: str, seed: int, n: int) -> dict[str, Any]:
+            return {"fixture": fixture, "objective": objective, "seed": seed, "work": str(work), "data": data[fixture], "steps": n,
+                    "prompts": prompts, "max_new_tokens": new_tokens, "distill_weight": args.distill_weight}
+
+        results: list[dict[str, Any]] = []
         with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
-            for result in pool.map(run_one, jobs):
+            first = [job(f, o, seed, steps[f]) for f in fixtures for seed in range(seeds) for o in objectives if o != "ce_wall"]
+            for result in pool.map(run_one, first):
                 results.append(result)
                 print(json.dumps(result), flush=True)
+            if "ce_wall" in objectives:  # DFlash again, at the wall time DFlash2's steps took
+                wall = [job(f, "ce_wall", seed, wall_steps(results, f, steps[f])) for f in fixtures for seed in range(seeds)]
+                for result in pool.map(run_one, wall):
+                    results.append(result)
+                    print(json.dumps(result), flush=True)
     if args.out:
         Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in results))
     summary = summarise(results)
     print(table(summary))
+    if "dflash2" in objectives:
+        print(arch_table(results))
     print(f"{len(results)} runs in {time.perf_counter() - started:.0f} s; all lossless: {all(r['lossless'] for r in results)}")
     for r in summary:
         if "gain" in r:

@@ -96,7 +96,26 @@ def test_demo_ci_profile_on_the_tiny_hybrid_target_with_a_sliding_window_drafter
     assert exported["dflash_config"]["block_size"] == 8 and exported["dflash_config"]["mask_token_id"] == 448
 
 
-def test_demo_refuses_an_unknown_target(tmp_path):
+@pytest.mark.slow
+def test_demo_ci_profile_with_a_dflash2_drafter(tmp_path):
+    """`--drafter dflash2`: the same pipeline trains, evaluates (lossless, the walk proposing) and exports a DFlash2
+    drafter; the printed taus are the eval report's."""
+    out = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--profile", "ci", "--drafter", "dflash2"])
+    assert out.exit_code == 0, out.output
+    assert "lossless: yes" in out.stdout
+    table = dict(line.split("\t") for line in out.stdout.splitlines() if "\t" in line)
+    assert table.pop("artifact") == "state" and STAGES <= set(table) and set(table.values()) == {"verified"}, table
+    store = tmp_path / "work" / "store"
+    exported = json.loads((store / "export" / "config.json").read_text())
+    assert exported["architectures"] == ["DFlash2DraftModel"] and exported["is_causal"] is False
+    assert exported["dflash_config"]["selector_rank"] == 64 and exported["dflash_config"]["conv_kernel_size"] == 2
+    report = json.loads((store / "eval" / "report.json").read_text())
+    assert f"tau dflash2 walk {report['drafters']['dflash']['tau']:.2f}" in out.stdout
+
+
+def test_demo_refuses_an_unknown_target_or_drafter(tmp_path):
     out = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--target", "mamba"])
     assert out.exit_code != 0 and "--target must be one of tiny, hybrid" in out.output
+    out = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--drafter", "medusa"])
+    assert out.exit_code != 0 and "--drafter must be one of dflash, dflash2" in out.output
     assert not (tmp_path / "work").exists()

@@ -230,3 +230,65 @@ def test_the_bf16_hook_is_torchs_on_nccl_and_ours_on_gloo():
     assert allreduce_hook_for("nccl", "bfloat16") is bf16_compress_hook
     assert allreduce_hook_for("gloo", "bfloat16") is bf16_allreduce_hook
     assert allreduce_hook_for("nccl", "float32") is None
+
+
+def test_a_dflash2_plan_counts_the_codebooks_convolutions_and_top_k_tensors(tmp_path):
+    """The same README run with a DFlash2 drafter (the published shape: taps 2, groups of 16, rank 256, top-K 16): the
+    drafter's parameters grow by exactly its convolutions and selector, and the loss's top-K tensors are items."""
+    dflash = readme_config(tmp_path, ["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"], memory_gb=None)
+    text = json.loads((QWEN36 / "config.json").read_text())["text_config"]
+    hidden, vocab = text["hidden_size"], text["vocab_size"]
+    base = memory_plan(load_config(dflash))
+    dflash.write_text(dflash.read_text().replace("sliding_window = 2048\n", 'sliding_window = 2048\narchitecture = "dflash2"\n'))
+    plan = memory_plan(load_config(dflash))
+    conv = 2 * 2 * hidden + hidden * 2 * 2 * (hidden // 16)  # base_kernel [2, taps, H] + kernel_projection H -> 2 * taps * G
+    extra = 5 * 2 * conv + 2 * vocab * 256 + hidden * 256  # two per layer; two codebooks and the hidden projection
+    drafter, before = plan.devices[2].items, base.devices[2].items
+    assert drafter["drafter weights (fp32)"][0] - before["drafter weights (fp32)"][0] == 4 * extra
+    assert drafter["AdamW moments (fp32, 2 per parameter)"][0] - before["AdamW moments (fp32, 2 per parameter)"][0] == 8 * extra
+    queries = 512 * 16  # dflash.num_anchors x block size, one row
+    assert drafter["top-K candidates + gold (ids, unary logits)"][0] == queries * 17 * 12
+    assert drafter["activations kept for backward"][0] > before["activations kept for backward"][0]  # the convolutions
+    assert "candidates' head rows (backward, one chunk)" in drafter
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_dflash2_activation_estimates_against_what_autograd_keeps(autocast):
+    """The convolutions' share is exact in fp32 and an upper bound under autocast; the selector's loss-side items are an
+    upper estimate within 25% of what its term keeps."""
+    import dataclasses
+
+    from blockdraft.model.dflash2 import CandidateSelector
+    from blockdraft.model.spec import DFlash2Spec
+    from blockdraft.stages.train.loss import Objective
+    from blockdraft.stages.train.memory import selector_items
+
+    for taps in (1, 2):
+        spec = dataclasses.replace(_spec(2), dflash2=DFlash2Spec(conv_kernel_size=taps, conv_group_size=16, selector_rank=8, selector_top_k=4))
+        measured, drafter, _ = _step(spec, False, autocast)
+        estimate = drafter_activations(spec, 2, 40, 5, autocast, "dense", False, False).kept
+        casts = 2 * sum(m.weight.numel() for layer in drafter.layers for m in layer.modules() if isinstance(m, nn.Linear)) if autocast else 0
+        assert measured == estimate + casts if not autocast else measured <= estimate + casts
+
+    rows, hidden_size, vocab = 40, 48, 300
+    hidden = torch.randn(1, rows, hidden_size, requires_grad=True)
+    labels, weights, head = torch.randint(0, vocab, (1, rows)), torch.ones(1, rows), torch.randn(vocab, hidden_size)
+    selector = CandidateSelector(hidden_size, vocab, 8, 4)
+    kept_by: dict[str, int] = {}
+    for name, objective in (("unary", Objective()), ("dflash2", Objective(top_k=4, selector_alpha=1.0))):
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, kept: dict[int, int] = kept) -> torch.Tensor:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block_loss(hidden * 1.0, labels, weights, head, None, 4, 4, objective=objective, walk_scores=selector.scores)
+        for t in [*selector.parameters(), hidden, head, labels, weights]:
+            kept.pop(t.untyped_storage().data_ptr(), None)
+        kept_by[name] = sum(kept.values())
+    spec = dataclasses.replace(_spec(1), dflash2=DFlash2Spec(conv_kernel_size=1, conv_group_size=16, selector_rank=8, selector_top_k=4))
+    items = dict(selector_items(spec, rows, 16, 4))
+    estimate = items["top-K candidates + gold (ids, unary logits)"] + items["selector scores (hidden, codebook rows)"]
+    measured = kept_by["dflash2"] - kept_by["unary"]
+    assert measured <= estimate <= 1.25 * measured, (measured, estimate)

@@ -455,16 +455,21 @@ def demo(
     target: Annotated[str, typer.Option(help="tiny (a Qwen3 target) or hybrid (a Qwen3.5-style linear/full-attention target, "
                                              "with a sliding-window drafter layer).")] = "tiny",
     engine: Annotated[str, typer.Option(help="vllm: generate with vLLM and check the drafter in it too (`make engine`).")] = "none",
+    drafter: Annotated[str, typer.Option(help="dflash, or dflash2 (a convolution around every sublayer and a candidate selector "
+                                              "that walks each slot's top-K).")] = "dflash",
 ) -> None:
     """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
-    from blockdraft.pipeline import SIZES, TARGETS, DemoTarget, Profile, demo_lines, run_demo
+    from blockdraft.pipeline import ARCHITECTURES, SIZES, TARGETS, DemoDrafter, DemoTarget, Profile, demo_lines, run_demo
 
     if profile not in SIZES:
         raise typer.BadParameter(f"--profile must be one of {', '.join(SIZES)}, not {profile!r}")
     if target not in TARGETS:
         raise typer.BadParameter(f"--target must be one of {', '.join(TARGETS)}, not {target!r}")
+    if drafter not in ARCHITECTURES:
+        raise typer.BadParameter(f"--drafter must be one of {', '.join(ARCHITECTURES)}, not {drafter!r}")
     with ConsoleReporter(console) as reporter:
-        result = run_demo(workdir, store, cast(Profile, profile), endpoint_url, reporter, cast(DemoTarget, target), engine)
+        result = run_demo(workdir, store, cast(Profile, profile), endpoint_url, reporter, cast(DemoTarget, target), engine,
+                          cast(DemoDrafter, drafter))
     for line in demo_lines(result):
         print(line)
     if not result.ok:

@@ -168,6 +168,9 @@ class DFlashConfig(_Section):
     selector_rank: int = Field(default=256, ge=1)  # width of the predecessor/successor codebooks
     selector_top_k: int = Field(default=16, ge=1)  # candidates per slot; at most the vocabulary
     selector_loss_alpha: float = Field(default=1.0, ge=0.0)  # weight of the selector's K-way cross-entropy in the loss
+    # A slot whose gold token is not among its top-K: "inject" it into that slot's selector loss, or "skip" the slot's
+    # selector loss (docs/DFLASH.md, "DFlash2 training"; measured in docs/PERFORMANCE.md)
+    selector_missing_gold: Literal["inject", "skip"] = "inject"
     input_embedding_scale: float = Field(default=1.0, gt=0.0)  # multiplies the block's token embeddings
     output_multiplier: float = Field(default=1.0, gt=0.0)  # multiplies the unary logits
     final_logit_softcapping: float | None = Field(default=None, gt=0.0)  # cap * tanh(unary / cap) when set
@@ -198,7 +201,7 @@ class DFlashConfig(_Section):
 
 # The DFlashConfig fields only a DFlash2 drafter has (`architecture = "dflash2"`).
 DFLASH2_FIELDS = frozenset({
-    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha", "input_embedding_scale",
+    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha", "selector_missing_gold", "input_embedding_scale",
     "output_multiplier", "final_logit_softcapping",
 })
 

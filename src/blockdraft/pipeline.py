@@ -1,6 +1,7 @@
 """The whole pipeline on a tiny CPU target, in one sitting: what `blockdraft demo` (the README's main command) runs.
 `target="hybrid"` (`blockdraft demo --target hybrid`) runs it on the tiny Qwen3.5-style hybrid target (linear attention with
-full attention every 4th layer) with a drafter of one sliding-window layer and one full-attention layer.
+full attention every 4th layer) with a drafter of one sliding-window layer and one full-attention layer. `drafter="dflash2"`
+(`--drafter dflash2`) trains, evaluates and exports a DFlash2 drafter of the same shape instead (`ARCHITECTURES`).
 
     prompts --generate--> completions --tokenize--> tokenized --push--> store --pull--> training node
         --train--> checkpoints --eval--> tau / speedup / lossless --export--> SGLang/vLLM folder --status--> all verified
@@ -35,7 +36,7 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages import eval as eval_stage
 from blockdraft.stages import export, generate, tokenize, train
 from blockdraft.stages.eval import EvalReport
-from blockdraft.stages.eval.report import engine_lines
+from blockdraft.stages.eval.report import UNARY_NAME, engine_lines
 from blockdraft.stages.export import serving_lines
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
@@ -55,6 +56,14 @@ TARGETS: dict[str, Path] = {"tiny": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGE
 DRAFTERS: dict[str, dict[str, Any]] = {
     "tiny": {"num_draft_layers": 1},
     "hybrid": {"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32},
+}
+
+DemoDrafter = Literal["dflash", "dflash2"]
+# The architecture's own settings: DFlash2 with the published drafter's taps, groups and top-K, and the selector rank that
+# bench/quality measured on these targets (docs/PERFORMANCE.md).
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "dflash": {},
+    "dflash2": {"architecture": "dflash2", "selector_rank": 64},
 }
 
 
@@ -123,15 +132,17 @@ def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> None:
 
 def demo_config(
     workdir: Path, store_url: str, size: DemoSize, endpoint_url: str | None = None, target: DemoTarget = "tiny",
+    drafter: DemoDrafter = "dflash",
 ) -> dict[str, dict[str, Any]]:
-    """The demo's config sections: the tiny (or tiny hybrid) target, block size 8, its drafter (`DRAFTERS`), the store and
-    the stage sizes."""
+    """The demo's config sections: the tiny (or tiny hybrid) target, block size 8, its drafter (`DRAFTERS`, of the
+    architecture `drafter`: `ARCHITECTURES`), the store and the stage sizes."""
     fixture = json.loads((TARGETS[target] / "fixture.json").read_text())
     store = store_url.rstrip("/")
     return {
         "target": {"path": str(TARGETS[target])},
         "tokenize": {"held_out_fraction": 0.0, "max_length": 1024},
-        "dflash": {"block_size": BLOCK_SIZE, "mask_token_id": fixture["mask_token_id"], **DRAFTERS[target], "num_anchors": size.anchors},
+        "dflash": {"block_size": BLOCK_SIZE, "mask_token_id": fixture["mask_token_id"], **DRAFTERS[target], **ARCHITECTURES[drafter],
+                   "num_anchors": size.anchors},
         "store": {"url": store, "endpoint_url": endpoint_url},
         "train": {
             "data": str(workdir / "train-node" / "tokenized"),
@@ -216,7 +227,9 @@ def demo_lines(result: DemoResult) -> list[str]:
     engine's, with `--engine`), and how to serve the export."""
     tau, report = result.tau, result.eval_report
     lines = ["", "artifact\tstate", *(f"{root}\t{state}" for root, state in result.states.items()), ""]
-    lines.append(f"tau dflash {tau.get('dflash', 0):.2f}   n-gram {tau.get('ngram', 0):.2f}   untrained {tau.get('untrained', 0):.2f}"
+    drafted = (f"tau dflash2 walk {tau.get('dflash', 0):.2f}   unary argmax {tau[UNARY_NAME]:.2f}" if UNARY_NAME in tau
+               else f"tau dflash {tau.get('dflash', 0):.2f}")
+    lines.append(f"{drafted}   n-gram {tau.get('ngram', 0):.2f}   untrained {tau.get('untrained', 0):.2f}"
                  f"   (block size {report.block_size if report else '-'})")
     lines.append(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: {'yes' if result.lossless else 'NO'}")
     sampled = report.sampled if report is not None else None
@@ -240,15 +253,16 @@ def run_demo(
     reporter: Reporter | None = None,
     target: DemoTarget = "tiny",
     engine: str = "none",
+    drafter: DemoDrafter = "dflash",
 ) -> DemoResult:
     """Run every stage once on the tiny target (`target="hybrid"`: the tiny hybrid one) and return what the destination
     says about each artifact. `engine="vllm"`: the target's answers come from vLLM serving it, and the eval also serves the
-    export in vLLM and compares (`eval --engine`)."""
+    export in vLLM and compares (`eval --engine`). `drafter="dflash2"`: a DFlash2 drafter."""
     threads = torch.get_num_threads()
     # One thread: these tiny matmuls gain nothing from two, and two threads stall badly when anything else shares the cores.
     torch.set_num_threads(1)
     try:
-        return _run(Path(workdir).absolute(), store_url, SIZES[profile], endpoint_url, reporter or Reporter(), target, engine)
+        return _run(Path(workdir).absolute(), store_url, SIZES[profile], endpoint_url, reporter or Reporter(), target, engine, drafter)
     finally:
         torch.set_num_threads(threads)
 
@@ -297,12 +311,12 @@ def claim_workdir(workdir: Path) -> None:
 
 def _run(
     workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, reporter: Reporter, target: DemoTarget,
-    engine: str,
+    engine: str, drafter: DemoDrafter,
 ) -> DemoResult:
     claim_workdir(workdir)
     store = (store_url or f"file://{workdir / 'store'}").rstrip("/")
     target_dir = TARGETS[target]
-    sections = demo_config(workdir, store, size, endpoint_url, target)
+    sections = demo_config(workdir, store, size, endpoint_url, target, drafter)
     if engine != "none":
         sections["eval"]["engine"] = engine
         sections["eval"]["engine_python"] = str(Path(EvalConfig().engine_python).absolute())

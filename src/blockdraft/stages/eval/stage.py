@@ -173,7 +173,8 @@ def evaluate(
     sets: Sequence[EvalSet] | None = None,
     sampled: EvalConfig | None = None,
 ) -> EvalReport:
-    """Run target-only greedy, the DFlash drafter, the n-gram baseline, (with `untrained_seed`) a freshly initialised
+    """Run target-only greedy, the DFlash drafter (a DFlash2 drafter's walk, and as `UNARY_NAME` its unary argmax), the
+    n-gram baseline, (with `untrained_seed`) a freshly initialised
     drafter of the same shape, and each of `baselines` (other drafters by name, e.g. a published one) on every prompt;
     compare each speculative output with greedy. `sets`: the prompt sets `prompts` is made of, in order (None: one set,
     `prompts`); the report gives each its own figures beside those over every prompt. With `sampled` at a temperature

@@ -12,10 +12,17 @@ Two options change the per-slot term or its weight (`Objective`, docs/DFLASH.md 
   gradient's size independent of T (Hinton et al., "Distilling the Knowledge in a Neural Network").
 - `dflash.loss_weighting = "dpace"`: the weights come from the drafter's own predictions in the batch
   (`blockdraft.stages.train.weighting`), and the denominator is the count of supervised slots.
+
+A DFlash2 drafter (`dflash.architecture = "dflash2"`) adds the selector's term (`blockdraft.stages.train.selector_loss`):
+the unary logits above (the head's times `output_multiplier`, soft-capped when `final_logit_softcapping` is set) decide each
+slot's top-K, which the chunked head returns with their values (differentiable) and the gold token as one more column; the
+selector's K-way cross-entropy over them, weighted by `dflash.selector_loss_alpha` and by the same per-slot weights, joins
+the sum before the one division by the global denominator.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from blockdraft.config import DFlashConfig, TrainConfig
+from blockdraft.stages.train.selector_loss import WalkScores, selector_term
 from blockdraft.stages.train.weighting import dpace_weights
 
 
@@ -30,22 +38,63 @@ from blockdraft.stages.train.weighting import dpace_weights
 class Objective:
     """What each supervised slot's loss term is: `weighting` "exponential" (the batch's weights as they are) or "dpace";
     `dpace_alpha` D-PACE's smoothing; `distill_weight` in [0, 1] and `temperature` the distillation mix. The default is
-    the paper's objective (hard-label CE, exponential decay)."""
+    the paper's objective (hard-label CE, exponential decay).
+
+    A DFlash2 drafter's: `top_k` > 0 candidates per slot (0: DFlash, no selector term), `selector_alpha` the selector
+    term's weight, `missing_gold` what a slot whose gold token is not among its top-K gets ("inject": the gold joins that
+    slot's candidates in the loss; "skip": no selector term), and the unary logits' `output_multiplier` and `softcap`."""
 
     weighting: str = "exponential"
     dpace_alpha: float = 0.5
     distill_weight: float = 0.0
     temperature: float = 1.0
+    top_k: int = 0
+    selector_alpha: float = 0.0
+    missing_gold: str = "inject"
+    output_multiplier: float = 1.0
+    softcap: float | None = None
 
     @classmethod
     def of(cls, dflash: DFlashConfig, train: TrainConfig) -> Objective:
-        """From the two sections that say it: dflash.loss_weighting, dflash.dpace_alpha, train.distill_weight, train.distill_temperature."""
-        return cls(dflash.loss_weighting, dflash.dpace_alpha, train.distill_weight, train.distill_temperature)
+        """From the two sections that say it: dflash.loss_weighting, dflash.dpace_alpha, train.distill_weight,
+        train.distill_temperature, and for a DFlash2 drafter dflash.selector_top_k, selector_loss_alpha,
+        selector_missing_gold, output_multiplier and final_logit_softcapping."""
+        base = cls(dflash.loss_weighting, dflash.dpace_alpha, train.distill_weight, train.distill_temperature)
+        if dflash.architecture != "dflash2":
+            return base
+        return dataclasses.replace(
+            base, top_k=dflash.selector_top_k, selector_alpha=dflash.selector_loss_alpha, missing_gold=dflash.selector_missing_gold,
+            output_multiplier=dflash.output_multiplier, softcap=dflash.final_logit_softcapping,
+        )
 
     @property
     def distills(self) -> bool:
         """Whether the target's distribution is needed (weight 0 skips the teacher entirely)."""
         return self.distill_weight > 0
+
+    @property
+    def selects(self) -> bool:
+        """Whether the loss has the selector's term (a DFlash2 drafter)."""
+        return self.top_k > 0
+
+    @property
+    def transforms(self) -> bool:
+        """Whether the unary logits are the head's scaled or soft-capped (otherwise the head's as they are)."""
+        return self.output_multiplier != 1.0 or self.softcap is not None
+
+    def unary(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's logits -> the unary logits (in place): times output_multiplier, then cap * tanh(. / cap)."""
+        if self.output_multiplier != 1.0:
+            logits.mul_(self.output_multiplier)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
+
+    def unary_slope(self, unary: torch.Tensor) -> torch.Tensor:
+        """d(unary) / d(head logit), from the unary logits themselves: m, or m * (1 - (unary / cap)^2) when capped."""
+        if self.softcap is None:
+            return torch.full_like(unary, self.output_multiplier)
+        return (1.0 - (unary / self.softcap).square()).mul_(self.output_multiplier)
 
     def normaliser(self, weights: torch.Tensor) -> torch.Tensor:
         """This rank's share of the loss's denominator for a batch's weights [...]: sum(w), or for D-PACE the count of
@@ -83,61 +132,97 @@ class Teacher:
 
 @dataclass
 class SlotStats:
-    """Per-slot counts for slots 1..B-1: `correct` and `total` [B-1] float (supervised slots only), summable across ranks."""
+    """Per-slot counts for slots 1..B-1 (supervised slots only), summable across ranks, all [B-1] float: `correct` (unary
+    argmax = label), `total`, and `ce` the sum of the unary cross-entropy against the label (unweighted)."""
 
     correct: torch.Tensor
     total: torch.Tensor
+    ce: torch.Tensor
 
     def accuracy(self) -> list[float]:
         return (self.correct / self.total.clamp_min(1)).tolist()
 
 
 @dataclass
+class SelectorStats:
+    """The selector's term of a DFlash2 drafter: `weighted` its sum(w * CE) (detached, before selector_loss_alpha), and per
+    slot 1..B-1 [B-1] float over supervised slots: `recall` (gold among the top-K) and `correct` (the walk's choice with
+    the gold predecessor, among the top-K, is the gold: teacher-forced selector accuracy)."""
+
+    weighted: torch.Tensor
+    recall: torch.Tensor
+    correct: torch.Tensor
+
+
+@dataclass
 class LossOutput:
     """loss: the scalar to backpropagate; weighted_ce: this rank's weighted sum of the per-slot terms (detached: sum(w * CE)
-    for the paper's objective, the mixed term when distilling); weight_sum: the global denominator; weighted_kl: this
-    rank's sum(w * KL) (detached) when distilling, else None."""
+    for the paper's objective, the mixed term when distilling, plus selector_loss_alpha times the selector's for DFlash2);
+    weight_sum: the global denominator; weighted_kl: this rank's sum(w * KL) (detached) when distilling, else None;
+    selector: the selector term's figures for a DFlash2 drafter, else None."""
 
     loss: torch.Tensor
     weighted_ce: torch.Tensor
     weight_sum: torch.Tensor
     slots: SlotStats
     weighted_kl: torch.Tensor | None = None
+    selector: SelectorStats | None = None
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
-    """sum(w * term) with the LM head applied chunk by chunk, the weighted KL part, and argmax hits per row.
+    """sum(w * term) with the LM head applied chunk by chunk, the weighted KL part, argmax hits and CE per row, the
+    weights used, and for DFlash2 each row's top-K candidates plus its label with their unary logits.
 
     Each chunk's [rows, V] logits live only inside `forward`, which also computes that chunk's gradient with respect to
     the hidden states: backward only scales it. So the logits are never kept nor recomputed, and the head costs one forward
     and one input-gradient matmul (distilling adds one forward of the teacher's rows). W and bias are frozen.
     With the drafter's logits z and the teacher's t, d(term)/dz = (1 - w_d) * (softmax(z) - onehot(label))
     + w_d * T * (softmax(z / T) - softmax(t / T)); times W gives the hidden-state gradient, the one-hot part a row lookup.
-    The paper's objective (no teacher, exponential weights) runs exactly the operations it always did.
+    Unary logits that are scaled or capped (`Objective.unary`) multiply that by their slope first.
+    The candidates' logits [rows, K + 1] are an output with a gradient (the selector's term scores with them): backward
+    adds sum_c g_c * slope_c * W[c] per row, gathering the K + 1 rows of W chunk by chunk again rather than keeping them.
+    The paper's objective (no teacher, exponential weights, no selector) runs exactly the operations it always did.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, weights, teacher_hidden, teacher_index, chunk_rows, block_size, objective):
-        distill, lam, temp = objective.distills, objective.distill_weight, objective.temperature
+        distill, lam, temp, k = objective.distills, objective.distill_weight, objective.temperature, objective.top_k
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         kl_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        hits = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        rows = hidden.shape[0]
+        hits = torch.empty(rows, dtype=torch.bool, device=hidden.device)
+        ce_rows = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        used = weights.clone()  # the weights each row counts with (D-PACE: computed below)
+        candidates = torch.empty(rows, k + 1 if k else 0, dtype=torch.long, device=hidden.device)
+        values = torch.empty(rows, k + 1 if k else 0, dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        for start in range(0, hidden.shape[0], chunk_rows):
+        for start in range(0, rows, chunk_rows):
             sl = slice(start, start + chunk_rows)
             logits = F.linear(hidden[sl].to(weight.dtype), weight, bias).float()  # [rows, V], matmul in the head's dtype
+            if objective.transforms:
+                objective.unary(logits)
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, labels[sl, None])[:, 0]
             hits[sl] = logits.argmax(dim=-1) == labels[sl]
+            ce_rows[sl] = lse - picked
+            if k:  # before the logits' buffer is reused below
+                top = logits.topk(k, dim=-1)
+                candidates[sl] = torch.cat((top.indices, labels[sl, None]), dim=1)
+                values[sl] = torch.cat((top.values, picked[:, None]), dim=1)
+            slope = objective.unary_slope(logits) if objective.transforms and grad is not None else None
             w = weights[sl]
             if objective.weighting == "dpace":
-                w = dpace_weights(lse - picked, weights[sl] > 0, block_size, objective.dpace_alpha)
+                w = used[sl] = dpace_weights(lse - picked, weights[sl] > 0, block_size, objective.dpace_alpha)
             if not distill:
                 total += (w * (lse - picked)).sum()
                 if grad is not None:
                     # d(w * CE)/dh = w * (softmax @ W - W[label]); the one-hot part is a row lookup, not a scatter.
                     probs = torch.exp(logits.sub_(lse[:, None])).mul_(w[:, None])  # in place of the logits
-                    grad_chunk = probs.to(weight.dtype) @ weight - w[:, None].to(weight.dtype) * weight[labels[sl]]
+                    hard = w
+                    if slope is not None:
+                        hard = w * slope.gather(1, labels[sl, None])[:, 0]
+                        probs.mul_(slope)
+                    grad_chunk = probs.to(weight.dtype) @ weight - hard[:, None].to(weight.dtype) * weight[labels[sl]]
                     grad[sl] = grad_chunk.to(hidden.dtype)
                 continue
             # Distillation: the teacher's logits for these rows, then KL(p_T || q_T) per row, in place where it can be.
@@ -153,16 +238,28 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if grad is not None:
                 g = log_q.exp_().sub_(p).mul_(lam * temp)  # w_d * T * (q_T - p_T), in place of log_q
                 g.add_(torch.exp(logits.sub_(lse[:, None])), alpha=1.0 - lam).mul_(w[:, None])
-                hard = ((1.0 - lam) * w)[:, None].to(weight.dtype) * weight[labels[sl]]
-                grad[sl] = (g.to(weight.dtype) @ weight - hard).to(hidden.dtype)
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(kl_total, hits)
-        return total, kl_total, hits
+                hard = (1.0 - lam) * w
+                if slope is not None:
+                    hard = hard * slope.gather(1, labels[sl, None])[:, 0]
+                    g.mul_(slope)
+                grad[sl] = (g.to(weight.dtype) @ weight - hard[:, None].to(weight.dtype) * weight[labels[sl]]).to(hidden.dtype)
+        ctx.save_for_backward(grad, weight, candidates, values)
+        ctx.objective, ctx.chunk_rows = objective, chunk_rows
+        ctx.mark_non_differentiable(kl_total, hits, ce_rows, used, candidates)
+        return total, kl_total, hits, ce_rows, used, candidates, values
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_kl, _grad_hits):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), *([None] * 9)
+    def backward(ctx, grad_total, _grad_kl, _grad_hits, _grad_ce, _grad_used, _grad_candidates, grad_values):
+        grad, weight, candidates, values = ctx.saved_tensors
+        grad = grad * grad_total.to(grad.dtype)
+        if grad_values is not None and candidates.shape[1]:
+            objective = ctx.objective
+            g = grad_values * objective.unary_slope(values) if objective.transforms else grad_values
+            for start in range(0, grad.shape[0], ctx.chunk_rows):
+                sl = slice(start, start + ctx.chunk_rows)
+                rows = torch.einsum("rk,rkh->rh", g[sl].to(weight.dtype), weight[candidates[sl]])
+                grad[sl] += rows.to(grad.dtype)
+        return grad, *([None] * 9)
 
 
 def global_weight_sum(weights: torch.Tensor, objective: Objective = PAPER_OBJECTIVE) -> torch.Tensor:
@@ -185,6 +282,7 @@ def block_loss(
     *,
     objective: Objective = PAPER_OBJECTIVE,
     teacher: Teacher | None = None,
+    walk_scores: WalkScores | None = None,
 ) -> LossOutput:
     """Weighted CE (or `objective`'s term) of the drafter's block outputs, globally normalised.
 
@@ -193,25 +291,34 @@ def block_loss(
     [chunk_blocks*B, V] in fp32 (about four such buffers when distilling), never [Q, V] per row. `weight_sum`: the
     denominator when the optimizer step spans several micro-batches (`Objective.normaliser` summed over all of them and
     all ranks); None: this batch's `global_weight_sum`. `teacher`: required when `objective` distills, ignored otherwise.
+    `walk_scores`: the DFlash2 selector's scoring (`CandidateSelector.scores`), required when `objective` selects.
     """
     if objective.distills and teacher is None:
         raise ValueError("train.distill_weight > 0 needs the target's final hidden states (a Teacher) for the loss")
+    if objective.selects and walk_scores is None:
+        raise ValueError("a DFlash2 objective needs the drafter's candidate selector (walk_scores) for the loss")
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     w = weights.reshape(-1).float()
     t_hidden, t_index = teacher.flat() if objective.distills and teacher is not None else (None, None)
-    weighted_ce, weighted_kl, hits = _ChunkedHeadLoss.apply(
+    weighted_ce, weighted_kl, hits, ce_rows, used, candidates, values = _ChunkedHeadLoss.apply(
         h, head_weight, head_bias, y, w, t_hidden, t_index, chunk_blocks * block_size, block_size, objective
     )
-    hits = hits.float().reshape(-1, block_size)[:, 1:]  # [b*N, B-1]
     supervised = (w.reshape(-1, block_size)[:, 1:] > 0).float()
-    slots = SlotStats(correct=(hits * supervised).sum(0), total=supervised.sum(0))
+    per_slot = lambda rows: (rows.float().reshape(-1, block_size)[:, 1:] * supervised).sum(0)  # noqa: E731  [B-1]
+    slots = SlotStats(correct=per_slot(hits), total=supervised.sum(0), ce=per_slot(ce_rows.detach()))
+    selector = None
+    term = weighted_ce
+    if objective.selects and walk_scores is not None:
+        out = selector_term(h, y, used, candidates, values, walk_scores, block_size, objective.missing_gold == "inject")
+        selector = SelectorStats(out.weighted.detach(), per_slot(out.recall), per_slot(out.correct))
+        term = weighted_ce + objective.selector_alpha * out.weighted
 
     weight_sum = global_weight_sum(w, objective) if weight_sum is None else weight_sum
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    loss = weighted_ce / weight_sum.clamp_min(1e-12) * world
+    loss = term / weight_sum.clamp_min(1e-12) * world
     kl = weighted_kl.detach() if objective.distills else None
-    return LossOutput(loss=loss, weighted_ce=weighted_ce.detach(), weight_sum=weight_sum, slots=slots, weighted_kl=kl)
+    return LossOutput(loss=loss, weighted_ce=term.detach(), weight_sum=weight_sum, slots=slots, weighted_kl=kl, selector=selector)
 
 
-__all__ = ["LossOutput", "Objective", "PAPER_OBJECTIVE", "SlotStats", "Teacher", "block_loss", "global_weight_sum"]
+__all__ = ["LossOutput", "Objective", "PAPER_OBJECTIVE", "SelectorStats", "SlotStats", "Teacher", "block_loss", "global_weight_sum"]

@@ -156,6 +156,9 @@ def drafter_activations(
     `repeat_kv` (dense on CUDA) keeps K and V per query head (2*h*d*a per key row) instead of per KV head. With
     `checkpointing` a layer keeps only its inputs (the fp32 residual 4H per query row, context K in fp32 and V in a:
     g*d*(4 + a) per context row). tests/test_plan.py checks all of this against what autograd saves, to the byte.
+    A DFlash2 layer's four convolution sides keep, per query row and tap, the shifted input and its kernel (8 x 4H in
+    fp32, 32H per tap) and per tap after the first a block-boundary mask (8): exact in fp32, an upper bound under autocast
+    (where part of them is bf16). Checkpointing keeps none of it (a layer's inputs are the same).
     """
     a = 2 if autocast else 4
     hidden, inner, heads, kv, d, n_feat = (spec.hidden_size, spec.intermediate_size, spec.num_attention_heads,
@@ -165,6 +168,9 @@ def drafter_activations(
     per_query = (2 * (8 * hidden + 4) + (5 if autocast else 2) * hidden * a + heads * d * (4 + a) + 4 * heads
                  + kv * d * (4 + a) + 4 * kv + (keys * a if attention == "dense" else 0) + 2 * heads * d * a + 4 * heads
                  + 4 * inner * a)
+    if spec.dflash2 is not None:
+        taps = spec.dflash2.conv_kernel_size
+        per_query += taps * 32 * hidden + (taps - 1) * 8
     per_key = 2 * (heads if repeat_kv else kv) * d * a
     per_context = kv * d * (4 + a) + 4 * kv + (2 * hidden * a if autocast else 0)
     layer = b * (q * per_query + keys * per_key + s * per_context)
@@ -174,6 +180,23 @@ def drafter_activations(
         kept_layer = b * (q * 4 * hidden + s * (kv * d * (4 + a) + per_context))
         return Activations(once + spec.num_layers * kept_layer - b * q * 4 * hidden, layer)
     return Activations(once + spec.num_layers * layer - b * q * (4 * hidden + 4), layer)
+
+
+def selector_items(spec: DrafterSpec, queries: int, chunk_rows: int, head_bytes: int) -> list[tuple[str, int]]:
+    """A DFlash2 drafter's loss-side extras for `queries` block slots per micro-batch (its codebooks' and convolutions'
+    weights are in the drafter's parameter count, their activations in `drafter_activations`), with k = K + 1 (the top-K
+    and the gold) and r the selector's rank: each slot's candidates (int64 ids, fp32 unary logits: 12k), what the
+    selector's scores keep for backward (the slot's hidden state 4H, each candidate's successor-codebook row and id
+    k(4r + 8), the predecessor's row, the projection and their product 12r, the scores' fp32 copies 16k, row indices 32),
+    and in backward one chunk's gathered head rows for the candidates' logits (`chunk_rows` x k x H in the head's dtype).
+    An upper estimate for slots that all count (tests/test_plan.py checks it against what autograd keeps)."""
+    assert spec.dflash2 is not None
+    k, r, hidden = spec.dflash2.selector_top_k + 1, spec.dflash2.selector_rank, spec.hidden_size
+    return [
+        ("top-K candidates + gold (ids, unary logits)", queries * k * 12),
+        ("selector scores (hidden, codebook rows)", queries * (4 * hidden + k * (4 * r + 8) + 12 * r + 16 * k + 32)),
+        ("candidates' head rows (backward, one chunk)", chunk_rows * k * hidden * head_bytes),
+    ]
 
 
 def device_capacity(device: str, configured_gb: float | None) -> int | None:
@@ -249,6 +272,9 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
         drafter_plan.add("LM-head chunk (logits, probabilities)" + (" x 2 (distillation)" if distill else ""), chunk * (2 if distill else 1))
         if distill:
             drafter_plan.add(f"target final hidden states ({micro} micro-batches)", b * s * spec.hidden_size * t_bytes * micro)
+        if spec.dflash2 is not None:
+            for label, nbytes in selector_items(spec, b * q, rows, t_bytes):
+                drafter_plan.add(label, nbytes)
         for device in {target_device, drafter_device}:
             if device.startswith("cuda"):
                 on(device).add("CUDA runtime (per process)", CUDA_RUNTIME_BYTES)
@@ -300,4 +326,5 @@ __all__ = [
     "drafter_activations",
     "memory_plan",
     "node_traffic",
+    "selector_items",
 ]

@@ -19,7 +19,7 @@ from blockdraft.model.weight_init import init_drafter
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train.checkpoint import Checkpoints, resolved_training_config, run_identity
 from blockdraft.stages.train.data import RowOrder, TrainRows, steps_per_epoch
-from blockdraft.stages.train.init_from import check_init_spec, load_init_drafter
+from blockdraft.stages.train.init_from import check_init_spec, load_init_drafter, load_init_weights
 from blockdraft.stages.train.loss import Objective
 from blockdraft.stages.train.memory import apply_memory_options
 from blockdraft.stages.train.placement import RankPlacement
@@ -72,10 +72,10 @@ def build_training(
     checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, keep_every, reporter,
                               tc.max_checkpoint_failures, start_over)
 
-    torch.manual_seed(tc.seed)  # the drafter's initial weights (when not train.init_from's)
+    torch.manual_seed(tc.seed)  # the drafter's initial weights (when not train.init_from's; DFlash2's modules from DFlash)
     drafter = DFlashDrafter(spec)
     if init is not None:
-        drafter.load_state_dict(init.state_dict())
+        load_init_weights(drafter, init)
     else:
         init_drafter(drafter, tc.init, hf_target.config)  # train.init: PyTorch's defaults or HF's normal(0, range)
     drafter.to(place.drafter_device)

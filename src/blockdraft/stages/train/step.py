@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from blockdraft.model import DFlashDrafter, TargetHead
-from blockdraft.stages.train.batch import BlockBatch
+from blockdraft.stages.train.batch import BlockBatch, expected_acceptance
 from blockdraft.stages.train.loss import PAPER_OBJECTIVE, LossOutput, Objective, Teacher, block_loss
 
 
@@ -56,7 +57,7 @@ def backward_micro(
     """Forward (bf16 autocast on GPU), chunked loss and backward of one micro-batch, adding to the gradients.
 
     model is the drafter's `DraftForward` (DDP-wrapped under torchrun); `weight_sum`: the step's global sum(w)
-    (None: this batch's own, across ranks)."""
+    (None: this batch's own, across ranks). A DFlash2 objective scores the candidates with the drafter's selector."""
     device = features.device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     block_hidden = head.embed(batch.block_ids).float()
@@ -64,7 +65,7 @@ def backward_micro(
         hidden = model(features.float(), block_hidden, batch.block_positions, batch.context_positions, batch.drafter_attention)
         out = block_loss(
             hidden, batch.labels, batch.weights, head.lm_head_weight, head.lm_head_bias, drafter.spec.block_size, chunk_blocks,
-            weight_sum, objective=objective, teacher=teacher,
+            weight_sum, objective=objective, teacher=teacher, walk_scores=selector.scores if (selector := drafter.candidate_selector) is not None else None,
         )
     out.loss.backward()
     return out
@@ -90,8 +91,7 @@ def accumulate(
     objective: Objective = PAPER_OBJECTIVE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's gradients over its micro-batches, clipped. Returns (totals, weight_sum, grad_norm) as device tensors:
-    totals [1 + 2 * (B - 1) + 1] = sum(w * CE), per-slot correct, per-slot counted, tokens, summed over micro-batches
-    and ranks; nothing here waits for the device."""
+    totals (`totals_of`, read by `step_metrics`) summed over micro-batches and ranks; nothing here waits for the device."""
     weight_sum = step_weight_sum(micro, world_size, objective)
     for p in drafter.parameters():
         p.grad = None
@@ -101,7 +101,7 @@ def accumulate(
         no_sync = getattr(model, "no_sync", None)
         with nullcontext() if last or no_sync is None else no_sync():
             out = backward_micro(model, drafter, head, m.batch, m.features, chunk_blocks, weight_sum, objective, m.teacher)
-        part = torch.cat([out.weighted_ce.reshape(1), out.slots.correct, out.slots.total, out.slots.total.new_tensor([m.tokens])])
+        part = totals_of(out, m.tokens)
         totals = part if totals is None else totals + part
     assert totals is not None, "a step has at least one micro-batch"
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
@@ -110,4 +110,46 @@ def accumulate(
     return totals, weight_sum, grad_norm
 
 
-__all__ = ["DraftForward", "MicroBatch", "accumulate", "backward_micro", "step_weight_sum"]
+def totals_of(out: LossOutput, tokens: int) -> torch.Tensor:
+    """One micro-batch's figures as one summable vector: sum(w * term), per-slot unary correct, counted and CE sums, the
+    real tokens, and for DFlash2 the selector's sum(w * CE), per-slot recall and teacher-forced correct."""
+    parts = [out.weighted_ce.reshape(1), out.slots.correct, out.slots.total, out.slots.ce, out.slots.total.new_tensor([tokens])]
+    if out.selector is not None:
+        parts += [out.selector.weighted.reshape(1), out.selector.recall, out.selector.correct]
+    return torch.cat(parts)
+
+
+def step_metrics(totals: torch.Tensor, weight_sum: torch.Tensor, block_size: int) -> dict[str, Any]:
+    """The metrics entry's figures of a step's summed `totals_of` (on the host): the loss (the whole objective),
+    per-slot unary accuracy and CE, the unary tau estimate, tokens; for DFlash2 also the selector's loss (its own term,
+    before selector_loss_alpha), candidate recall and teacher-forced selector accuracy, per slot and over all slots,
+    and `walk_tau_estimate`: the tau estimate from the selector's per-slot accuracy (the walk with gold predecessors)."""
+    n = block_size - 1
+    denominator = weight_sum.cpu().clamp_min(1e-12)
+    correct, counted, ce, tokens = totals[1 : 1 + n], totals[1 + n : 1 + 2 * n], totals[1 + 2 * n : 1 + 3 * n], totals[1 + 3 * n]
+    slots = counted.clamp_min(1)
+    accuracy = (correct / slots).tolist()
+    entry: dict[str, Any] = {
+        "loss": float(totals[0] / denominator),
+        "slot_accuracy": accuracy,
+        "slot_loss": (ce / slots).tolist(),
+        "tau_estimate": expected_acceptance(accuracy),
+        "tokens": int(tokens),
+    }
+    if totals.numel() > 2 + 3 * n:  # a DFlash2 drafter's selector figures follow
+        rest = totals[2 + 3 * n :]
+        recall, chosen = rest[1 : 1 + n], rest[1 + n : 1 + 2 * n]
+        selector_accuracy = (chosen / slots).tolist()
+        all_slots = float(counted.sum().clamp_min(1))
+        entry.update({
+            "selector_loss": float(rest[0] / denominator),
+            "candidate_recall": float(recall.sum()) / all_slots,
+            "slot_candidate_recall": (recall / slots).tolist(),
+            "selector_accuracy": float(chosen.sum()) / all_slots,
+            "slot_selector_accuracy": selector_accuracy,
+            "walk_tau_estimate": expected_acceptance(selector_accuracy),
+        })
+    return entry
+
+
+__all__ = ["DraftForward", "MicroBatch", "accumulate", "backward_micro", "step_metrics", "step_weight_sum", "totals_of"]

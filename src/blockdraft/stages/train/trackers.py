@@ -18,13 +18,20 @@ INSTALL_HINT = "pip install 'blockdraft[trackers]'"
 
 def tracked_scalars(entry: Mapping[str, Any]) -> dict[str, float]:
     """The numbers of a metrics entry that the trackers get, by their name there (slot k's accuracy is
-    `train/slot_accuracy/k`, k from 1; the held-out figures of a step that has them are `eval/...` beside them)."""
-    scalars = {f"train/{name}": float(entry[name]) for name in ("loss", "tau_estimate", "lr", "grad_norm", "tokens_per_s", "step_time_s")}
-    scalars.update({f"train/slot_accuracy/{k}": float(acc) for k, acc in enumerate(entry["slot_accuracy"], start=1)})
+    `train/slot_accuracy/k`, k from 1; the same for every per-slot list; the held-out figures of a step that has them are
+    `eval/...` beside them). A DFlash2 run's selector figures come along."""
+    names = ("loss", "tau_estimate", "lr", "grad_norm", "tokens_per_s", "step_time_s", *_SELECTOR_SCALARS)
+    scalars = {f"train/{name}": float(entry[name]) for name in names if name in entry}
+    for listed in ("slot_accuracy", "slot_loss", *_SELECTOR_SLOTS):
+        scalars.update({f"train/{listed}/{k}": float(value) for k, value in enumerate(entry.get(listed, ()), start=1)})
     if (held := entry.get("eval")) is not None:  # the held-out figures measured after this step, under eval/
         scalars.update({f"eval/{name}": float(held[name]) for name in ("loss", "tau_estimate")})
         scalars.update({f"eval/slot_accuracy/{k}": float(acc) for k, acc in enumerate(held["slot_accuracy"], start=1)})
     return scalars
+
+
+_SELECTOR_SCALARS = ("selector_loss", "candidate_recall", "selector_accuracy", "walk_tau_estimate")
+_SELECTOR_SLOTS = ("slot_candidate_recall", "slot_selector_accuracy")
 
 
 class Tracker(Protocol):

@@ -21,7 +21,7 @@ from blockdraft.config import BlockdraftConfig
 from blockdraft.data.agreement import agreement_warning, describe_agreement, load_tokenizer, sample_indices, target_agreement, think_ids
 from blockdraft.errors import TrainingInterrupted
 from blockdraft.reporter import Reporter
-from blockdraft.stages.train.batch import anchor_generator, build_block_batch, expected_acceptance
+from blockdraft.stages.train.batch import anchor_generator, build_block_batch
 from blockdraft.stages.train.checkpoint import read_checkpoint
 from blockdraft.stages.train.data import TrainRows
 from blockdraft.stages.train.decoded import decode_checkpoint, held_out_prompts, target_stop_ids
@@ -38,7 +38,7 @@ from blockdraft.stages.train.resumed import resume_note
 from blockdraft.stages.train.schedule import describe_limit, resume_schedule
 from blockdraft.stages.train.setup import TrainingSetup
 from blockdraft.stages.train.signal import TrainingSignal
-from blockdraft.stages.train.step import MicroBatch, accumulate
+from blockdraft.stages.train.step import MicroBatch, accumulate, step_metrics
 from blockdraft.stages.train.trackers import Trackers
 from blockdraft.store.artifact import VerifyReport
 
@@ -309,24 +309,17 @@ class Trainer:
         return StepInputs(micro, self._streams.record())
 
     def _entry(self, pending: PendingStep, seconds: float) -> dict[str, Any]:
-        """The metrics of a launched step from its all-reduced totals [1 + 2 * (B - 1) + 1]: weighted CE, per-slot
-        correct and counted, tokens."""
-        nslots = self.setup.spec.block_size - 1
-        totals = pending.totals.cpu()
-        correct, counted = totals[1 : 1 + nslots], totals[1 + nslots : 1 + 2 * nslots]
-        accuracy = (correct / counted.clamp_min(1)).tolist()
-        tokens = int(totals[-1])
+        """The metrics of a launched step from its all-reduced totals (`step.step_metrics`), with its step, epoch,
+        learning rate, gradient norm and time."""
+        figures = step_metrics(pending.totals.cpu(), pending.weight_sum, self.setup.spec.block_size)
         return {
             "step": pending.step + 1,
             "epoch": pending.step // self.setup.per_epoch,
-            "loss": float(totals[0] / pending.weight_sum.cpu().clamp_min(1e-12)),
             "lr": pending.lr,
             "grad_norm": float(pending.grad_norm),
-            "slot_accuracy": accuracy,
-            "tau_estimate": expected_acceptance(accuracy),
-            "tokens": tokens,
+            **figures,
             "step_time_s": seconds,
-            "tokens_per_s": tokens / seconds,
+            "tokens_per_s": figures["tokens"] / seconds,
         }
 
     def _training_state(self, done: int) -> dict[str, Any]:
