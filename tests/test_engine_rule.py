@@ -101,10 +101,11 @@ def test_a_sampled_request_carries_the_settings_and_its_own_seed():
 
 
 @needs_engine
-def test_top_k_at_temperature_is_refused_before_decoding_where_vllm_runs_on_cpu(tmp_path):
+def test_temperature_is_refused_before_decoding_where_vllm_runs_on_cpu(tmp_path):
     for name in ("config.json", "model.safetensors", "serving.json"):
         (tmp_path / name).write_text("{}")
     cfg = EvalConfig(engine="vllm", engine_python=str(ENGINE_PYTHON), temperature=0.6, top_p=0.95, top_k=20)
-    with pytest.raises(EngineError, match=r"set eval.top_k = 0 \(--top-k 0\) for the engine check on CPU"):
-        require_export(cfg, str(tmp_path))
-    assert require_export(cfg.model_copy(update={"top_k": 0}), str(tmp_path)) == tmp_path
+    for sampled in (cfg, cfg.model_copy(update={"top_k": 0})):
+        with pytest.raises(EngineError, match=r"run the engine check greedy on CPU \(eval.temperature = 0\)"):
+            require_export(sampled, str(tmp_path))
+    assert require_export(cfg.model_copy(update={"temperature": 0.0}), str(tmp_path)) == tmp_path

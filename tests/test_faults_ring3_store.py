@@ -154,3 +154,32 @@ def test_bit_rot_on_the_server_is_named_as_a_damaged_server_copy_not_a_short_rea
     with pytest.raises(BlockdraftError, match="the server's copy is damaged") as caught:
         pull(dest.url, tmp_path / "pulled", dest.settings)
     assert "retry the pull" not in str(caught.value) and "w.bin" in str(caught.value)
+
+
+# ---- case 3: a status page lands only where it belongs
+
+
+@pytest.mark.parametrize("where", ["a listed file", "a new file inside"])
+def test_a_status_page_inside_an_artifact_is_refused_and_the_artifact_stays_verified(tmp_path, where):
+    store = tmp_path / "store"
+    data = commit_files(store / "data", {"a.bin": b"a" * 100, "sub/b.bin": b"b" * 50})
+    page = data / ("a.bin" if where == "a listed file" else "sub/PROGRESS.md")
+    out = CliRunner().invoke(app, ["status", str(store), "--progress", str(page)])
+    assert out.exit_code != 0 and "lies inside the artifact" in out.output and len(out.output.strip().splitlines()) == 1
+    assert (data / "a.bin").read_bytes() == b"a" * 100 and not (data / "sub" / "PROGRESS.md").exists()
+    again = CliRunner().invoke(app, ["status", str(store)])
+    assert again.exit_code == 0 and again.output.startswith("verified")
+
+
+def test_a_status_page_never_replaces_a_file_blockdraft_did_not_write_but_renews_its_own(tmp_path):
+    store = tmp_path / "store"
+    commit_files(store / "data", {"a.bin": b"a" * 100})
+    notes = tmp_path / "NOTES.md"
+    notes.write_text("my own notes\n")
+    out = CliRunner().invoke(app, ["status", str(store), "--progress", str(notes)])
+    assert out.exit_code != 0 and "did not write" in out.output and notes.read_text() == "my own notes\n"
+    page = tmp_path / "PROGRESS.md"
+    for _ in range(2):  # the second run replaces the page the first one wrote
+        out = CliRunner().invoke(app, ["status", str(store), "--progress", str(page)])
+        assert out.exit_code == 0, out.output
+        assert page.read_text().startswith("# blockdraft status: ")

@@ -35,7 +35,7 @@ from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, Train
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.preflight import preflight as run_preflight
-from blockdraft.store.status import OK_STATES, format_counts, format_lineage, render_progress
+from blockdraft.store.status import OK_STATES, check_page, format_counts, format_lineage, render_progress
 from blockdraft.store.status import status as survey
 from blockdraft.store.transfer import pull as pull_artifact
 from blockdraft.store.transfer import push as push_artifact
@@ -329,6 +329,8 @@ def status(
     store = open_store(url, settings)
     require_folder(store, "status path", "pass the folder or prefix that holds the artifacts")
     page = progress_page(progress) if progress else None  # before the survey: a page that cannot be written fails in seconds
+    if page is not None:
+        check_page(page)
     artifacts = survey(store, deep=deep, store_config=settings)
     if not artifacts:
         raise ArtifactError(
@@ -338,6 +340,7 @@ def status(
     for a in artifacts:
         print(f"{a.state.value}\t{a.kind}\t{a.url}\t{format_lineage(a.lineage)}\t{format_counts(a)}")
     if page is not None:
+        check_page(page, store, artifacts)  # an artifact being written under the survey has no manifest yet
         write_page(page, render_progress(store.url, artifacts))
     if any(a.state not in OK_STATES for a in artifacts):
         raise typer.Exit(1)

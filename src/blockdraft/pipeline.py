@@ -323,7 +323,7 @@ def _run(
         from blockdraft.stages.eval.engine import cuda_here
 
         if not cuda_here():
-            sections["eval"]["top_k"] = 0  # vLLM's CPU build cannot verify drafts with top-k (docs/EVAL.md)
+            sections["eval"]["temperature"] = 0.0  # vLLM's CPU build cannot verify drafts at temperature (docs/EVAL.md)
     write_toml(workdir / "blockdraft.toml", sections)
     cfg = load_config(workdir / "blockdraft.toml")
     result = DemoResult(workdir=workdir, store_url=store, engine=engine)

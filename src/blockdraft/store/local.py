@@ -46,6 +46,15 @@ class LocalStore(Store):
             raise OutsideArtifactError(f"{self.url}/{key} resolves outside {self._root} (to {real}); remove that link or entry")
         return path
 
+    def _new_file(self, fd: int, key: str) -> NewFile:
+        """`NewFile` for `key` in its held folder `fd`; an OSError names the temp file by its full path (the open names it
+        relative to `fd`), so the one line for an unwritable folder or a full disk says which folder."""
+        try:
+            return NewFile(fd, os.path.basename(key))
+        except OSError as exc:
+            where = self.root / os.path.dirname(key) / str(exc.filename or "")
+            raise type(exc)(exc.errno, exc.strerror, str(where)) from None
+
     def _folder_fd(self, key: str, create: bool) -> int | None:
         """A descriptor of the folder that holds `key`, reached from the root one name at a time without following a
         link (openat with O_NOFOLLOW): what every write opens, so nothing is created, replaced or removed outside the
@@ -97,7 +106,7 @@ class LocalStore(Store):
         assert fd is not None
         new = None
         try:
-            new = NewFile(fd, os.path.basename(key))
+            new = self._new_file(fd, key)
             yield new
             os.close(new.fd)
             new.fd = -1
@@ -247,7 +256,7 @@ class LocalStore(Store):
         fd = self._folder_fd(key, create=True)
         assert fd is not None
         try:
-            new = NewFile(fd, os.path.basename(key))
+            new = self._new_file(fd, key)
             try:
                 self._write_synced(new, data)
                 try:  # whole, and only if nothing (not even a link) has that name (atomic on POSIX filesystems)

@@ -8,10 +8,12 @@ beside a committed `ckpt/step-100/` is its own incomplete artifact). `--progress
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from blockdraft.config import StoreConfig
+from blockdraft.errors import ConfigError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import (
     BYTES_READ_BACK,
@@ -145,6 +147,32 @@ def format_lineage(refs: list[InputRef]) -> str:
     return ", ".join(parts)
 
 
+PAGE_TITLE = "# blockdraft status: "  # the first line of every page render_progress writes
+
+
+def check_page(page: Path, store: Store | None = None, artifacts: Sequence[ArtifactStatus] = ()) -> None:
+    """Refuse (one line) a status page that would land inside an artifact, whose files its manifest lists and checksums,
+    or replace a file blockdraft did not write. Inside: below a folder holding a manifest or a writing mark, or below
+    one of `artifacts` of the local `store` (an artifact being written has neither yet)."""
+    where = page.resolve()
+    for folder in where.parents:
+        if any((folder / name).exists() for name in (MANIFEST_NAME, WRITING_NAME, LEASE_NAME)):
+            raise ConfigError(f"--progress {page} lies inside the artifact {folder}, where it would change a listed file or "
+                              "add an unlisted one; write the page outside every artifact")
+    local = store.local_path() if store is not None else None
+    if local is not None:
+        for a in artifacts:
+            root = (local / a.root).resolve()
+            if where == root or root in where.parents:
+                raise ConfigError(f"--progress {page} lies inside the artifact {a.url}; write the page outside every artifact")
+    if where.is_file():
+        with open(where, "rb") as f:
+            first = f.read(len(PAGE_TITLE.encode()))
+        if first != PAGE_TITLE.encode():
+            raise ConfigError(f"--progress {page} is a file blockdraft did not write (it is not a status page); name a new "
+                              "file or remove that one yourself")
+
+
 def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
     """A Markdown status page; every claim on it was just read from the destination, and it says how."""
     now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
@@ -158,7 +186,7 @@ def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
         "(size, mtime, ctime, inode) since it was last read the checksum cached then (`--deep` reads every byte)",
     }
     lines = [
-        f"# blockdraft status: {url}",
+        f"{PAGE_TITLE}{url}",
         "",
         f"Checked at {now} at the destination: every manifest, and {'; '.join(how.get(m, m) for m in methods) or 'no files'}.",
         "",

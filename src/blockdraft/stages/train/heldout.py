@@ -80,7 +80,8 @@ class HeldOut:
                 hidden = setup.drafter(setup.head.embed(moved.block_ids).float(), context, moved.block_positions,
                                        moved.context_positions, moved.drafter_attention)
                 out = block_loss(hidden, moved.labels, moved.weights, setup.head.lm_head_weight, setup.head.lm_head_bias,
-                                 setup.spec.block_size, chunk_blocks, norm, objective=setup.objective, teacher=teacher)
+                                 setup.spec.block_size, chunk_blocks, norm, objective=setup.objective, teacher=teacher,
+                                 walk_scores=selector.scores if (selector := setup.drafter.candidate_selector) is not None else None)
             weighted += float(out.weighted_ce)
             normaliser += float(norm)
             correct += out.slots.correct.cpu()
