@@ -21,7 +21,8 @@ GREEDY = GreedyMetrics(new_tokens=0, target_forwards=0, target_forwards_per_toke
 
 
 def _report(lengths: list[list[int]], max_new_tokens: int = 10, dtype: str = "float32") -> EvalReport:
-    rows = [PromptRow(index=i, prompt_set="plain", prompt_len=5, new_tokens=0, acceptance_lengths_dflash=ls) for i, ls in enumerate(lengths)]
+    rows = [PromptRow.model_validate({"index": i, "prompt_set": "plain", "prompt_len": 5, "new_tokens": 0, "acceptance_lengths_dflash": ls})
+            for i, ls in enumerate(lengths)]
     return EvalReport(block_size=4, mask_token_id=9, target_layer_ids=[1], max_new_tokens=max_new_tokens, num_prompts=len(rows),
                       stop_token_ids=[2], target_dtype=dtype, greedy=GREEDY, drafters={}, lossless=Lossless(ok=True, tolerance=0.0, divergences=[]),
                       prompts=rows)

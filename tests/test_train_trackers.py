@@ -54,7 +54,8 @@ def expected_scalars(entries: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """What metrics.jsonl says each tag holds, at TensorBoard's float32 precision."""
     slots = len(entries[0]["slot_accuracy"])
     tags = {f"train/{name}": (lambda e, n=name: e[n]) for name in SCALARS}
-    tags |= {f"train/slot_accuracy/{k + 1}": (lambda e, k=k: e["slot_accuracy"][k]) for k in range(slots)}
+    for listed in ("slot_accuracy", "slot_loss"):
+        tags |= {f"train/{listed}/{k + 1}": (lambda e, k=k, n=listed: e[n][k]) for k in range(slots)}
     scalars = {tag: [(e["step"], float(np.float32(value(e)))) for e in entries] for tag, value in tags.items()}
     held = [e for e in entries if "eval" in e]  # the held-out figures, at the steps that measured them
     evals = {f"eval/{name}": (lambda h, n=name: h[n]) for name in ("loss", "tau_estimate")}
@@ -73,7 +74,7 @@ def test_tensorboard_and_wandb_offline_get_every_metric_at_every_logged_step(tmp
     # Every log_every-th step, and the checkpoint of step 3, which measured the held-out rows.
     assert [e["step"] for e in entries] == [2, 3, 4, 6] and reporter.warnings == []
     assert [e["step"] for e in entries if "eval" in e] == [3, 6]
-    assert tensorboard_scalars(logs) == expected_scalars(entries)  # 3 slots (block size 4): 9 train/ tags and 5 eval/ tags
+    assert tensorboard_scalars(logs) == expected_scalars(entries)  # 3 slots (block size 4): 12 train/ tags and 5 eval/ tags
 
     # W&B's offline run folder, under the log folder: its record file holds every tracked name.
     (run_folder,) = (logs / "wandb").glob("offline-run-*")
