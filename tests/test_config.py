@@ -30,6 +30,16 @@ def test_the_readme_quickstarts_config_validates(tmp_path):
     assert cfg.dflash.mask_token_id == 448 and cfg.generate.thinking == "on"
 
 
+def test_the_readmes_dflash2_table_validates(tmp_path):
+    """The README's [dflash] table for the published Qwen3.8-27B DFlash2 shape loads as a DFlash2 drafter of that shape."""
+    block = re.search(r"## A DFlash2 drafter.*?```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    (tmp_path / "c.toml").write_text(block)
+    d = load_config(tmp_path / "c.toml").dflash
+    assert (d.architecture, d.block_size, d.mask_token_id, d.num_draft_layers, d.sliding_window) == ("dflash2", 8, 248070, 5, 2048)
+    assert d.layer_types == ["sliding_attention"] * 5
+    assert (d.conv_kernel_size, d.conv_group_size, d.selector_rank, d.selector_top_k) == (2, 16, 256, 16)
+
+
 def test_flags_override_the_file_and_none_flags_do_not(tmp_path):
     (tmp_path / "c.toml").write_text("[tokenize]\nmax_length = 100\nthinking = 'on'\n")
     cfg = load_config(tmp_path / "c.toml", {"tokenize": {"max_length": 50, "thinking": None}})
