@@ -21,7 +21,7 @@ from blockdraft.pipeline import DEMO_MARK, claim_workdir
 from blockdraft.stages.eval.prompts import prompts_from_jsonl
 from blockdraft.store.artifact import INCOMING_DIR, MANIFEST_NAME
 from blockdraft.store.local import LocalStore
-from blockdraft.store.manifest import PIECES_DIR
+from blockdraft.store.manifest import PIECES_DIR, FileEntry, Manifest
 from blockdraft.store.ownership import WRITING_NAME
 from blockdraft.store.transfer import pull, push
 
@@ -183,3 +183,33 @@ def test_a_status_page_never_replaces_a_file_blockdraft_did_not_write_but_renews
         out = CliRunner().invoke(app, ["status", str(store), "--progress", str(page)])
         assert out.exit_code == 0, out.output
         assert page.read_text().startswith("# blockdraft status: ")
+
+
+# ---- case 12: a folder where a file is listed, and a long list of problems, each named as what they are
+
+
+def test_a_folder_standing_where_the_manifest_lists_a_file_is_named_a_folder_not_absent(tmp_path):
+    root = commit_files(tmp_path / "art", {"a.bin": b"a" * 10, "b.bin": b"b" * 20})
+    (root / "b.bin").unlink()
+    (root / "b.bin").mkdir()
+    (root / "b.bin" / "x").write_bytes(b"x")
+    result = CliRunner().invoke(app, ["verify", str(root)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1 and "absent" not in said
+    assert "b.bin: a folder, not the file of 20 bytes the manifest lists; move that folder away" in said
+    with pytest.raises(BlockdraftError, match="b.bin .missing: a folder, not the file of 20 bytes"):
+        pull(str(root), tmp_path / "pulled")
+
+
+def test_a_manifest_of_100000_missing_files_is_refused_in_one_short_line(tmp_path):
+    # A committed artifact whose manifest then lists 100,000 files that are not there.
+    root = commit_files(tmp_path / "art", {"a.bin": b"a"})
+    manifest = Manifest.model_validate_json((root / MANIFEST_NAME).read_bytes())
+    manifest.files = [FileEntry(path=f"shard-{i:06d}.arrow", size=8, checksum="AAAAAAAAAAA=") for i in range(100_000)]
+    (root / MANIFEST_NAME).write_bytes(manifest.to_bytes())
+    with pytest.raises(BlockdraftError) as caught:
+        pull(str(root), tmp_path / "pulled")
+    message = str(caught.value)
+    assert "\n" not in message and len(message) < 1000
+    assert "100,000 file(s) do not verify" in message and "(+99,995 more; `blockdraft verify" in message
+    assert "shard-000004.arrow" in message and "shard-000005.arrow" not in message

@@ -17,6 +17,18 @@ import re
 import urllib.parse
 
 
+FIRST_FEW = 5  # how many items of a long list a one-line message names
+
+
+def first_few(items: list[str], rest: str = "") -> str:
+    """`items` joined for a one-line message: the first FIRST_FEW, then how many more (and `rest`, where they are all
+    listed), so a 100,000-problem artifact is still one short line."""
+    head = "; ".join(items[:FIRST_FEW])
+    if len(items) <= FIRST_FEW:
+        return head
+    return f"{head} (+{len(items) - FIRST_FEW:,} more{'; ' + rest if rest else ''})"
+
+
 class BlockdraftError(Exception):
     """Base of every user-facing error: the message is one line naming the cause and the fix."""
 

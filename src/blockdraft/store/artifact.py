@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from blockdraft.errors import ArtifactError, OutsideArtifactError, StoreError
+from blockdraft.errors import ArtifactError, OutsideArtifactError, StoreError, first_few
 from blockdraft.store import open_store
 from blockdraft.store.base import ObjectInfo, Store
 from blockdraft.store.local import LocalStore
@@ -73,9 +73,7 @@ class VerifyReport:
             return f"{self.verified_files} files, {self.verified_bytes} bytes verified at the destination{how}"
         if not self.problems:
             return "no manifest at the destination" if self.state is State.INCOMPLETE else self.state.value
-        head = "; ".join(f"{p.path}: {p.detail}" for p in self.problems[:5])
-        more = f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
-        return head + more
+        return first_few([f"{p.path}: {p.detail}" for p in self.problems])
 
 
 def check_file(
@@ -96,7 +94,7 @@ def check_file(
     except OutsideArtifactError as exc:
         return FileProblem(entry.path, State.CORRUPT, str(exc))
     if info is None:
-        return FileProblem(entry.path, State.MISSING, "absent at the destination")
+        return FileProblem(entry.path, State.MISSING, absent_detail(store, entry))
     if info.size != entry.size:
         return FileProblem(entry.path, State.CORRUPT, f"size {info.size} != listed {entry.size}")
     checksum = None if deep and not local else info.checksum
@@ -111,6 +109,17 @@ def check_file(
     if checksum != entry.checksum:
         return FileProblem(entry.path, State.CORRUPT, f"crc64nvme {checksum} != listed {entry.checksum}")
     return None
+
+
+def absent_detail(store: Store, entry: FileEntry, side: str = "destination") -> str:
+    """Why `store` (the `side` of a check) holds no file `entry`: plainly absent, or, in a local folder, a folder standing
+    where the manifest lists a file, which a reader would otherwise take for a lost file."""
+    root = store.local_path()
+    where = os.path.join(root, entry.path) if root is not None else None
+    if where is None or not os.path.isdir(where) or os.path.islink(where):
+        return f"absent at the {side}"
+    return (f"a folder, not the file of {entry.size} bytes the manifest lists; move that folder away and rerun the command "
+            "that wrote the artifact")
 
 
 VERIFY_WORKERS = 8

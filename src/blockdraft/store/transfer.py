@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from blockdraft.config import StoreConfig
-from blockdraft.errors import ArtifactError, StoreError
+from blockdraft.errors import ArtifactError, StoreError, first_few
 from blockdraft.reporter import Reporter
 from blockdraft.store import open_store
 from blockdraft.store.artifact import (
@@ -26,6 +26,7 @@ from blockdraft.store.artifact import (
     Manifest,
     State,
     VerifyReport,
+    absent_detail,
     check_file,
     check_files,
     manifest_sha256,
@@ -161,8 +162,8 @@ def _local_matches(dest: LocalStore, key: str, entry: FileEntry) -> bool:
 
 
 def _refuse(url: str, problems: list[FileProblem]) -> ArtifactError:
-    listed = "; ".join(f"{p.path} ({p.state.value}: {p.detail})" for p in problems)
-    return ArtifactError(f"refusing to pull {url}: {len(problems)} file(s) do not verify: {listed}")
+    listed = first_few([f"{p.path} ({p.state.value}: {p.detail})" for p in problems], f"`blockdraft verify {url}` lists them all")
+    return ArtifactError(f"refusing to pull {url}: {len(problems):,} file(s) do not verify: {listed}")
 
 
 def pull(
@@ -306,7 +307,7 @@ def _source_problems(source: Store, files: list[FileEntry], workers: int) -> lis
     bad = []
     for entry, info in zip(files, heads):
         if entry.path not in sizes:
-            bad.append(FileProblem(entry.path, State.MISSING, "absent at the source"))
+            bad.append(FileProblem(entry.path, State.MISSING, absent_detail(source, entry, "source")))
         elif sizes[entry.path] != entry.size:
             bad.append(FileProblem(entry.path, State.CORRUPT, f"size {sizes[entry.path]} != listed {entry.size}"))
         elif info is not None and info.checksum is not None and info.checksum != entry.checksum:

@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockdraft.errors import ArtifactError
+from blockdraft.errors import ArtifactError, first_few
 from blockdraft.stages import StageResult
 from blockdraft.stages.tokenize.shard import CLIP_KEYS
 
@@ -47,7 +47,8 @@ class InputFilesFailed(ArtifactError):
 
     def __init__(self, result: StageResult) -> None:
         failed: dict[str, Any] = result.details.counts.get("failed_inputs", {})
-        causes = "; ".join(f"{key}: {f['reason']} ({f['detail']})" for key, f in sorted(failed.items()))
+        causes = first_few([f"{key}: {f['reason']} ({f['detail']})" for key, f in sorted(failed.items())],
+                           "the manifest's counts.failed_inputs lists them all")
         super().__init__(
             f"{len(failed)} of {result.details.input_files} input files could not be read whole and were left out of the "
             f"artifact at {result.url} (its manifest lists them under counts.failed_inputs, the quarantine holds a line each): "
