@@ -8,6 +8,11 @@ import json
 import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from helpers.artifacts import Destination, commit_files
@@ -16,10 +21,13 @@ from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import load_config
-from blockdraft.errors import BlockdraftError, OutsideArtifactError
+from blockdraft.errors import BlockdraftError, LeaseError, OutsideArtifactError
 from blockdraft.pipeline import DEMO_MARK, claim_workdir
+from blockdraft.reporter import Reporter
 from blockdraft.stages.eval.prompts import prompts_from_jsonl
-from blockdraft.store.artifact import INCOMING_DIR, MANIFEST_NAME
+from blockdraft.store import open_store
+from blockdraft.store.artifact import INCOMING_DIR, MANIFEST_NAME, State, verify_artifact
+from blockdraft.store.lease import LEASE_NAME
 from blockdraft.store.local import LocalStore
 from blockdraft.store.manifest import PIECES_DIR, FileEntry, Manifest
 from blockdraft.store.ownership import WRITING_NAME
@@ -213,3 +221,55 @@ def test_a_manifest_of_100000_missing_files_is_refused_in_one_short_line(tmp_pat
     assert "\n" not in message and len(message) < 1000
     assert "100,000 file(s) do not verify" in message and "(+99,995 more; `blockdraft verify" in message
     assert "shard-000004.arrow" in message and "shard-000005.arrow" not in message
+
+
+# ---- case 5: a writer suspended past its lease is still the writer; one that lost its lease writes no further object
+
+MIB = 1 << 20
+
+
+def _stopped_push(dest: Destination, local, at_least: int) -> subprocess.Popen:
+    """`blockdraft push local dest` in its own process (one file at a time, 5 MiB parts), SIGSTOPped once `at_least` objects
+    (its lease and writing mark among them) are at the destination, with files still to upload."""
+    cmd = [str(Path(sys.executable).parent / "blockdraft"), "push", str(local), dest.url, "--concurrency", "1", "--part-size-mib", "5"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "COLUMNS": "400"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    raw, deadline = dest.server.client(), time.monotonic() + 300
+    while len(raw.list_objects_v2(Bucket=dest.bucket).get("Contents", [])) < at_least and proc.poll() is None:
+        assert time.monotonic() < deadline, "the push uploaded nothing in 300 s"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGSTOP)
+    assert proc.poll() is None, "the push finished before it could be stopped"
+    return proc
+
+
+def _age_lease(dest: Destination, **fields) -> None:
+    """The push's lease, as the store holds it, with `fields` changed and its expiry an hour ago (a suspended job, a clock
+    that jumped)."""
+    raw, key = dest.server.client(), dest.s3_key(LEASE_NAME)
+    record = json.loads(raw.get_object(Bucket=dest.bucket, Key=key)["Body"].read())
+    record.update(fields, expires_at=time.time() - 3600)
+    raw.put_object(Bucket=dest.bucket, Key=key, Body=json.dumps(record).encode())
+
+
+def test_a_push_suspended_past_its_lease_keeps_it_and_one_that_lost_it_writes_nothing_more(s3_env, tmp_path, leases_given_back):
+    dest = Destination.s3(s3_env)
+    first = commit_files(tmp_path / "first", {f"shard-{i}.arrow": bytes([i]) * (6 * MIB) for i in range(6)}, kind="tokenized")
+    second = commit_files(tmp_path / "second", {f"shard-{i}.arrow": bytes([100 + i]) * (6 * MIB) for i in range(6)}, kind="tokenized")
+    proc = _stopped_push(dest, first, at_least=3)
+    try:
+        # Its writer is alive on this host (pid and start time): an expired lease is still its, whatever the clock says.
+        _age_lease(dest)
+        with pytest.raises(LeaseError, match=r"is alive on this host"):
+            push(second, dest.url, dest.settings)
+
+        # Now a lease the second push may take over (another host's, expired): it commits, and the first, resumed, stops at
+        # its next object with the one line naming the new writer, and writes none.
+        _age_lease(dest, host="train-node-7")
+        taken = push(second, dest.url, dest.settings, reporter=(told := Reporter()))
+        assert taken.verify.state is State.VERIFIED and any("taking over the lease" in w for w in told.warnings)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in err and "lost the lease" in " ".join(err.split())
+    deep = verify_artifact(open_store(dest.url, dest.settings), deep=True)
+    assert deep.state is State.VERIFIED, deep.summary()

@@ -16,7 +16,6 @@ import os
 import re
 import urllib.parse
 
-
 FIRST_FEW = 5  # how many items of a long list a one-line message names
 
 

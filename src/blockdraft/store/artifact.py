@@ -319,18 +319,23 @@ def commit_artifact(
     return commit_manifest(store, manifest.to_bytes())
 
 
-def commit_manifest(store: Store, raw: bytes) -> VerifyReport:
+def commit_manifest(store: Store, raw: bytes, if_absent: bool = False) -> VerifyReport:
     """Commit an existing manifest byte for byte (a pushed or pulled artifact keeps its lineage digest).
 
     Every listed file is checked at the destination first (each is read or HEADed once, not twice: on a
     folder store a check reads the whole file), then the manifest is written last and read back byte for byte.
+    `if_absent`: written only where no manifest is (a copy whose writer took the old one down first), so a writer that
+    lost its lease while suspended never replaces the manifest the new writer committed.
     """
     manifest = Manifest.model_validate_json(raw)
     problems = check_files(store, manifest.files)
     for entry, problem in zip(manifest.files, problems):
         if problem is not None:
             raise ArtifactError(f"{store.url.rstrip('/')}/{entry.path} did not verify before commit: {problem.detail}")
-    store.put_bytes(MANIFEST_NAME, raw)
+    if not if_absent:
+        store.put_bytes(MANIFEST_NAME, raw)
+    elif not store.put_bytes_if_absent(MANIFEST_NAME, raw):
+        raise ArtifactError(f"{store.url.rstrip('/')}/{MANIFEST_NAME} appeared while this run wrote there (another writer committed); this copy was not committed")
     back = read_manifest(store)
     if back is None or back[1] != raw:
         raise ArtifactError(f"{store.url}/{MANIFEST_NAME} did not read back as written; rerun the stage")

@@ -57,6 +57,9 @@ class LocalFolder(Protocol):
     def writing(self, key: str) -> AbstractContextManager[NewFile]: ...
 
 
+ABSENT = ""  # `put_file(over=ABSENT)`: write only where no object is
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """What the destination says about one object. `checksum` is base64 CRC64NVME, or None when it has none."""
@@ -93,8 +96,11 @@ class Store(abc.ABC):
         """A binary stream of the object's bytes; raises FileNotFoundError if absent."""
 
     @abc.abstractmethod
-    def put_file(self, key: str, local_path: Path, checksum: str | None = None) -> None:
-        """Upload a whole local file; appears at `key` only when complete. `checksum` lets the server reject corruption."""
+    def put_file(self, key: str, local_path: Path, checksum: str | None = None, over: str | None = None) -> None:
+        """Upload a whole local file; appears at `key` only when complete. `checksum` lets the server reject corruption.
+        `over`, where the store has conditional writes (S3): the object appears only if `key` still holds the object of
+        that etag (ABSENT: none), else StoreError and nothing is replaced, so a writer that lost its lease while it
+        uploaded cannot replace what the new writer committed."""
 
     @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:

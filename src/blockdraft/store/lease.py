@@ -5,9 +5,11 @@ A lease is `LEASE_NAME` under the output root, created only if absent (`Store.pu
 thread pushes forward while the writer lives. A second writer finds it and fails at once with one line naming the owner.
 A lease past its expiry, left on this host by a process that no longer exists (kill -9, a crash), or unreadable (not a
 record blockdraft writes) is taken over with a warning through the reporter, so a rerun resumes; `force` (`--force`) takes
-over a live one of another host whose writer the user knows is dead, never one whose process is alive on this host. A
-commit first checks that the lease is still its own (`Lease.check`), so a writer that lost its lease never writes a
-manifest.
+over a live one of another host whose writer the user knows is dead. A writer alive on this host (its pid running, with
+the start time the record names, so a reused pid is not mistaken for it) keeps its lease whatever the clock says: a job
+suspended past its expiry, or a clock that jumped, is still writing when it resumes. A writer confirms the lease is its
+own right before each object it writes and before its commit (`Lease.check`), so a writer that lost its lease writes no
+further object and never a manifest.
 
 Leases are per process and re-entrant: a stage that holds its output's lease may push to it (the push takes the same
 lease again); the object is deleted when the last holder releases it, and at exit for any still held.
@@ -45,6 +47,7 @@ class LeaseRecord:
     command: str
     acquired_at: float
     expires_at: float
+    started: int = 0  # the writer process's start time (clock ticks since boot, Linux); 0 where it cannot be read
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode() + b"\n"
@@ -60,8 +63,8 @@ class LeaseRecord:
         if not isinstance(raw, dict) or set(raw) != {f.name for f in fields(cls)}:
             return None
         texts_ok = all(isinstance(raw[name], str) for name in ("owner", "host", "command"))
-        pid_ok = isinstance(raw["pid"], int) and not isinstance(raw["pid"], bool) and 0 <= raw["pid"] < 2**31
-        if not (texts_ok and pid_ok and all(_is_time(raw[name]) for name in ("acquired_at", "expires_at"))):
+        ints_ok = all(isinstance(raw[n], int) and not isinstance(raw[n], bool) and 0 <= raw[n] < 2**63 for n in ("pid", "started"))
+        if not (texts_ok and ints_ok and raw["pid"] < 2**31 and all(_is_time(raw[name]) for name in ("acquired_at", "expires_at"))):
             return None
         return cls(**raw)
 
@@ -88,9 +91,20 @@ def _is_time(value: object) -> bool:
     return math.isfinite(value) and 0 <= value <= _LATEST_TIME
 
 
+def process_start(pid: int) -> int:
+    """When process `pid` started, in clock ticks since boot (field 22 of /proc/PID/stat); 0 where that cannot be read
+    (another OS, the process gone). With the pid it names one process: a pid reused after a crash has another start."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])  # after "pid (comm)": state is field 3, starttime field 22
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _process_here(record: LeaseRecord) -> bool | None:
     """Whether the lease's writer process is alive, when it ran on this host; None for another host's writer (or no pid),
-    which is judged by the expiry alone."""
+    which is judged by the expiry alone. A running pid whose start time differs from the record's is another process."""
     if record.host != socket.gethostname() or record.pid <= 0:
         return None
     try:
@@ -98,18 +112,22 @@ def _process_here(record: LeaseRecord) -> bool | None:
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, another user's
-        return True
-    return True
+        pass
+    started = process_start(record.pid)
+    return not (record.started and started and started != record.started)
 
 
 def holds_live(record: LeaseRecord, force: bool) -> bool:
-    """Whether `record` still stops another writer: unexpired, and its writer neither gone from this host (a kill -9, a
-    crash: a rerun on the same machine resumes at once) nor, with `force`, on another host. `force` never overrides a
-    writer whose process is alive on this host."""
-    if record.owner == UNREADABLE or record.expires_at <= time.time():
+    """Whether `record` still stops another writer: its writer alive on this host, whatever the expiry says (suspended,
+    or the clock moved); else unexpired, and its writer neither gone from this host (a kill -9, a crash: a rerun on the
+    same machine resumes at once) nor, with `force`, on another host. `force` never overrides a writer whose process is
+    alive on this host."""
+    if record.owner == UNREADABLE:
         return False
     here = _process_here(record)
-    return here is True or (here is None and not force)
+    if here is True:
+        return True
+    return record.expires_at > time.time() and here is None and not force
 
 
 def _me() -> str:
@@ -196,7 +214,8 @@ class Lease:
                 held.count += 1
                 return self
             now = time.time()
-            record = LeaseRecord(_me(), socket.gethostname(), os.getpid(), redact(" ".join(sys.argv[:3]))[:200], now, now + self.ttl_s)
+            record = LeaseRecord(_me(), socket.gethostname(), os.getpid(), redact(" ".join(sys.argv[:3]))[:200], now, now + self.ttl_s,
+                                 process_start(os.getpid()))
             for _ in range(5):
                 if self.store.put_bytes_if_absent(LEASE_NAME, record.to_bytes()):
                     _held[self.key] = _Held(self.store, record, self.ttl_s, self.reporter)
@@ -229,7 +248,8 @@ class Lease:
         return LeaseError(f"lost the lease on {self.store.url} to {self.lost_to()}; this run's output was not committed; rerun it")
 
     def check(self) -> None:
-        """Raise LeaseError unless this process still holds the lease (called right before a commit)."""
+        """Raise LeaseError unless this process still holds the lease, as the store says now (called right before each
+        object a writer writes, and before its commit)."""
         held = _held.get(self.key)
         current = _read(self.store)
         if held is None or current is None or current.owner != held.record.owner:

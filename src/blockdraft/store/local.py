@@ -229,7 +229,8 @@ class LocalStore(Store):
     def open_read(self, key: str) -> BinaryIO:
         return open(self._inside(key), "rb")
 
-    def put_file(self, key: str, local_path: Path, checksum: str | None = None) -> None:
+    def put_file(self, key: str, local_path: Path, checksum: str | None = None, over: str | None = None) -> None:
+        # A folder has no conditional rename: `over` is not checked; the writer's lease check right before is the guard.
         with self.writing(key) as new, open(local_path, "rb") as src, open(new.fd, "wb", closefd=False) as dst:
             crc = Crc64Nvme()
             while chunk := src.read(READ_CHUNK):

@@ -115,13 +115,14 @@ class S3Store(Store):
                 created = False
         return created
 
-    def put_file(self, key: str, local_path: Path, checksum: str | None = None) -> None:
-        """Upload in parts on the shared pool; the object appears only when whole and server-checked.
+    def put_file(self, key: str, local_path: Path, checksum: str | None = None, over: str | None = None) -> None:
+        """Upload in parts on the shared pool; the object appears only when whole and server-checked, and with `over`
+        only if the key still holds what it names (If-Match / If-None-Match on the PUT or the completion).
 
-        Raises StoreError when the bytes read differ from `checksum` (the local file changed or rotted):
-        the upload is then not completed.
+        Raises StoreError when the bytes read differ from `checksum` (the local file changed or rotted), or when the
+        key changed under `over`: the upload is then not completed.
         """
-        s3_multipart.put_file(self.at, key, local_path, checksum)
+        s3_multipart.put_file(self.at, key, local_path, checksum, over)
 
     def checksum_by_reading(self, key: str) -> tuple[int, str]:
         """Every byte read back with ranged GETs in parallel (bounded memory) and checksummed; nothing is written."""

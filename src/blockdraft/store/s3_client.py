@@ -277,10 +277,12 @@ def describe_error(exc: BaseException, url: str, endpoint: str | None, action: s
 
 
 def is_not_found(exc: BaseException) -> bool:
-    if not isinstance(exc, bex.ClientError):
-        return False
-    code = str(exc.response.get("Error", {}).get("Code", ""))
-    return code in ("404", "NoSuchKey", "NotFound")
+    return _code(exc) in ("404", "NoSuchKey", "NotFound")
+
+
+def _code(exc: BaseException) -> str:
+    """The S3 error code of a client error ('' for any other failure)."""
+    return str(exc.response.get("Error", {}).get("Code", "")) if isinstance(exc, bex.ClientError) else ""
 
 
 @dataclass(frozen=True)
@@ -310,6 +312,8 @@ class S3Location:
         except Exception as exc:
             if is_not_found(exc):
                 raise FileNotFoundError(f"{self.url}{key} absent") from None
+            if _code(exc) in ("PreconditionFailed", "412"):  # a conditional write (`Store.put_file(over=...)`) refused
+                raise StoreError(f"{self.url}{key} changed at the destination while this run was writing it (another writer); nothing was replaced") from None
             if self.conn.is_probe and isinstance(exc, (bex.ConnectionError, bex.HTTPClientError)):
                 raise probe_failed(exc, self.url + key, self.conn.endpoint, action) from None
             err = describe_error(exc, self.url + key, self.conn.endpoint, action)

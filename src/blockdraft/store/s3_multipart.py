@@ -20,7 +20,7 @@ from pathlib import Path
 from awscrt import checksums
 
 from blockdraft.errors import StoreError
-from blockdraft.store.base import LocalFolder, NewFile
+from blockdraft.store.base import ABSENT, LocalFolder, NewFile
 from blockdraft.store.s3_client import MIB, SERVER_COPY_DAMAGED, S3Location, b64
 
 STREAM_CHUNK = 1 * MIB
@@ -49,27 +49,29 @@ def _corrupt_local(path: Path, got: str, expected: str | None) -> StoreError:
 # ---------------------------------------------------------------------------------------------- uploads
 
 
-def put_file(at: S3Location, key: str, local_path: Path, expected: str | None) -> None:
-    """Upload a local file to `key`: one PUT up to a part, else a multipart upload; the object appears only when whole.
+def put_file(at: S3Location, key: str, local_path: Path, expected: str | None, over: str | None = None) -> None:
+    """Upload a local file to `key`: one PUT up to a part, else a multipart upload; the object appears only when whole,
+    and with `over` only if `key` still holds the object of that etag (ABSENT: none).
 
-    Raises StoreError when the bytes read differ from `expected` (the local file changed or rotted): the upload is then
-    not completed.
+    Raises StoreError when the bytes read differ from `expected` (the local file changed or rotted), or when the key
+    changed under `over`: the upload is then not completed.
     """
     path = Path(local_path)
     size = os.path.getsize(path)
+    condition = {} if over is None else {"IfNoneMatch": "*"} if over == ABSENT else {"IfMatch": over}
     if size <= at.conn.part_size:
-        at.conn.pool.submit(_put_single, at, key, path, size, expected).result()
+        at.conn.pool.submit(_put_single, at, key, path, size, expected, condition).result()
     else:
-        _put_multipart(at, key, path, size, expected)
+        _put_multipart(at, key, path, size, expected, condition)
 
 
-def _put_single(at: S3Location, key: str, path: Path, size: int, expected: str | None) -> None:
+def _put_single(at: S3Location, key: str, path: Path, size: int, expected: str | None, condition: dict) -> None:
     with open(path, "rb") as f:
         data = f.read()
     crc = b64(checksums.crc64nvme(data))
     if len(data) != size or (expected is not None and crc != expected):
         raise _corrupt_local(path, crc, expected)
-    at.call("uploading", key, at.conn.client.put_object, Key=at.key(key), Body=data, ChecksumCRC64NVME=crc)
+    at.call("uploading", key, at.conn.client.put_object, Key=at.key(key), Body=data, ChecksumCRC64NVME=crc, **condition)
 
 
 def _put_part(at: S3Location, key: str, upload_id: str, number: int, fd: int, offset: int, length: int) -> tuple[int, dict]:
@@ -85,7 +87,7 @@ def _put_part(at: S3Location, key: str, upload_id: str, number: int, fd: int, of
     return crc, {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC64NVME": b64(crc)}
 
 
-def _put_multipart(at: S3Location, key: str, path: Path, size: int, expected: str | None) -> None:
+def _put_multipart(at: S3Location, key: str, path: Path, size: int, expected: str | None, condition: dict) -> None:
     client = at.conn.client
     created = at.call(
         "starting an upload of", key, client.create_multipart_upload, Key=at.key(key), ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
@@ -104,7 +106,7 @@ def _put_multipart(at: S3Location, key: str, path: Path, size: int, expected: st
         at.call(
             "completing the upload of", key, client.complete_multipart_upload,
             Key=at.key(key), UploadId=upload_id, MultipartUpload={"Parts": [part for _, part in results]},
-            ChecksumCRC64NVME=full, ChecksumType="FULL_OBJECT",
+            ChecksumCRC64NVME=full, ChecksumType="FULL_OBJECT", **condition,
         )
     except BaseException:
         _settle(futures)

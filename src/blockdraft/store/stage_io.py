@@ -259,8 +259,9 @@ class StageOutput:
             self.lease.release()
             self.lease = None
 
-    def _committing(self) -> None:
-        """Right before a manifest is written: this run must still be the output's one writer."""
+    def confirm(self) -> None:
+        """Right before an object or a manifest is written: this run must still be the output's one writer (LeaseError
+        naming who holds it now otherwise), so a writer that lost its lease while suspended writes nothing more."""
         if self.lease is not None:
             self.lease.check()
 
@@ -312,7 +313,7 @@ class StageOutput:
         config, counts = config or {}, counts or {}
         assert all(config_value(config, path) == value for path, value in self.made_with.items()), "commit what made_with names"
         assert self.failures is None or self.failures in counts, "a commit records what failed under its failures field"
-        self._committing()
+        self.confirm()
         report = commit_artifact(self.store, self.kind, files, config={**config, STAGE_KEY: self.key}, lineage=lineage, counts=counts)
         release_claim(self.store)
         self.release()
@@ -321,8 +322,8 @@ class StageOutput:
     def commit_copy(self) -> VerifyReport:
         """A copy's commit (push): its source's manifest, byte for byte, after every file verified at the destination."""
         assert self.copy_of is not None, "a stage's own output commits with commit()"
-        self._committing()
-        report = commit_manifest(self.store, self.copy_of)
+        self.confirm()
+        report = commit_manifest(self.store, self.copy_of, if_absent=True)
         release_claim(self.store)
         self.release()
         return report
@@ -339,6 +340,7 @@ class StageOutput:
         entries = []
         for path in paths:
             entry = entry_for_local_file(root, path)
+            self.confirm()
             try:
                 self.store.put_file(entry.path, path, checksum=entry.checksum)
             except (StoreError, OSError):
@@ -363,6 +365,7 @@ class StageOutput:
             added = []
             for path in paths:
                 entry = entry_for_local_file(root, path)
+                self.confirm()
                 self.store.put_file(entry.path, path, checksum=entry.checksum)
                 added.append(entry)
             replaced = {e.path for e in added}
@@ -380,7 +383,7 @@ class StageOutput:
     def put_piece(self, name: str, piece_key: str, files: Iterable[FileEntry], counts: dict[str, Any] | None = None) -> None:
         """Record piece `name` as finished: its files are checked at the destination first, its sub-manifest is written last."""
         files = sorted(files, key=lambda e: e.path)
-        self._committing()
+        self.confirm()
         problems = [p for p in check_files(self.store, files) if p is not None]
         if problems:
             raise ArtifactError(f"{self.url.rstrip('/')}/{problems[0].path} did not verify before its piece was recorded: {problems[0].detail}")

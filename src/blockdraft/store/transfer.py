@@ -35,7 +35,7 @@ from blockdraft.store.artifact import (
     record_origin,
     uncommit,
 )
-from blockdraft.store.base import Store
+from blockdraft.store.base import ABSENT, Store
 from blockdraft.store.lease import Lease
 from blockdraft.store.local import LocalStore
 from blockdraft.store.ownership import claim_output, mark_writing, refuse_nested, release_claim
@@ -131,8 +131,12 @@ def push(
         report.skipped = [e.path for e, p in zip(manifest.files, problems) if p is None]
 
         def upload(entry: FileEntry) -> None:
+            # What the key holds, then the lease, then a write conditional on that: a push suspended anywhere in
+            # between, whose lease another writer took meanwhile, replaces nothing that writer committed.
+            there = dest.head(entry.path)
+            copy.confirm()
             try:
-                dest.put_file(entry.path, source.root / entry.path, entry.checksum)
+                dest.put_file(entry.path, source.root / entry.path, entry.checksum, over=ABSENT if there is None else there.etag)
             except OSError as exc:  # a file:// destination whose disk filled: its temp file is already removed
                 full = write_failed(exc, dest.url, "rerun the push (files verified there are skipped)", entry.path, disk_only=True)
                 if full is None:
@@ -144,12 +148,12 @@ def push(
 
         try:
             _run_all(upload, todo, (store_config or StoreConfig()).concurrency)
+            report.verify = copy.commit_copy()
         except (StoreError, ArtifactError, OSError):
             copy.raise_if_lost()
             raise
         report.moved = [e.path for e in todo]
         report.moved_bytes = sum(e.size for e in todo)
-        report.verify = copy.commit_copy()
     finally:
         copy.release()
     report.seconds = time.monotonic() - start
