@@ -85,7 +85,9 @@ def test_a_path_escape_is_corrupt_and_push_writes_nothing_outside_the_destinatio
 
 def test_an_absolute_entry_is_corrupt_not_counted(tmp_path):
     src = commit_files(tmp_path / "src", {"a.bin": b"a" * 64, "b.bin": b"b" * 64, "c.bin": b"c" * 64})
-    outside = tmp_path / "outside.txt"
+    # a path longer than a terminal line: the corrupt line must name it whole, not broken at the console's width
+    outside = tmp_path / ("a-folder-with-a-long-name-" * 4) / "outside.txt"
+    outside.parent.mkdir()
     outside.write_bytes(b"somebody else's file")
     _plant(src, _entry_of(outside, str(outside)))
 

@@ -60,7 +60,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
+# Lines are never broken at the terminal width: a path or a one-line error stays one line that a log or a grep can match.
+console = Console(stderr=True, soft_wrap=True)
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,7 +71,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except BlockdraftError as exc:
-            console.print(f"[bold red]error:[/] {escape(redact(str(exc)))}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(redact(str(exc)))}", highlight=False)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -176,9 +177,9 @@ def _say_agreement(folder: Path, cfg: Any) -> None:
     from blockdraft.data.agreement import agreement_warning, describe_agreement, tokenized_agreement
 
     result = tokenized_agreement(folder, cfg)
-    console.print(describe_agreement(result), highlight=False, markup=False, soft_wrap=True)
+    console.print(describe_agreement(result), highlight=False, markup=False)
     if (line := agreement_warning(result, cfg.train.min_target_agreement)) is not None:
-        console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False)
 
 
 @app.command()
@@ -403,7 +404,7 @@ def train(
         with ConsoleReporter(console) as reporter:
             launched = launch(config, nproc, reporter, force, sets or (), nodes)
     except TrainingInterrupted as exc:  # Ctrl-C: where it stood, and the command that resumes
-        console.print(f"{escape(str(exc))}: {escape(shlex.join(['blockdraft', *sys.argv[1:]]))}", highlight=False, soft_wrap=True)
+        console.print(f"{escape(str(exc))}: {escape(shlex.join(['blockdraft', *sys.argv[1:]]))}", highlight=False)
         raise typer.Exit(130) from None
     if launched.result is not None and launched.rank == 0:
         trained = launched.result.details

@@ -25,12 +25,12 @@ class ConsoleReporter(Reporter):
     def say(self, line: str) -> None:
         line = redact(line)
         super().say(line)
-        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+        self.console.print(line, highlight=False, markup=False)
 
     def warn(self, line: str) -> None:
         line = redact(line)
         self.warnings.append(line)
-        self.console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        self.console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False)
 
     def progress(self, task: str, completed: float, total: float | None = None, **fields: Any) -> None:
         if self._bar is None:
@@ -47,7 +47,7 @@ class ConsoleReporter(Reporter):
     def status_line(self, line: str) -> None:
         """Printed only without a terminal (a Slurm or nohup log): on one, the progress bar shows the same."""
         if not self.console.is_terminal:
-            self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+            self.console.print(line, highlight=False, markup=False)
 
     def close(self) -> None:
         if self._bar is not None:
