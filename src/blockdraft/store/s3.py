@@ -17,7 +17,7 @@ from botocore.exceptions import ClientError
 from blockdraft.config import StoreConfig
 from blockdraft.store import s3_multipart
 from blockdraft.store.base import ROOT_MARKERS, LocalFolder, ObjectInfo, Store
-from blockdraft.store.s3_client import S3Location, b64, make_connection, parse_s3_url
+from blockdraft.store.s3_client import S3Location, b64, is_precondition_failed, make_connection, parse_s3_url
 
 
 class S3Store(Store):
@@ -110,7 +110,7 @@ class S3Store(Store):
             try:
                 self.at.conn.client.put_object(Bucket=self.at.bucket, Key=self.at.key(key), Body=data, ChecksumCRC64NVME=crc, IfNoneMatch="*")
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "412"):
+                if not is_precondition_failed(exc):
                     raise
                 created = False
         return created

@@ -280,6 +280,11 @@ def is_not_found(exc: BaseException) -> bool:
     return _code(exc) in ("404", "NoSuchKey", "NotFound")
 
 
+def is_precondition_failed(exc: BaseException) -> bool:
+    """A conditional write (If-Match / If-None-Match) the server refused: the key no longer holds what the writer saw."""
+    return _code(exc) in ("PreconditionFailed", "412")
+
+
 def _code(exc: BaseException) -> str:
     """The S3 error code of a client error ('' for any other failure)."""
     return str(exc.response.get("Error", {}).get("Code", "")) if isinstance(exc, bex.ClientError) else ""
@@ -312,7 +317,7 @@ class S3Location:
         except Exception as exc:
             if is_not_found(exc):
                 raise FileNotFoundError(f"{self.url}{key} absent") from None
-            if _code(exc) in ("PreconditionFailed", "412"):  # a conditional write (`Store.put_file(over=...)`) refused
+            if is_precondition_failed(exc):  # a conditional write (`Store.put_file(over=...)`) refused
                 raise StoreError(f"{self.url}{key} changed at the destination while this run was writing it (another writer); nothing was replaced") from None
             if self.conn.is_probe and isinstance(exc, (bex.ConnectionError, bex.HTTPClientError)):
                 raise probe_failed(exc, self.url + key, self.conn.endpoint, action) from None
