@@ -47,7 +47,8 @@ def data_url(tmp_path_factory) -> str:
 
 @pytest.mark.slow
 def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_url):
-    cfg = load_config(config_file(tmp_path, data_url, max_steps=60, checkpoint_every=30, batch_size=4, lr=5e-3))
+    cfg = load_config(config_file(tmp_path, data_url, max_steps=60, checkpoint_every=30, batch_size=4, lr=5e-3,
+                                  decode_eval_prompts=2))  # the default: each checkpoint decoded for real on two prompts
     reporter = ProgressLog()
     done = run(cfg, reporter=reporter)
     result = done.details
@@ -88,6 +89,7 @@ def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_
     assert reporter.lines[0] == logged_at
     pushed = [line.split(":")[0] for line in reporter.lines if line.startswith("checkpoint step") and " decoded on " not in line]
     assert pushed == ["checkpoint step 30", "checkpoint step 60"]
+    assert len([line for line in reporter.lines if line.startswith("checkpoint step") and " decoded on " in line]) == 2
 
     # A rerun finds every step in the newest verified checkpoint: nothing to do, the same checkpoint reported.
     again = run(cfg, reporter=(rerun := Reporter()))

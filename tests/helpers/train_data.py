@@ -38,11 +38,13 @@ def write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[di
 def config_file(tmp: Path, data: str, output: str | None = None, **train) -> Path:
     """`tmp/blockdraft.toml`: the golden target, a 2-layer B=4 drafter, checkpoints to `output` (default `tmp/ckpt`),
     logs in `tmp/logs`, deterministic, one micro-batch per step (global batch = batch_size x ranks unless given);
-    `train` overrides train.* settings, `drafters` the drafter devices."""
+    `train` overrides train.* settings, `drafters` the drafter devices. No checkpoint is decoded for real unless a test asks
+    (`decode_eval_prompts`): on the golden target each decode costs seconds at every checkpoint, and the tests of the decoded
+    figures (test_training_signal, test_train's first) ask for it."""
     placement = train.pop("drafters", ["cpu"])
     settings = {
         "max_steps": 12, "batch_size": 2, "lr": 3e-3, "warmup_ratio": 0.1, "checkpoint_every": 4, "log_every": 1,
-        "lm_head_chunk_blocks": 3, "seed": 0, "deterministic": True, **train,
+        "lm_head_chunk_blocks": 3, "seed": 0, "deterministic": True, "decode_eval_prompts": 0, **train,
     }
     settings.setdefault("global_batch_size", settings["batch_size"] * len(placement))  # one micro-batch per rank
     lines = [
