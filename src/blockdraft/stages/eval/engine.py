@@ -220,6 +220,11 @@ def serving(argv: list[str], workdir: Path, name: str, cfg: EvalConfig) -> Itera
     """A healthy server for the duration of the block; stopped (with every process it started) however the block ends."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    if not cuda_here():
+        # On the CPU the engine core runs its model in its own process rather than in a separate worker: one request at
+        # a time gains nothing from the worker, whose start (a process and its imports) is about a third of each
+        # server's start (bench/engine_start.py measures both ways).
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with _terminate_as_interrupt():
         server = Server(argv, int(argv[argv.index("--port") + 1]), workdir / f"engine-{name}.log", env)
         try:
