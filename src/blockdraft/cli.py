@@ -169,15 +169,21 @@ def tokenize(
         folder = open_store(result.url, cfg.store).local_path()
         if folder is None:
             raise ConfigError(f"--check-target reads a local tokenized folder, not {result.url}; pull it first, or check it on the training node with train --plan")
-        _say_agreement(folder, cfg)
+        _say_agreement(folder, cfg, record=True)
 
 
-def _say_agreement(folder: Path, cfg: Any) -> None:
-    """Target agreement of the tokenized folder's train rows, one line, and the warning line when it is low."""
+def _say_agreement(folder: Path, cfg: Any, record: bool = False) -> None:
+    """Target agreement of the tokenized folder's train rows, one line, and the warning line when it is low; `record`:
+    also noted beside the artifact, bound to its manifest, where `status` shows it (and push and pull carry it)."""
     from blockdraft.data.agreement import agreement_warning, describe_agreement, tokenized_agreement
+    from blockdraft.store.local import LocalStore
+    from blockdraft.store.manifest import manifest_sha256, read_manifest, record_agreement
 
     result = tokenized_agreement(folder, cfg)
     console.print(describe_agreement(result), highlight=False, markup=False)
+    found = read_manifest(LocalStore(folder)) if record else None
+    if found is not None:
+        record_agreement(LocalStore(folder), manifest_sha256(found[1]), Path(cfg.target.path).name, result)
     if (line := agreement_warning(result, cfg.train.min_target_agreement)) is not None:
         console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False)
 

@@ -23,6 +23,8 @@ MANIFEST_FORMAT = "blockdraft-manifest/1"
 # Beside the manifest of a local copy (pulled, or pushed from here): where the same manifest, byte for byte, lives in a
 # store. Not listed in the manifest: it says where this copy came from or went, not what the artifact is.
 ORIGIN_NAME = ".blockdraft-origin.json"
+# Target agreement measured on a tokenized artifact's rows (`tokenize --check-target`), bound to its manifest's digest.
+AGREEMENT_NAME = ".blockdraft-agreement.json"
 
 
 PIECES_DIR = BOOKKEEPING_PREFIX + "pieces"  # a long stage's finished pieces, as sub-manifests (`stage_io`)
@@ -32,7 +34,7 @@ INCOMING_DIR = BOOKKEEPING_PREFIX + "incoming"  # a pull's verified bytes, waiti
 def entry_path_problem(path: str) -> str | None:
     """Why `path` cannot name a file inside an artifact, or None when it can: a relative '/'-separated path below the
     artifact's root, with no empty, '.' or '..' part, no backslash, NUL or drive letter, not the manifest, and with no part
-    named as blockdraft's bookkeeping (`base.is_bookkeeping`: leases, marks, pieces, origins, temporary files).
+    named as blockdraft's bookkeeping (`base.is_bookkeeping`: leases, marks, pieces, origins, agreement records, temporary files).
     The one rule every manifest entry obeys wherever a manifest is read (a shared bucket may hold a planted one)."""
     if not path:
         return "is empty"
@@ -148,6 +150,37 @@ def read_origin(store: Store, sha256: str | None) -> str | None:
     if not isinstance(origin, dict) or origin.get("manifest_sha256") != sha256 or not isinstance(origin.get("url"), str):
         return None
     return origin["url"]
+
+
+def record_agreement(store: Store, sha256: str, target: str, result: dict[str, Any]) -> None:
+    """Note beside the artifact whose manifest digest is `sha256` the target agreement measured on its rows
+    (`blockdraft.data.agreement`) against the target named `target`: a measurement about the rows, not one of its files."""
+    record = {"manifest_sha256": sha256, "target": target, **result}
+    store.put_bytes(AGREEMENT_NAME, json.dumps(record, sort_keys=True).encode() + b"\n")
+
+
+def read_agreement(store: Store, sha256: str | None) -> dict[str, Any] | None:
+    """The agreement record beside the artifact when it was measured on this very manifest; else None (a record
+    written before the artifact was made again says nothing about the rows it holds now)."""
+    if sha256 is None:
+        return None
+    try:
+        record = json.loads(store.read_bytes(AGREEMENT_NAME))
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("manifest_sha256") != sha256:
+        return None
+    share, rows = record.get("agreement"), record.get("rows")
+    if not isinstance(share, float | int) or isinstance(share, bool) or not isinstance(rows, int) or not isinstance(record.get("target"), str):
+        return None
+    return record
+
+
+def carry_agreement(source: Store, dest: Store, sha256: str) -> None:
+    """A copy of the artifact (push, pull) carries its agreement record when one was measured on this manifest."""
+    record = read_agreement(source, sha256)
+    if record is not None:
+        dest.put_bytes(AGREEMENT_NAME, json.dumps(record, sort_keys=True).encode() + b"\n")
 
 
 def raw_input(store: Store, info: ObjectInfo) -> InputRef:

@@ -2,7 +2,9 @@
 
 An artifact root is a folder holding a manifest. Files that no manifest covers form `incomplete` artifacts,
 grouped under the highest folder below the surveyed prefix that contains no committed artifact (so `ckpt/step-200/`
-beside a committed `ckpt/step-100/` is its own incomplete artifact). `--progress` renders the same facts as Markdown.
+beside a committed `ckpt/step-100/` is its own incomplete artifact). A tokenized artifact's target agreement, where
+`tokenize --check-target` noted it for the manifest it holds (`read_agreement`), joins its counts. `--progress` renders
+the same facts as Markdown.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import datetime as _dt
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from blockdraft.config import StoreConfig
 from blockdraft.errors import ConfigError
@@ -29,6 +32,7 @@ from blockdraft.store.artifact import (
 from blockdraft.store.base import Store
 from blockdraft.store.checksum_cache import batched_writes
 from blockdraft.store.lease import LEASE_NAME
+from blockdraft.store.manifest import AGREEMENT_NAME, read_agreement
 from blockdraft.store.ownership import WRITING_NAME
 from blockdraft.store.stage_io import PIECES_DIR
 
@@ -40,6 +44,7 @@ class ArtifactStatus:
     root: str
     url: str
     report: VerifyReport
+    agreement: dict[str, Any] | None = None  # target agreement measured on this manifest's rows (`read_agreement`)
 
     @property
     def state(self) -> State:
@@ -63,7 +68,10 @@ def format_counts(a: ArtifactStatus) -> str:
     manifest = a.report.manifest
     if manifest is None:
         return "-"
-    return ", ".join(f"{k}={v}" for k, v in sorted(manifest.counts.items()) if not isinstance(v, dict)) or "-"
+    parts = [f"{k}={v}" for k, v in sorted(manifest.counts.items()) if not isinstance(v, dict)]
+    if a.agreement is not None:
+        parts.append(f"target_agreement={a.agreement['agreement']:.3f} ({a.agreement['target']}, {a.agreement['rows']} rows)")
+    return ", ".join(parts) or "-"
 
 
 def _plain(key: str) -> bool:
@@ -96,7 +104,7 @@ def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
     stage's piece records (`PIECES_DIR`) is one artifact being written, whatever subfolders its files sit in. Linear in
     the keys times their depth: every question is a set lookup along one key's own folders.
     """
-    keys = [k for k in keys if _name(k) not in (LEASE_NAME, ORIGIN_NAME, WRITING_NAME)]
+    keys = [k for k in keys if _name(k) not in (LEASE_NAME, ORIGIN_NAME, WRITING_NAME, AGREEMENT_NAME)]
     committed = {_parent(k) for k in keys if _name(k) == MANIFEST_NAME}
     holds_committed = {a for root in committed for a in _ancestors(root)}  # folders with a committed artifact at or below
     in_progress = {k.split(f"{PIECES_DIR}/")[0].rstrip("/") for k in keys if k.startswith(f"{PIECES_DIR}/") or f"/{PIECES_DIR}/" in k}
@@ -127,13 +135,15 @@ def status(store: Store, deep: bool = False, store_config: StoreConfig | None = 
 
     keys = [info.key for info in store.list()]
     committed, incomplete = find_artifact_roots(keys)
+    measured = {_parent(k) for k in keys if _name(k) == AGREEMENT_NAME}  # read only where the listing shows one
     out = []
     memo: dict[str, VerifyReport] = {}  # each artifact verified once, whether surveyed or an input of one
     with batched_writes():  # checksums newly read are remembered a thousand to a commit, not one each
         for root in sorted(committed + incomplete):
             child = store.child(root) if root else store
             report = verify_artifact(child, check_inputs=True, open_url=open_url, within=store.url, memo=memo, deep=deep, cached=True)
-            out.append(ArtifactStatus(root=root, url=child.url, report=report))
+            agreement = read_agreement(child, report.manifest_sha256) if root in measured else None
+            out.append(ArtifactStatus(root=root, url=child.url, report=report, agreement=agreement))
     return out
 
 

@@ -38,6 +38,7 @@ from blockdraft.store.artifact import (
 from blockdraft.store.base import ABSENT, Store
 from blockdraft.store.lease import Lease
 from blockdraft.store.local import LocalStore
+from blockdraft.store.manifest import carry_agreement
 from blockdraft.store.ownership import claim_output, mark_writing, refuse_nested, release_claim
 from blockdraft.store.preflight import preflight
 from blockdraft.store.stage_io import StageOutput
@@ -122,6 +123,7 @@ def push(
     report = TransferReport(source=source.url, destination=dest.url)
     copy = StageOutput.copy(dest, raw, force=force, reporter=reporter)
     if _already_there(copy, report, start):
+        carry_agreement(source, dest, manifest_sha256(raw))  # measured since the last push, perhaps
         return report
     copy.begin()  # the lease first, then the old manifest goes: no reader sees it over new files
     try:
@@ -149,6 +151,7 @@ def push(
         try:
             _run_all(upload, todo, (store_config or StoreConfig()).concurrency)
             report.verify = copy.commit_copy()
+            carry_agreement(source, dest, manifest_sha256(raw))
         except (StoreError, ArtifactError, OSError):
             copy.raise_if_lost()
             raise
@@ -194,7 +197,7 @@ def pull(
     report = TransferReport(source=source.url, destination=dest.url)
     copy = StageOutput.copy(dest, raw)
     if _already_there(copy, report, start):
-        _record_pulled_origin(source, dest, raw)
+        _note_pulled_copy(source, dest, raw)
         return report
 
     bad = _source_problems(source, manifest.files, workers)
@@ -216,7 +219,7 @@ def pull(
         verified_bytes=sum(e.size for e in manifest.files),
         method=BYTES_AS_WRITTEN,
     )
-    _record_pulled_origin(source, dest, raw)
+    _note_pulled_copy(source, dest, raw)
     report.seconds = time.monotonic() - start
     return report
 
@@ -291,10 +294,12 @@ def _download_and_swap(source: Store, dest: LocalStore, kind: str, files: list[F
     report.moved_bytes = need
 
 
-def _record_pulled_origin(source: Store, dest: LocalStore, raw: bytes) -> None:
-    """A pulled copy names where it came from: that store's own origin when the source is itself a local copy of one."""
+def _note_pulled_copy(source: Store, dest: LocalStore, raw: bytes) -> None:
+    """A pulled copy names where it came from (that store's own origin when the source is itself a local copy of one)
+    and carries the source's target agreement record."""
     sha = manifest_sha256(raw)
     record_origin(dest, read_origin(source, sha) or source.url, sha)
+    carry_agreement(source, dest, sha)
 
 
 def _source_problems(source: Store, files: list[FileEntry], workers: int) -> list[FileProblem]:
