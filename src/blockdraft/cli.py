@@ -181,9 +181,10 @@ def _say_agreement(folder: Path, cfg: Any, record: bool = False) -> None:
 
     result = tokenized_agreement(folder, cfg)
     console.print(describe_agreement(result), highlight=False, markup=False)
-    found = read_manifest(LocalStore(folder)) if record else None
+    artifact = LocalStore(folder)
+    found = read_manifest(artifact) if record else None
     if found is not None:
-        record_agreement(LocalStore(folder), manifest_sha256(found[1]), Path(cfg.target.path).name, result)
+        record_agreement(artifact, manifest_sha256(found[1]), Path(cfg.target.path).name, result)
     if (line := agreement_warning(result, cfg.train.min_target_agreement)) is not None:
         console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False)
 

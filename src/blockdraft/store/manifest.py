@@ -155,7 +155,10 @@ def read_origin(store: Store, sha256: str | None) -> str | None:
 def record_agreement(store: Store, sha256: str, target: str, result: dict[str, Any]) -> None:
     """Note beside the artifact whose manifest digest is `sha256` the target agreement measured on its rows
     (`blockdraft.data.agreement`) against the target named `target`: a measurement about the rows, not one of its files."""
-    record = {"manifest_sha256": sha256, "target": target, **result}
+    _put_agreement(store, {"manifest_sha256": sha256, "target": target, **result})
+
+
+def _put_agreement(store: Store, record: dict[str, Any]) -> None:
     store.put_bytes(AGREEMENT_NAME, json.dumps(record, sort_keys=True).encode() + b"\n")
 
 
@@ -180,7 +183,7 @@ def carry_agreement(source: Store, dest: Store, sha256: str) -> None:
     """A copy of the artifact (push, pull) carries its agreement record when one was measured on this manifest."""
     record = read_agreement(source, sha256)
     if record is not None:
-        dest.put_bytes(AGREEMENT_NAME, json.dumps(record, sort_keys=True).encode() + b"\n")
+        _put_agreement(dest, record)
 
 
 def raw_input(store: Store, info: ObjectInfo) -> InputRef:

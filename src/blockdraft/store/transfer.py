@@ -151,10 +151,10 @@ def push(
         try:
             _run_all(upload, todo, (store_config or StoreConfig()).concurrency)
             report.verify = copy.commit_copy()
-            carry_agreement(source, dest, manifest_sha256(raw))
         except (StoreError, ArtifactError, OSError):
             copy.raise_if_lost()
             raise
+        carry_agreement(source, dest, manifest_sha256(raw))  # after the commit, still under the lease
         report.moved = [e.path for e in todo]
         report.moved_bytes = sum(e.size for e in todo)
     finally:
