@@ -177,14 +177,12 @@ def _say_agreement(folder: Path, cfg: Any, record: bool = False) -> None:
     also noted beside the artifact, bound to its manifest, where `status` shows it (and push and pull carry it)."""
     from blockdraft.data.agreement import agreement_warning, describe_agreement, tokenized_agreement
     from blockdraft.store.local import LocalStore
-    from blockdraft.store.manifest import manifest_sha256, read_manifest, record_agreement
+    from blockdraft.store.manifest import record_agreement
 
     result = tokenized_agreement(folder, cfg)
     console.print(describe_agreement(result), highlight=False, markup=False)
-    artifact = LocalStore(folder)
-    found = read_manifest(artifact) if record else None
-    if found is not None:
-        record_agreement(artifact, manifest_sha256(found[1]), Path(cfg.target.path).name, result)
+    if record:
+        record_agreement(LocalStore(folder), Path(cfg.target.path).name, result)
     if (line := agreement_warning(result, cfg.train.min_target_agreement)) is not None:
         console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False)
 

@@ -104,3 +104,13 @@ class CachedTarget:
             began = time.perf_counter()
             self.linear.rollback(self.cache, self._verified - excess)
             self.rollback_s += time.perf_counter() - began
+        self._count_linear_positions(length)
+
+    def _count_linear_positions(self, length: int) -> None:
+        """Set the position count that linear-attention cache layers keep (transformers >= 5.25) to `length`: their count
+        grows with every forward, the verify's rejected tokens and a rollback's replay included, and the cache's length is
+        read from its first layer, which is a linear one on a Qwen3.5-style target."""
+        for layer in self.cache.layers:
+            count = getattr(layer, "cumulative_length_linear", None)
+            if isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(count, torch.Tensor):
+                count.fill_(length)

@@ -152,10 +152,15 @@ def read_origin(store: Store, sha256: str | None) -> str | None:
     return origin["url"]
 
 
-def record_agreement(store: Store, sha256: str, target: str, result: dict[str, Any]) -> None:
-    """Note beside the artifact whose manifest digest is `sha256` the target agreement measured on its rows
-    (`blockdraft.data.agreement`) against the target named `target`: a measurement about the rows, not one of its files."""
-    _put_agreement(store, {"manifest_sha256": sha256, "target": target, **result})
+def record_agreement(store: Store, target: str, result: dict[str, Any]) -> bool:
+    """Note beside the artifact, bound to the digest of the manifest it holds now, the target agreement measured on its
+    rows (`blockdraft.data.agreement`) against the target named `target`: a measurement about the rows, not one of its
+    files. False, and nothing written, where the folder holds no manifest."""
+    found = read_manifest(store)
+    if found is None:
+        return False
+    _put_agreement(store, {"manifest_sha256": manifest_sha256(found[1]), "target": target, **result})
+    return True
 
 
 def _put_agreement(store: Store, record: dict[str, Any]) -> None:
