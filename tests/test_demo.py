@@ -7,6 +7,7 @@ with `--store s3://...` would.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -42,6 +43,11 @@ def test_demo_ci_profile_on_the_local_store(tmp_path):
     lines = out.stdout.splitlines()
     assert "speedup over target-only greedy" in out.stdout and "lossless: yes" in out.stdout
     assert "dflash tau greedy" in out.stdout and "at temperature 0.6, top-p 0.95, top-k 20:" in out.stdout
+    # The demo holds out a tenth of its conversations: training measures its held-out figures and decodes its checkpoint
+    # on them, the line sets them beside eval's, and the target's own answers raise no training-signal warning.
+    own = next(line for line in lines if line.startswith("training's own figures: "))
+    assert re.search(r"held-out \d+\.\d\d, decoded \d+\.\d\d \(\d+\.\d\dx on 2 prompts\)", own), own
+    assert "WARNING" not in out.output, out.output
     table = dict(line.split("\t") for line in lines if "\t" in line)
     assert table.pop("artifact") == "state"
     assert STAGES <= set(table) and set(table.values()) == {"verified"}, table
