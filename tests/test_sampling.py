@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from helpers.paths import GOLDEN
+from helpers.sampling import ALPHA, THINKING, chi_square, exact_first_two
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -18,11 +19,8 @@ from blockdraft.decode.speculative import DFlashProposer, run_speculative
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.target import TargetHead
 
-THINKING = Sampling(temperature=0.6, top_p=0.95, top_k=20)  # Qwen3's recommended thinking-mode settings
 SAMPLES = 1200  # speculative decodes per verify: the chi-square's power against the broken verifies is shown below
-ALPHA = 1e-3  # the correct verify fails with this probability (a fixed seed makes each run the same)
 TARGET_ONLY_SAMPLES = 400  # the target-only reference sampler is checked with fewer (it has no verify to get wrong)
-MIN_EXPECTED = 5.0  # cells with fewer expected samples are pooled into one, as the chi-square approximation needs
 
 
 @pytest.fixture(scope="module")
@@ -44,32 +42,6 @@ def test_processed_probs_are_huggingfaces_temperature_top_k_top_p():
         if s.top_p < 1:
             x = TopPLogitsWarper(s.top_p)(None, x)
         torch.testing.assert_close(processed_probs(logits, s), torch.softmax(x, dim=-1), atol=1e-6, rtol=1e-5)
-
-
-def _exact_first_two(target, prompt: list[int], sampling: Sampling) -> dict[tuple[int, int], float]:
-    """P(x1, x2) of target-only sampling, by enumeration: p(x1 | prompt) * p(x2 | prompt, x1) over x1's support."""
-    with torch.inference_mode():
-        p1 = processed_probs(target(torch.tensor([prompt])).logits[0, -1], sampling)
-        firsts = p1.nonzero()[:, 0]
-        rows = torch.tensor([[*prompt, int(x)] for x in firsts])
-        p2 = processed_probs(target(rows).logits[:, -1], sampling)
-    return {(int(x1), int(x2)): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(firsts) for x2 in p2[i].nonzero()[:, 0]}
-
-
-def chi_square(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float]) -> tuple[float, int, float]:
-    """Pearson's chi-square of `counts` against the distribution `expected`: (statistic, degrees of freedom, p-value).
-    Cells expected below MIN_EXPECTED are pooled into one; an outcome of probability 0 lands there too."""
-    n = sum(counts.values())
-    big = {cell for cell, prob in expected.items() if prob * n >= MIN_EXPECTED}
-    observed = [counts.get(cell, 0) for cell in big]
-    wanted = [expected[cell] * n for cell in big]
-    rest_observed, rest_wanted = n - sum(observed), n - sum(wanted)
-    if rest_wanted > 0:
-        observed.append(rest_observed)
-        wanted.append(rest_wanted)
-    stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted))
-    df = len(wanted) - 1
-    return stat, df, float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def _accept_every_draft(proposal: Proposal, p: torch.Tensor, sampler: Sampler) -> tuple[int, int]:
@@ -98,7 +70,7 @@ def _first_two_of_speculative(golden, verify) -> dict[tuple[int, ...], int]:
                          ids=["rejection sampling", "accepts every draft", "skips the residual"])
 def test_speculative_sampling_follows_target_only_sampling_and_a_broken_verify_fails(golden, verify, lossless):
     target, _, _, prompt = golden
-    expected = _exact_first_two(target, prompt, THINKING)
+    expected = exact_first_two(target, prompt, THINKING)
     assert abs(sum(expected.values()) - 1) < 1e-5
     stat, df, p_value = chi_square(_first_two_of_speculative(golden, verify), expected)
     print(f"{verify.__name__}: chi-square {stat:.1f}, {df} degrees of freedom, p = {p_value:.3g}")
@@ -112,7 +84,7 @@ def test_target_only_sampling_follows_the_processed_distribution(golden):
     for seed in range(TARGET_ONLY_SAMPLES):
         cell = tuple(sample_decode(target, prompt, 2, Sampler(THINKING, seed)).new_tokens)
         counts[cell] = counts.get(cell, 0) + 1
-    stat, df, p_value = chi_square(counts, _exact_first_two(target, prompt, THINKING))
+    stat, df, p_value = chi_square(counts, exact_first_two(target, prompt, THINKING))
     assert p_value >= ALPHA, f"chi-square {stat:.1f} with {df} degrees of freedom, p = {p_value:.3g}"
 
 

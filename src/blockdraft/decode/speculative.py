@@ -20,7 +20,7 @@ import torch
 
 from blockdraft.decode.cached_target import CachedTarget, top2_margin
 from blockdraft.decode.sampling import Proposal, Sampler, Verify, rejection_verify
-from blockdraft.model.dflash2 import greedy_walk, unary_logits
+from blockdraft.model.dflash2 import greedy_walk, unary_logits, walk
 from blockdraft.model.drafter import DFlashDrafter, DraftCache, draft_step
 from blockdraft.model.target import TargetHead
 
@@ -252,11 +252,31 @@ class DFlashProposer:
     def sample(self, tokens: list[int], new_features: torch.Tensor | None, start: int, sampler: Sampler) -> Proposal:
         """Each slot's token drawn from the drafter's logits after the same temperature / top-k / top-p as the target's.
 
-        A DFlash2 drafter's slots are drawn from its unary logits: the selector's walk is a greedy search, and rejection
-        sampling is lossless for whatever distribution the drafts are drawn from, as long as it is the one it is given."""
-        hidden, _ = self._draft(tokens, new_features, start)
+        A DFlash2 drafter walks its candidates as greedy decoding does, but draws each slot's candidate from the softmax of
+        its walk scores at the temperature (the scores given the candidate drawn before it), as the reference and the
+        engines do; `q` is that distribution on the slot's K candidates and zero elsewhere. Rejection sampling is lossless
+        whatever distribution the drafts come from, as long as `q` is the one they were drawn from. Without the selector
+        (`use_selector` False) the slots are drawn from the unary logits."""
+        hidden, block = self._draft(tokens, new_features, start)
         logits = self.head.logits(hidden[:, 1:])
         spec2 = self.drafter.spec.dflash2
-        q = sampler.probs((logits if spec2 is None else unary_logits(logits, spec2))[0])  # [B-1, V]
-        return Proposal(sampler.draw(q).tolist(), q)
+        if spec2 is None:
+            q = sampler.probs(logits[0])  # [B-1, V]
+            return Proposal(sampler.draw(q).tolist(), q)
+        unary = unary_logits(logits, spec2)
+        if not self.use_selector:
+            q = sampler.probs(unary[0])
+            return Proposal(sampler.draw(q).tolist(), q)
+        assert self.drafter.candidate_selector is not None  # built with spec.dflash2
+        drawn_from: list[torch.Tensor] = []
+
+        def draw(scores: torch.Tensor, _slot: int) -> torch.Tensor:
+            probs = torch.softmax(scores.float() / sampler.sampling.temperature, dim=-1)  # [1, K]
+            drawn_from.append(probs)
+            return sampler.draw(probs)
+
+        path = walk(self.drafter.candidate_selector, hidden[:, 1:], unary, block[:, 0], draw)
+        q = torch.zeros(unary.shape[1:], dtype=torch.float32, device=unary.device)  # [B-1, V]
+        q.scatter_(-1, path.candidates[0], torch.cat(drawn_from, dim=0))
+        return Proposal(path.path[0].tolist(), q)
 
