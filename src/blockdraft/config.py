@@ -316,6 +316,9 @@ class TrainConfig(_Section):
     # loss, per-slot accuracies and tau estimate on a fixed, seeded sample of eval_rows held-out rows, without gradients.
     eval_every: int = Field(default=100, ge=1)
     eval_rows: int = Field(default=32, ge=1)
+    # The held-out rows for those figures and for the decoded checkpoints' prompts: None takes train.data's held-out split;
+    # a tokenized artifact (a folder, file:// or s3:// URL, tokenized like train.data) gives all of its rows, both splits.
+    eval_data: str | None = None
     # Each checkpoint is also decoded for real (eval's loop, lossless check) on this many held-out prompts; 0: none.
     decode_eval_prompts: int = Field(default=2, ge=0)
     # Before step 1 the target is run over this many training rows: the share of supervised positions where its greedy

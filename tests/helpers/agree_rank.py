@@ -15,18 +15,21 @@ from blockdraft.stages.train.agree import check_same_config, check_same_data
 from blockdraft.stages.train.placement import RankPlacement
 
 
-def compare_data(rank: int, port: int, folder: str, rounds: list[list[str]], out: str) -> None:
-    """Join the group, check the config (the same on both), then for each round of data digests ([rank 0's, rank 1's])
-    check the data; what each round said ("agreed" or the error line) goes to `out`/rank{rank}-{round}."""
+def compare_data(rank: int, port: int, folder: str, rounds: list[list], out: str, eval_folder: str | None = None) -> None:
+    """Join the group, check the config (the same on both), then for each round of data digests ([rank 0's, rank 1's],
+    each a train.data digest or a [train.data, train.eval_data] pair when `eval_folder` is train.eval_data) check the
+    data; what each round said ("agreed" or the error line) goes to `out`/rank{rank}-{round}."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     place = RankPlacement(rank, 2, 0, torch.device("cpu"), torch.device("cpu"))
-    config = BlockdraftConfig.model_validate({"train": {"data": folder}, "placement": {"nnodes": 2, "node_rank": rank}})
+    train = {"data": folder, "eval_data": eval_folder}
+    config = BlockdraftConfig.model_validate({"train": train, "placement": {"nnodes": 2, "node_rank": rank}})
     try:
         check_same_config(config, place)
         for index, digests in enumerate(rounds):
+            data, evaluated = (digests[rank], None) if isinstance(digests[rank], str) else digests[rank]
             try:
-                check_same_data(config, digests[rank], place)
+                check_same_data(config, data, place, evaluated)
                 said = "agreed"
             except ConfigError as exc:
                 said = str(exc)

@@ -27,11 +27,13 @@ def make_rows(num_rows: int, prompt_len: int, new_tokens: int, seed: int) -> lis
     return [{"input_ids": row.tolist(), "loss_mask": mask, "source_id": f"row-{i}"} for i, row in enumerate(out)]
 
 
-def write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[dict]) -> str:
-    """A tokenized artifact in the layout `tokenize` writes: a DatasetDict (train, held_out) plus the manifest."""
+def write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[dict], tokenize_run: dict | None = None) -> str:
+    """A tokenized artifact in the layout `tokenize` writes: a DatasetDict (train, held_out) plus the manifest, whose config
+    records `tokenize_run` (what tokenize records of its template, tokenizer, thinking mode) when given."""
     DatasetDict({"train": Dataset.from_list(train_rows), "held_out": Dataset.from_list(held_out_rows)}).save_to_disk(str(folder))
     entries = [entry_for_local_file(folder, p) for p in sorted(folder.rglob("*")) if p.is_file()]
-    commit_artifact(open_store(folder), "tokenized", entries, config={}, counts={"train_rows": len(train_rows)})
+    config = {"tokenize_run": tokenize_run} if tokenize_run is not None else {}
+    commit_artifact(open_store(folder), "tokenized", entries, config=config, counts={"train_rows": len(train_rows)})
     return str(folder)
 
 

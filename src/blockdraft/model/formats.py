@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from blockdraft.errors import ArtifactError
 from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
 from blockdraft.store import Store
-from blockdraft.store.artifact import MANIFEST_NAME, State, VerifyReport, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, InputRef, Manifest, State, VerifyReport, verify_artifact
 from blockdraft.store.stage_io import StageInput
 
 CHECKPOINT_KIND = "drafter-checkpoint"
@@ -28,6 +28,12 @@ STEP_MANIFEST = re.compile(r"^step-(\d{8})/" + re.escape(MANIFEST_NAME) + "$")
 
 def checkpoint_key(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def trained_on(checkpoint: Manifest) -> list[InputRef]:
+    """The training data a checkpoint's manifest pins: its first input (train.data). An input after it is the held-out
+    data its figures were measured on (train.eval_data), which the drafter never trained on."""
+    return list(checkpoint.lineage[:1])
 
 
 @dataclass
@@ -89,5 +95,5 @@ def open_drafter_artifact(store: Store) -> StageInput:
 
 __all__ = [
     "CHECKPOINT_KIND", "CONFIG_NAME", "EXPORT_KIND", "PINNED_CONFIG_NAME", "PROVENANCE_NAME", "SERVING_NAME", "STATE_NAME", "WEIGHTS_NAME",
-    "Resumable", "checkpoint_key", "checkpoint_steps", "find_resumable", "open_drafter_artifact", "search_checkpoints",
+    "Resumable", "checkpoint_key", "checkpoint_steps", "find_resumable", "open_drafter_artifact", "search_checkpoints", "trained_on",
 ]

@@ -42,6 +42,7 @@ from blockdraft.model.formats import (
     SERVING_NAME,
     WEIGHTS_NAME,
     open_drafter_artifact,
+    trained_on,
 )
 from blockdraft.model.spec import DrafterSpec
 from blockdraft.model.target import target_dtype
@@ -115,7 +116,7 @@ def run(
             out,
             resolved_config=resolved,
             lineage=[checkpoint.ref],
-            data_lineage=list(checkpoint.manifest.lineage),
+            data_lineage=trained_on(checkpoint.manifest),  # not train.eval_data, pinned after it
             gamma=dflash["gamma"],
             location=output,
             target_path=target_path,

@@ -62,17 +62,20 @@ def check_same_config(config: BlockdraftConfig, place: RankPlacement) -> None:
             )
 
 
-def check_same_data(config: BlockdraftConfig, data_sha256: str, place: RankPlacement) -> None:
-    """ConfigError on every rank when a rank's train.data is not rank 0's data (its manifest digest differs)."""
-    sent = _gather(place, (config.placement.node_rank, data_sha256))
-    node0, reference = sent[0]
-    for rank, (node, digest) in enumerate(sent[1:], start=1):
-        if digest != reference:
-            raise ConfigError(
-                f"node {node} (rank {rank}) reads other data at train.data {config.train.data} (manifest sha256 "
-                f"{digest[:12]}..., node {node0}'s {reference[:12]}...); every node must train on the same tokenized "
-                "artifact: copy node 0's to each node (blockdraft push / pull)"
-            )
+def check_same_data(config: BlockdraftConfig, data_sha256: str, place: RankPlacement, eval_sha256: str | None = None) -> None:
+    """ConfigError on every rank when a rank's train.data, or its train.eval_data (`eval_sha256`, None when unset), is not
+    rank 0's (its manifest digest differs)."""
+    sent = _gather(place, (config.placement.node_rank, data_sha256, eval_sha256))
+    node0, *reference = sent[0]
+    for rank, (node, *digests) in enumerate(sent[1:], start=1):
+        for field, url, digest, theirs in zip(("train.data", "train.eval_data"), (config.train.data, config.train.eval_data),
+                                              digests, reference):
+            if digest != theirs:
+                raise ConfigError(
+                    f"node {node} (rank {rank}) reads other data at {field} {url} (manifest sha256 {(digest or '')[:12]}..., "
+                    f"node {node0}'s {(theirs or '')[:12]}...); every node must read the same tokenized artifact: copy node 0's "
+                    "to each node (blockdraft push / pull)"
+                )
 
 
 __all__ = ["PER_NODE", "check_same_config", "check_same_data", "first_difference"]

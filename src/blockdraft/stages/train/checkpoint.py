@@ -124,10 +124,14 @@ def save_checkpoint(
     extra_files: Iterable[Path] = (),
     *,
     force: bool = False,
+    measured_on: Iterable[InputRef] = (),
 ) -> VerifyReport:
     """Write, push and commit the checkpoint of `step` under `store`; returns the destination's verify report.
 
-    The checkpoint's stage key is `stage_key(counts["run"], lineage)`: the run identity and its data.
+    The checkpoint's stage key is `stage_key(counts["run"], lineage)`: the run identity and its data. Its manifest's
+    lineage lists `lineage` (the training data, first) and then `measured_on` (train.eval_data, whose rows its held-out
+    figures were measured on): `status` says it is stale when either changed. The held-out data is left out of the key:
+    it changes no weight, so a run resumes from its checkpoints with another train.eval_data.
     Raises ArtifactError (or the store's error) when the push does not verify: such a checkpoint has no manifest
     and resume never uses it. `force` (`train --force`) goes to the checkpoint's lease: a dead writer's is taken over.
     """
@@ -145,7 +149,7 @@ def save_checkpoint(
                 if extra.is_file():
                     shutil.copyfile(extra, root / extra.name)
                     paths.append(root / extra.name)
-            return out.publish(root, paths, config=resolved_config, lineage=lineage, counts=counts)
+            return out.publish(root, paths, config=resolved_config, lineage=[*lineage, *measured_on], counts=counts)
     finally:
         out.release()  # a failed push gives its lease back too (a committed one already did)
 
@@ -212,16 +216,19 @@ class Checkpoints:
     it while training goes on; one is in flight at most (the next `save` waits for it). A checkpoint counts (its metrics
     window saved, older ones pruned, its report returned) only once its push verified, taken in on the training thread by
     the next `save`, `poll` or `finish`. A failed push is a warning, `max_failures` in a row stop the run.
+    `data` is the training data; `eval_data` the held-out data of train.eval_data (None: unset), recorded as a second
+    input of each checkpoint (`save_checkpoint`'s `measured_on`).
     """
 
     def __init__(
         self, store: Store, resolved: dict[str, Any], identity: dict[str, Any], data: InputRef, keep: int | None,
-        keep_every: int | None, reporter: Reporter, max_failures: int = 3, force: bool = False,
+        keep_every: int | None, reporter: Reporter, max_failures: int = 3, force: bool = False, eval_data: InputRef | None = None,
     ) -> None:
         self.store = store
         self.resolved = resolved
         self.identity = identity
         self.data = data
+        self.eval_data = eval_data
         self.keep = keep
         self.keep_every = keep_every
         self.reporter = reporter
@@ -320,7 +327,7 @@ class Checkpoints:
         """On the writer's thread: write, push and verify the snapshot, then prune the older checkpoints."""
         report = save_checkpoint(
             self.store, snapshot.step, snapshot.drafter, snapshot.training_state, self.resolved, [self.data], snapshot.counts,
-            snapshot.files, force=self.force,
+            snapshot.files, force=self.force, measured_on=[self.eval_data] if self.eval_data is not None else [],
         )
         pruned, prune_failed = [], None
         if self.keep is not None:

@@ -12,54 +12,78 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, concatenate_datasets
 
 from blockdraft.config import StoreConfig
 from blockdraft.data.formats import HELD_OUT_SPLIT, TRAIN_SPLIT
-from blockdraft.errors import ArtifactError
+from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.stage_io import StageInput
 from blockdraft.store.transfer import pull
 
 
-def _load_dataset(root: Path) -> Dataset:
-    """The train split of a tokenize output folder (`datasets.save_to_disk` layout of a DatasetDict, docs/TOKENIZATION.md).
-
-    Only the train split is opened here: the held-out split may be empty, and training never steps on it
-    (`_load_held_out` opens it for the held-out figures).
-    """
+def _splits(root: Path, role: str) -> list[str]:
+    """The splits a tokenize output folder lists (`datasets.save_to_disk` layout of a DatasetDict, docs/TOKENIZATION.md)."""
     listing = root / "dataset_dict.json"
     if not listing.is_file():
-        raise ArtifactError(f"{root} holds no DatasetDict saved by tokenize (no dataset_dict.json); pass a tokenized artifact as train.data")
-    if TRAIN_SPLIT not in json.loads(listing.read_text()).get("splits", []):
-        raise ArtifactError(f"tokenized artifact {root} has no '{TRAIN_SPLIT}' split; re-run tokenize")
-    ds = Dataset.load_from_disk(str(root / TRAIN_SPLIT))
+        raise ArtifactError(f"{root} holds no DatasetDict saved by tokenize (no dataset_dict.json); pass a tokenized artifact as {role}")
+    return json.loads(listing.read_text()).get("splits", [])
+
+
+def _columns(ds: Dataset, root: Path) -> Dataset:
     missing = {"input_ids", "loss_mask"} - set(ds.column_names)
     if missing:
         raise ArtifactError(f"tokenized artifact {root} lacks column(s) {sorted(missing)}; it is not a tokenize output")
     return ds.select_columns(["input_ids", "loss_mask"])
 
 
-def _load_held_out(root: Path) -> Dataset | None:
-    """The held-out split of a tokenize output folder, or None when it has none or it holds no row."""
-    if HELD_OUT_SPLIT not in json.loads((root / "dataset_dict.json").read_text()).get("splits", []):
+def _load_dataset(root: Path) -> Dataset:
+    """The train split of a tokenize output folder.
+
+    Only the train split is opened here: the held-out split may be empty, and training never steps on it
+    (`_load_split` opens it for the held-out figures).
+    """
+    if TRAIN_SPLIT not in _splits(root, "train.data"):
+        raise ArtifactError(f"tokenized artifact {root} has no '{TRAIN_SPLIT}' split; re-run tokenize")
+    return _columns(Dataset.load_from_disk(str(root / TRAIN_SPLIT)), root)
+
+
+def _load_split(root: Path, split: str, role: str) -> Dataset | None:
+    """Split `split` of a tokenize output folder, or None when it has none or it holds no row."""
+    if split not in _splits(root, role):
         return None
     # An empty split is saved with no Arrow file at all, which `load_from_disk` cannot open.
-    if not json.loads((root / HELD_OUT_SPLIT / "state.json").read_text()).get("_data_files"):
+    if not json.loads((root / split / "state.json").read_text()).get("_data_files"):
         return None
-    ds = Dataset.load_from_disk(str(root / HELD_OUT_SPLIT))
-    return ds.select_columns(["input_ids", "loss_mask"]) if len(ds) else None
+    ds = _columns(Dataset.load_from_disk(str(root / split)), root)
+    return ds if len(ds) else None
+
+
+def _load_eval_rows(root: Path, url: str) -> Dataset:
+    """Every row of the train.eval_data artifact in `root`: its train split, then its held-out split. All of them are
+    held out from this run (a separate set of conversations, which may have been tokenized with held_out_fraction 0)."""
+    parts = [ds for split in (TRAIN_SPLIT, HELD_OUT_SPLIT) if (ds := _load_split(root, split, "train.eval_data")) is not None]
+    if not parts:
+        raise ArtifactError(f"train.eval_data {url} holds no rows in either split; tokenize more conversations into it, or unset "
+                            "train.eval_data to take train.data's held-out rows")
+    return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
 
 
 class TrainRows:
     """The train rows, memory-mapped from the artifact's Arrow files (read one row at a time, never all at once),
     plus the data artifact's lineage entry and what its tokenize run recorded (template hash, thinking mode, ...).
-    `held_out`: the artifact's held-out rows (None: it has none), read only for the held-out figures."""
+    `held_out`: the rows held out from training (None: there are none), read only for the held-out figures and the
+    decoded checkpoints' prompts: train.data's held-out split, or every row of train.eval_data when it is set, whose
+    lineage entry is then `eval_lineage`."""
 
-    def __init__(self, dataset, lineage: InputRef, max_length: int, tokenize_run: dict | None = None, held_out=None) -> None:
+    def __init__(
+        self, dataset, lineage: InputRef, max_length: int, tokenize_run: dict | None = None, held_out=None,
+        eval_lineage: InputRef | None = None,
+    ) -> None:
         self.dataset = dataset
         self.held_out = held_out
         self.lineage = lineage
+        self.eval_lineage = eval_lineage
         self.max_length = max_length
         self.tokenize_run = tokenize_run or {}
 
@@ -73,28 +97,76 @@ class TrainRows:
         return ids, torch.as_tensor(r["loss_mask"][: self.max_length], dtype=torch.long)
 
 
+# What tokenize recorded of how rows were made (tokenize_run in the manifest's config), which held-out rows must share
+# with the training rows: their figures measure the drafter on text it trains to draft.
+_TOKENIZED_WITH = {
+    "template_sha256": "chat template", "tokenizer_sha256": "tokenizer", "thinking": "thinking mode",
+    "end_of_turn_id": "end-of-turn id",
+}
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "none recorded"
+    return f"{value[:12]}..." if isinstance(value, str) and len(value) > 16 else repr(value)
+
+
+def check_eval_data(data: StageInput, eval_data: StageInput) -> None:
+    """ConfigError (one line naming both) when train.eval_data cannot stand in for held-out rows of train.data: it is the
+    same artifact (its rows are the training rows), or its rows were made another way (another chat template, tokenizer,
+    thinking mode or end-of-turn id, as the two manifests' tokenize_run record them)."""
+    ours, theirs = data.store.url.rstrip("/"), eval_data.store.url.rstrip("/")
+    if eval_data.ref.sha256 == data.ref.sha256:
+        raise ConfigError(
+            f"train.eval_data {theirs} is the artifact train.data {ours} (the same manifest): its rows are the training rows, "
+            "not held out; set train.eval_data to a separately tokenized artifact, or unset it to take train.data's held-out rows"
+        )
+    made = data.manifest.config.get("tokenize_run") or {}
+    eval_made = eval_data.manifest.config.get("tokenize_run") or {}
+    for key, what in _TOKENIZED_WITH.items():
+        if made.get(key) != eval_made.get(key):
+            raise ConfigError(
+                f"train.eval_data {theirs} was tokenized with another {what} ({key} {_shown(eval_made.get(key))}) than train.data "
+                f"{ours} ({_shown(made.get(key))}): its figures would measure the drafter on rows it does not learn to draft; "
+                "tokenize the eval conversations with train.data's target, template and thinking settings"
+            )
+
+
+def _local_copy(data: StageInput, store_config: StoreConfig | None, cache_dir: Path, fetch: bool) -> Path:
+    """The folder `data` is read from: where it is when local, else `cache_dir/data-<manifest digest>`, which the
+    process with `fetch` pulls it into (every checksum recomputed) and where a rerun finds it already verified."""
+    local = data.store.local_path()
+    if local is not None:
+        return local
+    digest = data.report.manifest_sha256
+    assert digest is not None  # open_input returns only verified inputs, whose manifest digest is known
+    local = cache_dir / f"data-{digest[:16]}"
+    if fetch:
+        pull(data.store.url, local, store_config)
+    return local
+
+
 def load_train_rows(
     data: StageInput, store_config: StoreConfig | None, max_length: int, cache_dir: Path, fetch: bool = True,
-    wait: Callable[[], None] = lambda: None,
+    wait: Callable[[], None] = lambda: None, eval_data: StageInput | None = None,
 ) -> TrainRows:
-    """Open the train rows of the verified tokenized artifact `data` (from `open_input`), clipped to max_length.
+    """Open the train rows of the verified tokenized artifact `data` (from `open_input`), clipped to max_length, and
+    the held-out rows: every row of `eval_data` (train.eval_data, verified the same way) when given, else `data`'s
+    held-out split.
 
-    A remote artifact is pulled (every checksum recomputed) into `cache_dir/data-<manifest digest>`, where a rerun
-    finds it already verified. Of the processes on one machine only the one with `fetch` pulls; every process then
-    calls `wait` (a barrier) before reading.
+    A remote artifact is pulled into the local cache under `cache_dir` (`_local_copy`). Of the processes on one machine
+    only the one with `fetch` pulls; every process then calls `wait` (a barrier) before reading.
     """
-    local = data.store.local_path()
-    if local is None:
-        digest = data.report.manifest_sha256
-        assert digest is not None  # open_input returns only verified inputs, whose manifest digest is known
-        local = cache_dir / f"data-{digest[:16]}"
-        if fetch:
-            pull(data.store.url, local, store_config)
+    local = _local_copy(data, store_config, cache_dir, fetch)
+    eval_local = _local_copy(eval_data, store_config, cache_dir, fetch) if eval_data is not None else None
     wait()
     dataset = _load_dataset(local)
     if len(dataset) == 0:
         raise ArtifactError(f"tokenized artifact {data.store.url} has no train rows; tokenize more data or lower tokenize.held_out_fraction")
-    return TrainRows(dataset, data.ref, max_length, data.manifest.config.get("tokenize_run"), _load_held_out(local))
+    tokenize_run = data.manifest.config.get("tokenize_run")
+    if eval_data is None or eval_local is None:
+        return TrainRows(dataset, data.ref, max_length, tokenize_run, _load_split(local, HELD_OUT_SPLIT, "train.data"))
+    return TrainRows(dataset, data.ref, max_length, tokenize_run, _load_eval_rows(eval_local, eval_data.store.url), eval_data.ref)
 
 
 def steps_per_epoch(num_rows: int, global_batch: int) -> int:
@@ -129,4 +201,4 @@ class RowOrder:
         return self._order[torch.arange(first, first + self.per_rank) % self.num_rows].tolist()
 
 
-__all__ = ["RowOrder", "TrainRows", "epoch_order", "load_train_rows", "steps_per_epoch"]
+__all__ = ["RowOrder", "TrainRows", "check_eval_data", "epoch_order", "load_train_rows", "steps_per_epoch"]

@@ -2,8 +2,9 @@
 weights draft for the target on a few held-out prompts with the loop eval runs (`blockdraft.decode.speculative`), each
 output checked token for token against target-only greedy decoding, and tau and speedup measured as eval measures them.
 
-Prompts are the held-out rows' ids before their first supervised token, in the split's order, as eval takes them; each
-is decoded up to eval.max_new_tokens, stopping at the target's end-of-sequence ids.
+Prompts are the held-out rows' ids before their first supervised token, in their order (train.data's held-out split, as
+eval takes them; with train.eval_data, that artifact's train split and then its held-out split); each is decoded up to
+eval.max_new_tokens, stopping at the target's end-of-sequence ids.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from blockdraft.model import DFlashDrafter, TargetHead
 
 
 def held_out_prompts(dataset: Dataset | None, count: int) -> list[list[int]]:
-    """Up to `count` prompts of the held-out split: each row's ids before its first supervised token (a row supervised
+    """Up to `count` prompts of the held-out rows: each row's ids before its first supervised token (a row supervised
     from token 0 has none and is skipped)."""
     prompts: list[list[int]] = []
     for r in dataset if dataset is not None and count else ():

@@ -1,6 +1,7 @@
 """Held-out figures during training (docs/TRAINING-SIGNAL.md): the drafter's loss, per-slot accuracies and tau estimate
-on a fixed, seeded sample of the data's held-out rows, measured as the training figures are (the same batches, target
-features and loss) but without gradients, so the two curves are comparable and two evaluations see the same blocks.
+on a fixed, seeded sample of the held-out rows (train.data's held-out split, or every row of train.eval_data when it is
+set), measured as the training figures are (the same batches, target features and loss) but without gradients, so the
+two curves are comparable and two evaluations see the same blocks.
 
 Training figures are measured on the rows the drafter trains on; on a few rows seen for many epochs they say how well it
 learned those rows, not how it will draft. The held-out figure is the one to read.
@@ -33,7 +34,7 @@ class HeldOut:
 
     @classmethod
     def sample(cls, dataset: Dataset | None, count: int, seed: int, max_length: int, batch_size: int) -> HeldOut | None:
-        """`count` rows of the held-out split `dataset`, drawn with `seed` (all of them when it holds fewer), clipped to
+        """`count` rows of the held-out rows `dataset`, drawn with `seed` (all of them when it holds fewer), clipped to
         `max_length`; None when there are none."""
         if dataset is None or len(dataset) == 0:
             return None

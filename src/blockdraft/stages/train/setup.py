@@ -70,7 +70,7 @@ def build_training(
     identity = run_identity(resolved, rows.lineage.sha256)
     keep_every = tc.keep_checkpoint_every * tc.checkpoint_every if tc.keep_checkpoint_every else None
     checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, keep_every, reporter,
-                              tc.max_checkpoint_failures, start_over)
+                              tc.max_checkpoint_failures, start_over, eval_data=rows.eval_lineage)
 
     torch.manual_seed(tc.seed)  # the drafter's initial weights (when not train.init_from's; DFlash2's modules from DFlash)
     drafter = DFlashDrafter(spec)

@@ -106,7 +106,8 @@ class Trainer:
                 self.signal.agreement = self._target_agreement()
             if self.place.is_main and self.held_out is None:
                 self.reporter.say("train.data has no held-out rows: no held-out figures and no checkpoint decoded during "
-                                  "training (tokenize with tokenize.held_out_fraction > 0)")
+                                  "training (tokenize with tokenize.held_out_fraction > 0, or set train.eval_data to a "
+                                  "tokenized artifact of other conversations)")
         self.reporter.progress("train", start, self.setup.total_steps)
         self._lines = ProgressLines(self.reporter, self.tc.log_every_s, start, self.setup.total_steps)
         pending: PendingStep | None = None
