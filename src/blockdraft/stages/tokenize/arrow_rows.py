@@ -3,61 +3,85 @@ set, `rows_per_file` rows), each renamed into place only when whole."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import errno
+from contextlib import ExitStack
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
 
 from blockdraft.data.render import TurnRow
 from blockdraft.store.artifact import FileEntry
-from blockdraft.store.checksum import crc64nvme_file
-from blockdraft.store.local import TMP_PREFIX
+from blockdraft.store.local import LocalStore
 
 # Rows per Arrow record batch written.
 ARROW_BATCH_ROWS = 256
 
 
+class _Discarded(Exception):
+    """Ends a file's `LocalStore.writing` block without its rename: the store removes the temp file."""
+
+
 class SplitWriter:
     """Arrow stream files of one split of one shard, renamed only when whole. A file is closed after the record batch
-    that brings it to `file_bytes` (so it exceeds that by less than one batch), or at `rows_per_file` rows when set."""
+    that brings it to `file_bytes` (so it exceeds that by less than one batch), or at `rows_per_file` rows when set.
 
-    def __init__(self, split_dir: Path, stem: str, schema: pa.Schema, rows_per_file: int | None, file_bytes: int) -> None:
-        self.dir, self.stem, self.schema = split_dir, stem, schema
+    Every file is written through `store.writing` (the split folder opened one name at a time without following a link,
+    the file created there under a new temp name and renamed within that same opened folder), so a link planted at the
+    split folder is refused as resolving outside the output and nothing is written through one. There is no check before
+    the use: the folder opened is the one the file is made and renamed in. pyarrow writes into the open file object, never
+    by path."""
+
+    def __init__(self, store: LocalStore, split: str, stem: str, schema: pa.Schema, rows_per_file: int | None, file_bytes: int) -> None:
+        self.store, self.split, self.stem, self.schema = store, split, stem, schema
         self.rows_per_file, self.file_bytes = rows_per_file or (1 << 62), file_bytes
         self.files: list[FileEntry] = []
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
-        self._tmp: Path | None = None
+        self._file: ExitStack | None = None  # the open file's `writing` block and its file object
+        self._sink: BinaryIO | None = None
+        self._key = ""
         self._rows_in_file = 0
         self._pending: list[tuple[TurnRow, str]] = []
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes in this split's files so far, the one being written included."""
+        return sum(e.size for e in self.files) + (self._sink.tell() if self._sink is not None else 0)
 
     def add(self, row: TurnRow, source_id: str) -> None:
         self._pending.append((row, source_id))
         if len(self._pending) >= ARROW_BATCH_ROWS or self._rows_in_file + len(self._pending) >= self.rows_per_file:
             self._flush()
 
+    def _open_file(self) -> None:
+        self._key = f"{self.split}/{self.stem}-part-{len(self.files):03d}.arrow"
+        with ExitStack() as stack:
+            new = stack.enter_context(self.store.writing(self._key))
+            self._sink = stack.enter_context(open(new.fd, "wb", closefd=False))
+            self._writer = pa.ipc.new_stream(self._sink, self.schema)
+            self._file = stack.pop_all()
+
     def _flush(self) -> None:
         while self._pending:
             if self._writer is None:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                self._tmp = self.dir / f"{TMP_PREFIX}{self.stem}-part-{len(self.files):03d}.arrow"
-                self._writer = pa.ipc.new_stream(str(self._tmp), self.schema)
-            assert self._tmp is not None
+                self._open_file()
+            assert self._writer is not None and self._sink is not None
             room = self.rows_per_file - self._rows_in_file
             chunk, self._pending = self._pending[:room], self._pending[room:]
             self._writer.write_batch(record_batch(chunk, self.schema))
             self._rows_in_file += len(chunk)
-            if self._rows_in_file >= self.rows_per_file or self._tmp.stat().st_size >= self.file_bytes:
+            if self._rows_in_file >= self.rows_per_file or self._sink.tell() >= self.file_bytes:
                 self._close_file()
 
     def _close_file(self) -> None:
-        assert self._writer is not None and self._tmp is not None
+        assert self._writer is not None and self._file is not None
         self._writer.close()
-        final = self.dir / self._tmp.name.removeprefix(TMP_PREFIX)
-        os.replace(self._tmp, final)
-        size, checksum = crc64nvme_file(final)
-        self.files.append(FileEntry(path=f"{self.dir.name}/{final.name}", size=size, checksum=checksum))
-        self._writer, self._tmp, self._rows_in_file = None, None, 0
+        self._file.close()  # flushes the file object, then renames the temp file into place in the folder it was made in
+        self._writer, self._file, self._sink, self._rows_in_file = None, None, None, 0
+        read = self.store.read_checksum(self._key)
+        if read is None:
+            raise FileNotFoundError(errno.ENOENT, "no regular file there right after its rename", str(self.store.root / self._key))
+        self.files.append(FileEntry(path=self._key, size=read[0], checksum=read[1]))
 
     def close(self) -> list[FileEntry]:
         self._flush()
@@ -67,16 +91,17 @@ class SplitWriter:
 
     def discard(self) -> list[FileEntry]:
         """Delete every file written so far (an input that failed is dropped whole, a full disk stops the shard); returns
-        the files left: none."""
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            except OSError:  # its last bytes may not fit either: the file is deleted all the same
-                pass
-        for path in [self._tmp, *(self.dir / Path(e.path).name for e in self.files)]:
-            if path is not None:
-                path.unlink(missing_ok=True)
-        self.files, self._pending, self._writer, self._tmp = [], [], None, None
+        the files left: none. A link planted on the way is refused by the store as on writing: nothing is removed through it."""
+        if self._file is not None:
+            if self._writer is not None:
+                try:
+                    self._writer.close()
+                except OSError:  # its last bytes may not fit either: the file is deleted all the same
+                    pass
+            self._file.__exit__(_Discarded, _Discarded(), None)  # closes the file and removes the temp file
+        files, self.files, self._pending, self._writer, self._file, self._sink = self.files, [], [], None, None, None
+        for entry in files:
+            self.store.delete(entry.path)
         return self.files
 
 

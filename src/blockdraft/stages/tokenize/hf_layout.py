@@ -14,13 +14,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import pyarrow as pa
 
 from blockdraft.data.formats import SPLITS
-from blockdraft.store.local import TMP_PREFIX
+from blockdraft.store.base import Store
+from blockdraft.store.checksum import crc64nvme_bytes
+from blockdraft.store.local import LocalStore
+from blockdraft.store.manifest import FileEntry
 
 QUARANTINE_DIR = "quarantine"
 EMPTY_SPLIT_FILE = "empty.arrow"
@@ -43,38 +45,37 @@ def output_schema() -> pa.Schema:
     ).arrow_schema
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all: a temporary sibling, fsynced, then renamed over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(TMP_PREFIX + path.name)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_split_metadata(out: Path, shard_files: list[list[tuple[str, str]]], schema: pa.Schema) -> list[Path]:
-    """state.json / dataset_info.json per split and dataset_dict.json; returns the paths written.
+def write_split_metadata(out: Path, shard_files: list[list[tuple[str, str]]], schema: pa.Schema) -> list[FileEntry]:
+    """state.json / dataset_info.json per split and dataset_dict.json; returns the entries of the files written.
 
     `shard_files`: per shard in input order, its Arrow files as (path relative to `out`, crc64nvme checksum), in the
     order the shard wrote them (train then held_out, parts in order). The fingerprint hashes that order, so it is kept.
+
+    Every file is written through `LocalStore` (`put_bytes`, `writing`): its folder opened one name at a time without
+    following a link and the file renamed into place within that opened folder, so a link planted at a split folder is
+    refused as resolving outside the output, and one at a file's name is replaced, never written through. pyarrow writes
+    the empty split's stream into the open file object, never by path.
     """
     import datasets
 
+    store = LocalStore(out)
     features = datasets.Features.from_arrow_schema(schema)
     checksums = [checksum for files in shard_files for _, checksum in files]
-    written = []
+    written: list[FileEntry] = []
+
+    def put(key: str, data: bytes) -> None:
+        store.put_bytes(key, data)
+        written.append(FileEntry(path=key, size=len(data), checksum=crc64nvme_bytes(data)))
+
     for split in SPLITS:
         names = [path.split("/", 1)[1] for files in shard_files for path, _ in files if path.split("/", 1)[0] == split]
-        folder = out / split
-        folder.mkdir(parents=True, exist_ok=True)
         if not names:
             # `load_from_disk` needs at least one table per split: an empty split gets one schema-only file.
-            empty = folder / EMPTY_SPLIT_FILE
-            with pa.ipc.new_stream(str(empty), schema):
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, schema):
                 pass
-            names, written = [EMPTY_SPLIT_FILE], [*written, empty]
+            put(f"{split}/{EMPTY_SPLIT_FILE}", sink.getvalue().to_pybytes())
+            names = [EMPTY_SPLIT_FILE]
         fingerprint = hashlib.sha256(json.dumps([split, *names, *checksums]).encode()).hexdigest()[:16]
         state = {
             "_data_files": [{"filename": name} for name in names],
@@ -87,20 +88,20 @@ def write_split_metadata(out: Path, shard_files: list[list[tuple[str, str]]], sc
         }
         info = {"citation": "", "description": "", "features": features.to_dict(), "homepage": "", "license": ""}
         for name, data in (("state.json", state), ("dataset_info.json", info)):
-            write_atomic(folder / name, json.dumps(data, indent=2, sort_keys=True).encode())
-            written.append(folder / name)
-    write_atomic(out / "dataset_dict.json", json.dumps({"splits": list(SPLITS)}).encode())
-    written.append(out / "dataset_dict.json")
+            put(f"{split}/{name}", json.dumps(data, indent=2, sort_keys=True).encode())
+    put("dataset_dict.json", json.dumps({"splits": list(SPLITS)}).encode())
     return written
 
 
-def remove_leftovers(out: Path, keep: set[str]) -> None:
-    """Delete every row or quarantine file not in `keep` (paths relative to `out`) and the split metadata (rewritten
-    at commit), so the folder holds nothing a reader could mix with this run's rows."""
+def remove_leftovers(store: Store, keep: set[str]) -> None:
+    """Delete every row or quarantine file not in `keep` (keys in `store`, the output) and the split metadata (rewritten
+    at commit), so the folder holds nothing a reader could mix with this run's rows.
+
+    The folders are listed without following a link to one, and each file is deleted by the store in its folder opened
+    one name at a time without following a link: nothing outside the output is listed or removed through a link planted
+    at a split or quarantine folder (a link there is OutsideArtifactError when the run writes into it)."""
     for sub in (*SPLITS, QUARANTINE_DIR):
-        folder = out / sub
-        if not folder.is_dir():
-            continue
-        for p in folder.iterdir():
-            if p.suffix in (".arrow", ".jsonl", ".json") and f"{sub}/{p.name}" not in keep:
-                p.unlink()
+        for info in store.list(f"{sub}/"):
+            name = info.key.removeprefix(f"{sub}/")
+            if "/" not in name and name.endswith((".arrow", ".jsonl", ".json")) and info.key not in keep:
+                store.delete(info.key)

@@ -45,7 +45,7 @@ def finished_shard(out: StageOutput, in_store: Store, digest: str, task: ShardTa
     return ShardOutput(task.name, list(piece.files), piece.counts)
 
 
-def keep_finished_shards(out: StageOutput, in_store: Store, digest: str, tasks: list[ShardTask], out_dir: Path) -> dict[str, ShardOutput]:
+def keep_finished_shards(out: StageOutput, in_store: Store, digest: str, tasks: list[ShardTask]) -> dict[str, ShardOutput]:
     """The shards whose pieces match this run, by name; every other piece, temporary file and unnamed file is deleted."""
     recorded = recorded_pieces(out.store)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # each check reads files back (and maybe input bytes)
@@ -55,11 +55,11 @@ def keep_finished_shards(out: StageOutput, in_store: Store, digest: str, tasks: 
         if name not in kept:
             out.drop_piece(name)
     out.store.abort_partial_uploads()  # temporary files of a killed run
-    remove_leftovers(out_dir, {entry.path for shard in kept.values() for entry in shard.files})
+    remove_leftovers(out.store, {entry.path for shard in kept.values() for entry in shard.files})
     return kept
 
 
-def drop_failed_files(out: StageOutput, out_dir: Path, tasks: list[ShardTask], outputs: dict[str, ShardOutput]) -> list[ShardOutput]:
+def drop_failed_files(out: StageOutput, tasks: list[ShardTask], outputs: dict[str, ShardOutput]) -> list[ShardOutput]:
     """The shards to commit, in task order: a file that one of its tasks could not read whole is left out whole, as one
     failed input (the first failed task's quarantine line); its other tasks' pieces and files are deleted."""
     failed_files = {t.file_index for t in tasks if outputs[t.name].stats.get("input_files_failed")}
@@ -73,7 +73,7 @@ def drop_failed_files(out: StageOutput, out_dir: Path, tasks: list[ShardTask], o
             continue
         out.drop_piece(task.name)  # the piece first: a crash in between never leaves a piece over missing files
         for entry in shard.files:
-            (out_dir / entry.path).unlink(missing_ok=True)
+            out.store.delete(entry.path)  # in its folder opened without following a link
     return keep
 
 

@@ -17,6 +17,7 @@ special-token pattern are built once per process (`install_tools`), never shippe
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -52,13 +53,13 @@ from blockdraft.data.render import (
 )
 from blockdraft.data.streams import InputUnreadable
 from blockdraft.data.tokenizer import special_token_pattern
+from blockdraft.errors import OutsideArtifactError
 from blockdraft.stages.tokenize.arrow_rows import SplitWriter
 from blockdraft.stages.tokenize.hf_layout import QUARANTINE_DIR, SPLITS
 from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, check_listed, piece_key
-from blockdraft.store import open_store
+from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import FileEntry
-from blockdraft.store.checksum import crc64nvme_file
-from blockdraft.store.local import TMP_PREFIX, LocalStore
+from blockdraft.store.local import LocalStore
 from blockdraft.store.stage_io import StageOutput
 from blockdraft.store.writable import disk_full_error
 
@@ -176,19 +177,23 @@ def worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, templ
     install_tools(tokenizer_json, template_text, variables)
 
 
-def _remove_shard_outputs(output: StageOutput, out: Path, name: str) -> None:
-    """Delete every output of one shard, temporary ones too (its piece first, so a crash in between never leaves a piece
-    over missing files)."""
+def _remove_shard_outputs(output: StageOutput, name: str) -> None:
+    """Delete every output of one shard (its piece first, so a crash in between never leaves a piece over missing files).
+
+    Each file is deleted through the store, in its folder opened one name at a time without following a link: a link
+    planted at a split or quarantine folder is OutsideArtifactError ("resolves outside"), and nothing is removed through
+    it. Temporary files are their writers' to remove (`LocalStore.writing` removes its own when the block fails) and a
+    killed run's are removed by the parent before any shard runs (`resume.keep_finished_shards`)."""
     output.drop_piece(name)
-    for p in _shard_files(out, name):
-        p.unlink(missing_ok=True)
+    for key in _shard_files(output.store, name):
+        output.store.delete(key)
 
 
-def _shard_files(out: Path, name: str) -> list[Path]:
-    """Every file of one shard in the output folder, whole or temporary (`TMP_PREFIX`)."""
-    patterns = [f"{prefix}{name}-part-*.arrow" for prefix in ("", TMP_PREFIX)]
-    found = [p for split in SPLITS for pattern in patterns for p in (out / split).glob(pattern)]
-    return found + [p for p in (out / QUARANTINE_DIR / f"{prefix}{name}.jsonl" for prefix in ("", TMP_PREFIX)) if p.is_file()]
+def _shard_files(store: Store, name: str) -> list[str]:
+    """Every whole file of one shard in the output, by key: its Arrow files of each split and its quarantine file (a
+    listing follows no link to a folder)."""
+    arrow = [info.key for split in SPLITS for info in store.list(f"{split}/{name}-part-") if info.key.endswith(".arrow")]
+    return [*arrow, f"{QUARANTINE_DIR}/{name}.jsonl"]
 
 
 def _to_parent_queue() -> Advance | None:
@@ -212,17 +217,21 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
     if WORKER.get("key") != settings.tools_key:
         raise RuntimeError("tokenize_shard called in a process without this run's tokenizer and template installed")
     out = Path(settings.output_dir)
-    output = StageOutput(LocalStore(out), TOKENIZED_KIND, PIECES_ONLY)
-    _remove_shard_outputs(output, out, task.name)
-    writers = {split: SplitWriter(out / split, task.name, settings.schema, settings.rows_per_file, settings.file_bytes) for split in SPLITS}
+    store = LocalStore(out)
+    output = StageOutput(store, TOKENIZED_KIND, PIECES_ONLY)
+    _remove_shard_outputs(output, task.name)
+    writers = {split: SplitWriter(store, split, task.name, settings.schema, settings.rows_per_file, settings.file_bytes) for split in SPLITS}
     reading = _Reading(task.share, progress or _to_parent_queue())
     try:
-        shard = _write_shard(task, settings, output, writers, reading)
+        shard = _write_shard(task, settings, store, output, writers, reading)
     except BaseException as exc:
-        written = sum(p.stat().st_size for p in _shard_files(out, task.name))
-        for writer in writers.values():
-            writer.discard()  # closes its open file: an unlinked file still open keeps its space
-        _remove_shard_outputs(output, out, task.name)
+        written = sum(writer.bytes_written for writer in writers.values())
+        try:
+            for writer in writers.values():
+                writer.discard()  # closes its open file: an unlinked file still open keeps its space
+            _remove_shard_outputs(output, task.name)
+        except OutsideArtifactError:
+            pass  # a link swapped in meanwhile: nothing is removed through it, and the error raised below names it
         error = disk_full_error(exc, out, written, reading.done / max(task.share, 1)) if isinstance(exc, OSError) else None
         if error is None:
             raise
@@ -257,18 +266,18 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput, writers: dict[str, SplitWriter],
+def _write_shard(task: ShardTask, settings: WorkerSettings, out: LocalStore, output: StageOutput, writers: dict[str, SplitWriter],
                  reading: _Reading) -> ShardOutput:
     tokenizer, template, special = WORKER["tools"]
-    out = Path(settings.output_dir)
     counts = _ShardCounts()
-    quarantine_path = out / QUARANTINE_DIR / f"{task.name}.jsonl"
-    quarantine_path.parent.mkdir(parents=True, exist_ok=True)
-    quarantine_tmp = quarantine_path.with_name(TMP_PREFIX + quarantine_path.name)
+    quarantine_key = f"{QUARANTINE_DIR}/{task.name}.jsonl"
     read = 0
     failure: InputUnreadable | None = None
     store = open_store(settings.input_url, settings.store)
-    with open(quarantine_tmp, "w", encoding="utf-8") as quarantine, store.open_read(task.input_key) as raw:
+    # The quarantine file is written like every file of the output (`LocalStore.writing`: its folder opened without
+    # following a link, renamed into place when the block ends, removed if it fails).
+    with (out.writing(quarantine_key) as new, open(new.fd, "w", encoding="utf-8", closefd=False) as quarantine,
+          store.open_read(task.input_key) as raw):
         trusted = _check_pin(task, raw)
         # Parquet is read by seeking; its checksum is a second, sequential pass, skipped when the listing names it.
         reader = RangeReader(raw, task.input_key, task.file.size, task.part,
@@ -304,10 +313,11 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, output: StageOutput,
             quarantine.seek(0)
             quarantine.truncate()
             quarantine.write(json.dumps(line, ensure_ascii=False) + "\n")
-    os.replace(quarantine_tmp, quarantine_path)
     split_files = {split: writers[split].discard() if failure else writers[split].close() for split in SPLITS}
-    q_size, q_checksum = crc64nvme_file(quarantine_path)
-    quarantine_entry = FileEntry(path=f"{QUARANTINE_DIR}/{quarantine_path.name}", size=q_size, checksum=q_checksum)
+    read_back = out.read_checksum(quarantine_key)
+    if read_back is None:
+        raise FileNotFoundError(errno.ENOENT, "no regular file there right after its rename", str(out.root / quarantine_key))
+    quarantine_entry = FileEntry(path=quarantine_key, size=read_back[0], checksum=read_back[1])
     shard = ShardOutput(
         task.name,
         [*(e for split in SPLITS for e in split_files[split]), quarantine_entry],

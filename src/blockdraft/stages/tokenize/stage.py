@@ -42,7 +42,7 @@ from blockdraft.stages.tokenize.runner import ShardRunner
 from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, ShardRun, WorkerSettings, tools_key
 from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, checksum_from_reads, plan_tasks
 from blockdraft.store import ObjectInfo, Store, open_store
-from blockdraft.store.artifact import InputRef, VerifyReport, entry_for_local_file, raw_input
+from blockdraft.store.artifact import InputRef, VerifyReport, raw_input
 from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
 from blockdraft.store.staged import stage_and_push
 from blockdraft.store.writable import DiskFull, disk_full_error, unwritable_error
@@ -288,14 +288,14 @@ def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> tuple[Ver
     A full disk is one line (`DiskFull`), after every temporary file of the output is removed."""
     plan.out.begin()
     try:
-        kept = keep_finished_shards(plan.out, plan.inputs.store, plan.digest, plan.tasks, plan.out_dir)
+        kept = keep_finished_shards(plan.out, plan.inputs.store, plan.digest, plan.tasks)
         pending = [t for t in plan.tasks if t.name not in kept]
         if kept:
             reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match this run)")
         ran = _run_pending(plan, runner, pending, reporter, len(kept))
         made = {r.output.name: r.output for r in ran.runs}
         shards = {t.name: kept.get(t.name) or made[t.name] for t in plan.tasks}
-        return _commit(plan, drop_failed_files(plan.out, plan.out_dir, plan.tasks, shards)), ran
+        return _commit(plan, drop_failed_files(plan.out, plan.tasks, shards)), ran
     except DiskFull:
         plan.out.store.abort_partial_uploads()
         raise
@@ -339,7 +339,7 @@ def _commit(plan: _Plan, shards: list[ShardOutput]) -> VerifyReport:
     """Split metadata, then the manifest (`StageOutput.commit` verifies every file at the destination first)."""
     plan.inputs.combine(plan.tasks, shards)
     metadata = write_split_metadata(plan.out_dir, [s.arrow_files() for s in shards], output_schema())
-    entries = [entry for s in shards for entry in s.files] + [entry_for_local_file(plan.out_dir, p) for p in metadata]
+    entries = [entry for s in shards for entry in s.files] + metadata
     counts = merge_counts([s.stats for s in shards])
     counts["shards"] = len(plan.tasks)
     counts["input_files"] = len(plan.inputs.files)
