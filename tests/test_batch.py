@@ -13,9 +13,9 @@ from blockdraft.stages.train.batch import (
     block_attention_mask,
     build_block_batch,
     eligible_anchors,
-    expected_acceptance,
     sample_anchors,
     slot_decay,
+    teacher_forced_tau,
 )
 from blockdraft.stages.train.loss import block_loss
 
@@ -130,10 +130,12 @@ def test_short_row_gets_zero_weight_padded_blocks():
     assert not batch.attention_mask[1, 0, :, 5:30].any()
 
 
-def test_expected_acceptance():
-    assert expected_acceptance([]) == 1.0
-    assert expected_acceptance([1.0, 1.0, 1.0]) == 4.0
-    assert expected_acceptance([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+def test_teacher_forced_tau_counts_each_blocks_leading_right_slots():
+    assert teacher_forced_tau([], 0) == 1.0
+    assert teacher_forced_tau([4.0, 4.0, 4.0], 4) == 4.0
+    # Two blocks, one right in every slot and one wrong in every slot: each slot is right half the time, and the blocks
+    # accept 3 and 0 drafts, tau 2.5; the product of the per-slot accuracies would say 1 + 0.5 + 0.25 + 0.125.
+    assert teacher_forced_tau([1.0, 1.0, 1.0], 2) == 2.5
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -157,6 +159,7 @@ def test_chunked_loss_equals_dense_loss_and_gradient(bias):
     sup = (weights.reshape(b * n, bs)[:, 1:] > 0).float()
     assert torch.allclose(out.slots.correct, (acc * sup).sum(0))
     assert torch.allclose(out.slots.total, sup.sum(0))
+    assert torch.allclose(out.slots.leading, (acc * sup).cumprod(dim=1).sum(0))
 
 
 def test_all_padded_batch_has_zero_finite_loss():

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from datasets import Dataset
 
-from blockdraft.stages.train.batch import anchor_generator, build_block_batch, expected_acceptance
+from blockdraft.stages.train.batch import anchor_generator, build_block_batch, teacher_forced_tau
 from blockdraft.stages.train.loss import Teacher, block_loss
 from blockdraft.stages.train.placement import RankPlacement
 from blockdraft.stages.train.setup import TrainingSetup
@@ -57,7 +57,7 @@ class HeldOut:
         began = time.perf_counter()
         nslots = setup.spec.block_size - 1
         weighted, normaliser = 0.0, 0.0
-        correct, counted = torch.zeros(nslots), torch.zeros(nslots)
+        correct, counted, leading = torch.zeros(nslots), torch.zeros(nslots), torch.zeros(nslots)
         device = place.drafter_device
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         for first in range(0, len(self.rows), self.batch_size):
@@ -87,11 +87,12 @@ class HeldOut:
             normaliser += float(norm)
             correct += out.slots.correct.cpu()
             counted += out.slots.total.cpu()
+            leading += out.slots.leading.cpu()
         accuracy = (correct / counted.clamp_min(1)).tolist()
         return {
             "loss": weighted / max(normaliser, 1e-12),
             "slot_accuracy": accuracy,
-            "tau_estimate": expected_acceptance(accuracy),
+            "tau_estimate": teacher_forced_tau(leading.tolist(), float(counted[0])),
             "rows": len(self.rows),
             "seconds": time.perf_counter() - began,
         }

@@ -133,11 +133,13 @@ class Teacher:
 @dataclass
 class SlotStats:
     """Per-slot counts for slots 1..B-1 (supervised slots only), summable across ranks, all [B-1] float: `correct` (unary
-    argmax = label), `total`, and `ce` the sum of the unary cross-entropy against the label (unweighted)."""
+    argmax = label), `total`, `ce` the sum of the unary cross-entropy against the label (unweighted), and `leading` the
+    blocks whose slots 1..k all are supervised and right (`batch.teacher_forced_tau`; `total[0]` counts the blocks)."""
 
     correct: torch.Tensor
     total: torch.Tensor
     ce: torch.Tensor
+    leading: torch.Tensor
 
     def accuracy(self) -> list[float]:
         return (self.correct / self.total.clamp_min(1)).tolist()
@@ -147,11 +149,13 @@ class SlotStats:
 class SelectorStats:
     """The selector's term of a DFlash2 drafter: `weighted` its sum(w * CE) (detached, before selector_loss_alpha), and per
     slot 1..B-1 [B-1] float over supervised slots: `recall` (gold among the top-K) and `correct` (the walk's choice with
-    the gold predecessor, among the top-K, is the gold: teacher-forced selector accuracy)."""
+    the gold predecessor, among the top-K, is the gold: teacher-forced selector accuracy), and `leading` as `SlotStats`'s
+    for the walk's choices."""
 
     weighted: torch.Tensor
     recall: torch.Tensor
     correct: torch.Tensor
+    leading: torch.Tensor
 
 
 @dataclass
@@ -306,12 +310,14 @@ def block_loss(
     )
     supervised = (w.reshape(-1, block_size)[:, 1:] > 0).float()
     per_slot = lambda rows: (rows.float().reshape(-1, block_size)[:, 1:] * supervised).sum(0)  # noqa: E731  [B-1]
-    slots = SlotStats(correct=per_slot(hits), total=supervised.sum(0), ce=per_slot(ce_rows.detach()))
+    # [B-1]: the blocks whose slots 1..k are all supervised and right (a running product along each block).
+    leading = lambda rows: (rows.float().reshape(-1, block_size)[:, 1:] * supervised).cumprod(dim=1).sum(0)  # noqa: E731
+    slots = SlotStats(correct=per_slot(hits), total=supervised.sum(0), ce=per_slot(ce_rows.detach()), leading=leading(hits))
     selector = None
     term = weighted_ce
     if objective.selects and walk_scores is not None:
         out = selector_term(h, y, used, candidates, values, walk_scores, block_size, objective.missing_gold == "inject")
-        selector = SelectorStats(out.weighted.detach(), per_slot(out.recall), per_slot(out.correct))
+        selector = SelectorStats(out.weighted.detach(), per_slot(out.recall), per_slot(out.correct), leading(out.correct))
         term = weighted_ce + objective.selector_alpha * out.weighted
 
     weight_sum = global_weight_sum(w, objective) if weight_sum is None else weight_sum

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 # Held-out tau estimate below this share of the training one: the drafter learned its training rows, not the task.
-OVERFIT_RATIO = 0.75
+# Measured on the tiny target's own answers (docs/TRAINING-SIGNAL.md): the full demo (297 rows, 12 epochs, held-out still
+# rising) reads 0.72; 48 rows for 33 epochs (held-out flat from the 20th) 0.42.
+OVERFIT_RATIO = 0.6
 # Decoded tau below this share of the held-out tau estimate (the training one without held-out rows): the teacher-forced
 # figure does not carry over to real decoding.
 DECODED_RATIO = 0.6

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from blockdraft.model import DFlashDrafter, TargetHead
-from blockdraft.stages.train.batch import BlockBatch, expected_acceptance
+from blockdraft.stages.train.batch import BlockBatch, teacher_forced_tau
 from blockdraft.stages.train.loss import PAPER_OBJECTIVE, LossOutput, Objective, Teacher, block_loss
 
 
@@ -111,34 +111,37 @@ def accumulate(
 
 
 def totals_of(out: LossOutput, tokens: int) -> torch.Tensor:
-    """One micro-batch's figures as one summable vector: sum(w * term), per-slot unary correct, counted and CE sums, the
-    real tokens, and for DFlash2 the selector's sum(w * CE), per-slot recall and teacher-forced correct."""
-    parts = [out.weighted_ce.reshape(1), out.slots.correct, out.slots.total, out.slots.ce, out.slots.total.new_tensor([tokens])]
+    """One micro-batch's figures as one summable vector: sum(w * term), per-slot unary correct, counted, CE and leading
+    sums, the real tokens, and for DFlash2 the selector's sum(w * CE), per-slot recall, teacher-forced correct and leading."""
+    slots = out.slots
+    parts = [out.weighted_ce.reshape(1), slots.correct, slots.total, slots.ce, slots.leading, slots.total.new_tensor([tokens])]
     if out.selector is not None:
-        parts += [out.selector.weighted.reshape(1), out.selector.recall, out.selector.correct]
+        parts += [out.selector.weighted.reshape(1), out.selector.recall, out.selector.correct, out.selector.leading]
     return torch.cat(parts)
 
 
 def step_metrics(totals: torch.Tensor, weight_sum: torch.Tensor, block_size: int) -> dict[str, Any]:
     """The metrics entry's figures of a step's summed `totals_of` (on the host): the loss (the whole objective),
-    per-slot unary accuracy and CE, the unary tau estimate, tokens; for DFlash2 also the selector's loss (its own term,
-    before selector_loss_alpha), candidate recall and teacher-forced selector accuracy, per slot and over all slots,
-    and `walk_tau_estimate`: the tau estimate from the selector's per-slot accuracy (the walk with gold predecessors)."""
+    per-slot unary accuracy and CE, the unary tau estimate (`batch.teacher_forced_tau`), tokens; for DFlash2 also the
+    selector's loss (its own term, before selector_loss_alpha), candidate recall and teacher-forced selector accuracy, per
+    slot and over all slots, and `walk_tau_estimate`: the tau estimate of the walk's choices with gold predecessors."""
     n = block_size - 1
     denominator = weight_sum.cpu().clamp_min(1e-12)
-    correct, counted, ce, tokens = totals[1 : 1 + n], totals[1 + n : 1 + 2 * n], totals[1 + 2 * n : 1 + 3 * n], totals[1 + 3 * n]
+    correct, counted, ce = totals[1 : 1 + n], totals[1 + n : 1 + 2 * n], totals[1 + 2 * n : 1 + 3 * n]
+    leading, tokens = totals[1 + 3 * n : 1 + 4 * n], totals[1 + 4 * n]
     slots = counted.clamp_min(1)
     accuracy = (correct / slots).tolist()
+    blocks = float(counted[0])
     entry: dict[str, Any] = {
         "loss": float(totals[0] / denominator),
         "slot_accuracy": accuracy,
         "slot_loss": (ce / slots).tolist(),
-        "tau_estimate": expected_acceptance(accuracy),
+        "tau_estimate": teacher_forced_tau(leading.tolist(), blocks),
         "tokens": int(tokens),
     }
-    if totals.numel() > 2 + 3 * n:  # a DFlash2 drafter's selector figures follow
-        rest = totals[2 + 3 * n :]
-        recall, chosen = rest[1 : 1 + n], rest[1 + n : 1 + 2 * n]
+    if totals.numel() > 2 + 4 * n:  # a DFlash2 drafter's selector figures follow
+        rest = totals[2 + 4 * n :]
+        recall, chosen, walked = rest[1 : 1 + n], rest[1 + n : 1 + 2 * n], rest[1 + 2 * n : 1 + 3 * n]
         selector_accuracy = (chosen / slots).tolist()
         all_slots = float(counted.sum().clamp_min(1))
         entry.update({
@@ -147,7 +150,7 @@ def step_metrics(totals: torch.Tensor, weight_sum: torch.Tensor, block_size: int
             "slot_candidate_recall": (recall / slots).tolist(),
             "selector_accuracy": float(chosen.sum()) / all_slots,
             "slot_selector_accuracy": selector_accuracy,
-            "walk_tau_estimate": expected_acceptance(selector_accuracy),
+            "walk_tau_estimate": teacher_forced_tau(walked.tolist(), blocks),
         })
     return entry
 
