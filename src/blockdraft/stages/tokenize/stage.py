@@ -225,7 +225,6 @@ class _Plan:
     run_config: dict[str, Any]
     warnings: list[str]
 
-
     @property
     def tasks(self) -> list[ShardTask]:
         return self.cut.tasks
@@ -258,10 +257,10 @@ def _cut(config: BlockdraftConfig, in_store: Store, files: list[InputFile], out_
     best = kept(cut.tasks)
     if best == len(recorded):
         return cut
-    sizes = Counter(int(p.counts.get(TASK_SIZE, opts.task_bytes)) for p in pieces.values())
+    sizes = Counter(p.counts.get(TASK_SIZE, opts.task_bytes) for p in pieces.values())
     for other, _ in sizes.most_common():
-        if other == size or not 1024 <= other <= opts.task_bytes:
-            continue
+        if not isinstance(other, int) or other == size or not 1024 <= other <= opts.task_bytes:
+            continue  # not a size a run of this config could have chosen
         earlier = _Cut(plan_tasks(in_store, files, other), other, kept_earlier=True)
         if (found := kept(earlier.tasks)) > best:
             cut, best = earlier, found
