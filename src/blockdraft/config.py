@@ -128,8 +128,12 @@ class TokenizeConfig(_Section):
     max_length: int = Field(default=4096, ge=2)
     held_out_fraction: float = Field(default=0.01, ge=0.0, lt=1.0)
     workers: int = Field(default=1, ge=1)
-    # Input bytes per task: a larger file is cut into 2, 4, 8, ... parts of at most this (docs/TOKENIZATION.md, "Tasks").
+    # The most input bytes per task. A run sizes its tasks for `workers` (about 4 tasks a worker over all its input bytes),
+    # within [min_task_bytes, task_bytes]; a larger file is cut into 2, 4, 8, ... parts of at most that size, a file of at
+    # most that size stays whole (docs/TOKENIZATION.md, "Tasks").
     task_bytes: int = Field(default=16 << 20, ge=1024)
+    # The least input bytes per task, so that a small input is not cut into slivers (task_bytes wins when it is smaller).
+    min_task_bytes: int = Field(default=1 << 20, ge=1024)
     # An Arrow file is closed once it holds this many bytes (a task's last file is smaller), or rows_per_shard rows if set.
     file_bytes: int = Field(default=256 << 20, ge=1)
     rows_per_shard: int | None = Field(default=None, ge=1)

@@ -3,8 +3,9 @@ quarantine file and, last, its piece record.
 
 A finished shard is a piece of the output (`StageOutput.put_piece`, written after its files), keyed by `piece_key`:
 the run's config digest, the input file's key and size, and the part. Its counts hold the shard's row statistics
-(`stats`), its Arrow files per split in the order written (`split_files`) and what it read of the input (`input`: the
-file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `tasks.checksum_from_reads`).
+(`stats`), its Arrow files per split in the order written (`split_files`), what it read of the input (`input`: the
+file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `tasks.checksum_from_reads`) and the task
+size its run cut the input with (`task_size`: a rerun cuts it the same way to keep the piece, `stage._cut`).
 
 An input file that cannot be decoded whole is dropped whole, with no piece (see `tokenize_shard`; the stage drops the
 file's other parts too).
@@ -56,7 +57,7 @@ from blockdraft.data.tokenizer import special_token_pattern
 from blockdraft.errors import OutsideArtifactError
 from blockdraft.stages.tokenize.arrow_rows import SplitWriter
 from blockdraft.stages.tokenize.hf_layout import QUARANTINE_DIR, SPLITS
-from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, check_listed, piece_key
+from blockdraft.stages.tokenize.tasks import INPUT_READ, TASK_SIZE, ShardTask, check_listed, piece_key
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import FileEntry
 from blockdraft.store.local import LocalStore
@@ -94,6 +95,7 @@ class WorkerSettings:
     store: StoreConfig
     output_dir: str
     schema: pa.Schema
+    task_size: int  # the input bytes per task the run cut its input with (`tasks.task_size`), recorded in every piece
 
 
 @dataclass(frozen=True)
@@ -323,7 +325,8 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, out: LocalStore, out
         [*(e for split in SPLITS for e in split_files[split]), quarantine_entry],
         {"stats": counts.as_dict(), "split_files": {split: [e.path for e in split_files[split]] for split in SPLITS},
          INPUT_READ: {"pin": task.file.pin, "pin_trusted": trusted, "window": list(reader.window) if reader.window else None,
-                      "crc": reader.crc, "reads": [list(r) for r in reader.reads]}},
+                      "crc": reader.crc, "reads": [list(r) for r in reader.reads]},
+         TASK_SIZE: settings.task_size},
     )
     if failure is None:
         # The piece is recorded last: it is the shard's "done", and it names exactly the files the shard made.

@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,10 +41,18 @@ from blockdraft.stages.tokenize.report import InputFilesFailed, TokenizeSummary,
 from blockdraft.stages.tokenize.resume import drop_failed_files, finished_shard_entries, keep_finished_shards
 from blockdraft.stages.tokenize.runner import ShardRunner
 from blockdraft.stages.tokenize.shard import SHARD_FORMAT, ShardOutput, ShardRun, WorkerSettings, tools_key
-from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, checksum_from_reads, plan_tasks
+from blockdraft.stages.tokenize.tasks import (
+    INPUT_READ,
+    TASK_SIZE,
+    ShardTask,
+    checksum_from_reads,
+    piece_key,
+    plan_tasks,
+    task_size,
+)
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import InputRef, VerifyReport, raw_input
-from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
+from blockdraft.store.stage_io import STAGE_KEY, StageOutput, recorded_pieces, refuse_nested, stage_key
 from blockdraft.store.staged import stage_and_push
 from blockdraft.store.writable import DiskFull, disk_full_error, unwritable_error
 
@@ -212,15 +221,59 @@ class _Plan:
     out: StageOutput
     out_dir: Path
     inputs: _InputPins
-    tasks: list[ShardTask]
+    cut: _Cut
     run_config: dict[str, Any]
     warnings: list[str]
 
+    @property
+    def tasks(self) -> list[ShardTask]:
+        return self.cut.tasks
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """How a run cuts its input: its `tasks`, of at most about `size` input bytes each; `kept_earlier`: the size is the
+    one the output's finished pieces were cut with, not the one for this run's workers, so that they are kept."""
+
+    tasks: list[ShardTask]
+    size: int
+    kept_earlier: bool = False
+
+
+def _cut(config: BlockdraftConfig, in_store: Store, files: list[InputFile], out_store: Store, digest: str) -> _Cut:
+    """The run's tasks, sized for its workers (`task_size`). When the output holds finished pieces of this config that
+    were cut with another size (a run with another number of workers, or over other inputs), and more of them match
+    that cut than this one, the input is cut that way instead, so that a resume keeps them: rows never depend on the cut,
+    and finished work is worth more than an even share. A piece that records no size was cut with `task_bytes`."""
+    opts = config.tokenize
+    size = task_size(sum(f.size for f in files), opts.workers, opts.task_bytes, opts.min_task_bytes)
+    cut = _Cut(plan_tasks(in_store, files, size), size)
+    pieces = recorded_pieces(out_store)
+    recorded = {name: piece.config.get(STAGE_KEY) for name, piece in pieces.items()}
+
+    def kept(tasks: list[ShardTask]) -> int:
+        return sum(recorded.get(t.name) == piece_key(digest, t) for t in tasks if t.name in recorded)
+
+    best = kept(cut.tasks)
+    if best == len(recorded):
+        return cut
+    sizes = Counter(p.counts.get(TASK_SIZE, opts.task_bytes) for p in pieces.values())
+    for other, _ in sizes.most_common():
+        if not isinstance(other, int) or other == size or not 1024 <= other <= opts.task_bytes:
+            continue  # not a size a run of this config could have chosen
+        earlier = _Cut(plan_tasks(in_store, files, other), other, kept_earlier=True)
+        if (found := kept(earlier.tasks)) > best:
+            cut, best = earlier, found
+    return cut
+
 
 def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> str:
-    """What the rows depend on (not `workers`): tokenize options, tokenizer, template, end-of-turn id, shard format."""
+    """What the rows depend on: tokenize options, tokenizer, template, end-of-turn id, shard format. Not `workers` nor
+    `min_task_bytes`: they only choose how the input is cut into tasks, and the rows are the same for any cut (so a rerun
+    with another number of workers finds its output done, or resumes it)."""
     options = cfg.resolved()["tokenize"]
     options.pop("workers")
+    options.pop("min_task_bytes")
     data = {"tokenize": options, "tokenizer": src.tokenizer_sha256, "template": src.template.sha256,
             "template_variables": src.template.variables, "eot_id": eot_id, "format": SHARD_FORMAT}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
@@ -240,7 +293,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter,
     out_dir = out_store.local_path()
     assert out_dir is not None, "a remote output is staged in a local folder by run()"
     in_store, files, artifact_lineage = list_inputs(input, config.store)
-    tasks = plan_tasks(in_store, files, opts.task_bytes)
+    cut = _cut(config, in_store, files, out_store, digest)
     run_config = {
         **config.resolved(),
         "tokenize_run": {
@@ -253,6 +306,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter,
             "tokenizer_sha256": src.tokenizer_sha256,
             "end_of_turn": opts.end_of_turn,
             "end_of_turn_id": eot_id,
+            "task_size": cut.size,
             "split_rule": "held_out iff int(sha256(source_id)[:8 bytes], big-endian) < held_out_fraction * 2**64",
         },
     }
@@ -261,7 +315,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter,
     # The key names the inputs by content: asked for only of an output of this config, and at commit.
     out = StageOutput(out_store, TOKENIZED_KIND, lambda: inputs.key(digest), made_with={DIGEST_FIELD: digest}, failures=FAILED_FIELD,
                       force=force, reporter=reporter)
-    return _Plan(config=config, src=src, eot_id=eot_id, digest=digest, out=out, out_dir=out_dir, inputs=inputs, tasks=tasks,
+    return _Plan(config=config, src=src, eot_id=eot_id, digest=digest, out=out, out_dir=out_dir, inputs=inputs, cut=cut,
                  run_config=run_config, warnings=warnings)
 
 
@@ -288,10 +342,15 @@ def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> tuple[Ver
     A full disk is one line (`DiskFull`), after every temporary file of the output is removed."""
     plan.out.begin()
     try:
+        reporter.say(_plan_line(plan))
+        recorded = len(recorded_pieces(plan.out.store))
         kept = keep_finished_shards(plan.out, plan.inputs.store, plan.digest, plan.tasks)
         pending = [t for t in plan.tasks if t.name not in kept]
         if kept:
             reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match this run)")
+        if recorded > len(kept):
+            reporter.say(f"redoing the input of {recorded - len(kept)} finished shards that do not match this run "
+                         "(another cut of the input, config or input bytes); their files are deleted")
         ran = _run_pending(plan, runner, pending, reporter, len(kept))
         made = {r.output.name: r.output for r in ran.runs}
         shards = {t.name: kept.get(t.name) or made[t.name] for t in plan.tasks}
@@ -305,6 +364,21 @@ def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> tuple[Ver
             raise
         plan.out.store.abort_partial_uploads()
         raise error from None
+
+
+def _plan_line(plan: _Plan) -> str:
+    """The start line: how many tasks of about what size the input is cut into, for how many workers."""
+    workers = plan.config.tokenize.workers
+    mean = sum(t.share for t in plan.tasks) / max(len(plan.tasks), 1)
+    line = (f"tokenize: {len(plan.tasks)} tasks of about {_bytes(mean)} for {workers} worker{'s' if workers != 1 else ''} "
+            f"(task size {_bytes(plan.cut.size)}")
+    if plan.cut.kept_earlier:
+        line += ": the size the finished shards of the run it resumes were cut with, to keep them"
+    return line + ")"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
 class _Progress:
@@ -327,7 +401,7 @@ def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], rep
         held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, file_bytes=opts.file_bytes,
         max_row_bytes=opts.max_row_bytes, eot_id=plan.eot_id,
         vocab_size=plan.src.vocab_size, config_digest=plan.digest, input_url=plan.inputs.store.url, store=plan.config.store,
-        output_dir=str(plan.out_dir), schema=output_schema(),
+        output_dir=str(plan.out_dir), schema=output_schema(), task_size=plan.cut.size,
     )
     progress = _Progress(reporter, sum(t.share for t in pending))
     started = time.monotonic()

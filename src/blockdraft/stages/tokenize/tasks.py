@@ -1,6 +1,7 @@
-"""Tokenize's tasks: every input file cut by size into parts (`blockdraft.data.ranges`), one task each; what a finished
-task's piece is keyed on; whether what a task read of a whole file is the file as listed; and each file's checksum, put
-together from what its tasks read (docs/TOKENIZATION.md, "Tasks"). Whether a piece is kept is `resume.py`'s.
+"""Tokenize's tasks: how large a task is for the run's workers (`task_size`); every input file cut by size into parts
+(`blockdraft.data.ranges`), one task each; what a finished task's piece is keyed on; whether what a task read of a whole
+file is the file as listed; and each file's checksum, put together from what its tasks read (docs/TOKENIZATION.md,
+"Tasks"). Whether a piece is kept is `resume.py`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from blockdraft.store.stage_io import stage_key
 # What a piece records of the input bytes its task read (its counts' "input"): the file's pin, whether the pin may
 # stand for the content later, the raw bytes read [window) and their CRC64NVME.
 INPUT_READ = "input"
+# What a piece records of the task size its run cut the input with (`task_size`), so that a rerun can cut it the same way.
+TASK_SIZE = "task_size"
+# Tasks a run aims for per worker: a few, so that the workers share out the uneven ones and end close together.
+TASKS_PER_WORKER = 4
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,15 @@ class ShardTask:
     def input_key(self) -> str:
         """The input file's object path in its store."""
         return self.file.key
+
+
+def task_size(total_bytes: int, workers: int, task_bytes: int, min_task_bytes: int) -> int:
+    """The input bytes per task for a run of `workers` over `total_bytes`: enough for about TASKS_PER_WORKER tasks a
+    worker, so that one large file keeps every worker busy and the last tasks finish close together; at most `task_bytes`
+    and at least `min_task_bytes` (or `task_bytes`, when that is smaller). Only how the input is cut depends on it: the
+    rows and their order are the same for any size."""
+    wanted = -(-total_bytes // (TASKS_PER_WORKER * workers))
+    return min(task_bytes, max(min_task_bytes, wanted))
 
 
 def plan_tasks(store: Store, files: list[InputFile], task_bytes: int) -> list[ShardTask]:
@@ -95,4 +109,7 @@ def checksum_from_reads(size: int, reads: list[dict[str, Any]]) -> str | None:
     return crc_concat([(crc, window[1] - window[0]) for window, crc in windows])
 
 
-__all__ = ["INPUT_READ", "ShardTask", "check_listed", "checksum_from_reads", "piece_key", "plan_tasks"]
+__all__ = [
+    "INPUT_READ", "TASKS_PER_WORKER", "TASK_SIZE", "ShardTask", "check_listed", "checksum_from_reads", "piece_key", "plan_tasks",
+    "task_size",
+]
