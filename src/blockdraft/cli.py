@@ -464,8 +464,10 @@ def demo(
     target: Annotated[str, typer.Option(help="tiny (a Qwen3 target) or hybrid (a Qwen3.5-style linear/full-attention target, "
                                              "with a sliding-window drafter layer).")] = "tiny",
     engine: Annotated[str, typer.Option(help="vllm: generate with vLLM and check the drafter in it too (`make engine`).")] = "none",
+    # The demo's drafter stays DFlash, whatever dflash.architecture defaults to: its figures are DFlash's (docs/PERFORMANCE.md),
+    # and its engine variant serves the export in vLLM's CPU build, which serves DFlash only.
     drafter: Annotated[str, typer.Option(help="dflash, or dflash2 (a convolution around every sublayer and a candidate selector "
-                                              "that walks each slot's top-K).")] = "dflash",
+                                              "that walks each slot's top-K; the default for your own configs).")] = "dflash",
 ) -> None:
     """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
     from blockdraft.pipeline import ARCHITECTURES, SIZES, TARGETS, DemoDrafter, DemoTarget, Profile, demo_lines, run_demo

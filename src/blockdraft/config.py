@@ -163,10 +163,11 @@ class DFlashConfig(_Section):
     # drafter's own per-slot confidence, smoothed by dpace_alpha). Pinned in checkpoints like gamma (docs/DFLASH.md).
     loss_weighting: Literal["exponential", "dpace"] = "exponential"
     dpace_alpha: float = Field(default=0.5, gt=0.0, le=1.0)
-    # "dflash", or "dflash2": DFlash plus a grouped dynamic causal convolution around every attention and MLP and a
-    # candidate selector that walks a path through each slot's top-K (docs/DFLASH.md, "DFlash2"). The fields below are
-    # DFlash2's, with the published drafter's values as defaults; a DFlash config that sets one is refused.
-    architecture: Literal["dflash", "dflash2"] = "dflash"
+    # "dflash2" (the default: it drafted better than DFlash on both tiny fixtures at equal steps and equal wall time,
+    # docs/PERFORMANCE.md "DFlash2 against DFlash"): DFlash plus a grouped dynamic causal convolution around every attention
+    # and MLP and a candidate selector that walks a path through each slot's top-K (docs/DFLASH.md, "DFlash2"); or "dflash".
+    # The fields below are DFlash2's, with the published drafter's values as defaults; a DFlash config that sets one is refused.
+    architecture: Literal["dflash", "dflash2"] = "dflash2"
     conv_kernel_size: int = Field(default=2, ge=1)  # taps per convolution; at most block_size (taps never cross a block)
     conv_group_size: int = Field(default=16, ge=1)  # channels sharing one dynamic tap; must divide the hidden size
     selector_rank: int = Field(default=256, ge=1)  # width of the predecessor/successor codebooks

@@ -62,7 +62,7 @@ DemoDrafter = Literal["dflash", "dflash2"]
 # The architecture's own settings: DFlash2 with the published drafter's taps, groups and top-K, and the selector rank that
 # bench/quality measured on these targets (docs/PERFORMANCE.md).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "dflash": {},
+    "dflash": {"architecture": "dflash"},
     "dflash2": {"architecture": "dflash2", "selector_rank": 64},
 }
 

@@ -35,7 +35,9 @@ def engine_config(tmp: Path, drafter: str, **eval_settings) -> dict:
         "target": {"path": str(TINY_TARGET_DIR)},
         "store": {"url": str(tmp / "store")},
         "tokenize": {"held_out_fraction": 0.0},
-        "dflash": {"block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_anchors": 32, **DRAFTERS[drafter]},
+        # vLLM's CPU build serves DFlash drafters only (DFlash2 needs its GPU runner)
+        "dflash": {"architecture": "dflash", "block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_anchors": 32,
+                   **DRAFTERS[drafter]},
         "train": {"data": str(tmp / "tokenized"), "output": str(tmp / f"run-{drafter}"), "log_dir": str(tmp / f"logs-{drafter}"),
                   "max_steps": TRAIN_STEPS, "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05,
                   "checkpoint_every": TRAIN_STEPS, "seed": 0},

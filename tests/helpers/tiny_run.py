@@ -24,7 +24,7 @@ MASK = json.loads((TINY_TARGET_DIR / "fixture.json").read_text())["mask_token_id
 
 def tiny_config(tmp: Path, **sections) -> dict:
     data = {"target": {"path": str(TINY_TARGET_DIR)}, "store": {"url": str(tmp / "store")},
-            "dflash": {"block_size": 4, "mask_token_id": MASK, "num_draft_layers": 1, "gamma": 4.0},
+            "dflash": {"architecture": "dflash", "block_size": 4, "mask_token_id": MASK, "num_draft_layers": 1, "gamma": 4.0},
             "tokenize": {"held_out_fraction": 0.0}}
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)

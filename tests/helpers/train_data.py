@@ -51,7 +51,7 @@ def config_file(tmp: Path, data: str, output: str | None = None, **train) -> Pat
     settings.setdefault("global_batch_size", settings["batch_size"] * len(placement))  # one micro-batch per rank
     lines = [
         "[target]", f'path = "{GOLDEN_TARGET.as_posix()}"',
-        "[dflash]", "block_size = 4", "mask_token_id = 511", "num_draft_layers = 2", "gamma = 4.0", "num_anchors = 8",
+        "[dflash]", 'architecture = "dflash"', "block_size = 4", "mask_token_id = 511", "num_draft_layers = 2", "gamma = 4.0", "num_anchors = 8",
         "intermediate_size = 96",
         "[placement]", f"drafter_devices = {json.dumps(placement)}",
         "[store]", f'url = "{(tmp / "store").as_posix()}"',
