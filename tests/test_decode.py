@@ -89,7 +89,7 @@ def _random_target(seed: int, vocab: int, layers: int, init: float) -> Qwen3ForC
 
 def _untrained_drafter(target, block_size: int, seed: int) -> DFlashDrafter:
     torch.manual_seed(seed)
-    dflash = DFlashConfig(block_size=block_size, mask_token_id=target.config.vocab_size - 1, num_draft_layers=2, gamma=4.0)
+    dflash = DFlashConfig(architecture="dflash", block_size=block_size, mask_token_id=target.config.vocab_size - 1, num_draft_layers=2, gamma=4.0)
     return DFlashDrafter(DrafterSpec.from_target_config(target.config, dflash)).eval()
 
 

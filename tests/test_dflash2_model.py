@@ -43,18 +43,18 @@ def _draft_slots(drafter, head, gold):
 # --- item 1: config ---------------------------------------------------------------------------------------------------
 
 
-def test_dflash2_defaults_are_the_published_drafters_and_dflash_stays_the_default():
-    cfg = DFlashConfig()
-    assert cfg.architecture == "dflash"
-    two = DFlashConfig(architecture="dflash2")
+def test_dflash2_is_the_default_with_the_published_drafters_settings():
+    two = DFlashConfig()
+    assert two.architecture == "dflash2"  # docs/PERFORMANCE.md, "DFlash2 against DFlash"
     assert (two.conv_kernel_size, two.conv_group_size, two.selector_rank, two.selector_top_k) == (2, 16, 256, 16)
     assert (two.input_embedding_scale, two.output_multiplier, two.final_logit_softcapping) == (1.0, 1.0, None)
-    # a resolved config (every default written out) loads again: the checkpoint's pinned config
-    assert DFlashConfig.model_validate(cfg.model_dump()) == cfg
+    # a resolved config (every default written out) loads again, DFlash's too: the checkpoint's pinned config
+    for cfg in (two, DFlashConfig(architecture="dflash")):
+        assert DFlashConfig.model_validate(cfg.model_dump()) == cfg
 
 
 @pytest.mark.parametrize("sets,named", [
-    (["dflash.selector_top_k=8"], "dflash.selector_top_k is a DFlash2 setting"),
+    (["dflash.architecture=dflash", "dflash.selector_top_k=8"], "dflash.selector_top_k is a DFlash2 setting"),
     (["dflash.architecture=dflash2", "dflash.block_size=4", "dflash.conv_kernel_size=5"], "dflash.conv_kernel_size 5 is more taps"),
 ])
 def test_config_refuses_dflash2_settings_that_cannot_hold_in_one_line(sets, named):

@@ -33,7 +33,8 @@ def data_url(tmp_path_factory) -> str:
 
 def dflash2_config(tmp: Path, data: str, dflash: str = DFLASH2, **train) -> Path:
     path = config_file(tmp, data, **train)
-    path.write_text(path.read_text().replace("intermediate_size = 96\n", f"intermediate_size = 96\n{dflash}"))
+    text = path.read_text().replace('architecture = "dflash"\n', "")  # the helper's DFlash, replaced by `dflash`'s lines
+    path.write_text(text.replace("intermediate_size = 96\n", f"intermediate_size = 96\n{dflash}"))
     return path
 
 
@@ -59,7 +60,8 @@ def test_a_dflash2_run_learns_and_logs_the_selector_figures(tmp_path, data_url):
         assert 0.0 <= entry["selector_accuracy"] <= entry["candidate_recall"] <= 1.0
         assert entry["walk_tau_estimate"] >= 1.0 and entry["selector_loss"] > 0
     assert last["loss"] < 0.5 * first["loss"] and last["selector_loss"] < first["selector_loss"]
-    assert last["candidate_recall"] > first["candidate_recall"] and last["walk_tau_estimate"] > 2.0
+    assert last["candidate_recall"] > first["candidate_recall"]
+    assert last["walk_tau_estimate"] > first["walk_tau_estimate"] + 0.5, (first["walk_tau_estimate"], last["walk_tau_estimate"])
     scalars = tracked_scalars(last)  # what TensorBoard and W&B get
     assert {"train/selector_loss", "train/candidate_recall", "train/selector_accuracy", "train/walk_tau_estimate",
             "train/slot_loss/1", "train/slot_selector_accuracy/3", "train/slot_candidate_recall/2"} <= scalars.keys()
@@ -73,7 +75,7 @@ def test_a_dflash2_run_learns_and_logs_the_selector_figures(tmp_path, data_url):
 def test_a_dflash_drafter_warm_starts_dflash2_exactly(tmp_path, data_url):
     """train.init_from a DFlash export into a DFlash2 run (lr 0, one step): the checkpoint holds the DFlash tensors as
     they were, identity convolutions and an initialised selector, and its forward equals the DFlash drafter's."""
-    dflash = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=2, gamma=4.0, intermediate_size=96)
+    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=2, gamma=4.0, intermediate_size=96)
     torch.manual_seed(5)
     saved = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
     for p in saved.parameters():  # a trained-looking drafter, not the default init's

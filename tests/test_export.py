@@ -77,7 +77,7 @@ def test_export_round_trip_gives_identical_logits(tmp_path, golden_drafter):
     head = TargetHead.from_target(target)
     golden = load_file(str(GOLDEN / "golden.safetensors"))
     # a drafter that is not the golden one, so the round trip is not trivially the fixture's files
-    spec = DrafterSpec.from_target_config(target.config, DFlashConfig(block_size=8, mask_token_id=500, num_draft_layers=2))
+    spec = DrafterSpec.from_target_config(target.config, DFlashConfig(architecture="dflash", block_size=8, mask_token_id=500, num_draft_layers=2))
     torch.manual_seed(0)
     drafter = DFlashDrafter(spec).eval()
     for param in drafter.parameters():
@@ -93,7 +93,7 @@ def test_export_round_trip_gives_identical_logits(tmp_path, golden_drafter):
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
 def test_export_schema_five_layers(tmp_path, target_config, dtype):
     """The tensor set and config engines read, in the target config's own dtype (float32 here) or the one configured."""
-    spec = DrafterSpec.from_target_config(target_config, DFlashConfig(block_size=16, mask_token_id=511))
+    spec = DrafterSpec.from_target_config(target_config, DFlashConfig(architecture="dflash", block_size=16, mask_token_id=511))
     result = export_drafter(DFlashDrafter(spec), target_config, destination(tmp_path / "out"), location="/srv/drafter", dtype=dtype)
     tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
     stored = dtype or "float32"
@@ -159,7 +159,7 @@ def _data_artifact(root: Path):
 def _checkpoint(tmp_path: Path, golden_drafter: DFlashDrafter, mask_token_id: int = 511) -> Path:
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(GOLDEN / "target")),
-        dflash=DFlashConfig(block_size=4, mask_token_id=mask_token_id, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=mask_token_id, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
     )
     run = tmp_path / "run"
     data = _data_artifact(tmp_path / "data")
@@ -331,7 +331,7 @@ def test_export_of_a_bf16_target_checkpoint_is_bf16_and_keeps_the_logits(tmp_pat
     config.json, prints SGLang's --dtype bfloat16, and loads back with the fp32 drafter's logits within bf16 rounding."""
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(bf16_target)),
-        dflash=DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
     )
     run = tmp_path / "run"
     save_checkpoint(open_store(run), 5, golden_drafter, {"step": 5}, cfg.resolved(), [], {"step": 5})

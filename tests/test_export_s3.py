@@ -29,7 +29,7 @@ def test_export_s3_checkpoint_to_s3(s3_bucket, tmp_path):
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter")
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(GOLDEN / "target")),
-        dflash=DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
     )
     run = f"s3://{s3_bucket}/runs/r1"
     save_checkpoint(open_store(run, cfg.store), 5, drafter, {"step": 5}, cfg.resolved(), [], {"step": 5})
@@ -61,7 +61,7 @@ def test_export_cli_to_s3_prints_the_pull_step_and_a_local_folder(s3_bucket, tmp
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter")
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(GOLDEN / "target")),
-        dflash=DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
     )
     run = f"s3://{s3_bucket}/runs/r2"
     save_checkpoint(open_store(run, cfg.store), 5, drafter, {"step": 5}, cfg.resolved(), [], {"step": 5})

@@ -58,7 +58,7 @@ def checkpoint(tmp_path_factory) -> Path:
     """A committed checkpoint of the golden drafter (what export reads)."""
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(GOLDEN / "target")),
-        dflash=DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
     )
     run = tmp_path_factory.mktemp("ckpt") / "run"
     save_checkpoint(open_store(run), 10, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {"step": 10}, cfg.resolved(), [], {"step": 10})

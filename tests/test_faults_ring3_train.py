@@ -112,7 +112,7 @@ def test_export_refuses_a_checkpoint_with_non_finite_weights(tmp_path):
 
     commit_artifact(open_store(data), "tokenized", [entry_for_local_file(data, data / "rows.txt")], config={}, counts={})
     cfg = BlockdraftConfig(target=TargetConfig(path=str(GOLDEN / "target")),
-                           dflash=DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0))
+                           dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0))
     save_checkpoint(open_store(tmp_path / "run"), 10, drafter, {"step": 10}, cfg.resolved(), [open_input(open_store(data)).ref], {"step": 10})
     with pytest.raises(ExportError) as err:
         export_stage.run(BlockdraftConfig(), str(tmp_path / "run"), str(tmp_path / "export"))

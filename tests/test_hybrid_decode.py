@@ -50,7 +50,7 @@ def hybrid(request, tmp_path_factory):
 
 def _untrained(model) -> DFlashDrafter:
     torch.manual_seed(1)
-    dflash = DFlashConfig(block_size=BLOCK, mask_token_id=MASK_ID, num_draft_layers=2, gamma=4.0)
+    dflash = DFlashConfig(architecture="dflash", block_size=BLOCK, mask_token_id=MASK_ID, num_draft_layers=2, gamma=4.0)
     return DFlashDrafter(DrafterSpec.from_target_config(model.config, dflash)).eval()
 
 

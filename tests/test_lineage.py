@@ -135,7 +135,7 @@ def test_export_of_a_checkpoint_pushed_to_scratch_stays_verified_when_the_scratc
     read, which still verifies, so `verify` says verified (a push never makes a folder pin the copy it sent elsewhere)."""
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(GOLDEN / "target")),
-        dflash=DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
     )
     save_checkpoint(open_store(tmp_path / "run"), 10, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {}, cfg.resolved(), [], {})
     ckpt, runner = tmp_path / "run" / "step-00000010", CliRunner()

@@ -129,7 +129,7 @@ def test_hybrid_targets_get_the_even_spread_too():
     types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]
     config = Qwen3_5TextConfig(num_hidden_layers=64, layer_types=types, hidden_size=64, intermediate_size=128,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
-    spec = DrafterSpec.from_target_config(config, DFlashConfig(mask_token_id=500))
+    spec = DrafterSpec.from_target_config(config, DFlashConfig(architecture="dflash", mask_token_id=500))
     assert spec.target_layer_ids == default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
 
 
@@ -140,25 +140,25 @@ def test_gamma_defaults():
 
 
 def test_spec_from_target_config_matches_golden(target, drafter):
-    cfg = DFlashConfig(block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0,
+    cfg = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0,
                        intermediate_size=96)
     spec = DrafterSpec.from_target_config(target.config, cfg)
     golden = drafter.spec
     assert spec.to_export_config() == golden.to_export_config()
     assert spec.gamma == 3.0
     spec.check_target(target.config)
-    defaulted = DrafterSpec.from_target_config(target.config, DFlashConfig(block_size=16, mask_token_id=511))
+    defaulted = DrafterSpec.from_target_config(target.config, DFlashConfig(architecture="dflash", block_size=16, mask_token_id=511))
     assert defaulted.target_layer_ids == [1, 2, 3, 4, 5]  # 8 layers: spread over 1..5
     assert (defaulted.num_layers, defaulted.gamma, defaulted.intermediate_size) == (5, 7.0, 128)
 
 
 def test_refusals_name_the_field(target, drafter):
     with pytest.raises(SpecError, match=r"mask_token_id 512 .*vocab_size 512"):
-        DrafterSpec.from_target_config(target.config, DFlashConfig(mask_token_id=512))
+        DrafterSpec.from_target_config(target.config, DFlashConfig(architecture="dflash", mask_token_id=512))
     with pytest.raises(SpecError, match="dflash.mask_token_id is not set and this target"):
         DrafterSpec.from_target_config(target.config, DFlashConfig())
     with pytest.raises(SpecError, match=r"target_layer_ids \[7\] outside .* 0\.\.6"):
-        DrafterSpec.from_target_config(target.config, DFlashConfig(mask_token_id=511, target_layer_ids=[1, 7]))
+        DrafterSpec.from_target_config(target.config, DFlashConfig(architecture="dflash", mask_token_id=511, target_layer_ids=[1, 7]))
     with pytest.raises(SpecError, match=r"target layer ids \[8\]"):
         TargetModel(target, [8])
 
@@ -244,7 +244,7 @@ def test_hybrid_attention_target_features():
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    spec = DrafterSpec.from_target_config(model.config, DFlashConfig(mask_token_id=255, num_draft_layers=2, block_size=8))
+    spec = DrafterSpec.from_target_config(model.config, DFlashConfig(architecture="dflash", mask_token_id=255, num_draft_layers=2, block_size=8))
     assert spec.target_layer_ids == [1, 9]  # the even spread: layer 1 is linear attention, 9 is not
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
@@ -340,7 +340,7 @@ def test_target_mrope_never_reaches_the_drafter():
         intermediate_size=96, rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
                                                "mrope_interleaved": True, "partial_rotary_factor": 0.25},
     )
-    spec = DrafterSpec.from_target_config(target, DFlashConfig(block_size=16, mask_token_id=500))
+    spec = DrafterSpec.from_target_config(target, DFlashConfig(architecture="dflash", block_size=16, mask_token_id=500))
     exported = spec.to_export_config()
     assert spec.rope_theta == 5e6 and spec.rope_scaling is None
     assert exported["rope_parameters"] == {"rope_theta": 5e6, "rope_type": "default"} and exported["rope_scaling"] is None
@@ -371,7 +371,7 @@ def test_the_mask_id_defaults_to_the_known_reserved_id_of_qwen3_and_qwen35_else_
     assert DrafterSpec.from_target_config(qwen3, DFlashConfig()).mask_token_id == 151669
     assert 151669 not in tokenizer_added_tokens(FIXTURES / "qwen3-tokenizer")  # a row no text encodes to
     assert known_mask_token_id(local_text_config(str(FIXTURES / "qwen3.6-27b"))) == 248070
-    assert DrafterSpec.from_target_config(qwen3, DFlashConfig(mask_token_id=151670)).mask_token_id == 151670  # the config wins
+    assert DrafterSpec.from_target_config(qwen3, DFlashConfig(architecture="dflash", mask_token_id=151670)).mask_token_id == 151670  # the config wins
     with pytest.raises(SpecError) as unknown:  # the tiny target: a Qwen3 shape with its own 512-row vocabulary
         DrafterSpec.from_target_config(target.config, DFlashConfig())
     assert "has no known reserved id; set dflash.mask_token_id to a reserved id" in str(unknown.value)

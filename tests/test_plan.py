@@ -38,7 +38,7 @@ def readme_config(tmp_path: Path, targets: list[str], drafters: list[str], memor
     path = tmp_path / "blockdraft.toml"
     path.write_text(
         f'[target]\npath = "{QWEN36.as_posix()}"\ndtype = "bfloat16"\n'
-        "[dflash]\nblock_size = 16\nmask_token_id = 248070\nnum_draft_layers = 5\n"
+        '[dflash]\narchitecture = "dflash"\nblock_size = 16\nmask_token_id = 248070\nnum_draft_layers = 5\n'
         'layer_types = ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]\n'
         "sliding_window = 2048\n"
         f"[placement]\ntarget_devices = {json.dumps(targets)}\ndrafter_devices = {json.dumps(drafters)}\n"
@@ -239,7 +239,7 @@ def test_a_dflash2_plan_counts_the_codebooks_convolutions_and_top_k_tensors(tmp_
     text = json.loads((QWEN36 / "config.json").read_text())["text_config"]
     hidden, vocab = text["hidden_size"], text["vocab_size"]
     base = memory_plan(load_config(dflash))
-    dflash.write_text(dflash.read_text().replace("sliding_window = 2048\n", 'sliding_window = 2048\narchitecture = "dflash2"\n'))
+    dflash.write_text(dflash.read_text().replace('architecture = "dflash"\n', 'architecture = "dflash2"\n'))
     plan = memory_plan(load_config(dflash))
     conv = 2 * 2 * hidden + hidden * 2 * 2 * (hidden // 16)  # base_kernel [2, taps, H] + kernel_projection H -> 2 * taps * G
     extra = 5 * 2 * conv + 2 * vocab * 256 + hidden * 256  # two per layer; two codebooks and the hidden projection

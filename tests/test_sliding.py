@@ -96,10 +96,10 @@ def test_from_target_config_takes_layer_types_from_dflash_config():
     from transformers import AutoConfig
 
     target = AutoConfig.from_pretrained(GOLDEN / "target")
-    cfg = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=3, gamma=3.0, layer_types=[S, S, F], sliding_window=16)
+    cfg = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=3, gamma=3.0, layer_types=[S, S, F], sliding_window=16)
     spec = DrafterSpec.from_target_config(target, cfg)
     assert spec.layer_types == [S, S, F] and spec.sliding_window == 16 and spec.rope_scaling is None
-    default = DrafterSpec.from_target_config(target, DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=3, gamma=3.0))
+    default = DrafterSpec.from_target_config(target, DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=3, gamma=3.0))
     assert default.layer_types == [F, F, F] and default.sliding_window is None
 
 

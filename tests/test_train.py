@@ -289,7 +289,7 @@ def test_init_from_starts_at_the_saved_weights_and_refuses_another_mask_id(tmp_p
     from blockdraft.config import DFlashConfig
     from blockdraft.model import DFlashDrafter, DrafterSpec
 
-    dflash = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=2, gamma=4.0, intermediate_size=96,
+    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=2, gamma=4.0, intermediate_size=96,
                           layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     torch.manual_seed(123)
     saved = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))

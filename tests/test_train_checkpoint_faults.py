@@ -173,7 +173,7 @@ def test_cuda_rng_state_is_the_drafter_devices_alone():
 
 def test_a_snapshot_holds_the_state_of_its_step_while_training_goes_on(tmp_path):
     """What the background writer saves is a copy taken at the step: later optimizer steps change nothing in it."""
-    dflash = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
+    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
     drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=0.1)
 
@@ -203,7 +203,7 @@ def test_a_snapshot_holds_the_state_of_its_step_while_training_goes_on(tmp_path)
 def test_a_checkpoint_of_another_format_is_refused_with_one_line(tmp_path):
     """Resume reads `CHECKPOINT_FORMAT` only: a checkpoint whose run identity records no format (or another) stops the run
     with one line that says how to train again, and every setting (at its default too) is part of the identity."""
-    dflash = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
+    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
     drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
     resolved = load_config(None, {"target": {"path": "t"}}).resolved()
     identity = run_identity(resolved, "sha")
@@ -224,7 +224,7 @@ def test_a_checkpoint_of_the_same_settings_on_other_data_is_another_runs(tmp_pat
     """Whose a checkpoint is, is its `StageOutput`'s to say (the run identity and the data by content, by its stage key):
     the same recorded settings over other data are refused, and `has_checkpoint` agrees; the same data in another folder
     (pulled to another node) is the same run's."""
-    dflash = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
+    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
     drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
     resolved = load_config(None, {"target": {"path": "t"}}).resolved()
     identity = run_identity(resolved, "sha")
