@@ -33,7 +33,8 @@ def test_eval_reads_checkpoint_and_export_from_s3_and_commits_the_report_there(s
     prompts.write_text("".join(json.dumps({"input_ids": case["prompt"]}) + "\n" for case in golden[:2]))
     cfg = load_config(None, {
         "target": {"path": str(GOLDEN / "target")},
-        "dflash": {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3, "gamma": 4.0},
+        "dflash": {"architecture": "dflash", "block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3,
+                   "gamma": 4.0},
         "store": {"url": f"s3://{s3_bucket}/store"},
         "eval": {"untrained_baseline": False},
     })
