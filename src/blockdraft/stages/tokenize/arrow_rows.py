@@ -18,6 +18,15 @@ from blockdraft.store.local import LocalStore
 ARROW_BATCH_ROWS = 256
 
 
+def written_entry(store: LocalStore, key: str) -> FileEntry:
+    """The manifest entry of the file a `store.writing` block just renamed into place at `key`: its size and checksum as
+    read back from the folder, opened as it was written."""
+    read = store.read_checksum(key)
+    if read is None:
+        raise FileNotFoundError(errno.ENOENT, "no regular file there right after its rename", str(store.root / key))
+    return FileEntry(path=key, size=read[0], checksum=read[1])
+
+
 class _Discarded(Exception):
     """Ends a file's `LocalStore.writing` block without its rename: the store removes the temp file."""
 
@@ -78,10 +87,7 @@ class SplitWriter:
         self._writer.close()
         self._file.close()  # flushes the file object, then renames the temp file into place in the folder it was made in
         self._writer, self._file, self._sink, self._rows_in_file = None, None, None, 0
-        read = self.store.read_checksum(self._key)
-        if read is None:
-            raise FileNotFoundError(errno.ENOENT, "no regular file there right after its rename", str(self.store.root / self._key))
-        self.files.append(FileEntry(path=self._key, size=read[0], checksum=read[1]))
+        self.files.append(written_entry(self.store, self._key))
 
     def close(self) -> list[FileEntry]:
         self._flush()

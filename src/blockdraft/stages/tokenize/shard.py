@@ -18,7 +18,6 @@ special-token pattern are built once per process (`install_tools`), never shippe
 from __future__ import annotations
 
 import ctypes
-import errno
 import hashlib
 import json
 import os
@@ -55,7 +54,7 @@ from blockdraft.data.render import (
 from blockdraft.data.streams import InputUnreadable
 from blockdraft.data.tokenizer import special_token_pattern
 from blockdraft.errors import OutsideArtifactError
-from blockdraft.stages.tokenize.arrow_rows import SplitWriter
+from blockdraft.stages.tokenize.arrow_rows import SplitWriter, written_entry
 from blockdraft.stages.tokenize.hf_layout import QUARANTINE_DIR, SPLITS
 from blockdraft.stages.tokenize.tasks import INPUT_READ, TASK_SIZE, ShardTask, check_listed, piece_key
 from blockdraft.store import Store, open_store
@@ -316,10 +315,7 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, out: LocalStore, out
             quarantine.truncate()
             quarantine.write(json.dumps(line, ensure_ascii=False) + "\n")
     split_files = {split: writers[split].discard() if failure else writers[split].close() for split in SPLITS}
-    read_back = out.read_checksum(quarantine_key)
-    if read_back is None:
-        raise FileNotFoundError(errno.ENOENT, "no regular file there right after its rename", str(out.root / quarantine_key))
-    quarantine_entry = FileEntry(path=quarantine_key, size=read_back[0], checksum=read_back[1])
+    quarantine_entry = written_entry(out, quarantine_key)
     shard = ShardOutput(
         task.name,
         [*(e for split in SPLITS for e in split_files[split]), quarantine_entry],

@@ -232,11 +232,13 @@ class _Plan:
 
 @dataclass(frozen=True)
 class _Cut:
-    """How a run cuts its input: its `tasks`, of at most about `size` input bytes each; `kept_earlier`: the size is the
-    one the output's finished pieces were cut with, not the one for this run's workers, so that they are kept."""
+    """How a run cuts its input: its `tasks`, of at most about `size` input bytes each; `recorded`: the finished pieces the
+    output held when the cut was chosen; `kept_earlier`: the size is the one those pieces were cut with, not the one for
+    this run's workers, so that they are kept."""
 
     tasks: list[ShardTask]
     size: int
+    recorded: int
     kept_earlier: bool = False
 
 
@@ -247,8 +249,8 @@ def _cut(config: BlockdraftConfig, in_store: Store, files: list[InputFile], out_
     and finished work is worth more than an even share. A piece that records no size was cut with `task_bytes`."""
     opts = config.tokenize
     size = task_size(sum(f.size for f in files), opts.workers, opts.task_bytes, opts.min_task_bytes)
-    cut = _Cut(plan_tasks(in_store, files, size), size)
     pieces = recorded_pieces(out_store)
+    cut = _Cut(plan_tasks(in_store, files, size), size, len(pieces))
     recorded = {name: piece.config.get(STAGE_KEY) for name, piece in pieces.items()}
 
     def kept(tasks: list[ShardTask]) -> int:
@@ -261,7 +263,7 @@ def _cut(config: BlockdraftConfig, in_store: Store, files: list[InputFile], out_
     for other, _ in sizes.most_common():
         if not isinstance(other, int) or other == size or not 1024 <= other <= opts.task_bytes:
             continue  # not a size a run of this config could have chosen
-        earlier = _Cut(plan_tasks(in_store, files, other), other, kept_earlier=True)
+        earlier = _Cut(plan_tasks(in_store, files, other), other, len(pieces), kept_earlier=True)
         if (found := kept(earlier.tasks)) > best:
             cut, best = earlier, found
     return cut
@@ -343,13 +345,12 @@ def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> tuple[Ver
     plan.out.begin()
     try:
         reporter.say(_plan_line(plan))
-        recorded = len(recorded_pieces(plan.out.store))
         kept = keep_finished_shards(plan.out, plan.inputs.store, plan.digest, plan.tasks)
         pending = [t for t in plan.tasks if t.name not in kept]
         if kept:
             reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match this run)")
-        if recorded > len(kept):
-            reporter.say(f"redoing the input of {recorded - len(kept)} finished shards that do not match this run "
+        if plan.cut.recorded > len(kept):
+            reporter.say(f"redoing the input of {plan.cut.recorded - len(kept)} finished shards that do not match this run "
                          "(another cut of the input, config or input bytes); their files are deleted")
         ran = _run_pending(plan, runner, pending, reporter, len(kept))
         made = {r.output.name: r.output for r in ran.runs}
