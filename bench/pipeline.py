@@ -76,7 +76,7 @@ def build_trainers(work: Path, layers: int, data: str, args: argparse.Namespace,
     from blockdraft.stages.train.placement import RankPlacement
     from blockdraft.stages.train.setup import build_training
     from blockdraft.store import open_store
-    from blockdraft.store.stage_io import open_input
+    from blockdraft.store.inputs import open_input
 
     target = write_target(work / f"target-{layers}", layers, args, device)
     config = load_config(None, {

@@ -200,3 +200,24 @@ def test_model_imports_the_store_only_in_formats():
     wrong = {m: sorted(t for t in imported if t.startswith("blockdraft.store")) for m, imported in internal_imports().items()
              if m.startswith("blockdraft.model") and m != "blockdraft.model.formats"}
     assert {m: t for m, t in wrong.items() if t} == {}
+
+
+LEASE_NAMES = {"Lease", "LeaseRecord", "_read_lease", "_held_here", "_holds_live", "_busy_error"}
+MARK_WRITES = {"put_bytes", "put_bytes_if_absent", "delete"}
+
+
+def test_only_the_output_module_takes_a_lease_or_decides_ownership():
+    """Whether an output is done and who may write it is one module's (`store/output.py`): no other module imports the
+    lease's parts, or writes or deletes the lease or the writing mark (a stage holding a folder of outputs asks
+    `writer_lease`)."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        if module_name(path) == "blockdraft.store.output":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{module_name(path)}: imports {a.name}" for a in node.names if a.name in LEASE_NAMES]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MARK_WRITES:
+                names = {n.id for arg in node.args for n in ast.walk(arg) if isinstance(n, ast.Name)}
+                found += [f"{module_name(path)}: {node.func.attr}({name})" for name in names & {"LEASE_NAME", "WRITING_NAME"}]
+    assert found == []

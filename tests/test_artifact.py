@@ -18,7 +18,7 @@ from blockdraft.store.artifact import (
     verify_artifact,
 )
 from blockdraft.store.checksum import crc64nvme_bytes
-from blockdraft.store.stage_io import open_input
+from blockdraft.store.inputs import open_input
 
 
 def test_crc64nvme_matches_s3_reference_value():

@@ -13,7 +13,8 @@ from helpers.artifacts import commit_files, rot_under_cache
 from blockdraft.errors import ArtifactError
 from blockdraft.store import checksum_cache, open_store
 from blockdraft.store.artifact import BYTES_READ_BACK, LOCAL_CACHED, State, verify_artifact
-from blockdraft.store.stage_io import StageOutput, open_input
+from blockdraft.store.inputs import open_input
+from blockdraft.store.output import StageOutput
 from blockdraft.store.status import find_artifact_roots
 
 

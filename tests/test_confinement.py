@@ -15,8 +15,8 @@ from blockdraft.cli import app
 from blockdraft.errors import ArtifactError, OutsideArtifactError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, entry_path_problem, verify_artifact
+from blockdraft.store.inputs import open_input
 from blockdraft.store.local import LocalStore
-from blockdraft.store.stage_io import open_input
 from blockdraft.store.transfer import pull, push
 
 CLIMB = "/".join(["..", "..", "victim.txt"])  # an entry that climbs two folders out of its artifact

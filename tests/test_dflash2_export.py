@@ -19,7 +19,7 @@ from blockdraft.model import DFlashDrafter, DraftCache, TargetHead, draft_step, 
 from blockdraft.model.formats import EXPORT_KIND
 from blockdraft.stages.export.stage import export_drafter
 from blockdraft.store import open_store
-from blockdraft.store.stage_io import StageOutput, stage_key
+from blockdraft.store.output import StageOutput, stage_key
 
 reference = pytest.importorskip("dflash.model", reason="the reference implementation: `make setup` installs dflash==0.1.0")
 

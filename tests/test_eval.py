@@ -26,7 +26,7 @@ from blockdraft.stages.eval.prompts import held_out_prompts
 from blockdraft.stages.train import resolved_training_config, save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
-from blockdraft.store.stage_io import open_input
+from blockdraft.store.inputs import open_input
 
 GOLDEN_DFLASH = {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3, "gamma": 4.0}
 

@@ -19,9 +19,9 @@ from blockdraft.stages.eval.prompts import held_out_prompts
 from blockdraft.stages.train import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, commit_artifact, entry_for_local_file
+from blockdraft.store.inputs import open_input
 from blockdraft.store.local import LocalStore
 from blockdraft.store.s3 import S3Store
-from blockdraft.store.stage_io import open_input
 from blockdraft.store.transfer import push
 
 GOLDEN_DFLASH = {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3, "gamma": 4.0}

@@ -20,7 +20,7 @@ from blockdraft.stages.eval.prompts import held_out_prompts
 from blockdraft.stages.train import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
-from blockdraft.store.stage_io import open_input
+from blockdraft.store.inputs import open_input
 from blockdraft.store.transfer import push
 
 pytestmark = pytest.mark.s3

@@ -23,7 +23,8 @@ from blockdraft.stages.export import SERVING_NAME, export_drafter
 from blockdraft.stages.train import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, verify_artifact
-from blockdraft.store.stage_io import StageOutput, open_input, stage_key
+from blockdraft.store.inputs import open_input
+from blockdraft.store.output import StageOutput, stage_key
 
 # What SGLang/vLLM read from config.json: every one must match the reference export.
 DFLASH_FIELDS = [

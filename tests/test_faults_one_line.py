@@ -29,7 +29,7 @@ from blockdraft.model.formats import WEIGHTS_NAME
 from blockdraft.stages.train import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, check_method, verify_artifact
-from blockdraft.store.lease import LEASE_NAME
+from blockdraft.store.base import LEASE_NAME
 from blockdraft.store.local import TMP_PREFIX
 from blockdraft.store.transfer import INCOMING_DIR
 

@@ -27,10 +27,9 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages.eval.prompts import prompts_from_jsonl
 from blockdraft.store import open_store
 from blockdraft.store.artifact import INCOMING_DIR, MANIFEST_NAME, State, verify_artifact
-from blockdraft.store.lease import LEASE_NAME
+from blockdraft.store.base import LEASE_NAME, WRITING_NAME
 from blockdraft.store.local import LocalStore
 from blockdraft.store.manifest import PIECES_DIR, FileEntry, Manifest
-from blockdraft.store.ownership import WRITING_NAME
 from blockdraft.store.transfer import pull, push
 
 DEEP = 50_000

@@ -100,7 +100,7 @@ def test_export_refuses_a_checkpoint_with_non_finite_weights(tmp_path):
     from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig
     from blockdraft.stages.train import save_checkpoint
     from blockdraft.store import open_store
-    from blockdraft.store.stage_io import open_input
+    from blockdraft.store.inputs import open_input
 
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter")
     with torch.no_grad():

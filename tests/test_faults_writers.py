@@ -25,8 +25,8 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages import train
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
-from blockdraft.store.lease import LEASE_NAME, LeaseRecord
-from blockdraft.store.stage_io import StageOutput
+from blockdraft.store.base import LEASE_NAME
+from blockdraft.store.output import LeaseRecord, StageOutput
 from blockdraft.store.status import status
 from blockdraft.store.transfer import pull, push
 

@@ -22,7 +22,7 @@ from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.stages.generate import SHARDS_DIR
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
-from blockdraft.store.stage_io import recorded_pieces
+from blockdraft.store.output import recorded_pieces
 
 pytestmark = pytest.mark.s3
 

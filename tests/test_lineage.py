@@ -21,7 +21,7 @@ from blockdraft.model import DFlashDrafter
 from blockdraft.stages.train import save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import ORIGIN_NAME, State, raw_input, verify_artifact
-from blockdraft.store.stage_io import open_input
+from blockdraft.store.inputs import open_input
 from blockdraft.store.status import status
 from blockdraft.store.transfer import pull, push
 

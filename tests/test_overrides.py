@@ -24,7 +24,8 @@ from blockdraft.overrides import as_set_items, flag_overrides
 from blockdraft.stages.train.launch import torchrun_command
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, read_manifest, verify_artifact
-from blockdraft.store.lease import LEASE_NAME, LeaseRecord
+from blockdraft.store.base import LEASE_NAME
+from blockdraft.store.output import LeaseRecord
 
 
 def _one_line(result) -> str:

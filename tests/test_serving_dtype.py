@@ -35,7 +35,7 @@ from blockdraft.model.formats import EXPORT_KIND
 from blockdraft.model.target import target_dtype
 from blockdraft.stages.export import SERVING_NAME, export_drafter
 from blockdraft.store import open_store
-from blockdraft.store.stage_io import StageOutput, stage_key
+from blockdraft.store.output import StageOutput, stage_key
 
 _SGLANG_NAMES = {"half": "float16", "float16": "float16", "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 

@@ -20,9 +20,9 @@ from blockdraft.config import StoreConfig, load_config
 from blockdraft.errors import StoreError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, check_file, read_manifest, verify_artifact
+from blockdraft.store.base import WRITING_NAME
 from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.local import LocalStore
-from blockdraft.store.ownership import WRITING_NAME
 from blockdraft.store.preflight import PROBE_PREFIX, preflight
 from blockdraft.store.s3_client import resolve_endpoint
 from blockdraft.store.status import render_progress, status

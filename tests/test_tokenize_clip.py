@@ -18,8 +18,7 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages.tokenize import summary_lines
 from blockdraft.stages.tokenize.report import clip_warning
 from blockdraft.store import open_store
-from blockdraft.store.artifact import State, read_manifest
-from blockdraft.store.stage_io import PIECES_DIR
+from blockdraft.store.artifact import PIECES_DIR, State, read_manifest
 
 WHOLE = 10**6  # a max_length no row here reaches
 MAX_LENGTH = 152  # cuts 12 of the 18 turns of LONG; one of them loses only the unsupervised newline after <|im_end|>

@@ -36,7 +36,7 @@ from blockdraft.stages.train.data import load_train_rows
 from blockdraft.stages.train.placement import rank_placement
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, uncommit, verify_artifact
-from blockdraft.store.stage_io import open_input
+from blockdraft.store.inputs import open_input
 
 
 @pytest.fixture(scope="module")

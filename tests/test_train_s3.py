@@ -11,7 +11,7 @@ from blockdraft.model.formats import CHECKPOINT_KIND, checkpoint_key, find_resum
 from blockdraft.stages.train import run
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, uncommit, verify_artifact
-from blockdraft.store.ownership import mark_writing
+from blockdraft.store.output import StageOutput
 from blockdraft.store.transfer import push
 
 pytestmark = pytest.mark.s3
@@ -39,7 +39,7 @@ def test_train_from_and_to_s3_resumes_from_the_last_committed_checkpoint(s3_buck
 
     # As if the push of step 6 had died before its manifest: the upload and its writer's mark are there, the commit is not.
     uncommit(out.child(checkpoint_key(6)))
-    mark_writing(out.child(checkpoint_key(6)), CHECKPOINT_KIND)
+    StageOutput(out.child(checkpoint_key(6)), CHECKPOINT_KIND, "").mark_writing()
     assert find_resumable(out).step == 4
     again = run(cfg).details
     assert again.resumed_from == 4

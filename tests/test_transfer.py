@@ -18,10 +18,9 @@ from blockdraft.cli import app
 from blockdraft.errors import ArtifactError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import BYTES_AS_WRITTEN, MANIFEST_NAME, State, verify_artifact
-from blockdraft.store.base import TMP_PREFIX
+from blockdraft.store.base import TMP_PREFIX, WRITING_NAME
+from blockdraft.store.inputs import open_input
 from blockdraft.store.local import LocalStore
-from blockdraft.store.ownership import WRITING_NAME
-from blockdraft.store.stage_io import open_input
 from blockdraft.store.status import render_progress, status
 from blockdraft.store.transfer import INCOMING_DIR, pull, push
 

@@ -22,9 +22,8 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages.tokenize import finished_shard_entries, run
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
-from blockdraft.store.staged import stage_and_push
 from blockdraft.store.status import status
-from blockdraft.store.transfer import pull
+from blockdraft.store.transfer import pull, stage_and_push
 
 pytestmark = pytest.mark.s3
 

@@ -40,8 +40,8 @@ from blockdraft.stages.eval.report import UNARY_NAME, engine_lines
 from blockdraft.stages.export import serving_lines
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
+from blockdraft.store.inputs import open_input, recorded_manifest
 from blockdraft.store.preflight import preflight
-from blockdraft.store.stage_io import open_input, recorded_manifest
 from blockdraft.store.status import render_progress, status
 from blockdraft.store.transfer import pull, push
 

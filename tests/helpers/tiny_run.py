@@ -17,7 +17,7 @@ from blockdraft.stages import tokenize as tokenize_stage
 from blockdraft.stages.train import resolved_training_config, save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import verify_artifact
-from blockdraft.store.stage_io import open_input
+from blockdraft.store.inputs import open_input
 
 MASK = json.loads((TINY_TARGET_DIR / "fixture.json").read_text())["mask_token_id"]
 

@@ -14,8 +14,7 @@ from blockdraft.config import BlockdraftConfig, load_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages import tokenize as tokenize_stage
-from blockdraft.store.artifact import MANIFEST_NAME
-from blockdraft.store.stage_io import PIECES_DIR
+from blockdraft.store.artifact import MANIFEST_NAME, PIECES_DIR
 from helpers.paths import TOKENIZER_DIR
 
 

@@ -27,7 +27,7 @@ from blockdraft.config import StoreConfig
 from blockdraft.data.records import RawRecord
 from blockdraft.errors import ConfigError
 from blockdraft.store import Store, open_store
-from blockdraft.store.stage_io import StageInput, open_input, recorded_manifest
+from blockdraft.store.inputs import StageInput, open_input, recorded_manifest
 
 SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
 # Columns that make a Parquet file one of conversations: one of these sets must all be there.

@@ -15,7 +15,7 @@ from blockdraft.errors import ArtifactError
 from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
 from blockdraft.store import Store
 from blockdraft.store.artifact import MANIFEST_NAME, InputRef, Manifest, State, VerifyReport, verify_artifact
-from blockdraft.store.stage_io import StageInput
+from blockdraft.store.inputs import StageInput
 
 CHECKPOINT_KIND = "drafter-checkpoint"
 EXPORT_KIND = "drafter-export"

@@ -1,8 +1,8 @@
 """The pipeline's stages, one package each: generate, tokenize, train, eval, export.
 
 Each exposes `run(config, input, output, reporter=None, *, force=False, **options) -> StageResult` (checked by
-tests/test_architecture.py). A stage reads its input through `blockdraft.store.stage_io.open_input` and writes its output
-through `StageOutput`, so what a stage reports is what its destination holds. Stages import from `model`, `decode`, `data`, `store` and `config`, never from one another.
+tests/test_architecture.py). A stage reads its input through `blockdraft.store.inputs.open_input` and writes its output
+through `blockdraft.store.output.StageOutput`, so what a stage reports is what its destination holds. Stages import from `model`, `decode`, `data`, `store` and `config`, never from one another.
 """
 
 from __future__ import annotations

@@ -23,10 +23,15 @@ BOOKKEEPING_PREFIX = ".blockdraft-"
 # A file being written: `TMP_PREFIX + final name + "." + random` (or + final name alone, where one writer owns the name),
 # renamed when whole. A name only blockdraft creates, so cleaning up temp files never touches a user's file.
 TMP_PREFIX = BOOKKEEPING_PREFIX + "tmp-"
+# At the root of an output a stage has begun to write and not committed yet: which kind it is making. It says the files
+# there are an earlier run's of that kind, so a rerun may resume over them; removed once the manifest is written.
+WRITING_NAME = BOOKKEEPING_PREFIX + "writing.json"
+# The lease of an output's one writer (`output.Lease`), at its root while a run writes it.
+LEASE_NAME = BOOKKEEPING_PREFIX + "lease.json"
 # What only an artifact's own root holds (its manifest, its writer's lease, the mark of a stage writing it; the names of
-# `artifact.MANIFEST_NAME`, `lease.LEASE_NAME` and `ownership.WRITING_NAME`): a folder below a writer's root that holds
-# one is another artifact's, whose files that writer never touches.
-ROOT_MARKERS = ("blockdraft-manifest.json", ".blockdraft-lease.json", ".blockdraft-writing.json")
+# `artifact.MANIFEST_NAME`, `LEASE_NAME` and `WRITING_NAME`): a folder below a writer's root that holds one is
+# another artifact's, whose files that writer never touches.
+ROOT_MARKERS = ("blockdraft-manifest.json", LEASE_NAME, WRITING_NAME)
 
 
 def is_bookkeeping(key: str) -> bool:
@@ -113,7 +118,7 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
         """Write a small object only if no object has that key (an atomic create: O_EXCL, or S3's `If-None-Match: *`);
-        False when one exists. The one primitive that lets two writers agree on who owns an output (`store.lease`)."""
+        False when one exists. The one primitive that lets two writers agree on who owns an output (`output.Lease`)."""
 
     def read_bytes(self, key: str) -> bytes:
         with self.open_read(key) as f:

@@ -27,7 +27,7 @@ ORIGIN_NAME = ".blockdraft-origin.json"
 AGREEMENT_NAME = ".blockdraft-agreement.json"
 
 
-PIECES_DIR = BOOKKEEPING_PREFIX + "pieces"  # a long stage's finished pieces, as sub-manifests (`stage_io`)
+PIECES_DIR = BOOKKEEPING_PREFIX + "pieces"  # a long stage's finished pieces, as sub-manifests (`output`)
 INCOMING_DIR = BOOKKEEPING_PREFIX + "incoming"  # a pull's verified bytes, waiting until all of them are in (`transfer`)
 
 

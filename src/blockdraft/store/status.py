@@ -23,18 +23,16 @@ from blockdraft.store.artifact import (
     LOCAL_CACHED,
     MANIFEST_NAME,
     ORIGIN_NAME,
+    PIECES_DIR,
     SERVER_CHECKSUMS,
     InputRef,
     State,
     VerifyReport,
     verify_artifact,
 )
-from blockdraft.store.base import Store
+from blockdraft.store.base import LEASE_NAME, WRITING_NAME, Store
 from blockdraft.store.checksum_cache import batched_writes
-from blockdraft.store.lease import LEASE_NAME
 from blockdraft.store.manifest import AGREEMENT_NAME, read_agreement
-from blockdraft.store.ownership import WRITING_NAME
-from blockdraft.store.stage_io import PIECES_DIR
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Verified transfer of one artifact between a local folder and a store: `push` and `pull`.
+"""Verified transfer of one artifact between a local folder and a store: `push` and `pull`; and `stage_and_push`, a
+stage whose output is a remote store (written in a local staging folder, its finished pieces pushed while it runs).
 
 Both follow the artifact rule (docs/STORE.md): the manifest moves last, byte for byte (so lineage digests
 stay valid on every machine), and the report says only what was read back from the destination.
@@ -7,6 +8,7 @@ Both resume: files already verified at the destination are skipped; anything els
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,12 +38,10 @@ from blockdraft.store.artifact import (
     uncommit,
 )
 from blockdraft.store.base import ABSENT, Store
-from blockdraft.store.lease import Lease
 from blockdraft.store.local import LocalStore
 from blockdraft.store.manifest import carry_agreement
-from blockdraft.store.ownership import claim_output, mark_writing, refuse_nested, release_claim
+from blockdraft.store.output import StageOutput, refuse_nested
 from blockdraft.store.preflight import preflight
-from blockdraft.store.stage_io import StageOutput
 from blockdraft.store.writable import DISK_FULL, free_bytes, require_folder, write_failed
 
 
@@ -99,7 +99,7 @@ def push(
     """Upload the committed artifact in `local_dir` to `url`, verify every file there, then commit its manifest.
 
     Raises ArtifactError when the local folder holds no manifest or a file that does not match it, or the destination
-    holds files that are not this artifact's kind's (`ownership.claim_output`); StoreError (after a preflight that takes
+    holds files that are not this artifact's kind's (`StageOutput.claim`); StoreError (after a preflight that takes
     seconds) when the destination cannot be written; LeaseError when another writer holds the destination, or one above
     or below it (one writer per output: the push takes its lease before the first byte). `force` and `reporter` go to
     that lease (`StageOutput`). Only this artifact's own unfinished uploads at the destination are aborted.
@@ -179,7 +179,7 @@ def pull(
     """Download the artifact at `url` into `local_dir`, recomputing every checksum, and write its manifest last.
 
     Refuses (ArtifactError listing the bad files) an artifact with no manifest or with files that do not match it, and
-    a local folder holding files that are not this artifact kind's (`ownership.claim_output`); a full disk is one
+    a local folder holding files that are not this artifact kind's (`StageOutput.claim`); a full disk is one
     StoreError line. A refused pull leaves the local folder as it was: new bytes land in an incoming folder first, and
     only when every one verified is the old local copy uncommitted and the files moved into place. `force` and
     `reporter` go to the folder's lease.
@@ -195,7 +195,7 @@ def pull(
     require_folder(dest, "pull destination", "pull into a folder")
     refuse_nested(source, dest, "the pulled artifact")
     report = TransferReport(source=source.url, destination=dest.url)
-    copy = StageOutput.copy(dest, raw)
+    copy = StageOutput.copy(dest, raw, force=force, reporter=reporter)
     if _already_there(copy, report, start):
         _note_pulled_copy(source, dest, raw)
         return report
@@ -204,7 +204,7 @@ def pull(
     if bad:
         raise _refuse(source.url, bad)
     try:
-        _pull_into(source, dest, manifest, raw, report, workers, force, reporter)
+        _pull_into(source, copy, manifest, report, workers)
     except OSError as exc:  # a folder this process may not write (read-only even for root), a full disk
         failed = write_failed(exc, dest.root, "rerun the pull")
         if failed is None:
@@ -224,30 +224,25 @@ def pull(
     return report
 
 
-def _pull_into(
-    source: Store, dest: LocalStore, manifest: Manifest, raw: bytes, report: TransferReport, workers: int,
-    force: bool, reporter: Reporter | None,
-) -> None:
-    """Under `dest`'s lease: claim the folder, download and swap in the files, write the manifest last, and read it and
-    every size back."""
-    with Lease(dest, force=force, reporter=reporter) as lease:
-        claim_output(dest, manifest.kind, lease.force, mark=False)  # marked at the swap: a refused pull leaves the folder as it was
-        _download_and_swap(source, dest, manifest.kind, manifest.files, report, workers)
-        dest.put_bytes(MANIFEST_NAME, raw)
-        release_claim(dest)
+def _pull_into(source: Store, copy: StageOutput, manifest: Manifest, report: TransferReport, workers: int) -> None:
+    """Under the folder's lease: claim it, download and swap in the files, then commit the manifest, read back with every
+    file's size."""
+    assert isinstance(copy.store, LocalStore)
+    copy.claim(mark=False)  # marked at the swap: a refused pull leaves the folder as it was
+    try:
+        _download_and_swap(source, copy, manifest.files, report, workers)
         # Every file was just checksummed locally: downloaded ones on the very bytes written, kept ones by reading them
-        # from disk; re-reading them all would only re-read the page cache. What is read back here is the committed
-        # manifest and every file's size, so the report still comes from the destination.
-        back = read_manifest(dest)
-        wrong_size = [e.path for e in manifest.files if (dest.root / e.path).stat().st_size != e.size]
-        if back is None or back[1] != raw or wrong_size:
-            uncommit(dest)
-            raise ArtifactError(f"pulled copy in {dest.root} did not read back as written ({wrong_size[:3] or 'manifest'}); pull again")
+        # from disk; re-reading them all would only re-read the page cache.
+        copy.commit_checked_copy()
+    finally:
+        copy.release()
 
 
-def _download_and_swap(source: Store, dest: LocalStore, kind: str, files: list[FileEntry], report: TransferReport, workers: int) -> None:
+def _download_and_swap(source: Store, copy: StageOutput, files: list[FileEntry], report: TransferReport, workers: int) -> None:
     """Download what the local folder lacks into its incoming folder, each file's checksum recomputed on the bytes
     written; refuse (nothing local touched) if any differs; then uncommit the local copy and move the new files in."""
+    dest = copy.store
+    assert isinstance(dest, LocalStore)
     # Every working path goes through `dest` (`LocalStore.writing`, `read_checksum`, `move`): opened one name at a time
     # without following a link, so a link planted at the incoming folder (or below it) is refused, never written through.
     dest.abort_partial_uploads([f"{INCOMING_DIR}/{e.path}" for e in files])  # temp files of an interrupted pull
@@ -282,7 +277,7 @@ def _download_and_swap(source: Store, dest: LocalStore, kind: str, files: list[F
     _run_all(download, todo, workers)
     if bad:
         raise _refuse(source.url, sorted(bad, key=lambda p: p.path))
-    mark_writing(dest, kind)  # from here on, files in place may belong to no manifest: a rerun resumes over them
+    copy.mark_writing()  # from here on, files in place may belong to no manifest: a rerun resumes over them
     uncommit(dest)
     for entry in files:
         try:
@@ -322,3 +317,93 @@ def _source_problems(source: Store, files: list[FileEntry], workers: int) -> lis
         elif info is not None and info.checksum is not None and info.checksum != entry.checksum:
             bad.append(FileProblem(entry.path, State.CORRUPT, f"crc64nvme {info.checksum} != listed {entry.checksum}"))
     return bad
+
+
+def staging_folder(url: str, store_config: StoreConfig | None) -> Path:
+    """Local folder where a stage writes an output bound for `url` (s3://bucket/prefix -> STAGING/bucket/prefix)."""
+    base = Path((store_config or StoreConfig()).staging_dir)
+    return base.joinpath(*[part for part in url.split("://", 1)[1].split("/") if part])
+
+
+class _FinishedPiecePusher:
+    """Uploads the pieces a running stage reports finished, so the push at the end finds them verified.
+
+    Best effort: an upload that fails here is simply redone by the final `push`, which checks every file.
+    """
+
+    def __init__(self, local: Path, remote: Store, finished: Callable[[Path], list[FileEntry]], poll_s: float) -> None:
+        self.local, self.remote, self.finished, self.poll_s = local, remote, finished, poll_s
+        self.pushed: set[str] = set()
+        self.uncommitted = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="push-finished", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._push_new()
+
+    def _push_new(self) -> None:
+        try:
+            entries = self.finished(self.local)
+        except (OSError, ValueError):
+            return  # a record being written right now; the next poll reads it
+        for entry in entries:
+            if self._stop.is_set() or entry.path in self.pushed:
+                continue
+            try:
+                if check_file(self.remote, entry) is None:  # already there, as a rerun finds it: nothing changes
+                    self.pushed.add(entry.path)
+                    continue
+                if not self.uncommitted:  # the first byte that replaces the remote's content uncommits it first
+                    uncommit(self.remote)
+                    self.uncommitted = True
+                self.remote.put_file(entry.path, self.local / entry.path, entry.checksum)
+                if check_file(self.remote, entry) is None:
+                    self.pushed.add(entry.path)
+            except (StoreError, OSError):
+                continue
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def stage_and_push(
+    url: str,
+    store_config: StoreConfig | None,
+    kind: str,
+    run_stage: Callable[[Path], object],
+    finished: Callable[[Path], list[FileEntry]],
+    poll_s: float = 0.5,
+    reporter: Reporter | None = None,
+    force: bool = False,
+) -> tuple[object, TransferReport]:
+    """Run a stage whose output is the remote `url`: preflight, stage locally, push finished pieces meanwhile, then push.
+
+    `run_stage(local_dir)` writes and commits the artifact locally; `finished(local_dir)` lists the files it has
+    completed so far (with their checksums). The remote must be this writer's to write (`StageOutput.claim` for an
+    artifact of `kind`) before the first piece goes up. The remote's old manifest is removed before the first upload that
+    changes anything there (so a rerun over a committed output that uploads nothing leaves it committed), and no
+    reader sees it over new files; the final `push` verifies everything and writes the manifest last.
+    `force` (`--force`) goes to the remote's lease: a dead writer's is taken over. Returns (what run_stage returned,
+    the push report).
+    """
+    remote = open_store(url, store_config)
+    preflight(remote)
+    local = staging_folder(url, store_config)
+    local.mkdir(parents=True, exist_ok=True)
+    # One writer from the first piece pushed to the commit; the final push takes the lease again (re-entrant). The key is
+    # never asked: this writer only claims the output, and the push commits the staged artifact's own manifest.
+    out = StageOutput(remote, kind, "", force=force, reporter=reporter)
+    out.claim()
+    try:
+        pusher = _FinishedPiecePusher(local, remote, finished, poll_s)
+        try:
+            result = run_stage(local)
+        finally:
+            pusher.stop()
+        report = push(local, url, store_config, force=force, reporter=reporter)
+    finally:
+        out.release()
+    return result, report

@@ -26,7 +26,7 @@ from blockdraft.model.formats import (
 from blockdraft.model.spec import TargetShape, default_layer_ids
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, InputRef
-from blockdraft.store.stage_io import StageInput
+from blockdraft.store.inputs import StageInput
 
 
 @dataclass

@@ -24,7 +24,7 @@ from blockdraft.data.records import loads_row
 from blockdraft.errors import EvalError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef
-from blockdraft.store.stage_io import open_raw_input, recorded_manifest
+from blockdraft.store.inputs import open_raw_input, recorded_manifest
 
 HF_DATASETS = "hf://datasets/"
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what `datasets.save_to_disk` writes at a folder's root

@@ -24,7 +24,7 @@ from blockdraft.data.records import loads_row
 from blockdraft.errors import EvalError
 from blockdraft.stages.eval.prompt_sets import is_prompt_set, read_prompt_set
 from blockdraft.store.artifact import InputRef
-from blockdraft.store.stage_io import StageInput, open_input
+from blockdraft.store.inputs import StageInput, open_input
 
 STATE_FILE = "state.json"  # what `datasets.save_to_disk` writes beside a dataset's Arrow files
 AUTO_LAYOUT = "auto"  # a prompt set's layout recognised from its columns

@@ -45,7 +45,7 @@ from blockdraft.stages.eval.report import REPORT_NAME, UNARY_NAME, EvalReport, L
 from blockdraft.stages.eval.sampled import evaluate_sampled, sampling_of
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, VerifyReport
-from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
+from blockdraft.store.output import StageOutput, refuse_nested, stage_key
 
 STAGE = "eval"
 KIND = "eval"

@@ -51,7 +51,8 @@ from blockdraft.stages import StageResult
 from blockdraft.stages.export.card import CARD_NAME, EVAL_KIND, EVAL_REPORT_NAME, DataSource, EvalSource, render_card
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef
-from blockdraft.store.stage_io import StageInput, StageOutput, open_input, recorded_manifest, refuse_nested, stage_key
+from blockdraft.store.inputs import StageInput, open_input, recorded_manifest
+from blockdraft.store.output import StageOutput, refuse_nested, stage_key
 from blockdraft.store.writable import os_error_of, require_folder, write_failed
 
 STAGE = "export"

@@ -17,7 +17,7 @@ from blockdraft.data.records import iter_records
 from blockdraft.errors import ConfigError
 from blockdraft.store import Store
 from blockdraft.store.artifact import InputRef, raw_input
-from blockdraft.store.stage_io import open_raw_input
+from blockdraft.store.inputs import open_raw_input
 
 # (key, size, checksum) of each input file, as listed
 PromptFile = tuple[str, int, str]

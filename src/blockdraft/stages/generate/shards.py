@@ -21,7 +21,7 @@ import zstandard
 
 from blockdraft.data.chat import Completion, Prompt
 from blockdraft.store.artifact import FileEntry, Manifest, entry_for_local_file
-from blockdraft.store.stage_io import StageOutput
+from blockdraft.store.output import StageOutput
 
 SHARDS_DIR = "shards"
 _SHARD_KEY = re.compile(rf"^{SHARDS_DIR}/(part-(\d+))\.jsonl\.zst$")

@@ -41,7 +41,7 @@ from blockdraft.stages.generate.shards import HeldShards, ShardWriter, completio
 from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry, VerifyReport
 from blockdraft.store.checksum import crc64nvme_bytes
-from blockdraft.store.stage_io import StageOutput, refuse_nested, stage_key
+from blockdraft.store.output import StageOutput, refuse_nested, stage_key
 
 STAGE = "generate"
 KIND = COMPLETIONS_KIND

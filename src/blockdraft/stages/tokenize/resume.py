@@ -19,7 +19,7 @@ from blockdraft.stages.tokenize.tasks import INPUT_READ, ShardTask, piece_key
 from blockdraft.store import Store
 from blockdraft.store.artifact import FileEntry
 from blockdraft.store.local import LocalStore
-from blockdraft.store.stage_io import StageOutput, recorded_pieces
+from blockdraft.store.output import StageOutput, recorded_pieces
 
 
 def input_unchanged(store: Store, task: ShardTask, read: dict[str, Any]) -> bool:

@@ -60,7 +60,7 @@ from blockdraft.stages.tokenize.tasks import INPUT_READ, TASK_SIZE, ShardTask, c
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import FileEntry
 from blockdraft.store.local import LocalStore
-from blockdraft.store.stage_io import StageOutput
+from blockdraft.store.output import StageOutput
 from blockdraft.store.writable import disk_full_error
 
 # Part of the config digest: bump it when the rows' bytes change for the same options, so old shards are redone.

@@ -1,7 +1,7 @@
 """The `tokenize` stage: completions -> per-turn Arrow rows with exact loss masks, as a verified artifact.
 
 The output folder is a DatasetDict as `datasets.save_to_disk` lays it out (`hf_layout`), plus quarantine files, the
-finished shards' pieces (`.blockdraft-pieces/`, see `blockdraft.store.stage_io`) and the manifest, written last.
+finished shards' pieces (`.blockdraft-pieces/`, see `blockdraft.store.output`) and the manifest, written last.
 
 One shard = one task: an input file, or a part of a large one (`tasks.py`), processed by one worker process (`shard.py`;
 `runner.py` runs them). Whether the output is done is its `StageOutput`'s to say: done when its manifest records this
@@ -52,8 +52,8 @@ from blockdraft.stages.tokenize.tasks import (
 )
 from blockdraft.store import ObjectInfo, Store, open_store
 from blockdraft.store.artifact import InputRef, VerifyReport, raw_input
-from blockdraft.store.stage_io import STAGE_KEY, StageOutput, recorded_pieces, refuse_nested, stage_key
-from blockdraft.store.staged import stage_and_push
+from blockdraft.store.output import STAGE_KEY, StageOutput, recorded_pieces, refuse_nested, stage_key
+from blockdraft.store.transfer import stage_and_push
 from blockdraft.store.writable import DiskFull, disk_full_error, unwritable_error
 
 STAGE = "tokenize"

@@ -15,7 +15,7 @@ from blockdraft.data.inputs import InputFile
 from blockdraft.data.ranges import ReadRange, crc_concat, split_file
 from blockdraft.errors import ArtifactError
 from blockdraft.store import Store
-from blockdraft.store.stage_io import stage_key
+from blockdraft.store.output import stage_key
 
 # What a piece records of the input bytes its task read (its counts' "input"): the file's pin, whether the pin may
 # stand for the content later, the raw bytes read [window) and their CRC64NVME.

@@ -44,7 +44,7 @@ from blockdraft.stages.train.ckpt_writer import BackgroundWriter, Snapshot
 from blockdraft.stages.train.metrics import METRICS_NAME, MetricsLog
 from blockdraft.store import Store
 from blockdraft.store.artifact import InputRef, State, VerifyReport, uncommit, verify_artifact
-from blockdraft.store.stage_io import Holds, StageOutput, stage_key
+from blockdraft.store.output import StageOutput, stage_key
 
 PINNED_DATA_FIELDS = ("template_sha256", "thinking", "tokenizer_sha256", "end_of_turn_id")
 
@@ -257,7 +257,7 @@ class Checkpoints:
             self.reporter.warn(f"not resuming from {line}")
         if found is None:
             return None
-        if checkpoint_output(self.store, found.step, self.identity, [self.data]).state(found.report).holds is not Holds.DONE:
+        if checkpoint_output(self.store, found.step, self.identity, [self.data]).done(found.report) is None:
             self._refuse_other_run(found)
         self.last_step = found.step
         return found
@@ -275,7 +275,7 @@ class Checkpoints:
         )
 
     def has_checkpoint(self, step: int) -> bool:
-        """Whether the checkpoint of `step` of this run is already at the destination, verified (`StageOutput.state`)."""
+        """Whether the checkpoint of `step` of this run is already at the destination, verified (`StageOutput.done`)."""
         return checkpoint_output(self.store, step, self.identity, [self.data]).done() is not None
 
     def save(

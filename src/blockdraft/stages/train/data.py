@@ -18,7 +18,7 @@ from blockdraft.config import StoreConfig
 from blockdraft.data.formats import HELD_OUT_SPLIT, TRAIN_SPLIT
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store.artifact import InputRef
-from blockdraft.store.stage_io import StageInput
+from blockdraft.store.inputs import StageInput
 from blockdraft.store.transfer import pull
 
 

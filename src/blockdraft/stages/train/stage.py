@@ -28,9 +28,9 @@ from blockdraft.stages.train.setup import build_training
 from blockdraft.stages.train.trainer import Trainer
 from blockdraft.store import open_store
 from blockdraft.store.artifact import VerifyReport
-from blockdraft.store.lease import Lease
+from blockdraft.store.inputs import open_input
+from blockdraft.store.output import refuse_nested, writer_lease
 from blockdraft.store.preflight import preflight
-from blockdraft.store.stage_io import open_input, refuse_nested
 
 STAGE = "train"
 
@@ -112,7 +112,7 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
     log_dir = check_log_dir(tc.log_dir, {**inputs, "train.output": out_store})
     if place.is_main:
         preflight(out_store)  # fail before step 1 when checkpoints cannot be written (docs/STORE.md, credentials)
-        held.enter_context(Lease(out_store, force=force, reporter=reporter))
+        held.enter_context(writer_lease(out_store, force=force, reporter=reporter))
     data = open_input(inputs["train.data"], config.store, kinds=[TOKENIZED_KIND], role="train.data")
     eval_data = None
     if "train.eval_data" in inputs:

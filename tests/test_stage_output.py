@@ -1,4 +1,4 @@
-"""stage_io, the one artifact writer and input reader, on both stores (a local folder and a real SeaweedFS S3 server):
+"""The stage output (`store.output`) and input (`store.inputs`), on both stores (a local folder and a real SeaweedFS S3 server):
 when an output is done, what begin() undoes, resumable pieces, and inputs verified or refused in one line."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, FileEntry, InputRef, Manifest, State, entry_for_local_file
-from blockdraft.store.stage_io import PIECES_DIR, Holds, OutputState, StageOutput, open_input, open_raw_input, recorded_pieces, stage_key
+from blockdraft.store.artifact import MANIFEST_NAME, PIECES_DIR, FileEntry, InputRef, Manifest, State, entry_for_local_file, verify_artifact
+from blockdraft.store.inputs import open_input, open_raw_input
+from blockdraft.store.output import StageOutput, recorded_pieces, stage_key
 
 KIND = "tokenized"
 FILES = {"shard-0.arrow": b"rows of shard zero" * 50, "meta/info.json": b'{"rows": 2}'}
@@ -81,7 +82,7 @@ def test_done_is_none_when_a_file_no_longer_verifies(dest, tmp_path):
     assert StageOutput(dest.sub("out"), KIND, "k1", dest.settings).done() is None
 
 
-def test_state_tells_done_from_partial_other_config_and_other_key_and_computes_the_key_only_for_this_config(dest, tmp_path):
+def test_done_is_none_for_a_partial_output_and_another_config_or_key_and_computes_the_key_only_for_this_config(dest, tmp_path):
     def output(key: str, digest: str, asked: list[str] | None = None) -> StageOutput:
         def key_of() -> str:
             if asked is not None:
@@ -90,19 +91,18 @@ def test_state_tells_done_from_partial_other_config_and_other_key_and_computes_t
 
         return StageOutput(dest.sub("out"), KIND, key_of, dest.settings, made_with={"run.digest": digest}, failures="failed")
 
-    assert output("k1", "d1").state().holds is Holds.NOTHING
+    assert output("k1", "d1").done() is None  # nothing there
     root = tmp_path / "src"
     files = local_files(root, FILES)
     output("k1", "d1").publish(root, files, config={"run": {"digest": "d1"}}, counts={"failed": {"a.jsonl": "truncated"}})
-    partial = output("k1", "d1").state()
-    assert partial.holds is Holds.PARTIAL and partial.failed == {"a.jsonl": "truncated"} and partial.report.state is State.VERIFIED
-    assert output("k1", "d1").done() is None  # committed with failures: not done, a rerun retries them
+    assert verify_artifact(open_store(dest.sub("out"), dest.settings)).state is State.VERIFIED
+    assert output("k1", "d1").done() is None  # committed with failures: verified, yet not done, so a rerun retries them
     asked: list[str] = []
-    assert output("k1", "d2", asked).state() == OutputState(Holds.OTHER_CONFIG) and asked == []  # the key is never asked for
-    assert output("k2", "d1", asked).state() == OutputState(Holds.OTHER) and asked == ["k2"]
+    assert output("k1", "d2", asked).done() is None and asked == []  # another config: the key is never asked for
+    assert output("k2", "d1", asked).done() is None and asked == ["k2"]  # this config, another key
     output("k1", "d1").publish(root, files, config={"run": {"digest": "d1"}}, counts={"failed": {}})
-    done = output("k1", "d1").state()
-    assert done.holds is Holds.DONE and done.failed is None and output("k1", "d1").done() == done.report
+    done = output("k1", "d1").done()
+    assert done is not None and done.state is State.VERIFIED and done.manifest.config["run"] == {"digest": "d1"}
 
 
 def test_a_commit_must_record_what_failed_and_the_config_it_was_made_with(dest, tmp_path):
@@ -112,7 +112,7 @@ def test_a_commit_must_record_what_failed_and_the_config_it_was_made_with(dest, 
         out.publish(root, local_files(root, FILES), config={"run": {"digest": "d1"}}, counts={"rows": 2})
     with pytest.raises(AssertionError, match="made_with"):
         out.publish(root, local_files(root, FILES), config={"run": {"digest": "d2"}}, counts={"failed": 0})
-    assert out.state().holds is Holds.NOTHING
+    assert out.done() is None
 
 
 def test_begin_uncommits_and_keeps_the_files(dest, tmp_path):
