@@ -9,6 +9,12 @@ The cache is one SQLite file per user (`$BLOCKDRAFT_CACHE_DIR`, else `$XDG_CACHE
 is not remembered (a filesystem with coarse timestamps could change it again without changing its mtime); `--deep`
 ignores the cache and reads every byte. Anything wrong with the cache (unwritable, locked, corrupt) only means the file is
 read again: a cached value is never needed for correctness.
+
+No library keeps such a cache for CRC64NVME (DVC's state database keeps md5s by inode and timestamps, for its own
+workspace). What it saves, measured 2026-12-05 (`python -m bench.checksum_cache`: 4 artifacts, 2,000 files, 500 MiB;
+load average 0.65 -> 1.15 on 2 cores): `blockdraft status` took 0.37 s with the cache against 0.67 s reading every byte
+again from the page cache and 0.81 s after the files were evicted from it, interpreter start-up included; the reading
+grows with the bytes, the cache's lookups only with the files.
 """
 
 from __future__ import annotations
