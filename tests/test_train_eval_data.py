@@ -16,6 +16,7 @@ from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.model.formats import checkpoint_key, trained_on
+from blockdraft.stages import eval as eval_stage
 from blockdraft.stages.train import run
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
@@ -67,6 +68,20 @@ def test_eval_data_gives_the_held_out_figures_the_decoded_prompts_and_a_pinned_s
     shutil.rmtree(eval_url)
     _eval_data(tmp_path / "eval", rows[::-1])
     assert verify_artifact(open_store(checkpoint), check_inputs=True).state is State.STALE
+
+
+def test_eval_without_prompts_decodes_every_row_of_eval_data_as_training_did(tmp_path, rows, data_url):
+    """With train.eval_data set, eval's default prompts are the rows training held out: every row of train.eval_data,
+    in the order training decoded them, so eval's tau is the checkpoint's decoded tau. train.data here has no held-out
+    row at all, so taking its held-out split would find none."""
+    eval_url = _eval_data(tmp_path / "eval", rows)
+    cfg = load_config(config_file(tmp_path, data_url, eval_data=eval_url, max_steps=4, checkpoint_every=4, decode_eval_prompts=2,
+                                  target_agreement_rows=0))
+    trained = run(cfg)
+    report = eval_stage.run(cfg, trained.url, str(tmp_path / "eval-report")).details
+    assert report.prompts_source == [eval_url] and report.num_prompts == 2  # both rows: its train split and its held-out one
+    decoded = trained.report.manifest.counts["decoded_tau"]
+    assert decoded == pytest.approx(report.drafters["dflash"].tau, abs=0.01) and report.lossless.ok
 
 
 def test_bad_eval_data_is_refused_in_one_line_before_training(tmp_path, rows, data_url):

@@ -9,7 +9,7 @@ completes eval.num_prompts (never its train split), each compared with its liste
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,10 +63,12 @@ class EvalPrompts:
 
 
 def read_eval_prompts(
-    source: str | Sequence[str] | None, cfg: BlockdraftConfig, tokenizer: Any, workdir: Path, layouts: Sequence[str] = ()
+    source: str | Sequence[str] | None, cfg: BlockdraftConfig, tokenizer: Any, workdir: Path, layouts: Sequence[str] = (),
+    every_split: Collection[str] = (),
 ) -> EvalPrompts:
     """Up to eval.num_prompts prompts from each source: a prompt set (`prompt_sets.read_prompt_set`: a `.jsonl` or
-    `.parquet` file, a folder `datasets` saved, `hf://datasets/NAME`), else a tokenized artifact's held-out rows.
+    `.parquet` file, a folder `datasets` saved, `hf://datasets/NAME`), else a tokenized artifact's held-out rows (every
+    row, both splits, for a source in `every_split`: an artifact that is held out whole, as train.eval_data is).
     `layouts`: none, or one per source (a layout name, or `auto` to recognise it from its columns). Raises EvalError when
     there is no source, the layouts do not pair with the sources, or a source holds no prompt."""
     sources = [source] if isinstance(source, str) else list(source or [])
@@ -91,7 +93,8 @@ def read_eval_prompts(
         else:
             data = open_input(src, cfg.store, kinds=[TOKENIZED_KIND], role="prompts artifact")
             (workdir / f"held-out-{index}").mkdir(parents=True, exist_ok=True)
-            ids, layout, ref = held_out_prompts(data, limit, workdir / f"held-out-{index}"), HELD_OUT_LAYOUT, data.ref
+            ids = held_out_prompts(data, limit, workdir / f"held-out-{index}", every_split=src in every_split)
+            layout, ref = HELD_OUT_LAYOUT, data.ref
         if not ids:
             raise EvalError(f"no prompts found in {src}; give at least one")
         taken = {s.name for s in sets}
@@ -178,17 +181,18 @@ def _render_prompt(row: dict[str, Any], tokenizer: Any, cfg: BlockdraftConfig, w
 # The held-out rows of a tokenized artifact
 
 
-def held_out_prompts(data: StageInput, limit: int, workdir: Path) -> list[list[int]]:
+def held_out_prompts(data: StageInput, limit: int, workdir: Path, every_split: bool = False) -> list[list[int]]:
     """Up to `limit` prompts from the held-out rows of a verified tokenized artifact: each row's ids before its first
-    supervised token (a row supervised from token 0 has no prompt to condition on and is skipped).
+    supervised token (a row supervised from token 0 has no prompt to condition on and is skipped). `every_split`: the
+    artifact is held out whole (train.eval_data): its train split first, then the others, the order training decodes them.
 
     Files are fetched one at a time, in the dataset's row order, and only until `limit` prompts are found: each split's
     state.json, then its Arrow files, each checked against the manifest (`StageInput.fetch`); a local artifact is read
-    where it is. The train split is never read."""
+    where it is. Otherwise the train split is never read."""
     dest = workdir / "prompts"
     prompts: list[list[int]] = []
     rows = 0
-    for path, split_column in _held_out_files(data, dest):
+    for path, split_column in _held_out_files(data, dest, every_split):
         for ids, mask in _arrow_rows(data.fetch([path], dest) / path, split_column):
             rows += 1
             supervised = np.flatnonzero(mask)
@@ -196,6 +200,8 @@ def held_out_prompts(data: StageInput, limit: int, workdir: Path) -> list[list[i
                 prompts.append(ids[: supervised[0]].tolist())
             if len(prompts) >= limit:
                 return prompts
+    if rows == 0 and every_split:
+        raise EvalError(f"tokenized artifact {data.store.url} holds no rows; tokenize conversations into it or pass --prompts FILE")
     if rows == 0:
         raise EvalError(
             f"tokenized artifact {data.store.url} has no held-out rows; tokenize with tokenize.held_out_fraction > 0 or pass --prompts FILE"
@@ -203,15 +209,19 @@ def held_out_prompts(data: StageInput, limit: int, workdir: Path) -> list[list[i
     return prompts
 
 
-def _held_out_files(data: StageInput, dest: Path) -> Iterator[tuple[str, bool]]:
+def _held_out_files(data: StageInput, dest: Path, every_split: bool) -> Iterator[tuple[str, bool]]:
     """(Arrow file, whether its `split` column picks the held-out rows) in row order, from a `datasets.save_to_disk`
     layout: the manifest lists the folders, each folder's state.json orders its files (fetched only when reached).
 
     A DatasetDict (what tokenize writes) has one folder per split: every split but `train` is held out, and only those
-    folders are read. Without split folders, one dataset at the root, whose `split` column says which rows are held out.
+    folders are read (all of them, `train` first, with `every_split`). Without split folders, one dataset at the root,
+    whose `split` column says which rows are held out (every row is, with `every_split`).
     """
     paths = {e.path for e in data.manifest.files}
-    folders = sorted({p.split("/", 1)[0] for p in paths if p.count("/") == 1 and p.endswith(f"/{STATE_FILE}")} - {TRAIN_SPLIT})
+    splits = {p.split("/", 1)[0] for p in paths if p.count("/") == 1 and p.endswith(f"/{STATE_FILE}")}
+    folders = sorted(splits - {TRAIN_SPLIT})
+    if every_split and TRAIN_SPLIT in splits:
+        folders.insert(0, TRAIN_SPLIT)
     if not folders and STATE_FILE not in paths:
         return
     for folder in [f"{f}/" for f in folders] or [""]:
@@ -222,7 +232,7 @@ def _held_out_files(data: StageInput, dest: Path) -> Iterator[tuple[str, bool]]:
         except (ValueError, KeyError, TypeError):
             raise EvalError(f"{data.store.url.rstrip('/')}/{state_path} does not list its Arrow files; regenerate the tokenized artifact") from None
         for name in names:
-            yield name, not folder
+            yield name, not folder and not every_split
 
 
 def _arrow_rows(path: Path, split_column: bool) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -68,7 +68,9 @@ def run(
 
     `prompts`: one source or several, each a prompt set (a .jsonl or .parquet file of a layout `prompt_sets` reads, a
     folder `datasets` saved, hf://datasets/NAME) or a tokenized artifact URL (its held-out rows); default eval.prompts,
-    else the held-out rows of train.data. eval.prompt_sets names each source's layout (default: recognised). `max_new_tokens`: default eval.max_new_tokens. Progress: ("eval", prompts done, prompts). A report
+    else the rows training held out: every row of train.eval_data when it is set, else train.data's held-out rows.
+    eval.prompt_sets names each source's layout (default: recognised). `max_new_tokens`: default eval.max_new_tokens.
+    Progress: ("eval", prompts done, prompts). A report
     whose lossless check failed is still committed: the caller decides what a divergence means (the CLI exits 1).
     """
     started = time.perf_counter()
@@ -87,8 +89,11 @@ def run(
         ckpt = open_checkpoint(input, config.store, workdir / "checkpoint")
         check_checkpoint_matches(config, ckpt, hf_config)
         tokenizer = load_target_tokenizer(config.target)
-        sources = prompts or config.eval.prompts or config.train.data
-        chosen = read_eval_prompts(sources, config, tokenizer, workdir, config.eval.prompt_sets)
+        # By default the rows training held out: train.eval_data's, every one (the prompts its decoded figure used), else
+        # train.data's held-out split.
+        sources = prompts or config.eval.prompts or config.train.eval_data or config.train.data
+        whole = [sources] if isinstance(sources, str) and sources == config.train.eval_data else []
+        chosen = read_eval_prompts(sources, config, tokenizer, workdir, config.eval.prompt_sets, every_split=whole)
         url = output or _default_output(config, ckpt, chosen, max_new_tokens)
         out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt, served), config.store, force=force, reporter=reporter)
         refuse_nested(open_store(input, config.store), out.store, "checkpoint")
