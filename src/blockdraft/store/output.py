@@ -233,8 +233,8 @@ class StageOutput:
     def raise_if_lost(self) -> None:
         """After a write failed: the LeaseError naming the new owner when another writer took the output meanwhile (its
         takeover can abort this run's uploads), so the run ends with that one line and not the store's complaint."""
-        if self.lease is not None and self.lease.lost_to() is not None:
-            raise self.lease.lost_error() from None
+        if self.lease is not None and (who := self.lease.lost_to()) is not None:
+            raise self.lease.lost_error(who) from None
 
     def release(self) -> None:
         """Give back this output's lease (also done by every commit); nothing happens when none is held."""
@@ -297,6 +297,10 @@ class StageOutput:
         counts: dict[str, Any] | None = None,
     ) -> VerifyReport:
         """Upload local files written under `root` (each with its checksum), then `commit` them."""
+        return self.commit(self._upload(root, paths), config=config, lineage=lineage, counts=counts)
+
+    def _upload(self, root: Path, paths: Iterable[Path]) -> list[FileEntry]:
+        """Upload local files written under `root`, each with its checksum and after confirming the lease; their entries."""
         entries = []
         for path in paths:
             entry = entry_for_local_file(root, path)
@@ -307,7 +311,7 @@ class StageOutput:
                 self.raise_if_lost()
                 raise
             entries.append(entry)
-        return self.commit(entries, config=config, lineage=lineage, counts=counts)
+        return entries
 
     def amend(self, current: StageInput, root: Path, paths: Iterable[Path]) -> VerifyReport:
         """Replace or add the local files `paths` (under `root`) in the committed output `current`: its other files stay
@@ -316,12 +320,7 @@ class StageOutput:
         recorded = current.manifest
         self.begin()
         try:
-            added = []
-            for path in paths:
-                entry = entry_for_local_file(root, path)
-                self.confirm()
-                self.store.put_file(entry.path, path, checksum=entry.checksum)
-                added.append(entry)
+            added = self._upload(root, paths)
             replaced = {e.path for e in added}
             kept = [e for e in recorded.files if e.path not in replaced]
             config = {k: v for k, v in recorded.config.items() if k != STAGE_KEY}
@@ -506,7 +505,7 @@ class _Held:
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                current = _read(self.store)
+                current = _read_lease(self.store)
                 if current is None or current.owner != self.record.owner:
                     self.lost = f"now held by {current.describe()}" if current else "deleted by someone else"
                     self.reporter.warn(f"lost the lease on {self.store.url}: {self.lost}; this run will not commit its output")
@@ -526,17 +525,13 @@ _held: dict[str, _Held] = {}
 _lock = threading.Lock()
 
 
-def _read(store: Store) -> LeaseRecord | None:
+def _read_lease(store: Store) -> LeaseRecord | None:
+    """The lease at `store`'s root as recorded (an unreadable one as `LeaseRecord.unreadable`), or None when there is none."""
     try:
         data = store.read_bytes(LEASE_NAME)
     except FileNotFoundError:
         return None
     return LeaseRecord.parse(data) or LeaseRecord.unreadable()
-
-
-def _read_lease(store: Store) -> LeaseRecord | None:
-    """The lease at `store`'s root as recorded (an unreadable one as `LeaseRecord.unreadable`), or None when there is none."""
-    return _read(store)
 
 
 def _held_here(store: Store) -> bool:
@@ -578,7 +573,7 @@ class Lease:
                 if self.store.put_bytes_if_absent(LEASE_NAME, record.to_bytes()):
                     _held[self.key] = _Held(self.store, record, self.ttl_s, self.reporter)
                     return self
-                current = _read(self.store)
+                current = _read_lease(self.store)
                 if current is None:
                     continue  # released between our create and our read: try again
                 if current.owner == record.owner:  # left by this very process (an earlier holder that crashed mid-way)
@@ -591,28 +586,31 @@ class Lease:
                 self.store.delete(LEASE_NAME)
             raise LeaseError(f"could not take the lease on {self.store.url}: other writers keep taking it; rerun when they are done")
 
-    def lost_to(self) -> str | None:
-        """Who holds the lease now when this process no longer does (a takeover, a deletion); None while it is ours."""
+    def _holder_now(self) -> str | None:
+        """Who holds the lease, as the store says now, when this process does not; None while it is ours."""
         held = _held.get(self.key)
-        try:
-            current = _read(self.store)
-        except Exception:  # the store cannot say now: not known to be lost
-            return None
+        current = _read_lease(self.store)
         if held is not None and current is not None and current.owner == held.record.owner:
             return None
         return current.describe() if current else "nobody (the lease was deleted)"
 
-    def lost_error(self) -> LeaseError:
-        return LeaseError(f"lost the lease on {self.store.url} to {self.lost_to()}; this run's output was not committed; rerun it")
+    def lost_to(self) -> str | None:
+        """Who holds the lease now when this process no longer does (a takeover, a deletion); None while it is ours, or
+        when the store cannot say now (not known to be lost)."""
+        try:
+            return self._holder_now()
+        except Exception:
+            return None
+
+    def lost_error(self, who: str) -> LeaseError:
+        """The one line for a writer that lost its lease to `who` (as `lost_to` names it)."""
+        return LeaseError(f"lost the lease on {self.store.url} to {who}; this run's output was not committed; rerun it")
 
     def check(self) -> None:
         """Raise LeaseError unless this process still holds the lease, as the store says now (called right before each
         object a writer writes, and before its commit)."""
-        held = _held.get(self.key)
-        current = _read(self.store)
-        if held is None or current is None or current.owner != held.record.owner:
-            who = current.describe() if current else "nobody (the lease was deleted)"
-            raise LeaseError(f"lost the lease on {self.store.url} to {who}; this run's output was not committed; rerun it")
+        if (who := self._holder_now()) is not None:
+            raise self.lost_error(who)
 
     def release(self) -> None:
         """Give the lease back; the object is deleted when the last holder in this process releases it."""
@@ -626,7 +624,7 @@ class Lease:
             del _held[self.key]
             held.stop()
             try:
-                current = _read(self.store)
+                current = _read_lease(self.store)
                 if current is not None and current.owner == held.record.owner:
                     self.store.delete(LEASE_NAME)
             except Exception:  # best effort: an unreleased lease expires on its own
