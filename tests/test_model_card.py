@@ -1,11 +1,14 @@
 """The export's model card: README.md with the Hub's front matter, whose every figure equals the artifact it names (the
-eval report, the tokenized data's manifest, serving.json), listed and checksummed in the export's manifest; without an eval
-it says none was run; `export --card-only` rewrites it after an eval, the export still verified and still done."""
+eval report, the tokenized data's manifest, serving.json), listed and checksummed in the export's manifest; without
+`--eval` it gives the latest verified eval of that very checkpoint in the store, else says none was found; figures at
+temperature name their draft rule; `export --card-only` rewrites it after an eval, the export still verified and still
+done."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from blockdraft.config import load_config
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.stages import eval as eval_stage
 from blockdraft.stages import export as export_stage
+from blockdraft.stages.export.card import EvalSource, render_card
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.checksum import crc64nvme_file
@@ -104,14 +108,15 @@ def test_export_after_eval_writes_a_card_whose_every_figure_is_the_reports(tmp_p
 def test_without_an_eval_the_card_says_none_ran_and_card_only_rewrites_it_after_one(tmp_path, evaluated):
     run, eval_dir, config = evaluated
     out = tmp_path / "export"
-    export("--config", str(config), str(run), str(out))
+    printed = export("--config", str(config), str(run), str(out))
     card = (out / "README.md").read_text()
-    assert "No eval was run for this export" in card and "| prompt set" not in card
+    assert "No eval of this checkpoint was given or found for this export" in card and "| prompt set" not in card
+    assert "card: no verified eval of" in printed  # the store holds none: the fixture's eval lies outside it
     before = {e.path: e for e in verify_artifact(open_store(out)).manifest.files}
 
     export("--config", str(config), "--card-only", str(out), "--eval", str(eval_dir))
     card = (out / "README.md").read_text()
-    assert "No eval was run" not in card and list(table(card)) == ["gsm8k", "mt_bench", "all"]
+    assert "No eval of this checkpoint" not in card and list(table(card)) == ["gsm8k", "mt_bench", "all"]
     after = verify_artifact(open_store(out), check_inputs=True)
     assert after.state is State.VERIFIED
     files = {e.path: e for e in after.manifest.files}
@@ -150,3 +155,84 @@ def test_the_card_gives_the_sampling_settings_and_sampled_figures_of_an_eval_at_
         tau, low, high, speedup = (float(x) for x in row.groups())
         assert (tau, low, high, speedup) == (round(d["metrics"]["tau"], 3), round(d["tau_ci95"][0], 3), round(d["tau_ci95"][1], 3),
                                              round(d["metrics"]["speedup"], 2))
+    # The figures at temperature name the draft rule they were measured under (the report's `proposal`); greedy's need
+    # none (the same under every rule).
+    named = "drafts proposed by the `{}` rule (`eval.proposal`)"
+    unrecorded = "drafts proposed by a rule the report does not record (an eval made before `eval.proposal`)"
+    assert f"over every prompt; {named.format(sampled['proposal']) if 'proposal' in sampled else unrecorded}" in card
+
+    # Each rule by name, the engine check at temperature too; a report made before eval.proposal says it records none.
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    engine = {"engine": "vllm", "version": "0", "dtype": "float32", "tau": 2.0, "speedup": 1.5, "num_prompts": 1,
+              "outputs_equal_target_only": 1, "rule": "binomial 95%", "temperature": 0.8, "disagreement": None}
+    for proposal in ("vllm", "vllm-probabilistic", "sglang"):
+        report["sampled"]["proposal"] = proposal
+        served = render_card("t", "e", {}, {}, {}, {}, EvalSource("file:///eval", "ab", {**report, "engine": engine}), [])
+        assert f"over every prompt; {named.format(proposal)} and verified" in served
+        assert f"at temperature 0.8, {named.format(proposal)}: tau 2.000" in served
+    report["sampled"].pop("proposal")
+    older = render_card("t", "e", {}, {}, {}, {}, EvalSource("file:///eval", "ab", report), [])
+    assert f"over every prompt; {unrecorded}" in older
+
+
+def copy_eval(eval_dir: Path, dest: Path, created_at: str, checkpoint_sha256: str | None = None) -> Path:
+    """Another verified eval artifact at `dest`: a copy of `eval_dir` whose manifest says it was made at `created_at`
+    and, with `checkpoint_sha256`, pins that checkpoint content instead (at the same checkpoint URL)."""
+    shutil.copytree(eval_dir, dest)
+    manifest = json.loads((dest / MANIFEST_NAME).read_text())
+    manifest["created_at"] = created_at
+    if checkpoint_sha256 is not None:
+        manifest["lineage"][0]["sha256"] = checkpoint_sha256
+    (dest / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    assert verify_artifact(open_store(dest)).state is State.VERIFIED
+    return dest
+
+
+def card_eval(card: str) -> str | None:
+    """The URL of the eval artifact the card's figures are read from (None: the card gives no eval)."""
+    found = re.search(r"of the eval artifact `([^`]+)` \(manifest sha256 `([0-9a-f]+)`\)", card)
+    return found.group(1) if found else None
+
+
+def test_without_eval_export_gives_the_latest_verified_eval_of_this_very_checkpoint_in_the_store(tmp_path, evaluated):
+    run, eval_dir, _ = evaluated
+    config = write_config(tmp_path, tiny_config(tmp_path))  # its store: tmp_path/store
+    evals = tmp_path / "store" / "eval"
+    # Newer than any eval of the checkpoint, and never given: an eval pinning other content at the same checkpoint URL
+    # (a checkpoint trained again there), and one whose report changed since (it does not verify).
+    copy_eval(eval_dir, evals / "other", "2026-03-04T00:00:00+00:00", checkpoint_sha256="0" * 64)
+    rotten = copy_eval(eval_dir, evals / "rotten", "2026-03-05T00:00:00+00:00")
+    (rotten / "report.json").write_text((rotten / "report.json").read_text() + " ")
+    first, fresh = tmp_path / "first", tmp_path / "fresh"
+    printed = export("--config", str(config), str(run), str(first))
+    assert card_eval((first / "README.md").read_text()) is None
+    (line,) = [x for x in printed.splitlines() if x.startswith("card: ")]
+    assert "no verified eval of" in line and f"{open_store(rotten).url} (ArtifactError)" in line
+    assert "/other" not in line  # never a candidate: its lineage pins other content
+
+    older = copy_eval(eval_dir, evals / "older", "2026-03-01T00:00:00+00:00")
+    newer = copy_eval(eval_dir, evals / "newer", "2026-03-02T00:00:00+00:00")
+    printed = export("--config", str(config), str(run), str(fresh))
+    card = (fresh / "README.md").read_text()
+    assert card_eval(card) == open_store(newer).url and list(table(card)) == ["gsm8k", "mt_bench", "all"]
+    assert f"(manifest sha256 `{verify_artifact(open_store(newer)).manifest_sha256}`)" in card
+    report = json.loads((newer / "report.json").read_text())
+    assert float(table(card)["all"][2]) == round(report["drafters"]["dflash"]["tau"], 3)  # that eval's figures
+    (line,) = [x for x in printed.splitlines() if x.startswith("card: ")]
+    assert line.startswith(f"card: figures from eval {open_store(newer).url}, the latest verified eval of ")
+    assert f"passed over newer evals that do not verify: {open_store(rotten).url}" in line
+
+    # An export already done whose card gives another eval (here none) has its card rewritten from the latest one ...
+    export("--config", str(config), str(run), str(first))
+    assert card_eval((first / "README.md").read_text()) == open_store(newer).url
+    assert verify_artifact(open_store(first), check_inputs=True).state is State.VERIFIED
+    # ... and one whose card gives it already is left as it is.
+    manifest = (fresh / MANIFEST_NAME).read_bytes()
+    assert "nothing written" in export("--config", str(config), str(run), str(fresh))
+    assert (fresh / MANIFEST_NAME).read_bytes() == manifest
+
+    # --eval names another: that one wins; --card-only without it takes the latest again.
+    export("--config", str(config), str(run), str(fresh), "--eval", str(older))
+    assert card_eval((fresh / "README.md").read_text()) == open_store(older).url
+    export("--config", str(config), "--card-only", str(fresh))
+    assert card_eval((fresh / "README.md").read_text()) == open_store(newer).url

@@ -2,7 +2,8 @@
 
 Every figure comes from a verified artifact and the card names it: the eval artifact's `report.json` (read as JSON: a
 stage never imports another), the tokenized data's manifest, the export's own `config.json`, `blockdraft-export.json`,
-`serving.json` and manifest counts. A figure that was not measured is left out, never written as a placeholder.
+`serving.json` and manifest counts. A figure that was not measured is left out, never written as a placeholder. The
+figures at temperature name the draft rule they were measured under (`eval.proposal`); greedy ones need none.
 """
 
 from __future__ import annotations
@@ -82,19 +83,33 @@ def _fmt(value: float, digits: int) -> str:
     return f"{value:.{digits}f}"
 
 
+def _source(evaluation: EvalSource) -> str:
+    """The sentence naming the eval artifact every figure of the evaluation section is read from."""
+    report = evaluation.report
+    return (f"From `{EVAL_REPORT_NAME}` of the eval artifact `{evaluation.url}` (manifest sha256 "
+            f"`{evaluation.manifest_sha256}`), an eval of checkpoint `{report.get('checkpoint')}` on the target "
+            f"`{report.get('target')}`.")
+
+
+def gives_eval(card: str, evaluation: EvalSource) -> bool:
+    """Whether `card` (a card's text) gives the figures of `evaluation`: it names that very artifact and manifest."""
+    return _source(evaluation) in card
+
+
 def _evaluation(evaluation: EvalSource | None) -> str:
     if evaluation is None:
         return (
-            "## Evaluation\n\nNo eval was run for this export. Measure it with `blockdraft eval --checkpoint CHECKPOINT "
-            "--prompts SET ...`, then rewrite this card with `blockdraft export --card-only EXPORT --eval EVAL`.\n"
+            "## Evaluation\n\nNo eval of this checkpoint was given or found for this export. Measure it with "
+            "`blockdraft eval --checkpoint CHECKPOINT --prompts SET ...`, then rewrite this card with `blockdraft export "
+            "--card-only EXPORT` (which takes the latest eval of the checkpoint in the store, or the one `--eval EVAL` "
+            "names).\n"
         )
     report = evaluation.report
     drafters = list(report["drafters"])
     others = [d for d in drafters if d != "dflash"]
     lines = [
         "## Evaluation\n",
-        f"From `{EVAL_REPORT_NAME}` of the eval artifact `{evaluation.url}` (manifest sha256 `{evaluation.manifest_sha256}`), "
-        f"an eval of checkpoint `{report.get('checkpoint')}` on the target `{report.get('target')}`.\n",
+        _source(evaluation) + "\n",
         f"Decoding: greedy, each output compared token for token with the target's own greedy output; up to "
         f"{report['max_new_tokens']} new tokens per prompt; target in {report['target_dtype']}; draft block size {report['block_size']}.\n",
         "tau: tokens committed per draft/verify cycle (accepted drafts + 1); speedup: wall time of target-only greedy over "
@@ -112,17 +127,28 @@ def _evaluation(evaluation: EvalSource | None) -> str:
     lines.append("\nPer-position acceptance of the drafter (fraction of cycles accepting draft k, k = 1, 2, ...):\n")
     for name, _, _, metrics, _ in rows:
         lines.append(f"- {name}: " + ", ".join(_fmt(a, 3) for a in metrics["dflash"]["position_acceptance"]))
-    lines += _sampled(report.get("sampled"))
+    sampled = report.get("sampled")
+    lines += _sampled(sampled)
     engine = report.get("engine")
     if engine:
         verdict = "agrees with blockdraft's decode" if engine.get("disagreement") is None else f"disagrees: {engine['disagreement']}"
-        at = f" at temperature {engine['temperature']:g}" if engine.get("temperature") else ""
+        # At temperature our side of the comparison drafted by the report's rule; greedy is the same under every rule.
+        at = f" at temperature {engine['temperature']:g}, {_rule(sampled)}" if engine.get("temperature") else ""
         lines.append(
             f"\nServed by {engine['engine']} {engine['version']} ({engine['dtype']}){at}: tau {_fmt(engine['tau'], 3)}, speedup "
             f"{_fmt(engine['speedup'], 2)}x, {engine['outputs_equal_target_only']}/{engine['num_prompts']} outputs equal to the "
             f"engine's target-only outputs; {verdict} ({engine['rule']})."
         )
     return "\n".join(lines) + "\n"
+
+
+def _rule(sampled: dict[str, Any] | None) -> str:
+    """The draft rule the report's figures at temperature were measured under (`eval.proposal`: which serving engine's
+    way of proposing drafts), or that the report records none (an eval made before blockdraft recorded it)."""
+    proposal = (sampled or {}).get("proposal")
+    if proposal:
+        return f"drafts proposed by the `{proposal}` rule (`eval.proposal`)"
+    return "drafts proposed by a rule the report does not record (an eval made before `eval.proposal`)"
 
 
 def _sampled(sampled: dict[str, Any] | None) -> list[str]:
@@ -132,7 +158,7 @@ def _sampled(sampled: dict[str, Any] | None) -> list[str]:
     lines = [
         f"\nSampled decoding: temperature {sampled['temperature']:g}, top-p {sampled['top_p']:g}, top-k {sampled['top_k']}, seed "
         f"{sampled['seed']}, {sampled['samples_per_prompt']} decode(s) per prompt, {sampled['decodes']} in all, over every prompt; "
-        "drafts verified by rejection sampling, speedup over target-only sampling.\n",
+        f"{_rule(sampled)} and verified by rejection sampling; speedup over target-only sampling.\n",
         "| drafter | tau | tau 95% interval | speedup |",
         "|---|---|---|---|",
     ]
@@ -188,4 +214,4 @@ def _serving(serving: dict[str, Any]) -> str:
     return "## Serving\n\nFrom the export's `serving.json`:\n\n```sh\n" + "\n".join(commands) + "\n```\n"
 
 
-__all__ = ["CARD_NAME", "EVAL_KIND", "EVAL_REPORT_NAME", "DataSource", "EvalSource", "render_card"]
+__all__ = ["CARD_NAME", "EVAL_KIND", "EVAL_REPORT_NAME", "DataSource", "EvalSource", "gives_eval", "render_card"]

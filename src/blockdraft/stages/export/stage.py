@@ -4,7 +4,8 @@ The export folder holds `config.json` + `model.safetensors` exactly as docs/DFLA
 no LM head), `blockdraft-export.json` (the target, the resolved blockdraft config, the DFlash parameters, the
 chat-template hash, thinking mode and data lineage the drafter was trained with), `serving.json` (the engine settings)
 and `README.md` (the model card, `card.py`: the Hub's folder layout), and its manifest. `rewrite_card` writes the card of
-an existing export again (after a new eval) through the store's `StageOutput.amend`.
+an existing export again (after a new eval) through the store's `StageOutput.amend`. Without `--eval` the card gives the
+latest verified eval of the checkpoint in the store (`latest_eval`).
 The tensors are stored in the target's dtype (`target.dtype`, default the target config's own), as published drafters are:
 SGLang under `--dtype auto` runs a drafter in the dtype its config.json names (float32 becoming float16), so an fp32 export
 beside a bf16 target fails at the first request. The checkpoint keeps its fp32 master weights; only the export casts.
@@ -23,6 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -31,7 +33,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig
 
 from blockdraft.config import BlockdraftConfig, StoreConfig
-from blockdraft.errors import BlockdraftError, ExportError, safe_url
+from blockdraft.errors import ArtifactError, BlockdraftError, ExportError, safe_url
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.finite import describe_nonfinite, nonfinite_weights
 from blockdraft.model.formats import (
@@ -48,11 +50,20 @@ from blockdraft.model.spec import DrafterSpec
 from blockdraft.model.target import target_dtype
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.export.card import CARD_NAME, EVAL_KIND, EVAL_REPORT_NAME, DataSource, EvalSource, render_card
-from blockdraft.store import open_store
+from blockdraft.stages.export.card import (
+    CARD_NAME,
+    EVAL_KIND,
+    EVAL_REPORT_NAME,
+    DataSource,
+    EvalSource,
+    gives_eval,
+    render_card,
+)
+from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.inputs import StageInput, open_input, recorded_manifest
 from blockdraft.store.output import StageOutput, refuse_nested, stage_key
+from blockdraft.store.status import find_artifact_roots
 from blockdraft.store.writable import os_error_of, require_folder, write_failed
 
 STAGE = "export"
@@ -76,8 +87,9 @@ def run(
     `output` (a folder or s3:// URL); `details` is an ExportResult.
 
     `eval`: the eval artifact of this checkpoint whose figures the model card gives (refused when it is of another
-    checkpoint); without it the card says no eval was run. An export already done keeps its files, and with `eval` its
-    card is rewritten from that eval (`rewrite_card`).
+    checkpoint); without it, the latest verified eval of this checkpoint in `config.store` (`latest_eval`), else the
+    card says none was found. An export already done keeps its files; its card is rewritten (`rewrite_card`) from
+    `eval` when given, else from the eval found when the card does not give that one already.
 
     The target model's config is read from `config.target.path` (`export --target`), else the target.path pinned in the
     checkpoint; the tensors are stored in `config.target.dtype`, default that target config's own dtype.
@@ -98,12 +110,21 @@ def run(
         target_config = _target_config(target_path)
         dtype = target_dtype(config.target.dtype, target_config)
         key = {"target": target_path, "location": output, "dtype": dtype}
-        evaluation = open_eval(eval, checkpoint.ref, config.store, Path(tmp) / "eval") if eval else None
+        if eval:
+            evaluation = open_eval(eval, checkpoint.ref, config.store, Path(tmp) / "eval")
+        else:
+            evaluation = latest_eval(checkpoint.ref, config.store, Path(tmp) / "eval", reporter)
         out = StageOutput(out_store, EXPORT_KIND, stage_key(key, [checkpoint.ref]), force=force, reporter=reporter)
         done = out.done()
         if done is not None and eval is not None:
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card from {eval}")
             return rewrite_card(config, output, reporter, eval=eval, force=force)
+        card = _stored_card(out) if done is not None else None
+        if card is not None and evaluation is not None and not gives_eval(card, evaluation):
+            # The store holds a newer eval of this checkpoint than the one the card gives (or the card gives none).
+            reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card "
+                         f"from {evaluation.url}")
+            return rewrite_card(config, output, reporter, eval=evaluation.url, force=force)
         if done is not None:
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; nothing written")
             return StageResult(STAGE, out.url, done, already_done=True, seconds=time.perf_counter() - started, details=_stored(out))
@@ -150,7 +171,7 @@ def export_drafter(
     inputs (the checkpoint); `data_lineage` (the checkpoint's own inputs: the tokenized data) is described in blockdraft-export.json with the template and thinking fields of those
     inputs' manifests. `location` is where the drafter will be found (default: the output's URL): the serving settings name
     it, or for a store URL a local folder with the pull step. `dtype` is the stored dtype (None: `target_dtype`).
-    `evaluation`: the eval whose figures the model card gives (None: the card says no eval was run).
+    `evaluation`: the eval whose figures the model card gives (None: the card says no eval was found).
     """
     spec = drafter.spec
     spec.check_target(target_config)
@@ -338,6 +359,73 @@ def open_eval(url: str, checkpoint: InputRef, store_config: StoreConfig | None, 
     return EvalSource(found.store.url, found.ref.sha256 or "", report)
 
 
+def latest_eval(checkpoint: InputRef, store_config: StoreConfig, dest: Path, reporter: Reporter) -> EvalSource | None:
+    """The latest eval of `checkpoint` in the store `store_config.url` that verifies, opened as `open_eval` opens an
+    `--eval`, or None; says in one line which eval the card uses, or that there is none.
+
+    A candidate is an artifact there whose recorded manifest is of kind eval, lists `EVAL_REPORT_NAME` and pins in its
+    lineage the manifest sha256 of `checkpoint` (the same content, wherever it lies now: an eval of another checkpoint
+    at the same path never matches). Latest: the greatest manifest `created_at`, ties broken by the greater URL.
+    Candidates are tried latest first; one that does not verify (or whose report cannot be read) is passed over and
+    named. An unreachable store is said in the line too: the export itself does not need it.
+    """
+    where = f"{checkpoint.url} (manifest sha256 {(checkpoint.sha256 or '')[:12]})"
+    try:
+        store = open_store(store_config.url, store_config)
+        candidates = _eval_candidates(store, checkpoint)
+    except (BlockdraftError, OSError) as exc:  # an unreachable store: the export itself does not need it
+        reporter.say(f"card: could not look for an eval of {where} in {safe_url(store_config.url)} ({exc}); the card "
+                     "gives none: pass --eval EVAL")
+        return None
+    passed: list[str] = []
+    for index, (_, url) in enumerate(candidates):
+        try:
+            found = open_eval(url, checkpoint, store_config, dest / str(index))
+        except (BlockdraftError, OSError, ValueError) as exc:  # not verified, changed since listed, unreadable report
+            passed.append(f"{url} ({type(exc).__name__})")
+            continue
+        skipped = f"; passed over newer evals that do not verify: {', '.join(passed)}" if passed else ""
+        reporter.say(f"card: figures from eval {found.url}, the latest verified eval of {where} in {store.url} "
+                     f"(--eval EVAL names another){skipped}")
+        return found
+    skipped = f" ({len(passed)} that do not verify: {', '.join(passed)})" if passed else ""
+    reporter.say(f"card: no verified eval of {where} in {store.url}{skipped}; the card gives none: run "
+                 f"`blockdraft eval --checkpoint {checkpoint.url}` first or pass --eval EVAL")
+    return None
+
+
+def _eval_candidates(store: Store, checkpoint: InputRef) -> list[tuple[datetime, str]]:
+    """(created_at, URL) of every committed eval artifact in `store` whose recorded (not yet verified) manifest pins
+    `checkpoint` by sha256, latest first. Only artifacts listing a report are read: one manifest read each."""
+    keys = [info.key for info in store.list()]
+    listed = set(keys)
+    committed, _ = find_artifact_roots(keys)
+    found = []
+    for root in committed:
+        if (f"{root}/{EVAL_REPORT_NAME}" if root else EVAL_REPORT_NAME) not in listed:
+            continue
+        child = store.child(root) if root else store
+        try:
+            manifest = recorded_manifest(child)
+        except ArtifactError:  # a torn or foreign manifest is no eval
+            continue
+        if manifest is None or manifest.kind != EVAL_KIND or not manifest.lineage:
+            continue
+        if manifest.lineage[0].sha256 != checkpoint.sha256:  # an eval pins the checkpoint it decoded first
+            continue
+        found.append((_created(manifest.created_at), child.url))
+    return sorted(found, reverse=True)
+
+
+def _created(stamp: str) -> datetime:
+    """A manifest's `created_at` as a UTC time; one that does not parse counts as the oldest."""
+    try:
+        when = datetime.fromisoformat(stamp)
+    except ValueError:
+        return datetime.min.replace(tzinfo=UTC)
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
 def verified_data(lineage: list[InputRef], store_config: StoreConfig | None) -> list[DataSource]:
     """Each training data input, with its manifest's counts and tokenize settings when it verifies here with the very
     manifest the checkpoint pinned; else the reason its figures are left out."""
@@ -364,8 +452,8 @@ def rewrite_card(
     config: BlockdraftConfig, export: str, reporter: Reporter | None = None, *, eval: str | None = None, force: bool = False,
 ) -> StageResult:
     """Write the model card of the verified export at `export` again, from `eval` (an eval of the exported checkpoint;
-    None: the card says no eval was run) and the training data as it verifies now; every other file stays as committed
-    and the manifest is rewritten through `StageOutput.amend`. `details` is the export's ExportResult."""
+    None: the latest verified eval of it in `config.store`, `latest_eval`) and the training data as it verifies now;
+    every other file stays as committed and the manifest is rewritten through `StageOutput.amend`. `details` is the export's ExportResult."""
     started = time.perf_counter()
     reporter = reporter or Reporter()
     current = open_input(export, config.store, kinds=[EXPORT_KIND], role="export")
@@ -381,7 +469,10 @@ def rewrite_card(
         if not current.manifest.lineage:
             raise ExportError(f"{current.store.url} records no checkpoint it was exported from; export the checkpoint again")
         checkpoint = current.manifest.lineage[0]
-        evaluation = open_eval(eval, checkpoint, config.store, Path(tmp) / "eval") if eval else None
+        if eval:
+            evaluation = open_eval(eval, checkpoint, config.store, Path(tmp) / "eval")
+        else:
+            evaluation = latest_eval(checkpoint, config.store, Path(tmp) / "eval", reporter)
         data = [InputRef(**{k: e[k] for k in InputRef.model_fields if k in e}) for e in provenance.get("data", [])]
         serving = json.loads((folder / SERVING_NAME).read_text())
         card = render_card(
@@ -395,12 +486,17 @@ def rewrite_card(
     return StageResult(STAGE, current.store.url, report, seconds=time.perf_counter() - started, details=ExportResult(serving, provenance))
 
 
+def _stored_card(out: StageOutput) -> str | None:
+    """The model card of an export that is already done (verified), or None for an export made before the card was."""
+    return out.store.read_bytes(CARD_NAME).decode() if out.store.exists(CARD_NAME) else None
+
+
 def _stored(out: StageOutput) -> ExportResult:
     """The ExportResult of an export that is already done, read from its (verified) files."""
     return ExportResult(json.loads(out.store.read_bytes(SERVING_NAME)), json.loads(out.store.read_bytes(PROVENANCE_NAME)))
 
 
 __all__ = [
-    "SERVING_NAME", "STAGE", "ExportResult", "drafter_folder", "export_drafter", "open_eval", "rewrite_card", "run", "serving_lines",
-    "serving_settings", "verified_data",
+    "SERVING_NAME", "STAGE", "ExportResult", "drafter_folder", "export_drafter", "latest_eval", "open_eval", "rewrite_card",
+    "run", "serving_lines", "serving_settings", "verified_data",
 ]
