@@ -374,7 +374,7 @@ def test_the_mask_id_defaults_to_the_known_reserved_id_of_qwen3_and_qwen35_else_
     assert DrafterSpec.from_target_config(qwen3, DFlashConfig(architecture="dflash", mask_token_id=151670)).mask_token_id == 151670  # the config wins
     with pytest.raises(SpecError) as unknown:  # the tiny target: a Qwen3 shape with its own 512-row vocabulary
         DrafterSpec.from_target_config(target.config, DFlashConfig())
-    assert "has no known reserved id; set dflash.mask_token_id to a reserved id" in str(unknown.value)
+    assert "has no known reserved id; set dflash.mask_token_id to an id the tokenized rows never hold" in str(unknown.value)
     tokenizer_json = json.dumps({"added_tokens": [{"id": 151669, "content": "<|mine|>"}]})
-    with pytest.raises(ConfigError, match=r"151669 is the tokenizer's token <\|mine\|>"):  # what tokenize checks the default with
+    with pytest.raises(ConfigError, match=r"151669 is the tokenizer's added token <\|mine\|>"):  # what tokenize checks the default with
         check_mask_token(known_mask_token_id(local_text_config(str(FIXTURES / "qwen3-tokenizer"))), tokenizer_json)

@@ -1,13 +1,26 @@
-"""The added tokens of a Hugging Face tokenizer folder (`<|im_end|>`, `<think>`, ...), read from its JSON files alone, and
-the rule they set for `dflash.mask_token_id`: the mask must be an id the tokenizer never emits. Checked when the config
-loads (`config.py`) and again for the tokenizer tokenize actually uses (`data/tokenizer.py`).
+"""The rule for `dflash.mask_token_id`, the id a drafter fills its masked block slots with: a row of the target's embedding
+(below its config's vocab_size) that the training data never holds and that is none of the tokenizer's added tokens.
+
+Such an id reaches the drafter only as the mask, so a masked slot is never confused with a real token; the serving engines
+read it from the export's `dflash_config` and need nothing else (no added embedding row). A target whose embedding has
+spare rows past the tokenizer's last id (Qwen3's 151669..151935) has ids no text encodes to; one whose every row is a token
+(Llama-family SmolLM2: vocab_size = len(tokenizer)) takes an ordinary token its data never uses.
+
+Added tokens (`<|im_end|>`, `<think>`, ...) are refused even when the data does not hold them: they are the control tokens
+the chat template and the tokenizer emit on paths the data may not cover (tools, system prompts, the other thinking mode),
+and there is always a plain id to take instead. Checked when the config loads (`config.py`) and for the tokenizer tokenize
+uses (`data/tokenizer.py`). That the data never holds the id is checked against the ids tokenize records
+(`data/seen_ids.py`): by tokenize once its artifact is committed, and by train before any row is read.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from blockdraft.data.seen_ids import SeenIds
 
 # Reserved embedding rows that no text encodes to, by the target's text model_type and vocabulary size: the first row after
 # Qwen3's added tokens (151643..151668), and the mask of the drafters published for Qwen3.5/3.6.
@@ -16,8 +29,9 @@ KNOWN_MASK_TOKEN_IDS: dict[tuple[str, int], int] = {
     ("qwen3_moe", 151936): 151669,
     ("qwen3_5_text", 248320): 248070,
 }
-HOW_TO_CHOOSE = ("set dflash.mask_token_id to a reserved id: a row of the target's embedding (below its vocab_size) that is none "
-                 "of the tokenizer's added tokens, e.g. the first id after the tokenizer's last (Qwen3: 151669, Qwen3.5/3.6: 248070)")
+HOW_TO_CHOOSE = ("set dflash.mask_token_id to an id the tokenized rows never hold: a row of the target's embedding (below its "
+                 "config's vocab_size) that is none of the tokenizer's added tokens, best the first row past the tokenizer's last id "
+                 "when the embedding has spare rows, else an ordinary token the data never uses (tokenize and train name one)")
 
 
 def known_mask_token_id(text_config: dict[str, Any]) -> int | None:
@@ -52,9 +66,70 @@ def tokenizer_added_tokens(folder: Path) -> dict[int, str]:
         return {}
 
 
-def mask_token_problem(mask_token_id: int | None, added: dict[int, str]) -> str | None:
-    """Why `mask_token_id` cannot be the drafter's mask token given the tokenizer's added tokens, or None."""
+def tokenizer_json_length(tokenizer_json: str) -> int:
+    """The ids a tokenizer.json defines: one past its highest, of its model's vocabulary and its added tokens (0: none)."""
+    data = json.loads(tokenizer_json)
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # Unigram: a list of (piece, score)
+    ids += [int(t["id"]) for t in data.get("added_tokens") or []]
+    return max(ids, default=-1) + 1
+
+
+def tokenizer_length(folder: Path) -> int | None:
+    """The ids a Hugging Face tokenizer folder defines (`len(tokenizer)`), read from its tokenizer.json, else its vocab.json
+    and added tokens; None when neither is there."""
+    try:
+        return tokenizer_json_length((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        pass
+    try:
+        vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+        return max([*vocab.values(), *tokenizer_added_tokens(folder)], default=-1) + 1
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def spare_row(tokenizer_ids: int | None, vocab_size: int | None) -> int | None:
+    """The first row of the embedding past the tokenizer's last id, when the embedding has one: no text encodes to it."""
+    return tokenizer_ids if tokenizer_ids is not None and vocab_size is not None and tokenizer_ids < vocab_size else None
+
+
+def folder_spare_row(tokenizer_folder: Path, target_path: str | None) -> int | None:
+    """`spare_row` of a local tokenizer folder and target folder (None when either is not here)."""
+    vocab_size = local_text_config(target_path).get("vocab_size")
+    return spare_row(tokenizer_length(tokenizer_folder), vocab_size if isinstance(vocab_size, int) else None)
+
+
+def mask_token_problem(mask_token_id: int | None, added: dict[int, str], example: int | None = None) -> str | None:
+    """Why `mask_token_id` cannot be the drafter's mask token given the tokenizer's added tokens, or None. `example`: an
+    id to name as a fit (a spare row), when known."""
     if mask_token_id is None or mask_token_id not in added:
         return None
-    return (f"dflash.mask_token_id {mask_token_id} is the tokenizer's token {added[mask_token_id]}, which it emits in the data: "
-            "the drafter could not tell a masked slot from it; set it to a reserved id the tokenizer never emits (Qwen3: 151669)")
+    return (f"dflash.mask_token_id {mask_token_id} is the tokenizer's added token {added[mask_token_id]}, a control token its "
+            f"chat template and tokenizer emit: the drafter could not tell a masked slot from it; {HOW_TO_CHOOSE}"
+            + (f" (here: {example}, the first row past the tokenizer's last id)" if example is not None else ""))
+
+
+def suggest_mask_token_id(seen: SeenIds, vocab_size: int, added: dict[int, str], known: int | None = None) -> int | None:
+    """An id that fits the rule for a target of `vocab_size` rows whose tokenized data holds `seen` (`seen.size`: the
+    tokenizer's ids): the family's reserved id when the data does not hold it, else the first row past the tokenizer's last
+    id, else the highest id the data never holds that is not an added token (in a BPE vocabulary the later merges are the
+    rarer ones); None when no row is free."""
+    if known is not None and known < vocab_size and known not in seen and known not in added:
+        return known
+    if (row := spare_row(seen.size, vocab_size)) is not None:
+        return row
+    return seen.highest_absent(min(vocab_size, seen.size), set(added))
+
+
+def mask_in_data_problem(mask_token_id: int, seen: SeenIds, data: str, vocab_size: int, added: dict[int, str],
+                         known: int | None = None) -> str | None:
+    """The one line that refuses `mask_token_id` when the tokenized rows of `data` (which hold `seen`) hold it, naming an
+    id that fits instead; None when they never do."""
+    if mask_token_id not in seen:
+        return None
+    fit = suggest_mask_token_id(seen, vocab_size, added, known)
+    fix = (f"set dflash.mask_token_id to an id these rows never hold, e.g. {fit}" if fit is not None else
+           f"every id below vocab_size {vocab_size} occurs in them or is an added token, so no row of the target's embedding can be the mask")
+    return (f"dflash.mask_token_id {mask_token_id} occurs in the tokenized rows of {data} (they hold {len(seen):,} distinct ids of "
+            f"{seen.size:,}): the drafter could not tell a masked slot from that token; {fix}")

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from blockdraft.added_tokens import mask_token_problem, tokenizer_added_tokens
+from blockdraft.added_tokens import folder_spare_row, mask_token_problem, tokenizer_added_tokens
 from blockdraft.errors import ConfigError, safe_url
 from blockdraft.overrides import Overrides, apply, flag_overrides, set_overrides, validation_line
 
@@ -475,5 +475,6 @@ def _check_mask_token(config: BlockdraftConfig, label: str) -> None:
     folder = config.target.tokenizer or config.target.path
     if config.dflash.mask_token_id is None or not folder or not Path(folder).is_dir():
         return
-    if problem := mask_token_problem(config.dflash.mask_token_id, tokenizer_added_tokens(Path(folder))):
-        raise ConfigError(f"config {label}: {problem}")
+    mask, added = config.dflash.mask_token_id, tokenizer_added_tokens(Path(folder))
+    if mask in added:  # the example row is read from the tokenizer's vocabulary only for the error line
+        raise ConfigError(f"config {label}: {mask_token_problem(mask, added, folder_spare_row(Path(folder), config.target.path))}")

@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from datasets import Dataset, DatasetDict
 
+from blockdraft.data.seen_ids import SEEN_IDS, SeenIds
 from blockdraft.model import load_target
 from blockdraft.store import open_store
 from blockdraft.store.artifact import commit_artifact, entry_for_local_file
@@ -29,11 +31,16 @@ def make_rows(num_rows: int, prompt_len: int, new_tokens: int, seed: int) -> lis
 
 def write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[dict], tokenize_run: dict | None = None) -> str:
     """A tokenized artifact in the layout `tokenize` writes: a DatasetDict (train, held_out) plus the manifest, whose config
-    records `tokenize_run` (what tokenize records of its template, tokenizer, thinking mode) when given."""
+    records `tokenize_run` (what tokenize records of its template, tokenizer, thinking mode) when given, and whose counts
+    record the token ids the rows hold, as tokenize's do."""
     DatasetDict({"train": Dataset.from_list(train_rows), "held_out": Dataset.from_list(held_out_rows)}).save_to_disk(str(folder))
     entries = [entry_for_local_file(folder, p) for p in sorted(folder.rglob("*")) if p.is_file()]
     config = {"tokenize_run": tokenize_run} if tokenize_run is not None else {}
-    commit_artifact(open_store(folder), "tokenized", entries, config=config, counts={"train_rows": len(train_rows)})
+    ids = [i for row in train_rows + held_out_rows for i in row["input_ids"]]
+    seen = SeenIds(max(ids, default=-1) + 1)
+    seen.add(np.asarray(ids, dtype=np.int64))
+    counts = {"train_rows": len(train_rows), SEEN_IDS: seen.to_record()}  # the ids train checks the mask id against
+    commit_artifact(open_store(folder), "tokenized", entries, config=config, counts=counts)
     return str(folder)
 
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdraft.added_tokens import mask_token_problem
+from blockdraft.added_tokens import mask_token_problem, spare_row, tokenizer_json_length
 from blockdraft.config import TargetConfig
 from blockdraft.data.render import ChatTemplate, compile_chat_template
 from blockdraft.errors import ConfigError
@@ -120,11 +120,11 @@ def special_token_pattern(tokenizer_json: str, variables: dict[str, str] | None 
     return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
 
 
-def check_mask_token(mask_token_id: int | None, tokenizer_json: str) -> None:
-    """ConfigError when `mask_token_id` is one of this tokenizer's added tokens (`mask_token_problem`)."""
+def check_mask_token(mask_token_id: int | None, tokenizer_json: str, vocab_size: int | None = None) -> None:
+    """ConfigError when `mask_token_id` is one of this tokenizer's added tokens (`mask_token_problem`); `vocab_size`: the
+    target's embedding rows, when known, to name its first spare row as a fit."""
     if mask_token_id is None:
         return
     added = {int(t["id"]): str(t.get("content")) for t in json.loads(tokenizer_json).get("added_tokens") or []}
-    problem = mask_token_problem(mask_token_id, added)
-    if problem:
-        raise ConfigError(problem)
+    if mask_token_id in added:
+        raise ConfigError(str(mask_token_problem(mask_token_id, added, spare_row(tokenizer_json_length(tokenizer_json), vocab_size))))

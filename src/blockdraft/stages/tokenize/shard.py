@@ -3,7 +3,8 @@ quarantine file and, last, its piece record.
 
 A finished shard is a piece of the output (`StageOutput.put_piece`, written after its files), keyed by `piece_key`:
 the run's config digest, the input file's key and size, and the part. Its counts hold the shard's row statistics
-(`stats`), its Arrow files per split in the order written (`split_files`), what it read of the input (`input`: the
+(`stats`), the token ids its rows hold (`token_ids`, a `SeenIds` record), its Arrow files per split in the order written
+(`split_files`), what it read of the input (`input`: the
 file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `tasks.checksum_from_reads`) and the task
 size its run cut the input with (`task_size`: a rerun cuts it the same way to keep the piece, `stage._cut`).
 
@@ -51,6 +52,7 @@ from blockdraft.data.render import (
     plan_turns,
     row_from_generator_ids,
 )
+from blockdraft.data.seen_ids import SEEN_IDS, SeenIds
 from blockdraft.data.streams import InputUnreadable
 from blockdraft.data.tokenizer import special_token_pattern
 from blockdraft.errors import OutsideArtifactError
@@ -64,7 +66,7 @@ from blockdraft.store.output import StageOutput
 from blockdraft.store.writable import disk_full_error
 
 # Part of the config digest: bump it when the rows' bytes change for the same options, so old shards are redone.
-SHARD_FORMAT = "blockdraft-tokenize-shard/3"
+SHARD_FORMAT = "blockdraft-tokenize-shard/4"
 # Conversations rendered and encoded together; small enough that a worker's memory stays flat.
 CONVERSATION_BATCH = 32
 # What clipping to max_length cut off, in every piece's stats: rows clipped, tokens dropped, supervised tokens dropped.
@@ -100,7 +102,8 @@ class WorkerSettings:
 @dataclass(frozen=True)
 class ShardOutput:
     """One finished shard as its piece records it: every file it made (Arrow and quarantine) and its piece counts,
-    {"stats": row counts (rows_in, rows_out, tokens, rejected by reason, ...), "split_files": {split: [path, ...]}}."""
+    {"stats": row counts (rows_in, rows_out, tokens, rejected by reason, ...), "token_ids": the ids its rows hold,
+    "split_files": {split: [path, ...]}}."""
 
     name: str
     files: list[FileEntry]
@@ -109,6 +112,9 @@ class ShardOutput:
     @property
     def stats(self) -> dict[str, Any]:
         return self.counts["stats"]
+
+    def seen_ids(self) -> SeenIds:
+        return SeenIds.from_record(self.counts[SEEN_IDS])
 
     def arrow_files(self) -> list[tuple[str, str]]:
         """(path, checksum) of its Arrow files in the order written: train then held_out, parts in order."""
@@ -135,8 +141,9 @@ def is_held_out(source_id: str, fraction: float) -> bool:
 
 
 class _ShardCounts:
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int) -> None:
         self.c: Counter[str] = Counter(dict.fromkeys(CLIP_KEYS, 0))  # recorded even when nothing was clipped
+        self.seen = SeenIds(vocab_size)  # the token ids of the rows written (kept apart from the summed stats)
         self.rejected: Counter[str] = Counter()
         self.thinking: Counter[str] = Counter()
         self.failed: dict[str, Any] = {}  # an input dropped whole: its key -> reason, detail, rows read before the fault
@@ -145,6 +152,7 @@ class _ShardCounts:
         """A row written to `split`; a clipped one also adds what `max_length` cut off it (see `TurnRow`)."""
         self.c.update({"rows_out": 1, f"{split}_rows": 1, "tokens": len(row.input_ids), "supervised_tokens": int(row.loss_mask.sum())})
         self.thinking[row.thinking] += 1
+        self.seen.add(row.input_ids)
         if row.clipped_tokens:
             self.c.update({"rows_clipped": 1, "tokens_clipped": row.clipped_tokens, "supervised_tokens_clipped": row.clipped_supervised})
 
@@ -270,7 +278,7 @@ def peak_rss_mib() -> float:
 def _write_shard(task: ShardTask, settings: WorkerSettings, out: LocalStore, output: StageOutput, writers: dict[str, SplitWriter],
                  reading: _Reading) -> ShardOutput:
     tokenizer, template, special = WORKER["tools"]
-    counts = _ShardCounts()
+    counts = _ShardCounts(settings.vocab_size)
     quarantine_key = f"{QUARANTINE_DIR}/{task.name}.jsonl"
     read = 0
     failure: InputUnreadable | None = None
@@ -310,7 +318,7 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, out: LocalStore, out
         reading.report(task.share, rows, tokens)
         if failure is not None:
             # Dropped whole: none of its rows or row rejections stay, only the one line that says why.
-            line, counts = _failed_counts(task.input_key, failure, reader.rows_before + read)
+            line, counts = _failed_counts(task.input_key, failure, reader.rows_before + read, settings.vocab_size)
             quarantine.seek(0)
             quarantine.truncate()
             quarantine.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -319,7 +327,7 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, out: LocalStore, out
     shard = ShardOutput(
         task.name,
         [*(e for split in SPLITS for e in split_files[split]), quarantine_entry],
-        {"stats": counts.as_dict(), "split_files": {split: [e.path for e in split_files[split]] for split in SPLITS},
+        {"stats": counts.as_dict(), SEEN_IDS: counts.seen.to_record(), "split_files": {split: [e.path for e in split_files[split]] for split in SPLITS},
          INPUT_READ: {"pin": task.file.pin, "pin_trusted": trusted, "window": list(reader.window) if reader.window else None,
                       "crc": reader.crc, "reads": [list(r) for r in reader.reads]},
          TASK_SIZE: settings.task_size},
@@ -340,13 +348,13 @@ def _check_pin(task: ShardTask, raw: BinaryIO) -> bool:
     return pin_is_trusted(st)
 
 
-def _failed_counts(key: str, failure: InputUnreadable, rows_read: int) -> tuple[dict[str, Any], _ShardCounts]:
+def _failed_counts(key: str, failure: InputUnreadable, rows_read: int, vocab_size: int) -> tuple[dict[str, Any], _ShardCounts]:
     """(its one quarantine line, its counts: `input_files_failed` 1 and its entry in `failed_inputs`) for an input file
     dropped whole."""
     record = {"reason": failure.reason, "detail": failure.detail, "rows_read_before_failure": rows_read}
     line = {"source_id": None, "turn": None, "reason": failure.reason, "detail": failure.detail, "input": key,
             "position": rows_read + 1, "row": None, "rows_read_before_failure": rows_read}
-    counts = _ShardCounts()
+    counts = _ShardCounts(vocab_size)
     counts.c["input_files_failed"] = 1
     counts.failed[key] = record
     return line, counts

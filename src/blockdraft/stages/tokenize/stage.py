@@ -28,10 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from blockdraft.added_tokens import known_mask_token_id, local_text_config
+from blockdraft.added_tokens import known_mask_token_id, local_text_config, mask_in_data_problem, tokenizer_added_tokens
 from blockdraft.config import BlockdraftConfig
 from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.data.inputs import STAT_PIN, InputFile, list_inputs
+from blockdraft.data.seen_ids import SEEN_IDS, SeenIds
 from blockdraft.data.tokenizer import TokenizerSource, check_mask_token, end_of_turn_id, resolve_tokenizer
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.reporter import Reporter
@@ -97,7 +98,30 @@ def run(
         result = _run_local(config, input, output, reporter, started, force, spawn_one)
     if result.details.counts.get("input_files_failed"):
         raise InputFilesFailed(result)
+    _check_mask_in_rows(config, result)
     return result
+
+
+def _mask_token_id(config: BlockdraftConfig) -> int | None:
+    """The mask id training will use: dflash.mask_token_id, else the target family's reserved one (None: neither)."""
+    mask = config.dflash.mask_token_id
+    return mask if mask is not None else known_mask_token_id(local_text_config(config.target.path))
+
+
+def _check_mask_in_rows(config: BlockdraftConfig, result: StageResult) -> None:
+    """ConfigError (one line, naming an id that fits) when the committed rows hold the mask id training will use. The
+    artifact stays as committed: its rows are right, the mask id is not, and a rerun with another one finds it done."""
+    mask, record = _mask_token_id(config), result.details.counts.get(SEEN_IDS)
+    if mask is None or record is None:
+        return
+    text = local_text_config(config.target.path)
+    seen = SeenIds.from_record(record)
+    folder = config.target.tokenizer or config.target.path
+    added = tokenizer_added_tokens(Path(folder)) if folder else {}
+    rows = text.get("vocab_size")
+    vocab_size = rows if isinstance(rows, int) else seen.size  # the target's embedding rows; else the tokenizer's ids
+    if problem := mask_in_data_problem(mask, seen, result.url, vocab_size, added, known_mask_token_id(text)):
+        raise ConfigError(f"{problem} (the artifact is committed and kept; train refuses this mask id on it)")
 
 
 def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, started: float, force: bool,
@@ -288,8 +312,7 @@ def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter,
         reporter.warn(message)
     eot_id = end_of_turn_id(src.tokenizer_json, opts.end_of_turn)
     # The mask id training will use, the derived default included, must be none of the tokenizer's added tokens.
-    mask = config.dflash.mask_token_id
-    check_mask_token(mask if mask is not None else known_mask_token_id(local_text_config(config.target.path)), src.tokenizer_json)
+    check_mask_token(_mask_token_id(config), src.tokenizer_json, local_text_config(config.target.path).get("vocab_size"))
     digest = _config_digest(config, src, eot_id)
     out_store = open_store(output, config.store)
     out_dir = out_store.local_path()
@@ -416,6 +439,10 @@ def _commit(plan: _Plan, shards: list[ShardOutput]) -> VerifyReport:
     metadata = write_split_metadata(plan.out_dir, [s.arrow_files() for s in shards], output_schema())
     entries = [entry for s in shards for entry in s.files] + metadata
     counts = merge_counts([s.stats for s in shards])
+    seen = SeenIds(plan.src.vocab_size)
+    for s in shards:
+        seen.update(s.seen_ids())
+    counts[SEEN_IDS] = seen.to_record()  # what train checks dflash.mask_token_id against
     counts["shards"] = len(plan.tasks)
     counts["input_files"] = len(plan.inputs.files)
     counts["held_out_fraction"] = plan.config.tokenize.held_out_fraction

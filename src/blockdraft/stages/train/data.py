@@ -10,12 +10,15 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from datasets import Dataset, concatenate_datasets
 
-from blockdraft.config import StoreConfig
+from blockdraft.added_tokens import HOW_TO_CHOOSE, known_mask_token_id, mask_in_data_problem, suggest_mask_token_id, tokenizer_added_tokens
+from blockdraft.config import BlockdraftConfig, StoreConfig
 from blockdraft.data.formats import HELD_OUT_SPLIT, TRAIN_SPLIT
+from blockdraft.data.seen_ids import SEEN_IDS, SeenIds
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.inputs import StageInput
@@ -132,6 +135,34 @@ def check_eval_data(data: StageInput, eval_data: StageInput) -> None:
             )
 
 
+def check_mask_in_rows(config: BlockdraftConfig, hf_config: Any, data: StageInput) -> None:
+    """Refuse, in one line and before any row is read, a mask id the rows of train.data hold (`added_tokens`: the rule),
+    naming an id they never hold; the same when dflash.mask_token_id is unset and the target family has no reserved id.
+    The ids come from what tokenize recorded in the manifest (`counts.token_ids`): an artifact without them is refused."""
+    url = data.store.url
+    record = data.manifest.counts.get(SEEN_IDS)
+    if record is None:
+        raise ArtifactError(f"tokenized artifact {url} records no token ids (counts.{SEEN_IDS}): it was made by an older blockdraft, "
+                            "so dflash.mask_token_id cannot be checked against its rows; rerun tokenize into it (its rows are remade)")
+    try:
+        seen = SeenIds.from_record(record)
+    except ValueError as exc:
+        raise ArtifactError(f"tokenized artifact {url} has an unreadable counts.{SEEN_IDS} ({exc}); rerun tokenize into it") from None
+    getter = getattr(hf_config, "get_text_config", None)
+    text = getter() if getter is not None else hf_config
+    vocab_size, model_type = int(text.vocab_size), getattr(text, "model_type", None)
+    known = known_mask_token_id({"model_type": model_type, "vocab_size": vocab_size})
+    folder = config.target.tokenizer or config.target.path
+    added = tokenizer_added_tokens(Path(folder)) if folder else {}
+    mask = config.dflash.mask_token_id if config.dflash.mask_token_id is not None else known
+    if mask is None:
+        fit = suggest_mask_token_id(seen, vocab_size, added)
+        raise ConfigError(f"dflash.mask_token_id is not set and this target (model_type {model_type}, vocab_size {vocab_size}) has no "
+                          f"known reserved id; {HOW_TO_CHOOSE}" + (f": here e.g. {fit}, which the rows of {url} never hold" if fit is not None else ""))
+    if problem := mask_in_data_problem(mask, seen, url, vocab_size, added, known):
+        raise ConfigError(problem)
+
+
 def _local_copy(data: StageInput, store_config: StoreConfig | None, cache_dir: Path, fetch: bool) -> Path:
     """The folder `data` is read from: where it is when local, else `cache_dir/data-<manifest digest>`, which the
     process with `fetch` pulls it into (every checksum recomputed) and where a rerun finds it already verified."""
@@ -201,4 +232,4 @@ class RowOrder:
         return self._order[torch.arange(first, first + self.per_rank) % self.num_rows].tolist()
 
 
-__all__ = ["RowOrder", "TrainRows", "check_eval_data", "epoch_order", "load_train_rows", "steps_per_epoch"]
+__all__ = ["RowOrder", "TrainRows", "check_eval_data", "check_mask_in_rows", "epoch_order", "load_train_rows", "steps_per_epoch"]

@@ -21,7 +21,7 @@ from blockdraft.model.target import load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.train.agree import check_same_config, check_same_data
-from blockdraft.stages.train.data import check_eval_data, load_train_rows
+from blockdraft.stages.train.data import check_eval_data, check_mask_in_rows, load_train_rows
 from blockdraft.stages.train.log_dir import check_log_dir
 from blockdraft.stages.train.placement import RankPlacement, barrier, rank_session, resolve_placement
 from blockdraft.stages.train.setup import build_training
@@ -95,14 +95,14 @@ def _with_paths(config: BlockdraftConfig, input: str | None, output: str | None)
 def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter, held: ExitStack, force: bool = False) -> Trainer:
     """Check what fails fast (every rank runs rank 0's config on rank 0's data, the target's config, a writable output
     store that no other run writes, a log folder apart from them, verified inputs: train.data, and train.eval_data when
-    set, tokenized as train.data was), open the rows, build the trainer (which claims the log folder for this run). Rank 0
+    set, tokenized as train.data was; a mask id train.data's rows never hold), open the rows, build the trainer (which claims the log folder for this run). Rank 0
     takes the output's lease (one run per train.output: another run's checkpoints never interleave with this one's, and a
     resume never picks another run's step) and `held` gives it back when training ends. Of the processes on one machine
     only local rank 0 pulls a remote input."""
     tc = config.train
     assert tc.data is not None and tc.output is not None  # set by _with_paths
     check_same_config(config, place)  # every node runs rank 0's settings, or none trains
-    load_target_config(config.target.path)  # a missing target fails in seconds, before any data moves
+    target_config = load_target_config(config.target.path)  # a missing target fails in seconds, before any data moves
     out_store = open_store(tc.output, config.store)
     inputs = {"train.data": open_store(tc.data, config.store)}
     if tc.eval_data is not None:  # the held-out rows' own artifact: read like train.data, never written
@@ -121,6 +121,7 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
     check_same_data(config, data.ref.sha256 or "", place, eval_sha256)  # and rank 0's data
     if eval_data is not None:  # after the ranks agree on both, so every rank refuses alike
         check_eval_data(data, eval_data)
+    check_mask_in_rows(config, target_config, data)  # before a row moves or the target's weights load
     rows = load_train_rows(data, config.store, tc.max_length, log_dir, place.local_rank == 0, lambda: barrier(place), eval_data)
     setup = build_training(config, place, rows, out_store, tc.output, reporter, start_over=force)
     return Trainer(config, place, rows, setup, reporter, start_over=force)
