@@ -252,6 +252,8 @@ def eval_command(
     top_k: Annotated[int | None, typer.Option("--top-k", min=0, help="Sampled decodes: most likely tokens kept (0: off).")] = None,
     seed: Annotated[int | None, typer.Option("--seed", min=0, help="Sampled decodes: decode i is seeded with SEED + i.")] = None,
     samples_per_prompt: Annotated[int | None, typer.Option("--samples-per-prompt", min=1, help="Sampled decodes per prompt.")] = None,
+    proposal: Annotated[str | None, typer.Option("--proposal", help="Sampled decodes: the serving engine's draft rule (vllm, "
+                                                 "vllm-probabilistic or sglang; docs/EVAL.md).")] = None,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
@@ -261,7 +263,8 @@ def eval_command(
     from blockdraft.stages import eval as eval_stage
 
     flags = {"prompts": prompts or None, "prompt_sets": prompt_sets or None, "max_new_tokens": max_new_tokens, "baseline": baseline,
-             "engine": engine, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "samples_per_prompt": samples_per_prompt}
+             "engine": engine, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "samples_per_prompt": samples_per_prompt,
+             "proposal": proposal}
     cfg = load_config(config, {"eval": flags}, sets or ())
     with ConsoleReporter(console) as reporter, tempfile.TemporaryDirectory(prefix="blockdraft-engine-export-") as tmp:
         if cfg.eval.engine != "none" and export is None:

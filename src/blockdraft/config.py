@@ -362,6 +362,9 @@ class EvalConfig(_Section):
     top_k: int = Field(default=0, ge=0)  # 0: off
     seed: int = Field(default=0, ge=0)
     samples_per_prompt: int = Field(default=1, ge=1)
+    # The serving engine's draft rule at temperature > 0 (docs/EVAL.md, "Draft rules"): `vllm` (vLLM's default,
+    # greedy drafts), `vllm-probabilistic` (vLLM's draft_sample_method probabilistic) or `sglang`. Greedy is one rule.
+    proposal: Literal["vllm", "vllm-probabilistic", "sglang"] = "vllm"
 
     @field_validator("prompts", "prompt_sets", mode="before")
     @classmethod

@@ -1,10 +1,11 @@
 """Sampled decoding: the target's and the drafter's logits turned into the distribution a token is drawn from, the
 seeded draws, and the verify step that keeps speculative sampling lossless (docs/DFLASH.md, "Sampled verify").
 
-`Sampling` is the user's settings (temperature, top-k, top-p); `processed_probs` applies them to logits, in the order
-serving engines apply them: temperature, then top-k, then top-p over what top-k kept. A drafter's proposal is a
-`Proposal`: its draft tokens and, per slot, the distribution `q` each was drawn from (None: drafts chosen without
-chance, a point mass on each). `rejection_verify` accepts draft x with probability min(1, p(x)/q(x)), on the first
+`Sampling` is the user's settings (temperature, top-k, top-p) and the serving engine's draft rule (`proposal`, one of
+`PROPOSALS`: how the drafter proposes at temperature, docs/EVAL.md "Draft rules"); `processed_probs` applies the
+settings to the target's logits, in the order serving engines apply them: temperature, then top-k, then top-p over what
+top-k kept. A drafter's proposal is a `Proposal`: its draft tokens and, per slot, the distribution `q` each was drawn
+from (None: drafts chosen without chance, a point mass on each, as an engine that proposes the argmax verifies them). `rejection_verify` accepts draft x with probability min(1, p(x)/q(x)), on the first
 rejection draws from the normalised residual max(0, p - q), and after a fully accepted block draws the bonus from p.
 The output is then distributed exactly as target-only sampling's, whatever q is.
 """
@@ -20,18 +21,33 @@ import torch
 
 from blockdraft.decode.cached_target import CachedTarget
 
+# The serving engines' draft rules at temperature, by the name `eval.proposal` takes:
+# - vllm: vLLM's default (`draft_sample_method` greedy): a DFlash drafter proposes each slot's argmax and a DFlash2
+#   drafter its greedy walk; q is a point mass on each draft.
+# - vllm-probabilistic: vLLM's `draft_sample_method` probabilistic: a DFlash slot is drawn from softmax(logits / T)
+#   (no top-k or top-p on q), a DFlash2 walk from softmax(walk scores / T) over its K candidates; q is what they came from.
+# - sglang: SGLang's: a DFlash drafter proposes the argmax; a DFlash2 walk is sampled as under vllm-probabilistic, and
+#   walks greedily when top-k is 1.
+# Every rule verifies the same way: accept with min(1, p/q), on rejection draw from max(p - q, 0) normalised, which for
+# a point mass q is "accept with p(x), else draw from p without x".
+PROPOSALS = ("vllm", "vllm-probabilistic", "sglang")
+
 
 @dataclass(frozen=True)
 class Sampling:
-    """Temperature > 0 (0 is greedy, which the decode loop runs as argmax), top_k 0 = off, top_p 1.0 = off."""
+    """Temperature > 0 (0 is greedy, which the decode loop runs as argmax), top_k 0 = off, top_p 1.0 = off, and the
+    draft rule of the engine whose serving is measured (`PROPOSALS`)."""
 
     temperature: float
     top_p: float = 1.0
     top_k: int = 0
+    proposal: str = "vllm"
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
+        if not self.temperature > 0:
             raise ValueError("sampling needs temperature > 0; temperature 0 is greedy decoding")
+        if self.proposal not in PROPOSALS:
+            raise ValueError(f"proposal {self.proposal!r} is none of {', '.join(PROPOSALS)}")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
@@ -158,4 +174,4 @@ def sample_decode(target_hf_model, prompt_ids: Iterable[int], max_new_tokens: in
     return SampledResult(tokens, len(prompt), target.forwards, time.perf_counter() - began)
 
 
-__all__ = ["Proposal", "SampledResult", "Sampler", "Sampling", "Verify", "processed_probs", "rejection_verify", "sample_decode"]
+__all__ = ["PROPOSALS", "Proposal", "SampledResult", "Sampler", "Sampling", "Verify", "processed_probs", "rejection_verify", "sample_decode"]

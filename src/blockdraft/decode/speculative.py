@@ -250,28 +250,34 @@ class DFlashProposer:
         return draft_step(self.drafter, self.cache, features, self.head.embed(block), start), block
 
     def sample(self, tokens: list[int], new_features: torch.Tensor | None, start: int, sampler: Sampler) -> Proposal:
-        """Each slot's token drawn from the drafter's logits after the same temperature / top-k / top-p as the target's.
+        """The drafts at temperature under the sampler's draft rule (`blockdraft.decode.sampling.PROPOSALS`).
 
-        A DFlash2 drafter walks its candidates as greedy decoding does, but draws each slot's candidate from the softmax of
-        its walk scores at the temperature (the scores given the candidate drawn before it), as the reference and the
-        engines do; `q` is that distribution on the slot's K candidates and zero elsewhere. Rejection sampling is lossless
-        whatever distribution the drafts come from, as long as `q` is the one they were drawn from. Without the selector
-        (`use_selector` False) the slots are drawn from the unary logits."""
+        Where the rule proposes the argmax (DFlash under `vllm` and `sglang`, DFlash2 under `vllm`, and under `sglang`
+        at top-k 1) the drafts are greedy decoding's and q is None, a point mass on each. A sampled DFlash slot is drawn
+        from softmax(logits / T), the target's temperature without its top-k or top-p. A sampled DFlash2 walk draws each
+        slot's candidate from the softmax of its walk scores at the temperature (the scores given the candidate drawn
+        before it); q is that distribution on the slot's K candidates and zero elsewhere. Without the selector
+        (`use_selector` False, a measurement no engine serves) the unary logits stand in for DFlash's, under the
+        rule's DFlash treatment. Rejection sampling is lossless whatever the drafts come from, as long as q is the
+        distribution they were drawn from."""
+        rule, temperature = sampler.sampling.proposal, sampler.sampling.temperature
+        spec2 = self.drafter.spec.dflash2
+        walks = spec2 is not None and self.use_selector
+        sampled = rule == "vllm-probabilistic" or (walks and rule == "sglang" and sampler.sampling.top_k != 1)
+        if not sampled:
+            return Proposal(self.propose(tokens, new_features, start))
         hidden, block = self._draft(tokens, new_features, start)
         logits = self.head.logits(hidden[:, 1:])
-        spec2 = self.drafter.spec.dflash2
         if spec2 is None:
-            q = sampler.probs(logits[0])  # [B-1, V]
-            return Proposal(sampler.draw(q).tolist(), q)
+            return _drawn(logits[0], temperature, sampler)
         unary = unary_logits(logits, spec2)
-        if not self.use_selector:
-            q = sampler.probs(unary[0])
-            return Proposal(sampler.draw(q).tolist(), q)
+        if not walks:
+            return _drawn(unary[0], temperature, sampler)
         assert self.drafter.candidate_selector is not None  # built with spec.dflash2
         drawn_from: list[torch.Tensor] = []
 
         def draw(scores: torch.Tensor, _slot: int) -> torch.Tensor:
-            probs = torch.softmax(scores.float() / sampler.sampling.temperature, dim=-1)  # [1, K]
+            probs = torch.softmax(scores.float() / temperature, dim=-1)  # [1, K]
             drawn_from.append(probs)
             return sampler.draw(probs)
 
@@ -280,3 +286,8 @@ class DFlashProposer:
         q.scatter_(-1, path.candidates[0], torch.cat(drawn_from, dim=0))
         return Proposal(path.path[0].tolist(), q)
 
+
+def _drawn(logits: torch.Tensor, temperature: float, sampler: Sampler) -> Proposal:
+    """Each slot's token drawn from softmax(logits / T) [B-1, V], untruncated, with that distribution as q."""
+    q = torch.softmax(logits.float() / temperature, dim=-1)
+    return Proposal(sampler.draw(q).tolist(), q)

@@ -148,7 +148,7 @@ def write_plots(report: EvalReport, folder: Path) -> list[Path]:
                    folder / POSITION_PLOT_NAME, "greedy")
     if report.sampled is not None:
         s = report.sampled
-        settings = f"temperature {s.temperature:g}, top-p {s.top_p:g}, top-k {s.top_k}, {s.decodes} decodes"
+        settings = f"temperature {s.temperature:g}, top-p {s.top_p:g}, top-k {s.top_k}, {s.proposal} drafts, {s.decodes} decodes"
         paths += _plots({n: (d.metrics, d.position_acceptance_ci95) for n, d in s.drafters.items()}, report.block_size,
                         folder / SAMPLED_TAU_PLOT_NAME, folder / SAMPLED_POSITION_PLOT_NAME, settings)
     return paths
@@ -240,7 +240,7 @@ def sampled_lines(report: EvalReport) -> list[str]:
     """The sampled decodes beside greedy: per drafter, tau (95% interval) and speedup at temperature, greedy's tau after."""
     s = report.sampled
     assert s is not None
-    lines = [f"sampled	temperature {s.temperature:g} top-p {s.top_p:g} top-k {s.top_k}: {s.decodes} decodes "
+    lines = [f"sampled	temperature {s.temperature:g} top-p {s.top_p:g} top-k {s.top_k}, draft rule {s.proposal}: {s.decodes} decodes "
              f"({s.samples_per_prompt} per prompt, seed {s.seed}); target-only tokens/s {s.target_only.tokens_per_s:.1f}"]
     for name, d in s.drafters.items():
         greedy = report.drafters.get(name)

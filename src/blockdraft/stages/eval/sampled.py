@@ -40,6 +40,7 @@ class SampledEval(BaseModel):
     temperature: float
     top_p: float
     top_k: int
+    proposal: str  # the engine's draft rule the drafters proposed by (`eval.proposal`)
     seed: int
     samples_per_prompt: int
     decodes: int
@@ -49,7 +50,7 @@ class SampledEval(BaseModel):
 
 def sampling_of(cfg: EvalConfig) -> Sampling | None:
     """The eval's sampling settings, or None when it decodes greedy only (temperature 0)."""
-    return Sampling(cfg.temperature, cfg.top_p, cfg.top_k) if cfg.temperature > 0 else None
+    return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.proposal) if cfg.temperature > 0 else None
 
 
 def ratio_ci95(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
@@ -101,7 +102,7 @@ def evaluate_sampled(
     reference = GreedyMetrics(new_tokens=new_tokens, target_forwards=forwards, target_forwards_per_token=forwards / new_tokens if new_tokens else 0.0,
                               wall_s=wall, tokens_per_s=new_tokens / wall if wall else 0.0, min_margin=None)
     return SampledEval(
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=cfg.seed,
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, proposal=sampling.proposal, seed=cfg.seed,
         samples_per_prompt=cfg.samples_per_prompt, decodes=count, target_only=reference,
         drafters={name: sampled_drafter(rs, block_sizes[name], reference) for name, rs in results.items()},
     )
