@@ -121,7 +121,7 @@ def test_a_folder_datasets_saved_and_a_hub_dataset_in_its_cache_read_offline(tmp
     datasets.DatasetDict({"train": datasets.Dataset.from_list(_rows("mt_bench.jsonl"))}).save_to_disk(str(saved))
     from_disk = read_eval_prompts([str(saved)], cfg, tokenizer, tmp_path / "b").sets[0]
     assert (from_disk.layout, from_disk.ids) == ("mt_bench", by_file.ids)
-    assert from_disk.ref.kind == "dataset" and len(from_disk.ref.sha256 or "") == 64
+    assert from_disk.ref.kind == "folder" and len(from_disk.ref.sha256 or "") == 64  # by its files
 
     # The cache load_dataset keeps for a hub dataset: CACHE/OWNER___NAME/CONFIG/VERSION/HASH with its Arrow files.
     cache = tmp_path / "hf-cache"

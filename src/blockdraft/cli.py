@@ -127,7 +127,7 @@ def verify(
     if report.state is State.INCOMPLETE and next(iter(store.list()), None) is None:
         raise ArtifactError(f"nothing at {store.url}: no manifest and no files; check the path or URL")
     kind = report.manifest.kind if report.manifest else "-"
-    color = {State.VERIFIED: "green", State.UNREACHABLE: "yellow"}.get(report.state, "red")
+    color = {State.VERIFIED: "green", State.UNREACHABLE: "yellow", State.UNCHECKED: "yellow"}.get(report.state, "red")
     print(f"{report.state.value}\t{kind}\t{url}")
     console.print(f"[{color}]{report.state.value}[/]: {report.summary()}", highlight=False)
     for problem in report.problems:

@@ -30,6 +30,7 @@ from blockdraft.store.manifest import (
     Manifest,
     entry_for_local_file,
     entry_path_problem,
+    folder_sha256,
     manifest_sha256,
     raw_input,
     read_manifest,
@@ -47,6 +48,9 @@ class State(str, Enum):
     # An input that only another machine holds (a local folder absent here): nothing is known to have changed, but
     # the pin cannot be checked from this machine. Not `stale`, which means an input's content changed.
     UNREACHABLE = "input unreachable here"
+    # An input pinned in a way `status` cannot check (rows read through `datasets` from the hub): the artifact's own
+    # files verified, but whether that input changed is unknown. Never plain `verified`.
+    UNCHECKED = "input unchecked"
 
 
 @dataclass
@@ -202,6 +206,30 @@ def _raw_input_changed(ref: InputRef, open_url: Callable[[str], Store], within: 
     return FileProblem(ref.url, State.STALE, reason) if reason else None
 
 
+def _folder_changed(ref: InputRef, open_url: Callable[[str], Store], within: str | None) -> FileProblem | None:
+    """A folder without a manifest is pinned by the sha256 of its files (`folder_sha256`): gone, or any file added,
+    removed or changed, is stale; a folder whose parent this machine lacks is out of reach, as a raw input's is."""
+    try:
+        store = open_url(ref.url)
+        digest = folder_sha256(store)
+    except Exception as exc:  # a location this machine cannot read: the pin can be neither confirmed nor refuted
+        return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here ({type(exc).__name__})")
+    if digest is None:
+        parent = store.parent()
+        if parent is not None and _unreachable(parent, within):
+            detail = f"input {ref.url} unreachable here (no such folder on this machine)"
+            return FileProblem(ref.url, State.UNREACHABLE, detail)
+        return FileProblem(ref.url, State.STALE, f"input {ref.url} is gone")
+    if digest != ref.sha256:
+        detail = f"input {ref.url} changed since (a file in it added, removed or changed)"
+        return FileProblem(ref.url, State.STALE, detail)
+    return None
+
+
+# The lineage kinds `status` checks; any other (rows read through `datasets` from the hub) is said to be unchecked.
+CHECKED_KINDS = ("manifest", "raw", "folder")
+
+
 def _input_changed(
     ref: InputRef, open_url: Callable[[str], Store], within: str | None, memo: dict[str, VerifyReport], deep: bool = False,
     cached: bool = False,
@@ -210,8 +238,11 @@ def _input_changed(
     verify, or whose own inputs changed, makes its dependants stale too."""
     if ref.kind == "raw":
         return _raw_input_changed(ref, open_url, within)
-    if ref.kind != "manifest":
-        return None
+    if ref.kind == "folder":
+        return _folder_changed(ref, open_url, within)
+    if ref.kind not in CHECKED_KINDS:
+        return FileProblem(ref.url, State.UNCHECKED, f"input {ref.url} is pinned by the {ref.kind} rows read, "
+                           "which status cannot read again: whether it changed is not checked")
     try:
         store = open_url(ref.url)
         report = verify_artifact(store, check_inputs=True, open_url=open_url, within=within, memo=memo, deep=deep, cached=cached)
@@ -227,6 +258,8 @@ def _input_changed(
         return FileProblem(ref.url, State.STALE, f"input {ref.url} is {report.state.value} now ({report.summary()})")
     if report.state is State.UNREACHABLE:
         return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} has an input unreachable here ({report.summary()})")
+    if report.state is State.UNCHECKED:
+        return FileProblem(ref.url, State.UNCHECKED, f"input {ref.url} has an input unchecked ({report.summary()})")
     return None
 
 
@@ -239,12 +272,13 @@ def verify_artifact(
     deep: bool = False,
     cached: bool = False,
 ) -> VerifyReport:
-    """Read the manifest and every listed file back from the destination; report one of the six states.
+    """Read the manifest and every listed file back from the destination; report one of the seven states.
 
     Precedence: no manifest -> incomplete; any absent file -> missing; any size/checksum mismatch -> corrupt;
     with `check_inputs`, an input whose content changed (transitively) -> stale; an input this machine cannot reach ->
-    unreachable; else verified. `within` is the surveyed prefix (an absent local input inside it is gone, outside it is
-    out of reach); `memo` shares reports by URL across one survey, so each artifact is read once and a cycle ends.
+    unreachable; an input pinned in a way no check reaches -> unchecked; else verified. `within` is the surveyed prefix
+    (an absent local input inside it is gone, outside it is out of reach); `memo` shares reports by URL across one
+    survey, so each artifact is read once and a cycle ends.
     `deep` reads every byte of a remote store back instead of trusting the checksums its server stored; `cached` lets a
     listing (`status`, `verify`) take a local file's checksum from the cache when the file is unchanged (`check_file`).
     A manifest that does not parse is `corrupt`; a store that cannot be reached raises StoreError (one line, not a state).
@@ -279,6 +313,8 @@ def verify_artifact(
             report.state = State.STALE
         elif State.UNREACHABLE in states:
             report.state = State.UNREACHABLE
+        elif State.UNCHECKED in states:
+            report.state = State.UNCHECKED
     if check_inputs:
         memo[key] = report
     return report
@@ -345,7 +381,8 @@ def commit_manifest(store: Store, raw: bytes, if_absent: bool = False) -> Verify
 
 
 __all__ = [
-    "BYTES_AS_WRITTEN", "BYTES_READ_BACK", "INCOMING_DIR", "LOCAL_CACHED", "MANIFEST_FORMAT", "MANIFEST_NAME", "ORIGIN_NAME", "PIECES_DIR",
+    "BYTES_AS_WRITTEN", "BYTES_READ_BACK", "CHECKED_KINDS", "INCOMING_DIR", "LOCAL_CACHED", "MANIFEST_FORMAT",
+    "MANIFEST_NAME", "ORIGIN_NAME", "PIECES_DIR",
     "SERVER_CHECKSUMS", "FileEntry", "FileProblem", "InputRef", "Manifest", "State", "VerifyReport",
     "check_file", "check_files", "check_method", "commit_artifact", "commit_manifest", "entry_for_local_file",
     "entry_path_problem", "manifest_sha256", "raw_input", "read_manifest", "read_origin", "record_origin", "uncommit",

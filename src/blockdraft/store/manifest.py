@@ -67,9 +67,12 @@ class FileEntry(BaseModel):
 class InputRef(BaseModel):
     """One input of an artifact, by content.
 
-    kind "manifest": another artifact, pinned by the sha256 of its manifest bytes.
+    kind "manifest": another artifact the artifact was made from, pinned by the sha256 of its manifest bytes.
     kind "raw": a file without a manifest (completions someone else uploaded), pinned by size and checksum/ETag.
-    kind "dataset": rows read through `datasets` (a prompt set eval read), pinned by the sha256 of those rows.
+    kind "folder": a folder without a manifest (a folder `datasets` saved, a published drafter), pinned by the sha256 of
+    its files' paths, sizes and CRC64NVME checksums (`folder_sha256`).
+    kind "dataset": rows read through `datasets` from the hub, pinned by the sha256 of those rows: `status` cannot read
+    them again, and says so (`State.UNCHECKED`).
     """
 
     kind: str
@@ -193,6 +196,31 @@ def carry_agreement(source: Store, dest: Store, sha256: str) -> None:
 
 def raw_input(store: Store, info: ObjectInfo) -> InputRef:
     return InputRef(kind="raw", url=f"{store.url.rstrip('/')}/{info.key}", size=info.size, checksum=info.checksum, etag=info.etag)
+
+
+def folder_sha256(store: Store) -> str | None:
+    """sha256 over every file in the folder `store` (sorted by path: path, size and CRC64NVME each; blockdraft's own
+    bookkeeping left out), or None when it holds no file. A local file unchanged since it was last read keeps the
+    checksum cached then; a remote object without a stored checksum is read back."""
+    pins = []
+    for info in sorted(store.list(), key=lambda i: i.key):
+        if is_bookkeeping(info.key):
+            continue
+        head = store.head(info.key)
+        if head is None:  # gone since listed: the folder is changing, and this pin says so
+            pins.append([info.key, None, None])
+            continue
+        checksum = head.checksum if head.checksum is not None else store.checksum_by_reading(info.key)[1]
+        pins.append([info.key, head.size, checksum])
+    return hashlib.sha256(json.dumps(pins).encode()).hexdigest() if pins else None
+
+
+def folder_input(store: Store) -> InputRef:
+    """The folder `store` (no manifest) as an input, pinned by `folder_sha256`; ArtifactError when it holds no file."""
+    digest = folder_sha256(store)
+    if digest is None:
+        raise ArtifactError(f"{store.url} holds no file; check the path")
+    return InputRef(kind="folder", url=store.url, sha256=digest)
 
 
 def entry_for_local_file(root: Path, path: Path) -> FileEntry:

@@ -20,6 +20,7 @@ from blockdraft.errors import ConfigError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import (
     BYTES_READ_BACK,
+    CHECKED_KINDS,
     LOCAL_CACHED,
     MANIFEST_NAME,
     ORIGIN_NAME,
@@ -58,7 +59,7 @@ class ArtifactStatus:
 
 
 # States in which an artifact's own files verified and nothing it was made from is known to have changed.
-OK_STATES = (State.VERIFIED, State.UNREACHABLE)
+OK_STATES = (State.VERIFIED, State.UNREACHABLE, State.UNCHECKED)
 
 
 def format_counts(a: ArtifactStatus) -> str:
@@ -151,7 +152,8 @@ def format_lineage(refs: list[InputRef]) -> str:
     parts = []
     for ref in refs:
         pin = f"sha256:{ref.sha256[:12]}" if ref.sha256 else f"{ref.size} B {ref.checksum or ref.etag or ''}".strip()
-        parts.append(f"{ref.url} ({pin})")
+        unchecked = "" if ref.kind in CHECKED_KINDS else f", {ref.kind} rows: not checked"
+        parts.append(f"{ref.url} ({pin}{unchecked})")
     return ", ".join(parts)
 
 
@@ -221,5 +223,11 @@ def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
         lines += [
             "", f"{State.UNREACHABLE.value.capitalize()} means the artifact's own files verified, but an input it was made from is a "
             "folder that only another machine holds, so whether it changed cannot be checked from here.", "",
+        ]
+    if any(a.state is State.UNCHECKED for a in artifacts):
+        lines += [
+            "", f"{State.UNCHECKED.value.capitalize()} means the artifact's own files verified, but an input it was "
+            "made from is pinned by the rows read through `datasets` from the hub, which status does not read again.",
+            "",
         ]
     return "\n".join(lines) + "\n"

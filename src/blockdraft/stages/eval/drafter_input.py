@@ -1,7 +1,7 @@
 """The drafter eval runs: a verified checkpoint, training output or export, opened through the one input reader, and
 refused when what it was trained with (DFlash settings, chat template) contradicts the config given; or a plain local
-folder in the export format (a published DFlash or DFlash2 drafter), pinned by its files' sha256 and checked against the
-target only, as `eval.baseline` is."""
+folder in the export format (a published DFlash or DFlash2 drafter), pinned as a folder (every file in it, by content:
+`status` checks it again) and checked against the target only, as `eval.baseline` is."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from blockdraft.model.spec import TargetShape, default_layer_ids
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, InputRef
 from blockdraft.store.inputs import StageInput
+from blockdraft.store.manifest import folder_input
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Checkpoint:
     pinned: dict[str, Any]  # the resolved config the drafter was trained with
     export_config: dict[str, Any]  # the drafter's config.json
     template_sha256: str | None  # of the chat template its training rows were rendered with, from the data's manifest
-    plain_sha256: str | None = None  # a plain folder's config.json and weights, by content
+    plain_ref: InputRef | None = None  # a plain folder's pin: every file in it, by content (`folder_input`)
 
     @property
     def is_plain(self) -> bool:
@@ -52,7 +53,8 @@ class Checkpoint:
     @property
     def ref(self) -> InputRef:
         if self.artifact is None:
-            return InputRef(kind="raw", url=f"file://{self.workdir}", sha256=self.plain_sha256)
+            assert self.plain_ref is not None, "a plain folder is pinned when opened"
+            return self.plain_ref
         return self.artifact.ref
 
     def fetch_weights(self) -> Path:
@@ -95,7 +97,9 @@ def open_checkpoint(url: str, store: StoreConfig, workdir: Path) -> Checkpoint:
             export_config = json.loads((plain / CONFIG_NAME).read_text())
         except json.JSONDecodeError as exc:
             raise ArtifactError(f"{plain / CONFIG_NAME} is not readable ({exc}); give a drafter folder in the export format") from None
-        return Checkpoint(None, plain, {}, export_config, None, drafter_folder_sha256(plain, "checkpoint"))
+        if not (plain / WEIGHTS_NAME).is_file():
+            raise ArtifactError(f"checkpoint {plain} has no {WEIGHTS_NAME}; give a drafter folder in the export format")
+        return Checkpoint(None, plain, {}, export_config, None, folder_input(open_store(plain)))
     artifact = open_drafter_artifact(open_store(url, store))
     kind = artifact.kind
     pinned_name = {CHECKPOINT_KIND: PINNED_CONFIG_NAME, EXPORT_KIND: PROVENANCE_NAME}[kind]

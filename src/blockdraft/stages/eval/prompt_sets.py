@@ -25,6 +25,7 @@ from blockdraft.errors import EvalError
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.inputs import open_raw_input, recorded_manifest
+from blockdraft.store.manifest import folder_input
 
 HF_DATASETS = "hf://datasets/"
 SAVED_DATASET_FILES = ("dataset_dict.json", "state.json")  # what `datasets.save_to_disk` writes at a folder's root
@@ -194,7 +195,8 @@ def _numbered(name: str, rows: Iterator[dict[str, Any]], limit: int) -> list[tup
 
 
 def _dataset_ref(url: str, rows: list[tuple[str, dict[str, Any]]]) -> InputRef:
-    """A dataset read through `datasets` has no object to pin: it is pinned by the sha256 of the rows eval read."""
+    """Rows with no object or folder to pin are pinned by the sha256 of the rows eval read, which `status` cannot read
+    again (it says so: `State.UNCHECKED`)."""
     digest = hashlib.sha256(json.dumps([row for _, row in rows], sort_keys=True, default=str).encode()).hexdigest()
     return InputRef(kind="dataset", url=url, sha256=digest)
 
@@ -213,7 +215,7 @@ def _one_split(dataset: Any, split: str | None, source: str) -> Any:
 
 
 def _saved_rows(source: str, limit: int) -> tuple[list[tuple[str, dict[str, Any]]], InputRef]:
-    """The rows of a local folder `datasets.save_to_disk` wrote (a Dataset or a DatasetDict)."""
+    """The rows of a local folder `datasets.save_to_disk` wrote (a Dataset or a DatasetDict), pinned by its files."""
     import datasets
 
     url, _, query = source.partition("?")
@@ -224,7 +226,7 @@ def _saved_rows(source: str, limit: int) -> tuple[list[tuple[str, dict[str, Any]
         raise EvalError(f"prompts {source} is neither a prompts file (.jsonl, .parquet) nor a folder `datasets` saved ({exc})") from None
     split = parse_qs(query).get("split", [None])[0]
     rows = _numbered(folder.name, _head(dataset, split, source, limit), limit)
-    return rows, _dataset_ref(source, rows)
+    return rows, folder_input(open_store(folder))  # every file it holds, which `status` checks again
 
 
 def _head(dataset: Any, split: str | None, source: str, limit: int) -> Iterator[dict[str, Any]]:
