@@ -2,7 +2,9 @@
 
 Every input an artifact pins is one `status` checks again (a folder `datasets` saved, a published drafter's folder: each
 pinned by its files' content), or one it says it does not check (rows read from the hub: `input unchecked`, never plain
-`verified`).
+`verified`). An eval is keyed by its checkpoint's URL, however it was spelled, so another spelling finds it done; an
+export pins the eval its card gives, so replacing that eval makes the export stale. What an artifact only measured
+(a checkpoint's train.eval_data) makes that artifact stale, not what is made from it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,18 @@ import pytest
 from helpers.artifacts import commit_files
 from helpers.paths import GOLDEN
 from helpers.tiny_run import make_tiny_run, tiny_config
+from transformers import AutoConfig
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import BlockdraftConfig, load_config
+from blockdraft.fixtures.tiny import TINY_TARGET_DIR
+from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.model.spec import DrafterSpec
 from blockdraft.stages import eval as eval_stage
+from blockdraft.stages import export as export_stage
+from blockdraft.stages import tokenize as tokenize_stage
+from blockdraft.stages.train import resolved_training_config, save_checkpoint
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, State, VerifyReport, verify_artifact
 from blockdraft.store.inputs import open_input
@@ -110,3 +119,68 @@ def test_an_eval_of_a_published_drafter_folder_is_verified_until_a_file_of_it_ch
     weights.write_bytes(bytes(data))
     said = _verify(made.url)
     assert said.exit_code == 1 and said.stdout.startswith("stale\t") and "changed since" in said.output, said.output
+
+
+def test_another_spelling_of_the_checkpoint_finds_its_eval_and_an_export_whose_eval_is_replaced_is_stale(
+    tmp_path, tiny_run, monkeypatch
+):
+    cfg = _eval_config(tmp_path, prompts=[_prompts_file(tmp_path / "prompts.jsonl", PROMPT_ROWS[:2])])
+    monkeypatch.chdir(tiny_run.parent)
+    first = eval_stage.run(cfg, tiny_run.name)  # a relative path
+    cited = open_store(first.url).url
+    for spelling in (str(tiny_run), f"file://{tiny_run}"):
+        again = eval_stage.run(cfg, spelling)
+        assert again.already_done and again.url == first.url
+        assert again.report.manifest_sha256 == first.report.manifest_sha256
+    exported = export_stage.run(cfg, str(tiny_run), str(tmp_path / "store" / "export"))
+    assert _checked(exported.url).state is State.VERIFIED
+
+    # The eval the card gives, replaced where it lies (other prompts): the card's figures are no longer of it.
+    other = _prompts_file(tmp_path / "other.jsonl", PROMPT_ROWS[1:])
+    replaced = eval_stage.run(cfg, str(tiny_run), first.url, prompts=other)
+    assert replaced.report.manifest_sha256 != first.report.manifest_sha256
+    stale = _checked(exported.url)
+    assert stale.state is State.STALE and stale.problems[0].detail == f"input {cited} changed since", stale.problems
+    assert exported.report.manifest is not None  # it pinned the eval its card gives, as measured
+    pins = [(ref.kind, ref.sha256) for ref in exported.report.manifest.lineage[1:]]
+    assert pins == [("measured", first.report.manifest_sha256)]
+    # Exported again, the card gives the eval there now, and the export pins it.
+    renewed = export_stage.run(cfg, str(tiny_run), str(tmp_path / "store" / "export"))
+    assert renewed.report.manifest is not None
+    assert renewed.report.manifest.lineage[1].sha256 == replaced.report.manifest_sha256
+    assert _checked(renewed.url).state is State.VERIFIED
+
+
+def _run_with_eval_data(tmp: Path) -> tuple[Path, Path]:
+    """(a checkpoint of an untrained tiny drafter trained on a real tokenize output, its train.eval_data): the second
+    tokenized from other conversations and pinned as what its held-out figures were measured on."""
+    lines = (TINY_TARGET_DIR / "completions.jsonl").read_text().splitlines(keepends=True)
+    cfg = load_config(None, tiny_config(tmp, train={"data": str(tmp / "tokenized")}))
+    for name, part in (("tokenized", lines[:8]), ("eval-data", lines[8:12])):
+        (tmp / f"{name}.jsonl").write_text("".join(part))
+        tokenize_stage.run(cfg, str(tmp / f"{name}.jsonl"), str(tmp / name))
+    drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(TINY_TARGET_DIR), cfg.dflash))
+    data, eval_data = open_input(str(tmp / "tokenized")), open_input(str(tmp / "eval-data"))
+    resolved = resolved_training_config(cfg, drafter.spec, str(tmp / "run"), data.manifest.config["tokenize_run"])
+    save_checkpoint(open_store(tmp / "run"), 5, drafter, {}, resolved, [data.ref], {"step": 5},
+                    measured_on=[eval_data.ref])
+    return tmp / "run" / "step-00000005", tmp / "eval-data"
+
+
+def test_an_export_made_after_train_eval_data_is_deleted_or_remade_is_verified(tmp_path):
+    checkpoint, eval_data = _run_with_eval_data(tmp_path)
+    cfg = load_config(None, tiny_config(tmp_path))
+    shutil.rmtree(eval_data)
+    assert _checked(str(checkpoint), tmp_path).state is State.STALE  # its held-out figures are of rows that are gone
+    exported = export_stage.run(cfg, str(checkpoint), str(tmp_path / "store" / "export"))
+    assert _checked(exported.url, tmp_path).state is State.VERIFIED  # its weights are what the export read
+    said = _verify(exported.url)
+    assert said.exit_code == 0 and said.stdout.startswith("verified\t"), said.output
+
+    lines = (TINY_TARGET_DIR / "completions.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "eval-data.jsonl").write_text("".join(lines[12:14]))
+    tokenize_stage.run(cfg, str(tmp_path / "eval-data.jsonl"), str(eval_data))  # remade from other rows
+    assert _checked(str(checkpoint), tmp_path).state is State.STALE
+    again = export_stage.run(cfg, str(checkpoint), str(tmp_path / "store" / "export-2"))
+    assert _checked(again.url, tmp_path).state is State.VERIFIED
+    assert _checked(exported.url, tmp_path).state is State.VERIFIED

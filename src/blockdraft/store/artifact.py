@@ -23,6 +23,7 @@ from blockdraft.store.manifest import (
     INCOMING_DIR,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
+    MEASURED,
     ORIGIN_NAME,
     PIECES_DIR,
     FileEntry,
@@ -58,6 +59,9 @@ class FileProblem:
     path: str
     state: State
     detail: str
+    # Whether it makes what is made from this artifact stale (or unreachable) too: False for a problem of an input this
+    # artifact only measured (`MEASURED`), which changes its figures but nothing made from it.
+    passed_on: bool = True
 
 
 @dataclass
@@ -227,7 +231,7 @@ def _folder_changed(ref: InputRef, open_url: Callable[[str], Store], within: str
 
 
 # The lineage kinds `status` checks; any other (rows read through `datasets` from the hub) is said to be unchecked.
-CHECKED_KINDS = ("manifest", "raw", "folder")
+CHECKED_KINDS = ("manifest", MEASURED, "raw", "folder")
 
 
 def _input_changed(
@@ -235,7 +239,9 @@ def _input_changed(
     cached: bool = False,
 ) -> FileProblem | None:
     """Whether input `ref` still holds what was pinned, judged transitively: an input artifact whose own files no longer
-    verify, or whose own inputs changed, makes its dependants stale too."""
+    verify, or whose own inputs changed, makes its dependants stale too. A measured input (`MEASURED`) is judged by its
+    pin and its own files only, and its problems are not passed on: an input stale only through what it measured is not
+    stale for its dependants (a checkpoint's train.eval_data changes its held-out figures, not its weights)."""
     if ref.kind == "raw":
         return _raw_input_changed(ref, open_url, within)
     if ref.kind == "folder":
@@ -243,23 +249,33 @@ def _input_changed(
     if ref.kind not in CHECKED_KINDS:
         return FileProblem(ref.url, State.UNCHECKED, f"input {ref.url} is pinned by the {ref.kind} rows read, "
                            "which status cannot read again: whether it changed is not checked")
+    passed_on = ref.kind != MEASURED
+
+    def problem(state: State, detail: str) -> FileProblem:
+        return FileProblem(ref.url, state, f"input {ref.url} {detail}", passed_on)
+
     try:
         store = open_url(ref.url)
         report = verify_artifact(store, check_inputs=True, open_url=open_url, within=within, memo=memo, deep=deep, cached=cached)
     except Exception as exc:  # a location this machine cannot read: the pin can be neither confirmed nor refuted
-        return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here ({type(exc).__name__})")
+        return problem(State.UNREACHABLE, f"unreachable here ({type(exc).__name__})")
     if report.manifest_sha256 is None:
         if _unreachable(store, within):
-            return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here (no such folder on this machine)")
-        return FileProblem(ref.url, State.STALE, f"input {ref.url} has no manifest any more")
+            return problem(State.UNREACHABLE, "unreachable here (no such folder on this machine)")
+        return problem(State.STALE, "has no manifest any more")
     if report.manifest_sha256 != ref.sha256:
-        return FileProblem(ref.url, State.STALE, f"input {ref.url} changed since")
-    if report.state in (State.MISSING, State.CORRUPT, State.STALE):
-        return FileProblem(ref.url, State.STALE, f"input {ref.url} is {report.state.value} now ({report.summary()})")
-    if report.state is State.UNREACHABLE:
-        return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} has an input unreachable here ({report.summary()})")
-    if report.state is State.UNCHECKED:
-        return FileProblem(ref.url, State.UNCHECKED, f"input {ref.url} has an input unchecked ({report.summary()})")
+        return problem(State.STALE, "changed since")
+    if report.state in (State.MISSING, State.CORRUPT):
+        return problem(State.STALE, f"is {report.state.value} now ({report.summary()})")
+    if not passed_on:  # what a measured input was made from is not this artifact's concern
+        return None
+    inherited = {p.state for p in report.problems if p.passed_on}
+    if State.STALE in inherited:
+        return problem(State.STALE, f"is stale now ({report.summary()})")
+    if State.UNREACHABLE in inherited:
+        return problem(State.UNREACHABLE, f"has an input unreachable here ({report.summary()})")
+    if State.UNCHECKED in inherited:
+        return problem(State.UNCHECKED, f"has an input unchecked ({report.summary()})")
     return None
 
 
@@ -382,7 +398,7 @@ def commit_manifest(store: Store, raw: bytes, if_absent: bool = False) -> Verify
 
 __all__ = [
     "BYTES_AS_WRITTEN", "BYTES_READ_BACK", "CHECKED_KINDS", "INCOMING_DIR", "LOCAL_CACHED", "MANIFEST_FORMAT",
-    "MANIFEST_NAME", "ORIGIN_NAME", "PIECES_DIR",
+    "MANIFEST_NAME", "MEASURED", "ORIGIN_NAME", "PIECES_DIR",
     "SERVER_CHECKSUMS", "FileEntry", "FileProblem", "InputRef", "Manifest", "State", "VerifyReport",
     "check_file", "check_files", "check_method", "commit_artifact", "commit_manifest", "entry_for_local_file",
     "entry_path_problem", "manifest_sha256", "raw_input", "read_manifest", "read_origin", "record_origin", "uncommit",

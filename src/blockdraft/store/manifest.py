@@ -68,6 +68,9 @@ class InputRef(BaseModel):
     """One input of an artifact, by content.
 
     kind "manifest": another artifact the artifact was made from, pinned by the sha256 of its manifest bytes.
+    kind "measured": another artifact pinned the same way, whose rows or figures the artifact only measured or cites (a
+    checkpoint's train.eval_data, the eval an export's card gives): `status` checks its pin and its own files, and an
+    artifact stale only through such inputs does not make what is made from it stale (`artifact._input_changed`).
     kind "raw": a file without a manifest (completions someone else uploaded), pinned by size and checksum/ETag.
     kind "folder": a folder without a manifest (a folder `datasets` saved, a published drafter), pinned by the sha256 of
     its files' paths, sizes and CRC64NVME checksums (`folder_sha256`).
@@ -196,6 +199,14 @@ def carry_agreement(source: Store, dest: Store, sha256: str) -> None:
 
 def raw_input(store: Store, info: ObjectInfo) -> InputRef:
     return InputRef(kind="raw", url=f"{store.url.rstrip('/')}/{info.key}", size=info.size, checksum=info.checksum, etag=info.etag)
+
+
+MEASURED = "measured"  # the lineage kind of an input whose rows or figures an artifact measured or cites (`InputRef`)
+
+
+def measured(ref: InputRef) -> InputRef:
+    """`ref` (an artifact's manifest pin) as an input the artifact only measured or cites, not one it was made from."""
+    return ref.model_copy(update={"kind": MEASURED})
 
 
 def folder_sha256(store: Store) -> str | None:

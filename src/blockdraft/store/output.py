@@ -313,10 +313,13 @@ class StageOutput:
             entries.append(entry)
         return entries
 
-    def amend(self, current: StageInput, root: Path, paths: Iterable[Path]) -> VerifyReport:
+    def amend(
+        self, current: StageInput, root: Path, paths: Iterable[Path], lineage: Iterable[InputRef] | None = None
+    ) -> VerifyReport:
         """Replace or add the local files `paths` (under `root`) in the committed output `current`: its other files stay
-        as listed, its config, lineage and counts as recorded; the manifest is taken down first (`begin`), every file is
-        checked at the destination, and the new manifest is written last."""
+        as listed, its config, lineage (unless `lineage` gives what the new files were made from) and counts as
+        recorded; the manifest is taken down first (`begin`), every file is checked at the destination, and the new
+        manifest is written last."""
         recorded = current.manifest
         self.begin()
         try:
@@ -324,7 +327,8 @@ class StageOutput:
             replaced = {e.path for e in added}
             kept = [e for e in recorded.files if e.path not in replaced]
             config = {k: v for k, v in recorded.config.items() if k != STAGE_KEY}
-            return self.commit([*kept, *added], config=config, lineage=recorded.lineage, counts=recorded.counts)
+            inputs = recorded.lineage if lineage is None else list(lineage)
+            return self.commit([*kept, *added], config=config, lineage=inputs, counts=recorded.counts)
         finally:
             self.release()
 

@@ -291,7 +291,9 @@ def _output_key(
     """What the report depends on: the settings that change its figures or its fields, and both inputs by content.
 
     Placement is in it because devices change the timings and, in low precision, the near-ties; tokenize.thinking because
-    it renders `messages` prompts. The checkpoint and prompts are also keyed as given, since the report records them so.
+    it renders `messages` prompts. The prompts are also keyed as given, since the report records them so; the checkpoint
+    by the URL its store opens (a relative path, an absolute one and its file:// URL are one), so another spelling of it
+    finds this eval done instead of replacing it under the same default URL (which an export's card may cite).
     """
     resolved = cfg.resolved()
     settings = {
@@ -299,7 +301,7 @@ def _output_key(
         "target": resolved["target"],
         "placement": resolved["placement"],
         "thinking": resolved["tokenize"]["thinking"],
-        "checkpoint": checkpoint,
+        "checkpoint": open_store(checkpoint, cfg.store).url,
         "prompts": prompts.sources,
         "baseline_sha256": _drafter_digest(cfg.eval.baseline, "eval.baseline"),
         "engine_export_sha256": _drafter_digest(str(served) if served else None, "--export"),

@@ -5,7 +5,9 @@ no LM head), `blockdraft-export.json` (the target, the resolved blockdraft confi
 chat-template hash, thinking mode and data lineage the drafter was trained with), `serving.json` (the engine settings)
 and `README.md` (the model card, `card.py`: the Hub's folder layout), and its manifest. `rewrite_card` writes the card of
 an existing export again (after a new eval) through the store's `StageOutput.amend`. Without `--eval` the card gives the
-latest verified eval of the checkpoint in the store (`latest_eval`).
+latest verified eval of the checkpoint in the store (`latest_eval`). The export's lineage pins what it read: the
+checkpoint, and the eval its card gives (as a measured input: `status` says the export is stale when that eval is
+replaced or no longer verifies, not when the eval's own prompts change).
 The tensors are stored in the target's dtype (`target.dtype`, default the target config's own), as published drafters are:
 SGLang under `--dtype auto` runs a drafter in the dtype its config.json names (float32 becoming float16), so an fp32 export
 beside a bf16 target fails at the first request. The checkpoint keeps its fp32 master weights; only the export casts.
@@ -62,6 +64,7 @@ from blockdraft.stages.export.card import (
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.inputs import StageInput, open_input, recorded_manifest
+from blockdraft.store.manifest import MEASURED
 from blockdraft.store.output import StageOutput, refuse_nested, stage_key
 from blockdraft.store.status import find_artifact_roots
 from blockdraft.store.writable import os_error_of, require_folder, write_failed
@@ -137,7 +140,7 @@ def run(
             target_config,
             out,
             resolved_config=resolved,
-            lineage=[checkpoint.ref],
+            lineage=export_lineage(checkpoint.ref, evaluation),
             data_lineage=trained_on(checkpoint.manifest),  # not train.eval_data, pinned after it
             gamma=dflash["gamma"],
             location=output,
@@ -482,8 +485,17 @@ def rewrite_card(
         root.mkdir()
         (root / CARD_NAME).write_text(card)
         with _one_line_write_errors():
-            report = StageOutput.amending(current, force=force, reporter=reporter).amend(current, root, [root / CARD_NAME])
+            writer = StageOutput.amending(current, force=force, reporter=reporter)
+            report = writer.amend(current, root, [root / CARD_NAME], lineage=export_lineage(checkpoint, evaluation))
     return StageResult(STAGE, current.store.url, report, seconds=time.perf_counter() - started, details=ExportResult(serving, provenance))
+
+
+def export_lineage(checkpoint: InputRef, evaluation: EvalSource | None) -> list[InputRef]:
+    """What an export read, for its lineage: the checkpoint (first: what it was exported from), then the eval whose
+    figures its card gives, as a measured input, so replacing that eval makes the export stale."""
+    if evaluation is None:
+        return [checkpoint]
+    return [checkpoint, InputRef(kind=MEASURED, url=evaluation.url, sha256=evaluation.manifest_sha256)]
 
 
 def _stored_card(out: StageOutput) -> str | None:
@@ -497,6 +509,7 @@ def _stored(out: StageOutput) -> ExportResult:
 
 
 __all__ = [
-    "SERVING_NAME", "STAGE", "ExportResult", "drafter_folder", "export_drafter", "latest_eval", "open_eval", "rewrite_card",
+    "SERVING_NAME", "STAGE", "ExportResult", "drafter_folder", "export_drafter", "export_lineage", "latest_eval",
+    "open_eval", "rewrite_card",
     "run", "serving_lines", "serving_settings", "verified_data",
 ]

@@ -44,6 +44,7 @@ from blockdraft.stages.train.ckpt_writer import BackgroundWriter, Snapshot
 from blockdraft.stages.train.metrics import METRICS_NAME, MetricsLog
 from blockdraft.store import Store
 from blockdraft.store.artifact import InputRef, State, VerifyReport, uncommit, verify_artifact
+from blockdraft.store.manifest import measured
 from blockdraft.store.output import StageOutput, stage_key
 
 PINNED_DATA_FIELDS = ("template_sha256", "thinking", "tokenizer_sha256", "end_of_turn_id")
@@ -130,8 +131,9 @@ def save_checkpoint(
 
     The checkpoint's stage key is `stage_key(counts["run"], lineage)`: the run identity and its data. Its manifest's
     lineage lists `lineage` (the training data, first) and then `measured_on` (train.eval_data, whose rows its held-out
-    figures were measured on): `status` says it is stale when either changed. The held-out data is left out of the key:
-    it changes no weight, so a run resumes from its checkpoints with another train.eval_data.
+    figures were measured on), pinned as measured inputs: `status` says the checkpoint is stale when either changed, but
+    an export or eval of it only when its training data did. The held-out data is left out of the key: it changes no
+    weight, so a run resumes from its checkpoints with another train.eval_data.
     Raises ArtifactError (or the store's error) when the push does not verify: such a checkpoint has no manifest
     and resume never uses it. `force` (`train --force`) goes to the checkpoint's lease: a dead writer's is taken over.
     """
@@ -149,7 +151,8 @@ def save_checkpoint(
                 if extra.is_file():
                     shutil.copyfile(extra, root / extra.name)
                     paths.append(root / extra.name)
-            return out.publish(root, paths, config=resolved_config, lineage=[*lineage, *measured_on], counts=counts)
+            inputs = [*lineage, *(measured(ref) for ref in measured_on)]
+            return out.publish(root, paths, config=resolved_config, lineage=inputs, counts=counts)
     finally:
         out.release()  # a failed push gives its lease back too (a committed one already did)
 
