@@ -114,15 +114,33 @@ def _shown(value: object) -> str:
     return f"{value[:12]}..." if isinstance(value, str) and len(value) > 16 else repr(value)
 
 
+def _content(ref: InputRef) -> tuple[Any, ...]:
+    """What pins an input's content: a manifest's sha256, else a file's size and CRC64NVME, else its URL and ETag."""
+    if ref.sha256:
+        return ("sha256", ref.sha256)
+    if ref.checksum:
+        return ("crc64nvme", ref.size, ref.checksum)
+    return ("etag", ref.url, ref.etag)
+
+
 def check_eval_data(data: StageInput, eval_data: StageInput) -> None:
-    """ConfigError (one line naming both) when train.eval_data cannot stand in for held-out rows of train.data: it is the
-    same artifact (its rows are the training rows), or its rows were made another way (another chat template, tokenizer,
-    thinking mode or end-of-turn id, as the two manifests' tokenize_run record them)."""
+    """ConfigError (one line naming both) when train.eval_data cannot stand in for held-out rows of train.data: it is
+    the same artifact, or was tokenized from an input train.data was tokenized from too (compared by content in the
+    two manifests' lineage: its rows are training rows, and its figures training figures), or its rows were made
+    another way (another chat template, tokenizer, thinking mode or end-of-turn id, as their tokenize_run record)."""
     ours, theirs = data.store.url.rstrip("/"), eval_data.store.url.rstrip("/")
     if eval_data.ref.sha256 == data.ref.sha256:
         raise ConfigError(
             f"train.eval_data {theirs} is the artifact train.data {ours} (the same manifest): its rows are the training rows, "
             "not held out; set train.eval_data to a separately tokenized artifact, or unset it to take train.data's held-out rows"
+        )
+    trained_from = {_content(ref) for ref in data.manifest.lineage}
+    shared = next((ref for ref in eval_data.manifest.lineage if _content(ref) in trained_from), None)
+    if shared is not None:
+        raise ConfigError(
+            f"train.eval_data {theirs} was tokenized from {shared.url}, as train.data {ours} was: its rows are "
+            "training rows, so its held-out figures would be training figures; tokenize held-out conversations into "
+            "train.eval_data apart from train.data's, or unset it to take train.data's held-out rows"
         )
     made = data.manifest.config.get("tokenize_run") or {}
     eval_made = eval_data.manifest.config.get("tokenize_run") or {}
