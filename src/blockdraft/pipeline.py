@@ -17,6 +17,7 @@ import io
 import json
 import resource
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,10 +316,33 @@ def claim_workdir(workdir: Path) -> None:
     (workdir / DEMO_MARK).write_text("a folder blockdraft demo made; a rerun replaces its files\n")
 
 
+def refuse_another_drafter(workdir: Path, drafter: DemoDrafter) -> None:
+    """Refuse (ConfigError, one line) a demo of `drafter` in a workdir where an earlier demo trained the other one,
+    before anything there is rewritten: that demo's checkpoints and training logs (train.output, train.log_dir) belong
+    to its run, and train would stop this one with advice (another train.output) that the demo cannot follow. The
+    earlier drafter is read from the workdir's blockdraft.toml, which the demo writes; one it cannot read is the demo's
+    to replace, as its other files are."""
+    config = workdir / "blockdraft.toml"
+    if not (workdir / DEMO_MARK).is_file() or not config.is_file():
+        return
+    try:
+        earlier = tomllib.loads(config.read_text()).get("dflash", {}).get("architecture")
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, AttributeError):
+        return
+    wanted = ARCHITECTURES[drafter]["architecture"]
+    if earlier is not None and earlier != wanted:
+        raise ConfigError(
+            f"--workdir {workdir} holds an earlier demo of a {earlier} drafter, whose checkpoints and training logs "
+            f"would stop a {wanted} demo at train; give the {wanted} demo its own --workdir (or remove {workdir} to "
+            "start over)"
+        )
+
+
 def _run(
     workdir: Path, store_url: str | None, size: DemoSize, endpoint_url: str | None, reporter: Reporter, target: DemoTarget,
     engine: str, drafter: DemoDrafter,
 ) -> DemoResult:
+    refuse_another_drafter(workdir, drafter)
     claim_workdir(workdir)
     store = (store_url or f"file://{workdir / 'store'}").rstrip("/")
     target_dir = TARGETS[target]
