@@ -228,8 +228,9 @@ def eval_command(
     config: ConfigOpt = None,
     prompts: Annotated[
         list[str] | None,
-        typer.Option("--prompts", help="A prompt set (.jsonl/.parquet, a folder `datasets` saved, hf://datasets/NAME) or a tokenized "
-                     "artifact (its held-out rows); repeat for several sets."),
+        typer.Option("--prompts", help="A prompt set (.jsonl, .jsonl.gz, .json, .parquet, a folder of Parquet files "
+                     "or one `datasets` saved, hf://datasets/NAME) or a tokenized artifact (its held-out rows); repeat "
+                     "for several sets."),
     ] = None,
     prompt_sets: Annotated[
         list[str] | None,

@@ -334,8 +334,9 @@ class TrainConfig(_Section):
 
 
 class EvalConfig(_Section):
-    # Prompt sources, one set each: a prompts file (.jsonl, .parquet), a folder `datasets` saved, hf://datasets/NAME, or a
-    # tokenized artifact (its held-out rows); none: train.data's held-out rows.
+    # Prompt sources, one set each: a prompts file (.jsonl, .jsonl.gz, .json, .parquet), a folder of Parquet files or
+    # one `datasets` saved, hf://datasets/NAME, or a tokenized artifact (its held-out rows); none: train.data's
+    # held-out rows.
     prompts: list[str] = Field(default_factory=list)
     # One layout per source (`auto`: recognised from its columns), or none: every layout recognised.
     prompt_sets: list[str] = Field(default_factory=list)

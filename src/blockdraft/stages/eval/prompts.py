@@ -22,7 +22,7 @@ from blockdraft.config import BlockdraftConfig, TargetConfig
 from blockdraft.data.formats import TOKENIZED_KIND, TRAIN_SPLIT
 from blockdraft.data.records import loads_row
 from blockdraft.errors import EvalError
-from blockdraft.stages.eval.prompt_sets import is_prompt_set, read_prompt_set
+from blockdraft.stages.eval.prompt_sets import SET_FILES, is_prompt_set, read_prompt_set
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.inputs import StageInput, open_input
 
@@ -66,9 +66,10 @@ def read_eval_prompts(
     source: str | Sequence[str] | None, cfg: BlockdraftConfig, tokenizer: Any, workdir: Path, layouts: Sequence[str] = (),
     every_split: Collection[str] = (),
 ) -> EvalPrompts:
-    """Up to eval.num_prompts prompts from each source: a prompt set (`prompt_sets.read_prompt_set`: a `.jsonl` or
-    `.parquet` file, a folder `datasets` saved, `hf://datasets/NAME`), else a tokenized artifact's held-out rows (every
-    row, both splits, for a source in `every_split`: an artifact that is held out whole, as train.eval_data is).
+    """Up to eval.num_prompts prompts from each source: a prompt set (`prompt_sets.read_prompt_set`: a JSONL, JSON or
+    Parquet file, a folder of Parquet files or one `datasets` saved, `hf://datasets/NAME`), else a tokenized artifact's
+    held-out rows (every row, both splits, for a source in `every_split`: an artifact that is held out whole, as
+    train.eval_data is).
     `layouts`: none, or one per source (a layout name, or `auto` to recognise it from its columns). Raises EvalError when
     there is no source, the layouts do not pair with the sources, or a source holds no prompt."""
     sources = [source] if isinstance(source, str) else list(source or [])
@@ -88,8 +89,9 @@ def read_eval_prompts(
             ids = [_render_prompt(row, tokenizer, cfg, where) for row, where in zip(found.rows, found.where, strict=True)]
             layout, ref = found.layout, found.ref
         elif named is not None:
-            raise EvalError(f"--prompt-set {named} names the layout of a prompts file, but {src} is not one (.jsonl, .parquet, a "
-                            "folder `datasets` saved, hf://datasets/NAME); use auto for a tokenized artifact's held-out rows")
+            raise EvalError(f"--prompt-set {named} names the layout of a prompts file, but {src} is not one "
+                            f"({', '.join(SET_FILES)}, a folder of Parquet files or one `datasets` saved, "
+                            "hf://datasets/NAME); use auto for a tokenized artifact's held-out rows")
         else:
             data = open_input(src, cfg.store, kinds=[TOKENIZED_KIND], role="prompts artifact")
             (workdir / f"held-out-{index}").mkdir(parents=True, exist_ok=True)
@@ -153,6 +155,13 @@ def prompts_from_jsonl(path: Path, tokenizer: Any, cfg: BlockdraftConfig, limit:
 
 
 def _render_prompt(row: dict[str, Any], tokenizer: Any, cfg: BlockdraftConfig, where: str) -> list[int]:
+    ids = _prompt_ids(row, tokenizer, cfg, where)
+    if not ids:  # nothing to condition on: decoding would fail only after the models loaded
+        raise EvalError(f"{where}: the prompt is empty (it renders to no tokens); give it text, or remove that row")
+    return ids
+
+
+def _prompt_ids(row: dict[str, Any], tokenizer: Any, cfg: BlockdraftConfig, where: str) -> list[int]:
     if "input_ids" in row:
         ids = row["input_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
