@@ -1,7 +1,8 @@
 """Eval's inputs and sampling settings, fourth ring (issue 47): the sets as the Hub and their authors ship them are read
 (MBPP's `sanitized` config, MT-Bench's `mt_bench_prompts`, Alpaca's JSON array, HumanEval's gzipped JSONL, a folder of
 Parquet files), and what cannot be decoded ends in one line before any model loads, with nothing written: a prompts file
-that is not UTF-8, an empty prompt.
+that is not UTF-8, an empty prompt, a seed past what torch takes, a temperature below the floor, sampling flags given to
+a greedy eval. One sampled decode reports no interval rather than a zero-width one.
 
 Every set is written here, in the layout its source ships it in, with the rows of the fixtures in
 tests/fixtures/prompt-sets, so the token ids it reads can be compared with those of the fixture's own layout.
@@ -22,10 +23,12 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
-from blockdraft.config import load_config
-from blockdraft.errors import EvalError
+from blockdraft.config import EvalConfig, load_config
+from blockdraft.errors import ConfigError, EvalError
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
+from blockdraft.stages.eval import EvalReport
 from blockdraft.stages.eval.prompts import read_eval_prompts
+from blockdraft.stages.eval.sampled import SEED_LIMIT, check_seeds, ratio_ci95, refuse_idle_sampling
 
 pytestmark = pytest.mark.fault
 
@@ -155,7 +158,52 @@ def test_an_empty_prompt_is_refused_naming_its_row_before_any_model_loads(tmp_pa
                     "remove that row")
 
 
+# ---- case 19: a seed that torch's generators cannot take for every decode
 
+
+def test_a_seed_past_what_torch_takes_for_every_decode_is_refused_up_front(tmp_path, tiny_run):
+    with pytest.raises(ConfigError, match=rf"--seed {SEED_LIMIT}: must be < {SEED_LIMIT} \(it sets eval.seed\)"):
+        load_config(None, {"eval": {"seed": SEED_LIMIT}})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello"}\n{"prompt": "Again"}\n')
+    result = _eval(tmp_path, tiny_run, "--prompts", prompts, "--temperature", "0.7", "--seed", SEED_LIMIT - 1)
+    assert _refused(result, tmp_path) == (
+        f"error: eval.seed {SEED_LIMIT - 1} + 2 sampled decodes passes {SEED_LIMIT - 1}, the largest seed torch takes "
+        f"(decode i is seeded with seed + i); give a seed of at most {SEED_LIMIT - 2}")
+    # The largest seed that fits: its last decode is seeded with 2**64 - 1; greedy evals never seed.
+    def sampled(seed: int) -> EvalConfig:
+        return EvalConfig(temperature=0.7, seed=seed, samples_per_prompt=2)
+
+    check_seeds(sampled(SEED_LIMIT - 4), 2)
+    check_seeds(EvalConfig(seed=SEED_LIMIT - 1), 2)
+    with pytest.raises(EvalError, match=f"give a seed of at most {SEED_LIMIT - 4}"):
+        check_seeds(sampled(SEED_LIMIT - 3), 2)
+
+
+# ---- case 20: a temperature so small that logits / T leave float32
+
+
+def test_a_temperature_below_the_floor_is_refused_at_load_naming_the_floor(tmp_path, tiny_run):
+    line = _refused(_eval(tmp_path, tiny_run, "--prompts", SETS / "plain.jsonl", "--temperature", "1e-45"), tmp_path)
+    assert line.startswith("error: --temperature 1e-45: must be 0 (greedy) or at least 0.01")
+    assert "(it sets eval.temperature)" in line
+    assert load_config(None, sets=["eval.temperature=0.01"]).eval.temperature == 0.01
+    assert load_config(None, sets=["eval.temperature=0"]).eval.temperature == 0
+
+
+# ---- case 25: sampling flags given to a greedy eval
+
+
+def test_sampling_flags_given_with_temperature_0_are_refused_in_one_line(tmp_path, tiny_run):
+    line = _refused(_eval(tmp_path, tiny_run, "--prompts", SETS / "plain.jsonl", "--top-p", "0.9", "--top-k", "20",
+                          "--samples-per-prompt", "4"), tmp_path)
+    assert line == ("error: --top-p, --top-k, --samples-per-prompt set only the decodes at temperature, and "
+                    "eval.temperature is 0 (greedy only), so they would change nothing; add --temperature T above 0 to "
+                    "sample, or drop them")
+    line = _refused(_eval(tmp_path, tiny_run, "--prompts", SETS / "plain.jsonl", "--set", "eval.seed=3"), tmp_path)
+    assert line.startswith("error: --set eval.seed=3 set only the decodes at temperature") and "drop it" in line
+    # A config file may keep sampling settings for the runs that raise the temperature; with 0 they are not refused.
+    refuse_idle_sampling(load_config(None, {"eval": {"top_p": 0.9, "samples_per_prompt": 4}}).eval, [])
 
 
 # ---- case 23: a folder of Parquet files, as a Hub snapshot holds a set's config
@@ -178,3 +226,21 @@ def test_a_folder_of_parquet_files_is_read_as_a_set_by_split(tmp_path, tokenizer
         _read(tmp_path, tokenizer, tmp_path / "gsm8k")
     with pytest.raises(EvalError, match=r"has splits \['test', 'train'\] .*; name one as .*\?split=NAME"):
         _read(tmp_path, tokenizer, f"{main}?split=validation")
+
+
+# ---- case 14: one sampled decode has no 95% interval
+
+
+def test_one_sampled_decode_reports_no_interval_and_the_summary_says_so(tmp_path, tiny_run):
+    assert ratio_ci95([3.0], [2.0]) is None  # one decode: no spread to estimate an error from
+    low, high = ratio_ci95([3.0, 5.0], [2.0, 2.0]) or (0.0, 0.0)
+    assert low < 2.0 < high
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello there"}\n')
+    result = _eval(tmp_path, tiny_run, "--prompts", prompts, "--temperature", "0.7")
+    assert result.exit_code == 0, result.output
+    sampled = EvalReport.from_json((tmp_path / "eval" / "report.json").read_text()).sampled
+    assert sampled is not None and sampled.decodes == 1
+    for name, d in sampled.drafters.items():
+        assert d.tau_ci95 is None and d.position_acceptance_ci95 is None
+        assert f"{name}\ttau {d.metrics.tau:.3f} (no interval: 1 decode) at T=0.7" in result.output

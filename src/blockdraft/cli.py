@@ -247,7 +247,8 @@ def eval_command(
     ] = None,
     export: Annotated[str | None, typer.Option("--export", help="With --engine: the export folder to serve (default: CHECKPOINT's).")] = None,
     temperature: Annotated[
-        float | None, typer.Option("--temperature", min=0.0, help="Above 0: also decode sampled at this temperature (0: greedy only).")
+        float | None,
+        typer.Option("--temperature", min=0.0, help="0.01 or more: also decode sampled at this temperature (0: greedy only)."),
     ] = None,
     top_p: Annotated[float | None, typer.Option("--top-p", help="Sampled decodes: nucleus mass kept (1.0: off).")] = None,
     top_k: Annotated[int | None, typer.Option("--top-k", min=0, help="Sampled decodes: most likely tokens kept (0: off).")] = None,
@@ -262,11 +263,17 @@ def eval_command(
     with --temperature above 0 the same at those sampling settings."""
     from blockdraft.pipeline import export_for_engine
     from blockdraft.stages import eval as eval_stage
+    from blockdraft.stages.eval.sampled import SAMPLED_ONLY, refuse_idle_sampling
 
     flags = {"prompts": prompts or None, "prompt_sets": prompt_sets or None, "max_new_tokens": max_new_tokens, "baseline": baseline,
              "engine": engine, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "samples_per_prompt": samples_per_prompt,
              "proposal": proposal}
     cfg = load_config(config, {"eval": flags}, sets or ())
+    # A sampling setting given here with temperature 0 would change nothing: refused before anything runs.
+    sampling_keys = {f"eval.{key}" for key in SAMPLED_ONLY}
+    given = [*(flag for key, flag in SAMPLED_ONLY.items() if flags[key] is not None),
+             *(f"--set {item}" for item in sets or () if item.partition("=")[0].strip() in sampling_keys)]
+    refuse_idle_sampling(cfg.eval, given)
     with ConsoleReporter(console) as reporter, tempfile.TemporaryDirectory(prefix="blockdraft-engine-export-") as tmp:
         if cfg.eval.engine != "none" and export is None:
             export = export_for_engine(cfg, checkpoint, Path(tmp) / "export", reporter)

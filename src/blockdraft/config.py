@@ -333,6 +333,12 @@ class TrainConfig(_Section):
     log_every_s: float = Field(default=30.0, gt=0)  # one plain progress line this often when stderr is not a terminal
 
 
+# The lowest sampling temperature eval decodes at: vLLM raises any temperature in (0, 0.01) to 0.01 (its _MAX_TEMP,
+# warning of NaN or inf), so a lower one measures what no vLLM serves; and logits / T stay finite in float32 for any
+# logit below 3.4e36 (at 1e-45 they overflow, softmax gives NaN and sampling fails after the greedy decodes ran).
+MIN_TEMPERATURE = 0.01
+
+
 class EvalConfig(_Section):
     # Prompt sources, one set each: a prompts file (.jsonl, .jsonl.gz, .json, .parquet), a folder of Parquet files or
     # one `datasets` saved, hf://datasets/NAME, or a tokenized artifact (its held-out rows); none: train.data's
@@ -358,10 +364,10 @@ class EvalConfig(_Section):
     engine_alpha: float = Field(default=0.01, gt=0.0, lt=1.0)
     # Sampling (docs/EVAL.md, "Measuring a drafter"): temperature 0 decodes greedy only; above 0, eval also decodes each
     # prompt `samples_per_prompt` times with these settings (decode i seeded with seed + i) and reports acceptance there.
-    temperature: float = Field(default=0.0, ge=0.0)
+    temperature: float = Field(default=0.0, ge=0.0)  # 0, or at least MIN_TEMPERATURE
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)  # 1.0: off
     top_k: int = Field(default=0, ge=0)  # 0: off
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, lt=2**64)  # what torch's generators take; eval checks seed + decodes fits too
     samples_per_prompt: int = Field(default=1, ge=1)
     # The serving engine's draft rule at temperature > 0 (docs/EVAL.md, "Draft rules"): `vllm` (vLLM's default,
     # greedy drafts), `vllm-probabilistic` (vLLM's draft_sample_method probabilistic) or `sglang`. Greedy is one rule.
@@ -371,6 +377,14 @@ class EvalConfig(_Section):
     @classmethod
     def _one_or_many(cls, value: object) -> object:
         return [value] if isinstance(value, str) else value  # `prompts = "file"` in a file or `--set`: one source
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_servable(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g} (vLLM samples any lower temperature "
+                             f"at {MIN_TEMPERATURE:g}, and near 0 logits / T overflow float32)")
+        return value
 
 
 class GenerateConfig(_Section):

@@ -244,8 +244,11 @@ def sampled_lines(report: EvalReport) -> list[str]:
              f"({s.samples_per_prompt} per prompt, seed {s.seed}); target-only tokens/s {s.target_only.tokens_per_s:.1f}"]
     for name, d in s.drafters.items():
         greedy = report.drafters.get(name)
+        # One decode has no interval (sampled.ratio_ci95): say so rather than print a zero-width one.
+        interval = (f"[{d.tau_ci95[0]:.3f}, {d.tau_ci95[1]:.3f}]" if d.tau_ci95 is not None
+                    else f"(no interval: {s.decodes} decode{'' if s.decodes == 1 else 's'})")
         lines.append(
-            f"{name}	tau {d.metrics.tau:.3f} [{d.tau_ci95[0]:.3f}, {d.tau_ci95[1]:.3f}] at T={s.temperature:g}"
+            f"{name}	tau {d.metrics.tau:.3f} {interval} at T={s.temperature:g}"
             f"	speedup {d.metrics.speedup:.2f}x" + (f"	(greedy tau {greedy.tau:.3f}, {greedy.speedup:.2f}x)" if greedy else "")
         )
     return lines

@@ -5,7 +5,8 @@ Decode i (prompt i // S, its sample i % S) is seeded with `eval.seed + i`, the s
 request. Confidence intervals treat each decode as one sample (cycles within a decode are not independent): tau and
 each position's acceptance rate are ratios of per-decode sums, so their standard error is the ratio estimator's,
 sqrt(sum_i (y_i - r x_i)^2 / (n (n - 1))) / mean(x), with y_i the decode's committed tokens (or acceptances at
-position k) and x_i its cycles; the interval is r +/- 1.96 standard errors (95%).
+position k) and x_i its cycles; the interval is r +/- 1.96 standard errors (95%). One decode has no spread to estimate
+an error from, so its intervals are None (the summary says "no interval: 1 decode"), never a zero-width [r, r].
 """
 
 from __future__ import annotations
@@ -18,10 +19,17 @@ from pydantic import BaseModel
 from blockdraft.config import EvalConfig
 from blockdraft.decode.sampling import Sampler, Sampling, sample_decode
 from blockdraft.decode.speculative import Proposer, SpecResult, run_speculative
+from blockdraft.errors import EvalError
 from blockdraft.reporter import Reporter
 from blockdraft.stages.eval.metrics import DrafterMetrics, GreedyMetrics, acceptance_metrics
 
 Z95 = 1.959964  # the two-sided 95% point of the standard normal
+MIN_DECODES_FOR_INTERVAL = 2  # the ratio estimator's standard error divides by n - 1
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below this; decode i is seeded with eval.seed + i
+# The eval settings only the decodes at temperature read, and the flags that set them: given with temperature 0 they
+# would change nothing, so the CLI refuses them (`refuse_idle_sampling`).
+SAMPLED_ONLY = {"top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "samples_per_prompt": "--samples-per-prompt",
+                "proposal": "--proposal"}
 
 
 class SampledDrafter(BaseModel):
@@ -29,8 +37,8 @@ class SampledDrafter(BaseModel):
     each position's acceptance rate, and a + 1 per cycle of every decode (decode i = prompt i // S, sample i % S)."""
 
     metrics: DrafterMetrics
-    tau_ci95: list[float]
-    position_acceptance_ci95: list[list[float]]
+    tau_ci95: list[float] | None  # None: fewer decodes than an interval needs (`MIN_DECODES_FOR_INTERVAL`)
+    position_acceptance_ci95: list[list[float]] | None
     acceptance_lengths: list[list[int]]
 
 
@@ -53,13 +61,15 @@ def sampling_of(cfg: EvalConfig) -> Sampling | None:
     return Sampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.proposal) if cfg.temperature > 0 else None
 
 
-def ratio_ci95(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
-    """[low, high]: the 95% interval of sum(numerators) / sum(denominators), one pair per independent decode."""
+def ratio_ci95(numerators: Sequence[float], denominators: Sequence[float]) -> list[float] | None:
+    """[low, high]: the 95% interval of sum(numerators) / sum(denominators), one pair per independent decode; None for
+    fewer than `MIN_DECODES_FOR_INTERVAL` decodes, where there is no spread to estimate the error from."""
     n = len(numerators)
+    if n < MIN_DECODES_FOR_INTERVAL:
+        return None
     total = sum(denominators)
-    if n < 2 or total == 0:
-        r = sum(numerators) / total if total else 0.0
-        return [r, r]
+    if total == 0:
+        return [0.0, 0.0]
     r = sum(numerators) / total
     mean_x = total / n
     se = math.sqrt(sum((y - r * x) ** 2 for y, x in zip(numerators, denominators)) / (n * (n - 1))) / mean_x
@@ -71,14 +81,39 @@ def sampled_drafter(results: Sequence[SpecResult], block_size: int, reference: G
     metrics = acceptance_metrics(results, block_size)
     metrics.speedup = reference.wall_s / metrics.wall_s if metrics.wall_s else 0.0
     cycles = [len(r.acceptance_lengths) for r in results]
+    positions = [ratio_ci95([sum(1 for n in r.acceptance_lengths if n - 1 >= k) for r in results], cycles)
+                 for k in range(1, block_size)]
     return SampledDrafter(
         metrics=metrics,
         tau_ci95=ratio_ci95([sum(r.acceptance_lengths) for r in results], cycles),
-        position_acceptance_ci95=[
-            ratio_ci95([sum(1 for n in r.acceptance_lengths if n - 1 >= k) for r in results], cycles) for k in range(1, block_size)
-        ],
+        # Every position has the same decodes: each has an interval, or (one decode) none has.
+        position_acceptance_ci95=None if None in positions else [ci for ci in positions if ci is not None],
         acceptance_lengths=[list(r.acceptance_lengths) for r in results],
     )
+
+
+def check_seeds(cfg: EvalConfig, prompts: int) -> None:
+    """EvalError unless every sampled decode's seed (eval.seed + i for decode i of prompts x samples_per_prompt) is one
+    torch takes: checked once the prompts are counted, before any model loads (and never at temperature 0)."""
+    if cfg.temperature == 0:
+        return
+    decodes = prompts * cfg.samples_per_prompt
+    if cfg.seed + decodes > SEED_LIMIT:
+        raise EvalError(
+            f"eval.seed {cfg.seed} + {decodes} sampled decodes passes {SEED_LIMIT - 1}, the largest seed torch takes "
+            f"(decode i is seeded with seed + i); give a seed of at most {SEED_LIMIT - decodes}"
+        )
+
+
+def refuse_idle_sampling(cfg: EvalConfig, given: Sequence[str]) -> None:
+    """EvalError when `given` (settings of `SAMPLED_ONLY` set on the command line, as the user spelled them) would be
+    dropped without a word: the eval decodes greedy only (temperature 0), which none of them changes."""
+    if cfg.temperature == 0 and given:
+        they, them = ("it", "it") if len(given) == 1 else ("they", "them")
+        raise EvalError(
+            f"{', '.join(given)} set only the decodes at temperature, and eval.temperature is 0 (greedy only), so {they} "
+            f"would change nothing; add --temperature T above 0 to sample, or drop {them}"
+        )
 
 
 def evaluate_sampled(
@@ -108,4 +143,7 @@ def evaluate_sampled(
     )
 
 
-__all__ = ["SampledDrafter", "SampledEval", "evaluate_sampled", "ratio_ci95", "sampled_drafter", "sampling_of"]
+__all__ = [
+    "MIN_DECODES_FOR_INTERVAL", "SAMPLED_ONLY", "SEED_LIMIT", "SampledDrafter", "SampledEval", "check_seeds",
+    "evaluate_sampled", "ratio_ci95", "refuse_idle_sampling", "sampled_drafter", "sampling_of",
+]

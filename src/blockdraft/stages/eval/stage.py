@@ -42,7 +42,7 @@ from blockdraft.stages.eval.metrics import (
 from blockdraft.stages.eval.prompt_sets import PLAIN
 from blockdraft.stages.eval.prompts import EvalPrompts, EvalSet, load_target_tokenizer, read_eval_prompts, stop_token_ids
 from blockdraft.stages.eval.report import REPORT_NAME, UNARY_NAME, EvalReport, Lossless, PromptRow, PromptSetMetrics, write_report
-from blockdraft.stages.eval.sampled import evaluate_sampled, sampling_of
+from blockdraft.stages.eval.sampled import check_seeds, evaluate_sampled, sampling_of
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, VerifyReport
 from blockdraft.store.output import StageOutput, refuse_nested, stage_key
@@ -94,6 +94,7 @@ def run(
         sources = prompts or config.eval.prompts or config.train.eval_data or config.train.data
         whole = [sources] if isinstance(sources, str) and sources == config.train.eval_data else []
         chosen = read_eval_prompts(sources, config, tokenizer, workdir, config.eval.prompt_sets, every_split=whole)
+        check_seeds(config.eval, len(chosen.ids))  # every sampled decode's seed, before any model loads
         url = output or _default_output(config, ckpt, chosen, max_new_tokens)
         out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt, served), config.store, force=force, reporter=reporter)
         refuse_nested(open_store(input, config.store), out.store, "checkpoint")
