@@ -169,20 +169,24 @@ def tokenize(
         folder = open_store(result.url, cfg.store).local_path()
         if folder is None:
             raise ConfigError(f"--check-target reads a local tokenized folder, not {result.url}; pull it first, or check it on the training node with train --plan")
-        _say_agreement(folder, cfg, record=True)
+        _say_agreement(folder, cfg, measured=result.report.manifest_sha256)
 
 
-def _say_agreement(folder: Path, cfg: Any, record: bool = False) -> None:
-    """Target agreement of the tokenized folder's train rows, one line, and the warning line when it is low; `record`:
-    also noted beside the artifact, bound to its manifest, where `status` shows it (and push and pull carry it)."""
+def _say_agreement(folder: Path, cfg: Any, measured: str | None = None) -> None:
+    """Target agreement of the tokenized folder's train rows, one line, and the warning line when it is low; `measured`:
+    the digest of the manifest whose rows are measured (the one tokenize committed), to which the share is bound when
+    it is noted beside the artifact, where `status` shows it (and push and pull carry it). Not noted, and said so, when
+    the folder holds another manifest by the time the share is known (another tokenize wrote it meanwhile)."""
     from blockdraft.data.agreement import agreement_warning, describe_agreement, tokenized_agreement
     from blockdraft.store.local import LocalStore
     from blockdraft.store.manifest import record_agreement
 
     result = tokenized_agreement(folder, cfg)
     console.print(describe_agreement(result), highlight=False, markup=False)
-    if record:
-        record_agreement(LocalStore(folder), Path(cfg.target.path).name, result)
+    if measured is not None and not record_agreement(LocalStore(folder), measured, Path(cfg.target.path).name, result):
+        console.print(f"[bold yellow]WARNING:[/] {escape(str(folder))} no longer holds the artifact whose rows were "
+                      "measured (another run wrote it meanwhile): the share is not noted for status; run `tokenize "
+                      "--check-target` again once it is done", highlight=False)
     if (line := agreement_warning(result, cfg.train.min_target_agreement)) is not None:
         console.print(f"[bold yellow]WARNING:[/] {escape(line)}", highlight=False)
 

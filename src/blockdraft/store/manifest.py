@@ -158,14 +158,15 @@ def read_origin(store: Store, sha256: str | None) -> str | None:
     return origin["url"]
 
 
-def record_agreement(store: Store, target: str, result: dict[str, Any]) -> bool:
-    """Note beside the artifact, bound to the digest of the manifest it holds now, the target agreement measured on its
-    rows (`blockdraft.data.agreement`) against the target named `target`: a measurement about the rows, not one of its
-    files. False, and nothing written, where the folder holds no manifest."""
+def record_agreement(store: Store, measured: str, target: str, result: dict[str, Any]) -> bool:
+    """Note beside the artifact the target agreement measured on its rows (`blockdraft.data.agreement`) against the
+    target named `target`, bound to `measured`: the digest of the manifest the folder held when its rows were read (a
+    measurement about the rows, not one of its files). False, and nothing written, unless the folder still holds that
+    very manifest: another run that wrote the folder while the rows were measured made an artifact this is not of."""
     found = read_manifest(store)
-    if found is None:
+    if found is None or manifest_sha256(found[1]) != measured:
         return False
-    _put_agreement(store, {"manifest_sha256": manifest_sha256(found[1]), "target": target, **result})
+    _put_agreement(store, {"manifest_sha256": measured, "target": target, **result})
     return True
 
 
