@@ -30,7 +30,7 @@ from helpers.chat_server import ChatServer
 
 from blockdraft.config import StoreConfig
 from blockdraft.data.chat import Completion, Prompt
-from blockdraft.errors import REDACTED, redact, remember_secret, safe_url
+from blockdraft.errors import REDACTED, redact, redact_setting, remember_secret, safe_url
 from blockdraft.stages.export import serving_settings
 from blockdraft.stages.generate import FAILURES_NAME
 from blockdraft.store import open_store
@@ -263,9 +263,12 @@ def test_credentials_inside_urls_reach_no_artifact_message_or_log(where, shape, 
     out = open_store(output)
     assert verify_artifact(out).state is State.VERIFIED
     manifest = json.loads(out.read_bytes(MANIFEST_NAME))
-    assert manifest["config"]["generate"]["base_url"] == endpoint.url
+    # Pinned with the credential's fingerprint in its place (`redact_settings`), scheme, host and path kept.
+    pinned = manifest["config"]["generate"]["base_url"]
+    assert pinned == redact_setting(base_url) and "[redacted:" in pinned and safe_url(pinned) == endpoint.url
     if where == "s3":
-        assert manifest["config"]["store"]["endpoint_url"] == server.endpoint
+        pinned = manifest["config"]["store"]["endpoint_url"]
+        assert "[redacted:" in pinned and safe_url(pinned) == server.endpoint
     details = [json.loads(x)["detail"] for x in out.read_bytes(FAILURES_NAME).decode().splitlines()]
     expected = f"cannot reach {endpoint.url}" if shape == "userinfo" else f"no route /v1/chat/completions?token={REDACTED}"
     assert len(details) == 2 and all(expected in d for d in details), details

@@ -15,13 +15,13 @@ import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from blockdraft.added_tokens import folder_spare_row, mask_token_problem, tokenizer_added_tokens
-from blockdraft.errors import ConfigError, safe_url
+from blockdraft.errors import ConfigError, redact_settings, safe_url
 from blockdraft.overrides import Overrides, apply, flag_overrides, set_overrides, validation_line
 
 
@@ -427,9 +427,10 @@ class BlockdraftConfig(_Section):
         return self
 
     def resolved(self) -> dict:
-        """The full config with every default filled in, as plain JSON data, each URL in it as `safe_url` writes it: this
-        is what manifests, checkpoints and exports record, and a base URL or endpoint may carry a password or a token."""
-        return _safe_urls(self.model_dump(mode="json"))
+        """The full config with every default filled in, as plain JSON data, each credential a setting carries replaced by
+        its fingerprint (`redact_settings`: a URL's userinfo and query values, `--hf-token X` in eval.engine_args, an
+        `hf_...` token): this is what manifests, checkpoints and exports record, and what every stage key is read from."""
+        return redact_settings(self.model_dump(mode="json"))
 
     def digest(self, *sections: str) -> str:
         """sha256 of the resolved config (or of the named sections only), stable across runs."""
@@ -437,15 +438,6 @@ class BlockdraftConfig(_Section):
         if sections:
             data = {name: data[name] for name in sections}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
-def _safe_urls(data: Any) -> Any:
-    """`data` (plain JSON data) with every string passed through `safe_url`: only URLs with userinfo or a query change."""
-    if isinstance(data, dict):
-        return {key: _safe_urls(value) for key, value in data.items()}
-    if isinstance(data, list):
-        return [_safe_urls(value) for value in data]
-    return safe_url(data) if isinstance(data, str) else data
 
 
 def load_config(
@@ -474,6 +466,7 @@ def load_with(path: str | Path | None, overrides: Overrides) -> BlockdraftConfig
     except ValidationError as exc:
         raise ConfigError(validation_line(label, exc, overrides, BlockdraftConfig)) from None
     _check_mask_token(config, label)
+    config.resolved()  # remembers each credential a setting carries (`redact_settings`): no message of this run names one
     return config
 
 

@@ -6,15 +6,20 @@ and keeps its traceback.
 manifest: a server may echo the key it was sent ("Incorrect API key provided: ..."), and an artifact is shared.
 `safe_url` is the form in which a URL is stored or printed: a URL may carry a password (`http://user:pw@host`) or a
 token in its query string (`?token=...`), and neither may reach a manifest, a lease, a failure record or a message.
+`redact_settings` is the form in which a config is pinned (manifests, checkpoints, exports): every credential a setting
+carries becomes its `fingerprint`, so the pinned config names no secret and still changes when one does.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import hashlib
 import json
 import os
 import re
 import urllib.parse
+from typing import Any
 
 FIRST_FEW = 5  # how many items of a long list a one-line message names
 
@@ -95,6 +100,7 @@ _TOKEN = r"[^\s\"',;}]"
 # before the first "/" (a password may hold "?" or "#"), its query and fragment whatever follows the first "?" or "#".
 _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>`]*")
 _URL_PARTS = re.compile(r"(?s)([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/]*@)?([^?#]*)")
+_URL_SPLIT = re.compile(r"(?s)([A-Za-z][A-Za-z0-9+.-]*://)(?:([^/]*)@)?([^?#]*)(?:\?([^#]*))?(?:#(.*))?")
 # Shapes of credentials whatever their value: an Authorization header's value, a bearer token, an OpenAI-style `sk-` key, an
 # "api key ...: X" echo, and a 40-character AWS secret key written near the word "secret".
 _PATTERNS = (
@@ -104,6 +110,21 @@ _PATTERNS = (
     (re.compile(r"(?i)(\bapi[ _-]?key\b[^:=\n]{0,32}[:=]\s*[\"']?)(?!\[redacted\])" + _TOKEN + "{6,}"), r"\1" + REDACTED),
     (re.compile(r"(?i)(secret[\w \"':=]{0,40}?)(?<![A-Za-z0-9/+])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"), r"\1" + REDACTED),
 )
+# Where a setting or a text carries a credential whatever its value (docs/STORE.md, "Secrets in settings"): the value of a
+# flag or key named for one (`--hf-token X`, `--api-key=X`, `token=X`, `password: X`; a name ending in token, api key,
+# password, secret (access) key or credential: `--max-num-batched-tokens` ends in "tokens" and is none), and a value in
+# the shape of a known token: Hugging Face `hf_...`, OpenAI `sk-...`, AWS access key ids `AKIA...`/`ASIA...`, GitHub's.
+_CREDENTIAL_NAME = r"[\w.-]*?(?:token|api[-_]?key|apikey|password|passwd|secret(?:[-_]access)?(?:[-_]key)?|credentials?)"
+_CREDENTIAL_FLAG = re.compile(rf"(?i)--?{_CREDENTIAL_NAME}")  # one argv item, matched whole
+_FINGERPRINT = re.compile(r"\[redacted:[0-9a-f]{12}\]")
+_VALUE = r"[^\s\"',;&}]"
+_CREDENTIAL_VALUE = re.compile(
+    rf"(?i)(?<![\w-])((?:--?{_CREDENTIAL_NAME}(?:=|\s+))|(?:{_CREDENTIAL_NAME}\s*[=:]\s*))(?!\[redacted)({_VALUE}+)"
+)
+_TOKEN_SHAPES = re.compile(
+    r"\b(?:hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}|github_pat_\w{22,})\b"
+)
+FINGERPRINT_ROUNDS = 100_000  # PBKDF2 rounds per fingerprint: about 40 ms, so each guess at a secret costs as much
 
 
 def safe_url(url: str) -> str:
@@ -160,10 +181,92 @@ def redact(text: str, *secrets: str | None) -> str:
     text = _URL_IN_TEXT.sub(lambda found: safe_url(found.group()), text)
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
-    return text
+    text = _CREDENTIAL_VALUE.sub(lambda found: _short_or(found, REDACTED), text)
+    return _TOKEN_SHAPES.sub(REDACTED, text)
+
+
+def _short_or(found: re.Match[str], replacement: str) -> str:
+    """A credential name and its value in a text: the value replaced, unless it is shorter than a secret can be (a message
+    naming `--api-key KEY` or `spec_token=12` as a placeholder or a field)."""
+    name, value = found.group(1), found.group(2)
+    return found.group() if len(value) < MIN_SECRET_CHARS else name + replacement
+
+
+@functools.lru_cache(maxsize=1024)
+def fingerprint(secret: str) -> str:
+    """`[redacted:<12 hex>]`: what a pinned config holds in place of `secret`. The same secret gives the same fingerprint,
+    so a stage key that depends on the setting still changes when the secret does (a rotated token makes the output
+    again rather than pass for it); the 48 bits come from PBKDF2-SHA256 over FINGERPRINT_ROUNDS rounds, so testing a guessed
+    password against it is slow, and a random token (hf_..., sk-...) is out of reach."""
+    digest = hashlib.pbkdf2_hmac("sha256", secret.encode(), b"blockdraft setting fingerprint", FINGERPRINT_ROUNDS)
+    return f"[redacted:{digest.hex()[:12]}]"
+
+
+def _fingerprinted(value: str, secret: bool = True) -> str:
+    """`value`'s fingerprint (`value` itself when empty or one already); a `secret` is also remembered (`remember_secret`),
+    so a message of this process that names it is redacted too. A query value that need not be a credential is not
+    remembered: it may be a word ("validation") that messages use."""
+    if not value or _FINGERPRINT.fullmatch(value):
+        return value
+    if secret:
+        remember_secret(value)
+    return fingerprint(value)
+
+
+# Query names kept as they are: the dataset config, split and revision `eval --prompts hf://datasets/...` reads.
+_PLAIN_QUERY = ("config", "split", "revision")
+
+
+def _redact_url(url: str) -> str:
+    """`url` with its userinfo, each query value (an item without `=`: whole) and its fragment fingerprinted, but the
+    values of `_PLAIN_QUERY`; scheme, host, path and query names kept. Split as `safe_url` splits (a password may hold
+    "?" or "#"), not by urllib, which refuses a fingerprint's brackets in the authority."""
+    found = _URL_SPLIT.match(url)
+    if found is None:
+        return url
+    scheme, userinfo, path, query, fragment = found.groups()
+    items = [item.partition("=") for item in (query or "").split("&") if item]
+    query = "&".join(
+        (f"{name}={value}" if name in _PLAIN_QUERY else f"{name}={_fingerprinted(value, _is_credential(name))}") if eq
+        else _fingerprinted(name) for name, eq, value in items
+    )
+    if userinfo is not None and not _FINGERPRINT.fullmatch(userinfo):
+        remember_secret(userinfo.partition(":")[2] or userinfo)  # `user:password` or a token alone
+    return (scheme + (f"{_fingerprinted(userinfo, False)}@" if userinfo is not None else "") + path
+            + (f"?{query}" if query else "") + (f"#{_fingerprinted(fragment, False)}" if fragment else ""))
+
+
+def _is_credential(name: str) -> bool:
+    return _CREDENTIAL_FLAG.fullmatch("--" + name) is not None
+
+
+def redact_setting(value: str) -> str:
+    """One setting's text as a config pins it: the userinfo, query values and fragment of each URL in it, the value of a
+    credential flag or key in it (`--hf-token X`, `token=X`), and each known token shape, replaced by its `fingerprint`.
+    A setting without any of these comes back unchanged, so the pinned config (and every stage key read from it) of a
+    config without secrets is what it was."""
+    value = _URL_IN_TEXT.sub(lambda found: _redact_url(found.group()), value)
+    value = _CREDENTIAL_VALUE.sub(lambda found: found.group(1) + _fingerprinted(found.group(2)), value)
+    return _TOKEN_SHAPES.sub(lambda found: _fingerprinted(found.group()), value)
+
+
+def redact_settings(data: Any) -> Any:
+    """`data` (a config as plain JSON data) with every string passed through `redact_setting`; in a list (`eval.engine_args`)
+    the item after a credential flag given on its own (`["--hf-token", "X"]`) is fingerprinted whole."""
+    if isinstance(data, dict):
+        return {key: redact_settings(value) for key, value in data.items()}
+    if isinstance(data, list):
+        items = [redact_settings(value) for value in data]
+        for i in range(1, len(data)):
+            flag, value = data[i - 1], data[i]
+            if isinstance(flag, str) and isinstance(value, str) and _CREDENTIAL_FLAG.fullmatch(flag):
+                items[i] = _fingerprinted(value)
+        return items
+    return redact_setting(data) if isinstance(data, str) else data
 
 
 __all__ = [
     "REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "DivergedError", "EngineError", "EvalError", "ExportError", "LeaseError",
-    "OutsideArtifactError", "SpecError", "StoreError", "redact", "remember_secret", "remember_url", "safe_url", "url_secrets",
+    "OutsideArtifactError", "SpecError", "StoreError", "fingerprint", "redact", "redact_setting", "redact_settings", "remember_secret",
+    "remember_url", "safe_url", "url_secrets",
 ]

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from blockdraft.config import StoreConfig
-from blockdraft.errors import ArtifactError, ConfigError, LeaseError, StoreError, redact
+from blockdraft.errors import ArtifactError, ConfigError, LeaseError, StoreError, redact, redact_settings
 from blockdraft.reporter import Reporter
 from blockdraft.store import Store, open_store
 from blockdraft.store.artifact import (
@@ -251,13 +251,15 @@ class StageOutput:
         lineage: Iterable[InputRef] = (),
         counts: dict[str, Any] | None = None,
     ) -> VerifyReport:
-        """Check every file at the destination, then write the manifest (with this output's key) last."""
+        """Check every file at the destination, then write the manifest (with this output's key) last. The config it pins
+        passes `redact_settings` whatever the stage gave: no manifest names a credential a setting carries."""
         assert self.copy_of is None, "a copy commits its source manifest (commit_copy)"
         config, counts = config or {}, counts or {}
         assert all(_config_value(config, path) == value for path, value in self.made_with.items()), "commit what made_with names"
         assert self.failures is None or self.failures in counts, "a commit records what failed under its failures field"
         self.confirm()
-        report = commit_artifact(self.store, self.kind, files, config={**config, STAGE_KEY: self.key}, lineage=lineage, counts=counts)
+        pinned = {**redact_settings(config), STAGE_KEY: self.key}
+        report = commit_artifact(self.store, self.kind, files, config=pinned, lineage=lineage, counts=counts)
         self._committed()
         return report
 

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from blockdraft.config import BlockdraftConfig
-from blockdraft.errors import ArtifactError, ConfigError, StoreError
+from blockdraft.errors import ArtifactError, ConfigError, StoreError, redact_setting
 from blockdraft.model import DFlashDrafter, DrafterSpec
 from blockdraft.model.formats import (
     CHECKPOINT_KIND,
@@ -69,7 +69,7 @@ def resolved_training_config(
         num_key_value_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim,
     )
-    data["train"]["output"] = output_url
+    data["train"]["output"] = redact_setting(output_url)  # pinned like every other setting (`BlockdraftConfig.resolved`)
     return data
 
 

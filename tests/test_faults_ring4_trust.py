@@ -1,0 +1,269 @@
+"""Trust, fourth ring (issue 47): what blockdraft stores and prints can be trusted, and what it was told to keep secret
+is kept.
+
+- A credential in any free-form setting (`eval.engine_args`' `--hf-token`, a URL's userinfo or token, an `hf_...` key) is
+  pinned as its fingerprint wherever a config is pinned, and named by no manifest, checkpoint, export, message or log;
+  the fingerprint still changes every key read from the setting when the secret changes.
+- An agreement record beside a tokenized artifact is checked when read, and every stored string `status` prints goes
+  through one formatter: a newline in a record, a key or a lineage URL forges no line of `status` or PROGRESS.md.
+- A card rewrite stopped between the card and the manifest (Ctrl-C) is finished by `export --card-only`.
+- The license is a setting (`export.license`, `--license`) written into the card; a card edited by hand is one line
+  naming that fix, never dropped without a word.
+- `export --eval` refuses an eval measured against another target.
+- A DFlash2 export's vLLM command names the V2 model runner vLLM serves it on, and its card calls it a DFlash2 drafter.
+- A folder standing at the lease file's name is one line naming it, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import shutil
+import string
+import subprocess
+import sys
+import types
+import typing
+from pathlib import Path
+
+import pytest
+from helpers.tiny_run import make_tiny_run, tiny_config, write_config
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
+from blockdraft.config import BlockdraftConfig, load_config
+from blockdraft.errors import REDACTED, redact
+from blockdraft.fixtures.tiny import TINY_TARGET_DIR
+from blockdraft.model.drafter import DFlashDrafter
+from blockdraft.model.formats import PINNED_CONFIG_NAME, PROVENANCE_NAME
+from blockdraft.stages import eval as eval_stage
+from blockdraft.stages.train import resolved_training_config, save_checkpoint
+from blockdraft.store import open_store
+from blockdraft.store.artifact import MANIFEST_NAME, verify_artifact
+from blockdraft.store.inputs import open_input
+
+pytestmark = pytest.mark.fault
+
+CLI = str(Path(sys.executable).parent / "blockdraft")
+SETS = Path(__file__).parent / "fixtures" / "prompt-sets"
+
+
+def cli(*args: str | Path):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def run_cli(*args: str | Path) -> subprocess.CompletedProcess:
+    """The command in its own process, as a user runs it: what it prints is all it prints."""
+    return subprocess.run([CLI, *map(str, args)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def one_line(output: str) -> str:
+    (line,) = output.strip().splitlines()
+    return line
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(training output, its eval on one prompt, the config file) for the tiny target; the store is the config's."""
+    tmp = tmp_path_factory.mktemp("trust")
+    run = make_tiny_run(tmp)
+    cfg = load_config(None, tiny_config(tmp, eval={"untrained_baseline": False, "num_prompts": 1}))
+    eval_stage.run(cfg, str(run), str(tmp / "eval"), prompts=[str(SETS / "gsm8k.parquet")], max_new_tokens=4)
+    return run, tmp / "eval", write_config(tmp, tiny_config(tmp))
+
+
+# ---- case 1: a credential in any free-form setting ----
+
+
+# Text settings whose validator admits only a fixed form (a device name, a Hub license id), which no credential takes:
+# `test_every_free_form_setting_...` checks that each refuses every planted form.
+CONSTRAINED = {("placement", "target_devices"), ("placement", "drafter_devices"), ("export", "license")}
+
+
+def free_form_fields() -> list[tuple[str, str, str]]:
+    """(section, field, "str" | "list" | "dict") of every setting whose value is text the user writes freely: str, a list of
+    str, a table of str; not a Literal (its values are blockdraft's), not one of CONSTRAINED. Read from the model: a new
+    setting is covered."""
+    return [field for field in text_fields() if field[:2] not in CONSTRAINED]
+
+
+def text_fields() -> list[tuple[str, str, str]]:
+    found = []
+    for section, info in BlockdraftConfig.model_fields.items():
+        model = typing.cast(type, info.annotation)
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+                args = [a for a in typing.get_args(annotation) if a is not type(None)]
+                annotation = args[0] if len(args) == 1 else None
+            if annotation is str:
+                found.append((section, name, "str"))
+            elif typing.get_origin(annotation) is list and typing.get_args(annotation) == (str,):
+                found.append((section, name, "list"))
+            elif typing.get_origin(annotation) is dict and typing.get_args(annotation)[1] is str:
+                found.append((section, name, "dict"))
+    return found
+
+
+def random_text(alphabet: str, n: int) -> str:
+    return "".join(secrets.choice(alphabet) for _ in range(n))
+
+
+# How a secret rides in a setting, and the secret itself (what must never be stored or printed).
+FORMS = {
+    "url userinfo": lambda: (lambda s: f"https://alice:{s}@models.example.com/org/model", "bd" + secrets.token_hex(16)),
+    "url token": lambda: (lambda s: f"https://models.example.com/org/model?token={s}", "bd" + secrets.token_hex(16)),
+    "flag value": lambda: (lambda s: f"--api-key={s}", "bd" + secrets.token_hex(16)),
+    "key value": lambda: (lambda s: f"password={s}", "bd" + secrets.token_hex(16)),
+    "hf token": lambda: (lambda s: f"/models/{s}", "hf_" + random_text(string.ascii_letters + string.digits, 34)),
+    "openai key": lambda: (lambda s: s, "sk-" + random_text(string.ascii_letters + string.digits, 40)),
+    "aws key id": lambda: (lambda s: s, "AKIA" + random_text(string.ascii_uppercase + string.digits, 16)),
+}
+
+
+def plant(kind: str, form: str, where: str) -> tuple[object, str]:
+    """(the value to set, the secret it carries) for a setting of `kind`; `where` a store URL's folder for store.url."""
+    shape, secret = FORMS[form]()
+    if kind == "list":  # an engine's argv: the flag, then its value (of no known shape) as the next item
+        secret = "bd" + secrets.token_hex(16)
+        return ["--max-num-seqs", "4", "--hf-token", secret], secret
+    if kind == "dict":
+        return {"name": secret if form in ("hf token", "openai key", "aws key id") else shape(secret)}, secret
+    return shape(secret), secret
+
+
+def planted_sections(where: Path) -> tuple[dict[str, dict], dict[str, str]]:
+    """Every free-form setting with a secret planted in it ({section: {field: value}}), and each setting's secret."""
+    sections: dict[str, dict] = {}
+    secrets_of: dict[str, str] = {}
+    names = list(FORMS)
+    for index, (section, name, kind) in enumerate(free_form_fields()):
+        form = names[index % len(names)]
+        if (section, name) == ("store", "url"):  # a store URL is a folder: the token rides in its name
+            shape, secret = FORMS["hf token"]()
+            value: object = f"file://{where}/store-{secret}"
+        elif (section, name) == ("store", "endpoint_url"):  # an S3 endpoint takes no query string
+            shape, secret = FORMS["url userinfo"]()
+            value = shape(secret)
+        else:
+            value, secret = plant(kind, form, str(where))
+        sections.setdefault(section, {})[name] = value
+        secrets_of[f"{section}.{name}"] = secret
+    return sections, secrets_of
+
+
+def holding(texts: dict[str, bytes], secrets_of: dict[str, str]) -> list[str]:
+    """'text: setting' for each text holding a setting's secret: whole, by its first 8 characters, or base64-encoded."""
+    found = []
+    for setting, secret in secrets_of.items():
+        forms = [secret[:8].encode(), base64.b64encode(secret.encode())[:8]]
+        found += [f"{name}: {setting}" for name, data in texts.items() if any(form in data for form in forms)]
+    return found
+
+
+def test_every_free_form_setting_is_pinned_as_a_fingerprint_that_still_keys_it():
+    fields = free_form_fields()
+    assert {("eval", "engine_args", "list"), ("generate", "base_url", "str"), ("store", "endpoint_url", "str"),
+            ("target", "path", "str"), ("train", "wandb", "dict")} <= set(fields)
+    for section, name, kind in text_fields():
+        if (section, name) in CONSTRAINED:
+            for form in FORMS:
+                with pytest.raises(ValidationError):
+                    BlockdraftConfig.model_validate({section: {name: plant(kind, form, "/tmp/x")[0]}})
+    sections, secrets_of = planted_sections(Path("/tmp/never-written"))
+    config = BlockdraftConfig.model_validate(sections)
+    pinned = json.dumps(config.resolved())
+    assert holding({"resolved": pinned.encode()}, secrets_of) == []
+    assert pinned.count("[redacted:") >= len(fields)
+    assert config.resolved()["eval"]["engine_args"][:3] == ["--max-num-seqs", "4", "--hf-token"]
+    # A message of this process naming any of them is redacted too: loading the config remembered each.
+    for setting, secret in secrets_of.items():
+        assert secret not in redact(f"the server said: {secret} is not allowed"), setting
+
+    # Each setting's fingerprint moves every key read from it when its secret changes, and only then.
+    for section, name, kind in fields:
+        changed = json.loads(json.dumps(sections))
+        value, _ = plant(kind, "url userinfo", "/tmp/x") if (section, name) != ("store", "url") else (
+            f"file:///tmp/never-written/store-{FORMS['hf token']()[1]}", "")
+        changed[section][name] = value
+        assert BlockdraftConfig.model_validate(changed).digest(section) != config.digest(section), (section, name)
+        assert BlockdraftConfig.model_validate(sections).digest(section) == config.digest(section)
+    # Settings without a credential are pinned as they are: no key of an existing output moves.
+    plain = BlockdraftConfig.model_validate({"eval": {"prompts": ["hf://datasets/openai/gsm8k?config=main&split=test"],
+                                                      "engine_args": ["--max-num-batched-tokens", "8192"]},
+                                             "generate": {"base_url": "http://127.0.0.1:8000/v1"}})
+    assert plain.resolved() == plain.model_dump(mode="json")
+
+
+def write_planted_toml(path: Path, sections: dict[str, dict]) -> None:
+    """`sections` as TOML (strings as JSON strings, lists, tables inline)."""
+    def value(v: object) -> str:
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return json.dumps(v) if isinstance(v, str) else repr(v)
+
+    path.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in values.items()) + "\n"
+                            for name, values in sections.items()))
+
+
+def test_secrets_planted_in_every_free_form_setting_reach_no_checkpoint_export_message_or_log(tmp_path):
+    """A checkpoint trained under a config with a secret in every free-form setting, exported and surveyed through the
+    CLI with that config: no stored byte (the checkpoint's pinned config and manifest, the export's
+    blockdraft-export.json, serving.json, card and manifest) and no printed byte holds one, nor the error of a command
+    that names one."""
+    sections, secrets_of = planted_sections(tmp_path)
+    run = make_tiny_run(tmp_path)  # the data tokenized under a plain config; the checkpoint is then pinned under the planted one
+    checkpoint = run / "step-00000005"
+    planted = {**tiny_config(tmp_path), **{k: {**tiny_config(tmp_path).get(k, {}), **v} for k, v in sections.items()}}
+    cfg = BlockdraftConfig.model_validate(planted)
+    drafter = DFlashDrafter.from_pretrained(checkpoint)
+    data = verify_artifact(open_store(tmp_path / "tokenized")).manifest.config["tokenize_run"]
+    resolved = resolved_training_config(cfg, drafter.spec, str(tmp_path / "run"), data)
+    shutil.rmtree(run)
+    save_checkpoint(open_store(run), 5, drafter, {}, resolved, [open_input(open_store(tmp_path / "tokenized")).ref], {"step": 5})
+    config = tmp_path / "planted.toml"
+    write_planted_toml(config, planted)
+
+    out = tmp_path / "export"
+    exported = run_cli("export", "--config", config, "--target", TINY_TARGET_DIR, run, out)
+    surveyed = run_cli("status", tmp_path, "--config", config, "--progress", tmp_path / "PROGRESS.md")
+    verified = run_cli("verify", out, "--config", config)
+    # A command whose one-line error names a secret of no known shape that the config carries (eval.engine_args'): a
+    # target folder named after it (a path, so no library asks the hub for it and logs the URL it asked).
+    missing = tmp_path / "no-such-target" / secrets_of["eval.engine_args"]
+    refused = run_cli("export", "--config", config, "--target", missing, run, tmp_path / "export2")
+    commands = {"export": exported, "status": surveyed, "verify": verified, "refused": refused}
+
+    stored = {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p != config}
+    printed = {f"{name} {stream}": getattr(proc, stream).encode() for name, proc in commands.items()
+               for stream in ("stdout", "stderr")}
+    leaked = holding(stored, secrets_of) + holding(printed, secrets_of)
+    assert leaked == [], leaked  # the names only: the assertion message holds no secret either
+
+    assert exported.returncode == 0 and verified.returncode == 0, redact(exported.stderr + verified.stderr)
+    assert refused.returncode == 2 and "cannot read the target's config" in refused.stderr and REDACTED in refused.stderr
+    provenance = json.loads((out / PROVENANCE_NAME).read_text())
+    assert provenance["config"]["eval"]["engine_args"][2] == "--hf-token"
+    assert provenance["config"]["eval"]["engine_args"][3].startswith("[redacted:")
+    assert provenance["config"] == json.loads((checkpoint / PINNED_CONFIG_NAME).read_text())
+    assert json.loads((out / MANIFEST_NAME).read_text())["config"]["eval"] == provenance["config"]["eval"]
+
+
+# ---- case 1: the rule's edges ----
+
+
+def test_redaction_of_a_setting_keeps_what_is_no_credential():
+    from blockdraft.errors import redact_settings  # the rule itself (the tests above go through the stages)
+
+    argv = ["--max-num-batched-tokens", "8192", "--tokenizer-mode", "auto", "--hf-token", "EMPTY", "--api-key=KEY"]
+    pinned = redact_settings(argv)
+    assert pinned[:4] == argv[:4] and pinned[5].startswith("[redacted:") and pinned[6].startswith("--api-key=[redacted:")
+    assert redact_settings(pinned) == pinned  # pinning a pinned config changes nothing
+    assert redact_settings("hf://datasets/HuggingFaceH4/MATH-500?split=test") == "hf://datasets/HuggingFaceH4/MATH-500?split=test"
+    assert redact_settings("https://alice:pw12345678@host/v1") != redact_settings("https://alice:pw87654321@host/v1")
