@@ -102,8 +102,12 @@ def test_an_input_status_cannot_check_is_said_unchecked_never_plain_verified(tmp
 
 
 def test_an_eval_of_a_published_drafter_folder_is_verified_until_a_file_of_it_changes(tmp_path):
-    published = tmp_path / "published"
-    shutil.copytree(GOLDEN / "drafter", published)
+    """The drafter as the Hub's cache holds it: a snapshot folder whose files are links to blobs beside it."""
+    published, blobs = tmp_path / "snapshot", tmp_path / "blobs"
+    published.mkdir()
+    shutil.copytree(GOLDEN / "drafter", blobs)
+    for blob in blobs.iterdir():
+        (published / blob.name).symlink_to(Path("..") / "blobs" / blob.name)
     golden = json.loads((GOLDEN / "golden.json").read_text())
     rows = [{"input_ids": case["prompt"]} for case in golden["decode"][:2]]
     prompts = _prompts_file(tmp_path / "prompts.jsonl", rows)
@@ -113,7 +117,7 @@ def test_an_eval_of_a_published_drafter_folder_is_verified_until_a_file_of_it_ch
     said = _verify(made.url)
     assert said.exit_code == 0 and said.stdout.startswith("verified\t"), said.output
 
-    weights = published / "model.safetensors"
+    weights = blobs / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0x01
     weights.write_bytes(bytes(data))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,10 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from blockdraft import __version__
-from blockdraft.errors import ArtifactError, control_characters
+from blockdraft.errors import ArtifactError
 from blockdraft.store.base import BOOKKEEPING_PREFIX, ObjectInfo, Store, is_bookkeeping
 from blockdraft.store.checksum import crc64nvme_file
+from blockdraft.store.checksum_cache import file_checksum
 
 MANIFEST_NAME = "blockdraft-manifest.json"
 MANIFEST_FORMAT = "blockdraft-manifest/1"
@@ -186,36 +186,10 @@ def read_agreement(store: Store, sha256: str | None) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or record.get("manifest_sha256") != sha256:
         return None
-    return record if agreement_problem(record) is None else None
-
-
-MAX_TARGET_CHARS = 256  # a target's name in an agreement record: a folder name or hub id, never a text
-
-
-def agreement_problem(record: dict[str, Any]) -> str | None:
-    """Why `record` (its manifest pin aside) is not an agreement record as `record_agreement` writes it, or None: the share
-    a finite number in [0, 1], the positions and rows counted by non-negative integers, the same for each thinking mode
-    (`by_thinking`, if there), and the target a name of one line (no control character: a newline in it would forge a
-    line of `status`). A record with any other value is not shown: it was not measured as it says."""
-    def figures_problem(figures: Any, where: str) -> str | None:
-        if not isinstance(figures, dict):
-            return f"{where} is not a table"
-        share = figures.get("agreement")
-        if isinstance(share, bool) or not isinstance(share, float | int) or not math.isfinite(share) or not 0 <= share <= 1:
-            return f"{where}agreement {share!r} is not a share in [0, 1]"
-        counts = [figures.get(name) for name in ("positions", "rows")]
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
-            return f"{where}positions and rows {counts} are not counts"
+    share, rows = record.get("agreement"), record.get("rows")
+    if not isinstance(share, float | int) or isinstance(share, bool) or not isinstance(rows, int) or not isinstance(record.get("target"), str):
         return None
-
-    target = record.get("target")
-    if not isinstance(target, str) or not target or len(target) > MAX_TARGET_CHARS or control_characters(target):
-        return f"target {target!r} is not a target's name"
-    modes = record.get("by_thinking", {})
-    if not isinstance(modes, dict):
-        return "by_thinking is not a table"
-    problems = [figures_problem(record, ""), *(figures_problem(v, f"by_thinking.{k}.") for k, v in modes.items())]
-    return next((p for p in problems if p is not None), None)
+    return record
 
 
 def carry_agreement(source: Store, dest: Store, sha256: str) -> None:
@@ -241,17 +215,25 @@ def folder_sha256(store: Store) -> str | None:
     """sha256 over every file in the folder `store` (sorted by path: path, size and CRC64NVME each; blockdraft's own
     bookkeeping left out), or None when it holds no file. A local file unchanged since it was last read keeps the
     checksum cached then; a remote object without a stored checksum is read back."""
-    pins = []
-    for info in sorted(store.list(), key=lambda i: i.key):
-        if is_bookkeeping(info.key):
-            continue
-        head = store.head(info.key)
-        if head is None:  # gone since listed: the folder is changing, and this pin says so
-            pins.append([info.key, None, None])
-            continue
-        checksum = head.checksum if head.checksum is not None else store.checksum_by_reading(info.key)[1]
-        pins.append([info.key, head.size, checksum])
+    pins = [[info.key, *_file_pin(store, info.key)] for info in sorted(store.list(), key=lambda i: i.key)
+            if not is_bookkeeping(info.key)]
     return hashlib.sha256(json.dumps(pins).encode()).hexdigest() if pins else None
+
+
+def _file_pin(store: Store, key: str) -> tuple[int | None, str | None]:
+    """(size, CRC64NVME) of one file of a folder input; (None, None) when it is gone since listed (the folder is changing,
+    and the pin says so). A local file is read through its links, as the stage that reads the folder does: a snapshot in
+    the Hub's cache links its files to blobs outside it (this folder is an input, never an artifact written here)."""
+    local = store.local_path()
+    if local is not None:
+        try:
+            return file_checksum(local / key)
+        except FileNotFoundError:
+            return None, None
+    head = store.head(key)
+    if head is None:
+        return None, None
+    return head.size, head.checksum if head.checksum is not None else store.checksum_by_reading(key)[1]
 
 
 def folder_input(store: Store) -> InputRef:
