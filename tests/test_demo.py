@@ -42,7 +42,7 @@ def test_demo_ci_profile_on_the_local_store(tmp_path):
     assert out.exit_code == 0, out.output
     lines = out.stdout.splitlines()
     assert "speedup over target-only greedy" in out.stdout and "lossless: yes" in out.stdout
-    assert "dflash tau greedy" in out.stdout and "at temperature 0.6, top-p 0.95, top-k 20:" in out.stdout
+    assert "dflash tau greedy" in out.stdout and "at temperature 0.6, top-p 0.95, top-k 20, vllm's draft rule:" in out.stdout
     # The demo holds out a tenth of its conversations: training measures its held-out figures and decodes its checkpoint
     # on them, the line sets them beside eval's, and the target's own answers raise no training-signal warning.
     own = next(line for line in lines if line.startswith("training's own figures: "))

@@ -284,7 +284,7 @@ def test_eval_at_temperature_reports_sampled_acceptance_with_intervals_beside_un
     sampled = [*base, "--temperature", "0.6", "--top-p", "0.95", "--top-k", "20", "--samples-per-prompt", "3", "--seed", "5"]
     result = CliRunner().invoke(app, [*sampled, "--output", str(tmp_path / "t06")])
     assert result.exit_code == 0, result.output
-    assert "sampled\ttemperature 0.6 top-p 0.95 top-k 20: 6 decodes (3 per prompt, seed 5)" in result.output
+    assert "sampled\ttemperature 0.6 top-p 0.95 top-k 20, draft rule vllm: 6 decodes (3 per prompt, seed 5)" in result.output
     report = EvalReport.from_json((tmp_path / "t06" / "report.json").read_text())
     # Greedy is measured as before: the golden vectors' acceptance, token for token lossless.
     assert [p.acceptance_lengths_dflash for p in report.prompts] == [c["acceptance_lengths"] for c in golden]  # type: ignore[attr-defined]

@@ -246,7 +246,7 @@ def demo_lines(result: DemoResult) -> list[str]:
         ci = (f"[95% {d.tau_ci95[0]:.2f}-{d.tau_ci95[1]:.2f}]" if d.tau_ci95 is not None
               else f"(no interval: {sampled.decodes} decode)")
         lines.append(f"dflash tau greedy {tau.get('dflash', 0):.2f} ({result.speedup:.2f}x)   at temperature {sampled.temperature:g}, top-p "
-                     f"{sampled.top_p:g}, top-k {sampled.top_k}: {d.metrics.tau:.2f} {ci} "
+                     f"{sampled.top_p:g}, top-k {sampled.top_k}, {sampled.proposal}'s draft rule: {d.metrics.tau:.2f} {ci} "
                      f"({d.metrics.speedup:.2f}x over target-only sampling)")
     if report is not None and report.engine is not None:
         lines += engine_lines(report.engine)
