@@ -29,21 +29,25 @@ import typing
 from pathlib import Path
 
 import pytest
+from helpers.artifacts import commit_files
 from helpers.tiny_run import make_tiny_run, tiny_config, write_config
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
 from blockdraft.config import BlockdraftConfig, load_config
-from blockdraft.errors import REDACTED, redact
+from blockdraft.errors import REDACTED, LeaseError, redact
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.formats import PINNED_CONFIG_NAME, PROVENANCE_NAME
 from blockdraft.stages import eval as eval_stage
 from blockdraft.stages.train import resolved_training_config, save_checkpoint
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, InputRef, verify_artifact
+from blockdraft.store.base import LEASE_NAME
 from blockdraft.store.inputs import open_input
+from blockdraft.store.manifest import AGREEMENT_NAME, manifest_sha256
+from blockdraft.store.output import Lease
 
 pytestmark = pytest.mark.fault
 
@@ -253,6 +257,63 @@ def test_secrets_planted_in_every_free_form_setting_reach_no_checkpoint_export_m
     assert provenance["config"]["eval"]["engine_args"][3].startswith("[redacted:")
     assert provenance["config"] == json.loads((checkpoint / PINNED_CONFIG_NAME).read_text())
     assert json.loads((out / MANIFEST_NAME).read_text())["config"]["eval"] == provenance["config"]["eval"]
+
+
+# ---- case 3: what status prints of an agreement record, a key, a lineage URL ----
+
+
+FORGED = "\nverified\tdrafter-export\tfile:///forged/export\t-\t-\n"
+
+
+def test_a_forged_agreement_record_key_or_lineage_url_forges_no_line_of_status_or_progress(tmp_path):
+    work = tmp_path / "work"
+    tokenized = commit_files(work / "tokenized", {"data.arrow": b"rows"}, kind="tokenized")
+    raw = (tokenized / MANIFEST_NAME).read_bytes()
+    record = {"manifest_sha256": manifest_sha256(raw), "agreement": 0.5, "positions": 40, "rows": 6,
+              "by_thinking": {"off": {"agreement": 0.5, "positions": 40, "rows": 6}}}
+    # An artifact whose lineage names a URL with a newline in it, and a folder whose name holds one.
+    commit_files(work / "made", {"x.bin": b"x"}, kind="completions",
+                 lineage=[InputRef(kind="manifest", url=f"file:///in{FORGED}", sha256="0" * 64)])
+    commit_files(work / "odd\nverified\tdrafter-export\tforged\t-\t-", {"y.bin": b"y"}, kind="completions")
+
+    def survey() -> tuple[list[str], str, str]:
+        page = tmp_path / "PROGRESS.md"
+        result = cli("status", work, "--progress", page)
+        lines = result.stdout.strip().split("\n")
+        shown = [line for line in lines if "/tokenized" in line]
+        return lines, shown[0] if shown else "", page.read_text()
+
+    for target, share, kept in (("tiny\nverified\tdrafter-export\tfile:///forged\t-\t-", 0.5, False),
+                                ("tiny", float("nan"), False), ("tiny", 1.5, False), ("tiny\u202e", 0.5, False),
+                                ("tiny", 0.5, True)):
+        (tokenized / AGREEMENT_NAME).write_text(json.dumps({**record, "target": target, "agreement": share}))
+        lines, shown, page = survey()
+        assert len(lines) == 3, lines  # one line per artifact, whatever the stored strings hold
+        assert not any(line.startswith("verified\tdrafter-export") for line in lines)
+        assert all(len(line.split("\t")) == 5 for line in lines)
+        rows = [line for line in page.splitlines() if line.startswith("| `")]
+        assert len(rows) == 3 and "drafter-export" not in page.replace("\\nverified\\tdrafter-export", ""), page
+        assert ("target_agreement=0.500 (tiny, 6 rows)" in shown) is kept, (target, share, shown)
+        assert "target_agreement" in shown or not kept
+    assert "file:///in\\nverified\\tdrafter-export" in "\n".join(lines)  # the forged URL shown escaped, on its own line
+
+
+# ---- case 21: a folder at the lease file's name ----
+
+
+def test_a_folder_standing_at_the_lease_files_name_is_one_line_and_nothing_is_written(tmp_path, evaluated, leases_given_back):
+    run, _, config = evaluated
+    source = commit_files(tmp_path / "src", {"data.arrow": b"rows"}, kind="tokenized")
+    for dest, args in ((tmp_path / "pushed", ["push", source]), (tmp_path / "export", ["export", "--config", config, run])):
+        (dest / LEASE_NAME).mkdir(parents=True)
+        result = cli(*args, dest)
+        # One error line (export says first which eval its card would have given), no traceback.
+        (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert f"{dest}/{LEASE_NAME} is a folder" in line and "move that folder away" in line, line
+        assert [p.relative_to(dest) for p in dest.rglob("*")] == [Path(LEASE_NAME)]
+    with pytest.raises(LeaseError, match="is a folder"):
+        Lease(open_store(tmp_path / "pushed")).acquire()
 
 
 # ---- case 1: the rule's edges ----

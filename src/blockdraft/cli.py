@@ -31,7 +31,7 @@ from blockdraft.cli_options import (
 )
 from blockdraft.config import load_config
 from blockdraft.console import ConsoleReporter
-from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, TrainingInterrupted, redact
+from blockdraft.errors import ArtifactError, BlockdraftError, ConfigError, TrainingInterrupted, printable, redact
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.preflight import preflight as run_preflight
@@ -128,10 +128,11 @@ def verify(
         raise ArtifactError(f"nothing at {store.url}: no manifest and no files; check the path or URL")
     kind = report.manifest.kind if report.manifest else "-"
     color = {State.VERIFIED: "green", State.UNREACHABLE: "yellow", State.UNCHECKED: "yellow"}.get(report.state, "red")
-    print(f"{report.state.value}\t{kind}\t{url}")
+    print(f"{report.state.value}\t{printable(kind)}\t{url}")
     console.print(f"[{color}]{report.state.value}[/]: {report.summary()}", highlight=False)
     for problem in report.problems:
-        console.print(f"  {problem.state.value}: {problem.path}: {problem.detail}", highlight=False, markup=False)
+        console.print(f"  {problem.state.value}: {printable(problem.path)}: {printable(problem.detail)}", highlight=False,
+                      markup=False)
     if report.state not in OK_STATES:
         raise typer.Exit(1)
 
@@ -359,7 +360,7 @@ def status(
             "first file); check the path or URL"
         )
     for a in artifacts:
-        print(f"{a.state.value}\t{a.kind}\t{a.url}\t{format_lineage(a.lineage)}\t{format_counts(a)}")
+        print(f"{a.state.value}\t{printable(a.kind)}\t{printable(a.url)}\t{format_lineage(a.lineage)}\t{format_counts(a)}")
     if page is not None:
         check_page(page, store, artifacts)  # an artifact being written under the survey has no manifest yet
         write_page(page, render_progress(store.url, artifacts))

@@ -8,6 +8,8 @@ manifest: a server may echo the key it was sent ("Incorrect API key provided: ..
 token in its query string (`?token=...`), and neither may reach a manifest, a lease, a failure record or a message.
 `redact_settings` is the form in which a config is pinned (manifests, checkpoints, exports): every credential a setting
 carries becomes its `fingerprint`, so the pinned config names no secret and still changes when one does.
+`printable` is the form in which a stored string (read from a manifest, a record beside an artifact, a key) is printed:
+a newline or tab in it would forge a line or a column of `status` and PROGRESS.md.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import unicodedata
 import urllib.parse
 from typing import Any
 
@@ -125,6 +128,27 @@ _TOKEN_SHAPES = re.compile(
     r"\b(?:hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}|github_pat_\w{22,})\b"
 )
 FINGERPRINT_ROUNDS = 100_000  # PBKDF2 rounds per fingerprint: about 40 ms, so each guess at a secret costs as much
+
+
+# Characters a stored string may not print as they are: controls (newline, tab, escape), invisible format characters
+# (bidirectional overrides, zero-width joiners) and line or paragraph separators.
+_UNPRINTABLE = ("Cc", "Cf", "Zl", "Zp")
+
+
+def control_characters(text: str) -> bool:
+    """Whether `text` holds a character `printable` escapes (a backslash aside)."""
+    return any(unicodedata.category(c) in _UNPRINTABLE for c in text)
+
+
+def printable(value: object) -> str:
+    """`value` as text that is one line of what it says: each character of `_UNPRINTABLE` and each backslash escaped as
+    Python writes them (`\\n`, `\\t`, `\\u202e`, `\\\\`), the rest as it is. Every string `status` reads from a store
+    is printed through it, so a stored string never forges a line, a column or an artifact."""
+    text = str(value)
+    if "\\" not in text and not control_characters(text):
+        return text
+    return "".join(c.encode("unicode_escape").decode("ascii") if c == "\\" or unicodedata.category(c) in _UNPRINTABLE
+                   else c for c in text)
 
 
 def safe_url(url: str) -> str:
@@ -267,6 +291,6 @@ def redact_settings(data: Any) -> Any:
 
 __all__ = [
     "REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "DivergedError", "EngineError", "EvalError", "ExportError", "LeaseError",
-    "OutsideArtifactError", "SpecError", "StoreError", "fingerprint", "redact", "redact_setting", "redact_settings", "remember_secret",
+    "OutsideArtifactError", "SpecError", "StoreError", "control_characters", "fingerprint", "printable", "redact", "redact_setting", "redact_settings", "remember_secret",
     "remember_url", "safe_url", "url_secrets",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from blockdraft import __version__
-from blockdraft.errors import ArtifactError
+from blockdraft.errors import ArtifactError, control_characters
 from blockdraft.store.base import BOOKKEEPING_PREFIX, ObjectInfo, Store, is_bookkeeping
 from blockdraft.store.checksum import crc64nvme_file
 from blockdraft.store.checksum_cache import file_checksum
@@ -186,10 +187,36 @@ def read_agreement(store: Store, sha256: str | None) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or record.get("manifest_sha256") != sha256:
         return None
-    share, rows = record.get("agreement"), record.get("rows")
-    if not isinstance(share, float | int) or isinstance(share, bool) or not isinstance(rows, int) or not isinstance(record.get("target"), str):
+    return record if agreement_problem(record) is None else None
+
+
+MAX_TARGET_CHARS = 256  # a target's name in an agreement record: a folder name or hub id, never a text
+
+
+def agreement_problem(record: dict[str, Any]) -> str | None:
+    """Why `record` (its manifest pin aside) is not an agreement record as `record_agreement` writes it, or None: the share
+    a finite number in [0, 1], the positions and rows counted by non-negative integers, the same for each thinking mode
+    (`by_thinking`, if there), and the target a name of one line (no control character: a newline in it would forge a
+    line of `status`). A record with any other value is not shown: it was not measured as it says."""
+    def figures_problem(figures: Any, where: str) -> str | None:
+        if not isinstance(figures, dict):
+            return f"{where} is not a table"
+        share = figures.get("agreement")
+        if isinstance(share, bool) or not isinstance(share, float | int) or not math.isfinite(share) or not 0 <= share <= 1:
+            return f"{where}agreement {share!r} is not a share in [0, 1]"
+        counts = [figures.get(name) for name in ("positions", "rows")]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+            return f"{where}positions and rows {counts} are not counts"
         return None
-    return record
+
+    target = record.get("target")
+    if not isinstance(target, str) or not target or len(target) > MAX_TARGET_CHARS or control_characters(target):
+        return f"target {target!r} is not a target's name"
+    modes = record.get("by_thinking", {})
+    if not isinstance(modes, dict):
+        return "by_thinking is not a table"
+    problems = [figures_problem(record, ""), *(figures_problem(v, f"by_thinking.{k}.") for k, v in modes.items())]
+    return next((p for p in problems if p is not None), None)
 
 
 def carry_agreement(source: Store, dest: Store, sha256: str) -> None:

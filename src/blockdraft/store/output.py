@@ -532,11 +532,17 @@ _lock = threading.Lock()
 
 
 def _read_lease(store: Store) -> LeaseRecord | None:
-    """The lease at `store`'s root as recorded (an unreadable one as `LeaseRecord.unreadable`), or None when there is none."""
+    """The lease at `store`'s root as recorded (an unreadable one as `LeaseRecord.unreadable`), or None when there is none.
+    LeaseError for a folder standing at the lease's name: no writer can take the lease there, and it is not ours to remove."""
     try:
         data = store.read_bytes(LEASE_NAME)
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raise LeaseError(
+            f"{store.url.rstrip('/')}/{LEASE_NAME} is a folder, where blockdraft keeps the lease file of the output's one "
+            "writer; move that folder away (blockdraft never deletes what it did not write) and rerun"
+        ) from None
     return LeaseRecord.parse(data) or LeaseRecord.unreadable()
 
 

@@ -4,7 +4,8 @@ An artifact root is a folder holding a manifest. Files that no manifest covers f
 grouped under the highest folder below the surveyed prefix that contains no committed artifact (so `ckpt/step-200/`
 beside a committed `ckpt/step-100/` is its own incomplete artifact). A tokenized artifact's target agreement, where
 `tokenize --check-target` noted it for the manifest it holds (`read_agreement`), joins its counts. `--progress` renders
-the same facts as Markdown.
+the same facts as Markdown. Every string read from the store (keys, a manifest's kind, counts and lineage, an agreement
+record) is printed through `printable`, so none forges a line, a column or an artifact.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from blockdraft.config import StoreConfig
-from blockdraft.errors import ConfigError
+from blockdraft.errors import ConfigError, printable
 from blockdraft.store import open_store
 from blockdraft.store.artifact import (
     BYTES_READ_BACK,
@@ -63,14 +64,15 @@ OK_STATES = (State.VERIFIED, State.UNREACHABLE, State.UNCHECKED)
 
 
 def format_counts(a: ArtifactStatus) -> str:
-    """The manifest's flat counts (rows, tokens, clipped rows, ...) as `k=v, ...`; nested tables are left to the manifest."""
+    """The manifest's flat counts (rows, tokens, clipped rows, ...) as `k=v, ...`, `printable`; nested tables are left to
+    the manifest."""
     manifest = a.report.manifest
     if manifest is None:
         return "-"
     parts = [f"{k}={v}" for k, v in sorted(manifest.counts.items()) if not isinstance(v, dict)]
     if a.agreement is not None:
         parts.append(f"target_agreement={a.agreement['agreement']:.3f} ({a.agreement['target']}, {a.agreement['rows']} rows)")
-    return ", ".join(parts) or "-"
+    return printable(", ".join(parts) or "-")
 
 
 def _plain(key: str) -> bool:
@@ -154,7 +156,7 @@ def format_lineage(refs: list[InputRef]) -> str:
         pin = f"sha256:{ref.sha256[:12]}" if ref.sha256 else f"{ref.size} B {ref.checksum or ref.etag or ''}".strip()
         unchecked = "" if ref.kind in CHECKED_KINDS else f", {ref.kind} rows: not checked"
         parts.append(f"{ref.url} ({pin}{unchecked})")
-    return ", ".join(parts)
+    return printable(", ".join(parts))
 
 
 PAGE_TITLE = "# blockdraft status: "  # the first line of every page render_progress writes
@@ -183,6 +185,11 @@ def check_page(page: Path, store: Store | None = None, artifacts: Sequence[Artif
                               "file or remove that one yourself")
 
 
+def _cell(text: str) -> str:
+    """A `printable` text as one cell of a Markdown table: its pipes escaped."""
+    return text.replace("|", "\\|")
+
+
 def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
     """A Markdown status page; every claim on it was just read from the destination, and it says how."""
     now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
@@ -209,13 +216,15 @@ def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
         manifest = a.report.manifest
         listed = len(manifest.files) if manifest else 0
         lines.append(
-            f"| `{a.root or '.'}` | {a.kind} | **{a.state.value}** | {a.report.verified_files}/{listed} | {a.report.verified_bytes} "
-            f"| {format_counts(a)} | {format_lineage(a.lineage)} |"
+            f"| `{_cell(printable(a.root or '.'))}` | {_cell(printable(a.kind))} | **{a.state.value}** | "
+            f"{a.report.verified_files}/{listed} | {a.report.verified_bytes} | {_cell(format_counts(a))} | "
+            f"{_cell(format_lineage(a.lineage))} |"
         )
     problems = [(a, p) for a in artifacts for p in a.report.problems]
     if problems:
         lines += ["", "## Problems", ""]
-        lines += [f"- `{a.root or '.'}`: {p.state.value}: `{p.path}`: {p.detail}" for a, p in problems]
+        lines += [f"- `{printable(a.root or '.')}`: {p.state.value}: `{printable(p.path)}`: {printable(p.detail)}"
+                  for a, p in problems]
     incomplete = [a for a in artifacts if a.state is State.INCOMPLETE]
     if incomplete:
         lines += ["", "Incomplete means files without a manifest: an interrupted or running stage. Nothing in them is verified.", ""]
