@@ -7,6 +7,7 @@ run wrote meanwhile.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -130,3 +131,24 @@ def test_a_tokenize_into_the_folder_while_check_target_measures_it_leaves_no_sha
     assert record_agreement(LocalStore(tokenized), _manifest_sha256(tokenized), "target", share)
     shown = CliRunner().invoke(app, ["status", str(tmp_path / "work")]).stdout
     assert "target_agreement=0.500 (target, 2 rows)" in shown
+
+
+def test_check_target_on_an_artifact_without_training_rows_records_and_shows_no_rows_to_measure(tmp_path):
+    """Every conversation held out: the train split holds no row, so there is no share to measure. The command, the
+    record and `status` say so; none of them gives a share of 0."""
+    config = tmp_path / "blockdraft.toml"
+    config.write_text(f'[target]\npath = "{TINY_TARGET_DIR}"\n[tokenize]\nheld_out_fraction = 0.99\n'
+                      "[train]\ntarget_agreement_rows = 6\n")
+    tokenized = tmp_path / "work" / "tokenized"
+    made = CliRunner().invoke(app, ["tokenize", _completions(tmp_path / "c.jsonl", 0, 3), str(tokenized), "--config",
+                                    str(config), "--check-target"])
+    assert made.exit_code == 0, made.output
+    assert "target agreement: no rows to measure" in " ".join(made.stderr.split())
+    found = read_manifest(LocalStore(tokenized))
+    assert found is not None and found[0].counts["train_rows"] == 0
+    record = json.loads((tokenized / AGREEMENT_NAME).read_text())
+    assert (record["agreement"], record["positions"], record["rows"]) == (None, 0, 0)
+    surveyed = CliRunner().invoke(app, ["status", str(tmp_path / "work")])
+    assert surveyed.exit_code == 0, surveyed.output
+    assert f"target_agreement=no rows to measure ({TINY_TARGET_DIR.name})" in surveyed.stdout, surveyed.stdout
+    assert "target_agreement=0" not in surveyed.stdout

@@ -89,7 +89,8 @@ def sample_indices(num_rows: int, count: int, seed: int) -> list[int]:
 def tokenized_agreement(folder: Path, config: BlockdraftConfig) -> dict[str, Any]:
     """Target agreement of the train rows of the tokenized artifact in the local `folder` (`tokenize --check-target`,
     `train --plan`): train.target_agreement_rows rows drawn with train.seed and clipped to train.max_length, as train
-    measures it before its first step, the target on placement.target_devices[0]."""
+    measures it before its first step, the target on placement.target_devices[0]. With no train row to measure (none
+    with a supervised token) the share is None: no rows to measure, never a share of 0."""
     from datasets import Dataset
 
     from blockdraft.data.formats import TRAIN_SPLIT
@@ -104,11 +105,14 @@ def tokenized_agreement(folder: Path, config: BlockdraftConfig) -> dict[str, Any
     hf_model = load_target(config.target.path, config.placement.target_devices[0], config.target.dtype)
     rows = ((ds[i]["input_ids"][: tc.max_length], ds[i]["loss_mask"][: tc.max_length])
             for i in sample_indices(len(ds), max(tc.target_agreement_rows, 1), tc.seed))
-    return target_agreement(hf_model, rows, think_ids(load_tokenizer(config.target.tokenizer or config.target.path)))
+    result = target_agreement(hf_model, rows, think_ids(load_tokenizer(config.target.tokenizer or config.target.path)))
+    return {**result, "agreement": None} if result["positions"] == 0 else result
 
 
 def describe_agreement(result: dict[str, Any]) -> str:
-    """One line: the share, and the share of each thinking mode."""
+    """One line: the share, and the share of each thinking mode; or that there were no rows to measure."""
+    if result["agreement"] is None:
+        return "target agreement: no rows to measure (no train row with a supervised token)"
     modes = ", ".join(f"thinking {m} {v['agreement']:.2f} ({v['rows']} rows)" for m, v in result["by_thinking"].items())
     return (f"target agreement {result['agreement']:.2f}: the target's greedy next token is the label at that share of "
             f"{result['positions']:,} supervised positions of {result['rows']} rows ({modes or 'no rows'})")

@@ -172,6 +172,13 @@ def record_agreement(store: Store, measured: str, target: str, result: dict[str,
     return True
 
 
+def no_rows_measured(record: dict[str, Any]) -> bool:
+    """Whether an agreement record says nothing was measured (no train row with a supervised token): no share, and no
+    positions or rows. Shown as such, never as a share of 0."""
+    counts = [record.get(name) for name in ("positions", "rows")]
+    return record.get("agreement") is None and all(type(n) is int and n == 0 for n in counts)
+
+
 def _put_agreement(store: Store, record: dict[str, Any]) -> None:
     store.put_bytes(AGREEMENT_NAME, json.dumps(record, sort_keys=True).encode() + b"\n")
 
@@ -202,6 +209,8 @@ def agreement_problem(record: dict[str, Any]) -> str | None:
         if not isinstance(figures, dict):
             return f"{where} is not a table"
         share = figures.get("agreement")
+        if no_rows_measured(figures):
+            return None
         if isinstance(share, bool) or not isinstance(share, float | int) or not math.isfinite(share) or not 0 <= share <= 1:
             return f"{where}agreement {share!r} is not a share in [0, 1]"
         counts = [figures.get(name) for name in ("positions", "rows")]

@@ -34,7 +34,7 @@ from blockdraft.store.artifact import (
 )
 from blockdraft.store.base import LEASE_NAME, WRITING_NAME, Store
 from blockdraft.store.checksum_cache import batched_writes
-from blockdraft.store.manifest import AGREEMENT_NAME, read_agreement
+from blockdraft.store.manifest import AGREEMENT_NAME, no_rows_measured, read_agreement
 
 
 @dataclass
@@ -70,7 +70,9 @@ def format_counts(a: ArtifactStatus) -> str:
     if manifest is None:
         return "-"
     parts = [f"{k}={v}" for k, v in sorted(manifest.counts.items()) if not isinstance(v, dict)]
-    if a.agreement is not None:
+    if a.agreement is not None and no_rows_measured(a.agreement):
+        parts.append(f"target_agreement=no rows to measure ({a.agreement['target']})")
+    elif a.agreement is not None:
         parts.append(f"target_agreement={a.agreement['agreement']:.3f} ({a.agreement['target']}, {a.agreement['rows']} rows)")
     return printable(", ".join(parts) or "-")
 
