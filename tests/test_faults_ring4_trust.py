@@ -29,9 +29,13 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 from helpers.artifacts import commit_files
+from helpers.paths import GOLDEN2
 from helpers.tiny_run import make_tiny_run, tiny_config, write_config
 from pydantic import ValidationError
+from transformers import AutoConfig
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
@@ -39,15 +43,18 @@ from blockdraft.config import BlockdraftConfig, load_config
 from blockdraft.errors import REDACTED, LeaseError, redact
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.model.drafter import DFlashDrafter
-from blockdraft.model.formats import PINNED_CONFIG_NAME, PROVENANCE_NAME
+from blockdraft.model.formats import EXPORT_KIND, PINNED_CONFIG_NAME, PROVENANCE_NAME
+from blockdraft.model.spec import DrafterSpec
 from blockdraft.stages import eval as eval_stage
+from blockdraft.stages import export as export_stage
+from blockdraft.stages.export import CARD_NAME, SERVING_NAME, export_drafter, serving_lines
 from blockdraft.stages.train import resolved_training_config, save_checkpoint
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, InputRef, verify_artifact
+from blockdraft.store.artifact import MANIFEST_NAME, InputRef, State, commit_artifact, entry_for_local_file, verify_artifact
 from blockdraft.store.base import LEASE_NAME
 from blockdraft.store.inputs import open_input
 from blockdraft.store.manifest import AGREEMENT_NAME, manifest_sha256
-from blockdraft.store.output import Lease
+from blockdraft.store.output import Lease, StageOutput, stage_key
 
 pytestmark = pytest.mark.fault
 
@@ -296,6 +303,164 @@ def test_a_forged_agreement_record_key_or_lineage_url_forges_no_line_of_status_o
         assert ("target_agreement=0.500 (tiny, 6 rows)" in shown) is kept, (target, share, shown)
         assert "target_agreement" in shown or not kept
     assert "file:///in\\nverified\\tdrafter-export" in "\n".join(lines)  # the forged URL shown escaped, on its own line
+
+
+# ---- case 4: a card rewrite interrupted between the card and the manifest ----
+
+
+def fail_at(monkeypatch: pytest.MonkeyPatch, point: str) -> None:
+    """Ctrl-C at `point` of a card rewrite: before the new card is uploaded (right after the manifest came down), or
+    between the uploaded card and the manifest."""
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StageOutput, "_upload" if point == "before the card" else "commit", interrupt)
+
+
+@pytest.mark.parametrize("point", ["before the card", "before the manifest"])
+def test_card_only_finishes_a_card_rewrite_interrupted_before_its_manifest(tmp_path, evaluated, monkeypatch, point):
+    run, eval_dir, config = evaluated
+    out = tmp_path / "export"
+    assert cli("export", "--config", config, run, out).exit_code == 0
+    before = {e.path: e for e in verify_artifact(open_store(out)).manifest.files}
+
+    fail_at(monkeypatch, point)
+    with pytest.raises(KeyboardInterrupt):
+        export_stage.rewrite_card(load_config(config), str(out), eval=str(eval_dir))
+    monkeypatch.undo()
+    verified = cli("verify", out)
+    assert verified.exit_code == 1 and verified.stdout.startswith("incomplete"), verified.output  # never a false verified
+
+    finished = cli("export", "--config", config, "--card-only", out, "--eval", eval_dir)
+    assert finished.exit_code == 0, finished.output
+    assert "stopped before writing its manifest" in finished.output and "finishing it" in finished.output
+    after = verify_artifact(open_store(out), check_inputs=True)
+    assert after.state is State.VERIFIED
+    files = {e.path: e for e in after.manifest.files}
+    assert {p: e for p, e in files.items() if p != CARD_NAME} == {p: e for p, e in before.items() if p != CARD_NAME}
+    assert open_store(eval_dir).url in (out / CARD_NAME).read_text()
+    status = cli("status", out)
+    assert status.exit_code == 0 and status.stdout.startswith("verified\tdrafter-export"), status.output
+    again = cli("export", "--config", config, run, out)  # the key kept: the export is done
+    assert again.exit_code == 0 and "nothing written" in again.output, again.output
+
+
+# ---- case 6: the license, and a card edited by hand ----
+
+
+def front_matter(card: str) -> dict:
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_the_license_is_a_setting_written_into_the_card_and_a_hand_edited_card_is_one_line(tmp_path, evaluated):
+    run, _, config = evaluated
+    out = tmp_path / "export"
+    made = cli("export", "--config", config, run, out, "--license", "apache-2.0")
+    assert made.exit_code == 0, made.output
+    assert front_matter((out / CARD_NAME).read_text())["license"] == "apache-2.0"
+    assert verify_artifact(open_store(out)).state is State.VERIFIED
+
+    # What docs/RESULTS.md once told the user to do: edit the front matter by hand.
+    card = (out / CARD_NAME).read_text()
+    edited = card.replace('license: "apache-2.0"', "license: mit")
+    (out / CARD_NAME).write_text(edited)
+    assert cli("verify", out).exit_code == 1
+    for args in (["--card-only", out], [run, out]):
+        refused = cli("export", "--config", config, *args)
+        line = one_line(refused.output)
+        assert refused.exit_code == 2 and f"{out}/{CARD_NAME} is not the card this export wrote" in line, refused.output
+        assert "export.license" in line and "--force" in line
+        assert (out / CARD_NAME).read_text() == edited  # never dropped without a word
+
+    rewritten = cli("export", "--config", config, "--card-only", out, "--license", "mit", "--force")
+    assert rewritten.exit_code == 0, rewritten.output
+    assert front_matter((out / CARD_NAME).read_text())["license"] == "mit"
+    assert verify_artifact(open_store(out)).state is State.VERIFIED
+    weights = {e.path: e for e in verify_artifact(open_store(out)).manifest.files if e.path != CARD_NAME}
+
+    # Another license for an export already done rewrites its card only; --card-only without one keeps the card's.
+    relicensed = cli("export", "--config", config, run, out, "--license", "apache-2.0")
+    assert relicensed.exit_code == 0 and "rewriting its card with license apache-2.0" in relicensed.output
+    assert cli("export", "--config", config, "--card-only", out).exit_code == 0
+    assert front_matter((out / CARD_NAME).read_text())["license"] == "apache-2.0"
+    after = verify_artifact(open_store(out))
+    assert after.state is State.VERIFIED and {e.path: e for e in after.manifest.files if e.path != CARD_NAME} == weights
+    assert "nothing written" in cli("export", "--config", config, run, out).output
+    bad = cli("export", "--config", config, run, out, "--license", "Apache License 2.0")
+    assert bad.exit_code == 2 and "--license" in one_line(bad.output)
+
+
+# ---- case 9: an eval against another target ----
+
+
+def eval_of_another_target(eval_dir: Path, dest: Path, target: str, created_at: str) -> Path:
+    """A verified eval artifact of the same checkpoint whose report was measured against `target`: the eval's files, its
+    report's target changed, committed as eval writes its artifacts."""
+    shutil.copytree(eval_dir, dest)
+    (dest / MANIFEST_NAME).unlink()
+    report = json.loads((dest / "report.json").read_text())
+    (dest / "report.json").write_text(json.dumps({**report, "target": target}, indent=2) + "\n")
+    recorded = json.loads((eval_dir / MANIFEST_NAME).read_text())
+    files = [entry_for_local_file(dest, dest / e["path"]) for e in recorded["files"]]
+    commit_artifact(open_store(dest), "eval", files, config=recorded["config"],
+                    lineage=[InputRef(**ref) for ref in recorded["lineage"]], counts=recorded["counts"])
+    manifest = json.loads((dest / MANIFEST_NAME).read_text())
+    (dest / MANIFEST_NAME).write_text(json.dumps({**manifest, "created_at": created_at}, indent=2, sort_keys=True) + "\n")
+    assert verify_artifact(open_store(dest)).state is State.VERIFIED
+    return dest
+
+
+def test_an_eval_against_another_target_is_refused_in_one_line_and_passed_over_by_the_card(tmp_path, evaluated):
+    run, eval_dir, _ = evaluated
+    config = write_config(tmp_path, tiny_config(tmp_path))  # its store: tmp_path/store
+    other = eval_of_another_target(eval_dir, tmp_path / "store" / "eval" / "other", "Qwen/Qwen3-8B", "2099-01-01T00:00:00+00:00")
+
+    refused = cli("export", "--config", config, run, tmp_path / "export", "--eval", other)
+    line = one_line(refused.output)
+    assert refused.exit_code == 2 and "measured the drafter against target Qwen/Qwen3-8B, not this export's target" in line
+    assert str(TINY_TARGET_DIR) in line and "--target" in line
+    assert not (tmp_path / "export").exists() or not (tmp_path / "export" / MANIFEST_NAME).exists()
+
+    # Without --eval the newest eval of the checkpoint in the store is the other target's: passed over, and said.
+    shutil.copytree(eval_dir, tmp_path / "store" / "eval" / "this")
+    made = cli("export", "--config", config, run, tmp_path / "export")
+    assert made.exit_code == 0, made.output
+    (said,) = [x for x in made.output.splitlines() if x.startswith("card: ")]
+    assert f"passed over newer evals against another target: {open_store(other).url}" in said
+    assert open_store(tmp_path / "store" / "eval" / "this").url in (tmp_path / "export" / CARD_NAME).read_text()
+    card_only = cli("export", "--config", config, "--card-only", tmp_path / "export", "--eval", other)
+    assert card_only.exit_code == 2 and "not this export's target" in one_line(card_only.output)
+
+
+# ---- case 13: a DFlash2 export's serving command and card ----
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_a_dflash2_exports_vllm_command_names_the_v2_runner_and_its_card_calls_it_dflash2(tmp_path, architecture):
+    if architecture == "dflash2":
+        folder, target = GOLDEN2 / "drafter", GOLDEN2 / "target"
+        drafter = DFlashDrafter.from_pretrained(folder)
+    else:
+        target = TINY_TARGET_DIR
+        cfg = load_config(None, tiny_config(tmp_path))
+        drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(target), cfg.dflash))
+    out = StageOutput(open_store(tmp_path / "out"), EXPORT_KIND, stage_key({"test": architecture}))
+    torch.manual_seed(0)
+    result = export_drafter(drafter, AutoConfig.from_pretrained(target), out, target_path=str(target), location=str(tmp_path / "out"))
+    serving = json.loads((tmp_path / "out" / SERVING_NAME).read_text())
+    card = (tmp_path / "out" / CARD_NAME).read_text()
+    vllm = next(line for line in serving_lines(result.details.serving) if line.startswith("vLLM:"))
+    if architecture == "dflash2":
+        assert serving["vllm_env"] == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+        assert serving["vllm_command"].startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve ")
+        assert vllm.startswith("vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve")
+        assert f"# DFlash2 drafter for {target}" in card and "A DFlash2 drafter" in card and "DFlash drafter" not in card
+        assert "V2 model runner" in card and serving["vllm_command"] in card
+        assert "dflash2" in front_matter(card)["tags"]
+    else:
+        assert serving["vllm_env"] == {} and serving["vllm_command"].startswith("vllm serve ")
+        assert f"# DFlash drafter for {target}" in card and "V2 model runner" not in card
+    assert serving["vllm_speculative_config"]["method"] == "dflash"  # the architecture in config.json selects DFlash2
 
 
 # ---- case 21: a folder at the lease file's name ----

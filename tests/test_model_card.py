@@ -68,7 +68,7 @@ def test_export_after_eval_writes_a_card_whose_every_figure_is_the_reports(tmp_p
 
     meta = front_matter(card)
     assert meta == {"base_model": str(TINY_TARGET_DIR), "library_name": "blockdraft", "tags": ["speculative-decoding", "dflash", "blockdraft"]}
-    assert "# license: set the license" in card  # left for the user, with a comment saying so
+    assert "# license: set the license" in card and "export.license" in card  # none set: a comment says how to set it
 
     eval_manifest = verify_artifact(open_store(eval_dir))
     assert f"`{open_store(eval_dir).url}` (manifest sha256 `{eval_manifest.manifest_sha256}`)" in card

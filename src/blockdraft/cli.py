@@ -202,6 +202,8 @@ def export(
     target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (target.path; default: the checkpoint's).")] = None,
     eval: Annotated[str | None, typer.Option("--eval", help="The eval artifact of this checkpoint whose figures the model card (README.md) gives.")] = None,
     card_only: Annotated[bool, typer.Option("--card-only", help="Rewrite the model card of the export given (after a new eval); nothing else.")] = False,
+    license: Annotated[str | None, typer.Option("--license", help="export.license: the license the weights are published under, "
+                                                "written into the card (a Hub license id, e.g. apache-2.0).")] = None,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
@@ -209,7 +211,8 @@ def export(
     the serving settings."""
     from blockdraft.stages import export as export_stage
 
-    cfg = load_config(config, {"target": {"path": target}}, sets or (), {"target.path": "--target"})
+    cfg = load_config(config, {"target": {"path": target}, "export": {"license": license}}, sets or (),
+                      {"target.path": "--target", "export.license": "--license"})
     if card_only and out is not None:
         raise typer.BadParameter("--card-only takes the export alone: blockdraft export --card-only EXPORT --eval EVAL", param_hint="OUT")
     if not card_only and out is None:

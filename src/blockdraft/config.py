@@ -410,6 +410,13 @@ class GenerateConfig(_Section):
     rows_per_shard: int = Field(default=1000, ge=1)
 
 
+class ExportConfig(_Section):
+    # The license the exported weights are published under (usually the target's), written into the model card's front
+    # matter as the Hugging Face Hub reads it: a Hub license id such as apache-2.0, mit or llama3.1. None: the card keeps
+    # the license it gives (`export --card-only`), else names none (docs/RESULTS.md, "Publishing on the Hub").
+    license: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9.+-]*$", max_length=64)
+
+
 class BlockdraftConfig(_Section):
     target: TargetConfig = Field(default_factory=TargetConfig)
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
@@ -419,6 +426,7 @@ class BlockdraftConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
 
     @model_validator(mode="after")
     def _global_batch_splits(self) -> BlockdraftConfig:  # over every rank of every node

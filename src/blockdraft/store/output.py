@@ -56,7 +56,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -213,15 +213,21 @@ class StageOutput:
         if mark:
             self.mark_writing()
 
-    def mark_writing(self) -> None:
+    def mark_writing(self, amending: Manifest | None = None) -> None:
         """Note at the output's root that a run is making it into this kind (`WRITING_NAME`): from here on its files may
-        belong to no manifest, and a rerun of this kind resumes over them. Removed by the commit."""
-        self.store.put_bytes(WRITING_NAME, json.dumps({"kind": self.kind}).encode() + b"\n")
+        belong to no manifest, and a rerun of this kind resumes over them. Removed by the commit. `amending`: the manifest
+        an `amend` is about to take down, recorded so that an amend that stops is finished by the next (`resume_amend`)."""
+        mark: dict[str, Any] = {"kind": self.kind}
+        if amending is not None:
+            mark["amending"] = amending.model_dump(mode="json")
+        self.store.put_bytes(WRITING_NAME, json.dumps(mark).encode() + b"\n")
 
-    def begin(self) -> None:
+    def begin(self, amending: Manifest | None = None) -> None:
         """`claim` the output, then remove its manifest (if any) before anything is rewritten, so no reader sees an old
-        manifest over new files."""
-        self.claim()
+        manifest over new files; `amending` (the manifest an `amend` takes down) is recorded in the writing mark first."""
+        self.claim(mark=amending is None)
+        if amending is not None:
+            self.mark_writing(amending)
         uncommit(self.store)
 
     def confirm(self) -> None:
@@ -323,7 +329,7 @@ class StageOutput:
         recorded; the manifest is taken down first (`begin`), every file is checked at the destination, and the new
         manifest is written last."""
         recorded = current.manifest
-        self.begin()
+        self.begin(amending=recorded)  # an amend stopped from here on is finished by the next one (`resume_amend`)
         try:
             added = self._upload(root, paths)
             replaced = {e.path for e in added}
@@ -373,6 +379,29 @@ class StageOutput:
 
     def drop_piece(self, name: str) -> None:
         self.store.delete(self._piece_key(name))
+
+
+def resume_amend(store: Store, kind: str, replaced: Collection[str]) -> StageInput | None:
+    """The output at `store` as an `amend` of a `kind` artifact left it when it stopped after taking the manifest down and
+    before writing the new one: the manifest it was amending (recorded in the writing mark), with every file but
+    `replaced` (what that amend was replacing, and the next one replaces) checked against it, for `amend` to finish; None
+    when the output holds a manifest or no such record. ArtifactError when a file that was to be kept no longer matches."""
+    try:
+        if read_manifest(store) is not None:
+            return None
+        recorded = Manifest.model_validate(json.loads(store.read_bytes(WRITING_NAME))["amending"])
+    except (ArtifactError, FileNotFoundError, ValueError, TypeError, KeyError):  # a torn or foreign mark is no such record
+        return None
+    if recorded.kind != kind:
+        return None
+    kept = [entry for entry in recorded.files if entry.path not in replaced]
+    problem = next((p for p in check_files(store, kept) if p is not None), None)
+    if problem is not None:
+        raise ArtifactError(
+            f"{store.url.rstrip('/')} has no manifest: a rewrite of its {', '.join(sorted(replaced))} stopped before writing "
+            f"it, and {problem.path} no longer matches the manifest it was amending ({problem.detail}); make it again"
+        )
+    return StageInput(store, VerifyReport(store.url, State.INCOMPLETE, manifest=recorded))
 
 
 def recorded_pieces(store: Store) -> dict[str, Manifest]:
@@ -774,4 +803,4 @@ def refuse_nested(input: Store, output: Store, role: str = "input") -> None:
     raise ConfigError(f"{role} {input.url.rstrip('/')} {relation}; a stage never reads what it writes: pass another output")
 
 
-__all__ = ["STAGE_KEY", "StageOutput", "recorded_pieces", "refuse_nested", "stage_key", "writer_lease"]
+__all__ = ["STAGE_KEY", "StageOutput", "recorded_pieces", "refuse_nested", "resume_amend", "stage_key", "writer_lease"]

@@ -3,19 +3,27 @@
 Every figure comes from a verified artifact and the card names it: the eval artifact's `report.json` (read as JSON: a
 stage never imports another), the tokenized data's manifest, the export's own `config.json`, `blockdraft-export.json`,
 `serving.json` and manifest counts. A figure that was not measured is left out, never written as a placeholder. The
-figures at temperature name the draft rule they were measured under (`eval.proposal`); greedy ones need none.
+figures at temperature name the draft rule they were measured under (`eval.proposal`); greedy ones need none. The
+license is the one `export.license` names (front matter `license:`); blockdraft never chooses one.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 CARD_NAME = "README.md"
 EVAL_KIND = "eval"
 EVAL_REPORT_NAME = "report.json"  # the report an eval artifact holds (written by the eval stage)
-TAGS = ("speculative-decoding", "dflash", "blockdraft")
+TAGS = ("speculative-decoding", "dflash", "blockdraft")  # and "dflash2" for a DFlash2 drafter
+# What the card calls a drafter of each architecture (`dflash.architecture`), and how it says what that is.
+DRAFTERS = {
+    "dflash": ("DFlash", "A DFlash block-diffusion drafter"),
+    "dflash2": ("DFlash2", "A DFlash2 drafter (DFlash's block-diffusion drafter with a grouped dynamic causal convolution "
+                "around every sublayer and a candidate selector that walks a path through each slot's top-K)"),
+}
 LIBRARY_NAME = "blockdraft"
 DATA_COUNTS = (  # the tokenized manifest's counts the card gives, and how it names them
     ("rows_in", "conversations"), ("rows_out", "rows"), ("train_rows", "train rows"), ("held_out_rows", "held-out rows"),
@@ -53,13 +61,16 @@ def render_card(
     counts: dict[str, Any],
     evaluation: EvalSource | None,
     data: list[DataSource],
+    license: str | None = None,
 ) -> str:
     """The card's text. `drafter_config` is the export's config.json, `provenance` its blockdraft-export.json, `serving`
-    its serving.json, `counts` its manifest counts."""
+    its serving.json, `counts` its manifest counts; `license` the front matter's (None: a comment says how to set one)."""
+    architecture = (provenance.get("dflash") or {}).get("architecture") or "dflash"
+    name, what = DRAFTERS[architecture]
     parts = [
-        _front_matter(target),
-        f"# DFlash drafter for {target}\n\n"
-        f"A DFlash block-diffusion drafter for speculative decoding with `{target}`, trained and exported by blockdraft "
+        _front_matter(target, license, architecture),
+        f"# {name} drafter for {target}\n\n"
+        f"{what} for speculative decoding with `{target}`, trained and exported by blockdraft "
         f"(export `{export_url}`). Every figure below is read from the verified artifact it names; what was not measured "
         "is not shown.\n",
         _evaluation(evaluation),
@@ -70,13 +81,25 @@ def render_card(
     return "\n".join(parts)
 
 
-def _front_matter(target: str) -> str:
-    tags = "".join(f"- {tag}\n" for tag in TAGS)
-    return (
-        f"---\nbase_model: {json.dumps(target)}\nlibrary_name: {LIBRARY_NAME}\ntags:\n{tags}"
-        "# license: set the license these weights are published under (e.g. `license: apache-2.0`, usually the target's);\n"
-        "# blockdraft does not choose one.\n---\n"
-    )
+def _front_matter(target: str, license: str | None, architecture: str) -> str:
+    tags = "".join(f"- {tag}\n" for tag in (*TAGS, *(["dflash2"] if architecture == "dflash2" else [])))
+    if license is not None:
+        licensed = f"license: {json.dumps(license)}\n"
+    else:  # the card is a listed file: editing it by hand would leave the export unverified
+        licensed = ("# license: set the license these weights are published under with export.license (usually the target's:\n"
+                    "# `blockdraft export --card-only EXPORT --license apache-2.0`); blockdraft does not choose one, and this\n"
+                    "# file is checksummed in the export's manifest: an edit by hand leaves the export unverified.\n")
+    return f"---\nbase_model: {json.dumps(target)}\n{licensed}library_name: {LIBRARY_NAME}\ntags:\n{tags}---\n"
+
+
+_LICENSE_LINE = re.compile(r"^license: (\"[^\"\n]*\")$", re.MULTILINE)
+
+
+def card_license(card: str) -> str | None:
+    """The license the front matter of `card` (a card's text, as `render_card` writes it) names, or None."""
+    front = card.split("\n---\n", 1)[0] if card.startswith("---\n") else ""
+    found = _LICENSE_LINE.search(front)
+    return json.loads(found.group(1)) if found else None
 
 
 def _fmt(value: float, digits: int) -> str:
@@ -211,7 +234,11 @@ def _drafter(drafter_config: dict[str, Any], provenance: dict[str, Any], counts:
 
 def _serving(serving: dict[str, Any]) -> str:
     commands = [c for c in (serving.get("pull_command"), serving.get("sglang_command"), serving.get("vllm_command")) if c]
-    return "## Serving\n\nFrom the export's `serving.json`:\n\n```sh\n" + "\n".join(commands) + "\n```\n"
+    text = "## Serving\n\nFrom the export's `serving.json`:\n\n```sh\n" + "\n".join(commands) + "\n```\n"
+    if serving.get("vllm_env"):  # what vLLM needs besides its command line, with the command's own reason
+        names = ", ".join(f"`{name}={value}`" for name, value in sorted(serving["vllm_env"].items()))
+        text += f"\nvLLM needs {names} (in its command above): {serving['vllm_note']}\n"
+    return text
 
 
-__all__ = ["CARD_NAME", "EVAL_KIND", "EVAL_REPORT_NAME", "DataSource", "EvalSource", "gives_eval", "render_card"]
+__all__ = ["CARD_NAME", "EVAL_KIND", "EVAL_REPORT_NAME", "DataSource", "EvalSource", "card_license", "gives_eval", "render_card"]

@@ -14,12 +14,15 @@ beside a bf16 target fails at the first request. The checkpoint keeps its fp32 m
 
 It is written through `StageOutput` (docs/STORE.md, "Stage outputs and inputs"), keyed by the checkpoint (by content),
 the target whose config it is checked against, the dtype and the location the serving settings name: a rerun with those
-unchanged leaves the export as it is.
+unchanged leaves the export as it is. What it pins (the resolved config, the target's name) passes `redact_settings`.
+The card is a listed file that blockdraft alone writes: one edited by hand is refused in one line (`export.license` sets
+the license), and a card rewrite that stops before its manifest is written is finished by `--card-only`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import tempfile
 import time
@@ -35,7 +38,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig
 
 from blockdraft.config import BlockdraftConfig, StoreConfig
-from blockdraft.errors import ArtifactError, BlockdraftError, ExportError, safe_url
+from blockdraft.errors import ArtifactError, BlockdraftError, ExportError, redact_setting, redact_settings, safe_url
 from blockdraft.model.drafter import DFlashDrafter
 from blockdraft.model.finite import describe_nonfinite, nonfinite_weights
 from blockdraft.model.formats import (
@@ -48,7 +51,7 @@ from blockdraft.model.formats import (
     open_drafter_artifact,
     trained_on,
 )
-from blockdraft.model.spec import DrafterSpec
+from blockdraft.model.spec import DFLASH, DFLASH2, DrafterSpec
 from blockdraft.model.target import target_dtype
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
@@ -58,19 +61,24 @@ from blockdraft.stages.export.card import (
     EVAL_REPORT_NAME,
     DataSource,
     EvalSource,
+    card_license,
     gives_eval,
     render_card,
 )
 from blockdraft.store import Store, open_store
-from blockdraft.store.artifact import InputRef
+from blockdraft.store.artifact import InputRef, State, VerifyReport, verify_artifact
 from blockdraft.store.inputs import StageInput, open_input, recorded_manifest
 from blockdraft.store.manifest import MEASURED
-from blockdraft.store.output import StageOutput, refuse_nested, stage_key
+from blockdraft.store.output import StageOutput, refuse_nested, resume_amend, stage_key
 from blockdraft.store.status import find_artifact_roots
 from blockdraft.store.writable import os_error_of, require_folder, write_failed
 
 STAGE = "export"
-PROVENANCE_FORMAT = "blockdraft-export/2"
+PROVENANCE_FORMAT = "blockdraft-export/3"  # 3: serving.json names the V2 model runner vLLM serves DFlash2 on (`vllm_env`)
+# vLLM 0.32 serves a DFlash2 drafter only on its V2 model runner: its V1 runner refuses "DFlash candidate-head drafts".
+VLLM_DFLASH2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+VLLM_DFLASH2_NOTE = ("vLLM 0.32 serves a DFlash2 drafter only on its V2 model runner, whose candidate walk is a Triton "
+                     "kernel (so a GPU); its V1 runner refuses the drafter.")
 
 
 @dataclass
@@ -106,23 +114,30 @@ def run(
     refuse_nested(in_store, out_store, "checkpoint")
     checkpoint = open_drafter_artifact(in_store)
     with tempfile.TemporaryDirectory(prefix="blockdraft-ckpt-") as tmp:
-        resolved = _pinned_config(checkpoint, Path(tmp))
+        resolved = redact_settings(_pinned_config(checkpoint, Path(tmp)))  # what the export pins names no credential
         target_path = config.target.path or resolved["target"]["path"]
         if not target_path:
             raise ExportError("neither the config nor the checkpoint names target.path; pass --target with the target model's folder or hub id")
         target_config = _target_config(target_path)
         dtype = target_dtype(config.target.dtype, target_config)
-        key = {"target": target_path, "location": output, "dtype": dtype}
-        if eval:
-            evaluation = open_eval(eval, checkpoint.ref, config.store, Path(tmp) / "eval")
-        else:
-            evaluation = latest_eval(checkpoint.ref, config.store, Path(tmp) / "eval", reporter)
+        target = redact_setting(target_path)  # the target as the export names it (provenance, card, serving, key)
+        key = {"target": target, "location": output, "dtype": dtype}
         out = StageOutput(out_store, EXPORT_KIND, stage_key(key, [checkpoint.ref]), force=force, reporter=reporter)
         done = out.done()
+        if done is None:  # before the eval is looked for: a card edited by hand is the one line said
+            refuse_edited_card(out.store, force, reporter)
+        if eval:
+            evaluation = open_eval(eval, checkpoint.ref, config.store, Path(tmp) / "eval", target)
+        else:
+            evaluation = latest_eval(checkpoint.ref, config.store, Path(tmp) / "eval", reporter, target)
         if done is not None and eval is not None:
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card from {eval}")
             return rewrite_card(config, output, reporter, eval=eval, force=force)
         card = _stored_card(out) if done is not None else None
+        if card is not None and config.export.license not in (None, card_license(card)):
+            reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card with "
+                         f"license {config.export.license}")
+            return rewrite_card(config, output, reporter, eval=evaluation.url if evaluation else None, force=force)
         if card is not None and evaluation is not None and not gives_eval(card, evaluation):
             # The store holds a newer eval of this checkpoint than the one the card gives (or the card gives none).
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card "
@@ -148,6 +163,7 @@ def run(
             store_config=config.store,
             dtype=dtype,
             evaluation=evaluation,
+            license=config.export.license,
         )
     result.seconds = time.perf_counter() - started
     return result
@@ -166,6 +182,7 @@ def export_drafter(
     store_config: StoreConfig | None = None,
     dtype: str | None = None,
     evaluation: EvalSource | None = None,
+    license: str | None = None,
 ) -> StageResult:
     """Check the drafter against the target's HF config, write the export files to `out`, commit them as an artifact.
 
@@ -174,7 +191,8 @@ def export_drafter(
     inputs (the checkpoint); `data_lineage` (the checkpoint's own inputs: the tokenized data) is described in blockdraft-export.json with the template and thinking fields of those
     inputs' manifests. `location` is where the drafter will be found (default: the output's URL): the serving settings name
     it, or for a store URL a local folder with the pull step. `dtype` is the stored dtype (None: `target_dtype`).
-    `evaluation`: the eval whose figures the model card gives (None: the card says no eval was found).
+    `evaluation`: the eval whose figures the model card gives (None: the card says no eval was found); `license`: the
+    card's (`export.license`). The target and the config are pinned as `redact_settings` writes them: no credential.
     """
     spec = drafter.spec
     spec.check_target(target_config)
@@ -183,10 +201,11 @@ def export_drafter(
                           "that did not diverge (retrain with a lower train.lr)")
     dtype = target_dtype(dtype, target_config)
     endpoint = store_config.endpoint_url if store_config is not None else None
-    serving = serving_settings(location or out.url, spec.block_size, target_path, dtype, endpoint)
+    target = redact_setting(target_path) if target_path else None
+    serving = serving_settings(location or out.url, spec.block_size, target, dtype, endpoint, spec.architecture)
     provenance = {
         "format": PROVENANCE_FORMAT,
-        "target": target_path,
+        "target": target,
         "dtype": dtype,
         "dflash": {
             "mask_token_id": spec.mask_token_id,
@@ -200,7 +219,7 @@ def export_drafter(
             "architecture": spec.architecture,
             **(asdict(spec.dflash2) if spec.dflash2 is not None else {}),
         },
-        "config": resolved_config or {},
+        "config": redact_settings(resolved_config or {}),
         "data": _data_facts(list(data_lineage or []), store_config),
     }
     out.begin()
@@ -213,8 +232,8 @@ def export_drafter(
                 paths.append(root / name)
             counts = {"tensors": len(drafter.state_dict()), "parameters": sum(p.numel() for p in drafter.parameters())}
             card = render_card(
-                target_path or "TARGET_MODEL", location or out.url, json.loads((root / CONFIG_NAME).read_text()), provenance, serving,
-                counts, evaluation, verified_data(list(data_lineage or []), store_config),
+                target or "TARGET_MODEL", location or out.url, json.loads((root / CONFIG_NAME).read_text()), provenance, serving,
+                counts, evaluation, verified_data(list(data_lineage or []), store_config), license,
             )
             (root / CARD_NAME).write_text(card)
             paths.append(root / CARD_NAME)
@@ -254,19 +273,23 @@ def drafter_folder(location: str) -> tuple[str, bool]:
 
 
 def serving_settings(
-    location: str, block_size: int, target: str | None = None, dtype: str = "float32", endpoint_url: str | None = None
+    location: str, block_size: int, target: str | None = None, dtype: str = "float32", endpoint_url: str | None = None,
+    architecture: str = DFLASH,
 ) -> dict[str, Any]:
     """Engine settings for a drafter at `location` (a folder or URL) with block size B, beside a target running in `dtype`.
 
     SGLang drafts B tokens per block and gets `--dtype` (under `auto` it would take the drafter's dtype from config.json);
     vLLM counts B-1 and casts the drafter to the target's dtype itself. `pull_command` (None for a local export) fetches a
-    store export into `drafter_dir`, the folder both commands name; `endpoint_url` is the S3 endpoint it needs, if any."""
+    store export into `drafter_dir`, the folder both commands name; `endpoint_url` is the S3 endpoint it needs, if any.
+    Both engines serve a DFlash2 drafter with the DFlash command (config.json's architecture selects it); vLLM only on
+    its V2 model runner: `vllm_env` (set in `vllm_command`) and `vllm_note` say so, empty and None for DFlash."""
     folder, pull = drafter_folder(location)
     sglang = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", folder,
               "--speculative-num-draft-tokens", str(block_size), "--dtype", dtype]
     vllm = {"method": "dflash", "model": folder, "num_speculative_tokens": block_size - 1}
     model = target or "TARGET_MODEL"
     endpoint = ["--endpoint-url", safe_url(endpoint_url)] if endpoint_url else []  # stored in the export: no credentials
+    env = dict(VLLM_DFLASH2_ENV) if architecture == DFLASH2 else {}
     return {
         "export_url": location if pull else f"file://{folder}",
         "drafter_dir": folder,
@@ -274,8 +297,11 @@ def serving_settings(
         "dtype": dtype,
         "sglang_args": shlex.join(sglang),
         "vllm_speculative_config": vllm,
+        "vllm_env": env,
+        "vllm_note": VLLM_DFLASH2_NOTE if env else None,
         "sglang_command": shlex.join(["python", "-m", "sglang.launch_server", "--model-path", model, *sglang]),
-        "vllm_command": shlex.join(["vllm", "serve", model, "--speculative-config", json.dumps(vllm)]),
+        "vllm_command": shlex.join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve", model, "--speculative-config",
+                                    json.dumps(vllm)]),
     }
 
 
@@ -347,9 +373,17 @@ def _data_facts(lineage: list[InputRef], store_config: StoreConfig | None) -> li
     return facts
 
 
-def open_eval(url: str, checkpoint: InputRef, store_config: StoreConfig | None, dest: Path) -> EvalSource:
+class OtherTargetError(ExportError):
+    """An eval of the exported checkpoint measured against another target than the export's: its figures are not this
+    target's, and the card would give them under this target's `base_model`."""
+
+
+def open_eval(
+    url: str, checkpoint: InputRef, store_config: StoreConfig | None, dest: Path, target: str | None = None
+) -> EvalSource:
     """The verified eval artifact at `url` and its report, refused (ExportError) unless it is an eval of `checkpoint`: its
-    lineage pins that checkpoint's manifest by sha256."""
+    lineage pins that checkpoint's manifest by sha256; and with `target` (the export's, as it pins it) refused
+    (OtherTargetError) unless the report's target is that one (`same_target`)."""
     found = open_input(url, store_config, kinds=[EVAL_KIND], role="eval")
     evaluated = found.manifest.lineage[0] if found.manifest.lineage else None
     if evaluated is None or evaluated.sha256 != checkpoint.sha256:
@@ -359,18 +393,35 @@ def open_eval(url: str, checkpoint: InputRef, store_config: StoreConfig | None, 
             f"{(checkpoint.sha256 or '')[:12]}); pass an eval of this checkpoint (`blockdraft eval --checkpoint {checkpoint.url}`)"
         )
     report = json.loads((found.fetch([EVAL_REPORT_NAME], dest) / EVAL_REPORT_NAME).read_text())
+    measured = report.get("target") if isinstance(report, dict) else None
+    if target is not None and not (isinstance(measured, str) and same_target(redact_setting(measured), target)):
+        raise OtherTargetError(
+            f"eval {found.store.url} measured the drafter against target {measured}, not this export's target {target} (the "
+            f"card's base_model); pass an eval made with target.path {target}, or export for that target (--target)"
+        )
     return EvalSource(found.store.url, found.ref.sha256 or "", report)
 
 
-def latest_eval(checkpoint: InputRef, store_config: StoreConfig, dest: Path, reporter: Reporter) -> EvalSource | None:
+def same_target(a: str, b: str) -> bool:
+    """Whether two target names (target.path as pinned) name one target: equal, or one local folder however spelled."""
+    if a == b:
+        return True
+    folders = [Path(name.removeprefix("file://")) for name in (a, b)]
+    return all(f.is_dir() for f in folders) and os.path.samefile(*folders)
+
+
+def latest_eval(
+    checkpoint: InputRef, store_config: StoreConfig, dest: Path, reporter: Reporter, target: str | None = None
+) -> EvalSource | None:
     """The latest eval of `checkpoint` in the store `store_config.url` that verifies, opened as `open_eval` opens an
     `--eval`, or None; says in one line which eval the card uses, or that there is none.
 
     A candidate is an artifact there whose recorded manifest is of kind eval, lists `EVAL_REPORT_NAME` and pins in its
     lineage the manifest sha256 of `checkpoint` (the same content, wherever it lies now: an eval of another checkpoint
     at the same path never matches). Latest: the greatest manifest `created_at`, ties broken by the greater URL.
-    Candidates are tried latest first; one that does not verify (or whose report cannot be read) is passed over and
-    named. An unreachable store is said in the line too: the export itself does not need it.
+    Candidates are tried latest first; one that does not verify (or whose report cannot be read), or with `target` one
+    measured against another target, is passed over and named. An unreachable store is said in the line too: the export
+    itself does not need it.
     """
     where = f"{checkpoint.url} (manifest sha256 {(checkpoint.sha256 or '')[:12]})"
     try:
@@ -381,17 +432,23 @@ def latest_eval(checkpoint: InputRef, store_config: StoreConfig, dest: Path, rep
                      "gives none: pass --eval EVAL")
         return None
     passed: list[str] = []
+    others: list[str] = []  # evals of this checkpoint against another target
     for index, (_, url) in enumerate(candidates):
         try:
-            found = open_eval(url, checkpoint, store_config, dest / str(index))
+            found = open_eval(url, checkpoint, store_config, dest / str(index), target)
+        except OtherTargetError:
+            others.append(url)
+            continue
         except (BlockdraftError, OSError, ValueError) as exc:  # not verified, changed since listed, unreadable report
             passed.append(f"{url} ({type(exc).__name__})")
             continue
         skipped = f"; passed over newer evals that do not verify: {', '.join(passed)}" if passed else ""
+        skipped += f"; passed over newer evals against another target: {', '.join(others)}" if others else ""
         reporter.say(f"card: figures from eval {found.url}, the latest verified eval of {where} in {store.url} "
                      f"(--eval EVAL names another){skipped}")
         return found
     skipped = f" ({len(passed)} that do not verify: {', '.join(passed)})" if passed else ""
+    skipped += f" ({len(others)} against another target: {', '.join(others)})" if others else ""
     reporter.say(f"card: no verified eval of {where} in {store.url}{skipped}; the card gives none: run "
                  f"`blockdraft eval --checkpoint {checkpoint.url}` first or pass --eval EVAL")
     return None
@@ -454,12 +511,14 @@ def verified_data(lineage: list[InputRef], store_config: StoreConfig | None) -> 
 def rewrite_card(
     config: BlockdraftConfig, export: str, reporter: Reporter | None = None, *, eval: str | None = None, force: bool = False,
 ) -> StageResult:
-    """Write the model card of the verified export at `export` again, from `eval` (an eval of the exported checkpoint;
-    None: the latest verified eval of it in `config.store`, `latest_eval`) and the training data as it verifies now;
+    """Write the model card of the verified export at `export` again, from `eval` (an eval of the exported checkpoint
+    against its target; None: the latest verified eval of it in `config.store`, `latest_eval`), the training data as it
+    verifies now and the license `export.license` names (None: the one the card gives now, when it verifies);
+    an export a stopped rewrite left without its manifest is finished, a card edited by hand refused unless `force`;
     every other file stays as committed and the manifest is rewritten through `StageOutput.amend`. `details` is the export's ExportResult."""
     started = time.perf_counter()
     reporter = reporter or Reporter()
-    current = open_input(export, config.store, kinds=[EXPORT_KIND], role="export")
+    current = _export_to_rewrite(export, config, reporter, force)
     with tempfile.TemporaryDirectory(prefix="blockdraft-card-") as tmp:
         root = Path(tmp) / "card"
         folder = current.fetch([CONFIG_NAME, PROVENANCE_NAME, SERVING_NAME], Path(tmp) / "export")
@@ -472,15 +531,17 @@ def rewrite_card(
         if not current.manifest.lineage:
             raise ExportError(f"{current.store.url} records no checkpoint it was exported from; export the checkpoint again")
         checkpoint = current.manifest.lineage[0]
+        target = provenance.get("target")
         if eval:
-            evaluation = open_eval(eval, checkpoint, config.store, Path(tmp) / "eval")
+            evaluation = open_eval(eval, checkpoint, config.store, Path(tmp) / "eval", target)
         else:
-            evaluation = latest_eval(checkpoint, config.store, Path(tmp) / "eval", reporter)
+            evaluation = latest_eval(checkpoint, config.store, Path(tmp) / "eval", reporter, target)
         data = [InputRef(**{k: e[k] for k in InputRef.model_fields if k in e}) for e in provenance.get("data", [])]
         serving = json.loads((folder / SERVING_NAME).read_text())
         card = render_card(
             provenance["target"], current.store.url, json.loads((folder / CONFIG_NAME).read_text()), provenance, serving,
             dict(current.manifest.counts), evaluation, verified_data(data, config.store),
+            config.export.license or _license_now(current),
         )
         root.mkdir()
         (root / CARD_NAME).write_text(card)
@@ -496,6 +557,58 @@ def export_lineage(checkpoint: InputRef, evaluation: EvalSource | None) -> list[
     if evaluation is None:
         return [checkpoint]
     return [checkpoint, InputRef(kind=MEASURED, url=evaluation.url, sha256=evaluation.manifest_sha256)]
+
+
+def _export_to_rewrite(export: str, config: BlockdraftConfig, reporter: Reporter, force: bool) -> StageInput:
+    """The export whose card `rewrite_card` writes: a verified one; one a card rewrite left without its manifest when it
+    stopped (Ctrl-C, a crash), whose other files verify against the manifest it was amending (`resume_amend`): this
+    rewrite finishes it; with `force`, one whose card alone no longer verifies (edited by hand), whose card it replaces.
+    Anything else is refused as `open_input` refuses it."""
+    store = open_store(export, config.store)
+    resumed = resume_amend(store, EXPORT_KIND, [CARD_NAME])
+    if resumed is not None:
+        reporter.say(f"{store.url}: a rewrite of its card stopped before writing its manifest, and every other file verifies "
+                     "against the manifest it replaced; finishing it")
+        return resumed
+    report = verify_artifact(store)
+    if edited_card(report):
+        refuse_edited_card(store, force, reporter, report)
+        return StageInput(store, report)
+    if report.state is State.VERIFIED and report.manifest is not None and report.manifest.kind == EXPORT_KIND:
+        return StageInput(store, report)
+    return open_input(store, kinds=[EXPORT_KIND], role="export")  # its one line for what else it is
+
+
+def edited_card(report: VerifyReport) -> bool:
+    """Whether `report` is of an export whose card alone does not verify: a README.md edited since it was written."""
+    problems = report.problems
+    return (report.state is State.CORRUPT and report.manifest is not None and report.manifest.kind == EXPORT_KIND
+            and bool(problems) and all(p.path == CARD_NAME and p.state is State.CORRUPT for p in problems))
+
+
+def refuse_edited_card(store: Store, force: bool, reporter: Reporter, report: VerifyReport | None = None) -> None:
+    """ExportError (one line naming the fix) when the export at `store` holds a card edited by hand; with `force` a line
+    says it is replaced. A card the user edited is theirs: it is never replaced without a word."""
+    if not edited_card(report or verify_artifact(store)):
+        return
+    url = store.url.rstrip("/")
+    if force:
+        reporter.say(f"{url}/{CARD_NAME} was edited by hand; --force: writing the card again over it")
+        return
+    raise ExportError(
+        f"{url}/{CARD_NAME} is not the card this export wrote (edited by hand?), so the export no longer verifies; blockdraft "
+        f"writes that file: set the license with export.license and write the card again with `blockdraft export --card-only "
+        f"{url} --license LICENSE --force` (--force replaces your edits: keep a copy of anything else you added)"
+    )
+
+
+def _license_now(current: StageInput) -> str | None:
+    """The license the export's card gives now, read only when the card verifies (a card edited by hand, or one a stopped
+    rewrite left, is not read)."""
+    if current.report.state is not State.VERIFIED or CARD_NAME not in {e.path for e in current.manifest.files}:
+        return None
+    with tempfile.TemporaryDirectory(prefix="blockdraft-card-") as tmp:
+        return card_license((current.fetch([CARD_NAME], Path(tmp)) / CARD_NAME).read_text())
 
 
 def _stored_card(out: StageOutput) -> str | None:
