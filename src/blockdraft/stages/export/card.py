@@ -167,11 +167,8 @@ def _evaluation(evaluation: EvalSource | None) -> str:
 
 def _rule(sampled: dict[str, Any] | None) -> str:
     """The draft rule the report's figures at temperature were measured under (`eval.proposal`: which serving engine's
-    way of proposing drafts), or that the report records none (an eval made before blockdraft recorded it)."""
-    proposal = (sampled or {}).get("proposal")
-    if proposal:
-        return f"drafts proposed by the `{proposal}` rule (`eval.proposal`)"
-    return "drafts proposed by a rule the report does not record (an eval made before `eval.proposal`)"
+    way of proposing drafts)."""
+    return f"drafts proposed by the `{(sampled or {})['proposal']}` rule (`eval.proposal`)"
 
 
 def _sampled(sampled: dict[str, Any] | None) -> list[str]:
@@ -186,8 +183,9 @@ def _sampled(sampled: dict[str, Any] | None) -> list[str]:
         "|---|---|---|---|",
     ]
     for name, d in sampled["drafters"].items():
-        low, high = d["tau_ci95"]
-        lines.append(f"| {name} | {_fmt(d['metrics']['tau'], 3)} | {_fmt(low, 3)} to {_fmt(high, 3)} | {_fmt(d['metrics']['speedup'], 2)}x |")
+        interval = d["tau_ci95"]  # None: fewer decodes than an interval needs
+        shown = "none (1 decode)" if interval is None else f"{_fmt(interval[0], 3)} to {_fmt(interval[1], 3)}"
+        lines.append(f"| {name} | {_fmt(d['metrics']['tau'], 3)} | {shown} | {_fmt(d['metrics']['speedup'], 2)}x |")
     return lines
 
 
