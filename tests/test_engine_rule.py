@@ -14,7 +14,7 @@ from blockdraft.decode.sampling import Sampling
 from blockdraft.decode.speculative import SpecResult
 from blockdraft.errors import EngineError
 from blockdraft.stages.eval.engine import EXPAND_FIX, ServedRun, _request, has_expand_fix
-from blockdraft.stages.eval.engine_check import compare, ours, require_export
+from blockdraft.stages.eval.engine_check import _our_decodes, compare, design_effects, ours, require_export, sampled_disagreement
 from blockdraft.stages.eval.metrics import GreedyMetrics
 from blockdraft.stages.eval.report import EvalReport, Lossless, PromptRow
 from blockdraft.stages.eval.sampled import SampledEval, sampled_drafter
@@ -95,6 +95,24 @@ def test_at_temperature_counts_within_the_binomial_interval_agree_and_a_shift_be
     assert far.disagreement is not None and "at draft position(s) 2 (binomial 99%" in far.disagreement
     # Sampled outputs differ by chance, so they are not held to the target-only outputs at temperature.
     assert compare(EvalConfig(), _served(cycles, accepted, [[1]]), _served(0, [0, 0, 0], [[2]]), report, "float32").disagreement is None
+
+
+def test_at_temperature_the_interval_widens_by_how_much_decodes_cluster():
+    """Cycles of one decode share its prompt: when whole decodes accept everything or nothing, the spread between decodes
+    is what limits the estimate, and counts a binomial interval would reject agree; a shift beyond the wider one does not."""
+    report = _sampled_report([[4] * 10] * 25 + [[1] * 10] * 25)  # 500 cycles, half of them accepting all 3 drafts
+    cycles, accepted = ours(report)
+    assert (cycles, accepted) == (500, [250, 250, 250])
+    effects = design_effects(_our_decodes(report), 3)
+    assert all(e > 5 for e in effects), effects  # about 10 cycles per decode, all alike within it
+    assert design_effects([[4, 2, 1, 3]] * 50, 3) == [1.0] * 4  # identical decodes: nothing between them
+    near = _served(cycles, [200, 200, 200])
+    check = compare(EvalConfig(), near, _served(0, [0, 0, 0]), report, "float32")
+    assert check.disagreement is None
+    z = float(check.rule.split("z ")[1].split(" ")[0])
+    assert sampled_disagreement(check, z) is not None, "as independent trials the same counts disagree"
+    far = compare(EvalConfig(), _served(cycles, [50, 50, 50]), _served(0, [0, 0, 0]), report, "float32")
+    assert far.disagreement is not None and "at draft position(s) 1, 2, 3" in far.disagreement
 
 
 def test_a_sampled_request_carries_the_settings_and_its_own_seed():

@@ -11,10 +11,12 @@ drafter must equal its own target-only outputs (lossless in the engine), whateve
 no per-position counts (SGLang without its acceptance histogram) is held to tau alone, within the same tolerance.
 
 At temperature > 0 (`eval.temperature`), both sides sample, each decode with its own seed (ours `eval.seed + i`, and the
-same number on the engine's request i), so their counts differ by chance and the rule is statistical: every cycle is
-one trial, and each position's acceptance rate (pooled two-proportion z-test) and tau (two-sample z-test on the
-committed tokens per cycle) must differ by less than z standard errors, z the normal quantile at 1 - alpha / (2 B)
-(`eval.engine_alpha` shared by the B - 1 positions and tau, Bonferroni). The engine's outputs are not compared with its
+same number on the engine's request i), so their counts differ by chance and the rule is statistical: each position's
+acceptance rate (pooled two-proportion z-test) and tau (two-sample z-test on the committed tokens per cycle) must differ
+by less than z standard errors, z the normal quantile at 1 - alpha / (2 B) (`eval.engine_alpha` shared by the B - 1
+positions and tau, Bonferroni). Cycles of one decode are not independent trials (they share a prompt and a history), so
+each standard error is widened by the design effect measured on our decodes (`design_effects`): on the demo's drafter
+at T 0.6 it was 2 to 7, and a binomial interval failed engines that agreed with our per-decode intervals. The engine's outputs are not compared with its
 target-only outputs there: sampled outputs differ by chance; that speculative sampling keeps the target's distribution
 is what `tests/test_sampling_rules.py` checks of our loop, under every draft rule.
 """
@@ -128,28 +130,53 @@ def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequenc
 
 
 def ours(report: EvalReport) -> tuple[int, list[int]]:
-    """(cycles, tokens accepted at each draft position) of our decode of the dflash drafter, counted as the engine counts."""
-    lengths = _our_lengths(report)
+    """(cycles, tokens accepted at each draft position) of our decode of the dflash drafter, counted as the engine counts them."""
+    lengths = [n for decode in _our_decodes(report) for n in decode]
     return len(lengths), [sum(1 for n in lengths if n - 1 >= k) for k in range(1, report.block_size)]
 
 
-def _our_lengths(report: EvalReport) -> list[int]:
-    """a + 1 of every cycle of the dflash drafter's decodes the engine is compared with (the sampled ones at temperature
-    > 0), as the engine counts them: our loop runs one more cycle when its anchor is already the `max_new_tokens`-th new
-    token (its output is cut to the limit), a step the engine never schedules, so such a cycle is left out."""
+def _our_decodes(report: EvalReport) -> list[list[int]]:
+    """a + 1 of every cycle of each dflash decode the engine is compared with (the sampled ones at temperature > 0), as
+    the engine counts them: our loop runs one more cycle when its anchor is already the `max_new_tokens`-th new token (its
+    output is cut to the limit), a step the engine never schedules, so such a cycle is left out."""
     if report.sampled is not None:
         decodes = report.sampled.drafters["dflash"].acceptance_lengths
     else:
         decodes = [getattr(row, "acceptance_lengths_dflash", None) or [] for row in report.prompts]
-    lengths: list[int] = []
+    counted: list[list[int]] = []
     for decode in decodes:
-        produced = 1  # the prefill's token
+        kept, produced = [], 1  # the prefill's token
         for n in decode:
             if produced >= report.max_new_tokens:
                 break
-            lengths.append(n)
+            kept.append(n)
             produced += n
-    return lengths
+        counted.append(kept)
+    return counted
+
+
+def design_effects(decodes: Sequence[Sequence[int]], positions: int) -> list[float]:
+    """How much wider than a binomial's the sampling variance of each draft position's acceptance rate, and last of tau,
+    is across `decodes` (each a list of a + 1 per cycle): cycles of one decode share its prompt and its history, so they
+    are not independent trials. Each figure is the ratio estimator's variance over decodes (as in the report's
+    intervals) divided by the variance the cycles would give as independent trials, at least 1; 1 with fewer than two
+    decodes, where no spread between decodes can be measured."""
+    decodes = [d for d in decodes if d]
+    effects = [1.0] * (positions + 1)
+    n = len(decodes)
+    cycles = [len(d) for d in decodes]
+    total = sum(cycles)
+    if n < 2 or total == 0:
+        return effects
+    series = [[[1.0 if a - 1 >= k else 0.0 for a in d] for d in decodes] for k in range(1, positions + 1)]
+    series.append([[float(a) for a in d] for d in decodes])
+    for j, values in enumerate(series):
+        sums = [sum(v) for v in values]
+        r = sum(sums) / total
+        between = sum((y - r * x) ** 2 for y, x in zip(sums, cycles)) / (n * (n - 1)) / (total / n) ** 2
+        within = sum((a - r) ** 2 for v in values for a in v) / (total - 1) / total if total > 1 else 0.0
+        effects[j] = max(1.0, between / within) if within > 0 else 1.0
+    return effects
 
 
 def compare(cfg: EvalConfig, with_drafter: ServedRun, target_only: ServedRun, report: EvalReport, dtype: str) -> EngineCheck:
@@ -199,7 +226,7 @@ def _compare_sampled(cfg: EvalConfig, with_drafter: ServedRun, target_only: Serv
         temperature=report.sampled.temperature,
     )
     check.speedup = check.tokens_per_s / check.target_only_tokens_per_s if check.target_only_tokens_per_s else 0.0
-    check.disagreement = sampled_disagreement(check, z)
+    check.disagreement = sampled_disagreement(check, z, design_effects(_our_decodes(report), report.block_size - 1))
     return check
 
 
@@ -214,19 +241,23 @@ def _length_variance(drafts: int, accepted: Sequence[int]) -> float:
     return sum(c * (a + 1 - mean) ** 2 for a, c in enumerate(counts)) / drafts
 
 
-def sampled_disagreement(check: EngineCheck, z: float) -> str | None:
+def sampled_disagreement(check: EngineCheck, z: float, effects: Sequence[float] | None = None) -> str | None:
     """At temperature: one line naming the positions (or tau) whose engine and our figures differ by more than z
-    standard errors, or None."""
+    standard errors, or None. `effects`: each position's and tau's design effect (`design_effects`, measured on our
+    decodes, which sample the same prompts at the same settings as the engine's requests): the binomial standard errors
+    are widened by its square root."""
     n1, n2 = check.drafts, check.ours_cycles
     if n1 == 0 or n2 == 0:
         return f"the engine ran {n1} drafts and our decode {n2} cycles at temperature {check.temperature:g}: nothing to compare"
+    effects = list(effects) if effects is not None else [1.0] * (len(check.accepted_per_position) + 1)
     off = []
     for k, (a1, a2) in enumerate(zip(check.accepted_per_position, check.ours_accepted_per_position)):
         pooled = (a1 + a2) / (n1 + n2)
-        se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+        se = math.sqrt(effects[k] * pooled * (1 - pooled) * (1 / n1 + 1 / n2))
         if abs(a1 / n1 - a2 / n2) > z * se:
             off.append(k + 1)
-    tau_se = math.sqrt(_length_variance(n1, check.accepted_per_position) / n1 + _length_variance(n2, check.ours_accepted_per_position) / n2)
+    tau_se = math.sqrt(effects[-1] * (_length_variance(n1, check.accepted_per_position) / n1
+                                      + _length_variance(n2, check.ours_accepted_per_position) / n2))
     tau_off = abs(check.tau - check.ours_tau) > z * tau_se
     if not off and not tau_off:
         return None
@@ -262,4 +293,4 @@ def disagreement(check: EngineCheck, exact: bool, tolerance: float) -> str | Non
             f"tau {check.tau:.3f}; ours {check.ours_cycles} cycles, accepted {ours_}, tau {check.ours_tau:.3f}")
 
 
-__all__ = ["check_in_engine", "compare", "disagreement", "ours", "refuse_proposal", "refuse_unservable", "require_export", "sampled_disagreement"]
+__all__ = ["check_in_engine", "compare", "design_effects", "disagreement", "ours", "refuse_proposal", "refuse_unservable", "require_export", "sampled_disagreement"]
