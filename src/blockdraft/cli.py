@@ -200,7 +200,8 @@ def export(
     out: Annotated[str | None, typer.Argument(help="Export destination: a folder, file:// or s3:// URL.")] = None,
     config: ConfigOpt = None,
     target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (target.path; default: the checkpoint's).")] = None,
-    eval: Annotated[str | None, typer.Option("--eval", help="The eval artifact of this checkpoint whose figures the model card (README.md) gives.")] = None,
+    eval: Annotated[str | None, typer.Option("--eval", help="The eval artifact of this checkpoint whose figures the model card (README.md) gives "
+                                                      "(default: the latest verified eval of this checkpoint in the store).")] = None,
     card_only: Annotated[bool, typer.Option("--card-only", help="Rewrite the model card of the export given (after a new eval); nothing else.")] = False,
     license: Annotated[str | None, typer.Option("--license", help="export.license: the license the weights are published under, "
                                                 "written into the card (a Hub license id, e.g. apache-2.0).")] = None,
