@@ -132,7 +132,7 @@ def read_prompt_set(source: str, layout: str | None, store_config: StoreConfig, 
     elif source.endswith(SET_FILES):
         file = open_raw_input(source, store_config, role="prompts file")
         path = file.fetch(workdir / f"prompt-set-{len(list(workdir.glob('prompt-set-*')))}-{name}")
-        read = _jsonl_rows if source.endswith(JSONL_FILES) else _json_rows if source.endswith(JSON_FILES) else _parquet_rows
+        read = jsonl_rows if source.endswith(JSONL_FILES) else _json_rows if source.endswith(JSON_FILES) else _parquet_rows
         raw, ref = read(path, name, limit), file.ref
     elif _saved_folder(Path(source.partition("?")[0].removeprefix("file://"))):
         raw, ref = _saved_rows(source, limit)
@@ -222,7 +222,8 @@ def _text_lines(path: Path, name: str) -> Iterator[tuple[int, str]]:
         raise EvalError(f"{name} does not read as {kind} ({exc}); give it whole, or uncompressed") from None
 
 
-def _jsonl_rows(path: Path, name: str, limit: int) -> list[tuple[str, dict[str, Any]]]:
+def jsonl_rows(path: Path, name: str, limit: int) -> list[tuple[str, dict[str, Any]]]:
+    """Up to `limit` (where, row) pairs of a JSON Lines file, `where` naming its line for messages."""
     return _object_lines(_text_lines(path, name), name, limit)
 
 
@@ -380,5 +381,5 @@ def _hub_rows(source: str, limit: int) -> tuple[list[tuple[str, dict[str, Any]]]
 
 __all__ = [
     "HF_DATASETS", "LAYOUTS", "LAYOUT_NAMES", "PLAIN", "SET_FILES", "Layout", "PromptSet", "is_prompt_set", "known_layouts",
-    "read_prompt_set",
+    "jsonl_rows", "read_prompt_set",
 ]

@@ -20,9 +20,8 @@ from transformers import AutoTokenizer
 
 from blockdraft.config import BlockdraftConfig, TargetConfig
 from blockdraft.data.formats import TOKENIZED_KIND, TRAIN_SPLIT
-from blockdraft.data.records import loads_row
 from blockdraft.errors import EvalError
-from blockdraft.stages.eval.prompt_sets import SET_FILES, is_prompt_set, read_prompt_set
+from blockdraft.stages.eval.prompt_sets import SET_FILES, is_prompt_set, jsonl_rows, read_prompt_set
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.inputs import StageInput, open_input
 
@@ -135,23 +134,7 @@ def stop_token_ids(hf_model: Any, tokenizer: Any) -> list[int]:
 def prompts_from_jsonl(path: Path, tokenizer: Any, cfg: BlockdraftConfig, limit: int) -> list[list[int]]:
     """Prompt token ids from a JSONL file: one object per line with `input_ids`, `messages` (rendered with the target's
     chat template and a generation prompt) or `prompt` (raw text)."""
-    prompts: list[list[int]] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path.name} line {lineno}"
-            try:
-                row = loads_row(line)
-            except ValueError as exc:
-                why = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-                raise EvalError(f"{where} is not valid JSON ({why}); fix that line") from None
-            if not isinstance(row, dict):
-                raise EvalError(f"{where} is not a JSON object; give one prompt object per line")
-            prompts.append(_render_prompt(row, tokenizer, cfg, where))
-            if len(prompts) >= limit:
-                break
-    return prompts
+    return [_render_prompt(row, tokenizer, cfg, where) for where, row in jsonl_rows(path, path.name, limit)]
 
 
 def _render_prompt(row: dict[str, Any], tokenizer: Any, cfg: BlockdraftConfig, where: str) -> list[int]:
