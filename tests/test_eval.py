@@ -4,6 +4,7 @@ refusals (checkpoint vs config, hybrid targets)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import datasets
@@ -363,3 +364,24 @@ def test_a_baseline_whose_weights_are_garbage_is_one_line_naming_the_file(tmp_pa
     assert result.exit_code == 2 and len(errors) == 1 and "Traceback" not in result.output, result.output
     assert errors[0].startswith(f"error: eval.baseline {baseline}: {baseline / 'model.safetensors'} is not readable (")
     assert errors[0].endswith("give a drafter folder in the export format")
+
+
+def test_the_eval_report_keeps_no_credential_from_the_checkpoint_target_or_prompt_paths_it_records(tmp_path, golden_run):
+    """The report records the checkpoint, target and prompt sources as given: a token in any of them (here hf_ token
+    shapes in the folder names) is fingerprinted there, as every pinned setting is."""
+    secret = "hf_" + "Q7" * 18
+    held = tmp_path / secret
+    shutil.copytree(golden_run, held / "ckpt")
+    shutil.copytree(GOLDEN / "target", held / "target")
+    golden = json.loads((GOLDEN / "golden.json").read_text())["decode"][:1]
+    prompts = held / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": case["prompt"]}) + "\n" for case in golden))
+    cfg = golden_config(tmp_path, target={"path": str(held / "target")}, eval={"untrained_baseline": False})
+    result = eval_stage.run(cfg, str(held / "ckpt"), str(tmp_path / "eval"), prompts=str(prompts), max_new_tokens=8)
+    report = result.details
+    assert report.checkpoint is not None and report.target is not None and report.prompts_source
+    for recorded in (report.checkpoint, report.target, *report.prompts_source):
+        assert secret not in recorded and "[redacted:" in recorded
+    assert secret not in (tmp_path / "eval" / "report.json").read_text()  # the set's source too
+    # The manifest's lineage keeps each input's URL as it opens, so that status can check it again: an input whose path
+    # is itself a credential is the one place such a name stays.

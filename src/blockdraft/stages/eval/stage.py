@@ -24,7 +24,7 @@ from blockdraft.config import BlockdraftConfig, EvalConfig, check_device
 from blockdraft.decode.linear_state import check_rollback_supported
 from blockdraft.decode.ngram import NgramProposer
 from blockdraft.decode.speculative import DFlashProposer, GreedyResult, SpecResult, greedy_decode, run_speculative
-from blockdraft.errors import ArtifactError, EvalError, SpecError
+from blockdraft.errors import ArtifactError, EvalError, SpecError, redact_setting
 from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter
 from blockdraft.model.target import TargetHead, load_target, load_target_config
 from blockdraft.reporter import Reporter
@@ -110,9 +110,10 @@ def run(
             engine = check_in_engine(config.eval, served, config.target.path, chosen.ids, report, workdir, reporter)
             report = report.model_copy(update={"engine": engine})
         report = report.model_copy(update={
-            "checkpoint": input,
-            "target": config.target.path,
-            "prompts_source": chosen.sources,
+            # As given, but with any credential in them fingerprinted, as every pinned setting is.
+            "checkpoint": redact_setting(input),
+            "target": redact_setting(config.target.path),
+            "prompts_source": [redact_setting(source) for source in chosen.sources],
             # What the consistency check compared, so a reader can trace the figures to the data and template they hold for.
             "template_sha256": ckpt.template_sha256,
         })
@@ -233,7 +234,7 @@ def evaluate(
     for name, layout, source, (start, stop) in spans:
         set_greedy = greedy_metrics(greedy[start:stop])
         per_set[name] = PromptSetMetrics(
-            layout=layout, source=source, num_prompts=stop - start, greedy=set_greedy,
+            layout=layout, source=None if source is None else redact_setting(source), num_prompts=stop - start, greedy=set_greedy,
             drafters={n: with_speedup(acceptance_metrics(r[start:stop], block_sizes[n]), set_greedy) for n, r in spec_results.items()},
             lossless=all(d.tolerated for d in divergences if start <= d.prompt_index < stop),
         )
