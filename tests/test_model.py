@@ -124,6 +124,12 @@ def test_default_layer_ids(num_layers, expected):
     assert default_layer_ids(num_layers, 1) == [num_layers // 2]
 
 
+def test_one_default_layer_id_is_a_valid_id_of_every_target_from_two_layers():
+    # A 2-layer target (a tiny test model) reads layer 0: layer 1's output is what its own head reads.
+    assert default_layer_ids(2, 1) == [0]
+    assert all(0 <= default_layer_ids(n, 1)[0] <= n - 2 for n in range(2, 80))
+
+
 def test_hybrid_targets_get_the_even_spread_too():
     # Qwen3.5/3.6-27B: 64 layers, full attention every fourth; z-lab's drafters for them read the even spread.
     types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)]

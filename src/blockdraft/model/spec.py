@@ -20,7 +20,8 @@ _DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 def default_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
-    """Layer ids spread evenly over 1..L-3 with Python's round (half to even); one id -> the middle layer L // 2.
+    """Layer ids spread evenly over 1..L-3 with Python's round (half to even); one id -> the middle layer L // 2, or
+    layer 0 of a 2-layer target (an id is at most L - 2: the last layer's output is the target's own head input).
 
     The default for every target: a 64-layer hybrid-attention target (Qwen3.5/3.6-27B) gets [1, 16, 31, 46, 61], what
     z-lab's drafters for those targets read.
@@ -30,7 +31,7 @@ def default_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     if num_target_layers < 4 and num_ids > 1:
         raise SpecError(f"target has {num_target_layers} layers, too few to spread {num_ids} feature layers; set dflash.target_layer_ids")
     if num_ids == 1:
-        return [num_target_layers // 2]
+        return [min(num_target_layers // 2, max(num_target_layers - 2, 0))]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_ids - 1)) for i in range(num_ids)]
 
