@@ -16,10 +16,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
-from blockdraft.added_tokens import HOW_TO_CHOOSE, suggest_mask_token_id
+from blockdraft.added_tokens import HOW_TO_CHOOSE
 from blockdraft.cli import app
 from blockdraft.config import load_config
-from blockdraft.data.seen_ids import SEEN_IDS, SeenIds
+from blockdraft.data.seen_ids import SEEN_IDS, SeenIds, suggest_mask_token_id
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.pipeline import write_toml
 from blockdraft.stages import eval as eval_stage

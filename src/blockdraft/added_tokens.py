@@ -10,17 +10,14 @@ Added tokens (`<|im_end|>`, `<think>`, ...) are refused even when the data does 
 the chat template and the tokenizer emit on paths the data may not cover (tools, system prompts, the other thinking mode),
 and there is always a plain id to take instead. Checked when the config loads (`config.py`) and for the tokenizer tokenize
 uses (`data/tokenizer.py`). That the data never holds the id is checked against the ids tokenize records
-(`data/seen_ids.py`): by tokenize once its artifact is committed, and by train before any row is read.
+(`data/seen_ids.py`, which also names a fitting id): by tokenize once its artifact is committed, and by train before any row is read.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from blockdraft.data.seen_ids import SeenIds
+from typing import Any
 
 # Reserved embedding rows that no text encodes to, by the target's text model_type and vocabulary size: the first row after
 # Qwen3's added tokens (151643..151668), and the mask of the drafters published for Qwen3.5/3.6.
@@ -108,28 +105,3 @@ def mask_token_problem(mask_token_id: int | None, added: dict[int, str], example
     return (f"dflash.mask_token_id {mask_token_id} is the tokenizer's added token {added[mask_token_id]}, a control token its "
             f"chat template and tokenizer emit: the drafter could not tell a masked slot from it; {HOW_TO_CHOOSE}"
             + (f" (here: {example}, the first row past the tokenizer's last id)" if example is not None else ""))
-
-
-def suggest_mask_token_id(seen: SeenIds, vocab_size: int, added: dict[int, str], known: int | None = None) -> int | None:
-    """An id that fits the rule for a target of `vocab_size` rows whose tokenized data holds `seen` (`seen.size`: the
-    tokenizer's ids): the family's reserved id when the data does not hold it, else the first row past the tokenizer's last
-    id, else the highest id the data never holds that is not an added token (in a BPE vocabulary the later merges are the
-    rarer ones); None when no row is free."""
-    if known is not None and known < vocab_size and known not in seen and known not in added:
-        return known
-    if (row := spare_row(seen.size, vocab_size)) is not None:
-        return row
-    return seen.highest_absent(min(vocab_size, seen.size), set(added))
-
-
-def mask_in_data_problem(mask_token_id: int, seen: SeenIds, data: str, vocab_size: int, added: dict[int, str],
-                         known: int | None = None) -> str | None:
-    """The one line that refuses `mask_token_id` when the tokenized rows of `data` (which hold `seen`) hold it, naming an
-    id that fits instead; None when they never do."""
-    if mask_token_id not in seen:
-        return None
-    fit = suggest_mask_token_id(seen, vocab_size, added, known)
-    fix = (f"set dflash.mask_token_id to an id these rows never hold, e.g. {fit}" if fit is not None else
-           f"every id below vocab_size {vocab_size} occurs in them or is an added token, so no row of the target's embedding can be the mask")
-    return (f"dflash.mask_token_id {mask_token_id} occurs in the tokenized rows of {data} (they hold {len(seen):,} distinct ids of "
-            f"{seen.size:,}): the drafter could not tell a masked slot from that token; {fix}")

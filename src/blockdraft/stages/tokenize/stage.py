@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from blockdraft.added_tokens import known_mask_token_id, local_text_config, mask_in_data_problem, tokenizer_added_tokens
+from blockdraft.added_tokens import known_mask_token_id, local_text_config, tokenizer_added_tokens
 from blockdraft.config import BlockdraftConfig
 from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.data.inputs import STAT_PIN, InputFile, list_inputs
-from blockdraft.data.seen_ids import SEEN_IDS, SeenIds
+from blockdraft.data.seen_ids import SEEN_IDS, SeenIds, mask_in_data_problem
 from blockdraft.data.tokenizer import TokenizerSource, check_mask_token, end_of_turn_id, resolve_tokenizer
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.reporter import Reporter

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from datasets import Dataset, concatenate_datasets
 
-from blockdraft.added_tokens import HOW_TO_CHOOSE, known_mask_token_id, mask_in_data_problem, suggest_mask_token_id, tokenizer_added_tokens
+from blockdraft.added_tokens import HOW_TO_CHOOSE, known_mask_token_id, tokenizer_added_tokens
 from blockdraft.config import BlockdraftConfig, StoreConfig
 from blockdraft.data.formats import HELD_OUT_SPLIT, TRAIN_SPLIT
-from blockdraft.data.seen_ids import SEEN_IDS, SeenIds
+from blockdraft.data.seen_ids import SEEN_IDS, SeenIds, mask_in_data_problem, suggest_mask_token_id
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store.artifact import InputRef
 from blockdraft.store.inputs import StageInput
