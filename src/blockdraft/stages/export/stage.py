@@ -126,10 +126,13 @@ def run(
         done = out.done()
         if done is None:  # before the eval is looked for: a card edited by hand is the one line said
             refuse_edited_card(out.store, force, reporter)
+        found = _Held()  # which eval the card gives, said once the export is written or found done
         if eval:
             evaluation = open_eval(eval, checkpoint.ref, config.store, Path(tmp) / "eval", target)
         else:
-            evaluation = latest_eval(checkpoint.ref, config.store, Path(tmp) / "eval", reporter, target)
+            evaluation = latest_eval(checkpoint.ref, config.store, Path(tmp) / "eval", found, target)
+        if done is not None:
+            found.replay(reporter)
         if done is not None and eval is not None:
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card from {eval}")
             return rewrite_card(config, output, reporter, eval=eval, force=force)
@@ -165,6 +168,7 @@ def run(
             evaluation=evaluation,
             license=config.export.license,
         )
+    found.replay(reporter)
     result.seconds = time.perf_counter() - started
     return result
 
@@ -532,10 +536,11 @@ def rewrite_card(
             raise ExportError(f"{current.store.url} records no checkpoint it was exported from; export the checkpoint again")
         checkpoint = current.manifest.lineage[0]
         target = provenance.get("target")
+        found = _Held()  # which eval the card gives, said once the card is written
         if eval:
             evaluation = open_eval(eval, checkpoint, config.store, Path(tmp) / "eval", target)
         else:
-            evaluation = latest_eval(checkpoint, config.store, Path(tmp) / "eval", reporter, target)
+            evaluation = latest_eval(checkpoint, config.store, Path(tmp) / "eval", found, target)
         data = [InputRef(**{k: e[k] for k in InputRef.model_fields if k in e}) for e in provenance.get("data", [])]
         serving = json.loads((folder / SERVING_NAME).read_text())
         card = render_card(
@@ -548,7 +553,21 @@ def rewrite_card(
         with _one_line_write_errors():
             writer = StageOutput.amending(current, force=force, reporter=reporter)
             report = writer.amend(current, root, [root / CARD_NAME], lineage=export_lineage(checkpoint, evaluation))
+    found.replay(reporter)
     return StageResult(STAGE, current.store.url, report, seconds=time.perf_counter() - started, details=ExportResult(serving, provenance))
+
+
+class _Held(Reporter):
+    """Keeps the lines it is told, neither shown nor logged, until `replay` says them: what the card's eval search found
+    is said once the export is written, so an export that fails says its one error line alone."""
+
+    def say(self, line: str) -> None:
+        self.lines.append(line)
+
+    def replay(self, reporter: Reporter) -> None:
+        for line in self.lines:
+            reporter.say(line)
+        self.lines.clear()
 
 
 def export_lineage(checkpoint: InputRef, evaluation: EvalSource | None) -> list[InputRef]:
