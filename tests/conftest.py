@@ -107,8 +107,8 @@ def dest(request, tmp_path):
 @pytest.fixture
 def leases_given_back():
     """A lease test gives back every lease it took."""
-    from blockdraft.store import output
+    from blockdraft.store import lease
 
-    before = sorted(output._held)  # the output roots whose lease this process holds
+    before = sorted(lease._held)  # the output roots whose lease this process holds
     yield
-    assert sorted(output._held) == before  # every lease taken in a test was given back
+    assert sorted(lease._held) == before  # every lease taken in a test was given back

@@ -29,8 +29,8 @@ from blockdraft.reporter import Reporter
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
 from blockdraft.store.base import LEASE_NAME
+from blockdraft.store.lease import LeaseRecord
 from blockdraft.store.local import TMP_PREFIX
-from blockdraft.store.output import LeaseRecord
 from blockdraft.store.status import status
 from blockdraft.store.transfer import push
 

@@ -53,8 +53,9 @@ from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, InputRef, State, commit_artifact, entry_for_local_file, verify_artifact
 from blockdraft.store.base import LEASE_NAME
 from blockdraft.store.inputs import open_input
+from blockdraft.store.lease import Lease
 from blockdraft.store.manifest import AGREEMENT_NAME, manifest_sha256
-from blockdraft.store.output import Lease, StageOutput, stage_key
+from blockdraft.store.output import StageOutput, stage_key
 
 pytestmark = pytest.mark.fault
 

@@ -36,7 +36,7 @@ from blockdraft.stages.generate import FAILURES_NAME
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.base import LEASE_NAME
-from blockdraft.store.output import Lease
+from blockdraft.store.lease import Lease
 from blockdraft.store.preflight import PROBE_PREFIX, preflight, probing
 from blockdraft.store.s3 import S3Store
 from blockdraft.store.s3_client import (

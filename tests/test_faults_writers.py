@@ -26,7 +26,8 @@ from blockdraft.stages import train
 from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, read_manifest, verify_artifact
 from blockdraft.store.base import LEASE_NAME
-from blockdraft.store.output import LeaseRecord, StageOutput
+from blockdraft.store.lease import LeaseRecord
+from blockdraft.store.output import StageOutput
 from blockdraft.store.status import status
 from blockdraft.store.transfer import pull, push
 

@@ -25,7 +25,7 @@ from blockdraft.stages.train.launch import torchrun_command
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, read_manifest, verify_artifact
 from blockdraft.store.base import LEASE_NAME
-from blockdraft.store.output import LeaseRecord
+from blockdraft.store.lease import LeaseRecord
 
 
 def _one_line(result) -> str:
