@@ -46,7 +46,7 @@ from blockdraft.data.records import (
     starts_as_json_array,
 )
 from blockdraft.data.streams import CountingReader, InputUnreadable, decoding, decoding_parquet, decompressed
-from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
+from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme, crc64nvme_bytes
 
 # A compressed stream is cut into at most this many parts: part k decompresses the k parts before its own, so the whole
 # file is decompressed about MAX_STREAM_PARTS / 2 times over (a few % of the tokenizing time at 16).
@@ -314,7 +314,7 @@ class RangeReader:
             self.reads = [(*self.window, self.crc)]
             if part.kind == "lines" and self.window[1] == part.end:
                 tail = self._tail
-                pieces = [(crc_of(self._previous), len(self._previous)), (self.crc, self.window[1] - start), (tail.crc.b64, tail.length)]
+                pieces = [(crc64nvme_bytes(self._previous), len(self._previous)), (self.crc, self.window[1] - start), (tail.crc.b64, tail.length)]
                 self.reads = [(start - len(self._previous), self.window[1] + tail.length, crc_concat(pieces))]
             return
         if not self.checksum:
@@ -341,12 +341,6 @@ class _Past:
             self.crc.update(data[skip:] if skip else data)
             self.length += len(data) - skip
         self.pos += len(data)
-
-
-def crc_of(data: bytes) -> str:
-    crc = Crc64Nvme()
-    crc.update(data)
-    return crc.b64
 
 
 def crc_concat(parts: list[tuple[str, int]]) -> str:
