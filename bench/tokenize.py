@@ -111,10 +111,10 @@ def raw_encode(rows: list[dict], tokenizer_dir: str, template_path: str | None, 
     from blockdraft.data.completions import normalise
     from blockdraft.data.records import RawRecord
     from blockdraft.data.render import PlannedTurn, compile_chat_template, plan_turns
-    from blockdraft.data.tokenizer import load_tokenizer
+    from blockdraft.data.tokenizer import read_tokenizer_folder
     from blockdraft.stages.tokenize.shard import CONVERSATION_BATCH
 
-    tokenizer_json, _, own_template, special_tokens = load_tokenizer(tokenizer_dir)
+    tokenizer_json, _, own_template, special_tokens = read_tokenizer_folder(tokenizer_dir)
     text = Path(template_path).read_text() if template_path else own_template
     assert text is not None, f"{tokenizer_dir} has no chat template; pass --chat-template"
     template = compile_chat_template(text, special_tokens)

@@ -20,14 +20,14 @@ from transformers import AutoTokenizer
 from blockdraft.data.completions import normalise
 from blockdraft.data.records import RawRecord
 from blockdraft.data.render import PlannedTurn, TurnRejection, TurnRow, compile_chat_template, mask_turn, plan_turns
-from blockdraft.data.tokenizer import load_tokenizer
+from blockdraft.data.tokenizer import read_tokenizer_folder
 
 IM_END = 151645
 
 
 @functools.lru_cache(maxsize=1)
 def qwen3_tokenizer() -> Tokenizer:
-    return Tokenizer.from_str(load_tokenizer(str(TOKENIZER_DIR))[0])
+    return Tokenizer.from_str(read_tokenizer_folder(str(TOKENIZER_DIR))[0])
 
 
 @pytest.fixture(scope="module")

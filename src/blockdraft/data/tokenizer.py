@@ -32,7 +32,7 @@ class TokenizerSource:
 
 
 @functools.lru_cache(maxsize=8)
-def load_tokenizer(path: str) -> tuple[str, int, str | None, dict[str, str]]:
+def read_tokenizer_folder(path: str) -> tuple[str, int, str | None, dict[str, str]]:
     """(tokenizer JSON, vocabulary size, its own chat template, its special tokens by name) of a tokenizer folder.
 
     Cached per process: loading converts vocab/merges when the folder has no tokenizer.json (seconds).
@@ -67,7 +67,7 @@ def resolve_tokenizer(target: TargetConfig) -> tuple[TokenizerSource, list[str]]
     tok_path = target.tokenizer or target.path
     if not tok_path:
         raise ConfigError("no tokenizer: set target.path (or target.tokenizer) in the config, or pass --tokenizer DIR")
-    tokenizer_json, vocab_size, own_template, special_tokens = load_tokenizer(str(tok_path))
+    tokenizer_json, vocab_size, own_template, special_tokens = read_tokenizer_folder(str(tok_path))
     if target.chat_template:
         text, source = _read_template_file(target.chat_template), f"file {Path(target.chat_template).name}"
     elif own_template is not None:
