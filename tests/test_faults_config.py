@@ -14,7 +14,7 @@ from helpers.artifacts import commit_files
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
-from blockdraft.config import BlockdraftConfig, StoreConfig, check_device, load_config
+from blockdraft.config import BlockdraftConfig, StoreConfig, check_device, is_s3_url, load_config
 from blockdraft.errors import ConfigError, StoreError
 from blockdraft.store import open_store
 from blockdraft.store.s3_client import describe_error
@@ -164,6 +164,14 @@ def test_good_store_urls_load_and_open(tmp_path):
     for url in ("s3://bucket", "s3://bucket/a/b", f"file://{tmp_path}", str(tmp_path), "relative/folder", "./x"):
         assert load(tmp_path, f'[store]\nurl = "{url}"\n').store.url == url
     assert open_store(f"file://{tmp_path}").local_path() == tmp_path
+
+
+def test_is_s3_url_is_the_one_rule_for_an_s3_location():
+    """`is_s3_url` is what every caller asks (the backend `open_store` picks, preflight's probe, a bare push name under
+    store.url, a single prompts object): the lower-case scheme with two slashes, nothing else."""
+    assert is_s3_url("s3://bucket") and is_s3_url("s3://bucket/a/b")
+    for url in ("S3://bucket/x", "s3:/typo", "file://s3://x", "/data/s3://x", "relative/s3", "gs://bucket/x"):
+        assert not is_s3_url(url)
 
 
 # ---- S3 connection errors name the object ----

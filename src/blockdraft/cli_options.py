@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from blockdraft.config import StoreConfig, load_config
+from blockdraft.config import StoreConfig, is_s3_url, load_config
 from blockdraft.errors import ConfigError
 
 ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="blockdraft TOML config file.")]
@@ -47,7 +47,7 @@ def in_store(location: str, settings: StoreConfig) -> str:
     """A push destination or pull source as given, or, when it is a bare relative name (`tokenized`, `runs/try-2/export`:
     no scheme, not absolute, not starting with `.` or `~`) and store.url is on S3, that name under store.url."""
     bare = "://" not in location and not location.startswith(("/", ".", "~"))
-    if bare and settings.url.startswith("s3://"):
+    if bare and is_s3_url(settings.url):
         return f"{settings.url.rstrip('/')}/{location}"
     return location
 

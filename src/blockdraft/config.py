@@ -101,11 +101,18 @@ def check_device(field: str, value: str) -> str:
     raise ConfigError(f"{field} lists '{value}' but {has}; list devices this machine has ({use}) in the config")
 
 
+def is_s3_url(url: str) -> bool:
+    """Whether `url` names an S3 location (`s3://bucket/prefix`): the one test that picks the S3 backend over a local
+    folder. Here, with the store URL rule (`store_url_problem`), because the config checks URLs before any store is
+    opened and may not import the store package."""
+    return url.startswith("s3://")
+
+
 def store_url_problem(url: str) -> str | None:
     """Why `url` is not a store URL (s3://bucket/prefix, file://path or a plain path), or None. A scheme of two or more
     letters followed by ':' marks a URL, so 'gs://b', 'http://h' and the typo 's3:/b' fail here, not at the first request."""
     accepted = "use s3://bucket/prefix, file://path or a plain path"
-    if url.startswith("s3://"):
+    if is_s3_url(url):
         bucket = url[5:].split("/", 1)[0]
         if "?" in url or "@" in bucket:
             return (f"store URL '{safe_url(url)}' carries a query string or user info, which manifests and leases would record; "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from blockdraft.config import StoreConfig, store_url_problem
+from blockdraft.config import StoreConfig, is_s3_url, store_url_problem
 from blockdraft.errors import StoreError
 from blockdraft.store.base import ObjectInfo, Store
 from blockdraft.store.local import LocalStore
@@ -20,7 +20,7 @@ def open_store(url: str | Path, store_config: StoreConfig | None = None) -> Stor
     problem = store_url_problem(url)
     if problem:
         raise StoreError(problem)
-    if url.startswith("s3://"):
+    if is_s3_url(url):
         # Imported here, not at the top: boto3 takes ~0.4 s to import and only s3:// URLs need it.
         from blockdraft.store.s3 import S3Store
 

@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from blockdraft.config import is_s3_url
 from blockdraft.errors import StoreError
 from blockdraft.store.base import Store
 
@@ -31,7 +32,7 @@ class PreflightReport:
 
 def probing(store: Store) -> Store:
     """`store` with short timeouts: an S3 store's probing view (same bucket, prefix and credentials); others as they are."""
-    if not store.url.startswith("s3://"):
+    if not is_s3_url(store.url):
         return store
     from blockdraft.store.s3 import S3Store  # imported here: only s3:// URLs pay for boto3
 

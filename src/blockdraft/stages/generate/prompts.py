@@ -10,7 +10,7 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
 
-from blockdraft.config import StoreConfig
+from blockdraft.config import StoreConfig, is_s3_url
 from blockdraft.data.chat import Prompt
 from blockdraft.data.completions import RowRejected, is_completions_file, normalise_message, resolve_completions, source_id_of
 from blockdraft.data.records import iter_records
@@ -38,7 +38,7 @@ def list_prompt_files(input_url: str, store_config: StoreConfig) -> tuple[Store,
     its checksum (read whole when its store holds none and no ETag) or ETag, as lineage; raises ConfigError when absent.
     A single s3:// object is taken as it is (listing would list its parent).
     """
-    if input_url.startswith("s3://") and is_completions_file(input_url):
+    if is_s3_url(input_url) and is_completions_file(input_url):
         raw = open_raw_input(input_url, store_config)
         info = raw.info
         return raw.store, [(info.key, info.size, info.checksum or f"etag:{info.etag}")], [raw.ref]
