@@ -1,6 +1,9 @@
 """What a drafter artifact holds and how a stage finds one: the file names and artifact kinds that training writes and
 eval and export read, so that neither reader imports the training stage.
 
+A plain drafter folder (`plain_drafter_folder`: `config.json` + `model.safetensors`, no manifest, e.g. a downloaded
+published drafter) is read where it is, by train.init_from and by eval alike.
+
 A checkpoint (`drafter-checkpoint`) and an export (`drafter-export`) both hold the drafter in the z-lab format
 (`config.json` + `model.safetensors`); a checkpoint adds the training state and the pinned config, an export its
 provenance. A training output holds one checkpoint per `step-NNNNNNNN/` folder.
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from blockdraft.errors import ArtifactError
 from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME
@@ -72,6 +76,16 @@ def search_checkpoints(store: Store) -> tuple[Resumable | None, list[str]]:
     return None, skipped
 
 
+def plain_drafter_folder(url: str) -> Path | None:
+    """The local folder at `url` when it is a plain export-format drafter (config.json, no blockdraft manifest), else None."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    local = Path(url.removeprefix("file://"))
+    if local.is_dir() and (local / CONFIG_NAME).is_file() and not (local / MANIFEST_NAME).exists():
+        return local.absolute()
+    return None
+
+
 def open_drafter_artifact(store: Store) -> StageInput:
     """The verified drafter at `store`: a checkpoint or an export there, else the newest verified step-* checkpoint of a
     training output there. Raises ArtifactError naming what was found instead."""
@@ -95,5 +109,6 @@ def open_drafter_artifact(store: Store) -> StageInput:
 
 __all__ = [
     "CHECKPOINT_KIND", "CONFIG_NAME", "EXPORT_KIND", "PINNED_CONFIG_NAME", "PROVENANCE_NAME", "SERVING_NAME", "STATE_NAME", "WEIGHTS_NAME",
-    "Resumable", "checkpoint_key", "checkpoint_steps", "find_resumable", "open_drafter_artifact", "search_checkpoints", "trained_on",
+    "Resumable", "checkpoint_key", "checkpoint_steps", "find_resumable", "open_drafter_artifact", "plain_drafter_folder", "search_checkpoints",
+    "trained_on",
 ]

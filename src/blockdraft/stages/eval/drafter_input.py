@@ -22,10 +22,11 @@ from blockdraft.model.formats import (
     PROVENANCE_NAME,
     WEIGHTS_NAME,
     open_drafter_artifact,
+    plain_drafter_folder,
 )
 from blockdraft.model.spec import TargetShape, default_layer_ids
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, InputRef
+from blockdraft.store.artifact import InputRef
 from blockdraft.store.inputs import StageInput
 from blockdraft.store.manifest import folder_input
 
@@ -62,16 +63,6 @@ class Checkpoint:
         if self.artifact is None:
             return self.workdir
         return self.artifact.fetch([WEIGHTS_NAME], self.workdir)  # config.json is there since `open_checkpoint`
-
-
-def plain_drafter_folder(url: str) -> Path | None:
-    """The local folder at `url` when it is a plain export-format drafter (config.json, no blockdraft manifest), else None."""
-    if "://" in url and not url.startswith("file://"):
-        return None
-    local = Path(url.removeprefix("file://"))
-    if local.is_dir() and (local / CONFIG_NAME).is_file() and not (local / MANIFEST_NAME).exists():
-        return local.absolute()
-    return None
 
 
 def drafter_folder_sha256(folder: str | Path, role: str) -> str:
@@ -191,5 +182,5 @@ def _given_layer_ids(dflash: DFlashConfig, hf_config: Any) -> list[int]:
 
 
 __all__ = [
-    "Checkpoint", "chat_template_sha256", "check_checkpoint_matches", "drafter_folder_sha256", "open_checkpoint", "plain_drafter_folder",
+    "Checkpoint", "chat_template_sha256", "check_checkpoint_matches", "drafter_folder_sha256", "open_checkpoint",
 ]
