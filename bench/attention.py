@@ -38,7 +38,7 @@ def _status_kib(field: str) -> int:
 
 def _inputs(cfg: dict, rows: int, device: torch.device, dtype: torch.dtype, grad: bool, seed: int = 0):
     """Anchors [rows, N] and keep drawn as training draws them, and random q [rows, h, Q, d], k/v [rows, g, S+Q, d]."""
-    from blockdraft.stages.train.batch import anchor_generator, sample_anchors
+    from blockdraft.stages.train.data import anchor_generator, sample_anchors
 
     s, n, size = cfg["seq_len"], cfg["anchors"], cfg["block_size"]
     drawn = [sample_anchors(torch.ones(s, dtype=torch.bool), n, anchor_generator(seed, 0, r)) for r in range(rows)]
@@ -57,7 +57,7 @@ def measure(path: str, cfg: dict, rows: int, device: torch.device, backward: boo
     """One path's call in this process: seconds, the memory it added (MiB), the mask's own size, an output checksum."""
     from blockdraft.model.block_sparse import AnchorLayout
     from blockdraft.model.drafter import attend
-    from blockdraft.stages.train.batch import block_attention_mask
+    from blockdraft.stages.train.data import block_attention_mask
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     size = cfg["block_size"]

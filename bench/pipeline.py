@@ -41,8 +41,7 @@ from pathlib import Path
 import torch
 
 from blockdraft.model.block_sparse import resolve_attention
-from blockdraft.stages.train.prefetch import Prefetcher, StepInputs
-from blockdraft.stages.train.step import MicroBatch
+from blockdraft.stages.train.step import MicroBatch, Prefetcher, StepInputs
 from blockdraft.stages.train.trainer import Trainer
 
 
@@ -73,7 +72,7 @@ def build_trainers(work: Path, layers: int, data: str, args: argparse.Namespace,
     from blockdraft.data.formats import TOKENIZED_KIND
     from blockdraft.reporter import Reporter
     from blockdraft.stages.train.data import load_train_rows
-    from blockdraft.stages.train.placement import RankPlacement
+    from blockdraft.stages.train.ranks import RankPlacement
     from blockdraft.stages.train.setup import build_training
     from blockdraft.store import open_store
     from blockdraft.store.inputs import open_input

@@ -25,7 +25,7 @@ import torch
 
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead
 from blockdraft.model.block_sparse import TILE, resolve_attention
-from blockdraft.stages.train.batch import BlockBatch, anchor_generator, build_block_batch
+from blockdraft.stages.train.data import BlockBatch, anchor_generator, build_block_batch
 from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
 
 PRESETS = {

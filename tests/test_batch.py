@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blockdraft.stages.train.batch import (
+from blockdraft.stages.train.data import (
     anchor_generator,
     block_attention_mask,
     build_block_batch,

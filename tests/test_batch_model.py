@@ -13,7 +13,7 @@ from helpers.paths import GOLDEN
 from safetensors.torch import load_file
 
 from blockdraft.model import DFlashDrafter, DraftCache, TargetHead, TargetModel, draft_step, load_target
-from blockdraft.stages.train.batch import anchor_generator, build_block_batch, sample_anchors
+from blockdraft.stages.train.data import anchor_generator, build_block_batch, sample_anchors
 from blockdraft.stages.train.loss import block_loss
 from blockdraft.stages.train.step import DraftForward
 

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.model.dflash2 import CandidateSelector
-from blockdraft.stages.train.loss import Objective, block_loss
-from blockdraft.stages.train.weighting import dpace_weights
+from blockdraft.stages.train.loss import Objective, block_loss, dpace_weights
 
 B, H, V, R, K = 4, 16, 40, 8, 5
 

@@ -23,7 +23,7 @@ from blockdraft.model import DFlashDrafter, DraftCache, DrafterSpec, TargetHead,
 from blockdraft.model.dflash2 import GroupedDynamicCausalConv, greedy_walk, unary_logits
 from blockdraft.model.spec import DFlash2Spec
 from blockdraft.model.weight_init import init_drafter
-from blockdraft.stages.train.batch import anchor_generator, build_block_batch
+from blockdraft.stages.train.data import anchor_generator, build_block_batch
 from blockdraft.stages.train.step import DraftForward
 
 

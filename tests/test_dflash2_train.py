@@ -20,7 +20,7 @@ from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, DrafterSpec
 from blockdraft.model.formats import checkpoint_key
 from blockdraft.stages.train import run
-from blockdraft.stages.train.trackers import tracked_scalars
+from blockdraft.stages.train.metrics import tracked_scalars
 
 DFLASH2 = 'architecture = "dflash2"\nselector_rank = 32\nselector_top_k = 8\n'
 

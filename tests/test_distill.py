@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from helpers.paths import GOLDEN_TARGET
 
 from blockdraft.model import TargetHead, TargetModel, load_target
-from blockdraft.stages.train.batch import anchor_generator, build_block_batch
-from blockdraft.stages.train.loss import Objective, Teacher, block_loss
-from blockdraft.stages.train.weighting import dpace_weights
+from blockdraft.stages.train.data import anchor_generator, build_block_batch
+from blockdraft.stages.train.loss import Objective, Teacher, block_loss, dpace_weights
 
 B, H, V = 4, 16, 40
 

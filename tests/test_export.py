@@ -365,7 +365,7 @@ def test_export_of_a_bf16_target_checkpoint_is_bf16_and_keeps_the_logits(tmp_pat
 def test_an_export_with_unsorted_or_repeated_layer_ids_is_refused_at_load(tmp_path, ids, why):
     """A drafter folder whose dflash_config.target_layer_ids the engines cannot serve: loading it (an eval baseline, a
     train.init_from, an export of a checkpoint) fails with one line naming the field."""
-    from blockdraft.stages.train.init_from import load_init_drafter
+    from blockdraft.stages.train.setup import load_init_drafter
 
     folder = tmp_path / "drafter"
     folder.mkdir()

@@ -69,7 +69,7 @@ def test_a_cuda_device_this_machine_lacks_is_one_line_saying_what_torch_sees():
 
 @pytest.mark.parametrize("field", ["drafter_devices", "target_devices"])
 def test_training_placement_refuses_a_missing_device_before_torch_sees_it(tmp_path, monkeypatch, field):
-    from blockdraft.stages.train.placement import resolve_placement
+    from blockdraft.stages.train.ranks import resolve_placement
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

@@ -21,7 +21,7 @@ from blockdraft.config import BlockdraftConfig
 from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, DrafterSpec, block_sparse
 from blockdraft.model.block_sparse import TILE, AnchorLayout, resolve_attention
-from blockdraft.stages.train.batch import anchor_generator, block_attention_mask, build_block_batch
+from blockdraft.stages.train.data import anchor_generator, block_attention_mask, build_block_batch
 from blockdraft.stages.train.loss import block_loss
 from blockdraft.stages.train.step import DraftForward
 
@@ -199,7 +199,7 @@ def test_compiled_kernel_equals_dense_and_keeps_blocks_blind_past_their_anchor()
 def test_flex_batches_hand_the_drafter_the_layout_and_never_build_the_dense_mask(monkeypatch):
     spec = _spec([F, F, F], None)
     batch = _batch([40, 12], 8, spec, "flex")
-    monkeypatch.setattr("blockdraft.stages.train.batch.block_attention_mask", lambda *a, **k: pytest.fail("dense mask built"))
+    monkeypatch.setattr("blockdraft.stages.train.data.block_attention_mask", lambda *a, **k: pytest.fail("dense mask built"))
     layout = batch.drafter_attention
     assert isinstance(layout, AnchorLayout) and layout.context_len == 40 and torch.equal(layout.anchors, batch.anchors)
 

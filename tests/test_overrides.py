@@ -149,7 +149,7 @@ def test_deterministic_cuda_training_asks_for_the_cublas_setting_instead_of_writ
     of the ranks it starts; a process started otherwise without it stops with one line before it joins any group."""
     import torch
 
-    from blockdraft.stages.train.placement import RankPlacement, rank_session
+    from blockdraft.stages.train.ranks import RankPlacement, rank_session
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     place = RankPlacement(0, 1, 0, torch.device("cuda:0"), torch.device("cuda:0"))

@@ -21,10 +21,10 @@ from typer.testing import CliRunner
 from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.model import DFlashDrafter, DrafterSpec
-from blockdraft.stages.train.batch import block_attention_mask
+from blockdraft.stages.train.data import block_attention_mask
 from blockdraft.stages.train.loss import block_loss
 from blockdraft.stages.train.memory import CUDA_RUNTIME_BYTES, apply_memory_options, drafter_activations, memory_plan
-from blockdraft.stages.train.placement import allreduce_hook_for, bf16_allreduce_hook, register_grad_allreduce
+from blockdraft.stages.train.ranks import allreduce_hook_for, bf16_allreduce_hook, register_grad_allreduce
 from blockdraft.stages.train.step import DraftForward
 
 QWEN36 = Path(__file__).parent / "fixtures" / "qwen3.6-27b"  # its config.json only: no weights exist to load

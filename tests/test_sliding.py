@@ -17,7 +17,7 @@ from blockdraft.config import DFlashConfig
 from blockdraft.errors import SpecError
 from blockdraft.model import DFlashDrafter, DraftCache, DrafterSpec, draft_step
 from blockdraft.model.attention import sliding_window_mask
-from blockdraft.stages.train.batch import anchor_generator, block_attention_mask, build_block_batch
+from blockdraft.stages.train.data import anchor_generator, block_attention_mask, build_block_batch
 from blockdraft.stages.train.step import DraftForward
 
 S, F = "sliding_attention", "full_attention"

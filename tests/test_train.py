@@ -33,7 +33,7 @@ from blockdraft.model.formats import CHECKPOINT_KIND, checkpoint_key, find_resum
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train import run
 from blockdraft.stages.train.data import load_train_rows
-from blockdraft.stages.train.placement import rank_placement
+from blockdraft.stages.train.ranks import rank_placement
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, uncommit, verify_artifact
 from blockdraft.store.inputs import open_input

@@ -27,10 +27,9 @@ from blockdraft.model import DFlashDrafter, DrafterSpec
 from blockdraft.model.formats import checkpoint_key, find_resumable
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train import run
-from blockdraft.stages.train.checkpoint import CHECKPOINT_FORMAT, Checkpoints, run_identity, save_checkpoint
-from blockdraft.stages.train.ckpt_writer import Snapshot
+from blockdraft.stages.train.checkpoint import CHECKPOINT_FORMAT, Checkpoints, Snapshot, run_identity, save_checkpoint
 from blockdraft.stages.train.metrics import MetricsLog
-from blockdraft.stages.train.replicas import rng_state, set_rng_state
+from blockdraft.stages.train.ranks import rng_state, set_rng_state
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, State, verify_artifact
 

@@ -25,9 +25,8 @@ from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead
 from blockdraft.model.formats import checkpoint_key
 from blockdraft.stages.train import run
-from blockdraft.stages.train.batch import anchor_generator, build_block_batch
-from blockdraft.stages.train.prefetch import Prefetcher
-from blockdraft.stages.train.step import DraftForward, MicroBatch, accumulate
+from blockdraft.stages.train.data import anchor_generator, build_block_batch
+from blockdraft.stages.train.step import DraftForward, MicroBatch, Prefetcher, accumulate
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ from blockdraft.errors import ConfigError, TrainingInterrupted
 from blockdraft.model.formats import checkpoint_key
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train import run
-from blockdraft.stages.train.progress import ProgressLines
-from blockdraft.stages.train.schedule import WarmupCosine, resume_schedule
+from blockdraft.stages.train.metrics import tracked_scalars
+from blockdraft.stages.train.setup import WarmupCosine, resume_schedule
 from blockdraft.stages.train.signal import TrainingSignal
-from blockdraft.stages.train.trackers import tracked_scalars
+from blockdraft.stages.train.trainer import ProgressLines
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,7 @@ from blockdraft.model.drafter import RMSNorm
 from blockdraft.model.formats import PINNED_CONFIG_NAME, checkpoint_key
 from blockdraft.model.weight_init import init_drafter, initializer_range
 from blockdraft.stages.train import run
-from blockdraft.stages.train.loss import Objective, block_loss
-from blockdraft.stages.train.weighting import dpace_weights
+from blockdraft.stages.train.loss import Objective, block_loss, dpace_weights
 
 
 def ce_of(probabilities: list[float]) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""One gloo rank of two, spawned by the tests of `stages/train/agree.py`: it imports only what the check needs, so a
-spawned process starts in a few seconds."""
+"""One gloo rank of two, spawned by the tests of `check_same_config` and `check_same_data` (`stages/train/ranks.py`): it
+imports only what the check needs, so a spawned process starts in a few seconds."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch.distributed as dist
 
 from blockdraft.config import BlockdraftConfig
 from blockdraft.errors import ConfigError
-from blockdraft.stages.train.agree import check_same_config, check_same_data
-from blockdraft.stages.train.placement import RankPlacement
+from blockdraft.stages.train.ranks import RankPlacement, check_same_config, check_same_data
 
 
 def compare_data(rank: int, port: int, folder: str, rounds: list[list], out: str, eval_folder: str | None = None) -> None:

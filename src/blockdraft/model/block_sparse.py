@@ -1,6 +1,6 @@
 """Block-sparse training attention with FlexAttention: each query tile visits only the key tiles its blocks may see.
 
-The dense training mask ([b, 1, Q, S+Q], `block_attention_mask` in stages/train/batch.py) is the reference; this module
+The dense training mask ([b, 1, Q, S+Q], `block_attention_mask` in stages/train/data.py) is the reference; this module
 builds the same pattern straight from the anchors, never materialising it. In the packed training batch the S context
 entries sit at positions 0..S-1 and slot k of block n at position anchors[n] + k, so every query sees exactly two
 intervals of key indices: its context prefix [ctx_lo, ctx_hi) and a span of its own block [own_lo, own_hi).

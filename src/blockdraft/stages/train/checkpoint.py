@@ -1,14 +1,28 @@
-"""Training checkpoints as artifacts: written locally, published through `StageOutput`, verified at the destination.
+"""Training checkpoints: what one holds, how it is written in the background and published, and how a run resumes from it.
 
-Layout under the run's output store: `step-00000500/` per checkpoint, each its own artifact holding the drafter in the
-export format (`config.json`, `model.safetensors`), `training-state.pt` (optimizer, scheduler, RNG states, data
-position), the resolved config (`blockdraft-config.json`), the metrics logged since the checkpoint before (its window of
+Checkpoints are artifacts: written locally, published through `StageOutput`, verified at the destination. Layout under
+the run's output store: `step-00000500/` per checkpoint, each its own artifact holding the drafter in the export format
+(`config.json`, `model.safetensors`), `training-state.pt` (optimizer, scheduler, RNG states, data position), the
+resolved config (`blockdraft-config.json`), the metrics logged since the checkpoint before (its window of
 `metrics.jsonl`: checkpoints do not grow with the run) and the latest training curves. Resume reads only checkpoints that
 verify; one whose push never completed (no manifest) or whose files differ is skipped (`model.formats.search_checkpoints`),
 and when every committed one differs the run stops rather than overwrite them from step 0, unless `train --force`. The
 newest that verifies is resumed from only when its `StageOutput` (keyed by the run identity and the data) says `done`.
-Pruning (`prune_checkpoints`) keeps the newest verified ones and every Nth for good. `Checkpoints` pushes each checkpoint
-from a background thread (`blockdraft.stages.train.ckpt_writer`) while training goes on.
+Pruning (`prune_checkpoints`) keeps the newest verified ones and every Nth for good.
+
+Written in the background: `Checkpoints` copies the state to the host at its step, then one worker thread writes,
+pushes and verifies it while training goes on. A `Snapshot` is everything one checkpoint holds, taken on the training
+thread: the drafter and the optimizer state copied to the CPU (training changes the originals in place), the RNG states,
+and the metrics window and curves as files. The `BackgroundWriter` runs one job at a time on its own thread; whoever
+owns it (`Checkpoints`) takes the job's outcome on its own thread, so nothing of a checkpoint counts before its push
+verified.
+
+What a resumed run takes from its checkpoint and what from this config (`resume_note`, said when a setting changed in
+between): a checkpoint holds the weights, the optimizer's state, the schedule's position, the RNG states and where in
+the data the run stood. The optimizer's state includes its parameter groups, so the learning rate and weight decay the
+first run was started with go on (`CHECKPOINT_SETTINGS`); every other setting comes from this config (more steps,
+another checkpoint interval, another warmup). The run identity's settings (seed, data, DFlash shape, ...) cannot
+differ: the checkpoint of another identity is refused before this is asked.
 """
 
 from __future__ import annotations
@@ -16,12 +30,13 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Generic, NoReturn, TypeVar
 
 import torch
 from safetensors.torch import load_file
@@ -40,12 +55,146 @@ from blockdraft.model.formats import (
     search_checkpoints,
 )
 from blockdraft.reporter import Reporter
-from blockdraft.stages.train.ckpt_writer import BackgroundWriter, Snapshot
 from blockdraft.stages.train.metrics import METRICS_NAME, MetricsLog
+from blockdraft.stages.train.ranks import config_leaves
 from blockdraft.store import Store
 from blockdraft.store.artifact import InputRef, State, VerifyReport, uncommit, verify_artifact
 from blockdraft.store.manifest import measured
 from blockdraft.store.output import StageOutput, stage_key
+
+T = TypeVar("T")
+
+
+def host_copy(value: Any) -> Any:
+    """`value` (a state dict: nested dicts, lists, tuples of tensors and plain values) with every tensor copied to the CPU,
+    so that later in-place updates of the originals (an optimizer step) do not reach it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: host_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(host_copy(item) for item in value)
+    return value
+
+
+def drafter_on_host(drafter: DFlashDrafter) -> DFlashDrafter:
+    """A CPU copy of `drafter` (same spec, its parameters copied), built without a second initialisation."""
+    with torch.device("meta"):
+        copy = DFlashDrafter(drafter.spec)
+    copy.load_state_dict(host_copy(drafter.state_dict()), assign=True)
+    return copy
+
+
+@dataclass
+class Snapshot:
+    """One checkpoint as taken at `step`: what the background writer saves, and what counts once it verified.
+
+    `folder` (removed by `discard`) holds `files`: the metrics logged since the last checkpoint that counted and the curves
+    as last drawn; `window_end` is where that window ends in the log (`MetricsLog.window_saved` once the push verified).
+    """
+
+    step: int
+    drafter: DFlashDrafter
+    training_state: dict[str, Any]
+    counts: dict[str, Any]
+    folder: Path
+    files: list[Path]
+    window_end: int
+    final: bool
+
+    @classmethod
+    def take(
+        cls, step: int, drafter: DFlashDrafter, training_state: dict[str, Any], log: MetricsLog, counts: dict[str, Any], final: bool
+    ) -> Snapshot:
+        folder = Path(tempfile.mkdtemp(prefix="blockdraft-ckpt-state-"))
+        try:
+            window, end = log.write_window(folder)
+            files = [window]
+            if log.plot_path.is_file():  # the plotter replaces the file whole, so this copy is one drawing
+                files.append(Path(shutil.copyfile(log.plot_path, folder / log.plot_path.name)))
+            return cls(step, drafter_on_host(drafter), host_copy(training_state), host_copy(counts), folder, files, end, final)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+    def discard(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class BackgroundWriter(Generic[T]):
+    """One job at a time on a daemon thread: `start` it, `finished` says whether it ended, `result` waits for it and
+    returns its value or raises its exception, on the caller's thread. A job left running when the process exits is
+    dropped (a checkpoint without its manifest: never resumed from)."""
+
+    def __init__(self, name: str = "blockdraft-checkpoint") -> None:
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._outcome: tuple[T | None, BaseException | None] = (None, None)
+
+    def start(self, job: Callable[[], T]) -> None:
+        assert self._thread is None, "the previous job's result must be taken first"
+
+        def run() -> None:
+            try:
+                self._outcome = (job(), None)
+            except BaseException as exc:  # handed to the owner's thread by `result`
+                self._outcome = (None, exc)
+
+        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def finished(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def result(self) -> T | None:
+        """Wait for the job, then its value (None when there was no job); its exception is raised here."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        (value, error), self._outcome = self._outcome, (None, None)
+        if error is not None:
+            raise error
+        return value
+
+
+# Settings the optimizer's restored parameter groups (and the schedule's base learning rate) carry from the checkpoint.
+CHECKPOINT_SETTINGS = ("train.lr", "train.weight_decay")
+LOCATIONS = ("train.data", "train.output")  # where the run reads and writes: may move, the checkpoint pins by content
+SHOWN = 6  # changed settings named in the line; more are counted
+
+
+def changed_settings(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{dotted field: (checkpoint's value, this config's)} for each resolved setting that differs, locations left out;
+    of `recorded`, only the sections `current` has (a manifest's config also holds its stage key)."""
+    old = dict(config_leaves({name: section for name, section in recorded.items() if name in current}))
+    new = dict(config_leaves(current))
+    return {key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys())
+            if key not in LOCATIONS and old.get(key) != new.get(key)}
+
+
+def resume_note(step: int, recorded: dict[str, Any], current: dict[str, Any]) -> tuple[str, bool] | None:
+    """The line for a run resumed at `step` whose config differs from the one its checkpoint recorded (`recorded`,
+    `current`: resolved configs), saying which changed settings are used and which are not, and whether it is a warning
+    (a changed setting is not used); None when none differs."""
+    changed = changed_settings(recorded, current)
+    if not changed:
+        return None
+    ignored = {k: v for k, v in changed.items() if k in CHECKPOINT_SETTINGS}
+    used = {k: v for k, v in changed.items() if k not in CHECKPOINT_SETTINGS}
+    parts = [f"resuming at step {step} with settings that changed since its checkpoint"]
+    if ignored:
+        listed = ", ".join(f"{k} = {new} (the checkpoint's: {old})" for k, (old, new) in ignored.items())
+        parts.append(f"NOT used: {listed}, since the optimizer resumes with the checkpoint's state and learning rate "
+                     "(train into a new train.output to use them)")
+    if used:
+        listed = ", ".join(f"{k} = {new} (was {old})" for k, (old, new) in list(used.items())[:SHOWN])
+        more = f" and {len(used) - SHOWN} more" if len(used) > SHOWN else ""
+        parts.append(f"used from this config: {listed}{more}")
+    line = "; ".join(parts) + ("; the weights, optimizer, schedule position, RNG and data position come from the "
+                               "checkpoint, everything else from the config")
+    return line, bool(ignored)
+
 
 PINNED_DATA_FIELDS = ("template_sha256", "thinking", "tokenizer_sha256", "end_of_turn_id")
 
@@ -361,6 +510,7 @@ class Checkpoints:
 
 
 __all__ = [
-    "CHECKPOINT_FORMAT", "Checkpoints", "LoadedCheckpoint", "Written", "PINNED_DATA_FIELDS", "prune_checkpoints",
-    "read_checkpoint", "refuse_other_format", "resolved_training_config", "run_identity", "save_checkpoint",
+    "BackgroundWriter", "CHECKPOINT_FORMAT", "CHECKPOINT_SETTINGS", "Checkpoints", "LoadedCheckpoint", "PINNED_DATA_FIELDS", "Snapshot",
+    "Written", "changed_settings", "drafter_on_host", "host_copy", "prune_checkpoints", "read_checkpoint", "refuse_other_format",
+    "resolved_training_config", "resume_note", "run_identity", "save_checkpoint",
 ]

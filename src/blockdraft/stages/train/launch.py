@@ -22,7 +22,7 @@ from blockdraft.overrides import as_set_items, flag_overrides
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.train.memory import MemoryPlan, memory_plan
-from blockdraft.stages.train.placement import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_VALUE, resolve_placement
+from blockdraft.stages.train.ranks import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_VALUE, resolve_placement
 from blockdraft.stages.train.stage import run
 
 PLAN_CHECKED = "BLOCKDRAFT_PLAN_CHECKED"  # set for the ranks torchrun starts from here

@@ -1,4 +1,6 @@
-"""The DFlash loss: LM head + cross-entropy in chunks of blocks, normalised over the global batch.
+"""The training objective: the DFlash loss, how much each slot of a block weighs in it, and DFlash2's selector term.
+
+The DFlash loss: LM head + cross-entropy in chunks of blocks, normalised over the global batch.
 
 Loss = sum(w * CE) / sum(w) over every rank's rows. DDP averages gradients over ranks, so each rank returns
 (its own sum(w * CE)) / (global sum(w)) * world_size; the averaged gradient then equals one process on the
@@ -11,18 +13,51 @@ Two options change the per-slot term or its weight (`Objective`, docs/DFLASH.md 
   the drafter matches the target, so the logged loss measures the gap and not the target's own uncertainty. T^2 keeps the
   gradient's size independent of T (Hinton et al., "Distilling the Knowledge in a Neural Network").
 - `dflash.loss_weighting = "dpace"`: the weights come from the drafter's own predictions in the batch
-  (`blockdraft.stages.train.weighting`), and the denominator is the count of supervised slots.
+  (`dpace_weights`, below), and the denominator is the count of supervised slots.
 
-A DFlash2 drafter (`dflash.architecture = "dflash2"`) adds the selector's term (`blockdraft.stages.train.selector_loss`):
+A DFlash2 drafter (`dflash.architecture = "dflash2"`) adds the selector's term (`selector_term`, below):
 the unary logits above (the head's times `output_multiplier`, soft-capped when `final_logit_softcapping` is set) decide each
 slot's top-K, which the chunked head returns with their values (differentiable) and the gold token as one more column; the
 selector's K-way cross-entropy over them, weighted by `dflash.selector_loss_alpha` and by the same per-slot weights, joins
 the sum before the one division by the global denominator.
+
+How much each slot of a block counts in the loss: the paper's fixed decay, or D-PACE weights that follow the drafter.
+
+`dflash.loss_weighting` picks one; it is pinned in the checkpoint's config and in the run's identity like `dflash.gamma`.
+
+- **exponential** (default, the DFlash paper's): slot k >= 1 of a block weighs `exp(-(k - 1) / gamma)`, fixed for the whole run.
+  The batch carries these weights (`batch.slot_decay`); the loss is `sum(w * CE) / sum(w)`.
+- **dpace** (D-PACE, "Dynamic Position-Aware Cross-Entropy for Parallel Speculative Drafting", arXiv 2605.18810; the same
+  definition is implemented in vllm-project/speculators `src/speculators/losses/utils.py` (`dpace_loss_decay`) and in
+  sgl-project/SpecForge `specforge/algorithms/common/dflash_family_model.py` (`OnlineDFlashModel._dpace_weight`)): per block,
+  with the drafter's own probability of the label at each supervised slot, `q_k = exp(-CE_k)` (no gradient), smoothed
+  `s_k = (1 - alpha) * q_k + alpha` (`dflash.dpace_alpha`, default 0.5; 1 on unsupervised slots), the weight of slot k is
+  `w_k = m_k * sum_{j >= k} m_j * prod_{i <= j} s_i` (m the supervision mask). That is the derivative of the expected
+  acceptance length `sum_j prod_{i <= j} s_i` with respect to `log s_k`: a slot counts by how many later tokens its
+  acceptance gates, measured on this batch with the current drafter, so the weights move with the drafter as it learns
+  (early in training they fall off steeply, later they flatten). Being computed from the batch, they need no running
+  statistics, and a resumed run computes exactly what an uninterrupted one would. The loss is normalised by the global count
+  of supervised slots (as speculators does), so it is `sum(w * CE) / count`, not a weighted mean: the weights' sum is part of
+  the signal (it grows as acceptance grows). gamma is still resolved and pinned, and unused.
+
+The selector's term of the DFlash2 objective: a K-way cross-entropy over each slot's top-K, with the gold predecessor.
+
+Slot k of a block (k >= 1) has unary logits u (the chunked head's, `block_loss`) and candidates C = the
+top-K of u. The walk scores candidate c after predecessor p as u[c] + pair(h, p, c) (the drafter's candidate selector,
+`CandidateSelector.scores`, the function the walk calls) and takes the best; training scores them the same way with the GOLD previous token as p (teacher forcing:
+slot 1's predecessor is the anchor), and the term is the cross-entropy of that softmax over C against the gold token,
+weighted per slot like the unary term (exponential decay or D-PACE's weights).
+
+A gold token outside C (`missing_gold`): "inject" scores it as one more candidate of that slot's loss (so the selector
+still learns to prefer it over every token the unary ranked above it), "skip" gives that slot no selector term (the unary
+term is what can bring the gold into C). Candidate recall (gold in C) is reported either way. Teacher-forced selector
+accuracy counts a slot right when the walk's choice among C (never the injected column: the walk does not have it) is gold.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +65,69 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from blockdraft.config import DFlashConfig, TrainConfig
-from blockdraft.stages.train.selector_loss import WalkScores, selector_term
-from blockdraft.stages.train.weighting import dpace_weights
+
+
+def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, block_size: int, alpha: float) -> torch.Tensor:
+    """D-PACE weights [R] (detached, fp32) of R = blocks * block_size rows in block order, from each row's cross-entropy
+    against its label `ce` [R] and its supervision mask `supervised` [R] (bool or 0/1); 0 where unsupervised."""
+    if ce.numel() % block_size:
+        raise ValueError(f"{ce.numel()} rows are not whole blocks of {block_size}")
+    with torch.no_grad():
+        m = supervised.reshape(-1, block_size).float()
+        smoothed = (1.0 - alpha) * torch.exp(-ce.detach().float().reshape(-1, block_size)) + alpha
+        prefix = torch.cumprod(torch.where(m > 0, smoothed, torch.ones_like(smoothed)), dim=-1)
+        suffix = (prefix * m).flip(-1).cumsum(-1).flip(-1)  # sum over j >= k of m_j * prefix_j
+        return (suffix * m).reshape(-1)
+
+
+# (final hidden [R, H], predecessor ids [R], candidates' unary logits [R, C], candidate ids [R, C]) -> each candidate's walk
+# score [R, C]: `blockdraft.model.dflash2.CandidateSelector.scores`
+WalkScores = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class SelectorTerm:
+    """`weighted`: sum(w * CE) over the rows (differentiable); per row [R] bool: `recall` (gold among the top-K) and
+    `correct` (the best-scoring top-K candidate is the gold); rows without weight are False in both."""
+
+    weighted: torch.Tensor
+    recall: torch.Tensor
+    correct: torch.Tensor
+
+
+def gold_predecessors(labels: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[R] the gold token before each row's slot: slot k's is the label of slot k - 1 of its block (slot 1's the anchor,
+    slot 0's label); slot 0 gets its own block's last label, which no weighted row reads."""
+    return labels.reshape(-1, block_size).roll(1, dims=-1).reshape(-1)
+
+
+def selector_term(
+    hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, candidates: torch.Tensor, values: torch.Tensor,
+    walk_scores: WalkScores, block_size: int, inject: bool,
+) -> SelectorTerm:
+    """The term over R = blocks * block_size rows in block order: hidden [R, H] (the drafter's, after its final norm),
+    labels [R], weights [R] (0: not supervised), candidates [R, K + 1] and their unary logits values [R, K + 1] (the top-K,
+    then the label: `_ChunkedHeadLoss`). Only weighted rows are scored."""
+    rows = torch.nonzero(weights > 0, as_tuple=True)[0]
+    recall = torch.zeros_like(labels, dtype=torch.bool)
+    correct = torch.zeros_like(labels, dtype=torch.bool)
+    if rows.numel() == 0:
+        return SelectorTerm(values.sum() * 0.0, recall, correct)
+    k = candidates.shape[1] - 1
+    gold = labels[rows]
+    cand = candidates[rows]
+    scores = walk_scores(hidden[rows], gold_predecessors(labels, block_size)[rows], values[rows], cand).float()  # [n, K + 1]
+    in_top = cand[:, :k] == gold[:, None]
+    found = in_top.any(dim=-1)
+    # The gold column counts only where the gold is outside the top-K and the rule injects it; elsewhere it is masked out.
+    scores = scores.masked_fill(torch.cat((torch.zeros_like(in_top), (found | (not inject))[:, None]), dim=1), float("-inf"))
+    target = torch.where(found, in_top.float().argmax(dim=-1), torch.full_like(gold, k if inject else 0))
+    ce = torch.logsumexp(scores, dim=-1) - scores.gather(1, target[:, None])[:, 0]
+    counted = found | inject
+    ce = torch.where(counted, ce, torch.zeros_like(ce))  # a skipped row's target is masked: its value is not used
+    recall[rows] = found
+    correct[rows] = found & (scores[:, :k].argmax(dim=-1) == target)
+    return SelectorTerm((weights[rows] * ce).sum(), recall, correct)
 
 
 @dataclass(frozen=True)
@@ -327,4 +423,7 @@ def block_loss(
     return LossOutput(loss=loss, weighted_ce=term.detach(), weight_sum=weight_sum, slots=slots, weighted_kl=kl, selector=selector)
 
 
-__all__ = ["LossOutput", "Objective", "PAPER_OBJECTIVE", "SelectorStats", "SlotStats", "Teacher", "block_loss", "global_weight_sum"]
+__all__ = [
+    "LossOutput", "Objective", "PAPER_OBJECTIVE", "SelectorStats", "SelectorTerm", "SlotStats", "Teacher", "WalkScores", "block_loss",
+    "dpace_weights", "global_weight_sum", "gold_predecessors", "selector_term",
+]

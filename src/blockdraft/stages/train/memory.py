@@ -20,7 +20,7 @@ from blockdraft.config import BlockdraftConfig, TrainConfig, accumulation_steps
 from blockdraft.model import DFlashDrafter, DrafterSpec
 from blockdraft.model.block_sparse import resolve_attention
 from blockdraft.model.target import load_target_config, target_dtype
-from blockdraft.stages.train.placement import register_grad_allreduce, target_device_of
+from blockdraft.stages.train.ranks import register_grad_allreduce, target_device_of
 
 GB = 1e9
 # A CUDA context, cuBLAS/cuDNN workspaces and the caching allocator's first blocks: per process on each GPU it uses

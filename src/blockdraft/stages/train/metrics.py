@@ -1,20 +1,44 @@
-"""Training metrics: one JSON line per logged step, and a PNG of the loss and the per-slot accuracies.
+"""Where a run's figures go: metrics.jsonl and its curves, TensorBoard and W&B, all in the run's own log folder.
+
+Training metrics: one JSON line per logged step, and a PNG of the loss and the per-slot accuracies.
 
 Nothing here grows with the run: the log is appended to and never held in memory, a checkpoint takes only the entries
 since the one before (its window), and the curves are redrawn from the file in a background thread at most every
 `plot_every_s` seconds (and once at the end), from a fixed number of bin-averaged points.
+
+The trackers people already watch: each logged step's metrics also go to TensorBoard and W&B (`train.report_to`).
+
+Only rank 0 feeds them, the same entries it appends to metrics.jsonl. Both write into `train.log_dir`, the local folder
+beside metrics.jsonl that no artifact holds: TensorBoard's event files in it, W&B's run folder under its `wandb/`.
+A tracker that cannot start (its package is not installed, W&B has no login) or fails while logging is one warning
+line, and training goes on without it: metrics.jsonl stays the record.
+
+train.log_dir: the local folder of one run's metrics log, curves, trackers' files and pulled-data cache.
+
+It is checked before anything loads, like train.output: it must be a folder this process can write, and lie neither in
+the run's input or output nor inside any artifact (its files would change an artifact that verified, or be read as
+data). A log folder belongs to one run: the first run to write it records who it is in `blockdraft-log.json` (the
+run identity's digest and its train.output), a rerun of that run (a resume, `--force`) continues it, and any other run
+is refused with one line naming the run that owns it, so no run replaces another's metrics.jsonl.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Protocol
+
+from blockdraft.errors import ConfigError, safe_url
+from blockdraft.store import Store
+from blockdraft.store.manifest import MANIFEST_NAME
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "training-curves.png"
@@ -190,3 +214,200 @@ class MetricsLog:
 
     def window_saved(self, end: int) -> None:
         self._window_start = end
+
+
+INSTALL_HINT = "pip install 'blockdraft[trackers]'"
+
+
+def tracked_scalars(entry: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics entry that the trackers get, by their name there (slot k's accuracy is
+    `train/slot_accuracy/k`, k from 1; the same for every per-slot list; the held-out figures of a step that has them are
+    `eval/...` beside them). A DFlash2 run's selector figures come along."""
+    names = ("loss", "tau_estimate", "lr", "grad_norm", "tokens_per_s", "step_time_s", *_SELECTOR_SCALARS)
+    scalars = {f"train/{name}": float(entry[name]) for name in names if name in entry}
+    for listed in ("slot_accuracy", "slot_loss", *_SELECTOR_SLOTS):
+        scalars.update({f"train/{listed}/{k}": float(value) for k, value in enumerate(entry.get(listed, ()), start=1)})
+    if (held := entry.get("eval")) is not None:  # the held-out figures measured after this step, under eval/
+        scalars.update({f"eval/{name}": float(held[name]) for name in ("loss", "tau_estimate")})
+        scalars.update({f"eval/slot_accuracy/{k}": float(acc) for k, acc in enumerate(held["slot_accuracy"], start=1)})
+    return scalars
+
+
+_SELECTOR_SCALARS = ("selector_loss", "candidate_recall", "selector_accuracy", "walk_tau_estimate")
+_SELECTOR_SLOTS = ("slot_candidate_recall", "slot_selector_accuracy")
+
+
+class Tracker(Protocol):
+    def log(self, scalars: dict[str, float], step: int) -> None: ...
+
+    def close(self, failed: bool) -> None: ...
+
+
+class TensorBoardTracker:
+    """Event files in `folder`. `first_step`: the first step this run logs; a reader drops what an earlier run in the
+    same folder logged from that step on (a resumed run redoes those steps, a fresh one all of them)."""
+
+    def __init__(self, folder: Path, first_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=first_step)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step)
+
+    def close(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A W&B run whose folder is `folder/wandb`, started with `settings` (train.wandb: project, entity, group, name,
+    mode) and the run's resolved config. W&B neither prints nor wraps the terminal (the reporter owns it) and records
+    no command line."""
+
+    def __init__(self, folder: Path, settings: Mapping[str, str], config: dict[str, Any]) -> None:
+        import wandb
+
+        folder.mkdir(parents=True, exist_ok=True)
+        arguments: dict[str, Any] = dict(settings)  # wandb.init checks the values (a bad mode fails there: one warning)
+        # W&B's run metadata holds the raw command line, which may carry a secret (`--set store.endpoint_url=http://u:pw@h`):
+        # it is not collected; `config` (the resolved config, its URLs redacted) says what ran.
+        quiet = wandb.Settings(silent=True, console="off", x_disable_meta=True)
+        self.run = wandb.init(dir=str(folder), config=config, settings=quiet, **arguments)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a run that raised shows as failed
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+class Trackers:
+    """The trackers `names` (train.report_to) on rank 0, none on the others; `log` feeds each a metrics entry, `close`
+    (or leaving the `with` block; `failed` when it raised) ends them. `warn` hears each one that fails, once, and it is
+    dropped."""
+
+    def __init__(self, names: Sequence[str], folder: Path, first_step: int, wandb_settings: Mapping[str, str],
+                 config: dict[str, Any], warn: Callable[[str], None]) -> None:
+        self.warn = warn
+        self.active: dict[str, Tracker] = {}
+        starts: dict[str, Callable[[], Tracker]] = {
+            "tensorboard": lambda: TensorBoardTracker(folder, first_step),
+            "wandb": lambda: WandbTracker(folder, wandb_settings, config),
+        }
+        for name in names:
+            try:
+                self.active[name] = starts[name]()
+            except ImportError as exc:
+                warn(f"train.report_to: {name} did not start ({_first_line(exc)}); install it with {INSTALL_HINT}; "
+                     "training goes on without it")
+            except Exception as exc:  # a tracker never stops training: no login, a bad project, an unwritable folder
+                warn(f"train.report_to: {name} did not start ({_first_line(exc)}); training goes on without it")
+
+    def log(self, entry: Mapping[str, Any]) -> None:
+        scalars = tracked_scalars(entry) if self.active else {}
+        for name, tracker in list(self.active.items()):
+            try:
+                tracker.log(scalars, int(entry["step"]))
+            except Exception as exc:
+                self._drop(name, f"failed at step {entry['step']} ({_first_line(exc)})")
+
+    def close(self, failed: bool = False) -> None:
+        for name, tracker in list(self.active.items()):
+            try:
+                tracker.close(failed)
+            except Exception as exc:
+                self.warn(f"train.report_to: {name} did not close ({_first_line(exc)}); its last steps may be missing there")
+        self.active.clear()
+
+    def _drop(self, name: str, why: str) -> None:
+        self.active.pop(name, None)
+        self.warn(f"train.report_to: {name} {why}; training goes on without it")
+
+    def __enter__(self) -> Trackers:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close(failed=exc is not None)
+
+
+OWNER_NAME = "blockdraft-log.json"
+OWNER_FORMAT = "blockdraft-log/1"
+_FIX = "set train.log_dir to a folder of this run's own"
+
+
+def check_log_dir(log_dir: str, places: dict[str, Store]) -> Path:
+    """The log folder `log_dir` (absolute), created when missing; ConfigError (one line) when it is a file, cannot be
+    written, lies inside one of `places` ({"train.data": store, "train.output": store}: where the run reads and writes)
+    or inside an artifact."""
+    folder = Path(log_dir).expanduser().absolute()
+    real = folder.resolve()
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"train.log_dir {folder} is a file, not a folder; {_FIX}")
+    for role, store in places.items():
+        local = store.local_path()
+        if local is not None and real.is_relative_to(root := local.resolve()):
+            where = f"is {role}" if real == root else f"lies inside {role} {root}"
+            raise ConfigError(f"train.log_dir {folder} {where}: the run's metrics and curves would be written into it; {_FIX}")
+    if (artifact := _artifact_holding(real)) is not None:
+        raise ConfigError(f"train.log_dir {folder} lies inside the artifact at {artifact}: writing there would change files "
+                          f"that verified; {_FIX}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"train.log_dir {folder} cannot be written ({exc.strerror or exc}); {_FIX}, one this user may "
+                          "write") from None
+    return folder
+
+
+def _artifact_holding(path: Path) -> Path | None:
+    """The nearest folder at or above `path` that holds an artifact's manifest, or None."""
+    return next((p for p in (path, *path.parents) if (p / MANIFEST_NAME).is_file()), None)
+
+
+def log_owner(identity: dict[str, Any], output_url: str) -> dict[str, str]:
+    """What a log folder records about the run that writes it: the digest of its run identity and its train.output."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return {"format": OWNER_FORMAT, "run": digest, "output": safe_url(output_url)}
+
+
+def claim_log_dir(folder: Path, identity: dict[str, Any], output_url: str) -> Path:
+    """Make `folder` this run's log folder (rank 0, before the first entry is written): record the owner when there is
+    none yet; ConfigError when another run owns it, or when it holds a metrics log that records no owner. Returns the
+    metrics log's path (absolute), which the run names at start."""
+    folder = folder.absolute()
+    owner, mine = folder / OWNER_NAME, log_owner(identity, output_url)
+    if owner.is_file():
+        try:
+            recorded = json.loads(owner.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"train.log_dir {folder}: {OWNER_NAME} is unreadable ({exc}); {_FIX}, or delete {folder}") from None
+        if recorded == mine:
+            return folder / METRICS_NAME
+        if not isinstance(recorded, dict) or recorded.get("format") != OWNER_FORMAT:
+            raise ConfigError(f"train.log_dir {folder} is a log folder of format {recorded.get('format') if isinstance(recorded, dict) else None}, "
+                              f"this blockdraft writes {OWNER_FORMAT}; {_FIX}, or delete {folder}")
+        other = "the same train.output with another run identity (settings, data or target)" if (
+            recorded.get("output") == mine["output"]) else f"train.output {recorded.get('output')}"
+        raise ConfigError(f"train.log_dir {folder} holds the metrics of another run ({other}); a log folder belongs to one "
+                          f"run: {_FIX}, or delete {folder} to reuse it")
+    if (folder / METRICS_NAME).exists():
+        raise ConfigError(f"train.log_dir {folder} holds a {METRICS_NAME} that no run recorded as its own ({OWNER_NAME} is "
+                          f"missing); {_FIX}, or delete {folder} to reuse it")
+    partial = owner.with_name(owner.name + ".partial")
+    partial.write_text(json.dumps(mine, indent=2) + "\n")
+    os.replace(partial, owner)
+    return folder / METRICS_NAME
+
+
+__all__ = [
+    "INSTALL_HINT", "METRICS_NAME", "MetricsLog", "OWNER_FORMAT", "OWNER_NAME", "PLOT_NAME", "PLOT_POINTS", "Plotter", "TensorBoardTracker",
+    "Tracker", "Trackers", "WandbTracker", "check_log_dir", "claim_log_dir", "draw_curves", "log_owner", "read_curves", "tracked_scalars",
+]

@@ -1,31 +1,202 @@
-"""What one rank's training run is made of, built before its first step: the frozen target on its device, the drafter
+"""Everything one rank builds before its first step: the drafter (new, or from train.init_from), the objective, the
+optimizer and its learning-rate schedule.
+
+What one rank's training run is made of, built before its first step: the frozen target on its device, the drafter
 (its spec derived from the target, its first weights from train.init_from or train.init) wrapped for DDP with the memory
 options applied, the objective, the optimizer and its schedule, the order of the rows, and the run's checkpoints (its
 resolved config and run identity). `Trainer` runs the loop over it.
+
+The learning-rate schedule, and saying which limit sets its length (docs/TRAINING-SIGNAL.md, "Schedule").
+
+The schedule is linear warmup then cosine decay to 0 at the run's last step. Its plan (warmup, total, and where a new
+cosine restarted it) rides in the scheduler's state in every checkpoint, so a resumed run knows the plan it continues.
+A resume whose config plans another length (train.max_steps raised, train.epochs changed) is refused in one line unless
+`--force`, which continues with a new cosine: the full learning rate at the resumed step, decaying to 0 at the new end.
+
+`train.init_from`: start training from a drafter in the export format (a published drafter, an export, a checkpoint
+or a training output) instead of random weights.
+
+The drafter must be one this run would build: its mask id, target layer ids, block size, layer kinds and window, target
+layer count and hidden size agree with the config and the target (one ConfigError or SpecError line per disagreement).
+Its other shapes (heads, MLP width) and its RoPE are taken from it, unless the config sets them otherwise.
+
+Architectures: a DFlash drafter starts a DFlash or a DFlash2 run. Into DFlash2, its tensors are the DFlash2 drafter's
+backbone and the DFlash2 modules keep their own initialisation: the convolutions start as the identity, so the first
+forward is the DFlash drafter's, and the selector starts from its codebooks' initialisation. A DFlash2 drafter starts only
+a DFlash2 run with its own DFlash2 settings (taps, groups, rank, top-K, scales: one ConfigError line per disagreement).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import tempfile
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from blockdraft.config import BlockdraftConfig, accumulation_steps
+from blockdraft.config import BlockdraftConfig, DFlashConfig, StoreConfig, TrainConfig, accumulation_steps
+from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel, load_target
 from blockdraft.model.block_sparse import resolve_attention
+from blockdraft.model.formats import CONFIG_NAME, WEIGHTS_NAME, open_drafter_artifact, plain_drafter_folder
 from blockdraft.model.weight_init import init_drafter
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train.checkpoint import Checkpoints, resolved_training_config, run_identity
 from blockdraft.stages.train.data import RowOrder, TrainRows, steps_per_epoch
-from blockdraft.stages.train.init_from import check_init_spec, load_init_drafter, load_init_weights
 from blockdraft.stages.train.loss import Objective
 from blockdraft.stages.train.memory import apply_memory_options
-from blockdraft.stages.train.placement import RankPlacement
-from blockdraft.stages.train.schedule import new_scheduler, planned_steps
+from blockdraft.stages.train.ranks import RankPlacement
 from blockdraft.stages.train.step import DraftForward
-from blockdraft.store import Store
+from blockdraft.store import Store, open_store
+
+
+def warmup_cosine(step: int, warmup: int, total: int) -> float:
+    """LR multiplier: linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+
+class WarmupCosine:
+    """The LR multiplier of step `step`: `warmup_cosine`, or from `restart_at` on a cosine from 1 to 0 at `total`.
+    Its attributes are its plan: `torch.optim.lr_scheduler.LambdaLR` saves and loads them with its state."""
+
+    def __init__(self, warmup: int, total: int, restart_at: int | None = None) -> None:
+        self.warmup, self.total, self.restart_at = warmup, total, restart_at
+
+    def __call__(self, step: int) -> float:
+        if self.restart_at is not None and step >= self.restart_at:
+            return 0.5 * (1.0 + math.cos(math.pi * (step - self.restart_at) / max(1, self.total - self.restart_at)))
+        return warmup_cosine(step, self.warmup, self.total)
+
+
+def planned_steps(tc: TrainConfig, per_epoch: int) -> int:
+    """train.max_steps when set (train.epochs is then not used), else train.epochs x the steps of one epoch."""
+    return tc.max_steps or tc.epochs * per_epoch
+
+
+def describe_limit(tc: TrainConfig, per_epoch: int, rows: int) -> str:
+    """One line saying which limit sets the run's length, and what it is in the other unit."""
+    total = planned_steps(tc, per_epoch)
+    if tc.max_steps:
+        return (f"schedule: {total:,} steps from train.max_steps ({total / per_epoch:.1f} epochs of {rows:,} rows; "
+                f"train.epochs = {tc.epochs} is not used while train.max_steps is set)")
+    return f"schedule: {total:,} steps = train.epochs {tc.epochs} x {per_epoch:,} steps per epoch ({rows:,} rows; train.max_steps unset)"
+
+
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, planned: dict[str, Any], step: int, force: bool) -> str | None:
+    """After a checkpoint's scheduler state was loaded into `scheduler` (its plan now the recorded one), compare it with
+    `planned` (this config's, `vars` of its `WarmupCosine` before the load). The same length and warmup, or a restarted
+    cosine to the same total, go on as recorded; another plan raises ConfigError unless `force`, which restarts a cosine
+    at `step` to the new total. Returns the line to say about a restart, else None."""
+    fn = scheduler.lr_lambdas[0]
+    assert isinstance(fn, WarmupCosine)
+    recorded = dict(vars(fn))
+    total, warmup = planned["total"], planned["warmup"]
+    if recorded["total"] == total and (recorded["warmup"] == warmup or recorded["restart_at"] is not None):
+        return None
+    base = scheduler.base_lrs[0]
+    if not force:
+        raise ConfigError(
+            f"the learning-rate schedule changed since the checkpoint of step {step}: it was planned for {recorded['total']:,} "
+            f"steps ({recorded['warmup']:,} of warmup), this config plans {total:,} ({warmup:,}); resuming would move the "
+            f"learning rate from {base * fn(step):.3g} to {base * WarmupCosine(warmup, total)(step):.3g} at once. Restore "
+            f"train.max_steps / train.epochs / train.warmup_ratio, or rerun with --force to continue with a new cosine from "
+            f"step {step} to {total:,}"
+        )
+    if step >= total:
+        raise ConfigError(f"the checkpoint of step {step} is past this config's {total:,} steps; raise train.max_steps or train.epochs")
+    fn.warmup, fn.total, fn.restart_at = warmup, total, step
+    lrs = [b * fn(step) for b in scheduler.base_lrs]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reads: the learning rate of step `step`
+    return (f"--force: a new cosine from step {step} (learning rate {lrs[0]:.3g}) to 0 at step {total:,} replaces the "
+            f"schedule planned for {recorded['total']:,} steps")
+
+
+def new_scheduler(optimizer: torch.optim.Optimizer, tc: TrainConfig, per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The run's LambdaLR over `optimizer`: warmup over train.warmup_ratio of the planned steps, then cosine."""
+    total = planned_steps(tc, per_epoch)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(round(tc.warmup_ratio * total), total))
+
+
+# (spec field, what the config calls it): must equal what this run derives from the config and the target.
+_PINNED = (
+    ("num_layers", "dflash.num_draft_layers"),
+    ("mask_token_id", "dflash.mask_token_id"),
+    ("target_layer_ids", "dflash.target_layer_ids"),
+    ("block_size", "dflash.block_size"),
+    ("layer_types", "dflash.layer_types"),
+    ("sliding_window", "dflash.sliding_window"),
+    ("num_target_layers", "the target's layer count"),
+    ("hidden_size", "the target's hidden_size"),
+)
+# Shapes the config may leave unset (None: take the drafter's); set, they must agree.
+_OPTIONAL = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def load_init_drafter(init_from: str, store_config: StoreConfig | None) -> DFlashDrafter:
+    """The drafter at `init_from` in fp32: a plain local export-format folder (config.json + model.safetensors, e.g. a
+    downloaded published drafter), else a verified drafter artifact at that folder or store URL."""
+    if (plain := plain_drafter_folder(init_from)) is not None:
+        return DFlashDrafter.from_pretrained(plain).float()
+    artifact = open_drafter_artifact(open_store(init_from, store_config))
+    with tempfile.TemporaryDirectory(prefix="blockdraft-init-") as tmp:
+        return DFlashDrafter.from_pretrained(artifact.fetch([CONFIG_NAME, WEIGHTS_NAME], Path(tmp))).float()
+
+
+def check_init_spec(init: DrafterSpec, derived: DrafterSpec, dflash: DFlashConfig, hf_target_config: Any, source: str) -> DrafterSpec:
+    """The spec to train with: `init`'s, with this run's gamma, after checking it against `derived` (what the config and
+    the target give) and the target itself. Raises ConfigError naming the first field that disagrees."""
+    for name, where in _PINNED:
+        ours, theirs = getattr(derived, name), getattr(init, name)
+        if ours != theirs:
+            raise ConfigError(
+                f"train.init_from {source} has {name} {theirs} but {where} gives {ours}; set it to the drafter's value or "
+                "start from another drafter"
+            )
+    for name in _OPTIONAL:
+        ours = getattr(dflash, name)
+        if ours is not None and ours != getattr(init, name):
+            raise ConfigError(
+                f"train.init_from {source} has {name} {getattr(init, name)} but dflash.{name} is {ours}; unset it or set "
+                "it to the drafter's value"
+            )
+    if init.dflash2 is not None and derived.dflash2 is None:
+        raise ConfigError(
+            f"train.init_from {source} is a DFlash2 drafter but dflash.architecture is 'dflash'; set dflash.architecture = "
+            '"dflash2" or start from a DFlash drafter'
+        )
+    if init.dflash2 is not None and derived.dflash2 is not None:
+        for name in (f.name for f in dataclasses.fields(init.dflash2)):
+            ours, theirs = getattr(derived.dflash2, name), getattr(init.dflash2, name)
+            if ours != theirs:
+                raise ConfigError(
+                    f"train.init_from {source} has {name} {theirs} but dflash.{name} is {ours}; set it to the drafter's value or "
+                    "start from another drafter"
+                )
+    init.check_target(hf_target_config)
+    return dataclasses.replace(init, gamma=derived.gamma, dflash2=derived.dflash2)
+
+
+def load_init_weights(drafter: DFlashDrafter, init: DFlashDrafter) -> None:
+    """Copy `init`'s tensors into `drafter` (built from `check_init_spec`'s spec): all of them for the same architecture;
+    from a DFlash drafter into a DFlash2 one, every tensor but the convolutions' and the selector's, which stay as
+    `drafter` initialised them. Strict otherwise: a missing or extra tensor raises."""
+    missing, unexpected = drafter.load_state_dict(init.state_dict(), strict=init.spec.architecture == drafter.spec.architecture)
+    own = [name for name in missing if not _dflash2_only(name)]
+    if own or unexpected:
+        raise ConfigError(f"train.init_from: the drafter's tensors do not fit this run's drafter (missing {own[:3]}, unexpected {unexpected[:3]})")
+
+
+def _dflash2_only(name: str) -> bool:
+    """Whether a tensor is one of DFlash2's modules (a DFlash drafter has none)."""
+    return name.startswith("candidate_selector.") or ".attention_conv." in name or ".mlp_conv." in name
 
 
 @dataclass
@@ -106,4 +277,7 @@ def build_training(
     )
 
 
-__all__ = ["TrainingSetup", "build_training"]
+__all__ = [
+    "TrainingSetup", "WarmupCosine", "build_training", "check_init_spec", "describe_limit", "load_init_drafter", "load_init_weights",
+    "new_scheduler", "planned_steps", "resume_schedule", "warmup_cosine",
+]

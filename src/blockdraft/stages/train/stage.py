@@ -20,16 +20,16 @@ from blockdraft.model import DFlashDrafter, TargetHead
 from blockdraft.model.target import load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.train.agree import check_same_config, check_same_data
 from blockdraft.stages.train.data import check_eval_data, check_mask_in_rows, load_train_rows
-from blockdraft.stages.train.log_dir import check_log_dir
-from blockdraft.stages.train.placement import RankPlacement, barrier, rank_session, resolve_placement
+from blockdraft.stages.train.metrics import check_log_dir
+from blockdraft.stages.train.ranks import RankPlacement, barrier, check_same_config, check_same_data, rank_session, resolve_placement
 from blockdraft.stages.train.setup import build_training
 from blockdraft.stages.train.trainer import Trainer
 from blockdraft.store import open_store
 from blockdraft.store.artifact import VerifyReport
 from blockdraft.store.inputs import open_input
-from blockdraft.store.output import refuse_nested, writer_lease
+from blockdraft.store.lease import writer_lease
+from blockdraft.store.output import refuse_nested
 from blockdraft.store.preflight import preflight
 
 STAGE = "train"

@@ -1,46 +1,105 @@
-"""One rank's training loop over its `TrainingSetup` (`setup`): steps, metrics, resume and verified checkpoints.
+"""One rank's training loop, the progress lines it prints, and its stop at the first step that is not finite.
+
+One rank's training loop over its `TrainingSetup` (`setup`): steps, metrics, resume and verified checkpoints.
 
 Ranks are data-parallel (DDP): each trains on its own slice of every global batch; see `blockdraft.stages.train.loss`
 for why the loss is scaled so that DDP equals one process on the global batch. Only rank 0 writes the metrics log (and
 feeds the trackers of train.report_to) and the checkpoints; every rank checks before each checkpoint that the replicas
 are still bit-equal.
+
+Progress for a log without a terminal (Slurm, nohup): one plain line every train.log_every_s seconds with the step,
+the loss, the held-out tau estimate, tokens/s and the time left; a terminal's bar shows the same (`Reporter.status_line`).
+
+The run stops at the first step whose numbers are not finite: a NaN or infinite loss or gradient norm (a learning
+rate far too high, an overflow) would otherwise go on into NaN weights, checkpoints that verify and an export that
+serves garbage. Every rank checks the same all-reduced numbers, so every rank stops at the same step, before that
+step's checkpoint is taken; the weights are checked once more right before each checkpoint.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from blockdraft.config import BlockdraftConfig
 from blockdraft.data.agreement import agreement_warning, describe_agreement, load_tokenizer, sample_indices, target_agreement, think_ids
-from blockdraft.errors import TrainingInterrupted
+from blockdraft.errors import DivergedError, TrainingInterrupted
+from blockdraft.model.finite import describe_nonfinite, nonfinite_weights
 from blockdraft.reporter import Reporter
-from blockdraft.stages.train.batch import anchor_generator, build_block_batch
-from blockdraft.stages.train.checkpoint import read_checkpoint
-from blockdraft.stages.train.data import TrainRows
-from blockdraft.stages.train.decoded import decode_checkpoint, held_out_prompts, target_stop_ids
-from blockdraft.stages.train.finite import check_finite_step, check_finite_weights
-from blockdraft.stages.train.heldout import HeldOut
-from blockdraft.stages.train.log_dir import claim_log_dir
+from blockdraft.stages.train.checkpoint import read_checkpoint, resume_note
+from blockdraft.stages.train.data import TrainRows, anchor_generator, build_block_batch
 from blockdraft.stages.train.loss import Teacher
-from blockdraft.stages.train.metrics import MetricsLog
-from blockdraft.stages.train.placement import RankPlacement
-from blockdraft.stages.train.prefetch import Prefetcher, SideStreams, StepInputs
-from blockdraft.stages.train.progress import ProgressLines
-from blockdraft.stages.train.replicas import check_ranks_in_sync, rng_state, set_rng_state
-from blockdraft.stages.train.resumed import resume_note
-from blockdraft.stages.train.schedule import describe_limit, resume_schedule
-from blockdraft.stages.train.setup import TrainingSetup
-from blockdraft.stages.train.signal import TrainingSignal
-from blockdraft.stages.train.step import MicroBatch, accumulate, step_metrics
-from blockdraft.stages.train.trackers import Trackers
+from blockdraft.stages.train.metrics import MetricsLog, Trackers, claim_log_dir
+from blockdraft.stages.train.ranks import RankPlacement, check_ranks_in_sync, rng_state, set_rng_state
+from blockdraft.stages.train.setup import TrainingSetup, describe_limit, resume_schedule
+from blockdraft.stages.train.signal import HeldOut, TrainingSignal, decode_checkpoint, prompts_before_supervision, target_stop_ids
+from blockdraft.stages.train.step import MicroBatch, Prefetcher, SideStreams, StepInputs, accumulate, step_metrics
 from blockdraft.store.artifact import VerifyReport
+
+
+def format_duration(seconds: float) -> str:
+    """`1h02m`, `3m10s` or `42s`."""
+    s = max(0, round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class ProgressLines:
+    """Says one status line (`Reporter.status_line`) at most every `every_s` seconds of `clock`, and the first after
+    `every_s`; the time left is this run's pace so far times the steps left."""
+
+    def __init__(self, reporter: Reporter, every_s: float, start: int, total: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.reporter, self.every_s, self.start, self.total, self.clock = reporter, every_s, start, total, clock
+        self._began = self._last = clock()
+
+    def step(self, entry: dict[str, Any], held_out_tau: float | None) -> str | None:
+        """After the step of `entry` (a metrics entry): the line said, or None when it is not yet time."""
+        now = self.clock()
+        if now - self._last < self.every_s:
+            return None
+        self._last = now
+        done = int(entry["step"])
+        pace = (now - self._began) / max(1, done - self.start)
+        held = f"{held_out_tau:.2f}" if held_out_tau is not None else "-"
+        line = (f"train step {done}/{self.total}  loss {entry['loss']:.4f}  held-out tau {held}  "
+                f"{entry['tokens_per_s']:,.0f} tokens/s  ETA {format_duration(pace * (self.total - done))}")
+        self.reporter.status_line(line)
+        return line
+
+
+_ADVICE = ("lower train.lr (or raise train.warmup_ratio) and train into a new train.output: a resumed run keeps its "
+           "checkpoint's learning rate")
+
+
+def check_finite_step(entry: Mapping[str, Any], last_checkpoint: int | None) -> None:
+    """DivergedError when a step's metrics `entry` holds a loss or gradient norm that is not finite; `last_checkpoint`:
+    the step of this run's newest verified checkpoint (None: none yet), which the line names."""
+    loss, grad_norm = float(entry["loss"]), float(entry["grad_norm"])
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    newest = "no checkpoint of this run verified yet" if last_checkpoint is None else (
+        f"the newest verified checkpoint is step {last_checkpoint}")
+    raise DivergedError(
+        f"training diverged at step {entry['step']}: loss {loss}, gradient norm {grad_norm} (learning rate {entry['lr']:g}); "
+        f"the run stopped before checkpointing it ({newest}); {_ADVICE}"
+    )
+
+
+def check_finite_weights(drafter: nn.Module, step: int) -> None:
+    """DivergedError when the drafter's weights after `step` hold a NaN or an infinity (checked before its checkpoint)."""
+    if bad := nonfinite_weights(drafter):
+        raise DivergedError(f"training diverged at step {step}: {describe_nonfinite(bad)}; the run stopped before "
+                            f"checkpointing it; {_ADVICE}")
 
 
 @dataclass
@@ -84,7 +143,7 @@ class Trainer:
         # train.eval_every steps and at each checkpoint, and held-out prompts each checkpoint is decoded on.
         main = place.is_main
         self.held_out = HeldOut.sample(rows.held_out, tc.eval_rows, tc.seed, tc.max_length, tc.batch_size) if main else None
-        self.decode_prompts = held_out_prompts(rows.held_out, tc.decode_eval_prompts) if main else []
+        self.decode_prompts = prompts_before_supervision(rows.held_out, tc.decode_eval_prompts) if main else []
         self.signal = TrainingSignal(reporter.warn, len(rows), setup.per_epoch)
         self._held: dict[int, dict[str, Any]] = {}  # held-out figures measured after a step, logged with its entry
         self._lines: ProgressLines | None = None
@@ -334,4 +393,4 @@ class Trainer:
         }
 
 
-__all__ = ["PendingStep", "Trainer"]
+__all__ = ["PendingStep", "ProgressLines", "Trainer", "check_finite_step", "check_finite_weights", "format_duration"]

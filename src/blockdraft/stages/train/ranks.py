@@ -1,13 +1,28 @@
-"""Where one training process runs: its rank, its drafter and target devices, and the process group it joins.
+"""The ranks of a run: where each one runs, what they must agree on before training, and what keeps their replicas equal.
+
+Where one training process runs: its rank, its drafter and target devices, and the process group it joins.
 
 One process per drafter device: torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE; a process started
 without them is the only rank. Ranks are data-parallel (DDP: gloo on CPU, nccl on GPU).
+
+Every rank of a run trains with rank 0's config on rank 0's data, or none trains: checked once at start.
+
+Nodes are started one by one, each with its own config file and `--set` items, and may hold their own copy of the data;
+a node started with another setting or other data would train silently (the checkpoint pins node 0's), or fail at the
+first checkpoint with DDP's traceback. So each rank sends its resolved config (URLs redacted) and then its data's
+manifest digest to every other rank, and every rank refuses, with the same one line, the first rank that differs from
+rank 0, naming its node and the first differing field. Only placement.node_rank may differ between nodes.
+
+What must agree across ranks and across a resume: the replicas' exact parameters, and the random number generators.
+
+`check_ranks_in_sync` runs before each checkpoint; `rng_state`/`set_rng_state` save and restore the RNGs this rank uses.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import random
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from blockdraft.config import PlacementConfig, check_device
+from blockdraft.config import BlockdraftConfig, PlacementConfig, check_device
 from blockdraft.errors import ConfigError, RankLostError
 
 
@@ -173,16 +188,109 @@ def barrier(place: RankPlacement) -> None:
         dist.barrier()
 
 
+PER_NODE = ("placement.node_rank",)  # what is meant to differ between nodes
+
+
+def config_leaves(data: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted field, value) of every leaf of a resolved config (nested dicts), in sorted key order; also what a resume
+    compares against its checkpoint's config (`checkpoint.changed_settings`)."""
+    if isinstance(data, dict):
+        for key in sorted(data):
+            yield from config_leaves(data[key], f"{prefix}{key}.")
+    else:
+        yield prefix.rstrip("."), data
+
+
+def first_difference(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """(dotted field, `mine`'s value, `theirs`') of the first field in sorted order where the two resolved configs
+    differ, the per-node fields left out; None when they agree."""
+    a, b = dict(config_leaves(mine)), dict(config_leaves(theirs))
+    for key in sorted(a.keys() | b.keys()):
+        if key not in PER_NODE and a.get(key) != b.get(key):
+            return key, a.get(key), b.get(key)
+    return None
+
+
+def _gather(place: RankPlacement, value: Any) -> list[Any]:
+    """`value` of every rank, in rank order (this rank's alone without a process group)."""
+    if place.world_size == 1:
+        return [value]
+    gathered: list[Any] = [None] * place.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def check_same_config(config: BlockdraftConfig, place: RankPlacement) -> None:
+    """ConfigError on every rank when a rank's resolved config differs from rank 0's (see the module)."""
+    sent = _gather(place, (config.placement.node_rank, config.resolved()))
+    node0, reference = sent[0]
+    for rank, (node, resolved) in enumerate(sent[1:], start=1):
+        if (found := first_difference(reference, resolved)) is not None:
+            field, ours, theirs = found
+            raise ConfigError(
+                f"node {node} (rank {rank}) was started with {field} = {theirs!r}, node {node0} (rank 0) with {ours!r}; "
+                "every node must train with the same settings (only placement.node_rank differs): start each node with "
+                "the same config file and --set items"
+            )
+
+
+def check_same_data(config: BlockdraftConfig, data_sha256: str, place: RankPlacement, eval_sha256: str | None = None) -> None:
+    """ConfigError on every rank when a rank's train.data, or its train.eval_data (`eval_sha256`, None when unset), is not
+    rank 0's (its manifest digest differs)."""
+    sent = _gather(place, (config.placement.node_rank, data_sha256, eval_sha256))
+    node0, *reference = sent[0]
+    for rank, (node, *digests) in enumerate(sent[1:], start=1):
+        for field, url, digest, theirs in zip(("train.data", "train.eval_data"), (config.train.data, config.train.eval_data),
+                                              digests, reference):
+            if digest != theirs:
+                raise ConfigError(
+                    f"node {node} (rank {rank}) reads other data at {field} {url} (manifest sha256 {(digest or '')[:12]}..., "
+                    f"node {node0}'s {(theirs or '')[:12]}...); every node must read the same tokenized artifact: copy node 0's "
+                    "to each node (blockdraft push / pull)"
+                )
+
+
+def parameter_fingerprint(module: nn.Module) -> torch.Tensor:
+    """[2] int64 over the exact bits of every parameter: equal on two ranks iff (practically) their parameters are bit-equal.
+
+    Integer arithmetic (wrapping on overflow) so that no rounding can hide a one-ulp difference.
+    """
+    total = torch.zeros(2, dtype=torch.long)
+    for i, p in enumerate(module.parameters()):
+        bits = p.detach().float().flatten().view(torch.int32).long()
+        weights = torch.arange(1, bits.numel() + 1, device=bits.device) * (2 * i + 1)
+        total = total.to(bits.device) + torch.stack([bits.sum(), (bits * weights).sum()])
+    return total
+
+
+def check_ranks_in_sync(drafter: nn.Module, world_size: int) -> None:
+    """Refuse to checkpoint replicas that drifted apart (a DDP bug would otherwise train world_size different models)."""
+    mine = parameter_fingerprint(drafter)
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine)
+    if any(not torch.equal(everyone[0], other) for other in everyone[1:]):
+        raise RuntimeError("drafter replicas differ across ranks after the optimizer step; DDP lost synchronisation")
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's CPU and Python RNG states, and the CUDA one of `device` (the drafter's) when it is a GPU: asking
+    for every GPU's (`get_rng_state_all`) would create a CUDA context on each GPU of the machine, in every rank."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what `rng_state` saved; its CUDA state, when it holds one, goes to `device`."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
 __all__ = [
-    "RankPlacement",
-    "allreduce_hook_for",
-    "barrier",
-    "bf16_allreduce_hook",
-    "check_placement_devices",
-    "lost_rank",
-    "rank_placement",
-    "rank_session",
-    "register_grad_allreduce",
-    "resolve_placement",
-    "target_device_of",
+    "PER_NODE", "RankPlacement", "allreduce_hook_for", "barrier", "bf16_allreduce_hook", "check_placement_devices", "check_ranks_in_sync",
+    "check_same_config", "check_same_data", "config_leaves", "first_difference", "lost_rank", "parameter_fingerprint", "rank_placement",
+    "rank_session", "register_grad_allreduce", "resolve_placement", "rng_state", "set_rng_state", "target_device_of",
 ]
