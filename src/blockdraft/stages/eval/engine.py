@@ -4,7 +4,7 @@ cycle, shared by every engine, and vLLM's command line and requests; SGLang's ar
 
 The engine runs in its own Python (`eval.engine_python`, built by `make engine`: vLLM pins its own torch and
 transformers), as an OpenAI-compatible server on a free loopback port, twice: with the drafter (the settings the export
-wrote in serving.json) and target-only. Prompts go in as token ids, one request at a time (batch 1, as our decode
+wrote in serving.json) and target-only, the two started side by side without CUDA, one after the other on a GPU. Prompts go in as token ids, one request at a time (batch 1, as our decode
 runs), greedy or at the eval's sampling settings with a seed per request, with our `max_new_tokens` and stop ids; the
 new token ids come back (`return_token_ids`) and the
 speculative-decoding counters come from `/metrics` (read before and after, so warm-up requests do not count).
@@ -231,9 +231,8 @@ class Server:
             raise EngineError(f"the engine did not answer {path} ({type(exc).__name__}); {self.log_tail()}") from None
 
 
-@contextlib.contextmanager
-def serving(argv: list[str], workdir: Path, name: str, cfg: EvalConfig) -> Iterator[Server]:
-    """A healthy server for the duration of the block; stopped (with every process it started) however the block ends."""
+def server_env() -> dict[str, str]:
+    """The environment of an engine server: ours, with the CPU backend's KV cache and engine-core settings defaulted."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
     if not cuda_here():
@@ -241,13 +240,30 @@ def serving(argv: list[str], workdir: Path, name: str, cfg: EvalConfig) -> Itera
         # a time gains nothing from the worker, whose start (a process and its imports) is about a third of each
         # server's start (bench/engine_start.py measures both ways).
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    with _terminate_as_interrupt():
-        server = Server(argv, int(argv[argv.index("--port") + 1]), workdir / f"engine-{name}.log", env)
-        try:
+    return env
+
+
+@contextlib.contextmanager
+def serving_together(argvs: dict[str, list[str]], workdir: Path, cfg: EvalConfig) -> Iterator[dict[str, Server]]:
+    """A healthy server per name for the duration of the block, all launched before any is waited for (a start is
+    mostly one core's imports and loading, so on several cores they overlap); every one stopped, with every process it
+    started, however the block ends."""
+    env = server_env()
+    with _terminate_as_interrupt(), contextlib.ExitStack() as running:
+        servers: dict[str, Server] = {}
+        for name, argv in argvs.items():
+            servers[name] = Server(argv, int(argv[argv.index("--port") + 1]), workdir / f"engine-{name}.log", env)
+            running.callback(servers[name].stop)
+        for server in servers.values():
             server.wait_healthy(cfg.engine_start_timeout_s)
-            yield server
-        finally:
-            server.stop()
+        yield servers
+
+
+@contextlib.contextmanager
+def serving(argv: list[str], workdir: Path, name: str, cfg: EvalConfig) -> Iterator[Server]:
+    """A healthy server for the duration of the block; stopped (with every process it started) however the block ends."""
+    with serving_together({name: argv}, workdir, cfg) as servers:
+        yield servers[name]
 
 
 def read_counters(server: Server, positions: int) -> tuple[int, list[int]]:
@@ -301,4 +317,4 @@ def free_argv(python: Path, engine: str, target: str, dtype: str, max_len: int |
     return server_argv(python, engine, target, free_port(), dtype, max_len, spec, extra)
 
 
-__all__ = ["EXPAND_FIX", "SERVED_NAME", "ServedRun", "Server", "cuda_here", "engine_python", "free_argv", "free_port", "generate", "has_expand_fix", "read_counters", "server_argv", "serving"]
+__all__ = ["EXPAND_FIX", "SERVED_NAME", "ServedRun", "Server", "cuda_here", "engine_python", "free_argv", "free_port", "generate", "has_expand_fix", "read_counters", "server_argv", "server_env", "serving", "serving_together"]

@@ -46,7 +46,7 @@ from blockdraft.stages.eval.engine import (
     free_port,
     generate,
     has_expand_fix,
-    serving,
+    serving_together,
 )
 from blockdraft.stages.eval.engine_sglang import generate_sglang, sglang_argv, sglang_spec, sglang_version
 from blockdraft.stages.eval.report import EngineCheck, EvalReport
@@ -111,20 +111,27 @@ def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequenc
     if sampled is not None and not sglang:  # vLLM proposes by its draft_sample_method: the rule our decode ran
         spec["draft_sample_method"] = "probabilistic" if sampled.proposal == "vllm-probabilistic" else "greedy"
     version = sglang_version(python) if sglang else ""
-    runs: dict[str, ServedRun] = {}
+    argvs: dict[str, list[str]] = {}
     for name, drafter in (("drafter", spec), ("target-only", None)):
-        reporter.say(f"engine: starting {cfg.engine} {name} ({dtype})")
         if sglang:
-            argv = sglang_argv(python, target, free_port(), dtype, max_len, drafter, cfg.engine_args)
+            argvs[name] = sglang_argv(python, target, free_port(), dtype, max_len, drafter, cfg.engine_args)
         else:
-            argv = free_argv(python, cfg.engine, target, dtype, max_len, drafter, cfg.engine_args)
-        with serving(argv, workdir, name, cfg) as server:
-            reporter.say(f"engine: serving {len(prompts)} prompts {name}")
-            args = (server, prompts, report.max_new_tokens, report.stop_token_ids, positions, reporter, f"engine {name}")
-            if sglang:
-                runs[name] = generate_sglang(*args, version)
-            else:
-                runs[name] = generate(*args, sampling=sampling, seed=sampled.seed if sampled is not None else 0)
+            argvs[name] = free_argv(python, cfg.engine, target, dtype, max_len, drafter, cfg.engine_args)
+    # Without CUDA both servers start side by side (each start is mostly one core's work); on a GPU one after the
+    # other, as each server takes the device's memory for its KV cache.
+    together = [list(argvs)] if not cuda_here() else [[name] for name in argvs]
+    runs: dict[str, ServedRun] = {}
+    for names in together:
+        for name in names:
+            reporter.say(f"engine: starting {cfg.engine} {name} ({dtype})")
+        with serving_together({name: argvs[name] for name in names}, workdir, cfg) as servers:
+            for name, server in servers.items():
+                reporter.say(f"engine: serving {len(prompts)} prompts {name}")
+                args = (server, prompts, report.max_new_tokens, report.stop_token_ids, positions, reporter, f"engine {name}")
+                if sglang:
+                    runs[name] = generate_sglang(*args, version)
+                else:
+                    runs[name] = generate(*args, sampling=sampling, seed=sampled.seed if sampled is not None else 0)
     reporter.say("engine: comparing with our decode")
     return compare(cfg, runs["drafter"], runs["target-only"], report, dtype)
 
