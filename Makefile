@@ -54,8 +54,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/pyright
 
+# One worker per core, each taking a whole test file at a time (module fixtures are built once), the longest files first
+# (tests/conftest.py orders them).
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 demo: $(STAMP)
 	$(BIN)/blockdraft demo

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+from typer.testing import CliRunner
 
+from blockdraft.cli import app
 from blockdraft.config import load_config
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 from blockdraft.stages import tokenize as tokenize_stage
 from blockdraft.stages import train as train_stage
+from blockdraft.stages.eval.report import EvalReport
 
 REPO = Path(__file__).resolve().parent.parent.parent
 ENGINE_PYTHON = REPO / ".venv-engine" / "bin" / "python"
@@ -57,6 +62,33 @@ def train_drafters(tmp: Path) -> dict[str, Path]:
     return runs
 
 
+def trained_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`train_drafters` once per test run, into a folder every pytest-xdist worker shares: the first worker to ask
+    trains, the others wait on the lock and find the drafters done. Tests copy the runs out before using them."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "engine-drafters"
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "trained").is_file():
+            shutil.rmtree(shared, ignore_errors=True)  # a run that died half way
+            shared.mkdir(parents=True)
+            train_drafters(shared)
+            (shared / "trained").touch()
+    return shared
+
+
+def trained_here(tmp_path_factory: pytest.TempPathFactory, name: str) -> tuple[Path, dict[str, Path]]:
+    """A folder of the calling module's own, holding a copy of the tokenized data and of each trained drafter's run, as
+    `train_drafters` leaves them: (the folder, {name: run})."""
+    shared = trained_once(tmp_path_factory)
+    tmp = tmp_path_factory.mktemp(name)
+    shutil.copytree(shared / "tokenized", tmp / "tokenized")
+    runs = {}
+    for drafter in DRAFTERS:
+        runs[drafter] = tmp / f"run-{drafter}"
+        shutil.copytree(shared / f"run-{drafter}", runs[drafter])
+    return tmp, runs
+
+
 def write_config(tmp: Path, sections: dict, name: str = "blockdraft.toml") -> Path:
     from blockdraft.pipeline import write_toml
 
@@ -93,3 +125,26 @@ def engine_sessions(marker: str) -> set[int]:
         except OSError:
             continue
     return sessions
+
+
+SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}  # Qwen3's thinking-mode settings
+
+
+def export_all(tmp: Path, runs: dict[str, Path]) -> dict[str, Path]:
+    """`blockdraft export` of each trained drafter, as users make it: {name: the export folder}."""
+    made = {}
+    for name, run in runs.items():
+        made[name] = tmp / f"export-{name}"
+        result = CliRunner().invoke(app, ["export", str(run), str(made[name])])
+        assert result.exit_code == 0, result.output
+    return made
+
+
+def run_eval(tmp: Path, run: Path, drafter: str, out: str, *extra: str, **settings) -> tuple[int, str, EvalReport | None]:
+    """`blockdraft eval --engine vllm` of `run` with `drafter`'s config and `settings` over the eval section: (exit code,
+    output, the report when one was written)."""
+    config = write_config(tmp, engine_config(tmp, drafter, **settings), f"{out}.toml")
+    result = CliRunner().invoke(app, ["eval", "--config", str(config), "--checkpoint", str(run), "--engine", "vllm",
+                                      "--output", str(tmp / out), *extra])
+    report = tmp / out / "report.json"
+    return result.exit_code, result.output, EvalReport.from_json(report.read_text()) if report.exists() else None
