@@ -42,13 +42,15 @@ from blockdraft.store.transfer import push as push_artifact
 from blockdraft.store.writable import require_folder
 
 # `blockdraft --help` lists the commands in the order a job runs them, not alphabetically.
-PIPELINE_ORDER = ("preflight", "generate", "tokenize", "push", "pull", "train", "eval", "export", "verify", "status", "demo")
+PIPELINE_ORDER = ("preflight", "generate", "tokenize", "push", "pull", "train", "eval", "export", "verify", "status",
+                  "demo")
 
 
 class PipelineOrder(TyperGroup):
     def list_commands(self, ctx: typer.Context) -> list[str]:
         names = super().list_commands(ctx)
-        return sorted(names, key=lambda name: PIPELINE_ORDER.index(name) if name in PIPELINE_ORDER else len(PIPELINE_ORDER))
+        return sorted(names,
+                      key=lambda name: PIPELINE_ORDER.index(name) if name in PIPELINE_ORDER else len(PIPELINE_ORDER))
 
 
 # The stages and the pipeline are imported inside their commands: they load torch, transformers and datasets (seconds),
@@ -60,7 +62,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-# Lines are never broken at the terminal width: a path or a one-line error stays one line that a log or a grep can match.
+# Lines are never broken at the terminal width: a path or a one-line error stays one line that a log or a grep can
+# match.
 console = Console(stderr=True, soft_wrap=True)
 
 
@@ -85,12 +88,13 @@ def free_cores(cores: int, load: float) -> int:
 def choose_torch_threads(environ: dict[str, str] | os._Environ = os.environ) -> None:
     """Size torch's CPU thread pool from the cores free now (the larger of the 1-minute load and the tasks runnable this
     instant), unless OMP_NUM_THREADS says how many (the user's choice, and
-    torchrun's for the ranks it starts). Set before torch is imported, so the pool is made that size; once torch is loaded
-    (in-process callers, the tests) nothing is changed. On 2 busy cores an eval ran 6x slower with torch's default of
-    one thread per core than with one thread (docs/PERFORMANCE.md, "torch threads")."""
+    torchrun's for the ranks it starts). Set before torch is imported, so the pool is made that size; once torch is
+    loaded (in-process callers, the tests) nothing is changed. On 2 busy cores an eval ran 6x slower with torch's
+    default of one thread per core than with one thread (docs/PERFORMANCE.md, "torch threads")."""
     if "OMP_NUM_THREADS" in environ or "torch" in sys.modules:
         return
-    environ["OMP_NUM_THREADS"] = str(free_cores(len(os.sched_getaffinity(0)), max(os.getloadavg()[0], runnable_now() - 1)))
+    environ["OMP_NUM_THREADS"] = str(free_cores(len(os.sched_getaffinity(0)),
+                                                max(os.getloadavg()[0], runnable_now() - 1)))
 
 
 def runnable_now() -> int:
@@ -118,12 +122,14 @@ def verify(
     deep: DeepOpt = False,
     sets: SetOpt = None,
 ) -> None:
-    """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum, its inputs unchanged."""
+    """Check one artifact in place: manifest present, every listed file with its size and CRC64NVME checksum, its inputs
+    unchanged."""
     settings = store_config(config, sets, endpoint_url)
     store = open_store(url, settings)
     require_folder(store, "artifact", f"pass the folder that holds its {MANIFEST_NAME}")
     # Its inputs open with the same endpoint and credentials settings: an input on the same server resolves.
-    report = verify_artifact(store, check_inputs=True, open_url=lambda u: open_store(u, settings), deep=deep, cached=True)
+    report = verify_artifact(store, check_inputs=True, open_url=lambda u: open_store(u, settings), deep=deep,
+                             cached=True)
     if report.state is State.INCOMPLETE and next(iter(store.list()), None) is None:
         raise ArtifactError(f"nothing at {store.url}: no manifest and no files; check the path or URL")
     kind = report.manifest.kind if report.manifest else "-"
@@ -131,8 +137,8 @@ def verify(
     print(f"{report.state.value}\t{printable(kind)}\t{url}")
     console.print(f"[{color}]{report.state.value}[/]: {report.summary()}", highlight=False)
     for problem in report.problems:
-        console.print(f"  {problem.state.value}: {printable(problem.path)}: {printable(problem.detail)}", highlight=False,
-                      markup=False)
+        console.print(f"  {problem.state.value}: {printable(problem.path)}: {printable(problem.detail)}",
+                      highlight=False, markup=False)
     if report.state not in OK_STATES:
         raise typer.Exit(1)
 
@@ -140,26 +146,33 @@ def verify(
 @app.command()
 @user_errors
 def tokenize(
-    input: Annotated[str, typer.Argument(help="Completions: a JSONL (.gz/.zst) or Parquet file, a folder of them, or a completions artifact.")],
+    input: Annotated[str, typer.Argument(help="Completions: a JSONL (.gz/.zst) or Parquet file, a folder of them, or a "
+                                              "completions artifact.")],
     output: Annotated[str, typer.Argument(help="Output folder for the tokenized artifact (Arrow shards + manifest).")],
     config: ConfigOpt = None,
-    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer folder (target.tokenizer; default: target.path).")] = None,
-    chat_template: Annotated[str | None, typer.Option(help="Jinja chat template file (target.chat_template; default: the tokenizer's own).")] = None,
+    tokenizer: Annotated[str | None,
+                         typer.Option(help="Tokenizer folder (target.tokenizer; default: target.path).")] = None,
+    chat_template: Annotated[str | None, typer.Option(help="Jinja chat template file (target.chat_template; default: "
+                                                           "the tokenizer's own).")] = None,
     thinking: Annotated[str | None, typer.Option(help="auto (per turn: on when it has reasoning), on or off.")] = None,
     max_length: Annotated[int | None, typer.Option(help="Clip rows to this many tokens (after masking).")] = None,
-    held_out_fraction: Annotated[float | None, typer.Option(help="Fraction of conversations in the held-out split.")] = None,
+    held_out_fraction: Annotated[float | None,
+                                 typer.Option(help="Fraction of conversations in the held-out split.")] = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes (one input shard each at a time).")] = None,
-    check_target: Annotated[bool, typer.Option("--check-target", help="Then run the target (target.path) over a sample of the "
-                                                                      "rows: target agreement, and a warning when it is low.")] = False,
+    check_target: Annotated[bool, typer.Option("--check-target", help="Then run the target (target.path) over a sample "
+                                                                      "of the rows: target agreement, and a warning "
+                                                                      "when it is low.")] = False,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
-    """Completions -> one row per assistant turn with an exact loss mask, as Arrow shards `datasets.load_from_disk` reads."""
+    """Completions -> one row per assistant turn with an exact loss mask, as Arrow shards `datasets.load_from_disk`
+    reads."""
     from blockdraft.stages import tokenize as tokenize_stage
 
     if thinking not in (None, "auto", "on", "off"):
         raise typer.BadParameter(f"{thinking!r}; use auto, on or off", param_hint="--thinking")
-    overrides = {"tokenize": {"thinking": thinking, "max_length": max_length, "held_out_fraction": held_out_fraction, "workers": workers},
+    overrides = {"tokenize": {"thinking": thinking, "max_length": max_length, "held_out_fraction": held_out_fraction,
+                              "workers": workers},
                  "target": {"tokenizer": tokenizer, "chat_template": chat_template}}
     cfg = load_config(config, overrides, sets or ())
     with ConsoleReporter(console) as reporter:
@@ -169,7 +182,8 @@ def tokenize(
     if check_target:
         folder = open_store(result.url, cfg.store).local_path()
         if folder is None:
-            raise ConfigError(f"--check-target reads a local tokenized folder, not {result.url}; pull it first, or check it on the training node with train --plan")
+            raise ConfigError(f"--check-target reads a local tokenized folder, not {result.url}; pull it first, or "
+                              "check it on the training node with train --plan")
         _say_agreement(folder, cfg, measured=result.report.manifest_sha256)
 
 
@@ -195,27 +209,32 @@ def _say_agreement(folder: Path, cfg: Any, measured: str | None = None) -> None:
 @app.command()
 @user_errors
 def export(
-    checkpoint: Annotated[str, typer.Argument(help="Verified checkpoint (folder or URL), or a training output holding step-* checkpoints; "
-                                              "with --card-only, the export.")],
+    checkpoint: Annotated[str, typer.Argument(help="Verified checkpoint (folder or URL), or a training output holding "
+                                                   "step-* checkpoints; with --card-only, the export.")],
     out: Annotated[str | None, typer.Argument(help="Export destination: a folder, file:// or s3:// URL.")] = None,
     config: ConfigOpt = None,
-    target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (target.path; default: the checkpoint's).")] = None,
-    eval: Annotated[str | None, typer.Option("--eval", help="The eval artifact of this checkpoint whose figures the model card (README.md) gives "
-                                                      "(default: the latest verified eval of this checkpoint in the store).")] = None,
-    card_only: Annotated[bool, typer.Option("--card-only", help="Rewrite the model card of the export given (after a new eval); nothing else.")] = False,
-    license: Annotated[str | None, typer.Option("--license", help="export.license: the license the weights are published under, "
-                                                "written into the card (a Hub license id, e.g. apache-2.0).")] = None,
+    target: Annotated[str | None, typer.Option("--target", help="Target model folder or hub id (target.path; default: "
+                                                                "the checkpoint's).")] = None,
+    eval: Annotated[str | None, typer.Option("--eval", help="The eval artifact of this checkpoint whose figures the "
+                                                            "model card (README.md) gives (default: the latest "
+                                                            "verified eval of this checkpoint in the store).")] = None,
+    card_only: Annotated[bool, typer.Option("--card-only", help="Rewrite the model card of the export given (after a "
+                                                                "new eval); nothing else.")] = False,
+    license: Annotated[str | None, typer.Option("--license", help="export.license: the license the weights are "
+                                                                  "published under, written into the card (a Hub "
+                                                                  "license id, e.g. apache-2.0).")] = None,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
-    """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, with its model card, as a verified artifact; print
-    the serving settings."""
+    """Write the drafter in the format SGLang (DFLASH) and vLLM (dflash) load, with its model card, as a verified
+    artifact; print the serving settings."""
     from blockdraft.stages import export as export_stage
 
     cfg = load_config(config, {"target": {"path": target}, "export": {"license": license}}, sets or (),
                       {"target.path": "--target", "export.license": "--license"})
     if card_only and out is not None:
-        raise typer.BadParameter("--card-only takes the export alone: blockdraft export --card-only EXPORT --eval EVAL", param_hint="OUT")
+        raise typer.BadParameter("--card-only takes the export alone: blockdraft export --card-only EXPORT --eval EVAL",
+                                 param_hint="OUT")
     if not card_only and out is None:
         raise typer.BadParameter("give the export destination: blockdraft export CHECKPOINT OUT", param_hint="OUT")
     with ConsoleReporter(console) as reporter:
@@ -233,7 +252,8 @@ def export(
 @app.command("eval")
 @user_errors
 def eval_command(
-    checkpoint: Annotated[str, typer.Option("--checkpoint", help="Checkpoint or export artifact: folder, file:// or s3:// URL.")],
+    checkpoint: Annotated[str, typer.Option("--checkpoint", help="Checkpoint or export artifact: folder, file:// or "
+                                                                 "s3:// URL.")],
     config: ConfigOpt = None,
     prompts: Annotated[
         list[str] | None,
@@ -243,28 +263,40 @@ def eval_command(
     ] = None,
     prompt_sets: Annotated[
         list[str] | None,
-        typer.Option("--prompt-set", help="The layout of each --prompts, in order (gsm8k, math500, humaneval, mbpp, mt_bench, alpaca, "
-                     "plain, or auto); default: recognised from the columns."),
+        typer.Option("--prompt-set", help="The layout of each --prompts, in order (gsm8k, math500, humaneval, mbpp, "
+                                          "mt_bench, alpaca, plain, or auto); default: recognised from the columns."),
     ] = None,
-    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", min=1, help="New tokens per prompt.")] = None,
-    output: Annotated[str | None, typer.Option("--output", help="Where the eval artifact goes (default: STORE/eval/<hash>).")] = None,
+    max_new_tokens: Annotated[int | None,
+                              typer.Option("--max-new-tokens", min=1, help="New tokens per prompt.")] = None,
+    output: Annotated[str | None, typer.Option("--output", help="Where the eval artifact goes (default: "
+                                                                "STORE/eval/<hash>).")] = None,
     baseline: Annotated[
-        str | None, typer.Option("--baseline", help="A drafter folder in the export format (e.g. a published one) decoded beside it.")
+        str | None, typer.Option("--baseline", help="A drafter folder in the export format (e.g. a published one) "
+                                                    "decoded beside it.")
     ] = None,
     engine: Annotated[
-        str | None, typer.Option("--engine", help="vllm or sglang: also serve the export in that engine and compare its acceptance with ours.")
+        str | None, typer.Option("--engine", help="vllm or sglang: also serve the export in that engine and compare "
+                                                  "its acceptance with ours.")
     ] = None,
-    export: Annotated[str | None, typer.Option("--export", help="With --engine: the export folder to serve (default: CHECKPOINT's).")] = None,
+    export: Annotated[str | None, typer.Option("--export", help="With --engine: the export folder to serve (default: "
+                                                                "CHECKPOINT's).")] = None,
     temperature: Annotated[
         float | None,
-        typer.Option("--temperature", min=0.0, help="0.01 or more: also decode sampled at this temperature (0: greedy only)."),
+        typer.Option("--temperature", min=0.0, help="0.01 or more: also decode sampled at this temperature (0: greedy "
+                                                    "only)."),
     ] = None,
-    top_p: Annotated[float | None, typer.Option("--top-p", help="Sampled decodes: nucleus mass kept (1.0: off).")] = None,
-    top_k: Annotated[int | None, typer.Option("--top-k", min=0, help="Sampled decodes: most likely tokens kept (0: off).")] = None,
-    seed: Annotated[int | None, typer.Option("--seed", min=0, help="Sampled decodes: decode i is seeded with SEED + i.")] = None,
-    samples_per_prompt: Annotated[int | None, typer.Option("--samples-per-prompt", min=1, help="Sampled decodes per prompt.")] = None,
-    proposal: Annotated[str | None, typer.Option("--proposal", help="Sampled decodes: the serving engine's draft rule (vllm, "
-                                                 "vllm-probabilistic or sglang; docs/EVAL.md).")] = None,
+    top_p: Annotated[float | None,
+                     typer.Option("--top-p", help="Sampled decodes: nucleus mass kept (1.0: off).")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", min=0, help="Sampled decodes: most likely tokens kept (0: "
+                                                                     "off).")] = None,
+    seed: Annotated[int | None,
+                    typer.Option("--seed", min=0, help="Sampled decodes: decode i is seeded with SEED + i.")] = None,
+    samples_per_prompt: Annotated[int | None,
+                                  typer.Option("--samples-per-prompt", min=1,
+                                               help="Sampled decodes per prompt.")] = None,
+    proposal: Annotated[str | None, typer.Option("--proposal", help="Sampled decodes: the serving engine's draft rule "
+                                                                    "(vllm, vllm-probabilistic or sglang; "
+                                                                    "docs/EVAL.md).")] = None,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
@@ -274,9 +306,10 @@ def eval_command(
     from blockdraft.stages import eval as eval_stage
     from blockdraft.stages.eval.sampled import SAMPLED_ONLY, refuse_idle_sampling
 
-    flags = {"prompts": prompts or None, "prompt_sets": prompt_sets or None, "max_new_tokens": max_new_tokens, "baseline": baseline,
-             "engine": engine, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "samples_per_prompt": samples_per_prompt,
-             "proposal": proposal}
+    flags = {"prompts": prompts or None, "prompt_sets": prompt_sets or None, "max_new_tokens": max_new_tokens,
+             "baseline": baseline,
+             "engine": engine, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+             "samples_per_prompt": samples_per_prompt, "proposal": proposal}
     cfg = load_config(config, {"eval": flags}, sets or ())
     # A sampling setting given here with temperature 0 would change nothing: refused before anything runs.
     sampling_keys = {f"eval.{key}" for key in SAMPLED_ONLY}
@@ -292,7 +325,8 @@ def eval_command(
         print(line)
     print(f"report\t{result.url}")
     if not report.lossless.ok:
-        console.print("[bold red]error:[/] speculative output diverged from target-only greedy beyond the tolerance (see report)")
+        console.print("[bold red]error:[/] speculative output diverged from target-only greedy beyond the tolerance "
+                      "(see report)")
         raise typer.Exit(1)
     if report.engine is not None and report.engine.disagreement is not None:
         console.print(f"[bold red]error:[/] {report.engine.disagreement}", highlight=False)
@@ -303,7 +337,8 @@ def eval_command(
 @user_errors
 def push(
     local_dir: Annotated[str, typer.Argument(help="Folder holding a committed artifact (with its manifest).")],
-    url: Annotated[str, typer.Argument(help="Destination: s3://bucket/prefix, a file:// folder, or a name under an s3:// store.url.")],
+    url: Annotated[str, typer.Argument(help="Destination: s3://bucket/prefix, a file:// folder, or a name under an "
+                                            "s3:// store.url.")],
     config: ConfigOpt = None,
     endpoint_url: EndpointOpt = None,
     concurrency: ConcurrencyOpt = None,
@@ -322,7 +357,8 @@ def push(
 @app.command()
 @user_errors
 def pull(
-    url: Annotated[str, typer.Argument(help="Source artifact: s3://bucket/prefix, a file:// folder, or a name under an s3:// store.url.")],
+    url: Annotated[str, typer.Argument(help="Source artifact: s3://bucket/prefix, a file:// folder, or a name under an "
+                                            "s3:// store.url.")],
     local_dir: Annotated[str, typer.Argument(help="Local folder to fill; its manifest is written last.")],
     config: ConfigOpt = None,
     endpoint_url: EndpointOpt = None,
@@ -331,7 +367,8 @@ def pull(
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
-    """Download an artifact, recompute every checksum, and write the local manifest last; refuse one that does not verify."""
+    """Download an artifact, recompute every checksum, and write the local manifest last; refuse one that does not
+    verify."""
     settings = store_config(config, sets, endpoint_url, concurrency, part_size_mib)
     with ConsoleReporter(console) as reporter:
         report = pull_artifact(in_store(url, settings), local_dir, settings, force=force, reporter=reporter)
@@ -345,26 +382,30 @@ def status(
     url: Annotated[str, typer.Argument(help="Prefix to survey: s3://bucket/prefix or a folder.")],
     config: ConfigOpt = None,
     endpoint_url: EndpointOpt = None,
-    progress: Annotated[str | None, typer.Option("--progress", help="Also write these facts as a Markdown page (e.g. PROGRESS.md).")] = None,
+    progress: Annotated[str | None, typer.Option("--progress", help="Also write these facts as a Markdown page (e.g. "
+                                                                    "PROGRESS.md).")] = None,
     deep: DeepOpt = False,
     sets: SetOpt = None,
 ) -> None:
-    """Every artifact under a prefix: state, kind, lineage and counts, read from the destination. Exits 1 unless every artifact
-    is verified or only has an input this machine cannot reach; 2 when there is nothing under the prefix."""
+    """Every artifact under a prefix: state, kind, lineage and counts, read from the destination. Exits 1 unless every
+    artifact is verified or only has an input this machine cannot reach; 2 when there is nothing under the prefix."""
     settings = store_config(config, sets, endpoint_url)
     store = open_store(url, settings)
     require_folder(store, "status path", "pass the folder or prefix that holds the artifacts")
-    page = progress_page(progress) if progress else None  # before the survey: a page that cannot be written fails in seconds
+    # before the survey: a page that cannot be written fails in seconds
+    page = progress_page(progress) if progress else None
     if page is not None:
         check_page(page)
     artifacts = survey(store, deep=deep, store_config=settings)
     if not artifacts:
         raise ArtifactError(
-            f"nothing under {store.url}: no manifest and no finished file (a mistyped path, or a write stopped before its "
-            "first file); check the path or URL"
+            f"nothing under {store.url}: no manifest and no finished file (a mistyped path, or a write stopped before "
+            "its first file); check the path or URL"
         )
     for a in artifacts:
-        print(f"{a.state.value}\t{printable(a.kind)}\t{printable(a.url)}\t{format_lineage(a.lineage)}\t{format_counts(a)}")
+        print(
+            f"{a.state.value}\t{printable(a.kind)}\t{printable(a.url)}\t{format_lineage(a.lineage)}\t{format_counts(a)}"
+        )
     if page is not None:
         check_page(page, store, artifacts)  # an artifact being written under the survey has no manifest yet
         write_page(page, render_progress(store.url, artifacts))
@@ -380,7 +421,8 @@ def preflight(
     endpoint_url: EndpointOpt = None,
     sets: SetOpt = None,
 ) -> None:
-    """Write, read back and delete a probe object: fails in seconds naming what is missing (credentials, bucket, permission, endpoint)."""
+    """Write, read back and delete a probe object: fails in seconds naming what is missing (credentials, bucket,
+    permission, endpoint)."""
     report = run_preflight(open_store(url, store_config(config, sets, endpoint_url)))
     print(f"ok\t{report.url}")
     console.print(f"[green]preflight ok[/]: {report.summary()}", highlight=False)
@@ -391,21 +433,28 @@ def preflight(
 def train(
     config: ConfigOpt = None,
     nproc: Annotated[
-        int | None, typer.Option("--nproc", help="A check, not a setting: refuse to start unless placement.drafter_devices "
-                                                  "lists this many devices (torchrun starts one process per entry).")
+        int | None, typer.Option("--nproc", help="A check, not a setting: refuse to start unless "
+                                                 "placement.drafter_devices lists this many devices (torchrun starts "
+                                                 "one process per entry).")
     ] = None,
     force: Annotated[
-        bool, typer.Option("--force", help="Take over the output's lease from a writer that is dead but whose lease has not expired "
-                                            "yet, and start over at step 0 when train.output holds checkpoints but none verifies.")
+        bool, typer.Option("--force", help="Take over the output's lease from a writer that is dead but whose lease "
+                                           "has not expired yet, and start over at step 0 when train.output holds "
+                                           "checkpoints but none verifies.")
     ] = False,
-    plan: Annotated[bool, typer.Option("--plan", help="Print the placement and memory plan (GB per device of each node) from the "
-                                                      "target's config.json and exit: no weights, data or GPU needed.")] = False,
-    nnodes: Annotated[int | None, typer.Option("--nnodes", help="Machines in the run (placement.nnodes), each running this command.")] = None,
-    node_rank: Annotated[int | None, typer.Option("--node-rank", help="This machine's node, 0 to nnodes - 1 (placement.node_rank).")] = None,
-    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT on node 0 where the nodes meet.")] = None,
+    plan: Annotated[bool, typer.Option("--plan", help="Print the placement and memory plan (GB per device of each "
+                                                      "node) from the target's config.json and exit: no weights, data "
+                                                      "or GPU needed.")] = False,
+    nnodes: Annotated[int | None, typer.Option("--nnodes", help="Machines in the run (placement.nnodes), each running "
+                                                                "this command.")] = None,
+    node_rank: Annotated[int | None, typer.Option("--node-rank", help="This machine's node, 0 to nnodes - 1 "
+                                                                      "(placement.node_rank).")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT on node 0 where the nodes "
+                                                                              "meet.")] = None,
     sets: SetOpt = None,
 ) -> None:
-    """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the last verified one."""
+    """Train a DFlash drafter on a tokenized artifact; checkpoints are pushed and verified, and a rerun resumes from the
+    last verified one."""
     from blockdraft.stages.train.launch import launch
 
     # The node flags are spellings of placement.* (a bad value's line names the flag as typed); launch passes them on
@@ -437,7 +486,8 @@ def train(
             last = trained.metrics[-1]
             console.print(f"trained {trained.steps} steps; loss {last['loss']:.4f}, {trained.summary}", highlight=False)
         else:
-            console.print(f"nothing to train: the verified checkpoint already holds all {trained.steps} steps", highlight=False)
+            console.print(f"nothing to train: the verified checkpoint already holds all {trained.steps} steps",
+                          highlight=False)
         print(launched.result.url)
     if launched.exit_status:
         raise typer.Exit(launched.exit_status)
@@ -446,11 +496,13 @@ def train(
 @app.command()
 @user_errors
 def generate(
-    input: Annotated[str, typer.Argument(help="Prompts or conversations: JSONL (.gz/.zst) or Parquet file, folder or artifact, local or s3://.")],
+    input: Annotated[str, typer.Argument(help="Prompts or conversations: JSONL (.gz/.zst) or Parquet file, folder or "
+                                              "artifact, local or s3://.")],
     output: Annotated[str, typer.Argument(help="Output completions artifact: a folder, file:// or s3:// URL.")],
     config: ConfigOpt = None,
     engine: Annotated[str | None, typer.Option(help="hf (local transformers) or openai (vLLM/SGLang server).")] = None,
-    base_url: Annotated[str | None, typer.Option(help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")] = None,
+    base_url: Annotated[str | None,
+                        typer.Option(help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")] = None,
     model: Annotated[str | None, typer.Option(help="Served model name (default: the server's first).")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Completion length limit in tokens.")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Requests in flight (openai engine).")] = None,
@@ -470,7 +522,8 @@ def generate(
         reporter.say(line)
     failed = result.details.failed
     if failed:
-        console.print(f"[yellow]{failed} requests failed[/] (reasons above, rows in failures.ndjson); rerun the same command to retry only them")
+        console.print(f"[yellow]{failed} requests failed[/] (reasons above, rows in failures.ndjson); rerun the same "
+                      "command to retry only them")
         raise typer.Exit(1)
 
 
@@ -478,19 +531,32 @@ def generate(
 @user_errors
 def demo(
     workdir: Annotated[str, typer.Option(help="Folder for the demo's local files (created).")] = "demo-work",
-    store: Annotated[str | None, typer.Option(help="Store URL (default: a folder inside --workdir); s3://bucket/prefix works too.")] = None,
+    store: Annotated[str | None, typer.Option(help="Store URL (default: a folder inside --workdir); s3://bucket/prefix "
+                                                   "works too.")] = None,
     endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint for an S3-compatible server.")] = None,
-    profile: Annotated[str, typer.Option(help="full (the README's main job, a few minutes) or ci (the same pipeline, smaller, <60 s).")] = "full",
-    target: Annotated[str, typer.Option(help="tiny (a Qwen3 target) or hybrid (a Qwen3.5-style linear/full-attention target, "
-                                             "with a sliding-window drafter layer).")] = "tiny",
-    engine: Annotated[str, typer.Option(help="vllm: generate with vLLM and check the drafter in it too (`make engine`).")] = "none",
-    # The demo's drafter stays DFlash, whatever dflash.architecture defaults to: its figures are DFlash's (docs/PERFORMANCE.md),
-    # and its engine variant serves the export in vLLM's CPU build, which serves DFlash only.
-    drafter: Annotated[str, typer.Option(help="dflash, or dflash2 (a convolution around every sublayer and a candidate selector "
-                                              "that walks each slot's top-K; the default for your own configs).")] = "dflash",
+    profile: Annotated[str, typer.Option(help="full (the README's main job, a few minutes) or ci (the same pipeline, "
+                                              "smaller, <60 s).")] = "full",
+    target: Annotated[str, typer.Option(help="tiny (a Qwen3 target) or hybrid (a Qwen3.5-style linear/full-attention "
+                                             "target, with a sliding-window drafter layer).")] = "tiny",
+    engine: Annotated[str, typer.Option(help="vllm: generate with vLLM and check the drafter in it too "
+                                             "(`make engine`).")] = "none",
+    # The demo's drafter stays DFlash, whatever dflash.architecture defaults to: its figures are DFlash's
+    # (docs/PERFORMANCE.md), and its engine variant serves the export in vLLM's CPU build, which serves DFlash only.
+    drafter: Annotated[str, typer.Option(help="dflash, or dflash2 (a convolution around every sublayer and a candidate "
+                                              "selector that walks each slot's top-K; the default for your own "
+                                              "configs).")] = "dflash",
 ) -> None:
     """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
-    from blockdraft.pipeline import ARCHITECTURES, SIZES, TARGETS, DemoDrafter, DemoTarget, Profile, demo_lines, run_demo
+    from blockdraft.pipeline import (
+        ARCHITECTURES,
+        SIZES,
+        TARGETS,
+        DemoDrafter,
+        DemoTarget,
+        Profile,
+        demo_lines,
+        run_demo,
+    )
 
     if profile not in SIZES:
         raise typer.BadParameter(f"--profile must be one of {', '.join(SIZES)}, not {profile!r}")
@@ -499,8 +565,8 @@ def demo(
     if drafter not in ARCHITECTURES:
         raise typer.BadParameter(f"--drafter must be one of {', '.join(ARCHITECTURES)}, not {drafter!r}")
     with ConsoleReporter(console) as reporter:
-        result = run_demo(workdir, store, cast(Profile, profile), endpoint_url, reporter, cast(DemoTarget, target), engine,
-                          cast(DemoDrafter, drafter))
+        result = run_demo(workdir, store, cast(Profile, profile), endpoint_url, reporter, cast(DemoTarget, target),
+                          engine, cast(DemoDrafter, drafter))
     for line in demo_lines(result):
         print(line)
     if not result.ok:

@@ -14,7 +14,8 @@ from blockdraft.reporter import Reporter
 
 
 class ConsoleReporter(Reporter):
-    """Draws what the library reports: `say` and `warn` as lines, `progress` as a bar per task (with its fields beside it)."""
+    """Draws what the library reports: `say` and `warn` as lines, `progress` as a bar per task (with its fields beside
+    it)."""
 
     def __init__(self, console: Console) -> None:
         super().__init__()
@@ -35,11 +36,13 @@ class ConsoleReporter(Reporter):
     def progress(self, task: str, completed: float, total: float | None = None, **fields: Any) -> None:
         if self._bar is None:
             self._bar = Progress(
-                TextColumn("[bold]{task.description}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(), console=self.console, transient=True,
+                TextColumn("[bold]{task.description}[/]"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console, transient=True,
             )
             self._bar.start()
-        info = "  ".join(f"{name} {value:,}" if isinstance(value, int) else f"{name} {value}" for name, value in fields.items())
+        info = "  ".join(
+            f"{name} {value:,}" if isinstance(value, int) else f"{name} {value}" for name, value in fields.items()
+        )
         if task not in self._tasks:
             self._tasks[task] = self._bar.add_task(task, total=total, info=info)
         self._bar.update(self._tasks[task], completed=completed, total=total, info=info)
@@ -58,5 +61,6 @@ class ConsoleReporter(Reporter):
     def __enter__(self) -> ConsoleReporter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()

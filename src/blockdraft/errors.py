@@ -104,20 +104,24 @@ _TOKEN = r"[^\s\"',;}]"
 _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>`]*")
 _URL_PARTS = re.compile(r"(?s)([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/]*@)?([^?#]*)")
 _URL_SPLIT = re.compile(r"(?s)([A-Za-z][A-Za-z0-9+.-]*://)(?:([^/]*)@)?([^?#]*)(?:\?([^#]*))?(?:#(.*))?")
-# Shapes of credentials whatever their value: an Authorization header's value, a bearer token, an OpenAI-style `sk-` key, an
-# "api key ...: X" echo, and a 40-character AWS secret key written near the word "secret".
+# Shapes of credentials whatever their value: an Authorization header's value, a bearer token, an OpenAI-style `sk-`
+# key, an "api key ...: X" echo, and a 40-character AWS secret key written near the word "secret".
 _PATTERNS = (
     (re.compile(r"(?i)(authorization[\"']?\s*[:=]\s*[\"']?)(?!\[redacted\])[^\"'\n]+"), r"\1" + REDACTED),
     (re.compile(r"(?i)\b(bearer\s+)(?!\[redacted\])" + _TOKEN + "+"), r"\1" + REDACTED),
     (re.compile(r"\bsk-[\w\-*.]{6,}"), REDACTED),
-    (re.compile(r"(?i)(\bapi[ _-]?key\b[^:=\n]{0,32}[:=]\s*[\"']?)(?!\[redacted\])" + _TOKEN + "{6,}"), r"\1" + REDACTED),
-    (re.compile(r"(?i)(secret[\w \"':=]{0,40}?)(?<![A-Za-z0-9/+])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"), r"\1" + REDACTED),
+    (re.compile(r"(?i)(\bapi[ _-]?key\b[^:=\n]{0,32}[:=]\s*[\"']?)(?!\[redacted\])" + _TOKEN + "{6,}"),
+     r"\1" + REDACTED),
+    (re.compile(r"(?i)(secret[\w \"':=]{0,40}?)(?<![A-Za-z0-9/+])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"),
+     r"\1" + REDACTED),
 )
-# Where a setting or a text carries a credential whatever its value (docs/STORE.md, "Secrets in settings"): the value of a
-# flag or key named for one (`--hf-token X`, `--api-key=X`, `token=X`, `password: X`; a name ending in token, api key,
+# Where a setting or a text carries a credential whatever its value (docs/STORE.md, "Secrets in settings"): the value of
+# a flag or key named for one (`--hf-token X`, `--api-key=X`, `token=X`, `password: X`; a name ending in token, api key,
 # password, secret (access) key or credential: `--max-num-batched-tokens` ends in "tokens" and is none), and a value in
 # the shape of a known token: Hugging Face `hf_...`, OpenAI `sk-...`, AWS access key ids `AKIA...`/`ASIA...`, GitHub's.
-_CREDENTIAL_NAME = r"[\w.-]*?(?:token|api[-_]?key|apikey|password|passwd|secret(?:[-_]access)?(?:[-_]key)?|credentials?)"
+_CREDENTIAL_NAME = (
+    r"[\w.-]*?(?:token|api[-_]?key|apikey|password|passwd|secret(?:[-_]access)?(?:[-_]key)?|credentials?)"
+)
 _CREDENTIAL_FLAG = re.compile(rf"(?i)--?{_CREDENTIAL_NAME}")  # one argv item, matched whole
 _FINGERPRINT = re.compile(r"\[redacted:[0-9a-f]{12}\]")
 _VALUE = r"[^\s\"',;&}]"
@@ -125,7 +129,8 @@ _CREDENTIAL_VALUE = re.compile(
     rf"(?i)(?<![\w-])((?:--?{_CREDENTIAL_NAME}(?:=|\s+))|(?:{_CREDENTIAL_NAME}\s*[=:]\s*))(?!\[redacted)({_VALUE}+)"
 )
 _TOKEN_SHAPES = re.compile(
-    r"\b(?:hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}|github_pat_\w{22,})\b"
+    r"\b(?:hf_[A-Za-z0-9]{30,}|sk-[A-Za-z0-9_-]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|gh[pousr]_[A-Za-z0-9]{36,}"
+    r"|github_pat_\w{22,})\b"
 )
 FINGERPRINT_ROUNDS = 100_000  # PBKDF2 rounds per fingerprint: about 40 ms, so each guess at a secret costs as much
 
@@ -154,8 +159,9 @@ def printable(value: object) -> str:
 def safe_url(url: str) -> str:
     """`url` as it may be stored or printed: without userinfo (`user:password@`), query string and fragment.
 
-    `http://alice:pw@host:8000/v1?token=X` becomes `http://host:8000/v1`. A text without a scheme (a plain path) and a URL
-    with none of these parts (`s3://bucket/prefix`, `file:///data`) come back unchanged. Connect with the URL as given.
+    `http://alice:pw@host:8000/v1?token=X` becomes `http://host:8000/v1`. A text without a scheme (a plain path) and a
+    URL with none of these parts (`s3://bucket/prefix`, `file:///data`) come back unchanged. Connect with the URL as
+    given.
     """
     found = _URL_PARTS.match(url)
     return found.group(1) + found.group(2) if found else url
@@ -175,8 +181,8 @@ def remember_secret(value: str | None) -> None:
 
 
 def remember_url(url: str | None) -> None:
-    """Add the credentials a URL this process connects to carries (`url_secrets`) to what `redact` removes, so a server that
-    echoes its request path (`no route /v1?token=...`) or a library that names the URL leaks none of them."""
+    """Add the credentials a URL this process connects to carries (`url_secrets`) to what `redact` removes, so a server
+    that echoes its request path (`no route /v1?token=...`) or a library that names the URL leaks none of them."""
     for secret in url_secrets(url or ""):
         remember_secret(secret)
 
@@ -189,8 +195,8 @@ def _forms(secret: str) -> set[str]:
 
 
 def redact(text: str, *secrets: str | None) -> str:
-    """`text` without the credentials this process knows (remembered, in `SECRET_ENV`, or given), without the userinfo and
-    query string of any URL in it (`safe_url`), and without anything shaped like a credential (see `_PATTERNS`).
+    """`text` without the credentials this process knows (remembered, in `SECRET_ENV`, or given), without the userinfo
+    and query string of any URL in it (`safe_url`), and without anything shaped like a credential (see `_PATTERNS`).
 
     A known secret is also found escaped or base64-encoded (`_forms`), and cut: any form by its first
     `PREFIX_SECRET_CHARS` characters or more, up to the end of the token. Each becomes "[redacted]". Redact before
@@ -210,26 +216,26 @@ def redact(text: str, *secrets: str | None) -> str:
 
 
 def _short_or(found: re.Match[str], replacement: str) -> str:
-    """A credential name and its value in a text: the value replaced, unless it is shorter than a secret can be (a message
-    naming `--api-key KEY` or `spec_token=12` as a placeholder or a field)."""
+    """A credential name and its value in a text: the value replaced, unless it is shorter than a secret can be (a
+    message naming `--api-key KEY` or `spec_token=12` as a placeholder or a field)."""
     name, value = found.group(1), found.group(2)
     return found.group() if len(value) < MIN_SECRET_CHARS else name + replacement
 
 
 @functools.lru_cache(maxsize=1024)
 def fingerprint(secret: str) -> str:
-    """`[redacted:<12 hex>]`: what a pinned config holds in place of `secret`. The same secret gives the same fingerprint,
-    so a stage key that depends on the setting still changes when the secret does (a rotated token makes the output
-    again rather than pass for it); the 48 bits come from PBKDF2-SHA256 over FINGERPRINT_ROUNDS rounds, so testing a guessed
-    password against it is slow, and a random token (hf_..., sk-...) is out of reach."""
+    """`[redacted:<12 hex>]`: what a pinned config holds in place of `secret`. The same secret gives the same
+    fingerprint, so a stage key that depends on the setting still changes when the secret does (a rotated token makes
+    the output again rather than pass for it); the 48 bits come from PBKDF2-SHA256 over FINGERPRINT_ROUNDS rounds, so
+    testing a guessed password against it is slow, and a random token (hf_..., sk-...) is out of reach."""
     digest = hashlib.pbkdf2_hmac("sha256", secret.encode(), b"blockdraft setting fingerprint", FINGERPRINT_ROUNDS)
     return f"[redacted:{digest.hex()[:12]}]"
 
 
 def _fingerprinted(value: str, secret: bool = True) -> str:
-    """`value`'s fingerprint (`value` itself when empty or one already); a `secret` is also remembered (`remember_secret`),
-    so a message of this process that names it is redacted too. A query value that need not be a credential is not
-    remembered: it may be a word ("validation") that messages use."""
+    """`value`'s fingerprint (`value` itself when empty or one already); a `secret` is also remembered
+    (`remember_secret`), so a message of this process that names it is redacted too. A query value that need not be a
+    credential is not remembered: it may be a word ("validation") that messages use."""
     if not value or _FINGERPRINT.fullmatch(value):
         return value
     if secret:
@@ -275,8 +281,9 @@ def redact_setting(value: str) -> str:
 
 
 def redact_settings(data: Any) -> Any:
-    """`data` (a config as plain JSON data) with every string passed through `redact_setting`; in a list (`eval.engine_args`)
-    the item after a credential flag given on its own (`["--hf-token", "X"]`) is fingerprinted whole."""
+    """`data` (a config as plain JSON data) with every string passed through `redact_setting`; in a list
+    (`eval.engine_args`) the item after a credential flag given on its own (`["--hf-token", "X"]`) is fingerprinted
+    whole."""
     if isinstance(data, dict):
         return {key: redact_settings(value) for key, value in data.items()}
     if isinstance(data, list):
@@ -290,7 +297,8 @@ def redact_settings(data: Any) -> Any:
 
 
 __all__ = [
-    "REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "DivergedError", "EngineError", "EvalError", "ExportError", "LeaseError",
-    "OutsideArtifactError", "SpecError", "StoreError", "control_characters", "fingerprint", "printable", "redact", "redact_setting", "redact_settings", "remember_secret",
-    "remember_url", "safe_url", "url_secrets",
+    "REDACTED", "ArtifactError", "BlockdraftError", "ConfigError", "DecodeError", "DivergedError", "EngineError",
+    "EvalError", "ExportError", "LeaseError",
+    "OutsideArtifactError", "SpecError", "StoreError", "control_characters", "fingerprint", "printable", "redact",
+    "redact_setting", "redact_settings", "remember_secret", "remember_url", "safe_url", "url_secrets",
 ]

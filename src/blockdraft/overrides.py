@@ -86,7 +86,8 @@ def unknown_name(loc: Sequence[str], model: type[BaseModel]) -> str:
     """What to say of a section (`[name]`) or key (`[section, name]`) that `model` does not have: the nearest name and
     the names there are, worded the same for a `--set` item and for the config file."""
     if len(loc) == 1:
-        return f"the config has no section '{loc[0]}'{_nearest(loc[0], model.model_fields)}; sections: {', '.join(model.model_fields)}"
+        return (f"the config has no section '{loc[0]}'{_nearest(loc[0], model.model_fields)}; sections: "
+                f"{', '.join(model.model_fields)}")
     section, key = loc[0], loc[-1]
     fields = model.model_fields[section].annotation.model_fields  # type: ignore[union-attr]
     return f"[{section}] has no key '{key}'{_nearest(key, fields)}; keys: {', '.join(fields)}"
@@ -119,13 +120,21 @@ def parse_value(text: str, annotation: Any) -> Any:
 def _is_list(annotation: Any) -> bool:
     if typing.get_origin(annotation) is list:
         return True
-    return any(_is_list(arg) for arg in typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType))
+    return any(
+        _is_list(arg)
+        for arg in typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    )
 
 
 def as_set_items(overrides: Overrides) -> list[str]:
     """The overrides as `--set` items (`section.key=value`, lists as JSON), for a command line that re-reads the config:
     `train`'s node flags on the command line of the ranks torchrun starts (`stages.train.launch`)."""
-    return [f"{section}.{key}={_text(value)}" for section, values in overrides.values.items() for key, value in values.items()]
+    return [
+        f"{section}.{key}={_text(value)}"
+        for section, values in overrides.values.items()
+        for key, value in values.items()
+    ]
 
 
 def _text(value: Any) -> str:
@@ -136,10 +145,12 @@ def _text(value: Any) -> str:
     return json.dumps(value) if isinstance(value, list) else str(value)
 
 
-_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
+           "less_than": ("<", "lt")}
 
 
-def validation_line(label: str, err: ValidationError, overrides: Overrides, model: type[BaseModel] | None = None) -> str:
+def validation_line(label: str, err: ValidationError, overrides: Overrides,
+                    model: type[BaseModel] | None = None) -> str:
     """One line for the first problem: an override's names it as it was spelled, a file's names the file and field; a
     section or key of the file that `model` does not have gets the nearest name, as `--set` does."""
     first = err.errors()[0]
@@ -169,4 +180,5 @@ def apply(data: dict, overrides: Overrides, label: str) -> dict:
     return data
 
 
-__all__ = ["Overrides", "apply", "as_set_items", "flag_overrides", "parse_value", "set_overrides", "unknown_name", "validation_line"]
+__all__ = ["Overrides", "apply", "as_set_items", "flag_overrides", "parse_value", "set_overrides", "unknown_name",
+           "validation_line"]

@@ -1,1 +1,2 @@
-"""Completions -> training rows: reading and normalising completions, rendering turns with exact loss masks, the tokenize stage."""
+"""Completions -> training rows: reading and normalising completions, rendering turns with exact loss masks, the
+tokenize stage."""

@@ -54,7 +54,11 @@ def thinking_of(ids: Sequence[int], mask: Sequence[int], think: tuple[int, int] 
 
 
 @torch.no_grad()
-def target_agreement(hf_model: Any, rows: Iterable[tuple[Sequence[int] | torch.Tensor, Sequence[int] | torch.Tensor]], think: tuple[int, int] | None = None) -> dict[str, Any]:
+def target_agreement(
+    hf_model: Any,
+    rows: Iterable[tuple[Sequence[int] | torch.Tensor, Sequence[int] | torch.Tensor]],
+    think: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """{"agreement", "positions", "rows", "by_thinking": {mode: {"agreement", "positions", "rows"}}} of the target
     `hf_model` over `rows` ((input_ids, loss_mask) pairs), one row per forward."""
     device = next(hf_model.parameters()).device
@@ -67,7 +71,8 @@ def target_agreement(hf_model: Any, rows: Iterable[tuple[Sequence[int] | torch.T
         if ids_t.numel() < 2 or not bool(mask_t[1:].any()):
             continue
         mode = thinking_of(ids_t.tolist(), mask_t.tolist(), think)
-        predicted = hf_model(input_ids=ids_t[None].to(device)).logits[0, :-1].argmax(-1).cpu()  # [S-1]: the token after each
+        # [S-1]: the token after each
+        predicted = hf_model(input_ids=ids_t[None].to(device)).logits[0, :-1].argmax(-1).cpu()
         supervised = mask_t[1:]
         hits[mode] = hits.get(mode, 0) + int((predicted[supervised] == ids_t[1:][supervised]).sum())
         counted[mode] = counted.get(mode, 0) + int(supervised.sum())
@@ -77,7 +82,8 @@ def target_agreement(hf_model: Any, rows: Iterable[tuple[Sequence[int] | torch.T
         "agreement": sum(hits.values()) / total if total else 0.0,
         "positions": total,
         "rows": sum(nrows.values()),
-        "by_thinking": {m: {"agreement": hits[m] / counted[m], "positions": counted[m], "rows": nrows[m]} for m in sorted(counted)},
+        "by_thinking": {m: {"agreement": hits[m] / counted[m], "positions": counted[m], "rows": nrows[m]}
+                        for m in sorted(counted)},
     }
 
 
@@ -100,7 +106,8 @@ def tokenized_agreement(folder: Path, config: BlockdraftConfig) -> dict[str, Any
     if config.target.path is None:
         raise ConfigError("target agreement needs the target: set target.path")
     if not (folder / TRAIN_SPLIT).is_dir():
-        raise ConfigError(f"{folder} holds no '{TRAIN_SPLIT}' split to check against the target; pass a tokenized artifact")
+        raise ConfigError(f"{folder} holds no '{TRAIN_SPLIT}' split to check against the target; pass a tokenized "
+                          "artifact")
     ds = Dataset.load_from_disk(str(folder / TRAIN_SPLIT))
     hf_model = load_target(config.target.path, config.placement.target_devices[0], config.target.dtype)
     rows = ((ds[i]["input_ids"][: tc.max_length], ds[i]["loss_mask"][: tc.max_length])
@@ -124,11 +131,13 @@ def agreement_warning(result: dict[str, Any], threshold: float) -> str | None:
         return None
     low = [m for m, v in result["by_thinking"].items() if v["agreement"] < threshold]
     return (
-        f"target agreement {result['agreement']:.2f} is below {threshold:.2f} (thinking {', '.join(low)} rows): the target would "
-        "not write this data (answers from another model or person, or another thinking mode than it serves with), and a "
-        "drafter trained on it will draft what the target rejects; regenerate the answers with the target: `blockdraft "
-        "generate PROMPTS OUT --thinking on|off` in the thinking mode it serves with, then tokenize again"
+        f"target agreement {result['agreement']:.2f} is below {threshold:.2f} (thinking {', '.join(low)} rows): the "
+        "target would not write this data (answers from another model or person, or another thinking mode than it "
+        "serves with), and a drafter trained on it will draft what the target rejects; regenerate the answers with the "
+        "target: `blockdraft generate PROMPTS OUT --thinking on|off` in the thinking mode it serves with, then "
+        "tokenize again"
     )
 
 
-__all__ = ["agreement_warning", "describe_agreement", "load_tokenizer", "sample_indices", "target_agreement", "tokenized_agreement", "think_ids", "thinking_of"]
+__all__ = ["agreement_warning", "describe_agreement", "load_tokenizer", "sample_indices", "target_agreement",
+           "tokenized_agreement", "think_ids", "thinking_of"]

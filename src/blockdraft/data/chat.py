@@ -1,6 +1,6 @@
 """The generate stage's chat types, shared with the fixtures that write sample answers: a `Prompt` is normalised chat
-messages; a `Completion` is the answer split into reasoning and content the way Qwen3 reasoning parsers split it, with the
-exact token ids when they are known. `render_prompt` is a prompt as the target's chat template writes it."""
+messages; a `Completion` is the answer split into reasoning and content the way Qwen3 reasoning parsers split it, with
+the exact token ids when they are known. `render_prompt` is a prompt as the target's chat template writes it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 
 @dataclass
 class Prompt:
-    """One prompt: normalised messages ending with a user (or tool) turn; `enable_thinking` None = the template's default."""
+    """One prompt: normalised messages ending with a user (or tool) turn; `enable_thinking` None = the template's
+    default."""
 
     id: str
     messages: list[dict[str, Any]]
@@ -19,7 +20,8 @@ class Prompt:
 
 @dataclass
 class Completion:
-    """The target's answer. Token ids, when known, are the exact prompt and completion (end-of-turn token included when it stopped)."""
+    """The target's answer. Token ids, when known, are the exact prompt and completion (end-of-turn token included when
+    it stopped)."""
 
     id: str
     content: str

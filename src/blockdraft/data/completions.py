@@ -78,7 +78,8 @@ def is_completions_file(key: str) -> bool:
 
 
 def source_id_of(record: RawRecord) -> str | None:
-    """The row's conversation id; for a row without one, the hash of its text, so the split does not depend on file layout."""
+    """The row's conversation id; for a row without one, the hash of its text, so the split does not depend on file
+    layout."""
     if not isinstance(record.data, dict):
         return None
     found = next((record.data[k] for k in _ID_KEYS if record.data.get(k) is not None), None)
@@ -144,8 +145,8 @@ def _token_ids(data: dict[str, Any]) -> tuple[list[int], list[int]] | None:
             # bool is an int to Python: true/false in an id list would train ids 1 and 0.
             ok = all(isinstance(x, list) and all(type(t) is int and t >= 0 for t in x) for x in (prompt, completion))
             if not ok or not prompt or len(completion) < 2:
-                raise RowRejected("bad_token_ids", f"{prompt_key}/{completion_key} must be non-empty lists of non-negative integer "
-                                  "token ids (not true/false, floats or strings)")
+                raise RowRejected("bad_token_ids", f"{prompt_key}/{completion_key} must be non-empty lists of "
+                                                   "non-negative integer token ids (not true/false, floats or strings)")
             return list(prompt), list(completion)
     return None
 
@@ -202,15 +203,16 @@ def check_special_tokens(conv: Conversation, special: re.Pattern[str] | None) ->
             found = special.search(text)
             if found is not None:
                 raise RowRejected("special_token_in_content",
-                                  f"message {i} ({message['role']}) has the special token {found.group()!r} in its {name}")
+                                  f"message {i} ({message['role']}) has the special token {found.group()!r} in its "
+                                  f"{name}")
     found = special.search(json.dumps(conv.tools, ensure_ascii=False, default=str)) if conv.tools else None
     if found is not None:
         raise RowRejected("special_token_in_content", f"the tools list has the special token {found.group()!r}")
 
 
 def resolve_completions(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[str], StageInput | None]:
-    """Where the completions at `input_url` are: (store, sorted keys, None) for a file or a folder of them, or (store, keys
-    the artifact lists, the verified artifact) for a completions artifact; ConfigError when there are none."""
+    """Where the completions at `input_url` are: (store, sorted keys, None) for a file or a folder of them, or (store,
+    keys the artifact lists, the verified artifact) for a completions artifact; ConfigError when there are none."""
     store = open_store(input_url, store_config)
     local = store.local_path()
     if local is not None and local.is_file():
@@ -227,7 +229,8 @@ def resolve_completions(input_url: str, store_config: StoreConfig | None) -> tup
         return store, keys, artifact
     keys = [info.key for info in store.list() if is_completions_file(info.key) and not info.key.startswith(".")]
     if not keys:
-        raise ConfigError(f"input {input_url} has no completions files ({', '.join(SUFFIXES)}); point INPUT at a file or folder of them")
+        raise ConfigError(f"input {input_url} has no completions files ({', '.join(SUFFIXES)}); point INPUT at a file "
+                          "or folder of them")
     return store, sorted(keys), None
 
 
@@ -237,4 +240,5 @@ def not_a_regular_file(path: Path, st: os.stat_result) -> ConfigError:
     kinds = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
              stat.S_IFSOCK: "a socket"}
     kind = kinds.get(stat.S_IFMT(st.st_mode), "not a regular file")
-    return ConfigError(f"input {path} is {kind}, not a regular file; pass completions files (or a folder of them) that hold their rows")
+    return ConfigError(f"input {path} is {kind}, not a regular file; pass completions files (or a folder of them) that "
+                       "hold their rows")

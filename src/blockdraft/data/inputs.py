@@ -24,9 +24,9 @@ STAT_PIN = "stat:"
 
 @dataclass(frozen=True)
 class InputFile:
-    """One completions file: `checksum` is its CRC64NVME as listed (None: a local file, checksummed by the tasks that read
-    it); `pin` identifies its content for resuming without reading it (a `STAT_PIN` one only while `stat_pin` of the file
-    is unchanged)."""
+    """One completions file: `checksum` is its CRC64NVME as listed (None: a local file, checksummed by the tasks that
+    read it); `pin` identifies its content for resuming without reading it (a `STAT_PIN` one only while `stat_pin` of
+    the file is unchanged)."""
 
     key: str
     size: int
@@ -41,17 +41,23 @@ def stat_pin(st: os.stat_result) -> str:
 
 def pin_is_trusted(st: os.stat_result, now: float | None = None) -> bool:
     """Whether a local file's stat pin may stand for its content later: not when it was modified within `RACY_S` of now
-    (a filesystem with coarse timestamps could change it again without changing its mtime; as `checksum_cache` rules)."""
+    (a filesystem with coarse timestamps could change it again without changing its mtime; as `checksum_cache`
+    rules)."""
     return (now if now is not None else time.time()) - st.st_mtime_ns / 1e9 > RACY_S
 
 
-def list_inputs(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[InputFile], list[InputRef] | None]:
+def list_inputs(input_url: str, store_config: StoreConfig | None) -> tuple[Store, list[InputFile],
+                                                                           list[InputRef] | None]:
     """(store, files sorted by key, lineage) of the completions at `input_url`: a file, a folder or an artifact. The
     lineage is the artifact's, or None for raw files: their entries name checksums that only reading them gives."""
     store, keys, artifact = resolve_completions(input_url, store_config)
     if artifact is not None:
         listed = set(keys)
-        files = [InputFile(f.path, f.size, f.checksum, None, f"crc64nvme:{f.checksum}") for f in artifact.manifest.files if f.path in listed]
+        files = [
+            InputFile(f.path, f.size, f.checksum, None, f"crc64nvme:{f.checksum}")
+            for f in artifact.manifest.files
+            if f.path in listed
+        ]
         return store, files, [artifact.ref]
     root = store.local_path()
     if root is not None:
@@ -66,7 +72,8 @@ def list_inputs(input_url: str, store_config: StoreConfig | None) -> tuple[Store
         if checksum is None and info.etag is None:
             checksum = store.checksum_by_reading(key)[1]
         # An object uploaded without CRC64NVME is pinned by its ETag (recorded as lineage), not re-read whole.
-        files.append(InputFile(key, info.size, checksum, info.etag, f"crc64nvme:{checksum}" if checksum else f"etag:{info.etag}"))
+        files.append(InputFile(key, info.size, checksum, info.etag,
+                               f"crc64nvme:{checksum}" if checksum else f"etag:{info.etag}"))
     return store, files, None
 
 
@@ -84,8 +91,8 @@ def check_unchanged(key: str, listed: InputFile, st: os.stat_result) -> None:
     """ArtifactError when a local file's stat no longer matches the pin it was listed with."""
     if listed.pin.startswith(STAT_PIN) and stat_pin(st) != listed.pin:
         raise ArtifactError(
-            f"input {key} changed while it was tokenized (now {st.st_size} bytes, modified at {st.st_mtime_ns} ns; listed as "
-            f"{listed.pin.removeprefix(STAT_PIN)}); rerun when the input is complete"
+            f"input {key} changed while it was tokenized (now {st.st_size} bytes, modified at {st.st_mtime_ns} ns; "
+            f"listed as {listed.pin.removeprefix(STAT_PIN)}); rerun when the input is complete"
         )
 
 

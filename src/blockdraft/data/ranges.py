@@ -7,7 +7,8 @@ A part is a `ReadRange` of one of four kinds:
 - `whole`: every row of the file; the checksum covers the whole file (what the parser leaves is read too).
 - `lines`: bytes [start, end) of a plain (uncompressed) JSON Lines file. The part owns the lines that start inside its
   range: it seeks to start - 1 and, unless that byte ends a line, skips the rest of the line it lands in; it reads on
-  past `end` to finish its last line. It checksums exactly [start, end), so the parts' checksums combine into the file's.
+  past `end` to finish its last line. It checksums exactly [start, end), so the parts' checksums combine into the
+  file's.
 - `stream`: decompressed bytes [start, end) of a .gz or .zst JSON Lines file (end None: to the end), owned the same way.
   A compressed stream cannot be entered in the middle, so the part decompresses from the file's start and skips the
   bytes before `start` (decompressing is about 100x faster than tokenizing; `MAX_STREAM_PARTS` bounds what the skipping
@@ -77,8 +78,8 @@ Opener = Callable[[], AbstractContextManager[BinaryIO]]
 
 
 def split_file(open_read: Opener, key: str, size: int, task_bytes: int) -> list[tuple[ReadRange, int]]:
-    """The parts of file `key` (`size` bytes) for tasks of at most about `task_bytes` input bytes, each with its share of
-    the file's bytes (for progress; the shares add up to `size`).
+    """The parts of file `key` (`size` bytes) for tasks of at most about `task_bytes` input bytes, each with its share
+    of the file's bytes (for progress; the shares add up to `size`).
 
     A file is cut into a power-of-two number of equal parts, so that one file spreads evenly over 2, 4, 8, ... workers.
     What cannot be cut is one `whole` part: a file of at most `task_bytes` (decompressed, for .gz/.zst: estimated from
@@ -130,8 +131,8 @@ def _split_stream(stream: BinaryIO, key: str, size: int, task_bytes: int) -> lis
 def _decompressed_size(stream: BinaryIO, name: str, size: int) -> int:
     """An estimate of a compressed file's decompressed size, from the file alone (so every run cuts it alike): the
     compressed size times the ratio of its first `RATIO_SAMPLE` bytes; for gzip, the trailer's size modulo 2**32 lifted
-    by the multiple of 2**32 nearest that. (A zstd frame header's size would name its first frame only.) A wrong estimate
-    only unbalances the parts (the last one reads whatever lies beyond); each still reads right."""
+    by the multiple of 2**32 nearest that. (A zstd frame header's size would name its first frame only.) A wrong
+    estimate only unbalances the parts (the last one reads whatever lies beyond); each still reads right."""
     stream.seek(0)
     head = stream.read(RATIO_SAMPLE)
     if name.endswith(".zst"):
@@ -152,7 +153,8 @@ def _zstd_ratio(head: bytes) -> float:
 
     source = io.BytesIO(head)
     out = 0
-    with zstandard.ZstdDecompressor().stream_reader(source, read_size=1 << 14, read_across_frames=True, closefd=False) as reader:
+    with zstandard.ZstdDecompressor().stream_reader(source, read_size=1 << 14, read_across_frames=True,
+                                                    closefd=False) as reader:
         while out < 64 << 20 and (chunk := reader.read(1 << 20)):
             out += len(chunk)
     return out / max(source.tell(), 1)
@@ -167,7 +169,10 @@ def _split_parquet(stream: BinaryIO, key: str, size: int, task_bytes: int) -> li
     for i in range(meta.num_row_groups):
         group = meta.row_group(i)
         columns = [group.column(c) for c in range(group.num_columns)]
-        firsts = [c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset else c.data_page_offset for c in columns]
+        firsts = [
+            c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset else c.data_page_offset
+            for c in columns
+        ]
         offsets.append(min(firsts) if firsts else 0)
         rows.append(group.num_rows)
     if len(offsets) < 2 or offsets[0] < 4 or any(b <= a for a, b in pairwise(offsets)) or offsets[-1] >= size:
@@ -190,12 +195,12 @@ class RangeReader:
     """The rows of one part of file `key` (`size` bytes) read from `stream`, once.
 
     After `finish()`, `window` (file offsets) and `crc` (base64 CRC64NVME) say which raw bytes were read and checksummed
-    (None: not checksummed, when `checksum` is False for Parquet whose checksum is known from its listing): the windows of
-    a file's parts tile it, so their checksums combine into the file's. `reads` lists (start, end, crc) of every raw byte
-    range the part's rows depend on (a `lines` part also on the byte before its range and the end of its last line, a
-    Parquet part also on the footer): a resumed part is checked against them.
-    `rows_before`: rows of the file before this part's first (for a part that fails midway, the rows read before the fault).
-    A row larger than `max_row_bytes` is never held whole (`blockdraft.data.completions`, `oversize` records).
+    (None: not checksummed, when `checksum` is False for Parquet whose checksum is known from its listing): the windows
+    of a file's parts tile it, so their checksums combine into the file's. `reads` lists (start, end, crc) of every raw
+    byte range the part's rows depend on (a `lines` part also on the byte before its range and the end of its last line,
+    a Parquet part also on the footer): a resumed part is checked against them.
+    `rows_before`: rows of the file before this part's first (for a part that fails midway, the rows read before the
+    fault). A row larger than `max_row_bytes` is never held whole (`blockdraft.data.completions`, `oversize` records).
     """
 
     def __init__(self, stream: BinaryIO, key: str, size: int, part: ReadRange, checksum: bool = True,
@@ -281,7 +286,9 @@ class RangeReader:
             while (end is None or offset < end) and (line := next(lines, None)) is not None:
                 line_start, offset = offset, offset + line.size
                 newlines += 1
-                self._done = (offset - start) / (end - start) if end is not None else self._reader.bytes_read / max(self.size, 1)
+                self._done = (
+                    (offset - start) / (end - start) if end is not None else self._reader.bytes_read / max(self.size, 1)
+                )
                 record = record_of_line(newlines, line, line_start)
                 if record is not None:
                     yield record
@@ -314,7 +321,8 @@ class RangeReader:
             self.reads = [(*self.window, self.crc)]
             if part.kind == "lines" and self.window[1] == part.end:
                 tail = self._tail
-                pieces = [(crc64nvme_bytes(self._previous), len(self._previous)), (self.crc, self.window[1] - start), (tail.crc.b64, tail.length)]
+                pieces = [(crc64nvme_bytes(self._previous), len(self._previous)), (self.crc, self.window[1] - start),
+                          (tail.crc.b64, tail.length)]
                 self.reads = [(start - len(self._previous), self.window[1] + tail.length, crc_concat(pieces))]
             return
         if not self.checksum:

@@ -23,15 +23,16 @@ ARRAY_READ = 1 << 20  # bytes read at a time from a JSON array
 MAX_ARRAY_ELEMENT = 256 << 20  # one element of a JSON array larger than this is refused: use JSON Lines
 SKIP_CHUNK = 1 << 20  # bytes read at a time while skipping input: the rest of a line, or up to a part's start
 HEAD_BYTES = 256  # what a record keeps of a row too large to hold (for the quarantine)
-PARQUET_COLUMNS = (("messages",), ("conversations",), ("prompt_token_ids", "completion_token_ids"), ("prompt_ids", "completion_ids"))
+PARQUET_COLUMNS = (("messages",), ("conversations",), ("prompt_token_ids", "completion_token_ids"),
+                   ("prompt_ids", "completion_ids"))
 
 
 @dataclass
 class RawRecord:
-    """One row as read: its position in the input (1-based line or row number; None for a line of a plain JSON Lines file
-    read from the middle, where `offset` locates it), the parsed object or None, its text, and for a line its byte offset
-    in the (decompressed) file. `oversize`: the row's bytes when it is larger than the reader's `max_row_bytes` (then
-    `data` is None and `text` holds its start only)."""
+    """One row as read: its position in the input (1-based line or row number; None for a line of a plain JSON Lines
+    file read from the middle, where `offset` locates it), the parsed object or None, its text, and for a line its byte
+    offset in the (decompressed) file. `oversize`: the row's bytes when it is larger than the reader's `max_row_bytes`
+    (then `data` is None and `text` holds its start only)."""
 
     position: int | None
     data: Any
@@ -57,8 +58,11 @@ def iter_records(stream: BinaryIO, key: str, counter: list[int] | None = None, m
     yield from iter_counted(CountingReader(stream), key, counter, max_row_bytes)
 
 
-def iter_counted(reader: CountingReader, key: str, counter: list[int] | None = None, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[RawRecord]:
-    """`iter_records` of a line or JSON-array format read through `reader` (which counts and checksums the raw bytes)."""
+def iter_counted(
+    reader: CountingReader, key: str, counter: list[int] | None = None, max_row_bytes: int = MAX_ROW_BYTES
+) -> Iterator[RawRecord]:
+    """`iter_records` of a line or JSON-array format read through `reader` (which counts and checksums the raw
+    bytes)."""
     with decoding(key):
         buffered = decompressed(reader, key.lower())  # type: ignore[arg-type]
         if starts_as_json_array(buffered):
@@ -84,9 +88,9 @@ class Line(NamedTuple):
 
 
 def bounded_lines(buffered: BinaryIO, limit: int, seen: Callable[[bytes], None] | None = None) -> Iterator[Line]:
-    """The lines of `buffered`, none held longer than `limit` bytes before its newline: a longer one is read on in chunks
-    of `SKIP_CHUNK` to its newline, and given with its first `HEAD_BYTES` only. `seen`, when given, gets every byte read,
-    in order (a reader that checksums what lies past a point)."""
+    """The lines of `buffered`, none held longer than `limit` bytes before its newline: a longer one is read on in
+    chunks of `SKIP_CHUNK` to its newline, and given with its first `HEAD_BYTES` only. `seen`, when given, gets every
+    byte read, in order (a reader that checksums what lies past a point)."""
     while line := buffered.readline(limit + 1):
         if seen is not None:
             seen(line)
@@ -100,7 +104,8 @@ def bounded_lines(buffered: BinaryIO, limit: int, seen: Callable[[bytes], None] 
 
 
 def skip_line(buffered: BinaryIO, seen: Callable[[bytes], None] | None = None) -> tuple[int, bool]:
-    """Read and drop the rest of the current line, `SKIP_CHUNK` bytes at a time: (bytes read, whether a newline ended it)."""
+    """Read and drop the rest of the current line, `SKIP_CHUNK` bytes at a time: (bytes read, whether a newline ended
+    it)."""
     size = 0
     while chunk := buffered.readline(SKIP_CHUNK):
         if seen is not None:
@@ -114,7 +119,8 @@ def skip_line(buffered: BinaryIO, seen: Callable[[bytes], None] | None = None) -
 def record_of_line(position: int | None, line: Line, offset: int) -> RawRecord | None:
     """The record of one JSON Lines line (`line_record`, or an `oversize` one), or None for a blank line."""
     if line.oversize:
-        return RawRecord(position, None, line.data.decode("utf-8", errors="replace") + "...", offset, oversize=line.oversize)
+        return RawRecord(position, None, line.data.decode("utf-8", errors="replace") + "...", offset,
+                         oversize=line.oversize)
     if not line.data or line.data.isspace():  # isspace stops at the first non-blank byte; strip would copy the line
         return None
     return line_record(position, line.data, offset)
@@ -166,7 +172,9 @@ def value_end(text: str, start: int) -> int | None:
     return None
 
 
-def _iter_json_array(buffered: BinaryIO, reader: CountingReader, key: str, counter: list[int] | None) -> Iterator[RawRecord]:
+def _iter_json_array(
+    buffered: BinaryIO, reader: CountingReader, key: str, counter: list[int] | None
+) -> Iterator[RawRecord]:
     """A JSON array, not JSON Lines, streamed one element at a time (memory: about one element, not the file).
 
     A file that does not parse whole is unreadable (the caller drops it, rows before the fault included); an element
@@ -238,8 +246,10 @@ def _iter_json_array(buffered: BinaryIO, reader: CountingReader, key: str, count
         if not complete:
             if len(buf) - pos > MAX_ARRAY_ELEMENT:
                 raise InputUnreadable("undecodable_input", f"element {index + 1} of its JSON array is larger than "
-                                      f"{MAX_ARRAY_ELEMENT >> 20} MiB; convert the file to JSON Lines (one row a line)", key)
-            want = min(want * 2, MAX_ARRAY_ELEMENT)  # a large element is read in growing steps, so it is parsed a few times only
+                                      f"{MAX_ARRAY_ELEMENT >> 20} MiB; convert the file to JSON Lines (one row a line)",
+                                      key)
+            # a large element is read in growing steps, so it is parsed a few times only
+            want = min(want * 2, MAX_ARRAY_ELEMENT)
             more()
             continue
         pos, want, index, expect_value = end, ARRAY_READ, index + 1, False
@@ -248,7 +258,9 @@ def _iter_json_array(buffered: BinaryIO, reader: CountingReader, key: str, count
         yield RawRecord(index, value, text)
 
 
-def _iter_parquet(stream: BinaryIO, key: str, counter: list[int] | None, max_row_bytes: int, conversations: bool) -> Iterator[RawRecord]:
+def _iter_parquet(
+    stream: BinaryIO, key: str, counter: list[int] | None, max_row_bytes: int, conversations: bool
+) -> Iterator[RawRecord]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(stream, page_checksum_verification=True)  # pages written with a CRC are checked against it
@@ -270,8 +282,8 @@ def check_parquet_columns(columns: list[str], key: str) -> None:
     every row of it would be rejected, and the run would end with an empty artifact as if the file held nothing."""
     if not any(all(c in columns for c in wanted) for wanted in PARQUET_COLUMNS):
         shown = ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "")
-        raise InputUnreadable("wrong_schema", f"its columns ({shown}) hold no conversations: it needs 'messages' or 'conversations', "
-                              "or 'prompt_token_ids' and 'completion_token_ids'", key)
+        raise InputUnreadable("wrong_schema", f"its columns ({shown}) hold no conversations: it needs 'messages' or "
+                                              "'conversations', or 'prompt_token_ids' and 'completion_token_ids'", key)
 
 
 def parquet_records(batch: Any, before: int, max_row_bytes: int) -> Iterator[RawRecord]:

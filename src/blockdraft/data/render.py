@@ -26,7 +26,8 @@ ThinkingMode = Literal["auto", "on", "off"]
 
 
 class _GenerationTag(Extension):
-    """`{% generation %}...{% endgeneration %}` (training templates mark assistant spans with it): render the body as is.
+    """`{% generation %}...{% endgeneration %}` (training templates mark assistant spans with it): render the body as
+    is.
 
     The mask here comes from the render boundary, not from these markers, so the tag only has to be accepted.
     """
@@ -43,7 +44,8 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
     # Same spelling as Hugging Face chat templating (non-ASCII kept), so rendered prompts match what servers send.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -81,14 +83,17 @@ class ChatTemplate:
     variables: dict[str, str]
     _template: jinja2.Template
 
-    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool, enable_thinking: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool,
+               enable_thinking: bool) -> str:
         return self._template.render(
-            **self.variables, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+            **self.variables, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking
         )
 
 
 def compile_chat_template(text: str, variables: dict[str, str] | None = None) -> ChatTemplate:
-    """Compile Jinja chat-template text with the environment Hugging Face tokenizers use (trim/lstrip blocks, sandboxed)."""
+    """Compile Jinja chat-template text with the environment Hugging Face tokenizers use (trim/lstrip blocks,
+    sandboxed)."""
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -109,7 +114,8 @@ class PlannedTurn:
 @dataclass
 class TurnRow:
     """One training row. `input_ids` int32 [T], `loss_mask` uint8 [T] (1 = supervised). A row clipped to `max_length`
-    keeps what it lost: `clipped_tokens` cut off its end, `clipped_supervised` of them supervised (0 and 0 when whole)."""
+    keeps what it lost: `clipped_tokens` cut off its end, `clipped_supervised` of them supervised (0 and 0 when
+    whole)."""
 
     turn: int
     thinking: str
@@ -142,8 +148,10 @@ def plan_turns(conv: Conversation, template: ChatTemplate, mode: ThinkingMode) -
         message = conv.messages[j]
         thinking = _thinking_for(message, mode)
         try:
-            prompt = template.render(conv.messages[:j], conv.tools, add_generation_prompt=True, enable_thinking=thinking)
-            full = template.render(conv.messages[: j + 1], conv.tools, add_generation_prompt=False, enable_thinking=thinking)
+            prompt = template.render(conv.messages[:j], conv.tools, add_generation_prompt=True,
+                                     enable_thinking=thinking)
+            full = template.render(conv.messages[: j + 1], conv.tools, add_generation_prompt=False,
+                                   enable_thinking=thinking)
         except Exception as exc:  # any template failure on one row is that row's problem, never the run's
             out.append(TurnRejection(turn, "template_error", f"{type(exc).__name__}: {exc}"[:200]))
             continue
@@ -153,7 +161,8 @@ def plan_turns(conv: Conversation, template: ChatTemplate, mode: ThinkingMode) -
         emitted = full[len(prompt) :]
         reasoning = message.get("reasoning_content", "").strip()
         if thinking and reasoning and reasoning not in emitted:
-            out.append(TurnRejection(turn, "template_dropped_reasoning", "the rendered turn lacks its reasoning_content"))
+            out.append(TurnRejection(turn, "template_dropped_reasoning",
+                                     "the rendered turn lacks its reasoning_content"))
             continue
         content = message["content"].strip()
         if content and content not in emitted:
@@ -185,7 +194,8 @@ def mask_turn(planned: PlannedTurn, encoding: Any, eot_id: int, max_length: int)
     start, _ = encoding.token_to_chars(first)
     if start != boundary:
         token = planned.full[start : encoding.token_to_chars(first)[1]]
-        return TurnRejection(planned.turn, "boundary_merge", f"token {token!r} spans the prompt/turn boundary at char {boundary}")
+        return TurnRejection(planned.turn, "boundary_merge", f"token {token!r} spans the prompt/turn boundary at char "
+                                                             f"{boundary}")
     ids = np.asarray(encoding.ids, dtype=np.int32)
     ends = np.flatnonzero(ids[first:] == eot_id)
     if ends.size == 0:
@@ -211,7 +221,8 @@ def _clip(turn: int, thinking: str, ids: np.ndarray, mask: np.ndarray, max_lengt
 
 
 def row_from_generator_ids(conv: Conversation, max_length: int, vocab_size: int) -> TurnRow | TurnRejection:
-    """The row for a completion that carries its generator's token ids: mask 0 over the prompt, 1 over the completion."""
+    """The row for a completion that carries its generator's token ids: mask 0 over the prompt, 1 over the
+    completion."""
     assert conv.prompt_ids is not None and conv.completion_ids is not None
     turn = max(len(conv.assistant_indices) - 1, 0)
     ids = np.asarray(conv.prompt_ids + conv.completion_ids, dtype=np.int64)

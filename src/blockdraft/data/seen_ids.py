@@ -1,5 +1,5 @@
-"""Which token ids a set of tokenized rows holds: one bit per id of the tokenizer, recorded by tokenize in its artifact's
-manifest (`counts.token_ids`) so that any mask id can be checked against the data later without reading a row
+"""Which token ids a set of tokenized rows holds: one bit per id of the tokenizer, recorded by tokenize in its
+artifact's manifest (`counts.token_ids`) so that any mask id can be checked against the data later without reading a row
 (`mask_in_data_problem`).
 
 The record is {"size": ids covered (the tokenizer's length), "seen": how many of them occur, "bits": the bitmap, packed
@@ -56,12 +56,17 @@ class SeenIds:
 
     def to_record(self) -> dict[str, Any]:
         packed = np.packbits(self.bits, bitorder="little").tobytes()
-        return {"size": self.size, "seen": len(self), "bits": base64.b64encode(zlib.compress(packed, 9)).decode("ascii")}
+        return {"size": self.size, "seen": len(self),
+                "bits": base64.b64encode(zlib.compress(packed, 9)).decode("ascii")}
 
     @classmethod
     def from_record(cls, record: Any) -> SeenIds:
         """The set a `to_record` dict holds; ValueError naming what is wrong with a malformed one."""
-        if not isinstance(record, dict) or not isinstance(record.get("size"), int) or not isinstance(record.get("bits"), str):
+        if (
+            not isinstance(record, dict)
+            or not isinstance(record.get("size"), int)
+            or not isinstance(record.get("bits"), str)
+        ):
             raise ValueError("not a {size, seen, bits} record")
         size = record["size"]
         try:
@@ -74,11 +79,12 @@ class SeenIds:
         return cls(size, bits)
 
 
-def suggest_mask_token_id(seen: SeenIds, vocab_size: int, added: dict[int, str], known: int | None = None) -> int | None:
+def suggest_mask_token_id(seen: SeenIds, vocab_size: int, added: dict[int, str],
+                          known: int | None = None) -> int | None:
     """An id that fits the rule for a target of `vocab_size` rows whose tokenized data holds `seen` (`seen.size`: the
-    tokenizer's ids): the family's reserved id when the data does not hold it, else the first row past the tokenizer's last
-    id, else the highest id the data never holds that is not an added token (in a BPE vocabulary the later merges are the
-    rarer ones); None when no row is free."""
+    tokenizer's ids): the family's reserved id when the data does not hold it, else the first row past the tokenizer's
+    last id, else the highest id the data never holds that is not an added token (in a BPE vocabulary the later merges
+    are the rarer ones); None when no row is free."""
     if known is not None and known < vocab_size and known not in seen and known not in added:
         return known
     if (row := spare_row(seen.size, vocab_size)) is not None:
@@ -88,15 +94,16 @@ def suggest_mask_token_id(seen: SeenIds, vocab_size: int, added: dict[int, str],
 
 def mask_in_data_problem(mask_token_id: int, seen: SeenIds, data: str, vocab_size: int, added: dict[int, str],
                          known: int | None = None) -> str | None:
-    """The one line that refuses `mask_token_id` when the tokenized rows of `data` (which hold `seen`) hold it, naming an
-    id that fits instead; None when they never do."""
+    """The one line that refuses `mask_token_id` when the tokenized rows of `data` (which hold `seen`) hold it, naming
+    an id that fits instead; None when they never do."""
     if mask_token_id not in seen:
         return None
     fit = suggest_mask_token_id(seen, vocab_size, added, known)
     fix = (f"set dflash.mask_token_id to an id these rows never hold, e.g. {fit}" if fit is not None else
-           f"every id below vocab_size {vocab_size} occurs in them or is an added token, so no row of the target's embedding can be the mask")
-    return (f"dflash.mask_token_id {mask_token_id} occurs in the tokenized rows of {data} (they hold {len(seen):,} distinct ids of "
-            f"{seen.size:,}): the drafter could not tell a masked slot from that token; {fix}")
+           f"every id below vocab_size {vocab_size} occurs in them or is an added token, so no row of the target's "
+           "embedding can be the mask")
+    return (f"dflash.mask_token_id {mask_token_id} occurs in the tokenized rows of {data} (they hold {len(seen):,} "
+            f"distinct ids of {seen.size:,}): the drafter could not tell a masked slot from that token; {fix}")
 
 
 __all__ = ["SEEN_IDS", "SeenIds", "mask_in_data_problem", "suggest_mask_token_id"]

@@ -1,9 +1,9 @@
 """Decompressing a completions file whole or not at all.
 
-A gzip or zstd stream that ends before its end marker was cut short (an interrupted copy or upload); the standard readers
-either raise something no user can act on or, for zstd, stop quietly at the cut, so half a file would look like a whole one.
-Here every such fault becomes `InputUnreadable`, naming the file and the cause, and the caller drops the file whole (a
-caller that does not catch it stops with that one line).
+A gzip or zstd stream that ends before its end marker was cut short (an interrupted copy or upload); the standard
+readers either raise something no user can act on or, for zstd, stop quietly at the cut, so half a file would look like
+a whole one. Here every such fault becomes `InputUnreadable`, naming the file and the cause, and the caller drops the
+file whole (a caller that does not catch it stops with that one line).
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ ZSTD_READ = 1 << 17  # compressed bytes fed to the decompressor at a time: bound
 
 class InputUnreadable(ConfigError):
     """A whole input file `key` that cannot be decoded: cut short (`truncated_input`) or not the format its name says
-    (`undecodable_input`). `reason` is the code recorded in the manifest and the quarantine, `detail` one line of cause."""
+    (`undecodable_input`). `reason` is the code recorded in the manifest and the quarantine, `detail` one line of
+    cause."""
 
     def __init__(self, reason: str, detail: str, key: str) -> None:
         self.reason, self.detail, self.key = reason, " ".join(detail.split())[:300], key
-        super().__init__(f"input {key} cannot be read whole: {reason} ({self.detail}); replace it with a complete copy and rerun")
+        super().__init__(f"input {key} cannot be read whole: {reason} ({self.detail}); replace it with a complete copy "
+                         "and rerun")
 
     def __reduce__(self) -> tuple[Any, ...]:  # raised in a worker process, re-raised in the parent
         return (type(self), (self.reason, self.detail, self.key))
@@ -66,7 +68,8 @@ class CountingReader(io.RawIOBase):
         return n
 
     def drain(self) -> None:
-        """Read what the parser left (a trailer, or the rest of a file that failed to decode), so the window is whole."""
+        """Read what the parser left (a trailer, or the rest of a file that failed to decode), so the window is
+        whole."""
         while self.read(READ_CHUNK):
             pass
 
@@ -124,14 +127,17 @@ def decoding(key: str) -> Iterator[None]:
     try:
         yield
     except EOFError as exc:
-        raise InputUnreadable("truncated_input", f"the compressed stream ends before its end marker: the file was cut short; {exc}", key) from None
+        raise InputUnreadable("truncated_input", "the compressed stream ends before its end marker: the file was cut "
+                                                 f"short; {exc}", key) from None
     except (gzip.BadGzipFile, zlib.error, zstandard.ZstdError) as exc:
-        raise InputUnreadable("undecodable_input", f"cannot decompress it as its suffix says; {type(exc).__name__}: {exc}", key) from None
+        raise InputUnreadable("undecodable_input", f"cannot decompress it as its suffix says; {type(exc).__name__}: "
+                                                   f"{exc}", key) from None
 
 
 @contextlib.contextmanager
 def decoding_parquet(key: str) -> Iterator[None]:
-    """Turn what pyarrow raises for a file that is not Parquet, is cut short or has corrupt pages into `InputUnreadable`.
+    """Turn what pyarrow raises for a file that is not Parquet, is cut short or has corrupt pages into
+    `InputUnreadable`.
 
     pyarrow reports corrupt data as an OSError without an errno; one with an errno is the disk's or the network's, not
     the file's, and goes on as it is."""
@@ -142,4 +148,5 @@ def decoding_parquet(key: str) -> Iterator[None]:
     except (pa.ArrowException, OSError) as exc:
         if isinstance(exc, OSError) and exc.errno is not None:
             raise
-        raise InputUnreadable("undecodable_input", f"cannot read it as Parquet; {type(exc).__name__}: {exc}", key) from None
+        raise InputUnreadable("undecodable_input", f"cannot read it as Parquet; {type(exc).__name__}: {exc}",
+                              key) from None

@@ -38,15 +38,18 @@ def read_tokenizer_folder(path: str) -> tuple[str, int, str | None, dict[str, st
     Cached per process: loading converts vocab/merges when the folder has no tokenizer.json (seconds).
     """
     if not Path(path).is_dir():
-        raise ConfigError(f"tokenizer folder {path} does not exist; set target.path/target.tokenizer or pass --tokenizer DIR")
+        raise ConfigError(f"tokenizer folder {path} does not exist; set target.path/target.tokenizer or pass "
+                          "--tokenizer DIR")
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load a tokenizer from {path} ({type(exc).__name__}); point --tokenizer at a Hugging Face tokenizer folder") from None
+        raise ConfigError(f"cannot load a tokenizer from {path} ({type(exc).__name__}); point --tokenizer at a Hugging "
+                          "Face tokenizer folder") from None
     if not getattr(tok, "is_fast", False):
-        raise ConfigError(f"the tokenizer in {path} has no fast (Rust) version; offsets need one, give a folder with tokenizer.json")
+        raise ConfigError(f"the tokenizer in {path} has no fast (Rust) version; offsets need one, give a folder with "
+                          "tokenizer.json")
     template = tok.chat_template if isinstance(tok.chat_template, str) else None
     special = {name: str(value) for name, value in tok.special_tokens_map.items() if isinstance(value, str)}
     return tok.backend_tokenizer.to_str(), len(tok), template, special
@@ -55,7 +58,8 @@ def read_tokenizer_folder(path: str) -> tuple[str, int, str | None, dict[str, st
 def _read_template_file(path: str) -> str:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"chat template file {p} does not exist; pass a Jinja file with --chat-template or fix target.chat_template")
+        raise ConfigError(f"chat template file {p} does not exist; pass a Jinja file with --chat-template or fix "
+                          "target.chat_template")
     return p.read_text()
 
 
@@ -78,7 +82,8 @@ def resolve_tokenizer(target: TargetConfig) -> tuple[TokenizerSource, list[str]]
     own_sha = hashlib.sha256(own_template.encode()).hexdigest() if own_template is not None else None
     warnings = []
     if own_sha is None:
-        warnings.append(f"the tokenizer in {tok_path} has no chat template of its own to compare with: rows use the template from {source}")
+        warnings.append(f"the tokenizer in {tok_path} has no chat template of its own to compare with: rows use the "
+                        f"template from {source}")
     elif own_sha != template.sha256:
         warnings.append(
             f"the chat template ({source}, sha256 {template.sha256[:12]}) differs from the target tokenizer's own "
@@ -102,7 +107,8 @@ def end_of_turn_id(tokenizer_json: str, token: str) -> int:
 
     token_id = Tokenizer.from_str(tokenizer_json).token_to_id(token)
     if token_id is None:
-        raise ConfigError(f"end-of-turn token {token!r} is not in the tokenizer's vocabulary; set tokenize.end_of_turn to the one it uses")
+        raise ConfigError(f"end-of-turn token {token!r} is not in the tokenizer's vocabulary; set tokenize.end_of_turn "
+                          "to the one it uses")
     return token_id
 
 
@@ -110,7 +116,8 @@ def special_token_pattern(tokenizer_json: str, variables: dict[str, str] | None 
     """A regex of the tokenizer's special tokens (added tokens marked special: `<|im_start|>`, `<|im_end|>`,
     `<|endoftext|>`, ...) and of the special tokens the template gets as variables; None when there are none.
 
-    Text holding one of them is encoded as the control token itself, so message content must not (`check_special_tokens`).
+    Text holding one of them is encoded as the control token itself, so message content must not
+    (`check_special_tokens`).
     """
     added = json.loads(tokenizer_json).get("added_tokens") or []
     tokens = {t["content"] for t in added if t.get("special") and t.get("content")}
@@ -121,10 +128,11 @@ def special_token_pattern(tokenizer_json: str, variables: dict[str, str] | None 
 
 
 def check_mask_token(mask_token_id: int | None, tokenizer_json: str, vocab_size: int | None = None) -> None:
-    """ConfigError when `mask_token_id` is one of this tokenizer's added tokens (`mask_token_problem`); `vocab_size`: the
-    target's embedding rows, when known, to name its first spare row as a fit."""
+    """ConfigError when `mask_token_id` is one of this tokenizer's added tokens (`mask_token_problem`); `vocab_size`:
+    the target's embedding rows, when known, to name its first spare row as a fit."""
     if mask_token_id is None:
         return
     added = {int(t["id"]): str(t.get("content")) for t in json.loads(tokenizer_json).get("added_tokens") or []}
     if mask_token_id in added:
-        raise ConfigError(str(mask_token_problem(mask_token_id, added, spare_row(tokenizer_json_length(tokenizer_json), vocab_size))))
+        raise ConfigError(str(mask_token_problem(mask_token_id, added,
+                                                 spare_row(tokenizer_json_length(tokenizer_json), vocab_size))))

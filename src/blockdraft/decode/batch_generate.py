@@ -8,7 +8,9 @@ from typing import Any
 from blockdraft.data.chat import Completion, Prompt, render_prompt, split_reasoning
 
 
-def generate_completions(model: Any, tokenizer: Any, prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0) -> list[Completion]:
+def generate_completions(
+    model: Any, tokenizer: Any, prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0
+) -> list[Completion]:
     """Complete `prompts` in one left-padded batch with `model.generate`; greedy unless `temperature` > 0.
 
     The end-of-turn token is the generation config's eos (the tokenizer's as a fallback).

@@ -30,7 +30,8 @@ class CachedTarget:
     """An HF causal LM running one sequence with its own KV cache.
 
     `layer_ids` None: no features are gathered (target-only greedy, the n-gram drafter). `rollback_linear_state` False
-    leaves linear-attention layers' state as the last forward left it (only the negative control of the tests does that).
+    leaves linear-attention layers' state as the last forward left it (only the negative control of the tests does
+    that).
     """
 
     def __init__(self, hf_model, layer_ids: list[int] | None = None, rollback_linear_state: bool = True):
@@ -44,7 +45,8 @@ class CachedTarget:
         if rollback_linear_state and any(kind != "full_attention" for kind in types):
             layers = decoder_layers(hf_model, len(types))
             if layers is None:
-                raise DecodeError(f"cannot find the decoder layers of {type(hf_model).__name__} to roll back its linear-attention state")
+                raise DecodeError(f"cannot find the decoder layers of {type(hf_model).__name__} to roll back its "
+                                  "linear-attention state")
             self.linear = LinearStateRollback(hf_model, layers, types)
         self._verified = 0  # tokens of the last forward whose linear state a crop can roll back
         self.rollback_s = 0.0  # time spent rolling linear-attention state back
@@ -57,7 +59,9 @@ class CachedTarget:
     def length(self) -> int:
         return self.cache.get_seq_length()
 
-    def forward(self, token_ids: torch.Tensor, start: int, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, token_ids: torch.Tensor, start: int, last_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run `token_ids` [1, n] at positions start..start+n-1 (the cache must hold exactly 0..start-1).
 
         Returns logits [1, n, V] (or [1, 1, V] with `last_only`) in the model's dtype and, when layer ids are set,
@@ -90,8 +94,8 @@ class CachedTarget:
         return out.logits, features
 
     def crop(self, length: int) -> None:
-        """Put the target back to positions 0..length-1: attention K/V cropped (transformers 5.24's crop takes a negative
-        count to remove), linear-attention state recomputed over the kept tokens of the last verify."""
+        """Put the target back to positions 0..length-1: attention K/V cropped (transformers 5.24's crop takes a
+        negative count to remove), linear-attention state recomputed over the kept tokens of the last verify."""
         excess = self.length - length
         if excess <= 0:
             return
@@ -100,16 +104,17 @@ class CachedTarget:
                 cast(Any, layer).crop(-excess)
         if self.linear is not None:
             if excess > self._verified:
-                raise DecodeError(f"cannot roll linear-attention state back {excess} tokens: the last forward verified {self._verified}")
+                raise DecodeError(f"cannot roll linear-attention state back {excess} tokens: the last forward verified "
+                                  f"{self._verified}")
             began = time.perf_counter()
             self.linear.rollback(self.cache, self._verified - excess)
             self.rollback_s += time.perf_counter() - began
         self._count_linear_positions(length)
 
     def _count_linear_positions(self, length: int) -> None:
-        """Set the position count that linear-attention cache layers keep (transformers >= 5.25) to `length`: their count
-        grows with every forward, the verify's rejected tokens and a rollback's replay included, and the cache's length is
-        read from its first layer, which is a linear one on a Qwen3.5-style target."""
+        """Set the position count that linear-attention cache layers keep (transformers >= 5.25) to `length`: their
+        count grows with every forward, the verify's rejected tokens and a rollback's replay included, and the cache's
+        length is read from its first layer, which is a linear one on a Qwen3.5-style target."""
         for layer in self.cache.layers:
             count = getattr(layer, "cumulative_length_linear", None)
             if isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(count, torch.Tensor):

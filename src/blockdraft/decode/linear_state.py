@@ -2,8 +2,8 @@
 
 A Gated DeltaNet layer carries two states from one token to the next: a short window of its convolution's inputs and a
 recurrent state (one matrix per value head). Cropping the KV cache after a verify of B tokens rolls back the attention
-layers, not these. After a verify that commits only c < B tokens, each linear layer's state must be the one after exactly
-those c tokens, or every later token is computed from a state that has seen rejected drafts.
+layers, not these. After a verify that commits only c < B tokens, each linear layer's state must be the one after
+exactly those c tokens, or every later token is computed from a state that has seen rejected drafts.
 
 How it is done here (no extra target forward): during the verify, the outputs of each linear layer's projections
 (its `nn.Linear` children) are kept, and its conv and recurrent states are copied before the verify starts. To roll
@@ -45,13 +45,14 @@ def check_rollback_supported(hf_config: Any) -> None:
     unsupported = sorted({kind for kind in target_layer_types(hf_config) if kind not in SUPPORTED_KINDS})
     if unsupported:
         raise DecodeError(
-            f"the target has layer types {unsupported}: speculative decoding cannot roll their state back after rejected "
-            f"drafts, so it would not be lossless; eval supports {sorted(SUPPORTED_KINDS)} layers"
+            f"the target has layer types {unsupported}: speculative decoding cannot roll their state back after "
+            f"rejected drafts, so it would not be lossless; eval supports {sorted(SUPPORTED_KINDS)} layers"
         )
 
 
 class _Replay(nn.Module):
-    """Stands in for a projection during a rollback: returns the first `length` positions of what it computed in the verify."""
+    """Stands in for a projection during a rollback: returns the first `length` positions of what it computed in the
+    verify."""
 
     def __init__(self, output: torch.Tensor, length: int) -> None:
         super().__init__()
@@ -76,8 +77,8 @@ class LinearStateRollback:
             mixer = getattr(decoder_layers[index], "linear_attn", None)
             if not isinstance(mixer, nn.Module):
                 raise DecodeError(
-                    f"target layer {index} is linear attention but has no `linear_attn` module ({type(decoder_layers[index]).__name__}); "
-                    "its state cannot be rolled back"
+                    f"target layer {index} is linear attention but has no `linear_attn` module "
+                    f"({type(decoder_layers[index]).__name__}); its state cannot be rolled back"
                 )
             self.mixers[index] = mixer
         self.hidden_size = int(hf_model.config.get_text_config().hidden_size)
@@ -138,11 +139,13 @@ class LinearStateRollback:
         stale = [name for name in projections if captured.get(name) is None or captured[name].shape[1] != self._tokens]
         if stale:
             raise DecodeError(
-                f"target layer {index} (linear attention) ran the verify without calling its projections {stale} (a fused "
-                "kernel?): its state cannot be recomputed, so decoding would not be lossless; load the target without that kernel"
+                f"target layer {index} (linear attention) ran the verify without calling its projections {stale} (a "
+                "fused kernel?): its state cannot be recomputed, so decoding would not be lossless; load the target "
+                "without that kernel"
             )
         device = next(iter(captured.values())).device
-        placeholder = torch.empty((1, committed, self.hidden_size), device=device, dtype=next(iter(captured.values())).dtype)
+        placeholder = torch.empty((1, committed, self.hidden_size), device=device,
+                                  dtype=next(iter(captured.values())).dtype)
         try:
             for name in projections:
                 setattr(mixer, name, _Replay(captured[name], committed))

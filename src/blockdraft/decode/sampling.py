@@ -5,9 +5,10 @@ seeded draws, and the verify step that keeps speculative sampling lossless (docs
 `PROPOSALS`: how the drafter proposes at temperature, docs/EVAL.md "Draft rules"); `processed_probs` applies the
 settings to the target's logits, in the order serving engines apply them: temperature, then top-k, then top-p over what
 top-k kept. A drafter's proposal is a `Proposal`: its draft tokens and, per slot, the distribution `q` each was drawn
-from (None: drafts chosen without chance, a point mass on each, as an engine that proposes the argmax verifies them). `rejection_verify` accepts draft x with probability min(1, p(x)/q(x)), on the first
-rejection draws from the normalised residual max(0, p - q), and after a fully accepted block draws the bonus from p.
-The output is then distributed exactly as target-only sampling's, whatever q is.
+from (None: drafts chosen without chance, a point mass on each, as an engine that proposes the argmax verifies them).
+`rejection_verify` accepts draft x with probability min(1, p(x)/q(x)), on the first rejection draws from the normalised
+residual max(0, p - q), and after a fully accepted block draws the bonus from p. The output is then distributed exactly
+as target-only sampling's, whatever q is.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from blockdraft.decode.cached_target import CachedTarget
 # - vllm: vLLM's default (`draft_sample_method` greedy): a DFlash drafter proposes each slot's argmax and a DFlash2
 #   drafter its greedy walk; q is a point mass on each draft.
 # - vllm-probabilistic: vLLM's `draft_sample_method` probabilistic: a DFlash slot is drawn from softmax(logits / T)
-#   (no top-k or top-p on q), a DFlash2 walk from softmax(walk scores / T) over its K candidates; q is what they came from.
+#   (no top-k or top-p on q), a DFlash2 walk from softmax(walk scores / T) over its K candidates; q is what they came
+#   from.
 # - sglang: SGLang's: a DFlash drafter proposes the argmax; a DFlash2 walk is sampled as under vllm-probabilistic, and
 #   walks greedily when top-k is 1.
 # Every rule verifies the same way: accept with min(1, p/q), on rejection draw from max(p - q, 0) normalised, which for
@@ -100,9 +102,9 @@ class Sampler:
 
 @dataclass
 class Proposal:
-    """A sampled draft: `tokens` for the B-1 slots after the anchor, and `q` [B-1, V], the distribution each slot's token
-    was drawn from (zero outside what the drafter could propose: top-k, top-p, a DFlash2 walk's K candidates). `q` None:
-    the drafts were chosen without chance (the n-gram drafter), a point mass on each token."""
+    """A sampled draft: `tokens` for the B-1 slots after the anchor, and `q` [B-1, V], the distribution each slot's
+    token was drawn from (zero outside what the drafter could propose: top-k, top-p, a DFlash2 walk's K candidates). `q`
+    None: the drafts were chosen without chance (the n-gram drafter), a point mass on each token."""
 
     tokens: list[int]
     q: torch.Tensor | None = None
@@ -110,8 +112,8 @@ class Proposal:
 
 class Verify(Protocol):
     def __call__(self, proposal: Proposal, p: torch.Tensor, sampler: Sampler) -> tuple[int, int]:
-        """`p` [B, V]: the target's processed distribution at the anchor and each draft slot (p[k] is the one for the token
-        after slot k). Returns (accepted drafts a, the token committed after them)."""
+        """`p` [B, V]: the target's processed distribution at the anchor and each draft slot (p[k] is the one for the
+        token after slot k). Returns (accepted drafts a, the token committed after them)."""
         ...
 
 
@@ -174,4 +176,5 @@ def sample_decode(target_hf_model, prompt_ids: Iterable[int], max_new_tokens: in
     return SampledResult(tokens, len(prompt), target.forwards, time.perf_counter() - began)
 
 
-__all__ = ["PROPOSALS", "Proposal", "SampledResult", "Sampler", "Sampling", "Verify", "processed_probs", "rejection_verify", "sample_decode"]
+__all__ = ["PROPOSALS", "Proposal", "SampledResult", "Sampler", "Sampling", "Verify", "processed_probs",
+           "rejection_verify", "sample_decode"]

@@ -120,12 +120,13 @@ def run_speculative(
     sampler: Sampler | None = None,
     verify: Verify = rejection_verify,
 ) -> SpecResult:
-    """Prefill, then draft / verify / accept / crop until P + max_new_tokens positions are filled or a stop token appears.
+    """Prefill, then draft / verify / accept / crop until P + max_new_tokens positions are filled or a stop token
+    appears.
 
     `sampler` None: greedy. With a sampler, the prefill's token and every committed token are drawn, and `verify`
-    decides each cycle (only the tests' broken verifies replace `rejection_verify`). `rollback_linear_state` False exists
-    for the negative control of the tests only: a hybrid target then keeps the linear-attention state of rejected drafts,
-    and the output diverges from greedy."""
+    decides each cycle (only the tests' broken verifies replace `rejection_verify`). `rollback_linear_state` False
+    exists for the negative control of the tests only: a hybrid target then keeps the linear-attention state of rejected
+    drafts, and the output diverges from greedy."""
     prompt, prompt_t = _prompt_tensor(prompt_ids)
     stops = set(int(t) for t in stop_token_ids)
     block_size = proposer.block_size
@@ -146,7 +147,11 @@ def run_speculative(
     while start < max_length:
         # 2a. Draft B-1 tokens after the anchor at `start`.
         t0 = time.perf_counter()
-        proposal = Proposal(proposer.propose(tokens, features, start)) if sampler is None else proposer.sample(tokens, features, start, sampler)
+        proposal = (
+            Proposal(proposer.propose(tokens, features, start))
+            if sampler is None
+            else proposer.sample(tokens, features, start, sampler)
+        )
         drafts = proposal.tokens
         _sync(target.device)
         t1 = time.perf_counter()
@@ -170,7 +175,8 @@ def run_speculative(
         target.crop(start)
         features = None if block_features is None else block_features[:, : accepted + 1]
         _sync(target.device)
-        cycles.append(Cycle(start=start - accepted - 1, accepted=accepted, draft_s=t1 - t0, verify_s=time.perf_counter() - t1))
+        cycles.append(Cycle(start=start - accepted - 1, accepted=accepted, draft_s=t1 - t0,
+                            verify_s=time.perf_counter() - t1))
         lengths.append(accepted + 1)
         # 2e. Stop once a stop token is among the committed new tokens (the first cycle also sees the prefill's token).
         if stops and any(t in stops for t in tokens[checked:]):
@@ -210,11 +216,12 @@ def greedy_decode(target_hf_model, prompt_ids, max_new_tokens: int, stop_token_i
 
 
 class DFlashProposer:
-    """The DFlash drafter as a `Proposer`: one `draft_step` over the new context and [anchor, m x (B-1)], then the argmax
-    of each slot, or for a DFlash2 drafter the candidate selector's greedy walk from the anchor (`use_selector` False:
-    the unary argmax instead, which measures what the selector earns).
+    """The DFlash drafter as a `Proposer`: one `draft_step` over the new context and [anchor, m x (B-1)], then the
+    argmax of each slot, or for a DFlash2 drafter the candidate selector's greedy walk from the anchor (`use_selector`
+    False: the unary argmax instead, which measures what the selector earns).
 
-    `target_head` supplies the target's embedding and LM head on the drafter's device (`blockdraft.model.target.TargetHead`).
+    `target_head` supplies the target's embedding and LM head on the drafter's device
+    (`blockdraft.model.target.TargetHead`).
     """
 
     def __init__(self, drafter: DFlashDrafter, target_head: TargetHead, use_selector: bool = True):
@@ -240,8 +247,11 @@ class DFlashProposer:
         assert self.drafter.candidate_selector is not None  # built with spec.dflash2
         return greedy_walk(self.drafter.candidate_selector, hidden[:, 1:], unary, block[:, 0]).path[0].tolist()
 
-    def _draft(self, tokens: list[int], new_features: torch.Tensor | None, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the drafter's hidden states [1, B, H], the block [1, B] they were drafted for: tokens[start], then masks)."""
+    def _draft(
+        self, tokens: list[int], new_features: torch.Tensor | None, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the drafter's hidden states [1, B, H], the block [1, B] they were drafted for: tokens[start], then
+        masks)."""
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long, device=self.device)
         block[0, 0] = tokens[start]
         assert new_features is not None, "a DFlash drafter reads target features at every cycle"

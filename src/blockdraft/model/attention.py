@@ -19,8 +19,11 @@ SLIDING_ATTENTION = "sliding_attention"
 LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
-def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int, causal: bool = True) -> torch.Tensor:
-    """[b, 1, Q, K] bool, True where q - window < k <= q (causal) or |q - k| < window (not), for positions [b, Q] and [b, K]."""
+def sliding_window_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, window: int, causal: bool = True
+) -> torch.Tensor:
+    """[b, 1, Q, K] bool, True where q - window < k <= q (causal) or |q - k| < window (not), for positions [b, Q] and
+    [b, K]."""
     q = query_positions[:, None, :, None]
     k = key_positions[:, None, None, :]
     upper = k <= q if causal else k < q + window
@@ -42,7 +45,8 @@ def layer_masks(
         if kind == FULL_ATTENTION:
             masks[kind] = base_mask
         else:
-            assert kind == SLIDING_ATTENTION and window is not None, f"{kind} (window {window}) is refused by DrafterSpec"
+            assert kind == SLIDING_ATTENTION and window is not None, (f"{kind} (window {window}) is refused by "
+                                                                      "DrafterSpec")
             windowed = sliding_window_mask(query_positions, key_positions, window, causal_sliding)
             masks[kind] = windowed if base_mask is None else windowed & base_mask
     return masks

@@ -31,15 +31,16 @@ def resolve_attention(choice: AttentionChoice, device: torch.device) -> Literal[
     if choice == "auto":
         return "flex" if device.type == "cuda" else "dense"
     if choice == "flex" and device.type != "cuda":
-        raise ConfigError(f"train.attention = 'flex' needs a CUDA drafter device, not {device} (FlexAttention has no backward "
-                          f"there); set train.attention to 'auto' or 'dense'")
+        raise ConfigError(f"train.attention = 'flex' needs a CUDA drafter device, not {device} (FlexAttention has no "
+                          "backward there); set train.attention to 'auto' or 'dense'")
     return choice
 
 
 @dataclass(frozen=True)
 class AnchorLayout:
     """Where the packed training batch's blocks sit: anchors [b, N] long, keep [b, N] bool (False: a padded block, which
-    sees its own block only), S = context_len, B = block_size. Q = N*B queries; keys are the S context entries, then Q slots."""
+    sees its own block only), S = context_len, B = block_size. Q = N*B queries; keys are the S context entries, then Q
+    slots."""
 
     anchors: torch.Tensor
     keep: torch.Tensor
@@ -51,9 +52,9 @@ class AnchorLayout:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per query, the key indices it sees: ctx_lo, ctx_hi [b, Q] and own_lo, own_hi [Q] (half-open intervals).
 
-        Full attention: context keys below the anchor (none for a padded block) and all of its own block. A sliding layer
-        with window W also needs q - W < key position <= q: context from a + k - W + 1 on, and its own slots up to k;
-        a non-causal one (DFlash2) sees all of its own block (W >= B)."""
+        Full attention: context keys below the anchor (none for a padded block) and all of its own block. A sliding
+        layer with window W also needs q - W < key position <= q: context from a + k - W + 1 on, and its own slots up to
+        k; a non-causal one (DFlash2) sees all of its own block (W >= B)."""
         b, n = self.anchors.shape
         s, size = self.context_len, self.block_size
         query = torch.arange(n * size, device=self.anchors.device)  # [Q]
@@ -68,7 +69,8 @@ class AnchorLayout:
         return ctx_lo, ctx_hi, s + torch.maximum(block * size, query - sliding_window + 1), s + query + 1
 
     def block_mask(self, sliding_window: int | None = None, causal: bool = True) -> BlockMask:
-        """The FlexAttention `BlockMask` of this layout (sliding_window None: a full-attention layer), on the anchors' device."""
+        """The FlexAttention `BlockMask` of this layout (sliding_window None: a full-attention layer), on the anchors'
+        device."""
         ctx_lo, ctx_hi, own_lo, own_hi = self.key_intervals(sliding_window, causal)
         b, q = ctx_hi.shape
         kv = self.context_len + q
@@ -85,9 +87,9 @@ class AnchorLayout:
 
 
 def _tiles(ctx_lo, ctx_hi, own_lo, own_hi, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(visit, full) [b, Q tiles, KV tiles] bool from the per-query intervals [b, Q]: visit = some query of the tile sees
-    some key of it, full = every query of the tile sees every key of it. Query rows past Q count as seeing nothing, and a
-    key tile is full only over its whole width, so ragged edges are never skipped unmasked."""
+    """(visit, full) [b, Q tiles, KV tiles] bool from the per-query intervals [b, Q]: visit = some query of the tile
+    sees some key of it, full = every query of the tile sees every key of it. Query rows past Q count as seeing nothing,
+    and a key tile is full only over its whole width, so ragged edges are never skipped unmasked."""
     b, q = ctx_hi.shape
     starts = torch.arange(0, kv_len, TILE, device=ctx_hi.device)  # [KV tiles]
     ends = starts + TILE
@@ -105,7 +107,8 @@ def _tiles(ctx_lo, ctx_hi, own_lo, own_hi, kv_len: int) -> tuple[torch.Tensor, t
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[b, Q tiles, KV tiles] bool -> (count [b, 1, Q tiles], indices [b, 1, Q tiles, KV tiles]) int32, the listed
-    key tiles first in ascending order, as `BlockMask.from_kv_blocks` takes them (one head: every head shares the mask)."""
+    key tiles first in ascending order, as `BlockMask.from_kv_blocks` takes them (one head: every head shares the
+    mask)."""
     count = tiles.sum(-1, dtype=torch.int32)
     indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     return count[:, None], indices[:, None]
@@ -118,7 +121,8 @@ def _compiled_flex():
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
-    """q [b, h, Q, d], k/v [b, g, S+Q, d] (g divides h: grouped heads are read in place, never repeated) -> [b, h, Q, d].
+    """q [b, h, Q, d], k/v [b, g, S+Q, d] (g divides h: grouped heads are read in place, never repeated) -> [b, h, Q,
+    d].
 
     Under autocast q/k may be fp32 (RMSNorm's weight) while v is in the autocast dtype: all run in v's dtype, as SDPA's
     autocast cast would."""

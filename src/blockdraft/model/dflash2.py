@@ -1,5 +1,5 @@
-"""DFlash2's two modules (docs/DFLASH.md, "DFlash2"): the grouped dynamic causal convolution that wraps every attention and
-MLP of a drafter layer, and the candidate selector that drafts a path through each slot's top-K.
+"""DFlash2's two modules (docs/DFLASH.md, "DFlash2"): the grouped dynamic causal convolution that wraps every attention
+and MLP of a drafter layer, and the candidate selector that drafts a path through each slot's top-K.
 
 Shapes: b = batch, Q = block slots (one block in decode, N blocks of B slots back to back in training), H = hidden size,
 G = H / group_size channel groups, T = taps, V = vocabulary, K = candidates per slot, r = selector rank.
@@ -8,8 +8,8 @@ The selector's API, for decoding and for the training objective:
 
 - `unary_logits(logits, spec)`: the target head's logits [..., V] -> the unary logits (times `output_multiplier`, then
   soft-capped when `final_logit_softcapping` is set). Both the candidate set and the walk use these.
-- `CandidateSelector.candidates(unary)`: unary [..., V] -> (candidate unary logits [..., K], candidate ids [..., K]), the
-  top-K, best first.
+- `CandidateSelector.candidates(unary)`: unary [..., V] -> (candidate unary logits [..., K], candidate ids [..., K]),
+  the top-K, best first.
 - `CandidateSelector.scores(hidden, predecessor_ids, candidate_unary, candidate_ids)`: each candidate's walk score
   `unary[c] + <A[p] * (W h), B[c]>` [..., K] for slot hiddens [..., H] and one predecessor id per slot [...]. With the
   gold previous tokens as predecessors (slot 1's is the anchor) this is the teacher-forced score the selector's K-way
@@ -82,13 +82,15 @@ class GroupedDynamicCausalConv(nn.Module):
         self.kernel_projection.weight.zero_()
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sublayer's input x [b, Q, H] -> (x convolved by the before-side, the after-side's dynamic taps [b, Q, T, G])."""
+        """The sublayer's input x [b, Q, H] -> (x convolved by the before-side, the after-side's dynamic taps [b, Q, T,
+        G])."""
         dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
         before = grouped_causal_conv(x, dynamic[:, :, 0], self.base_kernel[0], self.group_size, self.block_size)
         return before, dynamic[:, :, 1]
 
     def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
-        """The sublayer's output y [b, Q, H] convolved by the after-side, with the taps `prepare` made from its input."""
+        """The sublayer's output y [b, Q, H] convolved by the after-side, with the taps `prepare` made from its
+        input."""
         return grouped_causal_conv(y, dynamic, self.base_kernel[1], self.group_size, self.block_size)
 
 
@@ -127,7 +129,8 @@ class CandidateSelector(nn.Module):
         return values, ids
 
     def scores(
-        self, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_unary: torch.Tensor, candidate_ids: torch.Tensor
+        self, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_unary: torch.Tensor,
+        candidate_ids: torch.Tensor
     ) -> torch.Tensor:
         """Walk scores [..., K] = candidate_unary + <A[predecessor] * W(hidden), B[candidate]>, for slot hiddens
         [..., H], predecessor ids [...] and the slot's candidates [..., K]."""
@@ -139,7 +142,8 @@ class CandidateSelector(nn.Module):
 @dataclass
 class Walk:
     """A walk through the candidates of slots 1..n: `path` [b, n] the drafted ids, `candidates` [b, n, K] each slot's
-    top-K, `scores` [b, n, K] each slot's walk scores given the predecessor the walk held there, `unary_argmax` [b, n]."""
+    top-K, `scores` [b, n, K] each slot's walk scores given the predecessor the walk held there, `unary_argmax` [b,
+    n]."""
 
     path: torch.Tensor
     candidates: torch.Tensor
@@ -155,9 +159,10 @@ def argmax_pick(scores: torch.Tensor, _slot: int) -> torch.Tensor:
     return scores.argmax(dim=-1)
 
 
-def walk(selector: CandidateSelector, hidden: torch.Tensor, unary: torch.Tensor, anchor_ids: torch.Tensor, pick: Pick) -> Walk:
-    """The walk from the anchor over the draft slots: hidden [b, n, H] and unary [b, n, V] of slots 1..n, anchor_ids [b].
-    Slot k's predecessor is slot k-1's pick (slot 1's: the anchor)."""
+def walk(selector: CandidateSelector, hidden: torch.Tensor, unary: torch.Tensor, anchor_ids: torch.Tensor,
+         pick: Pick) -> Walk:
+    """The walk from the anchor over the draft slots: hidden [b, n, H] and unary [b, n, V] of slots 1..n, anchor_ids
+    [b]. Slot k's predecessor is slot k-1's pick (slot 1's: the anchor)."""
     candidate_unary, candidate_ids = selector.candidates(unary)
     predecessor = anchor_ids
     path, rows = [], []
@@ -170,12 +175,13 @@ def walk(selector: CandidateSelector, hidden: torch.Tensor, unary: torch.Tensor,
     return Walk(torch.stack(path, dim=1), candidate_ids, torch.stack(rows, dim=1), unary.argmax(dim=-1))
 
 
-def greedy_walk(selector: CandidateSelector, hidden: torch.Tensor, unary: torch.Tensor, anchor_ids: torch.Tensor) -> Walk:
+def greedy_walk(selector: CandidateSelector, hidden: torch.Tensor, unary: torch.Tensor,
+                anchor_ids: torch.Tensor) -> Walk:
     """The greedy walk: at every slot the best-scoring candidate (what greedy decoding drafts)."""
     return walk(selector, hidden, unary, anchor_ids, argmax_pick)
 
 
 __all__ = [
-    "CandidateSelector", "GroupedDynamicCausalConv", "Pick", "Walk", "argmax_pick", "greedy_walk", "grouped_causal_conv",
-    "unary_logits", "walk",
+    "CandidateSelector", "GroupedDynamicCausalConv", "Pick", "Walk", "argmax_pick", "greedy_walk",
+    "grouped_causal_conv", "unary_logits", "walk",
 ]

@@ -3,8 +3,8 @@
 Parameter names are exactly the export format's (`fc`, `hidden_norm`, `layers.{i}.…`, `norm`; a DFlash2 drafter adds
 `layers.{i}.attention_conv.…`, `layers.{i}.mlp_conv.…` and `candidate_selector.…`), so `state_dict()` is the export
 tensor set. One class for both architectures: `spec.dflash2` adds DFlash2's modules (`blockdraft.model.dflash2`) to the
-same forward, which training and the cached draft step share. Shapes: b = batch, S = context length, Q = block (query) length, H = hidden size,
-K = number of target feature layers, h/g = query/KV heads, d = head dim.
+same forward, which training and the cached draft step share. Shapes: b = batch, S = context length, Q = block (query)
+length, H = hidden size, K = number of target feature layers, h/g = query/KV heads, d = head dim.
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(hidden, spec.rms_norm_eps)
         self.candidate_selector: CandidateSelector | None = None
         if spec.dflash2 is not None:
-            self.candidate_selector = CandidateSelector(hidden, spec.vocab_size, spec.dflash2.selector_rank, spec.dflash2.selector_top_k)
+            self.candidate_selector = CandidateSelector(hidden, spec.vocab_size, spec.dflash2.selector_rank,
+                                                        spec.dflash2.selector_top_k)
         # fp32 on the CPU and not a buffer: no dtype cast of the module degrades it, and state_dict stays the export set
         self.rope_inv_freq, self.rope_attention_factor = rope_tables(
             spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings
@@ -175,7 +176,9 @@ class DFlashDrafter(nn.Module):
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, dtype)
 
-    def context_key_values(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_key_values(
+        self, context: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's K/V [b, g, S, d] of context C [b, S, H] at positions [b, S]; C enters k/v_proj as it is."""
         cos, sin = self._rope(positions, context.dtype)
         return [cast(DecoderLayer, layer).self_attn.key_value(context, cos, sin) for layer in self.layers]
@@ -192,9 +195,9 @@ class DFlashDrafter(nn.Module):
 
         attention_mask [b, 1, Q, S+Q] bool is the full-attention layers' mask (None: see everything); a sliding layer
         sees that AND its causal window over positions (context_positions [b, S], None: 0..S-1, the draft cache's).
-        An `AnchorLayout` (the packed training batch) runs the block-sparse path instead: the same pattern as a BlockMask.
-        DFlash2: the block embeddings are scaled by `input_embedding_scale` first, and the convolutions take the slots as
-        blocks of `block_size` back to back (a shorter Q is one block)."""
+        An `AnchorLayout` (the packed training batch) runs the block-sparse path instead: the same pattern as a
+        BlockMask. DFlash2: the block embeddings are scaled by `input_embedding_scale` first, and the convolutions take
+        the slots as blocks of `block_size` back to back (a shorter Q is one block)."""
         if self.spec.dflash2 is not None and self.spec.dflash2.input_embedding_scale != 1.0:
             block_hidden = block_hidden * self.spec.dflash2.input_embedding_scale
         cos, sin = self._rope(block_positions, block_hidden.dtype)
@@ -220,7 +223,8 @@ class DFlashDrafter(nn.Module):
         return {kind: layout.block_mask(window[kind], causal) for kind in set(self.spec.layer_types)}
 
     def _layer_masks(
-        self, base: torch.Tensor | None, block_positions: torch.Tensor, context_len: int, context_positions: torch.Tensor | None
+        self, base: torch.Tensor | None, block_positions: torch.Tensor, context_len: int,
+        context_positions: torch.Tensor | None
     ) -> dict[str, torch.Tensor | None]:
         """One mask per distinct layer kind; only sliding layers need the key positions."""
         if not self.spec.has_sliding:
@@ -229,7 +233,8 @@ class DFlashDrafter(nn.Module):
             b = block_positions.shape[0]
             context_positions = torch.arange(context_len, device=block_positions.device).expand(b, context_len)
         keys = torch.cat((context_positions, block_positions), dim=1)
-        return layer_masks(self.spec.layer_types, base, block_positions, keys, self.spec.sliding_window, self.spec.dflash2 is None)
+        return layer_masks(self.spec.layer_types, base, block_positions, keys, self.spec.sliding_window,
+                           self.spec.dflash2 is None)
 
     def forward(
         self,
@@ -264,7 +269,8 @@ class DFlashDrafter(nn.Module):
         missing = sorted(set(expected) - set(state))
         extra = sorted(set(state) - set(expected))
         if missing or extra:
-            raise SpecError(f"{path / WEIGHTS_NAME} does not match its config: missing {missing[:3]}, unexpected {extra[:3]}")
+            raise SpecError(f"{path / WEIGHTS_NAME} does not match its config: missing {missing[:3]}, unexpected "
+                            f"{extra[:3]}")
         wrong = [n for n, t in state.items() if t.shape != expected[n].shape]
         if wrong:
             raise SpecError(f"{path / WEIGHTS_NAME}: tensor {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, "
@@ -276,8 +282,8 @@ class DFlashDrafter(nn.Module):
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> list[Path]:
         """Write config.json + model.safetensors (the export format); returns the two paths.
 
-        `dtype` None stores the parameters' own dtype; else every tensor is cast to it on the way out (the module itself,
-        e.g. fp32 master weights, is left as it is), and config.json's "dtype" names it."""
+        `dtype` None stores the parameters' own dtype; else every tensor is cast to it on the way out (the module
+        itself, e.g. fp32 master weights, is left as it is), and config.json's "dtype" names it."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in self.state_dict().items()}

@@ -26,7 +26,8 @@ EXPORT_KIND = "drafter-export"
 STATE_NAME = "training-state.pt"
 PROVENANCE_NAME = "blockdraft-export.json"
 PINNED_CONFIG_NAME = "blockdraft-config.json"
-SERVING_NAME = "serving.json"  # beside an export's drafter: the engines' settings (`export`), what `eval --engine` serves
+# beside an export's drafter: the engines' settings (`export`), what `eval --engine` serves
+SERVING_NAME = "serving.json"
 STEP_MANIFEST = re.compile(r"^step-(\d{8})/" + re.escape(MANIFEST_NAME) + "$")
 
 
@@ -54,13 +55,15 @@ class Resumable:
 
 
 def find_resumable(store: Store) -> Resumable | None:
-    """The newest checkpoint under `store` that verifies at the destination, or None; `skipped` names newer ones that did not."""
+    """The newest checkpoint under `store` that verifies at the destination, or None; `skipped` names newer ones that
+    did not."""
     return search_checkpoints(store)[0]
 
 
 def checkpoint_steps(store: Store) -> list[int]:
     """The steps of the committed checkpoints under `store` (those with a manifest, verified or not), newest first."""
-    return sorted({int(m.group(1)) for info in store.list("step-") if (m := STEP_MANIFEST.match(info.key))}, reverse=True)
+    return sorted({int(m.group(1)) for info in store.list("step-") if (m := STEP_MANIFEST.match(info.key))},
+                  reverse=True)
 
 
 def search_checkpoints(store: Store) -> tuple[Resumable | None, list[str]]:
@@ -77,7 +80,8 @@ def search_checkpoints(store: Store) -> tuple[Resumable | None, list[str]]:
 
 
 def plain_drafter_folder(url: str) -> Path | None:
-    """The local folder at `url` when it is a plain export-format drafter (config.json, no blockdraft manifest), else None."""
+    """The local folder at `url` when it is a plain export-format drafter (config.json, no blockdraft manifest), else
+    None."""
     if "://" in url and not url.startswith("file://"):
         return None
     local = Path(url.removeprefix("file://"))
@@ -93,8 +97,8 @@ def open_drafter_artifact(store: Store) -> StageInput:
     if report.state is State.VERIFIED and report.manifest is not None:
         if report.manifest.kind not in (CHECKPOINT_KIND, EXPORT_KIND):
             raise ArtifactError(
-                f"{store.url} is a '{report.manifest.kind}' artifact, not a drafter checkpoint or export; pass a training "
-                "checkpoint, a training output or an export"
+                f"{store.url} is a '{report.manifest.kind}' artifact, not a drafter checkpoint or export; pass a "
+                "training checkpoint, a training output or an export"
             )
         return StageInput(store, report)
     if report.state is State.INCOMPLETE and not report.problems:
@@ -102,13 +106,14 @@ def open_drafter_artifact(store: Store) -> StageInput:
         if found is not None:
             return found.artifact
     raise ArtifactError(
-        f"{store.url} is not a verified checkpoint ({report.state.value}: {report.summary()}) and holds no verified step-* "
-        "checkpoint; pass a checkpoint, training output or export that `blockdraft verify` reports as verified"
+        f"{store.url} is not a verified checkpoint ({report.state.value}: {report.summary()}) and holds no verified "
+        "step-* checkpoint; pass a checkpoint, training output or export that `blockdraft verify` reports as verified"
     )
 
 
 __all__ = [
-    "CHECKPOINT_KIND", "CONFIG_NAME", "EXPORT_KIND", "PINNED_CONFIG_NAME", "PROVENANCE_NAME", "SERVING_NAME", "STATE_NAME", "WEIGHTS_NAME",
-    "Resumable", "checkpoint_key", "checkpoint_steps", "find_resumable", "open_drafter_artifact", "plain_drafter_folder", "search_checkpoints",
-    "trained_on",
+    "CHECKPOINT_KIND", "CONFIG_NAME", "EXPORT_KIND", "PINNED_CONFIG_NAME", "PROVENANCE_NAME", "SERVING_NAME",
+    "STATE_NAME", "WEIGHTS_NAME",
+    "Resumable", "checkpoint_key", "checkpoint_steps", "find_resumable", "open_drafter_artifact",
+    "plain_drafter_folder", "search_checkpoints", "trained_on",
 ]

@@ -43,10 +43,12 @@ def clean_scaling(scaling: dict[str, Any] | None, where: str) -> dict[str, Any] 
     fields = {key: value for key, value in scaling.items() if key not in skip}
     fields["rope_type"] = kind
     if float(fields.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise SpecError(f"{where} rotates part of each head (partial_rotary_factor); blockdraft drafters rotate whole heads")
+        raise SpecError(f"{where} rotates part of each head (partial_rotary_factor); blockdraft drafters rotate whole "
+                        "heads")
     missing = [key for key in ("factor", "original_max_position_embeddings") if fields.get(key) is None]
     if missing:
-        raise SpecError(f"{where} has rope_type '{kind}' without {missing[0]}; add it (YaRN needs factor and the original length)")
+        raise SpecError(f"{where} has rope_type '{kind}' without {missing[0]}; add it (YaRN needs factor and the "
+                        "original length)")
     return fields
 
 

@@ -29,7 +29,8 @@ def default_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
     Layer id i is the output of decoder layer i, i.e. `hidden_states[i + 1]` of HF's output_hidden_states.
     """
     if num_target_layers < 4 and num_ids > 1:
-        raise SpecError(f"target has {num_target_layers} layers, too few to spread {num_ids} feature layers; set dflash.target_layer_ids")
+        raise SpecError(f"target has {num_target_layers} layers, too few to spread {num_ids} feature layers; set "
+                        "dflash.target_layer_ids")
     if num_ids == 1:
         return [min(num_target_layers // 2, max(num_target_layers - 2, 0))]
     span = num_target_layers - 4
@@ -39,7 +40,8 @@ def default_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
 def default_gamma(block_size: int) -> float:
     """The loss-weight decay for a block size: 7 for 16, 5 for 10, 4 for 8."""
     if block_size not in _DEFAULT_GAMMA:
-        raise SpecError(f"dflash.gamma has no default for block_size {block_size} (defaults exist for 8, 10, 16); set dflash.gamma")
+        raise SpecError(f"dflash.gamma has no default for block_size {block_size} (defaults exist for 8, 10, 16); set "
+                        "dflash.gamma")
     return _DEFAULT_GAMMA[block_size]
 
 
@@ -49,7 +51,8 @@ def _text_config(hf_config: Any) -> Any:
 
 
 def _rope_theta(cfg: Any) -> float:
-    """rope_theta from either spelling; a multimodal M-RoPE section is ignored on purpose (the drafter is text-only Qwen3)."""
+    """rope_theta from either spelling; a multimodal M-RoPE section is ignored on purpose (the drafter is text-only
+    Qwen3)."""
     params = getattr(cfg, "rope_parameters", None) or {}
     if "rope_theta" not in params and isinstance(params.get("full_attention"), dict):
         params = params["full_attention"]
@@ -64,23 +67,28 @@ def _export_layer_types(config: dict[str, Any], dflash2: bool = False) -> tuple[
     layers window the context only), which its config says with `is_causal` false."""
     layer_types = list(config.get("layer_types") or [])
     if not layer_types and config.get("use_sliding_window"):
-        raise SpecError("drafter config.json sets use_sliding_window without layer_types; add layer_types (one kind per layer)")
+        raise SpecError("drafter config.json sets use_sliding_window without layer_types; add layer_types (one kind "
+                        "per layer)")
     window = config.get("sliding_window") if SLIDING_ATTENTION in layer_types else None
     dflash = config.get("dflash_config") or {}
     causal = config.get("is_causal", dflash.get("causal"))
     if dflash2:
         if causal or (causal is None and SLIDING_ATTENTION in layer_types):
             raise SpecError(
-                f"drafter config.json is a DFlash2 drafter with is_causal {causal}; blockdraft computes every DFlash2 layer "
-                "non-causal (the published drafters set is_causal false), so it cannot load this drafter faithfully"
+                f"drafter config.json is a DFlash2 drafter with is_causal {causal}; blockdraft computes every DFlash2 "
+                "layer non-causal (the published drafters set is_causal false), so it cannot load this drafter "
+                "faithfully"
             )
-    elif causal is not None and any((kind == SLIDING_ATTENTION) != bool(causal) for kind in layer_types or [FULL_ATTENTION]):
+    elif causal is not None and any(
+        (kind == SLIDING_ATTENTION) != bool(causal) for kind in layer_types or [FULL_ATTENTION]
+    ):
         raise SpecError(
             f"drafter config.json sets is_causal {causal}; blockdraft computes sliding layers causal and full layers "
             "non-causal (as SGLang does), so it cannot load this drafter faithfully"
         )
     if dflash.get("use_swa") or dflash.get("swa_window_size") is not None:
-        raise SpecError("drafter config.json sets dflash_config.use_swa/swa_window_size; give layer_types and sliding_window instead")
+        raise SpecError("drafter config.json sets dflash_config.use_swa/swa_window_size; give layer_types and "
+                        "sliding_window instead")
     return layer_types, None if window is None else int(window)
 
 
@@ -91,10 +99,12 @@ def _export_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if "rope_theta" not in params and isinstance(params.get(FULL_ATTENTION), dict):  # per-layer-kind rope_parameters
         params = dict(params[FULL_ATTENTION])
     legacy = dict(config.get("rope_scaling") or {})
-    parsed = [clean_scaling(params, "drafter config.json rope_parameters"), clean_scaling(legacy, "drafter config.json rope_scaling")]
+    parsed = [clean_scaling(params, "drafter config.json rope_parameters"),
+              clean_scaling(legacy, "drafter config.json rope_scaling")]
     scaled = [p for p in parsed if p is not None]
     if len(scaled) == 2 and scaled[0] != scaled[1]:
-        raise SpecError("drafter config.json has different rope_parameters and rope_scaling; make the two spellings agree")
+        raise SpecError("drafter config.json has different rope_parameters and rope_scaling; make the two spellings "
+                        "agree")
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     return float(theta), scaled[0] if scaled else None
 
@@ -111,7 +121,8 @@ class TargetShape:
     @classmethod
     def from_config(cls, hf_config: Any) -> TargetShape:
         cfg = _text_config(hf_config)
-        return cls(cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, list(getattr(cfg, "layer_types", None) or []) or None)
+        return cls(cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size,
+                   list(getattr(cfg, "layer_types", None) or []) or None)
 
     @property
     def is_hybrid(self) -> bool:
@@ -142,13 +153,13 @@ class DFlash2Spec:
         """Raises SpecError naming the field the drafter's shape cannot take."""
         if self.conv_group_size < 1 or hidden_size % self.conv_group_size:
             raise SpecError(
-                f"dflash.conv_group_size {self.conv_group_size} does not divide the hidden size {hidden_size}; pick a divisor "
-                "(the published drafters use 16)"
+                f"dflash.conv_group_size {self.conv_group_size} does not divide the hidden size {hidden_size}; pick a "
+                "divisor (the published drafters use 16)"
             )
         if not 1 <= self.conv_kernel_size <= block_size:
             raise SpecError(
-                f"dflash.conv_kernel_size {self.conv_kernel_size} must be 1..block_size {block_size} (a tap never crosses a "
-                "block); lower it"
+                f"dflash.conv_kernel_size {self.conv_kernel_size} must be 1..block_size {block_size} (a tap never "
+                "crosses a block); lower it"
             )
         if not 1 <= self.selector_top_k <= vocab_size:
             raise SpecError(
@@ -189,9 +200,14 @@ class DFlash2Spec:
 
     @classmethod
     def from_export_fields(cls, dflash: dict[str, Any]) -> DFlash2Spec:
-        missing = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if dflash.get(k) is None]
+        missing = [
+            k
+            for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+            if dflash.get(k) is None
+        ]
         if missing:
-            raise SpecError(f"drafter config.json is a DFlash2DraftModel but lacks dflash_config.{missing[0]}; it is not a DFlash2 export")
+            raise SpecError(f"drafter config.json is a DFlash2DraftModel but lacks dflash_config.{missing[0]}; it is "
+                            "not a DFlash2 export")
         cap = dflash.get("final_logit_softcapping")
         return cls(
             conv_kernel_size=int(dflash["conv_kernel_size"]),
@@ -244,8 +260,9 @@ class DrafterSpec:
         """Internal consistency; raises SpecError naming the field."""
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise SpecError(
-                f"dflash.mask_token_id {self.mask_token_id} is not a row of the target's embedding (vocab_size {self.vocab_size}, "
-                "from the target config, not len(tokenizer)); pick an existing reserved token id below it"
+                f"dflash.mask_token_id {self.mask_token_id} is not a row of the target's embedding (vocab_size "
+                f"{self.vocab_size}, from the target config, not len(tokenizer)); pick an existing reserved token id "
+                "below it"
             )
         if not self.target_layer_ids:
             raise SpecError("dflash.target_layer_ids is empty; give at least one target layer id")
@@ -279,7 +296,8 @@ class DrafterSpec:
     def _validate_layer_types(self) -> None:
         if len(self.layer_types) != self.num_layers:
             raise SpecError(
-                f"dflash.layer_types has {len(self.layer_types)} entries for {self.num_layers} drafter layers; give one per layer"
+                f"dflash.layer_types has {len(self.layer_types)} entries for {self.num_layers} drafter layers; give "
+                "one per layer"
             )
         unknown = sorted({kind for kind in self.layer_types if kind not in LAYER_KINDS})
         if unknown:
@@ -287,8 +305,8 @@ class DrafterSpec:
         if not self.has_sliding:
             if self.sliding_window is not None:
                 raise SpecError(
-                    f"dflash.sliding_window is {self.sliding_window} but no layer is {SLIDING_ATTENTION}; set dflash.layer_types "
-                    "or drop sliding_window"
+                    f"dflash.sliding_window is {self.sliding_window} but no layer is {SLIDING_ATTENTION}; set "
+                    "dflash.layer_types or drop sliding_window"
                 )
             return
         if self.sliding_window is None or self.sliding_window < self.block_size:
@@ -330,8 +348,8 @@ class DrafterSpec:
             )
         if self.num_target_layers != target.num_layers:
             raise SpecError(
-                f"drafter num_target_layers {self.num_target_layers} differs from the target's {target.num_layers} layers; "
-                "use the target the drafter was trained with"
+                f"drafter num_target_layers {self.num_target_layers} differs from the target's {target.num_layers} "
+                "layers; use the target the drafter was trained with"
             )
 
     @classmethod
@@ -345,8 +363,8 @@ class DrafterSpec:
             mask_token_id = known_mask_token_id(fields)
         if mask_token_id is None:
             raise SpecError(
-                f"dflash.mask_token_id is not set and this target (model_type {getattr(cfg, 'model_type', None)}, vocab_size "
-                f"{target.vocab_size}) has no known reserved id; {HOW_TO_CHOOSE}"
+                f"dflash.mask_token_id is not set and this target (model_type {getattr(cfg, 'model_type', None)}, "
+                f"vocab_size {target.vocab_size}) has no known reserved id; {HOW_TO_CHOOSE}"
             )
         num_layers = dflash_cfg.num_draft_layers
         if dflash_cfg.target_layer_ids is not None:
@@ -419,8 +437,8 @@ class DrafterSpec:
 
     @classmethod
     def from_export_config(cls, config: dict[str, Any], gamma: float | None = None) -> DrafterSpec:
-        """Read a z-lab `config.json` dict (either rope spelling, sliding layers, YaRN); refuses what the drafter does not
-        implement (attention bias, unknown layer kinds or rope types) by name."""
+        """Read a z-lab `config.json` dict (either rope spelling, sliding layers, YaRN); refuses what the drafter does
+        not implement (attention bias, unknown layer kinds or rope types) by name."""
         dflash = config.get("dflash_config") or {}
         missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
         if missing:
@@ -428,13 +446,16 @@ class DrafterSpec:
         if config.get("attention_bias"):
             raise SpecError("drafter config.json has attention_bias true; blockdraft drafters have no attention bias")
         if "num_target_layers" not in config:
-            raise SpecError("drafter config.json lacks num_target_layers (the target's layer count); add it from the target's config")
+            raise SpecError("drafter config.json lacks num_target_layers (the target's layer count); add it from the "
+                            "target's config")
         block_size = dflash.get("block_size", config.get("block_size"))
         if block_size is None:
-            raise SpecError("drafter config.json has no block_size (top level or dflash_config); it is not a DFlash export")
+            raise SpecError("drafter config.json has no block_size (top level or dflash_config); it is not a DFlash "
+                            "export")
         problem = layer_ids_problem([int(i) for i in dflash["target_layer_ids"]])
         if problem:
-            raise SpecError(f"drafter config.json dflash_config.target_layer_ids {problem}; this drafter cannot be loaded or served")
+            raise SpecError(f"drafter config.json dflash_config.target_layer_ids {problem}; this drafter cannot be "
+                            "loaded or served")
         heads = config["num_attention_heads"]
         names = list(config.get("architectures") or [ARCHITECTURE_NAMES[DFLASH]])
         unknown = [n for n in names if n not in ARCHITECTURE_NAMES.values()]

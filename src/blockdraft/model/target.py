@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 
 class TargetHead(nn.Module):
-    """Frozen, bit-equal copies of the target's embedding [V, H] and LM head [V, H] (+ bias if any) on the drafter's device.
+    """Frozen, bit-equal copies of the target's embedding [V, H] and LM head [V, H] (+ bias if any) on the drafter's
+    device.
 
     Held as buffers: never parameters, so never in an optimizer or a DDP gradient bucket, and never exported.
     """
@@ -31,7 +32,8 @@ class TargetHead(nn.Module):
     lm_head_weight: torch.Tensor
     lm_head_bias: torch.Tensor | None
 
-    def __init__(self, embed_tokens: nn.Embedding, lm_head: nn.Linear, device: torch.device | str | None = None) -> None:
+    def __init__(self, embed_tokens: nn.Embedding, lm_head: nn.Linear,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.register_buffer("embed_weight", embed_tokens.weight.detach().to(device=device, copy=True))
         self.register_buffer("lm_head_weight", lm_head.weight.detach().to(device=device, copy=True))
@@ -40,7 +42,8 @@ class TargetHead(nn.Module):
 
     @classmethod
     def from_target(cls, hf_model: PreTrainedModel, device: torch.device | str | None = None) -> TargetHead:
-        return cls(cast(nn.Embedding, hf_model.get_input_embeddings()), cast(nn.Linear, hf_model.get_output_embeddings()), device)
+        return cls(cast(nn.Embedding, hf_model.get_input_embeddings()),
+                   cast(nn.Linear, hf_model.get_output_embeddings()), device)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [...] long -> embeddings [..., H]."""
@@ -78,7 +81,8 @@ class TargetModel:
         bad = [i for i in layer_ids if not 0 <= i <= self.shape.num_layers - 2]
         if bad:
             raise SpecError(
-                f"target layer ids {bad} outside 0..{self.shape.num_layers - 2} for a {self.shape.num_layers}-layer target; fix dflash.target_layer_ids"
+                f"target layer ids {bad} outside 0..{self.shape.num_layers - 2} for a {self.shape.num_layers}-layer "
+                "target; fix dflash.target_layer_ids"
             )
         problem = layer_ids_problem(layer_ids)
         if problem:
@@ -97,19 +101,25 @@ class TargetModel:
         return self._run(input_ids, attention_mask, final=False)[0]
 
     @torch.no_grad()
-    def features_and_final(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`features`, and the final normed hidden states [b, S, H]: exactly what the LM head reads (captured at its input;
-        the [b, S, V] logits are never computed), from which the loss makes the target's own next-token distribution
-        (`train.distill_weight`). Every decoder layer runs."""
+    def features_and_final(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`features`, and the final normed hidden states [b, S, H]: exactly what the LM head reads (captured at its
+        input; the [b, S, V] logits are never computed), from which the loss makes the target's own next-token
+        distribution (`train.distill_weight`). Every decoder layer runs."""
         feats, final = self._run(input_ids, attention_mask, final=True)
         assert final is not None
         return feats, final
 
-    def _run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward that captures the feature layers (and with `final` the LM head's input), stopping as early as it can."""
+    def _run(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, final: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward that captures the feature layers (and with `final` the LM head's input), stopping as early as it
+        can."""
         captured: dict[Any, torch.Tensor] = {}
         deepest = None if final else max(self.layer_ids)
-        hooked_layers = self.layers is not None  # else the layers come from output_hidden_states, and the model must return
+        # else the layers come from output_hidden_states, and the model must return
+        hooked_layers = self.layers is not None
 
         def capture(index: int):
             def hook(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -128,12 +138,14 @@ class TargetModel:
         if final:
             head: nn.Module | None = cast(Any, self.model).get_output_embeddings()
             if head is None:
-                raise SpecError("the target has no output embeddings (LM head); train.distill_weight needs one, set it to 0")
+                raise SpecError("the target has no output embeddings (LM head); train.distill_weight needs one, set it "
+                                "to 0")
             handles.append(head.register_forward_pre_hook(capture_head_input))
         if self.layers is not None:
             handles += [self.layers[i].register_forward_hook(capture(i)) for i in set(self.layer_ids)]
         try:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=not hooked_layers, use_cache=False)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=not hooked_layers,
+                             use_cache=False)
             if not hooked_layers:
                 captured.update({i: out.hidden_states[i + 1] for i in self.layer_ids})
         except _StopForward:
@@ -146,7 +158,8 @@ class TargetModel:
         return feats, captured["final"].to(input_ids.device) if final else None
 
 
-# The fast kernels transformers uses for linear-attention layers when they are importable (`pip install blockdraft[gpu]`).
+# The fast kernels transformers uses for linear-attention layers when they are importable
+# (`pip install blockdraft[gpu]`).
 LINEAR_ATTENTION_KERNELS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
 
 
@@ -160,8 +173,8 @@ def missing_kernels_warning(hf_config: Any, device: torch.device | str) -> str |
     if not missing:
         return None
     return (
-        f"the target has linear-attention layers and {', '.join(missing)} is not installed: transformers runs them with slow "
-        "reference PyTorch kernels on the GPU; install them with `pip install 'blockdraft[gpu]'`"
+        f"the target has linear-attention layers and {', '.join(missing)} is not installed: transformers runs them "
+        "with slow reference PyTorch kernels on the GPU; install them with `pip install 'blockdraft[gpu]'`"
     )
 
 
@@ -180,7 +193,8 @@ def target_dtype(configured: str | None, hf_config: Any) -> str:
             continue
         name = str(named).removeprefix("torch.")
         if name not in TARGET_DTYPES:
-            raise ConfigError(f"the target's config names dtype {name}; set target.dtype to one of {', '.join(TARGET_DTYPES)}")
+            raise ConfigError(f"the target's config names dtype {name}; set target.dtype to one of "
+                              f"{', '.join(TARGET_DTYPES)}")
         return name
     return "float32"
 
@@ -192,8 +206,8 @@ def load_target(
     attn_implementation: str | None = None,
     reporter: Reporter | None = None,
 ) -> PreTrainedModel:
-    """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device`, in `dtype` (None: `target_dtype`
-    of its config); warns through `reporter` when a hybrid target on CUDA lacks its fast kernels.
+    """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device`, in `dtype` (None:
+    `target_dtype` of its config); warns through `reporter` when a hybrid target on CUDA lacks its fast kernels.
 
     The weights are read straight onto `device` in `dtype` (`device_map`): a 27B target never passes through host RAM
     whole, as it would if loaded on the CPU and then moved, once per rank."""
@@ -223,6 +237,6 @@ def load_target_config(path: str | None):
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(
-            f"cannot read the target model's config at target.path = {path} ({type(exc).__name__}); set target.path to a "
-            "folder with config.json (or a hub id available offline)"
+            f"cannot read the target model's config at target.path = {path} ({type(exc).__name__}); set target.path to "
+            "a folder with config.json (or a hub id available offline)"
         ) from None

@@ -1,10 +1,11 @@
-"""Initial weights of a fresh drafter (`train.init`): PyTorch's per-layer defaults, or HF's normal(0, initializer_range).
+"""Initial weights of a fresh drafter (`train.init`): PyTorch's per-layer defaults, or HF's normal(0,
+initializer_range).
 
 PyTorch initialises an `nn.Linear` uniformly in +-1/sqrt(fan_in) (std 1/sqrt(3 * fan_in): about 0.009 at fan-in 4096 and
-0.004 for `fc`'s 5 * 4096 inputs), while HF's models draw every linear and embedding weight from normal(0, std) with std the
-config's `initializer_range` (0.02 for Qwen3): 2-5x larger at those sizes, and the same for every layer whatever its fan-in.
-"hf_normal" gives the drafter the latter, from the target's own config, with biases at 0 and RMSNorm scales at 1. Both
-draw from torch's global generator, so `train.seed` fixes them.
+0.004 for `fc`'s 5 * 4096 inputs), while HF's models draw every linear and embedding weight from normal(0, std) with std
+the config's `initializer_range` (0.02 for Qwen3): 2-5x larger at those sizes, and the same for every layer whatever its
+fan-in. "hf_normal" gives the drafter the latter, from the target's own config, with biases at 0 and RMSNorm scales
+at 1. Both draw from torch's global generator, so `train.seed` fixes them.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Each exposes `run(config, input, output, reporter=None, *, force=False, **options) -> StageResult` (checked by
 tests/test_architecture.py). A stage reads its input through `blockdraft.store.inputs.open_input` and writes its output
-through `blockdraft.store.output.StageOutput`, so what a stage reports is what its destination holds. Stages import from `model`, `decode`, `data`, `store` and `config`, never from one another.
+through `blockdraft.store.output.StageOutput`, so what a stage reports is what its destination holds. Stages import from
+`model`, `decode`, `data`, `store` and `config`, never from one another.
 """
 
 from __future__ import annotations

@@ -90,10 +90,10 @@ def check_file(
     """None when the destination holds `entry` with its size and checksum; else what is wrong.
 
     A local folder's file is read and its checksum computed from its bytes, unless `cached` (the `status`/`verify`
-    listings), where a file unchanged since it was last read keeps the checksum computed then (`checksum_cache`). A remote
-    store's checksum comes from its metadata (what the server stored at upload) unless `deep`, which reads every byte back
-    and recomputes it. An object that cannot be read back, or a file that resolves outside the artifact, is corrupt.
-    `info`: what `head` says, when the caller already has it.
+    listings), where a file unchanged since it was last read keeps the checksum computed then (`checksum_cache`). A
+    remote store's checksum comes from its metadata (what the server stored at upload) unless `deep`, which reads every
+    byte back and recomputes it. An object that cannot be read back, or a file that resolves outside the artifact, is
+    corrupt. `info`: what `head` says, when the caller already has it.
     """
     local = isinstance(store, LocalStore)
     try:
@@ -120,14 +120,14 @@ def check_file(
 
 
 def absent_detail(store: Store, entry: FileEntry, side: str = "destination") -> str:
-    """Why `store` (the `side` of a check) holds no file `entry`: plainly absent, or, in a local folder, a folder standing
-    where the manifest lists a file, which a reader would otherwise take for a lost file."""
+    """Why `store` (the `side` of a check) holds no file `entry`: plainly absent, or, in a local folder, a folder
+    standing where the manifest lists a file, which a reader would otherwise take for a lost file."""
     root = store.local_path()
     where = os.path.join(root, entry.path) if root is not None else None
     if where is None or not os.path.isdir(where) or os.path.islink(where):
         return f"absent at the {side}"
-    return (f"a folder, not the file of {entry.size} bytes the manifest lists; move that folder away and rerun the command "
-            "that wrote the artifact")
+    return (f"a folder, not the file of {entry.size} bytes the manifest lists; move that folder away and rerun the "
+            "command that wrote the artifact")
 
 
 VERIFY_WORKERS = 8
@@ -151,14 +151,19 @@ def _check_pool() -> ThreadPoolExecutor:
         return _pool[1]
 
 
-def check_files(store: Store, entries: list[FileEntry], deep: bool = False, cached: bool = False) -> list[FileProblem | None]:
-    """`check_file` for each entry, in order; in parallel, as each is a round trip (S3 HEAD) or a read. With `cached` (the
-    listings), local files unchanged since they were last read answer from the cache at once, which threads would slow."""
+def check_files(
+    store: Store, entries: list[FileEntry], deep: bool = False, cached: bool = False
+) -> list[FileProblem | None]:
+    """`check_file` for each entry, in order; in parallel, as each is a round trip (S3 HEAD) or a read. With `cached`
+    (the listings), local files unchanged since they were last read answer from the cache at once, which threads would
+    slow."""
     local = store if isinstance(store, LocalStore) and cached and not deep and len(entries) > 1 else None
     known = {e.path: i for e in entries if (i := local.cached_head(e.path))} if local is not None else {}
     slow = [e for e in entries if e.path not in known]
     try:
-        results = _check_pool().map(lambda e: check_file(store, e, deep, cached=cached), slow) if len(slow) > 1 else None
+        results = (
+            _check_pool().map(lambda e: check_file(store, e, deep, cached=cached), slow) if len(slow) > 1 else None
+        )
     except RuntimeError:  # no new work for threads while the interpreter shuts down: check them one by one
         results = None
     done = {} if results is None else dict(zip([e.path for e in slow], results))
@@ -196,7 +201,8 @@ def _raw_input_changed(ref: InputRef, open_url: Callable[[str], Store], within: 
         return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here ({type(exc).__name__})")
     if info is None:
         if _unreachable(store, within):
-            return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here (no such folder on this machine)")
+            return FileProblem(ref.url, State.UNREACHABLE, f"input {ref.url} unreachable here (no such folder on this "
+                                                           "machine)")
         return FileProblem(ref.url, State.STALE, f"input {ref.url} is gone")
     reason = None
     if info.size != ref.size:
@@ -235,8 +241,8 @@ CHECKED_KINDS = ("manifest", MEASURED, "raw", "folder")
 
 
 def _input_changed(
-    ref: InputRef, open_url: Callable[[str], Store], within: str | None, memo: dict[str, VerifyReport], deep: bool = False,
-    cached: bool = False,
+    ref: InputRef, open_url: Callable[[str], Store], within: str | None, memo: dict[str, VerifyReport],
+    deep: bool = False, cached: bool = False,
 ) -> FileProblem | None:
     """Whether input `ref` still holds what was pinned, judged transitively: an input artifact whose own files no longer
     verify, or whose own inputs changed, makes its dependants stale too. A measured input (`MEASURED`) is judged by its
@@ -256,7 +262,8 @@ def _input_changed(
 
     try:
         store = open_url(ref.url)
-        report = verify_artifact(store, check_inputs=True, open_url=open_url, within=within, memo=memo, deep=deep, cached=cached)
+        report = verify_artifact(store, check_inputs=True, open_url=open_url, within=within, memo=memo, deep=deep,
+                                 cached=cached)
     except Exception as exc:  # a location this machine cannot read: the pin can be neither confirmed nor refuted
         return problem(State.UNREACHABLE, f"unreachable here ({type(exc).__name__})")
     if report.manifest_sha256 is None:
@@ -297,7 +304,8 @@ def verify_artifact(
     survey, so each artifact is read once and a cycle ends.
     `deep` reads every byte of a remote store back instead of trusting the checksums its server stored; `cached` lets a
     listing (`status`, `verify`) take a local file's checksum from the cache when the file is unchanged (`check_file`).
-    A manifest that does not parse is `corrupt`; a store that cannot be reached raises StoreError (one line, not a state).
+    A manifest that does not parse is `corrupt`; a store that cannot be reached raises StoreError (one line, not a
+    state).
     """
     memo = {} if memo is None else memo
     key = store.url.rstrip("/")
@@ -306,8 +314,10 @@ def verify_artifact(
     method = check_method(store, deep, cached)
     try:
         found = read_manifest(store)
-    except ArtifactError as exc:  # bytes that are not a manifest; a store that cannot be reached raises StoreError instead
-        return VerifyReport(url=store.url, state=State.CORRUPT, problems=[FileProblem(MANIFEST_NAME, State.CORRUPT, str(exc))], method=method)
+    except ArtifactError as exc:
+        # bytes that are not a manifest; a store that cannot be reached raises StoreError instead
+        return VerifyReport(url=store.url, state=State.CORRUPT,
+                            problems=[FileProblem(MANIFEST_NAME, State.CORRUPT, str(exc))], method=method)
     if found is None:
         return VerifyReport(url=store.url, state=State.INCOMPLETE, method=method)
     manifest, raw = found
@@ -387,7 +397,8 @@ def commit_manifest(store: Store, raw: bytes, if_absent: bool = False) -> Verify
     if not if_absent:
         store.put_bytes(MANIFEST_NAME, raw)
     elif not store.put_bytes_if_absent(MANIFEST_NAME, raw):
-        raise ArtifactError(f"{store.url.rstrip('/')}/{MANIFEST_NAME} appeared while this run wrote there (another writer committed); this copy was not committed")
+        raise ArtifactError(f"{store.url.rstrip('/')}/{MANIFEST_NAME} appeared while this run wrote there (another "
+                            "writer committed); this copy was not committed")
     back = read_manifest(store)
     if back is None or back[1] != raw:
         raise ArtifactError(f"{store.url}/{MANIFEST_NAME} did not read back as written; rerun the stage")

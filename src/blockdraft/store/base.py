@@ -20,8 +20,8 @@ from blockdraft.store.checksum import READ_CHUNK, Crc64Nvme
 # Every name blockdraft keeps beside an artifact's files (its lease, a copy's origin, piece records, a pull's incoming
 # folder, temporary files) starts with this, so a writer tells its own bookkeeping from a user's files by name alone.
 BOOKKEEPING_PREFIX = ".blockdraft-"
-# A file being written: `TMP_PREFIX + final name + "." + random` (or + final name alone, where one writer owns the name),
-# renamed when whole. A name only blockdraft creates, so cleaning up temp files never touches a user's file.
+# A file being written: `TMP_PREFIX + final name + "." + random` (or + final name alone, where one writer owns the
+# name), renamed when whole. A name only blockdraft creates, so cleaning up temp files never touches a user's file.
 TMP_PREFIX = BOOKKEEPING_PREFIX + "tmp-"
 # At the root of an output a stage has begun to write and not committed yet: which kind it is making. It says the files
 # there are an earlier run's of that kind, so a rerun may resume over them; removed once the manifest is written.
@@ -35,7 +35,8 @@ ROOT_MARKERS = ("blockdraft-manifest.json", LEASE_NAME, WRITING_NAME)
 
 
 def is_bookkeeping(key: str) -> bool:
-    """Whether `key` (relative, '/'-separated) is blockdraft's bookkeeping: a part of its path is a name only it creates."""
+    """Whether `key` (relative, '/'-separated) is blockdraft's bookkeeping: a part of its path is a name only it
+    creates."""
     return any(part.startswith(BOOKKEEPING_PREFIX) for part in key.split("/"))
 
 
@@ -43,8 +44,9 @@ _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CL
 
 
 class NewFile:
-    """A file being written at one key of a LocalStore (`LocalStore.writing`): created under a temp name in the key's folder,
-    which is held open (`dir_fd`), so the rename into place happens in that same folder whatever is swapped in on the way."""
+    """A file being written at one key of a LocalStore (`LocalStore.writing`): created under a temp name in the key's
+    folder, which is held open (`dir_fd`), so the rename into place happens in that same folder whatever is swapped in
+    on the way."""
 
     def __init__(self, dir_fd: int, name: str) -> None:
         self.dir_fd, self.name = dir_fd, name
@@ -153,8 +155,9 @@ class Store(abc.ABC):
         return size, crc.b64
 
     def abort_partial_uploads(self, keys: Collection[str] | None = None) -> int:
-        """Drop this writer's unfinished uploads (S3 multipart uploads, local temp files) of `keys`, or when None of every
-        key under this root outside the roots of other artifacts below it; returns how many. Nothing to do by default."""
+        """Drop this writer's unfinished uploads (S3 multipart uploads, local temp files) of `keys`, or when None of
+        every key under this root outside the roots of other artifacts below it; returns how many. Nothing to do by
+        default."""
         return 0
 
     def parent(self) -> Store | None:

@@ -1,14 +1,14 @@
-"""Checksums of local files for `status` and `verify` listings: a file's CRC64NVME is remembered with its size, mtime and
-ctime (ns), inode and device, and trusted again only while all five are unchanged (how git's index decides). The ctime
-catches an edit whose mtime was set back (only the kernel sets it); a change below the filesystem (bit rot) changes none
-of them, which is why a consumer of a file (pull, resume, eval, export, a stage input) never asks this cache: it checksums
-the bytes it reads (`LocalStore.read_head`).
+"""Checksums of local files for `status` and `verify` listings: a file's CRC64NVME is remembered with its size, mtime
+and ctime (ns), inode and device, and trusted again only while all five are unchanged (how git's index decides). The
+ctime catches an edit whose mtime was set back (only the kernel sets it); a change below the filesystem (bit rot)
+changes none of them, which is why a consumer of a file (pull, resume, eval, export, a stage input) never asks this
+cache: it checksums the bytes it reads (`LocalStore.read_head`).
 
 The cache is one SQLite file per user (`$BLOCKDRAFT_CACHE_DIR`, else `$XDG_CACHE_HOME/blockdraft`, else
 `~/.cache/blockdraft`), shared by every blockdraft process on the machine. A file modified within `RACY_S` of being read
 is not remembered (a filesystem with coarse timestamps could change it again without changing its mtime); `--deep`
-ignores the cache and reads every byte. Anything wrong with the cache (unwritable, locked, corrupt) only means the file is
-read again: a cached value is never needed for correctness.
+ignores the cache and reads every byte. Anything wrong with the cache (unwritable, locked, corrupt) only means the file
+is read again: a cached value is never needed for correctness.
 
 No library keeps such a cache for CRC64NVME (DVC's state database keeps md5s by inode and timestamps, for its own
 workspace). What it saves, measured 2026-12-05 (`python -m bench.checksum_cache`: 4 artifacts, 2,000 files, 500 MiB;
@@ -65,7 +65,8 @@ def _db() -> sqlite3.Connection | None:
         conn.execute("PRAGMA synchronous=OFF")
         conn.execute(
             "CREATE TABLE IF NOT EXISTS sums "
-            "(path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER, ino INTEGER, dev INTEGER, crc TEXT)"
+            "(path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER, ino INTEGER, dev INTEGER, crc "
+            "TEXT)"
         )
     except (OSError, sqlite3.Error):
         return None
@@ -93,8 +94,8 @@ def _flush() -> None:
 
 @contextmanager
 def batched_writes() -> Iterator[None]:
-    """Inside, newly computed checksums are remembered `FLUSH_ROWS` to a transaction (and the rest on leaving) instead of
-    one commit per file: what a survey of thousands of files saves. No transaction stays open in between, so other
+    """Inside, newly computed checksums are remembered `FLUSH_ROWS` to a transaction (and the rest on leaving) instead
+    of one commit per file: what a survey of thousands of files saves. No transaction stays open in between, so other
     processes sharing the cache never wait on this one."""
     global _batch_depth
     with _batch_lock:
@@ -110,12 +111,14 @@ def batched_writes() -> Iterator[None]:
 
 
 def cached_checksum(path: str | Path, st: os.stat_result) -> str | None:
-    """The checksum remembered for the local file at `path` when it is unchanged since (`st`: its stat now); else None."""
+    """The checksum remembered for the local file at `path` when it is unchanged since (`st`: its stat now); else
+    None."""
     db = _db()
     if db is None:
         return None
     try:
-        row = db.execute("SELECT size, mtime_ns, ctime_ns, ino, dev, crc FROM sums WHERE path = ?", (os.path.abspath(path),)).fetchone()
+        row = db.execute("SELECT size, mtime_ns, ctime_ns, ino, dev, crc FROM sums WHERE path = ?",
+                         (os.path.abspath(path),)).fetchone()
     except sqlite3.Error:
         return None
     if row is not None and tuple(row[:5]) == _key(st):
@@ -129,8 +132,8 @@ def _key(st: os.stat_result) -> tuple[int, int, int, int, int]:
 
 def file_checksum(path: str | Path, st: os.stat_result | None = None) -> tuple[int, str]:
     """(size, base64 CRC64NVME) of a local file: from the cache when the file is unchanged since it was last read, else
-    read (and remembered unless it was modified in the last `RACY_S` seconds). `st`: the file's stat, when the caller has
-    just taken it."""
+    read (and remembered unless it was modified in the last `RACY_S` seconds). `st`: the file's stat, when the caller
+    has just taken it."""
     st = os.stat(path) if st is None else st
     cached = cached_checksum(path, st)
     if cached is not None:
@@ -141,8 +144,8 @@ def file_checksum(path: str | Path, st: os.stat_result | None = None) -> tuple[i
 
 
 def remember_checksum(path: str | Path, st: os.stat_result, size: int, crc: str) -> None:
-    """Remember `crc`, just computed from the bytes of the file at `path` whose stat before the read was `st`, unless the
-    file changed during the read or was modified in the last `RACY_S` seconds."""
+    """Remember `crc`, just computed from the bytes of the file at `path` whose stat before the read was `st`, unless
+    the file changed during the read or was modified in the last `RACY_S` seconds."""
     after = os.stat(path)
     if _key(after) != _key(st) or size != st.st_size or time.time() - st.st_mtime_ns / 1e9 <= RACY_S:
         return
@@ -159,4 +162,5 @@ def remember_checksum(path: str | Path, st: os.stat_result, size: int, crc: str)
         _flush()
 
 
-__all__ = ["CACHE_FILE", "RACY_S", "batched_writes", "cache_path", "cached_checksum", "file_checksum", "remember_checksum"]
+__all__ = ["CACHE_FILE", "RACY_S", "batched_writes", "cache_path", "cached_checksum", "file_checksum",
+           "remember_checksum"]

@@ -53,9 +53,9 @@ class StageInput:
 
     @cached_property
     def ref(self) -> InputRef:
-        """The input by content. A pulled copy of a store's artifact is pinned at the store it came from, so `status` checks
-        it there from any machine, not at a folder that only this machine holds; any other folder pins itself (a push
-        from it records nothing in it)."""
+        """The input by content. A pulled copy of a store's artifact is pinned at the store it came from, so `status`
+        checks it there from any machine, not at a folder that only this machine holds; any other folder pins itself (a
+        push from it records nothing in it)."""
         sha = self.report.manifest_sha256
         return InputRef(kind="manifest", url=read_origin(self.store, sha) or self.store.url, sha256=sha)
 
@@ -82,8 +82,8 @@ class StageInput:
             if size != entry.size or checksum != entry.checksum:
                 (dest / path).unlink(missing_ok=True)
                 raise ArtifactError(
-                    f"{self.store.url.rstrip('/')}/{path} changed while read (received {size} bytes crc64nvme {checksum}, "
-                    f"listed {entry.size} bytes {entry.checksum}); rerun when the input is stable"
+                    f"{self.store.url.rstrip('/')}/{path} changed while read (received {size} bytes crc64nvme "
+                    f"{checksum}, listed {entry.size} bytes {entry.checksum}); rerun when the input is stable"
                 )
         return dest
 
@@ -92,8 +92,9 @@ class StageInput:
         for entry, problem in zip(entries, check_files(self.store, entries)):
             if problem is not None:
                 raise ArtifactError(
-                    f"{self.store.url.rstrip('/')}/{entry.path} does not match its manifest as read now ({problem.detail}); "
-                    "the file changed or rotted on disk: restore it (pull it again) or rerun the stage that made it"
+                    f"{self.store.url.rstrip('/')}/{entry.path} does not match its manifest as read now "
+                    f"({problem.detail}); the file changed or rotted on disk: restore it (pull it again) or rerun the "
+                    "stage that made it"
                 )
 
     @contextmanager
@@ -104,8 +105,10 @@ class StageInput:
             yield self.fetch(names, Path(tmp))
 
 
-def open_input(url: str | Store, store_config: StoreConfig | None = None, kinds: Sequence[str] = (), role: str = "input") -> StageInput:
-    """The artifact at `url`, verified at its source, else ArtifactError naming its state; `kinds` limits what it may be.
+def open_input(url: str | Store, store_config: StoreConfig | None = None, kinds: Sequence[str] = (),
+               role: str = "input") -> StageInput:
+    """The artifact at `url`, verified at its source, else ArtifactError naming its state; `kinds` limits what it may
+    be.
 
     `role` names the input in the error (a config field such as "train.data", or "input").
     """
@@ -114,18 +117,21 @@ def open_input(url: str | Store, store_config: StoreConfig | None = None, kinds:
     if report.state is State.INCOMPLETE and next(iter(store.list()), None) is None:
         raise ArtifactError(f"{role} {store.url} does not exist (nothing there); check the path or URL")
     if report.state is not State.VERIFIED or report.manifest is None:
-        raise ArtifactError(f"{role} {store.url} is {report.state.value}: {report.summary()}; fix or regenerate it first")
+        raise ArtifactError(f"{role} {store.url} is {report.state.value}: {report.summary()}; fix or regenerate it "
+                            "first")
     if kinds and report.manifest.kind not in kinds:
         raise ArtifactError(
-            f"{role} {store.url} is a '{report.manifest.kind}' artifact, not {' or '.join(repr(k) for k in kinds)}; pass the right artifact"
+            f"{role} {store.url} is a '{report.manifest.kind}' artifact, not {' or '.join(repr(k) for k in kinds)}; "
+            "pass the right artifact"
         )
     return StageInput(store, report)
 
 
 @dataclass
 class RawInput:
-    """A plain object without a manifest (prompts or completions someone uploaded), pinned by what the store reports for it:
-    its size and CRC64NVME, or its ETag when the store holds no checksum. Reading it back is checked against that."""
+    """A plain object without a manifest (prompts or completions someone uploaded), pinned by what the store reports for
+    it: its size and CRC64NVME, or its ETag when the store holds no checksum. Reading it back is checked against
+    that."""
 
     store: Store
     info: ObjectInfo
@@ -147,12 +153,14 @@ class RawInput:
         size, checksum = self.store.get_file(self.info.key, LocalStore(dest.parent), dest.name)
         if size != self.info.size or (self.info.checksum is not None and checksum != self.info.checksum):
             dest.unlink(missing_ok=True)
-            raise ArtifactError(f"{self.url} changed while read (received {size} bytes, pinned {self.info.size}); rerun when it is stable")
+            raise ArtifactError(f"{self.url} changed while read (received {size} bytes, pinned {self.info.size}); "
+                                "rerun when it is stable")
         return dest
 
 
 def open_raw_input(url: str, store_config: StoreConfig | None = None, role: str = "input") -> RawInput:
-    """The single object at `url` (a local path, file:// or s3:// URL), pinned by what its store reports; ConfigError when absent."""
+    """The single object at `url` (a local path, file:// or s3:// URL), pinned by what its store reports; ConfigError
+    when absent."""
     parent, _, key = url.rstrip("/").rpartition("/")
     store = open_store(parent or ".", store_config)
     info = store.head(key)
@@ -163,7 +171,8 @@ def open_raw_input(url: str, store_config: StoreConfig | None = None, role: str 
 
 def recorded_manifest(store: Store) -> Manifest | None:
     """The manifest at `store` as recorded, not verified (for naming an artifact's kind, or an input's provenance), or
-    None when there is none; ArtifactError for one that does not parse. Whether an output is done is `StageOutput.done`'s."""
+    None when there is none; ArtifactError for one that does not parse. Whether an output is done is
+    `StageOutput.done`'s."""
     found = read_manifest(store)
     return None if found is None else found[0]
 

@@ -1,8 +1,8 @@
 """The writer lease: one writer per output, taken before its first byte and given back at its commit.
 
-`StageOutput.claim` (`store/output.py`) takes it for every output; `writer_lease` takes it alone, for a folder of outputs
-that a run writes one by one (train's output around its checkpoints); `refuse_live_leases` refuses a live writer above
-or below an output, except one whose lease this process holds (train's on its whole output does not refuse the
+`StageOutput.claim` (`store/output.py`) takes it for every output; `writer_lease` takes it alone, for a folder of
+outputs that a run writes one by one (train's output around its checkpoints); `refuse_live_leases` refuses a live writer
+above or below an output, except one whose lease this process holds (train's on its whole output does not refuse the
 checkpoints inside it).
 
 **The lease** is an object at the output's root, taken before anything is written and released at the commit:
@@ -10,12 +10,12 @@ checkpoints inside it).
 `If-None-Match: *` on S3), naming its owner (host, pid, a per-process token, the command) and an expiry that a heartbeat
 thread pushes forward while the writer lives. A second writer finds it and fails at once with one line naming the owner.
 A lease past its expiry, left on this host by a process that no longer exists (kill -9, a crash), or unreadable (not a
-record blockdraft writes) is taken over with a warning through the reporter, so a rerun resumes; `force` (`--force`) takes
-over a live one of another host whose writer the user knows is dead. A writer alive on this host (its pid running, with
-the start time the record names, so a reused pid is not mistaken for it) keeps its lease whatever the clock says: a job
-suspended past its expiry, or a clock that jumped, is still writing when it resumes. A writer confirms the lease is its
-own right before each object it writes and before its commit (`Lease.check`), so a writer that lost its lease writes no
-further object and never a manifest.
+record blockdraft writes) is taken over with a warning through the reporter, so a rerun resumes; `force` (`--force`)
+takes over a live one of another host whose writer the user knows is dead. A writer alive on this host (its pid running,
+with the start time the record names, so a reused pid is not mistaken for it) keeps its lease whatever the clock says: a
+job suspended past its expiry, or a clock that jumped, is still writing when it resumes. A writer confirms the lease is
+its own right before each object it writes and before its commit (`Lease.check`), so a writer that lost its lease writes
+no further object and never a manifest.
 
 Leases are per process and re-entrant: a stage that holds its output's lease may push to it (the push takes the same
 lease again); the object is deleted when the last holder releases it, and at exit for any still held.
@@ -69,8 +69,15 @@ class LeaseRecord:
         if not isinstance(raw, dict) or set(raw) != {f.name for f in fields(cls)}:
             return None
         texts_ok = all(isinstance(raw[name], str) for name in ("owner", "host", "command"))
-        ints_ok = all(isinstance(raw[n], int) and not isinstance(raw[n], bool) and 0 <= raw[n] < 2**63 for n in ("pid", "started"))
-        if not (texts_ok and ints_ok and raw["pid"] < 2**31 and all(_is_time(raw[name]) for name in ("acquired_at", "expires_at"))):
+        ints_ok = all(
+            isinstance(raw[n], int) and not isinstance(raw[n], bool) and 0 <= raw[n] < 2**63 for n in ("pid", "started")
+        )
+        if not (
+            texts_ok
+            and ints_ok
+            and raw["pid"] < 2**31
+            and all(_is_time(raw[name]) for name in ("acquired_at", "expires_at"))
+        ):
             return None
         return cls(**raw)
 
@@ -109,8 +116,9 @@ def _process_start(pid: int) -> int:
 
 
 def _process_here(record: LeaseRecord) -> bool | None:
-    """Whether the lease's writer process is alive, when it ran on this host; None for another host's writer (or no pid),
-    which is judged by the expiry alone. A running pid whose start time differs from the record's is another process."""
+    """Whether the lease's writer process is alive, when it ran on this host; None for another host's writer (or no
+    pid), which is judged by the expiry alone. A running pid whose start time differs from the record's is another
+    process."""
     if record.host != socket.gethostname() or record.pid <= 0:
         return None
     try:
@@ -157,7 +165,8 @@ class _Held:
                 current = _read_lease(self.store)
                 if current is None or current.owner != self.record.owner:
                     self.lost = f"now held by {current.describe()}" if current else "deleted by someone else"
-                    self.reporter.warn(f"lost the lease on {self.store.url}: {self.lost}; this run will not commit its output")
+                    self.reporter.warn(f"lost the lease on {self.store.url}: {self.lost}; this run will not commit its "
+                                       "output")
                     return
                 self.record.expires_at = time.time() + self.ttl_s
                 self.store.put_bytes(LEASE_NAME, self.record.to_bytes())
@@ -175,16 +184,17 @@ _lock = threading.Lock()
 
 
 def _read_lease(store: Store) -> LeaseRecord | None:
-    """The lease at `store`'s root as recorded (an unreadable one as `LeaseRecord.unreadable`), or None when there is none.
-    LeaseError for a folder standing at the lease's name: no writer can take the lease there, and it is not ours to remove."""
+    """The lease at `store`'s root as recorded (an unreadable one as `LeaseRecord.unreadable`), or None when there is
+    none. LeaseError for a folder standing at the lease's name: no writer can take the lease there, and it is not ours
+    to remove."""
     try:
         data = store.read_bytes(LEASE_NAME)
     except FileNotFoundError:
         return None
     except IsADirectoryError:
         raise LeaseError(
-            f"{store.url.rstrip('/')}/{LEASE_NAME} is a folder, where blockdraft keeps the lease file of the output's one "
-            "writer; move that folder away (blockdraft never deletes what it did not write) and rerun"
+            f"{store.url.rstrip('/')}/{LEASE_NAME} is a folder, where blockdraft keeps the lease file of the output's "
+            "one writer; move that folder away (blockdraft never deletes what it did not write) and rerun"
         ) from None
     return LeaseRecord.parse(data) or LeaseRecord.unreadable()
 
@@ -200,7 +210,8 @@ class Lease:
     `force` (`--force`): take over a live lease of another host's writer. `reporter` hears of
     takeovers and of renewals that failed (a `Reporter()` that only logs when None)."""
 
-    def __init__(self, store: Store, ttl_s: float = LEASE_TTL_S, *, force: bool = False, reporter: Reporter | None = None) -> None:
+    def __init__(self, store: Store, ttl_s: float = LEASE_TTL_S, *, force: bool = False,
+                 reporter: Reporter | None = None) -> None:
         self.store = store
         self.ttl_s = ttl_s
         self.key = store.url.rstrip("/")
@@ -222,8 +233,8 @@ class Lease:
                 held.count += 1
                 return self
             now = time.time()
-            record = LeaseRecord(_me(), socket.gethostname(), os.getpid(), redact(" ".join(sys.argv[:3]))[:200], now, now + self.ttl_s,
-                                 _process_start(os.getpid()))
+            record = LeaseRecord(_me(), socket.gethostname(), os.getpid(), redact(" ".join(sys.argv[:3]))[:200], now,
+                                 now + self.ttl_s, _process_start(os.getpid()))
             for _ in range(5):
                 if self.store.put_bytes_if_absent(LEASE_NAME, record.to_bytes()):
                     _held[self.key] = _Held(self.store, record, self.ttl_s, self.reporter)
@@ -239,7 +250,8 @@ class Lease:
                 self.taken_over = current
                 self.reporter.warn(f"taking over the lease on {self.store.url} from {current.describe()}")
                 self.store.delete(LEASE_NAME)
-            raise LeaseError(f"could not take the lease on {self.store.url}: other writers keep taking it; rerun when they are done")
+            raise LeaseError(f"could not take the lease on {self.store.url}: other writers keep taking it; rerun when "
+                             "they are done")
 
     def _holder_now(self) -> str | None:
         """Who holds the lease, as the store says now, when this process does not; None while it is ours."""
@@ -290,10 +302,11 @@ def _busy_error(url: str, record: LeaseRecord) -> LeaseError:
     """The one line for an output that `record`'s live writer holds."""
     if _process_here(record):
         return LeaseError(
-            f"{url} is being written by {record.describe()}, and pid {record.pid} is alive on this host; wait for it to "
-            "finish or stop it (--force takes over only a writer that is dead)"
+            f"{url} is being written by {record.describe()}, and pid {record.pid} is alive on this host; wait for it "
+            "to finish or stop it (--force takes over only a writer that is dead)"
         )
-    return LeaseError(f"{url} is being written by {record.describe()}; wait for that run to finish, or rerun with --force if it is dead")
+    return LeaseError(f"{url} is being written by {record.describe()}; wait for that run to finish, or rerun with "
+                      "--force if it is dead")
 
 
 @atexit.register
@@ -334,8 +347,8 @@ def _refuse_leases_above(store: Store, force: bool) -> None:
         record = _lease_at(up)
         if record is not None and not _held_here(up) and _holds_live(record, force):
             raise LeaseError(
-                f"{up.url.rstrip('/')}, which contains {store.url.rstrip('/')}, is being written by {record.describe()}; "
-                "wait for that run to finish, or write somewhere outside it"
+                f"{up.url.rstrip('/')}, which contains {store.url.rstrip('/')}, is being written by "
+                f"{record.describe()}; wait for that run to finish, or write somewhere outside it"
             )
         up = up.parent()
 

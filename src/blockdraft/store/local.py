@@ -43,12 +43,13 @@ class LocalStore(Store):
         path = os.path.join(self._root, key)
         real = os.path.realpath(path)
         if real != self._real and not real.startswith(self._real.rstrip(os.sep) + os.sep):
-            raise OutsideArtifactError(f"{self.url}/{key} resolves outside {self._root} (to {real}); remove that link or entry")
+            raise OutsideArtifactError(f"{self.url}/{key} resolves outside {self._root} (to {real}); remove that link "
+                                       "or entry")
         return path
 
     def _new_file(self, fd: int, key: str) -> NewFile:
-        """`NewFile` for `key` in its held folder `fd`; an OSError names the temp file by its full path (the open names it
-        relative to `fd`), so the one line for an unwritable folder or a full disk says which folder."""
+        """`NewFile` for `key` in its held folder `fd`; an OSError names the temp file by its full path (the open names
+        it relative to `fd`), so the one line for an unwritable folder or a full disk says which folder."""
         try:
             return NewFile(fd, os.path.basename(key))
         except OSError as exc:
@@ -96,7 +97,8 @@ class LocalStore(Store):
                 f"{self.url}/{key} resolves outside {self._root}: {folder} is a link (to {os.path.realpath(path)}), "
                 "and blockdraft writes nothing through a link; remove that link"
             )
-        return OutsideArtifactError(f"{self.url}/{key} cannot be written: {path} is a file, not a folder; move that file away")
+        return OutsideArtifactError(f"{self.url}/{key} cannot be written: {path} is a file, not a folder; move that "
+                                    "file away")
 
     @contextmanager
     def writing(self, key: str) -> Iterator[NewFile]:
@@ -124,8 +126,8 @@ class LocalStore(Store):
             os.close(fd)
 
     def read_checksum(self, key: str) -> tuple[int, str] | None:
-        """(size, checksum) of every byte of `key`'s file as read now, opened like `writing` opens (no link followed on the
-        way, nor the file itself a link); None when there is no such regular file. For files a writer will move."""
+        """(size, checksum) of every byte of `key`'s file as read now, opened like `writing` opens (no link followed on
+        the way, nor the file itself a link); None when there is no such regular file. For files a writer will move."""
         fd = self._folder_fd(key, create=False)
         if fd is None:
             return None
@@ -210,7 +212,8 @@ class LocalStore(Store):
         return ObjectInfo(key=key, size=size, checksum=checksum)
 
     def cached_head(self, key: str) -> ObjectInfo | None:
-        """`head` when it needs no read: the file is there, unchanged since its checksum was last computed; else None."""
+        """`head` when it needs no read: the file is there, unchanged since its checksum was last computed; else
+        None."""
         try:
             path = self._inside(key)
         except OutsideArtifactError:
@@ -238,8 +241,8 @@ class LocalStore(Store):
                 dst.write(chunk)
             if checksum is not None and crc.b64 != checksum:
                 raise StoreError(
-                    f"the bytes copied from {local_path.name} to {key} do not match its expected checksum (crc64nvme {crc.b64} != {checksum}); "
-                    "the source changed or the copy is bad"
+                    f"the bytes copied from {local_path.name} to {key} do not match its expected checksum (crc64nvme "
+                    f"{crc.b64} != {checksum}); the source changed or the copy is bad"
                 )
 
     @staticmethod
@@ -272,9 +275,9 @@ class LocalStore(Store):
             os.close(fd)
 
     def abort_partial_uploads(self, keys: Collection[str] | None = None) -> int:
-        """Remove temp files left by a killed writer (a rename never happened, so they are nobody's data): those of `keys`,
-        or when None every one under this root except in the folders of other artifacts below it. Only blockdraft's
-        temp names (`TMP_PREFIX`) are ever removed."""
+        """Remove temp files left by a killed writer (a rename never happened, so they are nobody's data): those of
+        `keys`, or when None every one under this root except in the folders of other artifacts below it. Only
+        blockdraft's temp names (`TMP_PREFIX`) are ever removed."""
         if not self.root.is_dir():
             return 0
         if keys is None:
@@ -285,8 +288,8 @@ class LocalStore(Store):
         return sum(self._remove_temp_files_of(key) for key in keys)
 
     def _remove_temp_files_of(self, key: str) -> int:
-        """Remove the temp files that writes of `key` leave beside it: `TMP_PREFIX + name` and `TMP_PREFIX + name + ".*"`,
-        in its folder opened like `writing` opens it."""
+        """Remove the temp files that writes of `key` leave beside it: `TMP_PREFIX + name` and
+        `TMP_PREFIX + name + ".*"`, in its folder opened like `writing` opens it."""
         fd = self._folder_fd(key, create=False)
         if fd is None:
             return 0
@@ -326,8 +329,9 @@ def _own_temp_files(root: Path) -> list[Path]:
 
 
 def _walk(path: str, folder: str, prefix: str) -> Iterator[ObjectInfo]:
-    """The files under `path` whose key (`folder` + their path below it) starts with `prefix`: sorted, a folder's files before
-    its subfolders, symlinked folders not followed (as `os.walk` goes), and one directory scan plus one stat per file."""
+    """The files under `path` whose key (`folder` + their path below it) starts with `prefix`: sorted, a folder's files
+    before its subfolders, symlinked folders not followed (as `os.walk` goes), and one directory scan plus one stat per
+    file."""
     try:
         with os.scandir(path) as scan:
             entries = sorted(scan, key=lambda e: e.name)

@@ -35,9 +35,10 @@ INCOMING_DIR = BOOKKEEPING_PREFIX + "incoming"  # a pull's verified bytes, waiti
 
 def entry_path_problem(path: str) -> str | None:
     """Why `path` cannot name a file inside an artifact, or None when it can: a relative '/'-separated path below the
-    artifact's root, with no empty, '.' or '..' part, no backslash, NUL or drive letter, not the manifest, and with no part
-    named as blockdraft's bookkeeping (`base.is_bookkeeping`: leases, marks, pieces, origins, agreement records, temporary files).
-    The one rule every manifest entry obeys wherever a manifest is read (a shared bucket may hold a planted one)."""
+    artifact's root, with no empty, '.' or '..' part, no backslash, NUL or drive letter, not the manifest, and with no
+    part named as blockdraft's bookkeeping (`base.is_bookkeeping`: leases, marks, pieces, origins, agreement records,
+    temporary files). The one rule every manifest entry obeys wherever a manifest is read (a shared bucket may hold a
+    planted one)."""
     if not path:
         return "is empty"
     if "\\" in path or "\0" in path:
@@ -155,7 +156,11 @@ def read_origin(store: Store, sha256: str | None) -> str | None:
         origin = json.loads(store.read_bytes(ORIGIN_NAME))
     except (FileNotFoundError, ValueError):
         return None
-    if not isinstance(origin, dict) or origin.get("manifest_sha256") != sha256 or not isinstance(origin.get("url"), str):
+    if (
+        not isinstance(origin, dict)
+        or origin.get("manifest_sha256") != sha256
+        or not isinstance(origin.get("url"), str)
+    ):
         return None
     return origin["url"]
 
@@ -201,17 +206,22 @@ MAX_TARGET_CHARS = 256  # a target's name in an agreement record: a folder name 
 
 
 def agreement_problem(record: dict[str, Any]) -> str | None:
-    """Why `record` (its manifest pin aside) is not an agreement record as `record_agreement` writes it, or None: the share
-    a finite number in [0, 1], the positions and rows counted by non-negative integers, the same for each thinking mode
-    (`by_thinking`, if there), and the target a name of one line (no control character: a newline in it would forge a
-    line of `status`). A record with any other value is not shown: it was not measured as it says."""
+    """Why `record` (its manifest pin aside) is not an agreement record as `record_agreement` writes it, or None: the
+    share a finite number in [0, 1], the positions and rows counted by non-negative integers, the same for each thinking
+    mode (`by_thinking`, if there), and the target a name of one line (no control character: a newline in it would forge
+    a line of `status`). A record with any other value is not shown: it was not measured as it says."""
     def figures_problem(figures: Any, where: str) -> str | None:
         if not isinstance(figures, dict):
             return f"{where} is not a table"
         share = figures.get("agreement")
         if no_rows_measured(figures):
             return None
-        if isinstance(share, bool) or not isinstance(share, float | int) or not math.isfinite(share) or not 0 <= share <= 1:
+        if (
+            isinstance(share, bool)
+            or not isinstance(share, float | int)
+            or not math.isfinite(share)
+            or not 0 <= share <= 1
+        ):
             return f"{where}agreement {share!r} is not a share in [0, 1]"
         counts = [figures.get(name) for name in ("positions", "rows")]
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
@@ -236,7 +246,8 @@ def carry_agreement(source: Store, dest: Store, sha256: str) -> None:
 
 
 def raw_input(store: Store, info: ObjectInfo) -> InputRef:
-    return InputRef(kind="raw", url=f"{store.url.rstrip('/')}/{info.key}", size=info.size, checksum=info.checksum, etag=info.etag)
+    return InputRef(kind="raw", url=f"{store.url.rstrip('/')}/{info.key}", size=info.size, checksum=info.checksum,
+                    etag=info.etag)
 
 
 MEASURED = "measured"  # the lineage kind of an input whose rows or figures an artifact measured or cites (`InputRef`)
@@ -257,9 +268,10 @@ def folder_sha256(store: Store) -> str | None:
 
 
 def _file_pin(store: Store, key: str) -> tuple[int | None, str | None]:
-    """(size, CRC64NVME) of one file of a folder input; (None, None) when it is gone since listed (the folder is changing,
-    and the pin says so). A local file is read through its links, as the stage that reads the folder does: a snapshot in
-    the Hub's cache links its files to blobs outside it (this folder is an input, never an artifact written here)."""
+    """(size, CRC64NVME) of one file of a folder input; (None, None) when it is gone since listed (the folder is
+    changing, and the pin says so). A local file is read through its links, as the stage that reads the folder does: a
+    snapshot in the Hub's cache links its files to blobs outside it (this folder is an input, never an artifact written
+    here)."""
     local = store.local_path()
     if local is not None:
         try:

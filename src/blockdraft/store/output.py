@@ -7,23 +7,24 @@
     for piece in work:                                   # optional: resumable pieces (shards)
         if out.finished_piece(name, piece_key) is None:
             ... write files ...; out.put_piece(name, piece_key, files, counts)
-    out.commit(files, config=..., lineage=[inp.ref], counts=...)   # every file checked at the destination, manifest last
+    out.commit(files, config=..., lineage=[inp.ref], counts=...)   # every file checked at the destination,
+                                                                   # manifest last
 
-**Done** is decided from the destination's manifest alone, by `StageOutput.done`; no stage reads its own manifest to decide.
-An output is done when its manifest was made for this run (its kind; the config values the stage names in `made_with`,
-compared before the key, which may read the inputs; then the key itself) and its files verify, and its commit recorded
-nothing under the counts field the stage names in `failures` (a run that left inputs out is redone for them). A torn or
-foreign manifest, or files that no longer verify, is not done: the output is made again. A copy (push, pull) is done
-when it holds its source's manifest byte for byte and verifies. `finished_piece` decides the same for one piece of a
-long stage: a sub-manifest in the same model under `.blockdraft-pieces/`, written after its files verified.
+**Done** is decided from the destination's manifest alone, by `StageOutput.done`; no stage reads its own manifest to
+decide. An output is done when its manifest was made for this run (its kind; the config values the stage names in
+`made_with`, compared before the key, which may read the inputs; then the key itself) and its files verify, and its
+commit recorded nothing under the counts field the stage names in `failures` (a run that left inputs out is redone for
+them). A torn or foreign manifest, or files that no longer verify, is not done: the output is made again. A copy (push,
+pull) is done when it holds its source's manifest byte for byte and verifies. `finished_piece` decides the same for one
+piece of a long stage: a sub-manifest in the same model under `.blockdraft-pieces/`, written after its files verified.
 
 **Who may write** is decided by `begin` (and `claim`, its first half), before the first byte:
 
-- one writer per output: its lease (`Lease` in `store/lease.py`), held until the commit; a lease this process holds above
-  an output (train's on its whole output, `writer_lease`) does not refuse the outputs inside it;
+- one writer per output: its lease (`Lease` in `store/lease.py`), held until the commit; a lease this process holds
+  above an output (train's on its whole output, `writer_lease`) does not refuse the outputs inside it;
 - a writer touches only its own: the output must be empty, an artifact of its kind whose manifest lists every file
-  there, or marked (`WRITING_NAME`, or piece records) as being made into its kind by an earlier run that stopped. Anything
-  else is refused with one line naming a file; nothing is deleted or overwritten. Folders below that are other
+  there, or marked (`WRITING_NAME`, or piece records) as being made into its kind by an earlier run that stopped.
+  Anything else is refused with one line naming a file; nothing is deleted or overwritten. Folders below that are other
   artifacts' roots belong to those, and a live writer above or below the output is refused, naming it;
 - `refuse_nested`: no stage writes where it reads.
 
@@ -85,11 +86,12 @@ def _config_value(config: Mapping[str, Any], path: str) -> Any:
 class StageOutput:
     """The output artifact of one stage run: `kind` at `url`, made from what `key` names (see `stage_key`).
 
-    `key` may be a function, called only when needed (by `done` for a manifest of this kind and config, and by `commit`):
-    a key that names raw inputs by content may have to read them. `made_with` (dotted config path -> value) names config
-    values an output of this run records, compared before the key; `failures` the counts field where a commit records
-    what failed (an output committed with failures is not done: a rerun retries them). `force` and `reporter` go to its
-    lease: whether a live writer of another host is taken over (`--force`), and who hears of takeovers."""
+    `key` may be a function, called only when needed (by `done` for a manifest of this kind and config, and by
+    `commit`): a key that names raw inputs by content may have to read them. `made_with` (dotted config path -> value)
+    names config values an output of this run records, compared before the key; `failures` the counts field where a
+    commit records what failed (an output committed with failures is not done: a rerun retries them). `force` and
+    `reporter` go to its lease: whether a live writer of another host is taken over (`--force`), and who hears of
+    takeovers."""
 
     def __init__(
         self, url: str | Store, kind: str, key: str | Callable[[], str], store_config: StoreConfig | None = None, *,
@@ -129,15 +131,21 @@ class StageOutput:
     def amending(cls, current: StageInput, *, force: bool = False, reporter: Reporter | None = None) -> StageOutput:
         """The output `current` (a verified artifact) as a writer that replaces some of its files (`amend`), keeping the
         key it was made for, so the stage that made it still finds it done afterwards."""
-        return cls(current.store, current.kind, current.manifest.config.get(STAGE_KEY, ""), force=force, reporter=reporter)
+        return cls(current.store, current.kind, current.manifest.config.get(STAGE_KEY, ""), force=force,
+                   reporter=reporter)
 
     # -- done
 
     def done(self, verified: VerifyReport | None = None) -> VerifyReport | None:
-        """The destination's report when it holds this output, made for this run, verified, with nothing failed; else None.
-        `verified`: the destination's report when the caller has just verified it (resume picking the newest verified
-        checkpoint), so it is not read and verified again."""
-        if verified is not None and verified.state is State.VERIFIED and verified.manifest is not None and verified.manifest_sha256:
+        """The destination's report when it holds this output, made for this run, verified, with nothing failed; else
+        None. `verified`: the destination's report when the caller has just verified it (resume picking the newest
+        verified checkpoint), so it is not read and verified again."""
+        if (
+            verified is not None
+            and verified.state is State.VERIFIED
+            and verified.manifest is not None
+            and verified.manifest_sha256
+        ):
             manifest, sha256, report = verified.manifest, verified.manifest_sha256, verified
         else:
             try:
@@ -158,8 +166,8 @@ class StageOutput:
         return report
 
     def _made_for(self, manifest: Manifest, sha256: str) -> bool:
-        """Whether the manifest (whose bytes hash to `sha256`) was made for this output. The config values of `made_with`
-        are compared before the key, so an output of another config is redone without computing the key."""
+        """Whether the manifest (whose bytes hash to `sha256`) was made for this output. The config values of
+        `made_with` are compared before the key, so an output of another config is redone without computing the key."""
         if self.copy_of is not None:
             return sha256 == manifest_sha256(self.copy_of)
         if manifest.kind != self.kind:
@@ -171,10 +179,10 @@ class StageOutput:
     # -- who may write
 
     def claim(self, mark: bool = True) -> None:
-        """Take the output's lease (LeaseError naming the writer that holds it) and check that the output is this writer's
-        to write (ArtifactError naming a file it does not own, LeaseError naming a live writer above or below); then mark it
-        as being written (`mark` False leaves that to `mark_writing`, right before the output first changes). Nothing at
-        the output is changed before both checks pass. Taken once: a second call does nothing."""
+        """Take the output's lease (LeaseError naming the writer that holds it) and check that the output is this
+        writer's to write (ArtifactError naming a file it does not own, LeaseError naming a live writer above or below);
+        then mark it as being written (`mark` False leaves that to `mark_writing`, right before the output first
+        changes). Nothing at the output is changed before both checks pass. Taken once: a second call does nothing."""
         if self.lease is not None:
             return
         self.lease = Lease(self.store, force=self.force, reporter=self.reporter).acquire()
@@ -182,7 +190,8 @@ class StageOutput:
             keys = [info.key for info in self.store.list()]
             refuse_live_leases(self.store, keys, self.lease.force)
             others = _other_roots(keys)
-            problem = _not_ours(self.store, self.kind, [k for k in keys if not any(k.startswith(root + "/") for root in others)])
+            problem = _not_ours(self.store, self.kind,
+                                [k for k in keys if not any(k.startswith(root + "/") for root in others)])
             if problem is not None:
                 raise ArtifactError(problem)
         except BaseException:
@@ -193,8 +202,9 @@ class StageOutput:
 
     def mark_writing(self, amending: Manifest | None = None) -> None:
         """Note at the output's root that a run is making it into this kind (`WRITING_NAME`): from here on its files may
-        belong to no manifest, and a rerun of this kind resumes over them. Removed by the commit. `amending`: the manifest
-        an `amend` is about to take down, recorded so that an amend that stops is finished by the next (`resume_amend`)."""
+        belong to no manifest, and a rerun of this kind resumes over them. Removed by the commit. `amending`: the
+        manifest an `amend` is about to take down, recorded so that an amend that stops is finished by the next
+        (`resume_amend`)."""
         mark: dict[str, Any] = {"kind": self.kind}
         if amending is not None:
             mark["amending"] = amending.model_dump(mode="json")
@@ -202,7 +212,8 @@ class StageOutput:
 
     def begin(self, amending: Manifest | None = None) -> None:
         """`claim` the output, then remove its manifest (if any) before anything is rewritten, so no reader sees an old
-        manifest over new files; `amending` (the manifest an `amend` takes down) is recorded in the writing mark first."""
+        manifest over new files; `amending` (the manifest an `amend` takes down) is recorded in the writing mark
+        first."""
         self.claim(mark=amending is None)
         if amending is not None:
             self.mark_writing(amending)
@@ -235,11 +246,13 @@ class StageOutput:
         lineage: Iterable[InputRef] = (),
         counts: dict[str, Any] | None = None,
     ) -> VerifyReport:
-        """Check every file at the destination, then write the manifest (with this output's key) last. The config it pins
-        passes `redact_settings` whatever the stage gave: no manifest names a credential a setting carries."""
+        """Check every file at the destination, then write the manifest (with this output's key) last. The config it
+        pins passes `redact_settings` whatever the stage gave: no manifest names a credential a setting carries."""
         assert self.copy_of is None, "a copy commits its source manifest (commit_copy)"
         config, counts = config or {}, counts or {}
-        assert all(_config_value(config, path) == value for path, value in self.made_with.items()), "commit what made_with names"
+        assert all(_config_value(config, path) == value for path, value in self.made_with.items()), (
+            "commit what made_with names"
+        )
         assert self.failures is None or self.failures in counts, "a commit records what failed under its failures field"
         self.confirm()
         pinned = {**redact_settings(config), STAGE_KEY: self.key}
@@ -248,7 +261,8 @@ class StageOutput:
         return report
 
     def commit_copy(self) -> VerifyReport:
-        """A copy's commit (push): its source's manifest, byte for byte, after every file verified at the destination."""
+        """A copy's commit (push): its source's manifest, byte for byte, after every file verified at the
+        destination."""
         assert self.copy_of is not None, "a stage's own output commits with commit()"
         self.confirm()
         report = commit_manifest(self.store, self.copy_of, if_absent=True)
@@ -256,8 +270,8 @@ class StageOutput:
         return report
 
     def commit_checked_copy(self) -> None:
-        """A copy's commit when every file was just checked on the very bytes written (pull): the manifest, byte for byte,
-        then the manifest and every file's size read back (ArtifactError, and uncommitted, when they differ)."""
+        """A copy's commit when every file was just checked on the very bytes written (pull): the manifest, byte for
+        byte, then the manifest and every file's size read back (ArtifactError, and uncommitted, when they differ)."""
         assert self.copy_of is not None
         manifest = Manifest.model_validate_json(self.copy_of)
         self.confirm()
@@ -267,7 +281,8 @@ class StageOutput:
         wrong = [e.path for e in manifest.files if sizes.get(e.path) != e.size]
         if back is None or back[1] != self.copy_of or wrong:
             uncommit(self.store)
-            raise ArtifactError(f"the copy in {self.url.rstrip('/')} did not read back as written ({wrong[:3] or 'manifest'}); copy it again")
+            raise ArtifactError(f"the copy in {self.url.rstrip('/')} did not read back as written "
+                                f"({wrong[:3] or 'manifest'}); copy it again")
         self._committed()
 
     def _committed(self) -> None:
@@ -286,7 +301,8 @@ class StageOutput:
         return self.commit(self._upload(root, paths), config=config, lineage=lineage, counts=counts)
 
     def _upload(self, root: Path, paths: Iterable[Path]) -> list[FileEntry]:
-        """Upload local files written under `root`, each with its checksum and after confirming the lease; their entries."""
+        """Upload local files written under `root`, each with its checksum and after confirming the lease; their
+        entries."""
         entries = []
         for path in paths:
             entry = entry_for_local_file(root, path)
@@ -323,18 +339,23 @@ class StageOutput:
     def _piece_key(self, name: str) -> str:
         return f"{PIECES_DIR}/{name}.json"
 
-    def put_piece(self, name: str, piece_key: str, files: Iterable[FileEntry], counts: dict[str, Any] | None = None) -> None:
-        """Record piece `name` as finished: its files are checked at the destination first, its sub-manifest is written last."""
+    def put_piece(self, name: str, piece_key: str, files: Iterable[FileEntry],
+                  counts: dict[str, Any] | None = None) -> None:
+        """Record piece `name` as finished: its files are checked at the destination first, its sub-manifest is written
+        last."""
         files = sorted(files, key=lambda e: e.path)
         self.confirm()
         problems = [p for p in check_files(self.store, files) if p is not None]
         if problems:
-            raise ArtifactError(f"{self.url.rstrip('/')}/{problems[0].path} did not verify before its piece was recorded: {problems[0].detail}")
-        piece = Manifest(kind=self.kind + _PIECE_SUFFIX, config={STAGE_KEY: piece_key}, files=files, counts=counts or {})
+            raise ArtifactError(f"{self.url.rstrip('/')}/{problems[0].path} did not verify before its piece was "
+                                f"recorded: {problems[0].detail}")
+        piece = Manifest(kind=self.kind + _PIECE_SUFFIX, config={STAGE_KEY: piece_key}, files=files,
+                         counts=counts or {})
         self.store.put_bytes(self._piece_key(name), piece.to_bytes())
 
     def finished_piece(self, name: str, piece_key: str) -> Manifest | None:
-        """Piece `name`'s sub-manifest when it was recorded for `piece_key` and every file it lists reads back as listed."""
+        """Piece `name`'s sub-manifest when it was recorded for `piece_key` and every file it lists reads back as
+        listed."""
         try:
             piece = Manifest.model_validate_json(self.store.read_bytes(self._piece_key(name)))
         except (FileNotFoundError, ValueError):
@@ -346,8 +367,8 @@ class StageOutput:
         return piece
 
     def piece_names(self, piece_key: str) -> tuple[list[str], list[str]]:
-        """The names of the pieces recorded for `piece_key` (finished or not: `finished_piece` says) and of those recorded
-        for another key or kind, each sorted; from the sub-manifests alone, no file is read."""
+        """The names of the pieces recorded for `piece_key` (finished or not: `finished_piece` says) and of those
+        recorded for another key or kind, each sorted; from the sub-manifests alone, no file is read."""
         recorded = recorded_pieces(self.store)
         ours = sorted(name for name, piece in recorded.items() if self._recorded_for(piece, piece_key))
         return ours, sorted(name for name in recorded if name not in ours)
@@ -360,15 +381,17 @@ class StageOutput:
 
 
 def resume_amend(store: Store, kind: str, replaced: Collection[str]) -> StageInput | None:
-    """The output at `store` as an `amend` of a `kind` artifact left it when it stopped after taking the manifest down and
-    before writing the new one: the manifest it was amending (recorded in the writing mark), with every file but
-    `replaced` (what that amend was replacing, and the next one replaces) checked against it, for `amend` to finish; None
-    when the output holds a manifest or no such record. ArtifactError when a file that was to be kept no longer matches."""
+    """The output at `store` as an `amend` of a `kind` artifact left it when it stopped after taking the manifest down
+    and before writing the new one: the manifest it was amending (recorded in the writing mark), with every file but
+    `replaced` (what that amend was replacing, and the next one replaces) checked against it, for `amend` to finish;
+    None when the output holds a manifest or no such record. ArtifactError when a file that was to be kept no longer
+    matches."""
     try:
         if read_manifest(store) is not None:
             return None
         recorded = Manifest.model_validate(json.loads(store.read_bytes(WRITING_NAME))["amending"])
-    except (ArtifactError, FileNotFoundError, ValueError, TypeError, KeyError):  # a torn or foreign mark is no such record
+    except (ArtifactError, FileNotFoundError, ValueError, TypeError, KeyError):
+        # a torn or foreign mark is no such record
         return None
     if recorded.kind != kind:
         return None
@@ -376,15 +399,16 @@ def resume_amend(store: Store, kind: str, replaced: Collection[str]) -> StageInp
     problem = next((p for p in check_files(store, kept) if p is not None), None)
     if problem is not None:
         raise ArtifactError(
-            f"{store.url.rstrip('/')} has no manifest: a rewrite of its {', '.join(sorted(replaced))} stopped before writing "
-            f"it, and {problem.path} no longer matches the manifest it was amending ({problem.detail}); make it again"
+            f"{store.url.rstrip('/')} has no manifest: a rewrite of its {', '.join(sorted(replaced))} stopped before "
+            f"writing it, and {problem.path} no longer matches the manifest it was amending ({problem.detail}); make "
+            "it again"
         )
     return StageInput(store, VerifyReport(store.url, State.INCOMPLETE, manifest=recorded))
 
 
 def recorded_pieces(store: Store) -> dict[str, Manifest]:
-    """Every piece sub-manifest under `store`, by name, as recorded and not checked (for listing what to push while a stage
-    runs, or choosing a cut; whether a piece is finished is `StageOutput.finished_piece`'s to say)."""
+    """Every piece sub-manifest under `store`, by name, as recorded and not checked (for listing what to push while a
+    stage runs, or choosing a cut; whether a piece is finished is `StageOutput.finished_piece`'s to say)."""
     pieces = {}
     for info in store.list(f"{PIECES_DIR}/"):
         name = info.key.removeprefix(f"{PIECES_DIR}/").removesuffix(".json")
@@ -413,10 +437,13 @@ def _not_ours(store: Store, kind: str, keys: list[str]) -> str | None:
         try:
             found = read_manifest(store)
         except ArtifactError:
-            return f"{url}/{MANIFEST_NAME} is not a valid blockdraft manifest, so the files there are not known to be an artifact's; " \
-                   "pass another output or remove them first"
+            return (
+                f"{url}/{MANIFEST_NAME} is not a valid blockdraft manifest, so the files there are not known to be an "
+                "artifact's; pass another output or remove them first"
+            )
         if found is not None and found[0].kind != kind:
-            return f"{url} holds a '{found[0].kind}' artifact, not '{kind}'; pass another output or remove that artifact first"
+            return (f"{url} holds a '{found[0].kind}' artifact, not '{kind}'; pass another output or remove that "
+                    "artifact first")
         listed = {entry.path for entry in found[0].files} if found is not None else set()
         stray = [k for k in files if k not in listed]
     else:
@@ -427,8 +454,8 @@ def _not_ours(store: Store, kind: str, keys: list[str]) -> str | None:
     if not stray:
         return None
     return (
-        f"{url}/{stray[0]} is not a file of a blockdraft '{kind}' artifact there, and blockdraft never overwrites or deletes "
-        "files it does not own; pass an empty or new output, or move that file away"
+        f"{url}/{stray[0]} is not a file of a blockdraft '{kind}' artifact there, and blockdraft never overwrites or "
+        "deletes files it does not own; pass an empty or new output, or move that file away"
     )
 
 
@@ -472,7 +499,8 @@ def refuse_nested(input: Store, output: Store, role: str = "input") -> None:
         relation = f"contains the output {output.url.rstrip('/')}"
     else:
         return
-    raise ConfigError(f"{role} {input.url.rstrip('/')} {relation}; a stage never reads what it writes: pass another output")
+    raise ConfigError(f"{role} {input.url.rstrip('/')} {relation}; a stage never reads what it writes: pass another "
+                      "output")
 
 
 __all__ = ["STAGE_KEY", "StageOutput", "recorded_pieces", "refuse_nested", "resume_amend", "stage_key"]

@@ -3,7 +3,8 @@
 Write a small probe object (with its checksum), read it back, compare, delete it. Each failure is one line
 naming the cause: no credentials, wrong secret, no write permission, no such bucket, endpoint unreachable or stalled.
 On S3 every request goes through the probe client (a few seconds' timeouts, one retry: `s3_client.PROBE_*`), so an
-endpoint that accepts connections and never answers fails it in seconds; the transfers after it keep their long timeouts.
+endpoint that accepts connections and never answers fails it in seconds; the transfers after it keep their long
+timeouts.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class PreflightReport:
 
 
 def probing(store: Store) -> Store:
-    """`store` with short timeouts: an S3 store's probing view (same bucket, prefix and credentials); others as they are."""
+    """`store` with short timeouts: an S3 store's probing view (same bucket, prefix and credentials); others as they
+    are."""
     if not is_s3_url(store.url):
         return store
     from blockdraft.store.s3 import S3Store  # imported here: only s3:// URLs pay for boto3
@@ -53,13 +55,16 @@ def preflight(store: Store) -> PreflightReport:
         store.put_bytes(probe, data)
         try:
             if store.read_bytes(probe) != data:
-                raise StoreError(f"{store.url}: the probe object read back differs from what was written; the store corrupts data")
+                raise StoreError(f"{store.url}: the probe object read back differs from what was written; the store "
+                                 "corrupts data")
         finally:
             store.delete(probe)
     except FileNotFoundError:
-        raise StoreError(f"{store.url}: the probe object vanished right after it was written; the store does not keep writes") from None
+        raise StoreError(f"{store.url}: the probe object vanished right after it was written; the store does not keep "
+                         "writes") from None
     except PermissionError as exc:
-        raise StoreError(f"no write permission on {store.url} ({exc.strerror}); fix the folder's permissions or choose another") from None
+        raise StoreError(f"no write permission on {store.url} ({exc.strerror}); fix the folder's permissions or choose "
+                         "another") from None
     except OSError as exc:
         raise StoreError(f"cannot write to {store.url} ({exc.strerror or exc}); fix the path or free space") from None
     return PreflightReport(url=store.url, seconds=time.monotonic() - start)

@@ -50,16 +50,19 @@ class S3Store(Store):
 
     def head(self, key: str) -> ObjectInfo | None:
         try:
-            resp = self.at.call("reading metadata of", key, self.at.conn.client.head_object, Key=self.at.key(key), ChecksumMode="ENABLED")
+            resp = self.at.call("reading metadata of", key, self.at.conn.client.head_object, Key=self.at.key(key),
+                                ChecksumMode="ENABLED")
         except FileNotFoundError:
             return None
         # Only a FULL_OBJECT CRC64NVME is comparable with a manifest; any other checksum proves nothing here.
-        return ObjectInfo(key=key, size=resp["ContentLength"], checksum=resp.get("ChecksumCRC64NVME"), etag=resp.get("ETag"))
+        return ObjectInfo(key=key, size=resp["ContentLength"], checksum=resp.get("ChecksumCRC64NVME"),
+                          etag=resp.get("ETag"))
 
     def open_read(self, key: str) -> BinaryIO:
         """A buffered, seekable stream of the object (Parquet needs seeks); sequential reads are one streaming GET."""
         info = self.at.call("reading metadata of", key, self.at.conn.client.head_object, Key=self.at.key(key))
-        return io.BufferedReader(_ObjectReader(self.at, key, info["ContentLength"], info.get("ETag")), buffer_size=s3_multipart.STREAM_CHUNK)
+        return io.BufferedReader(_ObjectReader(self.at, key, info["ContentLength"], info.get("ETag")),
+                                 buffer_size=s3_multipart.STREAM_CHUNK)
 
     def read_bytes(self, key: str) -> bytes:
         resp = self.at.call("reading", key, self.at.conn.client.get_object, Key=self.at.key(key))
@@ -76,8 +79,9 @@ class S3Store(Store):
         return S3Store(S3Location(self.at.bucket, up + "/" if up else "", self.at.conn))
 
     def abort_partial_uploads(self, keys: Collection[str] | None = None) -> int:
-        """Abort the unfinished multipart uploads of `keys` (their parts cost storage and prove nothing), or when None of
-        every key under this prefix outside the roots of other artifacts below it; another artifact's are never touched."""
+        """Abort the unfinished multipart uploads of `keys` (their parts cost storage and prove nothing), or when None
+        of every key under this prefix outside the roots of other artifacts below it; another artifact's are never
+        touched."""
         at, client = self.at, self.at.conn.client
         uploads = []
         pages = client.get_paginator("list_multipart_uploads").paginate(Bucket=at.bucket, Prefix=at.prefix)
@@ -101,14 +105,16 @@ class S3Store(Store):
 
     def put_bytes(self, key: str, data: bytes) -> None:
         crc = b64(checksums.crc64nvme(data))
-        self.at.call("writing", key, self.at.conn.client.put_object, Key=self.at.key(key), Body=data, ChecksumCRC64NVME=crc)
+        self.at.call("writing", key, self.at.conn.client.put_object, Key=self.at.key(key), Body=data,
+                     ChecksumCRC64NVME=crc)
 
     def put_bytes_if_absent(self, key: str, data: bytes) -> bool:
         crc = b64(checksums.crc64nvme(data))
         created = True
         with self.at.errors("writing", key):
             try:
-                self.at.conn.client.put_object(Bucket=self.at.bucket, Key=self.at.key(key), Body=data, ChecksumCRC64NVME=crc, IfNoneMatch="*")
+                self.at.conn.client.put_object(Bucket=self.at.bucket, Key=self.at.key(key), Body=data,
+                                               ChecksumCRC64NVME=crc, IfNoneMatch="*")
             except ClientError as exc:
                 if not is_precondition_failed(exc):
                     raise
@@ -168,7 +174,8 @@ class _ObjectReader(io.RawIOBase):
         at = self._at
         if self._body is None:
             extra = {"IfMatch": self._etag} if self._etag else {}
-            resp = at.call("reading", self._key, at.conn.client.get_object, Key=at.key(self._key), Range=f"bytes={self._pos}-", **extra)
+            resp = at.call("reading", self._key, at.conn.client.get_object, Key=at.key(self._key),
+                           Range=f"bytes={self._pos}-", **extra)
             self._body = resp["Body"]
         with at.errors("reading", self._key):
             data = self._body.read(len(buffer))

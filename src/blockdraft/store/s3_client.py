@@ -185,15 +185,18 @@ def make_connection(store_config: StoreConfig | None) -> Connection:
     try:
         session = Session(botocore_session=core, profile_name=cfg.profile)
     except bex.ProfileNotFound:
-        raise StoreError(f"AWS profile '{cfg.profile}' not found; fix store.profile / AWS_PROFILE or add it to ~/.aws/config") from None
+        raise StoreError(f"AWS profile '{cfg.profile}' not found; fix store.profile / AWS_PROFILE or add it to "
+                         "~/.aws/config") from None
     region = cfg.region or session.region_name or "us-east-1"
     client = session.client("s3", endpoint_url=endpoint, config=_client_config(region, endpoint, cfg.concurrency))
     _remember_credentials(session)
 
     def make_probe() -> Any:
-        return session.client("s3", endpoint_url=endpoint, config=_client_config(region, endpoint, cfg.concurrency, probe=True))
+        return session.client("s3", endpoint_url=endpoint,
+                              config=_client_config(region, endpoint, cfg.concurrency, probe=True))
 
-    return Connection(client=client, endpoint=endpoint, part_size=cfg.part_size_mib * MIB, concurrency=cfg.concurrency, make_probe=make_probe)
+    return Connection(client=client, endpoint=endpoint, part_size=cfg.part_size_mib * MIB, concurrency=cfg.concurrency,
+                      make_probe=make_probe)
 
 
 def _remember_credentials(session: Session) -> None:
@@ -222,25 +225,30 @@ def _describe_client_error(exc: bex.ClientError, url: str, where: str, action: s
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     bucket = parse_s3_url(url)[0]
     if code == "SignatureDoesNotMatch":
-        return StoreError(f"wrong secret key: {where} rejected the request signature for {url}; fix AWS_SECRET_ACCESS_KEY or the profile's secret")
+        return StoreError(f"wrong secret key: {where} rejected the request signature for {url}; fix "
+                          "AWS_SECRET_ACCESS_KEY or the profile's secret")
     if code in ("InvalidAccessKeyId", "InvalidClientTokenId", "ExpiredToken", "InvalidToken"):
-        return StoreError(f"{where} does not accept this access key ({code}) for {url}; fix AWS_ACCESS_KEY_ID / the profile, or refresh the session token")
+        return StoreError(f"{where} does not accept this access key ({code}) for {url}; fix AWS_ACCESS_KEY_ID / the "
+                          "profile, or refresh the session token")
     if code == "NoSuchBucket":
         return StoreError(f"no such bucket '{bucket}' at {where}; create it or fix the URL {url}")
     if code == "AccessDenied" or (status == 403 and code in ("403", "Forbidden")):
         perm = next((p for verbs, p in _PERMISSIONS if action.startswith(verbs)), "the needed")
-        return StoreError(f"access denied: no {perm} permission on {url} for these credentials (while {action}); use an identity allowed to {perm} there")
+        return StoreError(f"access denied: no {perm} permission on {url} for these credentials (while {action}); use "
+                          f"an identity allowed to {perm} there")
     if code in ("BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"):
-        return StoreError(f"{where} rejected the bytes of {url} while {action}: checksum mismatch in transit ({code}); retry")
+        return StoreError(f"{where} rejected the bytes of {url} while {action}: checksum mismatch in transit ({code}); "
+                          "retry")
     if code == "InternalError" and action in ("downloading", "reading"):
-        return StoreError(f"{where} could not read its stored copy of {url} (InternalError) while {action}: {SERVER_COPY_DAMAGED}")
+        return StoreError(f"{where} could not read its stored copy of {url} (InternalError) while {action}: "
+                          f"{SERVER_COPY_DAMAGED}")
     message = redact(str(err.get("Message", "")))[:200]  # the server's words: redacted before they are cut and kept
     return StoreError(f"S3 error while {action} {url}: {code} {message}".rstrip())
 
 
 SERVER_COPY_DAMAGED = (
-    "when a rerun fails at the same object, the server's copy is damaged (bit rot on its disk, which it found by its own "
-    "checksum): check the server's volumes and logs, then push the artifact again from a verified copy"
+    "when a rerun fails at the same object, the server's copy is damaged (bit rot on its disk, which it found by its "
+    "own checksum): check the server's volumes and logs, then push the artifact again from a verified copy"
 )
 
 
@@ -249,10 +257,12 @@ def probe_failed(exc: BaseException, url: str, endpoint: str | None, action: str
     where = safe_url(endpoint) if endpoint else "the AWS default endpoint"
     if isinstance(exc, bex.ReadTimeoutError):
         return StoreError(
-            f"S3 endpoint {where} accepts connections but did not answer within {PROBE_READ_TIMEOUT_S} s ({PROBE_ATTEMPTS} tries) "
-            f"while {action} {url}; check that store.endpoint_url / AWS_ENDPOINT_URL names a running S3 server, then rerun"
+            f"S3 endpoint {where} accepts connections but did not answer within {PROBE_READ_TIMEOUT_S} s "
+            f"({PROBE_ATTEMPTS} tries) while {action} {url}; check that store.endpoint_url / AWS_ENDPOINT_URL names a "
+            "running S3 server, then rerun"
         )
-    return describe_error(exc, url, endpoint, action) or StoreError(f"S3 endpoint {where} failed while {action} {url}: {type(exc).__name__}")
+    return describe_error(exc, url, endpoint, action) or StoreError(f"S3 endpoint {where} failed while {action} {url}: "
+                                                                    f"{type(exc).__name__}")
 
 
 def describe_error(exc: BaseException, url: str, endpoint: str | None, action: str) -> StoreError | None:
@@ -264,12 +274,15 @@ def describe_error(exc: BaseException, url: str, endpoint: str | None, action: s
     where = safe_url(endpoint) if endpoint else "the AWS default endpoint"
     if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
         return StoreError(
-            f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE / store.profile "
-            "naming a profile in ~/.aws/credentials"
+            f"no AWS credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE / "
+            "store.profile naming a profile in ~/.aws/credentials"
         )
     if isinstance(exc, bex.ReadTimeoutError):
-        return StoreError(f"S3 endpoint {where} stopped answering while {action} {url} (read timeout); retry, or check the server")
-    if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ConnectionClosedError, bex.HTTPClientError)):
+        return StoreError(f"S3 endpoint {where} stopped answering while {action} {url} (read timeout); retry, or check "
+                          "the server")
+    if isinstance(exc,
+                  (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ConnectionClosedError,
+                   bex.HTTPClientError)):
         return StoreError(
             f"S3 endpoint {where} unreachable or connection lost while {action} {url} ({type(exc).__name__}); "
             "check store.endpoint_url / AWS_ENDPOINT_URL and that the server runs, then rerun (verified files are kept)"
@@ -286,7 +299,8 @@ def is_not_found(exc: BaseException) -> bool:
 
 
 def is_precondition_failed(exc: BaseException) -> bool:
-    """A conditional write (If-Match / If-None-Match) the server refused: the key no longer holds what the writer saw."""
+    """A conditional write (If-Match / If-None-Match) the server refused: the key no longer holds what the writer
+    saw."""
     return _code(exc) in ("PreconditionFailed", "412")
 
 
@@ -323,7 +337,8 @@ class S3Location:
             if is_not_found(exc):
                 raise FileNotFoundError(f"{self.url}{key} absent") from None
             if is_precondition_failed(exc):  # a conditional write (`Store.put_file(over=...)`) refused
-                raise StoreError(f"{self.url}{key} changed at the destination while this run was writing it (another writer); nothing was replaced") from None
+                raise StoreError(f"{self.url}{key} changed at the destination while this run was writing it (another "
+                                 "writer); nothing was replaced") from None
             if self.conn.is_probe and isinstance(exc, (bex.ConnectionError, bex.HTTPClientError)):
                 raise probe_failed(exc, self.url + key, self.conn.endpoint, action) from None
             err = describe_error(exc, self.url + key, self.conn.endpoint, action)

@@ -54,7 +54,8 @@ def _fold(crcs: list[int], ranges: list[tuple[int, int]]) -> int:
 
 
 def _corrupt_local(path: Path, got: str, expected: str | None) -> StoreError:
-    return StoreError(f"local file {path.name} does not match its expected checksum (crc64nvme {got} != {expected}); the local artifact is corrupt")
+    return StoreError(f"local file {path.name} does not match its expected checksum (crc64nvme {got} != {expected}); "
+                      "the local artifact is corrupt")
 
 
 # ---------------------------------------------------------------------------------------------- uploads
@@ -85,8 +86,11 @@ def _put_single(at: S3Location, key: str, path: Path, size: int, expected: str |
     at.call("uploading", key, at.conn.client.put_object, Key=at.key(key), Body=data, ChecksumCRC64NVME=crc, **condition)
 
 
-def _put_part(at: S3Location, key: str, upload_id: str, number: int, fd: int, offset: int, length: int) -> tuple[int, dict]:
-    """Upload part `number` (bytes [offset, offset+length) of `fd`); returns its CRC and its CompleteMultipartUpload entry."""
+def _put_part(
+    at: S3Location, key: str, upload_id: str, number: int, fd: int, offset: int, length: int
+) -> tuple[int, dict]:
+    """Upload part `number` (bytes [offset, offset+length) of `fd`); returns its CRC and its CompleteMultipartUpload
+    entry."""
     data = os.pread(fd, length, offset)
     if len(data) != length:
         raise StoreError(f"local file for {key} shrank while uploading; rerun the push")
@@ -101,7 +105,8 @@ def _put_part(at: S3Location, key: str, upload_id: str, number: int, fd: int, of
 def _put_multipart(at: S3Location, key: str, path: Path, size: int, expected: str | None, condition: dict) -> None:
     client = at.conn.client
     created = at.call(
-        "starting an upload of", key, client.create_multipart_upload, Key=at.key(key), ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
+        "starting an upload of", key, client.create_multipart_upload, Key=at.key(key), ChecksumAlgorithm="CRC64NVME",
+        ChecksumType="FULL_OBJECT"
     )
     upload_id = created["UploadId"]
     ranges = _ranges(size, at.conn.part_size)
@@ -143,7 +148,8 @@ def _settle(futures: list[Future]) -> None:
 
 
 def get_file(at: S3Location, key: str, into: LocalFolder, as_key: str) -> tuple[int, str]:
-    """Ranged GETs on the shared pool, written at their offsets into a temp file of `into` renamed to `as_key` when whole.
+    """Ranged GETs on the shared pool, written at their offsets into a temp file of `into` renamed to `as_key` when
+    whole.
 
     Returns (size in bytes, base64 CRC64NVME) of the bytes received. If-Match pins every range to the same object
     version. No preallocation: writing into fallocated (unwritten) ext4 extents measured slower here;
@@ -156,7 +162,10 @@ def get_file(at: S3Location, key: str, into: LocalFolder, as_key: str) -> tuple[
         direct = _open_direct(new)
         try:
             ranges = _ranges(size, at.conn.part_size)
-            futures = [at.conn.pool.submit(_get_range, at, key, etag, (new.fd, direct), offset, length) for offset, length in ranges]
+            futures = [
+                at.conn.pool.submit(_get_range, at, key, etag, (new.fd, direct), offset, length)
+                for offset, length in ranges
+            ]
             try:
                 crcs = [f.result() for f in futures]
             except BaseException:
@@ -233,14 +242,16 @@ def _chunk_buffer() -> memoryview:
     return buf
 
 
-def _get_range(at: S3Location, key: str, etag: str | None, fds: tuple[int, int] | None, offset: int, length: int) -> int:
+def _get_range(at: S3Location, key: str, etag: str | None, fds: tuple[int, int] | None, offset: int,
+               length: int) -> int:
     """Stream bytes [offset, offset+length) of the object into the file at the same offset (`fds`: its buffered and
     O_DIRECT descriptors, -1 for none; None: only read them); returns their CRC64NVME.
 
     Each chunk is received into this thread's buffer, filled whole (so every chunk starts block-aligned), checksummed
     and written from there; nothing is read back."""
     extra = {"IfMatch": etag} if etag else {}
-    resp = at.call("downloading", key, at.conn.client.get_object, Key=at.key(key), Range=f"bytes={offset}-{offset + length - 1}", **extra)
+    resp = at.call("downloading", key, at.conn.client.get_object, Key=at.key(key),
+                   Range=f"bytes={offset}-{offset + length - 1}", **extra)
     buf = _chunk_buffer()
     crc = 0
     pos, end = offset, offset + length
@@ -252,13 +263,15 @@ def _get_range(at: S3Location, key: str, etag: str | None, fds: tuple[int, int] 
                 got += n
             if not got:
                 break
-            crc = checksums.crc64nvme(buf[:got], crc)  # pyright: ignore[reportArgumentType] - awscrt reads any buffer, no copy
+            # awscrt reads any buffer, no copy
+            crc = checksums.crc64nvme(buf[:got], crc)  # pyright: ignore[reportArgumentType]
             if fds is not None:
                 _write_at(fds[0], buf[:got], pos, fds[1])
             pos += got
             if got < want:
                 break
     if pos != end:
-        raise StoreError(f"the server stopped sending {at.url}{key} after {pos - offset} of {length} bytes at offset {offset} "
-                         f"(its connection was cut, or it could not read its stored copy); {SERVER_COPY_DAMAGED}")
+        raise StoreError(f"the server stopped sending {at.url}{key} after {pos - offset} of {length} bytes at offset "
+                         f"{offset} (its connection was cut, or it could not read its stored copy); "
+                         f"{SERVER_COPY_DAMAGED}")
     return crc

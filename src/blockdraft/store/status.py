@@ -64,8 +64,8 @@ OK_STATES = (State.VERIFIED, State.UNREACHABLE, State.UNCHECKED)
 
 
 def format_counts(a: ArtifactStatus) -> str:
-    """The manifest's flat counts (rows, tokens, clipped rows, ...) as `k=v, ...`, `printable`; nested tables are left to
-    the manifest."""
+    """The manifest's flat counts (rows, tokens, clipped rows, ...) as `k=v, ...`, `printable`; nested tables are left
+    to the manifest."""
     manifest = a.report.manifest
     if manifest is None:
         return "-"
@@ -73,13 +73,14 @@ def format_counts(a: ArtifactStatus) -> str:
     if a.agreement is not None and no_rows_measured(a.agreement):
         parts.append(f"target_agreement=no rows to measure ({a.agreement['target']})")
     elif a.agreement is not None:
-        parts.append(f"target_agreement={a.agreement['agreement']:.3f} ({a.agreement['target']}, {a.agreement['rows']} rows)")
+        parts.append(f"target_agreement={a.agreement['agreement']:.3f} ({a.agreement['target']}, {a.agreement['rows']} "
+                     "rows)")
     return printable(", ".join(parts) or "-")
 
 
 def _plain(key: str) -> bool:
-    """A key that splitting at its last '/' reads as `PurePosixPath` does (no empty, '.' or leading component): every key
-    a local store lists and nearly every S3 key; the rest take the slow path."""
+    """A key that splitting at its last '/' reads as `PurePosixPath` does (no empty, '.' or leading component): every
+    key a local store lists and nearly every S3 key; the rest take the slow path."""
     return not ("//" in key or "/./" in key or key.startswith(("/", "./")) or key.endswith(("/", "/.")) or key == ".")
 
 
@@ -103,14 +104,20 @@ def _ancestors(folder: str) -> list[str]:
 def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
     """(committed roots, incomplete roots) among object keys, each root a '/'-joined folder ('' = top).
 
-    A writer's lease, its mark of an output being written and a copy's origin record are bookkeeping beside an artifact, never one. A folder holding a
-    stage's piece records (`PIECES_DIR`) is one artifact being written, whatever subfolders its files sit in. Linear in
-    the keys times their depth: every question is a set lookup along one key's own folders.
+    A writer's lease, its mark of an output being written and a copy's origin record are bookkeeping beside an artifact,
+    never one. A folder holding a stage's piece records (`PIECES_DIR`) is one artifact being written, whatever
+    subfolders its files sit in. Linear in the keys times their depth: every question is a set lookup along one key's
+    own folders.
     """
     keys = [k for k in keys if _name(k) not in (LEASE_NAME, ORIGIN_NAME, WRITING_NAME, AGREEMENT_NAME)]
     committed = {_parent(k) for k in keys if _name(k) == MANIFEST_NAME}
-    holds_committed = {a for root in committed for a in _ancestors(root)}  # folders with a committed artifact at or below
-    in_progress = {k.split(f"{PIECES_DIR}/")[0].rstrip("/") for k in keys if k.startswith(f"{PIECES_DIR}/") or f"/{PIECES_DIR}/" in k}
+    # folders with a committed artifact at or below
+    holds_committed = {a for root in committed for a in _ancestors(root)}
+    in_progress = {
+        k.split(f"{PIECES_DIR}/")[0].rstrip("/")
+        for k in keys
+        if k.startswith(f"{PIECES_DIR}/") or f"/{PIECES_DIR}/" in k
+    }
     incomplete: set[str] = set()
     for key in keys:
         folders = _ancestors(_parent(key))  # deepest first
@@ -128,11 +135,12 @@ def find_artifact_roots(keys: list[str]) -> tuple[list[str], list[str]]:
 
 
 def status(store: Store, deep: bool = False, store_config: StoreConfig | None = None) -> list[ArtifactStatus]:
-    """Every artifact under `store`, verified from the destination; inputs checked too, transitively, for `stale` (an input's
-    content changed) and `input unreachable here` (an input outside `store` that this machine cannot read). `deep` reads
-    every byte of a remote store back instead of trusting the checksums its server stored. A local file unchanged since it
-    was last read keeps the checksum cached then (a listing, not a read: `--deep` reads every byte). Inputs are opened with
-    `store_config` (endpoint, profile, region), the settings `store` was opened with: an input on the same server resolves."""
+    """Every artifact under `store`, verified from the destination; inputs checked too, transitively, for `stale` (an
+    input's content changed) and `input unreachable here` (an input outside `store` that this machine cannot read).
+    `deep` reads every byte of a remote store back instead of trusting the checksums its server stored. A local file
+    unchanged since it was last read keeps the checksum cached then (a listing, not a read: `--deep` reads every byte).
+    Inputs are opened with `store_config` (endpoint, profile, region), the settings `store` was opened with: an input on
+    the same server resolves."""
     def open_url(url: str) -> Store:
         return open_store(url, store_config)
 
@@ -144,7 +152,8 @@ def status(store: Store, deep: bool = False, store_config: StoreConfig | None = 
     with batched_writes():  # checksums newly read are remembered a thousand to a commit, not one each
         for root in sorted(committed + incomplete):
             child = store.child(root) if root else store
-            report = verify_artifact(child, check_inputs=True, open_url=open_url, within=store.url, memo=memo, deep=deep, cached=True)
+            report = verify_artifact(child, check_inputs=True, open_url=open_url, within=store.url, memo=memo,
+                                     deep=deep, cached=True)
             agreement = read_agreement(child, report.manifest_sha256) if root in measured else None
             out.append(ArtifactStatus(root=root, url=child.url, report=report, agreement=agreement))
     return out
@@ -171,20 +180,21 @@ def check_page(page: Path, store: Store | None = None, artifacts: Sequence[Artif
     where = page.resolve()
     for folder in where.parents:
         if any((folder / name).exists() for name in (MANIFEST_NAME, WRITING_NAME, LEASE_NAME)):
-            raise ConfigError(f"--progress {page} lies inside the artifact {folder}, where it would change a listed file or "
-                              "add an unlisted one; write the page outside every artifact")
+            raise ConfigError(f"--progress {page} lies inside the artifact {folder}, where it would change a listed "
+                              "file or add an unlisted one; write the page outside every artifact")
     local = store.local_path() if store is not None else None
     if local is not None:
         for a in artifacts:
             root = (local / a.root).resolve()
             if where == root or root in where.parents:
-                raise ConfigError(f"--progress {page} lies inside the artifact {a.url}; write the page outside every artifact")
+                raise ConfigError(f"--progress {page} lies inside the artifact {a.url}; write the page outside every "
+                                  "artifact")
     if where.is_file():
         with open(where, "rb") as f:
             first = f.read(len(PAGE_TITLE.encode()))
         if first != PAGE_TITLE.encode():
-            raise ConfigError(f"--progress {page} is a file blockdraft did not write (it is not a status page); name a new "
-                              "file or remove that one yourself")
+            raise ConfigError(f"--progress {page} is a file blockdraft did not write (it is not a status page); name a "
+                              "new file or remove that one yourself")
 
 
 def _cell(text: str) -> str:
@@ -198,16 +208,18 @@ def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
     counts = {state: sum(a.state is state for a in artifacts) for state in State}
     methods = sorted({a.report.method for a in artifacts if a.report.method})
     how = {
-        SERVER_CHECKSUMS: "each listed file's size and the CRC64NVME checksum its server stored at upload (HEAD; `--deep` reads "
-        "every byte back)",
+        SERVER_CHECKSUMS: "each listed file's size and the CRC64NVME checksum its server stored at upload (HEAD; "
+                          "`--deep` reads every byte back)",
         BYTES_READ_BACK: "each listed file's bytes read back and their CRC64NVME checksum recomputed",
-        LOCAL_CACHED: "each listed file's bytes read back and their CRC64NVME checksum recomputed, or for a file unchanged "
-        "(size, mtime, ctime, inode) since it was last read the checksum cached then (`--deep` reads every byte)",
+        LOCAL_CACHED: "each listed file's bytes read back and their CRC64NVME checksum recomputed, or for a file "
+                      "unchanged (size, mtime, ctime, inode) since it was last read the checksum cached then (`--deep` "
+                      "reads every byte)",
     }
     lines = [
         f"{PAGE_TITLE}{url}",
         "",
-        f"Checked at {now} at the destination: every manifest, and {'; '.join(how.get(m, m) for m in methods) or 'no files'}.",
+        f"Checked at {now} at the destination: every manifest, and "
+        f"{'; '.join(how.get(m, m) for m in methods) or 'no files'}.",
         "",
         ", ".join(f"{n} {state.value}" for state, n in counts.items() if n) or "no artifacts found",
         "",
@@ -229,11 +241,13 @@ def render_progress(url: str, artifacts: list[ArtifactStatus]) -> str:
                   for a, p in problems]
     incomplete = [a for a in artifacts if a.state is State.INCOMPLETE]
     if incomplete:
-        lines += ["", "Incomplete means files without a manifest: an interrupted or running stage. Nothing in them is verified.", ""]
+        lines += ["", "Incomplete means files without a manifest: an interrupted or running stage. Nothing in them is "
+                      "verified.", ""]
     if any(a.state is State.UNREACHABLE for a in artifacts):
         lines += [
-            "", f"{State.UNREACHABLE.value.capitalize()} means the artifact's own files verified, but an input it was made from is a "
-            "folder that only another machine holds, so whether it changed cannot be checked from here.", "",
+            "", f"{State.UNREACHABLE.value.capitalize()} means the artifact's own files verified, but an input it was "
+                "made from is a folder that only another machine holds, so whether it changed cannot be checked from "
+                "here.", "",
         ]
     if any(a.state is State.UNCHECKED for a in artifacts):
         lines += [

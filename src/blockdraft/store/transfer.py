@@ -94,7 +94,8 @@ def _already_there(copy: StageOutput, report: TransferReport, start: float) -> b
 
 
 def push(
-    local_dir: str | Path, url: str, store_config: StoreConfig | None = None, *, force: bool = False, reporter: Reporter | None = None
+    local_dir: str | Path, url: str, store_config: StoreConfig | None = None, *, force: bool = False,
+    reporter: Reporter | None = None
 ) -> TransferReport:
     """Upload the committed artifact in `local_dir` to `url`, verify every file there, then commit its manifest.
 
@@ -110,12 +111,14 @@ def push(
     source = LocalStore(local_dir)
     found = read_manifest(source)
     if found is None:
-        raise ArtifactError(f"{source.root} has no {MANIFEST_NAME}: only committed artifacts are pushed; run the stage that makes it first")
+        raise ArtifactError(f"{source.root} has no {MANIFEST_NAME}: only committed artifacts are pushed; run the stage "
+                            "that makes it first")
     manifest, raw = found
     for entry in manifest.files:
         path = source.root / entry.path
         if not path.is_file() or path.stat().st_size != entry.size:
-            raise ArtifactError(f"local artifact {source.root} is not intact: {entry.path} is absent or has the wrong size; run `blockdraft verify` on it")
+            raise ArtifactError(f"local artifact {source.root} is not intact: {entry.path} is absent or has the wrong "
+                                "size; run `blockdraft verify` on it")
 
     dest = open_store(url, store_config)
     refuse_nested(source, dest, "the local artifact")
@@ -138,15 +141,18 @@ def push(
             there = dest.head(entry.path)
             copy.confirm()
             try:
-                dest.put_file(entry.path, source.root / entry.path, entry.checksum, over=ABSENT if there is None else there.etag)
+                dest.put_file(entry.path, source.root / entry.path, entry.checksum,
+                              over=ABSENT if there is None else there.etag)
             except OSError as exc:  # a file:// destination whose disk filled: its temp file is already removed
-                full = write_failed(exc, dest.url, "rerun the push (files verified there are skipped)", entry.path, disk_only=True)
+                full = write_failed(exc, dest.url, "rerun the push (files verified there are skipped)", entry.path,
+                                    disk_only=True)
                 if full is None:
                     raise
                 raise full from None
             problem = check_file(dest, entry)
             if problem is not None:
-                raise ArtifactError(f"{dest.url.rstrip('/')}/{entry.path} did not verify after upload: {problem.detail}; rerun the push")
+                raise ArtifactError(f"{dest.url.rstrip('/')}/{entry.path} did not verify after upload: "
+                                    f"{problem.detail}; rerun the push")
 
         try:
             _run_all(upload, todo, (store_config or StoreConfig()).concurrency)
@@ -169,12 +175,14 @@ def _local_matches(dest: LocalStore, key: str, entry: FileEntry) -> bool:
 
 
 def _refuse(url: str, problems: list[FileProblem]) -> ArtifactError:
-    listed = first_few([f"{p.path} ({p.state.value}: {p.detail})" for p in problems], f"`blockdraft verify {url}` lists them all")
+    listed = first_few([f"{p.path} ({p.state.value}: {p.detail})" for p in problems], f"`blockdraft verify {url}` "
+                                                                                      "lists them all")
     return ArtifactError(f"refusing to pull {url}: {len(problems):,} file(s) do not verify: {listed}")
 
 
 def pull(
-    url: str, local_dir: str | Path, store_config: StoreConfig | None = None, *, force: bool = False, reporter: Reporter | None = None
+    url: str, local_dir: str | Path, store_config: StoreConfig | None = None, *, force: bool = False,
+    reporter: Reporter | None = None
 ) -> TransferReport:
     """Download the artifact at `url` into `local_dir`, recomputing every checksum, and write its manifest last.
 
@@ -189,7 +197,8 @@ def pull(
     source = open_store(url, store_config)
     found = read_manifest(source)
     if found is None:
-        raise ArtifactError(f"refusing to pull {source.url}: no manifest there, so it is incomplete (nothing was verified)")
+        raise ArtifactError(f"refusing to pull {source.url}: no manifest there, so it is incomplete (nothing was "
+                            "verified)")
     manifest, raw = found
     dest = LocalStore(local_dir)
     require_folder(dest, "pull destination", "pull into a folder")
@@ -225,8 +234,8 @@ def pull(
 
 
 def _pull_into(source: Store, copy: StageOutput, manifest: Manifest, report: TransferReport, workers: int) -> None:
-    """Under the folder's lease: claim it, download and swap in the files, then commit the manifest, read back with every
-    file's size."""
+    """Under the folder's lease: claim it, download and swap in the files, then commit the manifest, read back with
+    every file's size."""
     assert isinstance(copy.store, LocalStore)
     copy.claim(mark=False)  # marked at the swap: a refused pull leaves the folder as it was
     try:
@@ -238,13 +247,15 @@ def _pull_into(source: Store, copy: StageOutput, manifest: Manifest, report: Tra
         copy.release()
 
 
-def _download_and_swap(source: Store, copy: StageOutput, files: list[FileEntry], report: TransferReport, workers: int) -> None:
+def _download_and_swap(source: Store, copy: StageOutput, files: list[FileEntry], report: TransferReport,
+                       workers: int) -> None:
     """Download what the local folder lacks into its incoming folder, each file's checksum recomputed on the bytes
     written; refuse (nothing local touched) if any differs; then uncommit the local copy and move the new files in."""
     dest = copy.store
     assert isinstance(dest, LocalStore)
     # Every working path goes through `dest` (`LocalStore.writing`, `read_checksum`, `move`): opened one name at a time
-    # without following a link, so a link planted at the incoming folder (or below it) is refused, never written through.
+    # without following a link, so a link planted at the incoming folder (or below it) is refused, never written
+    # through.
     dest.abort_partial_uploads([f"{INCOMING_DIR}/{e.path}" for e in files])  # temp files of an interrupted pull
     present = [_local_matches(dest, e.path, e) or _local_matches(dest, f"{INCOMING_DIR}/{e.path}", e) for e in files]
     todo = [e for e, ok in zip(files, present) if not ok]
@@ -252,7 +263,8 @@ def _download_and_swap(source: Store, copy: StageOutput, files: list[FileEntry],
     need = sum(e.size for e in todo)
     free = free_bytes(dest.root)
     if need > free:
-        raise StoreError(f"not enough local disk space in {dest.root}: the pull needs {need} bytes, {free} are free; free space or pull elsewhere")
+        raise StoreError(f"not enough local disk space in {dest.root}: the pull needs {need} bytes, {free} are free; "
+                         "free space or pull elsewhere")
     bad: list[FileProblem] = []
     arrived: list[FileEntry] = []
 
@@ -263,16 +275,18 @@ def _download_and_swap(source: Store, copy: StageOutput, files: list[FileEntry],
             if exc.errno in DISK_FULL:
                 kept = sum(e.size for e in arrived)
                 raise StoreError(
-                    f"local disk full writing {Path(entry.path).name} into {dest.root} ({exc.strerror}; the pull needs {need:,} bytes); "
-                    f"the local copy is as it was, and the {len(arrived)} file(s) ({kept:,} bytes) downloaded and verified so far stay in "
-                    f"{dest.root / INCOMING_DIR}: free space, then rerun the pull, which resumes from them (or delete that folder)"
+                    f"local disk full writing {Path(entry.path).name} into {dest.root} ({exc.strerror}; the pull needs "
+                    f"{need:,} bytes); the local copy is as it was, and the {len(arrived)} file(s) ({kept:,} bytes) "
+                    f"downloaded and verified so far stay in {dest.root / INCOMING_DIR}: free space, then rerun the "
+                    "pull, which resumes from them (or delete that folder)"
                 ) from None
             raise
         if size == entry.size and checksum == entry.checksum:
             arrived.append(entry)
         else:
             dest.delete(f"{INCOMING_DIR}/{entry.path}")
-            bad.append(FileProblem(entry.path, State.CORRUPT, f"received {size} bytes crc64nvme {checksum} != listed {entry.size} bytes {entry.checksum}"))
+            bad.append(FileProblem(entry.path, State.CORRUPT, f"received {size} bytes crc64nvme {checksum} != listed "
+                                                              f"{entry.size} bytes {entry.checksum}"))
 
     _run_all(download, todo, workers)
     if bad:
@@ -379,12 +393,13 @@ def stage_and_push(
     reporter: Reporter | None = None,
     force: bool = False,
 ) -> tuple[object, TransferReport]:
-    """Run a stage whose output is the remote `url`: preflight, stage locally, push finished pieces meanwhile, then push.
+    """Run a stage whose output is the remote `url`: preflight, stage locally, push finished pieces meanwhile, then
+    push.
 
     `run_stage(local_dir)` writes and commits the artifact locally; `finished(local_dir)` lists the files it has
     completed so far (with their checksums). The remote must be this writer's to write (`StageOutput.claim` for an
-    artifact of `kind`) before the first piece goes up. The remote's old manifest is removed before the first upload that
-    changes anything there (so a rerun over a committed output that uploads nothing leaves it committed), and no
+    artifact of `kind`) before the first piece goes up. The remote's old manifest is removed before the first upload
+    that changes anything there (so a rerun over a committed output that uploads nothing leaves it committed), and no
     reader sees it over new files; the final `push` verifies everything and writes the manifest last.
     `force` (`--force`) goes to the remote's lease: a dead writer's is taken over. Returns (what run_stage returned,
     the push report).
@@ -393,8 +408,8 @@ def stage_and_push(
     preflight(remote)
     local = staging_folder(url, store_config)
     local.mkdir(parents=True, exist_ok=True)
-    # One writer from the first piece pushed to the commit; the final push takes the lease again (re-entrant). The key is
-    # never asked: this writer only claims the output, and the push commits the staged artifact's own manifest.
+    # One writer from the first piece pushed to the commit; the final push takes the lease again (re-entrant). The key
+    # is never asked: this writer only claims the output, and the push commits the staged artifact's own manifest.
     out = StageOutput(remote, kind, "", force=force, reporter=reporter)
     out.claim()
     try:

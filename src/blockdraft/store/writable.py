@@ -20,7 +20,8 @@ from blockdraft.store.local import TMP_PREFIX
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # What a folder that cannot hold the output answers: no permission, a read-only filesystem, a path through a file.
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST)
-# What writing into an output folder that is read-only, not ours or not a folder raises (a missing one under /proc: ENOENT).
+# What writing into an output folder that is read-only, not ours or not a folder raises (a missing one under /proc:
+# ENOENT).
 UNWRITABLE_OUTPUT = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT)
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust writer names the OS error it met
 
@@ -58,11 +59,13 @@ def os_error_of(exc: BaseException) -> OSError | None:
     return OSError(code, os.strerror(code))
 
 
-def write_failed(exc: BaseException, folder: Path | str, again: str, name: str | None = None, disk_only: bool = False) -> StoreError | None:
-    """The one line for a write under `folder` that failed with `exc` because of where it wrote: a full disk (or a file-size
-    limit), or, unless `disk_only`, a folder it may not write. None when `exc` is something else: a bug keeps its
-    traceback, and so does an error that names only paths outside a `folder` given as a Path. `name` is the file being
-    written (default: the one the error names); `again` is how to retry."""
+def write_failed(
+    exc: BaseException, folder: Path | str, again: str, name: str | None = None, disk_only: bool = False
+) -> StoreError | None:
+    """The one line for a write under `folder` that failed with `exc` because of where it wrote: a full disk (or a
+    file-size limit), or, unless `disk_only`, a folder it may not write. None when `exc` is something else: a bug keeps
+    its traceback, and so does an error that names only paths outside a `folder` given as a Path. `name` is the file
+    being written (default: the one the error names); `again` is how to retry."""
     error = os_error_of(exc)
     if error is None:
         return None
@@ -75,12 +78,14 @@ def write_failed(exc: BaseException, folder: Path | str, again: str, name: str |
         writing = f" writing {name}" if name else ""
         return StoreError(f"disk full{writing} in {folder} ({error.strerror}); free space, then {again}")
     if error.errno in NOT_WRITABLE and not disk_only:
-        return StoreError(f"cannot write {name or 'files'} in {folder} ({error.strerror}); make it writable or choose another folder, then {again}")
+        return StoreError(f"cannot write {name or 'files'} in {folder} ({error.strerror}); make it writable or choose "
+                          f"another folder, then {again}")
     return None
 
 
 class DiskFull(StoreError):
-    """The output's filesystem ran out of space (or quota) while a stage wrote to it; the message names where and how much."""
+    """The output's filesystem ran out of space (or quota) while a stage wrote to it; the message names where and how
+    much."""
 
 
 def free_bytes(path: Path) -> int:
@@ -102,12 +107,13 @@ def disk_full_error(exc: OSError, path: Path, written: int = 0, fraction_done: f
     free_text = f"{free_bytes(where):,} bytes are free there now"
     need = ""
     if written and 0 < fraction_done < 1:
-        need = f"; this input's rows need about {int(written / fraction_done):,} bytes ({written:,} were written for {100 * fraction_done:.0f}% of it)"
+        need = (f"; this input's rows need about {int(written / fraction_done):,} bytes ({written:,} were written for "
+                f"{100 * fraction_done:.0f}% of it)")
     elif written:
         need = f"; this input's rows need more than the {written:,} bytes written when the disk filled"
     return DiskFull(
-        f"disk full writing {where} ({os.strerror(exc.errno or errno.ENOSPC)}): {free_text}{need}; free space or point OUTPUT "
-        "at a larger disk, then rerun (finished shards are kept; this run's temporary files were removed)"
+        f"disk full writing {where} ({os.strerror(exc.errno or errno.ENOSPC)}): {free_text}{need}; free space or point "
+        "OUTPUT at a larger disk, then rerun (finished shards are kept; this run's temporary files were removed)"
     )
 
 
@@ -124,6 +130,6 @@ def unwritable_error(exc: OSError, out_dir: Path) -> StoreError | None:
 
 
 __all__ = [
-    "DISK_FULL", "NOT_WRITABLE", "UNWRITABLE_OUTPUT", "DiskFull", "disk_full_error", "file_in_the_way", "free_bytes", "os_error_of", "require_folder",
-    "unwritable_error", "write_failed",
+    "DISK_FULL", "NOT_WRITABLE", "UNWRITABLE_OUTPUT", "DiskFull", "disk_full_error", "file_in_the_way", "free_bytes",
+    "os_error_of", "require_folder", "unwritable_error", "write_failed",
 ]

@@ -66,7 +66,8 @@ class Checkpoint:
 
 
 def drafter_folder_sha256(folder: str | Path, role: str) -> str:
-    """sha256 over a drafter folder's config.json and weights, so a changed one is a new eval; ArtifactError when one is missing."""
+    """sha256 over a drafter folder's config.json and weights, so a changed one is a new eval; ArtifactError when one is
+    missing."""
     digest = hashlib.sha256()
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         path = Path(folder) / name
@@ -87,7 +88,8 @@ def open_checkpoint(url: str, store: StoreConfig, workdir: Path) -> Checkpoint:
         try:
             export_config = json.loads((plain / CONFIG_NAME).read_text())
         except json.JSONDecodeError as exc:
-            raise ArtifactError(f"{plain / CONFIG_NAME} is not readable ({exc}); give a drafter folder in the export format") from None
+            raise ArtifactError(f"{plain / CONFIG_NAME} is not readable ({exc}); give a drafter folder in the export "
+                                "format") from None
         if not (plain / WEIGHTS_NAME).is_file():
             raise ArtifactError(f"checkpoint {plain} has no {WEIGHTS_NAME}; give a drafter folder in the export format")
         return Checkpoint(None, plain, {}, export_config, None, folder_input(open_store(plain)))
@@ -97,7 +99,8 @@ def open_checkpoint(url: str, store: StoreConfig, workdir: Path) -> Checkpoint:
     listed = {e.path for e in artifact.manifest.files}
     absent = [n for n in (CONFIG_NAME, WEIGHTS_NAME, pinned_name) if n not in listed]
     if absent:
-        raise EvalError(f"{artifact.store.url} lacks {absent[0]}; re-save it with `blockdraft train` or `blockdraft export`")
+        raise EvalError(f"{artifact.store.url} lacks {absent[0]}; re-save it with `blockdraft train` or `blockdraft "
+                        "export`")
     folder = artifact.fetch([CONFIG_NAME, pinned_name], workdir)
     pinned = json.loads((folder / pinned_name).read_text())
     if kind == EXPORT_KIND:
@@ -112,8 +115,8 @@ def open_checkpoint(url: str, store: StoreConfig, workdir: Path) -> Checkpoint:
 
 
 def chat_template_sha256(target: TargetConfig) -> str | None:
-    """sha256 of the chat template the [target] section resolves to, computed as the tokenize stage does; None when there
-    is none."""
+    """sha256 of the chat template the [target] section resolves to, computed as the tokenize stage does; None when
+    there is none."""
     try:
         source, _ = resolve_tokenizer(target)
     except (ConfigError, OSError, ValueError):
@@ -124,11 +127,11 @@ def chat_template_sha256(target: TargetConfig) -> str | None:
 def check_checkpoint_matches(cfg: BlockdraftConfig, checkpoint: Checkpoint, hf_config: Any) -> None:
     """Refuse a checkpoint whose pinned DFlash settings or chat template contradict the config given, naming the field.
 
-    Compared: what the given config resolves to for this target (explicit values, else docs/DFLASH.md's defaults) against
-    what the drafter was trained with (its config.json, and the resolved config pinned beside it). A field the given
-    config leaves unset without a default (mask id) is taken from the checkpoint. Raises EvalError (SpecError when the
-    config's own layer ids cannot be derived for this target). A plain folder was not trained with this config: it is
-    checked against the target when it loads, as `eval.baseline` is.
+    Compared: what the given config resolves to for this target (explicit values, else docs/DFLASH.md's defaults)
+    against what the drafter was trained with (its config.json, and the resolved config pinned beside it). A field the
+    given config leaves unset without a default (mask id) is taken from the checkpoint. Raises EvalError (SpecError when
+    the config's own layer ids cannot be derived for this target). A plain folder was not trained with this config: it
+    is checked against the target when it loads, as `eval.baseline` is.
     """
     if checkpoint.is_plain:
         return
@@ -141,16 +144,17 @@ def check_checkpoint_matches(cfg: BlockdraftConfig, checkpoint: Checkpoint, hf_c
     for field, value in given.items():
         if value is not None and trained[field] is not None and value != trained[field]:
             raise EvalError(
-                f"checkpoint {checkpoint.url} was trained with {field} = {trained[field]}, but the config given resolves it to "
-                f"{value}; set {field} = {trained[field]} in the config (or evaluate a checkpoint trained with this config)"
+                f"checkpoint {checkpoint.url} was trained with {field} = {trained[field]}, but the config given "
+                f"resolves it to {value}; set {field} = {trained[field]} in the config (or evaluate a checkpoint "
+                "trained with this config)"
             )
     if checkpoint.template_sha256 is not None:
         given_hash = chat_template_sha256(cfg.target)
         if given_hash is not None and given_hash != checkpoint.template_sha256:
             raise EvalError(
-                f"checkpoint {checkpoint.url} was trained on rows rendered with chat template sha256 {checkpoint.template_sha256[:12]}, "
-                f"but the config given resolves the template (target.chat_template) to sha256 {given_hash[:12]}; set "
-                "target.chat_template to the template the drafter was trained with"
+                f"checkpoint {checkpoint.url} was trained on rows rendered with chat template sha256 "
+                f"{checkpoint.template_sha256[:12]}, but the config given resolves the template (target.chat_template) "
+                f"to sha256 {given_hash[:12]}; set target.chat_template to the template the drafter was trained with"
             )
 
 
@@ -167,8 +171,8 @@ def _trained_dflash(checkpoint: Checkpoint) -> dict[str, Any]:
         pinned_value = pinned_dflash.get(field.split(".", 1)[1])
         if pinned_value is not None and value is not None and pinned_value != value:
             raise EvalError(
-                f"checkpoint {checkpoint.url} is inconsistent: {field} is {pinned_value} in {PINNED_CONFIG_NAME} but {value} "
-                "in the drafter's config.json; re-export the checkpoint"
+                f"checkpoint {checkpoint.url} is inconsistent: {field} is {pinned_value} in {PINNED_CONFIG_NAME} but "
+                f"{value} in the drafter's config.json; re-export the checkpoint"
             )
     return trained
 

@@ -1,10 +1,10 @@
-"""`eval --engine sglang`: the export served by SGLang, through the same server life cycle (`engine.serving`) and the same
-comparison with our decode (`engine_check.compare`) as vLLM. This path has not run in this project's CI: SGLang's CPU
-build needs sgl-kernel built from source, so it is exercised by bench/gpu_check.sh on a GPU machine only.
+"""`eval --engine sglang`: the export served by SGLang, through the same server life cycle (`engine.serving`) and the
+same comparison with our decode (`engine_check.compare`) as vLLM. This path has not run in this project's CI: SGLang's
+CPU build needs sgl-kernel built from source, so it is exercised by bench/gpu_check.sh on a GPU machine only.
 
 The server is `python -m sglang.launch_server` with the settings `export` wrote (`sglang_args` in serving.json). Prompts
-go to SGLang's native `/generate` as `input_ids`, greedy, with our `max_new_tokens` and stop ids; the answer holds the new
-ids (`output_ids`) and, per request, the speculative counts in `meta_info`, which are exactly the counts over that
+go to SGLang's native `/generate` as `input_ids`, greedy, with our `max_new_tokens` and stop ids; the answer holds the
+new ids (`output_ids`) and, per request, the speculative counts in `meta_info`, which are exactly the counts over that
 request. SGLang's `/metrics` is not used: its speculative figures there are the gauges `sglang:spec_accept_length` and
 `sglang:spec_accept_rate`, each a mean over the scheduler's last logging interval, so no before/after difference of
 them counts exactly our requests.
@@ -36,8 +36,8 @@ DRAFT_PATH_FLAG = "--speculative-draft-model-path"
 
 
 def sglang_spec(serving: dict[str, Any], export: Path) -> list[str]:
-    """The export's `sglang_args` with the draft model pointed at `export` (the folder served here, wherever serving.json
-    said users would put it), less `--dtype`, which `sglang_argv` gives both runs."""
+    """The export's `sglang_args` with the draft model pointed at `export` (the folder served here, wherever
+    serving.json said users would put it), less `--dtype`, which `sglang_argv` gives both runs."""
     args, spec = shlex.split(str(serving.get("sglang_args") or "")), []
     i = 0
     while i < len(args):
@@ -51,14 +51,15 @@ def sglang_spec(serving: dict[str, Any], export: Path) -> list[str]:
         spec.append(args[i])
         i += 1
     if DRAFT_PATH_FLAG not in spec:
-        raise EngineError(f"{export}/serving.json has no sglang_args naming {DRAFT_PATH_FLAG}; export the checkpoint again with `blockdraft export`")
+        raise EngineError(f"{export}/serving.json has no sglang_args naming {DRAFT_PATH_FLAG}; export the checkpoint "
+                          "again with `blockdraft export`")
     return spec
 
 
 def sglang_argv(python: Path, target: str, port: int, dtype: str, max_len: int | None, spec: Sequence[str] | None,
                 extra: Sequence[str]) -> list[str]:
-    """The command line that serves `target` with SGLang (with the drafter settings `spec`, or target-only), with room for
-    `max_len` tokens per sequence (None: what the target's config allows)."""
+    """The command line that serves `target` with SGLang (with the drafter settings `spec`, or target-only), with room
+    for `max_len` tokens per sequence (None: what the target's config allows)."""
     argv = [str(python), "-m", "sglang.launch_server", "--model-path", target, "--served-model-name", SERVED_NAME,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--random-seed", "0"]
     if max_len is not None:
@@ -67,8 +68,8 @@ def sglang_argv(python: Path, target: str, port: int, dtype: str, max_len: int |
 
 
 def spec_counts(meta: dict[str, Any], positions: int) -> tuple[int, int, list[int] | None]:
-    """(verify passes, drafted tokens accepted, tokens accepted at each of `positions` draft positions or None when SGLang
-    gave no histogram) from one `/generate` answer's `meta_info`; all zero for a target-only server."""
+    """(verify passes, drafted tokens accepted, tokens accepted at each of `positions` draft positions or None when
+    SGLang gave no histogram) from one `/generate` answer's `meta_info`; all zero for a target-only server."""
     drafts = int(meta.get("spec_verify_ct") or 0)
     histogram = meta.get("spec_correct_drafts_histogram") or meta.get("spec_accept_histogram")
     if histogram:
@@ -82,9 +83,10 @@ def spec_counts(meta: dict[str, Any], positions: int) -> tuple[int, int, list[in
     return 0, 0, None
 
 
-def generate_sglang(server: Server, prompts: Sequence[Sequence[int]], max_new_tokens: int, stops: Sequence[int], positions: int,
-                    reporter: Reporter, label: str, version: str) -> ServedRun:
-    """Every prompt through SGLang's `/generate`, one request at a time, greedy; its counts summed over exactly these requests."""
+def generate_sglang(server: Server, prompts: Sequence[Sequence[int]], max_new_tokens: int, stops: Sequence[int],
+                    positions: int, reporter: Reporter, label: str, version: str) -> ServedRun:
+    """Every prompt through SGLang's `/generate`, one request at a time, greedy; its counts summed over exactly these
+    requests."""
     server.post("/generate", _request(prompts[0], 2, stops))  # warm-up: first-request costs stay out of the timing
     outputs: list[list[int]] = []
     drafts, accepted, per_position = 0, 0, [0] * positions

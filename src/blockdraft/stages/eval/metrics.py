@@ -37,7 +37,8 @@ class DrafterMetrics(BaseModel):
     tokens_per_s: float
     draft_s: float
     verify_s: float
-    rollback_s: float = 0.0  # part of verify_s: linear-attention state rolled back after partial acceptances (hybrid targets)
+    # part of verify_s: linear-attention state rolled back after partial acceptances (hybrid targets)
+    rollback_s: float = 0.0
     speedup: float = 0.0
 
 
@@ -69,7 +70,9 @@ class Divergence(BaseModel):
     tolerated: bool
 
 
-def first_divergence(drafter: str, prompt_index: int, spec: SpecResult, greedy: GreedyResult, tolerance: float) -> Divergence | None:
+def first_divergence(
+    drafter: str, prompt_index: int, spec: SpecResult, greedy: GreedyResult, tolerance: float
+) -> Divergence | None:
     """The first position where `spec.tokens` and `greedy.tokens` differ, or None when they are identical.
 
     Once two greedy sequences differ, every later position conditions on different text, so only the first

@@ -3,9 +3,9 @@
 A set is a file (a path, file:// or s3:// URL) of one of `SET_FILES`: Parquet, JSONL (gzipped too, as HumanEval
 ships), or `.json` (a JSON array of rows, as Alpaca ships, or JSON Lines); a local folder of Parquet files (a Hub
 snapshot such as `gsm8k/main/`, its `SPLIT-*.parquet` files); a folder `datasets.save_to_disk` wrote; or
-`hf://datasets/NAME` (loaded through `datasets.load_dataset`, the hub or its local cache). Its layout is recognised from its columns (`LAYOUTS`, most
-specific first) or named (`eval.prompt_sets`, `--prompt-set`); every layout but `plain` becomes a one-turn chat
-(`{"messages": [user turn]}`), which eval renders with the target's template and thinking mode.
+`hf://datasets/NAME` (loaded through `datasets.load_dataset`, the hub or its local cache). Its layout is recognised from
+its columns (`LAYOUTS`, most specific first) or named (`eval.prompt_sets`, `--prompt-set`); every layout but `plain`
+becomes a one-turn chat (`{"messages": [user turn]}`), which eval renders with the target's template and thinking mode.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ class PromptSet:
 
 
 def read_prompt_set(source: str, layout: str | None, store_config: StoreConfig, workdir: Path, limit: int) -> PromptSet:
-    """Up to `limit` prompt rows of the set at `source`, in `layout` (None: recognised from its columns). Raises EvalError
-    for an unknown layout (naming the columns found and the layouts known) or a row its layout cannot read."""
+    """Up to `limit` prompt rows of the set at `source`, in `layout` (None: recognised from its columns). Raises
+    EvalError for an unknown layout (naming the columns found and the layouts known) or a row its layout cannot read."""
     if layout is not None and layout not in LAYOUT_NAMES:
         raise EvalError(f"prompt set {layout!r} is not one eval knows; use one of {', '.join(LAYOUT_NAMES)}")
     name = source.rsplit("/", 1)[-1]
@@ -132,7 +132,9 @@ def read_prompt_set(source: str, layout: str | None, store_config: StoreConfig, 
     elif source.endswith(SET_FILES):
         file = open_raw_input(source, store_config, role="prompts file")
         path = file.fetch(workdir / f"prompt-set-{len(list(workdir.glob('prompt-set-*')))}-{name}")
-        read = jsonl_rows if source.endswith(JSONL_FILES) else _json_rows if source.endswith(JSON_FILES) else _parquet_rows
+        read = (
+            jsonl_rows if source.endswith(JSONL_FILES) else _json_rows if source.endswith(JSON_FILES) else _parquet_rows
+        )
         raw, ref = read(path, name, limit), file.ref
     elif _saved_folder(Path(source.partition("?")[0].removeprefix("file://"))):
         raw, ref = _saved_rows(source, limit)
@@ -288,8 +290,8 @@ def _parquet_folder_rows(source: str, limit: int) -> tuple[list[tuple[str, dict[
     files = _parquet_in(folder)
     if not files:
         inner = sorted({f.parent.name for f in _parquet_in(folder, "*/*.parquet")})
-        raise EvalError(f"prompts {source} holds Parquet files only in its folders {', '.join(inner)}; pass one of them "
-                        f"as --prompts, e.g. {folder / inner[0]}")
+        raise EvalError(f"prompts {source} holds Parquet files only in its folders {', '.join(inner)}; pass one of "
+                        f"them as --prompts, e.g. {folder / inner[0]}")
     splits: dict[str, list[Path]] = {}
     for f in files:
         splits.setdefault(f.name.removesuffix(".parquet").split("-", 1)[0], []).append(f)
@@ -372,14 +374,14 @@ def _hub_rows(source: str, limit: int) -> tuple[list[tuple[str, dict[str, Any]]]
     except (ConnectionError, FileNotFoundError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise EvalError(
-            f"prompts {source} does not load through datasets ({first}); check the name (and ?config=, ?split=), the network, "
-            "or download it with `datasets` first"
+            f"prompts {source} does not load through datasets ({first}); check the name (and ?config=, ?split=), the "
+            "network, or download it with `datasets` first"
         ) from None
     rows = _numbered(name, _head(dataset, split, source, limit), limit)
     return rows, _dataset_ref(source, rows)
 
 
 __all__ = [
-    "HF_DATASETS", "LAYOUTS", "LAYOUT_NAMES", "PLAIN", "SET_FILES", "Layout", "PromptSet", "is_prompt_set", "known_layouts",
-    "jsonl_rows", "read_prompt_set",
+    "HF_DATASETS", "LAYOUTS", "LAYOUT_NAMES", "PLAIN", "SET_FILES", "Layout", "PromptSet", "is_prompt_set",
+    "known_layouts", "jsonl_rows", "read_prompt_set",
 ]

@@ -3,7 +3,8 @@ local or in a store, a folder `datasets` saved, or a hub dataset), or the held-o
 (docs/TOKENIZATION.md, "Train / held-out split"); and the target's tokenizer that renders text prompts.
 
 Only what is read is fetched: a prompts file, or of a tokenized artifact the held-out split's files up to the one that
-completes eval.num_prompts (never its train split), each compared with its listed size and checksum on the bytes received.
+completes eval.num_prompts (never its train split), each compared with its listed size and checksum on the bytes
+received.
 """
 
 from __future__ import annotations
@@ -62,22 +63,22 @@ class EvalPrompts:
 
 
 def read_eval_prompts(
-    source: str | Sequence[str] | None, cfg: BlockdraftConfig, tokenizer: Any, workdir: Path, layouts: Sequence[str] = (),
-    every_split: Collection[str] = (),
+    source: str | Sequence[str] | None, cfg: BlockdraftConfig, tokenizer: Any, workdir: Path,
+    layouts: Sequence[str] = (), every_split: Collection[str] = (),
 ) -> EvalPrompts:
     """Up to eval.num_prompts prompts from each source: a prompt set (`prompt_sets.read_prompt_set`: a JSONL, JSON or
     Parquet file, a folder of Parquet files or one `datasets` saved, `hf://datasets/NAME`), else a tokenized artifact's
     held-out rows (every row, both splits, for a source in `every_split`: an artifact that is held out whole, as
     train.eval_data is).
-    `layouts`: none, or one per source (a layout name, or `auto` to recognise it from its columns). Raises EvalError when
-    there is no source, the layouts do not pair with the sources, or a source holds no prompt."""
+    `layouts`: none, or one per source (a layout name, or `auto` to recognise it from its columns). Raises EvalError
+    when there is no source, the layouts do not pair with the sources, or a source holds no prompt."""
     sources = [source] if isinstance(source, str) else list(source or [])
     if not sources:
         raise EvalError("no prompts: pass --prompts FILE, set eval.prompts, or set train.data to a tokenized artifact")
     if layouts and len(layouts) != len(sources):
         raise EvalError(
-            f"{len(layouts)} prompt set name(s) for {len(sources)} prompts source(s); give one --prompt-set per --prompts "
-            "(auto: recognised from its columns), or none"
+            f"{len(layouts)} prompt set name(s) for {len(sources)} prompts source(s); give one --prompt-set per "
+            "--prompts (auto: recognised from its columns), or none"
         )
     limit = cfg.eval.num_prompts
     sets: list[EvalSet] = []
@@ -85,7 +86,8 @@ def read_eval_prompts(
         named = layouts[index] if layouts and layouts[index] != AUTO_LAYOUT else None
         if is_prompt_set(src, cfg.store):
             found = read_prompt_set(src, named, cfg.store, workdir, limit)
-            ids = [_render_prompt(row, tokenizer, cfg, where) for row, where in zip(found.rows, found.where, strict=True)]
+            ids = [_render_prompt(row, tokenizer, cfg, where) for row, where in zip(found.rows, found.where,
+                                                                                    strict=True)]
             layout, ref = found.layout, found.ref
         elif named is not None:
             raise EvalError(f"--prompt-set {named} names the layout of a prompts file, but {src} is not one "
@@ -99,13 +101,18 @@ def read_eval_prompts(
         if not ids:
             raise EvalError(f"no prompts found in {src}; give at least one")
         taken = {s.name for s in sets}
-        name = layout if layout not in taken else next(f"{layout}-{n}" for n in range(2, len(sources) + 2) if f"{layout}-{n}" not in taken)
+        name = (
+            layout
+            if layout not in taken
+            else next(f"{layout}-{n}" for n in range(2, len(sources) + 2) if f"{layout}-{n}" not in taken)
+        )
         sets.append(EvalSet(name, layout, src, ids, ref))
     return EvalPrompts(sets)
 
 
 def load_target_tokenizer(target: TargetConfig) -> Any:
-    """The target's tokenizer (target.tokenizer, else target.path) with target.chat_template, or None when that folder has none."""
+    """The target's tokenizer (target.tokenizer, else target.path) with target.chat_template, or None when that folder
+    has none."""
     source = target.tokenizer or target.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -151,7 +158,8 @@ def _prompt_ids(row: dict[str, Any], tokenizer: Any, cfg: BlockdraftConfig, wher
             raise EvalError(f"{where}: input_ids must be a non-empty list of integers")
         return ids
     if tokenizer is None:
-        raise EvalError(f"{where}: text prompts need a tokenizer, and none loads from the target; give input_ids or set target.tokenizer")
+        raise EvalError(f"{where}: text prompts need a tokenizer, and none loads from the target; give input_ids or "
+                        "set target.tokenizer")
     if "messages" in row:
         kwargs = {}
         thinking = row.get("enable_thinking")
@@ -176,7 +184,8 @@ def _prompt_ids(row: dict[str, Any], tokenizer: Any, cfg: BlockdraftConfig, wher
 def held_out_prompts(data: StageInput, limit: int, workdir: Path, every_split: bool = False) -> list[list[int]]:
     """Up to `limit` prompts from the held-out rows of a verified tokenized artifact: each row's ids before its first
     supervised token (a row supervised from token 0 has no prompt to condition on and is skipped). `every_split`: the
-    artifact is held out whole (train.eval_data): its train split first, then the others, the order training decodes them.
+    artifact is held out whole (train.eval_data): its train split first, then the others, the order training decodes
+    them.
 
     Files are fetched one at a time, in the dataset's row order, and only until `limit` prompts are found: each split's
     state.json, then its Arrow files, each checked against the manifest (`StageInput.fetch`); a local artifact is read
@@ -193,10 +202,12 @@ def held_out_prompts(data: StageInput, limit: int, workdir: Path, every_split: b
             if len(prompts) >= limit:
                 return prompts
     if rows == 0 and every_split:
-        raise EvalError(f"tokenized artifact {data.store.url} holds no rows; tokenize conversations into it or pass --prompts FILE")
+        raise EvalError(f"tokenized artifact {data.store.url} holds no rows; tokenize conversations into it or pass "
+                        "--prompts FILE")
     if rows == 0:
         raise EvalError(
-            f"tokenized artifact {data.store.url} has no held-out rows; tokenize with tokenize.held_out_fraction > 0 or pass --prompts FILE"
+            f"tokenized artifact {data.store.url} has no held-out rows; tokenize with tokenize.held_out_fraction > 0 "
+            "or pass --prompts FILE"
         )
     return prompts
 
@@ -222,7 +233,8 @@ def _held_out_files(data: StageInput, dest: Path, every_split: bool) -> Iterator
             state = json.loads((data.fetch([state_path], dest) / state_path).read_bytes())
             names = [f"{folder}{item['filename']}" for item in state["_data_files"]]
         except (ValueError, KeyError, TypeError):
-            raise EvalError(f"{data.store.url.rstrip('/')}/{state_path} does not list its Arrow files; regenerate the tokenized artifact") from None
+            raise EvalError(f"{data.store.url.rstrip('/')}/{state_path} does not list its Arrow files; regenerate the "
+                            "tokenized artifact") from None
         for name in names:
             yield name, not folder and not every_split
 
@@ -234,7 +246,8 @@ def _arrow_rows(path: Path, split_column: bool) -> Iterator[tuple[np.ndarray, np
         reader = pa.ipc.open_stream(source)
         names = reader.schema.names
         if "input_ids" not in names or "loss_mask" not in names:
-            raise EvalError(f"{path.name} has no input_ids and loss_mask columns; pass a tokenized artifact made by tokenize")
+            raise EvalError(f"{path.name} has no input_ids and loss_mask columns; pass a tokenized artifact made by "
+                            "tokenize")
         if split_column and "split" not in names:
             return
         for batch in reader:
@@ -246,6 +259,6 @@ def _arrow_rows(path: Path, split_column: bool) -> Iterator[tuple[np.ndarray, np
 
 
 __all__ = [
-    "AUTO_LAYOUT", "HELD_OUT_LAYOUT", "EvalPrompts", "EvalSet", "held_out_prompts", "load_target_tokenizer", "prompts_from_jsonl", "read_eval_prompts",
-    "stop_token_ids",
+    "AUTO_LAYOUT", "HELD_OUT_LAYOUT", "EvalPrompts", "EvalSet", "held_out_prompts", "load_target_tokenizer",
+    "prompts_from_jsonl", "read_eval_prompts", "stop_token_ids",
 ]

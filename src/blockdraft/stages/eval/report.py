@@ -45,7 +45,8 @@ class PromptRow(BaseModel):
 
 class PromptSetMetrics(BaseModel):
     """One prompt set's figures: its layout and source (as given), the greedy reference and each drafter's metrics over
-    its prompts alone (tau, speedup, per-position acceptance), and whether none of its prompts diverged beyond tolerance."""
+    its prompts alone (tau, speedup, per-position acceptance), and whether none of its prompts diverged beyond
+    tolerance."""
 
     layout: str
     source: str | None
@@ -59,10 +60,11 @@ class EngineCheck(BaseModel):
     """The export served by a serving engine on the same prompts (`eval --engine`), beside our decode of the checkpoint.
 
     `drafts` and `accepted_per_position[k-1]` (tokens accepted at draft position k) come from the engine's own counters;
-    `ours_cycles` and `ours_accepted_per_position` are the same counts from our decode. `outputs_equal_target_only`: prompts
-    whose engine output with the drafter equals the engine's target-only output. `rule`: "exact" (both float32) or
-    "within T" (lower precision), or at temperature "binomial 95%..." (docs/EVAL.md, "The engine check at temperature");
-    `temperature` 0 is greedy. `disagreement`: None when they agree, else the one line saying where they differ."""
+    `ours_cycles` and `ours_accepted_per_position` are the same counts from our decode. `outputs_equal_target_only`:
+    prompts whose engine output with the drafter equals the engine's target-only output. `rule`: "exact" (both float32)
+    or "within T" (lower precision), or at temperature "binomial 95%..." (docs/EVAL.md, "The engine check at
+    temperature"); `temperature` 0 is greedy. `disagreement`: None when they agree, else the one line saying where they
+    differ."""
 
     engine: str
     version: str
@@ -87,12 +89,12 @@ class EvalReport(BaseModel):
     """What one eval run measured, and on what.
 
     `drafters` maps a drafter name (dflash, ngram, untrained) to its metrics over every prompt; for a DFlash2 drafter
-    (`architecture` "dflash2") `dflash` is its candidate selector's walk and `dflash_unary` the same drafter proposing each
-    slot's unary argmax, on the same prompts: what the selector earns. `prompt_sets`: the same per prompt set, by set
-    name, in the order given. `checkpoint`, `target`, `prompts_source` (the sources as given) and `template_sha256` (the
-    chat template the checkpoint's training rows were rendered with) say what the figures hold for; `evaluate` leaves
-    them None, the stage fills them in. `sampled`: the same drafters at the eval's sampling settings (None at temperature
-    0); greedy is always measured, as the token-for-token check needs it.
+    (`architecture` "dflash2") `dflash` is its candidate selector's walk and `dflash_unary` the same drafter proposing
+    each slot's unary argmax, on the same prompts: what the selector earns. `prompt_sets`: the same per prompt set, by
+    set name, in the order given. `checkpoint`, `target`, `prompts_source` (the sources as given) and `template_sha256`
+    (the chat template the checkpoint's training rows were rendered with) say what the figures hold for; `evaluate`
+    leaves them None, the stage fills them in. `sampled`: the same drafters at the eval's sampling settings (None at
+    temperature 0); greedy is always measured, as the token-for-token check needs it.
     """
 
     block_size: int
@@ -129,8 +131,10 @@ class EvalReport(BaseModel):
             "prompts": self.num_prompts,
             "lossless": self.lossless.ok,
             **{f"tau_{name}": round(m.tau, 4) for name, m in self.drafters.items()},
-            **({f"tau_sampled_{name}": round(d.metrics.tau, 4) for name, d in self.sampled.drafters.items()} if self.sampled else {}),
-            **({"engine_agrees": self.engine.disagreement is None, "tau_engine": round(self.engine.tau, 4)} if self.engine else {}),
+            **({f"tau_sampled_{name}": round(d.metrics.tau, 4) for name, d in self.sampled.drafters.items()}
+               if self.sampled else {}),
+            **({"engine_agrees": self.engine.disagreement is None, "tau_engine": round(self.engine.tau, 4)}
+               if self.engine else {}),
         }
 
 
@@ -148,7 +152,8 @@ def write_plots(report: EvalReport, folder: Path) -> list[Path]:
                    folder / POSITION_PLOT_NAME, "greedy")
     if report.sampled is not None:
         s = report.sampled
-        settings = f"temperature {s.temperature:g}, top-p {s.top_p:g}, top-k {s.top_k}, {s.proposal} drafts, {s.decodes} decodes"
+        settings = (f"temperature {s.temperature:g}, top-p {s.top_p:g}, top-k {s.top_k}, {s.proposal} drafts, "
+                    f"{s.decodes} decodes")
         paths += _plots({n: (d.metrics, d.position_acceptance_ci95) for n, d in s.drafters.items()}, report.block_size,
                         folder / SAMPLED_TAU_PLOT_NAME, folder / SAMPLED_POSITION_PLOT_NAME, settings)
     return paths
@@ -167,7 +172,8 @@ def _plots(drafters: dict[str, tuple[DrafterMetrics, list[list[float]] | None]],
     for i, (name, (m, _)) in enumerate(drafters.items()):
         cycles = max(m.cycles, 1)
         xs = [j + (i - (len(drafters) - 1) / 2) * width for j in range(1, block_size + 1)]
-        ax.bar(xs, [m.histogram[str(j)] / cycles for j in range(1, block_size + 1)], width, label=f"{name} (tau {m.tau:.2f})")
+        ax.bar(xs, [m.histogram[str(j)] / cycles for j in range(1, block_size + 1)], width,
+               label=f"{name} (tau {m.tau:.2f})")
     ax.set_xlabel("tokens committed per cycle (accepted drafts + bonus)")
     ax.set_ylabel("fraction of cycles")
     ax.set_xticks(range(1, block_size + 1))
@@ -184,7 +190,8 @@ def _plots(drafters: dict[str, tuple[DrafterMetrics, list[list[float]] | None]],
         else:
             low = [r - c[0] for r, c in zip(m.position_acceptance, ci)]
             high = [c[1] - r for r, c in zip(m.position_acceptance, ci)]
-            ax.errorbar(range(1, block_size), m.position_acceptance, yerr=[low, high], marker="o", capsize=3, label=f"{name} (95%)")
+            ax.errorbar(range(1, block_size), m.position_acceptance, yerr=[low, high], marker="o", capsize=3,
+                        label=f"{name} (95%)")
     ax.set_xlabel("draft position k in the block")
     ax.set_ylabel("fraction of cycles accepting draft k")
     ax.set_ylim(0, 1.02)
@@ -209,7 +216,8 @@ def summary_lines(report: EvalReport) -> list[str]:
         )
     walk, unary = report.drafters.get("dflash"), report.drafters.get(UNARY_NAME)
     if walk is not None and unary is not None and unary.tau > 0:
-        lines.append(f"selector\twalk tau {walk.tau:.3f} vs unary argmax tau {unary.tau:.3f} ({walk.tau / unary.tau - 1:+.1%})")
+        lines.append(f"selector\twalk tau {walk.tau:.3f} vs unary argmax tau {unary.tau:.3f} "
+                     f"({walk.tau / unary.tau - 1:+.1%})")
     for set_name, m in report.prompt_sets.items():
         lines.append(set_line(set_name, m))
     verdict = "ok" if lossless.ok else "FAILED"
@@ -237,11 +245,13 @@ def set_line(name: str, m: PromptSetMetrics) -> str:
 
 
 def sampled_lines(report: EvalReport) -> list[str]:
-    """The sampled decodes beside greedy: per drafter, tau (95% interval) and speedup at temperature, greedy's tau after."""
+    """The sampled decodes beside greedy: per drafter, tau (95% interval) and speedup at temperature, greedy's tau
+    after."""
     s = report.sampled
     assert s is not None
-    lines = [f"sampled	temperature {s.temperature:g} top-p {s.top_p:g} top-k {s.top_k}, draft rule {s.proposal}: {s.decodes} decodes "
-             f"({s.samples_per_prompt} per prompt, seed {s.seed}); target-only tokens/s {s.target_only.tokens_per_s:.1f}"]
+    lines = [f"sampled	temperature {s.temperature:g} top-p {s.top_p:g} top-k {s.top_k}, draft rule {s.proposal}: "
+             f"{s.decodes} decodes ({s.samples_per_prompt} per prompt, seed {s.seed}); target-only tokens/s "
+             f"{s.target_only.tokens_per_s:.1f}"]
     for name, d in s.drafters.items():
         greedy = report.drafters.get(name)
         # One decode has no interval (sampled.ratio_ci95): say so rather than print a zero-width one.
@@ -249,7 +259,8 @@ def sampled_lines(report: EvalReport) -> list[str]:
                     else f"(no interval: {s.decodes} decode{'' if s.decodes == 1 else 's'})")
         lines.append(
             f"{name}	tau {d.metrics.tau:.3f} {interval} at T={s.temperature:g}"
-            f"	speedup {d.metrics.speedup:.2f}x" + (f"	(greedy tau {greedy.tau:.3f}, {greedy.speedup:.2f}x)" if greedy else "")
+            f"	speedup {d.metrics.speedup:.2f}x"
+            + (f"	(greedy tau {greedy.tau:.3f}, {greedy.speedup:.2f}x)" if greedy else "")
         )
     return lines
 
@@ -260,14 +271,16 @@ def engine_lines(e: EngineCheck) -> list[str]:
     return [
         f"engine\t{e.engine} {e.version} {e.dtype}\ttau {e.tau:.3f} (ours {e.ours_tau:.3f})\tspeedup {e.speedup:.2f}x"
         f"\ttokens/s {e.tokens_per_s:.1f} (target-only {e.target_only_tokens_per_s:.1f})",
-        f"engine\t{verdict} ({e.rule}): drafts {e.drafts} (ours {e.ours_cycles}), accepted per position {e.accepted_per_position} "
-        f"(ours {e.ours_accepted_per_position}); " + (f"lossless in the engine {e.outputs_equal_target_only}/{e.num_prompts}" if not e.temperature
-                                                      else f"at T={e.temperature:g} over {e.num_prompts} sampled requests"),
+        f"engine\t{verdict} ({e.rule}): drafts {e.drafts} (ours {e.ours_cycles}), accepted per position "
+        f"{e.accepted_per_position} (ours {e.ours_accepted_per_position}); "
+        + (f"lossless in the engine {e.outputs_equal_target_only}/{e.num_prompts}" if not e.temperature
+           else f"at T={e.temperature:g} over {e.num_prompts} sampled requests"),
     ]
 
 
 __all__ = [
-    "POSITION_PLOT_NAME", "REPORT_NAME", "SAMPLED_POSITION_PLOT_NAME", "SAMPLED_TAU_PLOT_NAME", "TAU_PLOT_NAME", "UNARY_NAME", "EngineCheck",
-    "EvalReport", "engine_lines", "Lossless", "PromptRow", "PromptSetMetrics", "sampled_lines", "set_line", "summary_lines", "write_plots",
-    "write_report",
+    "POSITION_PLOT_NAME", "REPORT_NAME", "SAMPLED_POSITION_PLOT_NAME", "SAMPLED_TAU_PLOT_NAME", "TAU_PLOT_NAME",
+    "UNARY_NAME", "EngineCheck",
+    "EvalReport", "engine_lines", "Lossless", "PromptRow", "PromptSetMetrics", "sampled_lines", "set_line",
+    "summary_lines", "write_plots", "write_report",
 ]

@@ -33,8 +33,8 @@ SAMPLED_ONLY = {"top_p": "--top-p", "top_k": "--top-k", "seed": "--seed", "sampl
 
 
 class SampledDrafter(BaseModel):
-    """One drafter's figures at temperature: the metrics (speedup over target-only sampling), 95% intervals of tau and of
-    each position's acceptance rate, and a + 1 per cycle of every decode (decode i = prompt i // S, sample i % S)."""
+    """One drafter's figures at temperature: the metrics (speedup over target-only sampling), 95% intervals of tau and
+    of each position's acceptance rate, and a + 1 per cycle of every decode (decode i = prompt i // S, sample i % S)."""
 
     metrics: DrafterMetrics
     tau_ci95: list[float] | None  # None: fewer decodes than an interval needs (`MIN_DECODES_FOR_INTERVAL`)
@@ -111,8 +111,8 @@ def refuse_idle_sampling(cfg: EvalConfig, given: Sequence[str]) -> None:
     if cfg.temperature == 0 and given:
         they, them = ("it", "it") if len(given) == 1 else ("they", "them")
         raise EvalError(
-            f"{', '.join(given)} set only the decodes at temperature, and eval.temperature is 0 (greedy only), so {they} "
-            f"would change nothing; add --temperature T above 0 to sample, or drop {them}"
+            f"{', '.join(given)} set only the decodes at temperature, and eval.temperature is 0 (greedy only), so "
+            f"{they} would change nothing; add --temperature T above 0 to sample, or drop {them}"
         )
 
 
@@ -120,7 +120,8 @@ def evaluate_sampled(
     hf_model, makers: dict[str, Callable[[], Proposer]], block_sizes: dict[str, int], prompts: Sequence[Sequence[int]],
     max_new_tokens: int, stops: Sequence[int], cfg: EvalConfig, sampling: Sampling, reporter: Reporter,
 ) -> SampledEval:
-    """Each prompt S times: target-only sampling, then every drafter; progress ("eval sampled", decodes done, decodes)."""
+    """Each prompt S times: target-only sampling, then every drafter; progress ("eval sampled", decodes done,
+    decodes)."""
     count = len(prompts) * cfg.samples_per_prompt
     target_only = []
     results: dict[str, list[SpecResult]] = {name: [] for name in makers}
@@ -129,16 +130,18 @@ def evaluate_sampled(
         prompt, seed = list(prompts[i // cfg.samples_per_prompt]), cfg.seed + i
         target_only.append(sample_decode(hf_model, prompt, max_new_tokens, Sampler(sampling, seed), stops))
         for name, make in makers.items():
-            results[name].append(run_speculative(hf_model, make(), prompt, max_new_tokens, stops, sampler=Sampler(sampling, seed)))
+            results[name].append(run_speculative(hf_model, make(), prompt, max_new_tokens, stops,
+                                                 sampler=Sampler(sampling, seed)))
         reporter.progress("eval sampled", i + 1, count)
     new_tokens = sum(len(r.new_tokens) for r in target_only)
     wall = sum(r.wall_s for r in target_only)
     forwards = sum(r.target_forwards for r in target_only)
-    reference = GreedyMetrics(new_tokens=new_tokens, target_forwards=forwards, target_forwards_per_token=forwards / new_tokens if new_tokens else 0.0,
+    reference = GreedyMetrics(new_tokens=new_tokens, target_forwards=forwards,
+                              target_forwards_per_token=forwards / new_tokens if new_tokens else 0.0,
                               wall_s=wall, tokens_per_s=new_tokens / wall if wall else 0.0, min_margin=None)
     return SampledEval(
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, proposal=sampling.proposal, seed=cfg.seed,
-        samples_per_prompt=cfg.samples_per_prompt, decodes=count, target_only=reference,
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, proposal=sampling.proposal,
+        seed=cfg.seed, samples_per_prompt=cfg.samples_per_prompt, decodes=count, target_only=reference,
         drafters={name: sampled_drafter(rs, block_sizes[name], reference) for name, rs in results.items()},
     )
 

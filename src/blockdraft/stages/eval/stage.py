@@ -29,7 +29,12 @@ from blockdraft.model.drafter import CONFIG_NAME, WEIGHTS_NAME, DFlashDrafter
 from blockdraft.model.target import TargetHead, load_target, load_target_config
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.eval.drafter_input import Checkpoint, check_checkpoint_matches, drafter_folder_sha256, open_checkpoint
+from blockdraft.stages.eval.drafter_input import (
+    Checkpoint,
+    check_checkpoint_matches,
+    drafter_folder_sha256,
+    open_checkpoint,
+)
 from blockdraft.stages.eval.engine_check import check_in_engine, require_export
 from blockdraft.stages.eval.metrics import (
     Divergence,
@@ -40,8 +45,22 @@ from blockdraft.stages.eval.metrics import (
     with_speedup,
 )
 from blockdraft.stages.eval.prompt_sets import PLAIN
-from blockdraft.stages.eval.prompts import EvalPrompts, EvalSet, load_target_tokenizer, read_eval_prompts, stop_token_ids
-from blockdraft.stages.eval.report import REPORT_NAME, UNARY_NAME, EvalReport, Lossless, PromptRow, PromptSetMetrics, write_report
+from blockdraft.stages.eval.prompts import (
+    EvalPrompts,
+    EvalSet,
+    load_target_tokenizer,
+    read_eval_prompts,
+    stop_token_ids,
+)
+from blockdraft.stages.eval.report import (
+    REPORT_NAME,
+    UNARY_NAME,
+    EvalReport,
+    Lossless,
+    PromptRow,
+    PromptSetMetrics,
+    write_report,
+)
 from blockdraft.stages.eval.sampled import check_seeds, evaluate_sampled, sampling_of
 from blockdraft.store import open_store
 from blockdraft.store.artifact import InputRef, VerifyReport
@@ -89,20 +108,23 @@ def run(
         ckpt = open_checkpoint(input, config.store, workdir / "checkpoint")
         check_checkpoint_matches(config, ckpt, hf_config)
         tokenizer = load_target_tokenizer(config.target)
-        # By default the rows training held out: train.eval_data's, every one (the prompts its decoded figure used), else
-        # train.data's held-out split.
+        # By default the rows training held out: train.eval_data's, every one (the prompts its decoded figure used),
+        # else train.data's held-out split.
         sources = prompts or config.eval.prompts or config.train.eval_data or config.train.data
         whole = [sources] if isinstance(sources, str) and sources == config.train.eval_data else []
         chosen = read_eval_prompts(sources, config, tokenizer, workdir, config.eval.prompt_sets, every_split=whole)
         check_seeds(config.eval, len(chosen.ids))  # every sampled decode's seed, before any model loads
         url = output or _default_output(config, ckpt, chosen, max_new_tokens)
-        out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt, served), config.store, force=force, reporter=reporter)
+        out = StageOutput(url, KIND, _output_key(config, input, chosen, max_new_tokens, ckpt, served), config.store,
+                          force=force, reporter=reporter)
         refuse_nested(open_store(input, config.store), out.store, "checkpoint")
         done = out.done()
         if done is not None:
-            reporter.say(f"{out.url} already holds the eval of this checkpoint on these prompts with these settings; nothing ran")
+            reporter.say(f"{out.url} already holds the eval of this checkpoint on these prompts with these settings; "
+                         "nothing ran")
             stored = EvalReport.from_json(out.store.read_bytes(REPORT_NAME))
-            return StageResult(STAGE, url, done, already_done=True, seconds=time.perf_counter() - started, details=stored)
+            return StageResult(STAGE, url, done, already_done=True, seconds=time.perf_counter() - started,
+                               details=stored)
 
         report = _decode_and_measure(config, ckpt, chosen, max_new_tokens, tokenizer, reporter)
         if served is not None:
@@ -114,29 +136,38 @@ def run(
             "checkpoint": redact_setting(input),
             "target": redact_setting(config.target.path),
             "prompts_source": [redact_setting(source) for source in chosen.sources],
-            # What the consistency check compared, so a reader can trace the figures to the data and template they hold for.
+            # What the consistency check compared, so a reader can trace the figures to the data and template they hold
+            # for.
             "template_sha256": ckpt.template_sha256,
         })
         verified = _commit(out, report, config, [ckpt.ref, *chosen.refs], workdir / "report")
     return StageResult(STAGE, url, verified, seconds=time.perf_counter() - started, details=report)
 
 
-def _commit(out: StageOutput, report: EvalReport, config: BlockdraftConfig, lineage: list[InputRef], folder: Path) -> VerifyReport:
-    """Write report.json and the plots into `folder`, then publish them as the eval artifact (manifest last, verified)."""
+def _commit(
+    out: StageOutput, report: EvalReport, config: BlockdraftConfig, lineage: list[InputRef], folder: Path
+) -> VerifyReport:
+    """Write report.json and the plots into `folder`, then publish them as the eval artifact (manifest last,
+    verified)."""
     out.begin()  # a reader must never see an older manifest over the new files
     folder.mkdir()
-    return out.publish(folder, write_report(report, folder), config=config.resolved(), lineage=lineage, counts=report.counts())
+    return out.publish(folder, write_report(report, folder), config=config.resolved(), lineage=lineage,
+                       counts=report.counts())
 
 
 def _decode_and_measure(
-    cfg: BlockdraftConfig, ckpt: Checkpoint, chosen: EvalPrompts, max_new_tokens: int, tokenizer: Any, reporter: Reporter
+    cfg: BlockdraftConfig, ckpt: Checkpoint, chosen: EvalPrompts, max_new_tokens: int, tokenizer: Any,
+    reporter: Reporter
 ) -> EvalReport:
     """Load the target and the drafter on their devices, refuse prompts outside the vocabulary, and `evaluate`."""
     assert cfg.target.path is not None  # `run` refuses a config without one
-    hf_model = load_target(cfg.target.path, device=cfg.placement.target_devices[0], dtype=cfg.target.dtype, reporter=reporter)
+    hf_model = load_target(cfg.target.path, device=cfg.placement.target_devices[0], dtype=cfg.target.dtype,
+                           reporter=reporter)
     folder = ckpt.fetch_weights()
     drafters = {}
-    for name, where, path in (("dflash", f"checkpoint {ckpt.url}", folder), ("baseline", f"eval.baseline {cfg.eval.baseline}", cfg.eval.baseline)):
+    for name, where, path in (("dflash", f"checkpoint {ckpt.url}", folder), ("baseline", "eval.baseline "
+                                                                                         f"{cfg.eval.baseline}",
+                                                                             cfg.eval.baseline)):
         if path is None:
             continue
         try:
@@ -144,10 +175,11 @@ def _decode_and_measure(
             drafter.spec.check_target(hf_model.config)
         except (SpecError, ArtifactError) as exc:
             raise type(exc)(f"{where}: {exc}") from None  # the same error, naming which drafter it is about
-        except (SafetensorError, json.JSONDecodeError) as exc:  # bytes that are not the export format (a plain folder is not verified)
+        except (SafetensorError, json.JSONDecodeError) as exc:
+            # bytes that are not the export format (a plain folder is not verified)
             raise ArtifactError(
-                f"{where}: {Path(path) / (CONFIG_NAME if isinstance(exc, ValueError) else WEIGHTS_NAME)} is not readable ({exc}); "
-                "give a drafter folder in the export format"
+                f"{where}: {Path(path) / (CONFIG_NAME if isinstance(exc, ValueError) else WEIGHTS_NAME)} is not "
+                f"readable ({exc}); give a drafter folder in the export format"
             ) from None
         drafters[name] = drafter.eval()
     drafter = drafters.pop("dflash")
@@ -155,7 +187,8 @@ def _decode_and_measure(
     vocab = drafter.spec.vocab_size
     bad = next((t for p in prompts for t in p if not 0 <= t < vocab), None)
     if bad is not None:
-        raise EvalError(f"prompt token id {bad} is outside the target's vocabulary (0..{vocab - 1}); the prompts were tokenized for another model")
+        raise EvalError(f"prompt token id {bad} is outside the target's vocabulary (0..{vocab - 1}); the prompts were "
+                        "tokenized for another model")
     return evaluate(
         hf_model, drafter, prompts, max_new_tokens, stop_token_ids(hf_model, tokenizer),
         divergence_tolerance(cfg.eval, next(hf_model.parameters()).dtype),
@@ -226,7 +259,8 @@ def evaluate(
             found = first_divergence(name, index, result, reference, tolerance)
             if found is not None:
                 divergences.append(found)
-        rows.append(PromptRow(index=index, prompt_set=set_of[index], prompt_len=len(prompt), new_tokens=len(reference.new_tokens), **per_drafter))
+        rows.append(PromptRow(index=index, prompt_set=set_of[index], prompt_len=len(prompt),
+                              new_tokens=len(reference.new_tokens), **per_drafter))
         reporter.progress(STAGE, index + 1, len(prompts))
 
     greedy_summary = greedy_metrics(greedy)
@@ -234,14 +268,17 @@ def evaluate(
     for name, layout, source, (start, stop) in spans:
         set_greedy = greedy_metrics(greedy[start:stop])
         per_set[name] = PromptSetMetrics(
-            layout=layout, source=None if source is None else redact_setting(source), num_prompts=stop - start, greedy=set_greedy,
-            drafters={n: with_speedup(acceptance_metrics(r[start:stop], block_sizes[n]), set_greedy) for n, r in spec_results.items()},
+            layout=layout, source=None if source is None else redact_setting(source), num_prompts=stop - start,
+            greedy=set_greedy,
+            drafters={n: with_speedup(acceptance_metrics(r[start:stop], block_sizes[n]), set_greedy)
+                      for n, r in spec_results.items()},
             lossless=all(d.tolerated for d in divergences if start <= d.prompt_index < stop),
         )
     sampling = sampling_of(sampled) if sampled is not None else None
     at_temperature = None
     if sampled is not None and sampling is not None:
-        at_temperature = evaluate_sampled(hf_model, makers, block_sizes, prompts, max_new_tokens, stops, sampled, sampling, reporter)
+        at_temperature = evaluate_sampled(hf_model, makers, block_sizes, prompts, max_new_tokens, stops, sampled,
+                                          sampling, reporter)
     return EvalReport(
         architecture=spec.architecture,
         block_size=spec.block_size,
@@ -253,7 +290,8 @@ def evaluate(
         target_dtype=str(next(hf_model.parameters()).dtype).removeprefix("torch."),
         greedy=greedy_summary,
         drafters={
-            name: with_speedup(acceptance_metrics(results, block_sizes[name]), greedy_summary) for name, results in spec_results.items()
+            name: with_speedup(acceptance_metrics(results, block_sizes[name]), greedy_summary)
+            for name, results in spec_results.items()
         },
         lossless=Lossless(ok=all(d.tolerated for d in divergences), tolerance=tolerance, divergences=divergences),
         prompts=rows,
@@ -281,21 +319,24 @@ def _warm_up(hf_model: Any, proposer: DFlashProposer, prompt: list[int]) -> None
 
 
 def _default_output(cfg: BlockdraftConfig, ckpt: Checkpoint, prompts: EvalPrompts, max_new_tokens: int) -> str:
-    """STORE/eval/<16 hex>: one folder per checkpoint (by content), prompt sets and their ids, length and eval/target settings."""
+    """STORE/eval/<16 hex>: one folder per checkpoint (by content), prompt sets and their ids, length and eval/target
+    settings."""
     sets = [[s.name, s.ids] for s in prompts.sets]
     key = json.dumps([ckpt.ref.sha256, sets, max_new_tokens, cfg.digest("eval", "target")]).encode()
     return f"{cfg.store.url.rstrip('/')}/eval/{hashlib.sha256(key).hexdigest()[:16]}"
 
 
 def _output_key(
-    cfg: BlockdraftConfig, checkpoint: str, prompts: EvalPrompts, max_new_tokens: int, ckpt: Checkpoint, served: Path | None
+    cfg: BlockdraftConfig, checkpoint: str, prompts: EvalPrompts, max_new_tokens: int, ckpt: Checkpoint,
+    served: Path | None
 ) -> str:
     """What the report depends on: the settings that change its figures or its fields, and both inputs by content.
 
-    Placement is in it because devices change the timings and, in low precision, the near-ties; tokenize.thinking because
-    it renders `messages` prompts. The prompts are also keyed as given, since the report records them so; the checkpoint
-    by the URL its store opens (a relative path, an absolute one and its file:// URL are one), so another spelling of it
-    finds this eval done instead of replacing it under the same default URL (which an export's card may cite).
+    Placement is in it because devices change the timings and, in low precision, the near-ties; tokenize.thinking
+    because it renders `messages` prompts. The prompts are also keyed as given, since the report records them so; the
+    checkpoint by the URL its store opens (a relative path, an absolute one and its file:// URL are one), so another
+    spelling of it finds this eval done instead of replacing it under the same default URL (which an export's card may
+    cite).
     """
     resolved = cfg.resolved()
     settings = {

@@ -21,13 +21,14 @@ TAGS = ("speculative-decoding", "dflash", "blockdraft")  # and "dflash2" for a D
 # What the card calls a drafter of each architecture (`dflash.architecture`), and how it says what that is.
 DRAFTERS = {
     "dflash": ("DFlash", "A DFlash block-diffusion drafter"),
-    "dflash2": ("DFlash2", "A DFlash2 drafter (DFlash's block-diffusion drafter with a grouped dynamic causal convolution "
-                "around every sublayer and a candidate selector that walks a path through each slot's top-K)"),
+    "dflash2": ("DFlash2", "A DFlash2 drafter (DFlash's block-diffusion drafter with a grouped dynamic causal "
+                           "convolution around every sublayer and a candidate selector that walks a path through each "
+                           "slot's top-K)"),
 }
 LIBRARY_NAME = "blockdraft"
 DATA_COUNTS = (  # the tokenized manifest's counts the card gives, and how it names them
-    ("rows_in", "conversations"), ("rows_out", "rows"), ("train_rows", "train rows"), ("held_out_rows", "held-out rows"),
-    ("tokens", "tokens"), ("supervised_tokens", "supervised tokens"),
+    ("rows_in", "conversations"), ("rows_out", "rows"), ("train_rows", "train rows"),
+    ("held_out_rows", "held-out rows"), ("tokens", "tokens"), ("supervised_tokens", "supervised tokens"),
 )
 
 
@@ -64,15 +65,16 @@ def render_card(
     license: str | None = None,
 ) -> str:
     """The card's text. `drafter_config` is the export's config.json, `provenance` its blockdraft-export.json, `serving`
-    its serving.json, `counts` its manifest counts; `license` the front matter's (None: a comment says how to set one)."""
+    its serving.json, `counts` its manifest counts; `license` the front matter's (None: a comment says how to set
+    one)."""
     architecture = (provenance.get("dflash") or {}).get("architecture") or "dflash"
     name, what = DRAFTERS[architecture]
     parts = [
         _front_matter(target, license, architecture),
         f"# {name} drafter for {target}\n\n"
         f"{what} for speculative decoding with `{target}`, trained and exported by blockdraft "
-        f"(export `{export_url}`). Every figure below is read from the verified artifact it names; what was not measured "
-        "is not shown.\n",
+        f"(export `{export_url}`). Every figure below is read from the verified artifact it names; what was not "
+        "measured is not shown.\n",
         _evaluation(evaluation),
         _data(data, provenance),
         _drafter(drafter_config, provenance, counts),
@@ -86,9 +88,10 @@ def _front_matter(target: str, license: str | None, architecture: str) -> str:
     if license is not None:
         licensed = f"license: {json.dumps(license)}\n"
     else:  # the card is a listed file: editing it by hand would leave the export unverified
-        licensed = ("# license: set the license these weights are published under with export.license (usually the target's:\n"
-                    "# `blockdraft export --card-only EXPORT --license apache-2.0`); blockdraft does not choose one, and this\n"
-                    "# file is checksummed in the export's manifest: an edit by hand leaves the export unverified.\n")
+        licensed = ("# license: set the license these weights are published under with export.license (usually the "
+                    "target's:\n# `blockdraft export --card-only EXPORT --license apache-2.0`); blockdraft does not "
+                    "choose one, and this\n# file is checksummed in the export's manifest: an edit by hand leaves the "
+                    "export unverified.\n")
     return f"---\nbase_model: {json.dumps(target)}\n{licensed}library_name: {LIBRARY_NAME}\ntags:\n{tags}---\n"
 
 
@@ -123,9 +126,9 @@ def _evaluation(evaluation: EvalSource | None) -> str:
     if evaluation is None:
         return (
             "## Evaluation\n\nNo eval of this checkpoint was given or found for this export. Measure it with "
-            "`blockdraft eval --checkpoint CHECKPOINT --prompts SET ...`, then rewrite this card with `blockdraft export "
-            "--card-only EXPORT` (which takes the latest eval of the checkpoint in the store, or the one `--eval EVAL` "
-            "names).\n"
+            "`blockdraft eval --checkpoint CHECKPOINT --prompts SET ...`, then rewrite this card with `blockdraft "
+            "export --card-only EXPORT` (which takes the latest eval of the checkpoint in the store, or the one "
+            "`--eval EVAL` names).\n"
         )
     report = evaluation.report
     drafters = list(report["drafters"])
@@ -134,17 +137,22 @@ def _evaluation(evaluation: EvalSource | None) -> str:
         "## Evaluation\n",
         _source(evaluation) + "\n",
         f"Decoding: greedy, each output compared token for token with the target's own greedy output; up to "
-        f"{report['max_new_tokens']} new tokens per prompt; target in {report['target_dtype']}; draft block size {report['block_size']}.\n",
-        "tau: tokens committed per draft/verify cycle (accepted drafts + 1); speedup: wall time of target-only greedy over "
-        "that of speculative decoding, on the same prompts and machine.\n",
+        f"{report['max_new_tokens']} new tokens per prompt; target in {report['target_dtype']}; draft block size "
+        f"{report['block_size']}.\n",
+        "tau: tokens committed per draft/verify cycle (accepted drafts + 1); speedup: wall time of target-only greedy "
+        "over that of speculative decoding, on the same prompts and machine.\n",
         "| prompt set | layout | prompts | tau | speedup | lossless | " + " | ".join(f"tau {d}" for d in others) + " |",
         "|---|---|---|---|---|---|" + "---|" * len(others),
     ]
-    rows = [(name, s["layout"], s["num_prompts"], s["drafters"], s["lossless"]) for name, s in report.get("prompt_sets", {}).items()]
+    rows = [
+        (name, s["layout"], s["num_prompts"], s["drafters"], s["lossless"])
+        for name, s in report.get("prompt_sets", {}).items()
+    ]
     rows.append(("all", "", report["num_prompts"], report["drafters"], report["lossless"]["ok"]))
     for name, layout, prompts, metrics, lossless in rows:
         dflash = metrics["dflash"]
-        cells = [name, layout, str(prompts), _fmt(dflash["tau"], 3), _fmt(dflash["speedup"], 2) + "x", "yes" if lossless else "NO"]
+        cells = [name, layout, str(prompts), _fmt(dflash["tau"], 3), _fmt(dflash["speedup"], 2) + "x",
+                 "yes" if lossless else "NO"]
         cells += [_fmt(metrics[d]["tau"], 3) for d in others]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("\nPer-position acceptance of the drafter (fraction of cycles accepting draft k, k = 1, 2, ...):\n")
@@ -154,13 +162,18 @@ def _evaluation(evaluation: EvalSource | None) -> str:
     lines += _sampled(sampled)
     engine = report.get("engine")
     if engine:
-        verdict = "agrees with blockdraft's decode" if engine.get("disagreement") is None else f"disagrees: {engine['disagreement']}"
+        verdict = (
+            "agrees with blockdraft's decode"
+            if engine.get("disagreement") is None
+            else f"disagrees: {engine['disagreement']}"
+        )
         # At temperature our side of the comparison drafted by the report's rule; greedy is the same under every rule.
         at = f" at temperature {engine['temperature']:g}, {_rule(sampled)}" if engine.get("temperature") else ""
         lines.append(
-            f"\nServed by {engine['engine']} {engine['version']} ({engine['dtype']}){at}: tau {_fmt(engine['tau'], 3)}, speedup "
-            f"{_fmt(engine['speedup'], 2)}x, {engine['outputs_equal_target_only']}/{engine['num_prompts']} outputs equal to the "
-            f"engine's target-only outputs; {verdict} ({engine['rule']})."
+            f"\nServed by {engine['engine']} {engine['version']} ({engine['dtype']}){at}: tau "
+            f"{_fmt(engine['tau'], 3)}, speedup {_fmt(engine['speedup'], 2)}x, "
+            f"{engine['outputs_equal_target_only']}/{engine['num_prompts']} outputs equal to the engine's target-only "
+            f"outputs; {verdict} ({engine['rule']})."
         )
     return "\n".join(lines) + "\n"
 
@@ -176,9 +189,10 @@ def _sampled(sampled: dict[str, Any] | None) -> list[str]:
     if not sampled:
         return []
     lines = [
-        f"\nSampled decoding: temperature {sampled['temperature']:g}, top-p {sampled['top_p']:g}, top-k {sampled['top_k']}, seed "
-        f"{sampled['seed']}, {sampled['samples_per_prompt']} decode(s) per prompt, {sampled['decodes']} in all, over every prompt; "
-        f"{_rule(sampled)} and verified by rejection sampling; speedup over target-only sampling.\n",
+        f"\nSampled decoding: temperature {sampled['temperature']:g}, top-p {sampled['top_p']:g}, top-k "
+        f"{sampled['top_k']}, seed {sampled['seed']}, {sampled['samples_per_prompt']} decode(s) per prompt, "
+        f"{sampled['decodes']} in all, over every prompt; {_rule(sampled)} and verified by rejection sampling; speedup "
+        "over target-only sampling.\n",
         "| drafter | tau | tau 95% interval | speedup |",
         "|---|---|---|---|",
     ]
@@ -195,7 +209,8 @@ def _data(data: list[DataSource], provenance: dict[str, Any]) -> str:
         lines.append("The checkpoint records no training data input.")
     for source in data:
         if source.counts is None or source.run is None:
-            lines.append(f"- `{source.url}`, pinned by manifest sha256 `{source.sha256}`: {source.why}; its figures are not shown.")
+            lines.append(f"- `{source.url}`, pinned by manifest sha256 `{source.sha256}`: {source.why}; its figures "
+                         "are not shown.")
             continue
         figures = ", ".join(f"{label} {source.counts[key]:,}" for key, label in DATA_COUNTS if key in source.counts)
         run = source.run
@@ -204,11 +219,12 @@ def _data(data: list[DataSource], provenance: dict[str, Any]) -> str:
             settings.append(f"thinking mode {run['thinking']}")
         if "template_sha256" in run:
             settings.append(f"chat template sha256 `{run['template_sha256']}`")
-        lines.append(f"- `{source.url}` (tokenized artifact, manifest sha256 `{source.sha256}`): {figures}; {'; '.join(settings)}.")
+        lines.append(f"- `{source.url}` (tokenized artifact, manifest sha256 `{source.sha256}`): {figures}; "
+                     f"{'; '.join(settings)}.")
     trained = (provenance.get("config") or {}).get("train") or {}
     if trained:
-        lines.append(f"\nTraining settings pinned in the checkpoint (`blockdraft-export.json`, `config.train`):\n\n```json\n"
-                     f"{json.dumps(trained, indent=2, sort_keys=True)}\n```")
+        lines.append("\nTraining settings pinned in the checkpoint (`blockdraft-export.json`, "
+                     f"`config.train`):\n\n```json\n{json.dumps(trained, indent=2, sort_keys=True)}\n```")
     return "\n".join(lines) + "\n"
 
 
@@ -216,22 +232,29 @@ def _drafter(drafter_config: dict[str, Any], provenance: dict[str, Any], counts:
     dflash = provenance.get("dflash") or {}
     shape = [
         ("draft layers", drafter_config.get("num_hidden_layers")), ("hidden size", drafter_config.get("hidden_size")),
-        ("attention heads", drafter_config.get("num_attention_heads")), ("key/value heads", drafter_config.get("num_key_value_heads")),
+        ("attention heads", drafter_config.get("num_attention_heads")),
+        ("key/value heads", drafter_config.get("num_key_value_heads")),
         ("block size", dflash.get("block_size")), ("mask token id", dflash.get("mask_token_id")),
         ("target layer ids", dflash.get("target_layer_ids")), ("layer types", dflash.get("layer_types")),
         ("sliding window", dflash.get("sliding_window")), ("stored dtype", provenance.get("dtype")),
         ("parameters", counts.get("parameters")), ("tensors", counts.get("tensors")),
     ]
     lines = ["## Drafter\n", "From the export's `config.json`, `blockdraft-export.json` and manifest counts:\n"]
-    lines += [f"- {label}: {value:,}" if isinstance(value, int) else f"- {label}: {json.dumps(value) if isinstance(value, list) else value}"
-              for label, value in shape if value is not None]
+    lines += [
+        f"- {label}: {value:,}"
+        if isinstance(value, int)
+        else f"- {label}: {json.dumps(value) if isinstance(value, list) else value}"
+        for label, value in shape
+        if value is not None
+    ]
     lines.append(f"\nDFlash settings pinned in the checkpoint (`blockdraft-export.json`, `dflash`):\n\n```json\n"
                  f"{json.dumps(dflash, indent=2, sort_keys=True)}\n```")
     return "\n".join(lines) + "\n"
 
 
 def _serving(serving: dict[str, Any]) -> str:
-    commands = [c for c in (serving.get("pull_command"), serving.get("sglang_command"), serving.get("vllm_command")) if c]
+    commands = [c for c in (serving.get("pull_command"), serving.get("sglang_command"),
+                            serving.get("vllm_command")) if c]
     text = "## Serving\n\nFrom the export's `serving.json`:\n\n```sh\n" + "\n".join(commands) + "\n```\n"
     if serving.get("vllm_env"):  # what vLLM needs besides its command line, with the command's own reason
         names = ", ".join(f"`{name}={value}`" for name, value in sorted(serving["vllm_env"].items()))
@@ -239,4 +262,5 @@ def _serving(serving: dict[str, Any]) -> str:
     return text
 
 
-__all__ = ["CARD_NAME", "EVAL_KIND", "EVAL_REPORT_NAME", "DataSource", "EvalSource", "card_license", "gives_eval", "render_card"]
+__all__ = ["CARD_NAME", "EVAL_KIND", "EVAL_REPORT_NAME", "DataSource", "EvalSource", "card_license", "gives_eval",
+           "render_card"]

@@ -1,7 +1,7 @@
-"""Which eval an export's model card gives: the one `--eval` names (`open_eval`: an eval of this very checkpoint, measured
-against this export's target), else the latest verified eval of the checkpoint in the store (`latest_eval`), found by
-reading the store's manifests and verifying the candidate there. What the search found is held (`Held`) and said once
-the export is written, so a failing export still says its one error line alone.
+"""Which eval an export's model card gives: the one `--eval` names (`open_eval`: an eval of this very checkpoint,
+measured against this export's target), else the latest verified eval of the checkpoint in the store (`latest_eval`),
+found by reading the store's manifests and verifying the candidate there. What the search found is held (`Held`) and
+said once the export is written, so a failing export still says its one error line alone.
 """
 
 from __future__ import annotations
@@ -29,23 +29,29 @@ class OtherTargetError(ExportError):
 def open_eval(
     url: str, checkpoint: InputRef, store_config: StoreConfig | None, dest: Path, target: str | None = None
 ) -> EvalSource:
-    """The verified eval artifact at `url` and its report, refused (ExportError) unless it is an eval of `checkpoint`: its
-    lineage pins that checkpoint's manifest by sha256; and with `target` (the export's, as it pins it) refused
+    """The verified eval artifact at `url` and its report, refused (ExportError) unless it is an eval of `checkpoint`:
+    its lineage pins that checkpoint's manifest by sha256; and with `target` (the export's, as it pins it) refused
     (OtherTargetError) unless the report's target is that one (`same_target`)."""
     found = open_input(url, store_config, kinds=[EVAL_KIND], role="eval")
     evaluated = found.manifest.lineage[0] if found.manifest.lineage else None
     if evaluated is None or evaluated.sha256 != checkpoint.sha256:
-        of = f"checkpoint {evaluated.url} (manifest sha256 {(evaluated.sha256 or '')[:12]})" if evaluated else "no checkpoint"
+        of = (
+            f"checkpoint {evaluated.url} (manifest sha256 {(evaluated.sha256 or '')[:12]})"
+            if evaluated
+            else "no checkpoint"
+        )
         raise ExportError(
             f"eval {found.store.url} is of {of}, not of the exported checkpoint {checkpoint.url} (manifest sha256 "
-            f"{(checkpoint.sha256 or '')[:12]}); pass an eval of this checkpoint (`blockdraft eval --checkpoint {checkpoint.url}`)"
+            f"{(checkpoint.sha256 or '')[:12]}); pass an eval of this checkpoint (`blockdraft eval --checkpoint "
+            f"{checkpoint.url}`)"
         )
     report = json.loads((found.fetch([EVAL_REPORT_NAME], dest) / EVAL_REPORT_NAME).read_text())
     measured = report.get("target") if isinstance(report, dict) else None
     if target is not None and not (isinstance(measured, str) and same_target(redact_setting(measured), target)):
         raise OtherTargetError(
-            f"eval {found.store.url} measured the drafter against target {measured}, not this export's target {target} (the "
-            f"card's base_model); pass an eval made with target.path {target}, or export for that target (--target)"
+            f"eval {found.store.url} measured the drafter against target {measured}, not this export's target {target} "
+            f"(the card's base_model); pass an eval made with target.path {target}, or export for that target "
+            "(--target)"
         )
     return EvalSource(found.store.url, found.ref.sha256 or "", report)
 

@@ -3,14 +3,15 @@
 The export folder holds `config.json` + `model.safetensors` exactly as docs/DFLASH.md specifies (no embedding,
 no LM head), `blockdraft-export.json` (the target, the resolved blockdraft config, the DFlash parameters, the
 chat-template hash, thinking mode and data lineage the drafter was trained with), `serving.json` (the engine settings)
-and `README.md` (the model card, `card.py`: the Hub's folder layout), and its manifest. `rewrite_card` writes the card of
-an existing export again (after a new eval) through the store's `StageOutput.amend`. Without `--eval` the card gives the
-latest verified eval of the checkpoint in the store (`evals.py`). The export's lineage pins what it read: the
+and `README.md` (the model card, `card.py`: the Hub's folder layout), and its manifest. `rewrite_card` writes the card
+of an existing export again (after a new eval) through the store's `StageOutput.amend`. Without `--eval` the card gives
+the latest verified eval of the checkpoint in the store (`evals.py`). The export's lineage pins what it read: the
 checkpoint, and the eval its card gives (as a measured input: `status` says the export is stale when that eval is
 replaced or no longer verifies, not when the eval's own prompts change).
-The tensors are stored in the target's dtype (`target.dtype`, default the target config's own), as published drafters are:
-SGLang under `--dtype auto` runs a drafter in the dtype its config.json names (float32 becoming float16), so an fp32 export
-beside a bf16 target fails at the first request. The checkpoint keeps its fp32 master weights; only the export casts.
+The tensors are stored in the target's dtype (`target.dtype`, default the target config's own), as published drafters
+are: SGLang under `--dtype auto` runs a drafter in the dtype its config.json names (float32 becoming float16), so an
+fp32 export beside a bf16 target fails at the first request. The checkpoint keeps its fp32 master weights; only the
+export casts.
 
 It is written through `StageOutput` (docs/STORE.md, "Stage outputs and inputs"), keyed by the checkpoint (by content),
 the target whose config it is checked against, the dtype and the location the serving settings name: a rerun with those
@@ -70,7 +71,8 @@ from blockdraft.store.output import StageOutput, refuse_nested, resume_amend, st
 from blockdraft.store.writable import os_error_of, require_folder, write_failed
 
 STAGE = "export"
-PROVENANCE_FORMAT = "blockdraft-export/3"  # 3: serving.json names the V2 model runner vLLM serves DFlash2 on (`vllm_env`)
+# 3: serving.json names the V2 model runner vLLM serves DFlash2 on (`vllm_env`)
+PROVENANCE_FORMAT = "blockdraft-export/3"
 # vLLM 0.32 serves a DFlash2 drafter only on its V2 model runner: its V1 runner refuses "DFlash candidate-head drafts".
 VLLM_DFLASH2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 VLLM_DFLASH2_NOTE = ("vLLM 0.32 serves a DFlash2 drafter only on its V2 model runner, whose candidate walk is a Triton "
@@ -113,7 +115,8 @@ def run(
         resolved = redact_settings(_pinned_config(checkpoint, Path(tmp)))  # what the export pins names no credential
         target_path = config.target.path or resolved["target"]["path"]
         if not target_path:
-            raise ExportError("neither the config nor the checkpoint names target.path; pass --target with the target model's folder or hub id")
+            raise ExportError("neither the config nor the checkpoint names target.path; pass --target with the target "
+                              "model's folder or hub id")
         target_config = _target_config(target_path)
         dtype = target_dtype(config.target.dtype, target_config)
         target = redact_setting(target_path)  # the target as the export names it (provenance, card, serving, key)
@@ -130,12 +133,13 @@ def run(
         if done is not None:
             found.replay(reporter)
         if done is not None and eval is not None:
-            reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card from {eval}")
+            reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card "
+                         f"from {eval}")
             return rewrite_card(config, output, reporter, eval=eval, force=force)
         card = _stored_card(out) if done is not None else None
         if card is not None and config.export.license not in (None, card_license(card)):
-            reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card with "
-                         f"license {config.export.license}")
+            reporter.say(f"{out.url} already holds the export of this checkpoint for this target; rewriting its card "
+                         f"with license {config.export.license}")
             return rewrite_card(config, output, reporter, eval=evaluation.url if evaluation else None, force=force)
         if card is not None and evaluation is not None and not gives_eval(card, evaluation):
             # The store holds a newer eval of this checkpoint than the one the card gives (or the card gives none).
@@ -144,7 +148,8 @@ def run(
             return rewrite_card(config, output, reporter, eval=evaluation.url, force=force)
         if done is not None:
             reporter.say(f"{out.url} already holds the export of this checkpoint for this target; nothing written")
-            return StageResult(STAGE, out.url, done, already_done=True, seconds=time.perf_counter() - started, details=_stored(out))
+            return StageResult(STAGE, out.url, done, already_done=True, seconds=time.perf_counter() - started,
+                               details=_stored(out))
         drafter = DFlashDrafter.from_pretrained(checkpoint.fetch([CONFIG_NAME, WEIGHTS_NAME], Path(tmp)))
     dflash = resolved["dflash"]
     _check_pinned(drafter.spec, dflash)
@@ -186,19 +191,20 @@ def export_drafter(
 ) -> StageResult:
     """Check the drafter against the target's HF config, write the export files to `out`, commit them as an artifact.
 
-    Refuses (SpecError) a mask id >= the target's embedding rows, layer ids outside the target, a hidden size that differs,
-    and (ExportError) weights that hold NaN or infinite values, before anything is written. `lineage` pins the export's
-    inputs (the checkpoint); `data_lineage` (the checkpoint's own inputs: the tokenized data) is described in blockdraft-export.json with the template and thinking fields of those
-    inputs' manifests. `location` is where the drafter will be found (default: the output's URL): the serving settings name
-    it, or for a store URL a local folder with the pull step. `dtype` is the stored dtype (None: `target_dtype`).
-    `evaluation`: the eval whose figures the model card gives (None: the card says no eval was found); `license`: the
-    card's (`export.license`). The target and the config are pinned as `redact_settings` writes them: no credential.
+    Refuses (SpecError) a mask id >= the target's embedding rows, layer ids outside the target, a hidden size that
+    differs, and (ExportError) weights that hold NaN or infinite values, before anything is written. `lineage` pins the
+    export's inputs (the checkpoint); `data_lineage` (the checkpoint's own inputs: the tokenized data) is described in
+    blockdraft-export.json with the template and thinking fields of those inputs' manifests. `location` is where the
+    drafter will be found (default: the output's URL): the serving settings name it, or for a store URL a local folder
+    with the pull step. `dtype` is the stored dtype (None: `target_dtype`). `evaluation`: the eval whose figures the
+    model card gives (None: the card says no eval was found); `license`: the card's (`export.license`). The target and
+    the config are pinned as `redact_settings` writes them: no credential.
     """
     spec = drafter.spec
     spec.check_target(target_config)
     if bad := nonfinite_weights(drafter):  # a diverged drafter would verify and serve garbage
-        raise ExportError(f"the drafter to export is not finite: {describe_nonfinite(bad)}; export a checkpoint of a run "
-                          "that did not diverge (retrain with a lower train.lr)")
+        raise ExportError(f"the drafter to export is not finite: {describe_nonfinite(bad)}; export a checkpoint of a "
+                          "run that did not diverge (retrain with a lower train.lr)")
     dtype = target_dtype(dtype, target_config)
     endpoint = store_config.endpoint_url if store_config is not None else None
     target = redact_setting(target_path) if target_path else None
@@ -232,8 +238,8 @@ def export_drafter(
                 paths.append(root / name)
             counts = {"tensors": len(drafter.state_dict()), "parameters": sum(p.numel() for p in drafter.parameters())}
             card = render_card(
-                target or "TARGET_MODEL", location or out.url, json.loads((root / CONFIG_NAME).read_text()), provenance, serving,
-                counts, evaluation, verified_data(list(data_lineage or []), store_config), license,
+                target or "TARGET_MODEL", location or out.url, json.loads((root / CONFIG_NAME).read_text()), provenance,
+                serving, counts, evaluation, verified_data(list(data_lineage or []), store_config), license,
             )
             (root / CARD_NAME).write_text(card)
             paths.append(root / CARD_NAME)
@@ -245,14 +251,16 @@ def export_drafter(
 
 @contextmanager
 def _one_line_write_errors() -> Iterator[None]:
-    """A write the export's folders refuse (a full disk, a folder it may not write: the temp folder the files are made in, or
-    a local destination) is one StoreError line; the temp files are gone by then and no manifest was written."""
+    """A write the export's folders refuse (a full disk, a folder it may not write: the temp folder the files are made
+    in, or a local destination) is one StoreError line; the temp files are gone by then and no manifest was written."""
     try:
         yield
     except (OSError, SafetensorError) as exc:
         error = os_error_of(exc)
-        written = (error.filename2 or error.filename) if error is not None else None  # a copy names its destination second
-        folder = Path(written).parent if written else tempfile.gettempdir()  # safetensors names no path: the temp folder
+        # a copy names its destination second
+        written = (error.filename2 or error.filename) if error is not None else None
+        # safetensors names no path: the temp folder
+        folder = Path(written).parent if written else tempfile.gettempdir()
         failed = write_failed(exc, folder, "rerun the export (nothing was committed)")
         if failed is None:
             raise
@@ -276,19 +284,22 @@ def serving_settings(
     location: str, block_size: int, target: str | None = None, dtype: str = "float32", endpoint_url: str | None = None,
     architecture: str = DFLASH,
 ) -> dict[str, Any]:
-    """Engine settings for a drafter at `location` (a folder or URL) with block size B, beside a target running in `dtype`.
+    """Engine settings for a drafter at `location` (a folder or URL) with block size B, beside a target running in
+    `dtype`.
 
-    SGLang drafts B tokens per block and gets `--dtype` (under `auto` it would take the drafter's dtype from config.json);
-    vLLM counts B-1 and casts the drafter to the target's dtype itself. `pull_command` (None for a local export) fetches a
-    store export into `drafter_dir`, the folder both commands name; `endpoint_url` is the S3 endpoint it needs, if any.
-    Both engines serve a DFlash2 drafter with the DFlash command (config.json's architecture selects it); vLLM only on
-    its V2 model runner: `vllm_env` (set in `vllm_command`) and `vllm_note` say so, empty and None for DFlash."""
+    SGLang drafts B tokens per block and gets `--dtype` (under `auto` it would take the drafter's dtype from
+    config.json); vLLM counts B-1 and casts the drafter to the target's dtype itself. `pull_command` (None for a local
+    export) fetches a store export into `drafter_dir`, the folder both commands name; `endpoint_url` is the S3 endpoint
+    it needs, if any. Both engines serve a DFlash2 drafter with the DFlash command (config.json's architecture selects
+    it); vLLM only on its V2 model runner: `vllm_env` (set in `vllm_command`) and `vllm_note` say so, empty and None for
+    DFlash."""
     folder, pull = drafter_folder(location)
     sglang = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", folder,
               "--speculative-num-draft-tokens", str(block_size), "--dtype", dtype]
     vllm = {"method": "dflash", "model": folder, "num_speculative_tokens": block_size - 1}
     model = target or "TARGET_MODEL"
-    endpoint = ["--endpoint-url", safe_url(endpoint_url)] if endpoint_url else []  # stored in the export: no credentials
+    # stored in the export: no credentials
+    endpoint = ["--endpoint-url", safe_url(endpoint_url)] if endpoint_url else []
     env = dict(VLLM_DFLASH2_ENV) if architecture == DFLASH2 else {}
     return {
         "export_url": location if pull else f"file://{folder}",
@@ -300,8 +311,8 @@ def serving_settings(
         "vllm_env": env,
         "vllm_note": VLLM_DFLASH2_NOTE if env else None,
         "sglang_command": shlex.join(["python", "-m", "sglang.launch_server", "--model-path", model, *sglang]),
-        "vllm_command": shlex.join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve", model, "--speculative-config",
-                                    json.dumps(vllm)]),
+        "vllm_command": shlex.join([*(f"{k}={v}" for k, v in env.items()), "vllm", "serve", model,
+                                    "--speculative-config", json.dumps(vllm)]),
     }
 
 
@@ -312,7 +323,8 @@ def serving_lines(serving: dict[str, Any]) -> list[str]:
 
 
 def _pinned_config(checkpoint: StageInput, dest: Path) -> dict[str, Any]:
-    """The resolved config the drafter was trained with, as its checkpoint pins it; ExportError for an artifact without it."""
+    """The resolved config the drafter was trained with, as its checkpoint pins it; ExportError for an artifact without
+    it."""
     if PINNED_CONFIG_NAME not in {e.path for e in checkpoint.manifest.files}:
         raise ExportError(
             f"{checkpoint.store.url} lists no {PINNED_CONFIG_NAME}: it is not a blockdraft training checkpoint; pass a "
@@ -323,15 +335,16 @@ def _pinned_config(checkpoint: StageInput, dest: Path) -> dict[str, Any]:
 
 def _check_pinned(spec: DrafterSpec, dflash: dict[str, Any]) -> None:
     """The checkpoint's resolved config and its config.json must agree on what the engines read."""
-    pinned = {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids, "block_size": spec.block_size,
+    pinned = {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids,
+              "block_size": spec.block_size,
               "layer_types": spec.layer_types, "sliding_window": spec.sliding_window, "architecture": spec.architecture}
     if spec.dflash2 is not None:
         pinned.update(asdict(spec.dflash2))
     for name, value in pinned.items():
         if dflash.get(name) is not None and dflash[name] != value:
             raise ExportError(
-                f"checkpoint is inconsistent: dflash.{name} is {dflash[name]} in its {PINNED_CONFIG_NAME} but {value} in its "
-                f"{CONFIG_NAME}; re-save the checkpoint from training"
+                f"checkpoint is inconsistent: dflash.{name} is {dflash[name]} in its {PINNED_CONFIG_NAME} but {value} "
+                f"in its {CONFIG_NAME}; re-save the checkpoint from training"
             )
 
 
@@ -339,11 +352,14 @@ def _target_config(target_path: str) -> Any:
     try:
         return AutoConfig.from_pretrained(target_path)
     except (OSError, ValueError) as exc:
-        raise ExportError(f"cannot read the target's config at {target_path} ({type(exc).__name__}); pass --target PATH") from None
+        raise ExportError(
+            f"cannot read the target's config at {target_path} ({type(exc).__name__}); pass --target PATH"
+        ) from None
 
 
 def _data_facts(lineage: list[InputRef], store_config: StoreConfig | None) -> list[dict[str, Any]]:
-    """Per input artifact: its URL and pin, plus every template/thinking field its manifest records (config or counts)."""
+    """Per input artifact: its URL and pin, plus every template/thinking field its manifest records (config or
+    counts)."""
 
     def find(tree: Any, prefix: str = "") -> dict[str, Any]:
         found: dict[str, Any] = {}
@@ -390,19 +406,24 @@ def verified_data(lineage: list[InputRef], store_config: StoreConfig | None) -> 
                 if found.ref.sha256 != ref.sha256:
                     source.why = "it changed since the checkpoint was trained on it"
                 else:
-                    source.counts, source.run = dict(found.manifest.counts), dict(found.manifest.config.get("tokenize_run") or {})
+                    source.counts, source.run = (
+                        dict(found.manifest.counts),
+                        dict(found.manifest.config.get("tokenize_run") or {}),
+                    )
         sources.append(source)
     return sources
 
 
 def rewrite_card(
-    config: BlockdraftConfig, export: str, reporter: Reporter | None = None, *, eval: str | None = None, force: bool = False,
+    config: BlockdraftConfig, export: str, reporter: Reporter | None = None, *, eval: str | None = None,
+    force: bool = False,
 ) -> StageResult:
     """Write the model card of the verified export at `export` again, from `eval` (an eval of the exported checkpoint
     against its target; None: the latest verified eval of it in `config.store`, `latest_eval`), the training data as it
     verifies now and the license `export.license` names (None: the one the card gives now, when it verifies);
     an export a stopped rewrite left without its manifest is finished, a card edited by hand refused unless `force`;
-    every other file stays as committed and the manifest is rewritten through `StageOutput.amend`. `details` is the export's ExportResult."""
+    every other file stays as committed and the manifest is rewritten through `StageOutput.amend`. `details` is the
+    export's ExportResult."""
     started = time.perf_counter()
     reporter = reporter or Reporter()
     current = _export_to_rewrite(export, config, reporter, force)
@@ -412,11 +433,13 @@ def rewrite_card(
         provenance = json.loads((folder / PROVENANCE_NAME).read_text())
         if provenance.get("format") != PROVENANCE_FORMAT:
             raise ExportError(
-                f"{current.store.url}'s {PROVENANCE_NAME} is format {provenance.get('format')!r}, not {PROVENANCE_FORMAT!r}: an "
-                "older blockdraft wrote it; export the checkpoint again (blockdraft export CHECKPOINT OUT --force)"
+                f"{current.store.url}'s {PROVENANCE_NAME} is format {provenance.get('format')!r}, not "
+                f"{PROVENANCE_FORMAT!r}: an older blockdraft wrote it; export the checkpoint again (blockdraft export "
+                "CHECKPOINT OUT --force)"
             )
         if not current.manifest.lineage:
-            raise ExportError(f"{current.store.url} records no checkpoint it was exported from; export the checkpoint again")
+            raise ExportError(f"{current.store.url} records no checkpoint it was exported from; export the checkpoint "
+                              "again")
         checkpoint = current.manifest.lineage[0]
         target = provenance.get("target")
         found = Held()  # which eval the card gives, said once the card is written
@@ -427,8 +450,8 @@ def rewrite_card(
         data = [InputRef(**{k: e[k] for k in InputRef.model_fields if k in e}) for e in provenance.get("data", [])]
         serving = json.loads((folder / SERVING_NAME).read_text())
         card = render_card(
-            provenance["target"], current.store.url, json.loads((folder / CONFIG_NAME).read_text()), provenance, serving,
-            dict(current.manifest.counts), evaluation, verified_data(data, config.store),
+            provenance["target"], current.store.url, json.loads((folder / CONFIG_NAME).read_text()), provenance,
+            serving, dict(current.manifest.counts), evaluation, verified_data(data, config.store),
             config.export.license or _license_now(current),
         )
         root.mkdir()
@@ -437,7 +460,8 @@ def rewrite_card(
             writer = StageOutput.amending(current, force=force, reporter=reporter)
             report = writer.amend(current, root, [root / CARD_NAME], lineage=export_lineage(checkpoint, evaluation))
     found.replay(reporter)
-    return StageResult(STAGE, current.store.url, report, seconds=time.perf_counter() - started, details=ExportResult(serving, provenance))
+    return StageResult(STAGE, current.store.url, report, seconds=time.perf_counter() - started,
+                       details=ExportResult(serving, provenance))
 
 
 def export_lineage(checkpoint: InputRef, evaluation: EvalSource | None) -> list[InputRef]:
@@ -456,8 +480,8 @@ def _export_to_rewrite(export: str, config: BlockdraftConfig, reporter: Reporter
     store = open_store(export, config.store)
     resumed = resume_amend(store, EXPORT_KIND, [CARD_NAME])
     if resumed is not None:
-        reporter.say(f"{store.url}: a rewrite of its card stopped before writing its manifest, and every other file verifies "
-                     "against the manifest it replaced; finishing it")
+        reporter.say(f"{store.url}: a rewrite of its card stopped before writing its manifest, and every other file "
+                     "verifies against the manifest it replaced; finishing it")
         return resumed
     report = verify_artifact(store)
     if edited_card(report):
@@ -485,15 +509,16 @@ def refuse_edited_card(store: Store, force: bool, reporter: Reporter, report: Ve
         reporter.say(f"{url}/{CARD_NAME} was edited by hand; --force: writing the card again over it")
         return
     raise ExportError(
-        f"{url}/{CARD_NAME} is not the card this export wrote (edited by hand?), so the export no longer verifies; blockdraft "
-        f"writes that file: set the license with export.license and write the card again with `blockdraft export --card-only "
-        f"{url} --license LICENSE --force` (--force replaces your edits: keep a copy of anything else you added)"
+        f"{url}/{CARD_NAME} is not the card this export wrote (edited by hand?), so the export no longer verifies; "
+        "blockdraft writes that file: set the license with export.license and write the card again with `blockdraft "
+        f"export --card-only {url} --license LICENSE --force` (--force replaces your edits: keep a copy of anything "
+        "else you added)"
     )
 
 
 def _license_now(current: StageInput) -> str | None:
-    """The license the export's card gives now, read only when the card verifies (a card edited by hand, or one a stopped
-    rewrite left, is not read)."""
+    """The license the export's card gives now, read only when the card verifies (a card edited by hand, or one a
+    stopped rewrite left, is not read)."""
     if current.report.state is not State.VERIFIED or CARD_NAME not in {e.path for e in current.manifest.files}:
         return None
     with tempfile.TemporaryDirectory(prefix="blockdraft-card-") as tmp:
@@ -507,7 +532,8 @@ def _stored_card(out: StageOutput) -> str | None:
 
 def _stored(out: StageOutput) -> ExportResult:
     """The ExportResult of an export that is already done, read from its (verified) files."""
-    return ExportResult(json.loads(out.store.read_bytes(SERVING_NAME)), json.loads(out.store.read_bytes(PROVENANCE_NAME)))
+    return ExportResult(json.loads(out.store.read_bytes(SERVING_NAME)),
+                        json.loads(out.store.read_bytes(PROVENANCE_NAME)))
 
 
 __all__ = [

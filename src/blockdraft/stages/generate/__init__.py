@@ -1,4 +1,5 @@
-"""The `generate` stage: `run(config, input, output, reporter) -> StageResult` with a `GenerateSummary` as its details."""
+"""The `generate` stage: `run(config, input, output, reporter) -> StageResult` with a `GenerateSummary` as its
+details."""
 
 from __future__ import annotations
 

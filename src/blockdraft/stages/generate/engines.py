@@ -40,15 +40,16 @@ class Failure:
 
 
 class HFEngine:
-    """Local transformers generation for small targets: the [target] section's model (and tokenizer) in target.dtype (unset:
-    its config.json's), generate.batch_size prompts per `generate` call, greedy by default."""
+    """Local transformers generation for small targets: the [target] section's model (and tokenizer) in target.dtype
+    (unset: its config.json's), generate.batch_size prompts per `generate` call, greedy by default."""
 
     def __init__(self, target: TargetConfig, settings: GenerateConfig, device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if not target.path:
-            raise ConfigError("generate.engine is 'hf' but target.path is not set; set it to the target model's folder or hub id")
+            raise ConfigError("generate.engine is 'hf' but target.path is not set; set it to the target model's folder "
+                              "or hub id")
         dtype = target_dtype(target.dtype, load_target_config(target.path))
         self.tokenizer = AutoTokenizer.from_pretrained(target.tokenizer or target.path)
         model = AutoModelForCausalLM.from_pretrained(target.path, dtype=getattr(torch, dtype))
@@ -77,7 +78,8 @@ class HFEngine:
             except Exception as exc:
                 yield Failure(prompt.id, "template_error", f"{type(exc).__name__}: {exc}"[:300], 1)
         if renderable:
-            yield from generate_completions(self.model, self.tokenizer, renderable, self.max_new_tokens, self.temperature)
+            yield from generate_completions(self.model, self.tokenizer, renderable, self.max_new_tokens,
+                                            self.temperature)
 
 
 class RequestError(Exception):
@@ -118,15 +120,16 @@ class OpenAIEngine:
     """Chat completions from the OpenAI-compatible server at generate.base_url, per the [generate] section.
 
     At most `concurrency` requests in flight; each has a `timeout_s` deadline; 5xx/429/timeouts/connection errors are
-    retried up to `max_retries` times with exponential backoff (`retry_backoff_s` * 2^attempt, jittered, capped at 30 s);
-    other 4xx answers are the prompt's fault and are not retried. The API key comes from the environment variable
+    retried up to `max_retries` times with exponential backoff (`retry_backoff_s` * 2^attempt, jittered, capped at 30
+    s); other 4xx answers are the prompt's fault and are not retried. The API key comes from the environment variable
     `api_key_env` and is sent only in the Authorization header; every error text is redacted before it is kept, so the
     key never reaches a failure record, a message or an artifact (docs/STORE.md, credentials).
     """
 
     def __init__(self, settings: GenerateConfig, seed: int = 0) -> None:
         if not settings.base_url:
-            raise ConfigError("generate.engine is 'openai' but generate.base_url is not set; set it to the server's /v1 URL")
+            raise ConfigError("generate.engine is 'openai' but generate.base_url is not set; set it to the server's "
+                              "/v1 URL")
         self.base_url = settings.base_url
         self.shown_url = safe_url(self.base_url).rstrip("/")  # what messages name: no password, no token
         remember_url(self.base_url)
@@ -157,11 +160,13 @@ class OpenAIEngine:
         except (RequestError, KeyError, IndexError, TypeError) as exc:
             detail = exc.detail if isinstance(exc, RequestError) else "no model listed"
             raise ConfigError(
-                f"cannot ask {self.shown_url}/models which model it serves ({detail}); start the server or set generate.model"
+                f"cannot ask {self.shown_url}/models which model it serves ({detail}); start the server or set "
+                "generate.model"
             ) from None
 
     def _url(self, path: str) -> str:
-        """`path` under the base URL as given, its query string (a gateway's token or API version) kept after the path."""
+        """`path` under the base URL as given, its query string (a gateway's token or API version) kept after the
+        path."""
         base, mark, query = self.base_url.partition("?")
         return base.rstrip("/") + path + mark + query
 
@@ -173,7 +178,8 @@ class OpenAIEngine:
                 raw = response.read()
         except urllib.error.HTTPError as exc:
             message = _error_message(exc)
-            raise RequestError(f"http_{exc.code}", f"HTTP {exc.code}: {message}", exc.code in RETRYABLE_STATUSES) from None
+            raise RequestError(f"http_{exc.code}", f"HTTP {exc.code}: {message}",
+                               exc.code in RETRYABLE_STATUSES) from None
         except TimeoutError:
             raise RequestError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True) from None
         except urllib.error.URLError as exc:
@@ -181,7 +187,8 @@ class OpenAIEngine:
                 raise RequestError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True) from None
             raise RequestError("connection", f"cannot reach {self.shown_url}: {exc.reason}", retryable=True) from None
         except (ConnectionError, http.client.HTTPException) as exc:
-            raise RequestError("connection", f"connection to {self.shown_url} lost: {type(exc).__name__}", retryable=True) from None
+            raise RequestError("connection", f"connection to {self.shown_url} lost: {type(exc).__name__}",
+                               retryable=True) from None
         try:
             return json.loads(raw)
         except ValueError:
@@ -189,7 +196,8 @@ class OpenAIEngine:
 
     def request_body(self, prompt: Prompt) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model, "messages": prompt.messages, "max_tokens": self.max_new_tokens, "temperature": self.temperature,
+            "model": self.model, "messages": prompt.messages, "max_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
         }
         if prompt.enable_thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": prompt.enable_thinking}
@@ -232,7 +240,8 @@ class OpenAIEngine:
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:
-    """The server's error message (OpenAI `{"error": {"message": ...}}` or FastAPI `{"detail": ...}`), one line, redacted."""
+    """The server's error message (OpenAI `{"error": {"message": ...}}` or FastAPI `{"detail": ...}`), one line,
+    redacted."""
     try:
         body = json.loads(exc.read() or b"{}")
     except (ValueError, OSError):
@@ -241,4 +250,5 @@ def _error_message(exc: urllib.error.HTTPError) -> str:
         return exc.reason or "error"
     error = body.get("error")
     message = error.get("message") if isinstance(error, dict) else (error or body.get("detail") or body.get("message"))
-    return redact(" ".join(str(message or exc.reason).split()))[:200]  # redacted whole: a cut key is harder to recognise
+    # redacted whole: a cut key is harder to recognise
+    return redact(" ".join(str(message or exc.reason).split()))[:200]

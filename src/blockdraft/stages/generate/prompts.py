@@ -1,4 +1,5 @@
-"""The prompts of a `generate` input: each row's messages without its final assistant turn, and the rows that are no prompt.
+"""The prompts of a `generate` input: each row's messages without its final assistant turn, and the rows that are no
+prompt.
 
 The input is one object, a folder or prefix of completions files, or an artifact (`blockdraft.data.completions`); it is
 pinned by content as lineage (raw objects by size and checksum or ETag, an artifact by its manifest's sha256).
@@ -12,7 +13,13 @@ from typing import Any
 
 from blockdraft.config import StoreConfig, is_s3_url
 from blockdraft.data.chat import Prompt
-from blockdraft.data.completions import RowRejected, is_completions_file, normalise_message, resolve_completions, source_id_of
+from blockdraft.data.completions import (
+    RowRejected,
+    is_completions_file,
+    normalise_message,
+    resolve_completions,
+    source_id_of,
+)
 from blockdraft.data.records import iter_records
 from blockdraft.errors import ConfigError
 from blockdraft.store import Store
@@ -45,7 +52,11 @@ def list_prompt_files(input_url: str, store_config: StoreConfig) -> tuple[Store,
     store, keys, artifact = resolve_completions(input_url, store_config)
     if artifact is not None:
         listed = set(keys)
-        return store, [(f.path, f.size, f.checksum) for f in artifact.manifest.files if f.path in listed], [artifact.ref]
+        return (
+            store,
+            [(f.path, f.size, f.checksum) for f in artifact.manifest.files if f.path in listed],
+            [artifact.ref],
+        )
     files, lineage = [], []
     # One round trip per object on S3 (a full read on a folder): in parallel.
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -34,7 +34,8 @@ def completion_row(prompt: Prompt, done: Completion) -> dict[str, Any]:
     thinking = {True: "on", False: "off", None: "default"}[prompt.enable_thinking]
     row: dict[str, Any] = {
         "id": prompt.id,
-        "messages": prompt.messages + [{"role": "assistant", "content": done.content, "reasoning_content": done.reasoning_content}],
+        "messages": prompt.messages + [{"role": "assistant", "content": done.content,
+                                        "reasoning_content": done.reasoning_content}],
         "thinking": thinking,
         "finish_reason": done.finish_reason,
     }
@@ -55,7 +56,8 @@ def shard_name(index: int) -> str:
 
 
 class ShardWriter:
-    """Completed rows -> a shard at the destination every `rows_per_shard` rows, each recorded as a piece for `piece_key`.
+    """Completed rows -> a shard at the destination every `rows_per_shard` rows, each recorded as a piece for
+    `piece_key`.
 
     `entries`, `ids` and `stats` sum up what this writer put there.
     """

@@ -15,8 +15,8 @@ A line: {"id", "messages": prompt + [{"role": "assistant", "content", "reasoning
 Done and resume (docs/STORE.md): the output's key is `stage_key(settings, lineage)`, so an output made from these
 settings and this input is left as it is, unless its commit counted failed requests (`StageOutput.state`: partial).
 Each shard is a piece keyed by `stage_key(settings)` alone (a completion depends on its prompt and the settings, not on
-which other prompts the input holds): a rerun keeps the finished pieces' ids without reading a shard and generates only the missing prompts (failed ones included), so
-nothing is generated twice; a piece made with other settings is refused.
+which other prompts the input holds): a rerun keeps the finished pieces' ids without reading a shard and generates only
+the missing prompts (failed ones included), so nothing is generated twice; a piece made with other settings is refused.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ SETTINGS_FIELDS = ("engine", "model", "max_new_tokens", "temperature", "thinking
 class GenerateSummary:
     """What a generate run left at the destination (the `details` of its StageResult).
 
-    `reused`: completions already there before this run; `generated`/`failed`: this run's; `bad_prompts`: input rows that
-    are no prompt; `reasons`: counts per reason of both; `truncated`/`with_token_ids`: rows of the whole artifact.
+    `reused`: completions already there before this run; `generated`/`failed`: this run's; `bad_prompts`: input rows
+    that are no prompt; `reasons`: counts per reason of both; `truncated`/`with_token_ids`: rows of the whole artifact.
     """
 
     prompts: int
@@ -69,7 +69,8 @@ class GenerateSummary:
     with_token_ids: int = 0
 
 
-def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None, *, force: bool = False) -> StageResult:
+def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None, *,
+        force: bool = False) -> StageResult:
     """Complete every prompt of `input` that `output` does not hold yet, then commit the artifact.
 
     Reports progress as ("generate", prompts done, prompts pending); `summary_lines` is what a caller prints of the
@@ -85,7 +86,8 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     # an output that is done is recognised without reaching the server. The piece key below takes the served
     # name, so completions of another served model are never mixed into the same output.
     # Its commit counts failed requests under "failed": such an output is partial, not done, and a rerun retries them.
-    out = StageOutput(output, KIND, stage_key(settings, lineage), config.store, failures="failed", force=force, reporter=reporter)
+    out = StageOutput(output, KIND, stage_key(settings, lineage), config.store, failures="failed", force=force,
+                      reporter=reporter)
     report = out.done()
     if report is not None:  # done, for these settings and this input
         return StageResult(STAGE, output, report, True, time.perf_counter() - started, _summary_of(report))
@@ -94,7 +96,8 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     engine = None
     if settings["model"] is None:
         # openai with no configured model: the served name is asked from the server when the engine starts, and is part
-        # of the piece key, so the engine starts before the pieces are compared (a rerun of a complete output never gets here).
+        # of the piece key, so the engine starts before the pieces are compared (a rerun of a complete output never gets
+        # here).
         engine = _make_engine(config)
         settings["model"] = engine.model
     piece_key = stage_key(settings)
@@ -126,9 +129,11 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     return StageResult(STAGE, output, report, False, time.perf_counter() - started, summary)
 
 
-def _generate(engine: HFEngine | OpenAIEngine, pending: list[Prompt], writer: ShardWriter, reporter: Reporter) -> list[Failure]:
-    """Complete `pending` into `writer`'s shards; returns the failed requests. Every finished row reaches the destination,
-    even when the run is interrupted."""
+def _generate(
+    engine: HFEngine | OpenAIEngine, pending: list[Prompt], writer: ShardWriter, reporter: Reporter
+) -> list[Failure]:
+    """Complete `pending` into `writer`'s shards; returns the failed requests. Every finished row reaches the
+    destination, even when the run is interrupted."""
     failed: list[Failure] = []
     by_id = {p.id: p for p in pending}
     reporter.progress(STAGE, 0, len(pending))
@@ -157,13 +162,15 @@ def _make_engine(cfg: BlockdraftConfig) -> HFEngine | OpenAIEngine:
     return OpenAIEngine(cfg.generate) if cfg.generate.engine == "openai" else HFEngine(cfg.target, cfg.generate)
 
 
-def _refuse_other_output(out: StageOutput, held: HeldShards, settings: dict[str, Any], prompt_ids: set[str], input: str) -> None:
-    """Refuse to add to an output that holds completions of other settings (a piece recorded for another piece key) or of
-    prompts the input does not have. The decision is the piece key's; `generate.settings` only names what changed."""
+def _refuse_other_output(out: StageOutput, held: HeldShards, settings: dict[str, Any], prompt_ids: set[str],
+                         input: str) -> None:
+    """Refuse to add to an output that holds completions of other settings (a piece recorded for another piece key) or
+    of prompts the input does not have. The decision is the piece key's; `generate.settings` only names what changed."""
     if held.other_key:
         raise ConfigError(
-            f"output {out.url} holds completions made with other generate settings ({_changed_settings(out, settings, held.other_key[0])}); "
-            "write to a new OUTPUT, or delete that one to regenerate everything"
+            f"output {out.url} holds completions made with other generate settings "
+            f"({_changed_settings(out, settings, held.other_key[0])}); write to a new OUTPUT, or delete that one to "
+            "regenerate everything"
         )
     extra = held.ids - prompt_ids
     if extra:
@@ -192,7 +199,10 @@ def _put(out: StageOutput, key: str, data: bytes) -> FileEntry:
 
 def _failure_lines(bad: list[BadPrompt], failed: list[Failure]) -> bytes:
     rows = [{"kind": "bad_prompt", "id": b.id, "source": b.source, "reason": b.reason, "detail": b.detail} for b in bad]
-    rows += [{"kind": "failed_request", "id": f.id, "reason": f.reason, "detail": f.detail, "attempts": f.attempts} for f in failed]
+    rows += [
+        {"kind": "failed_request", "id": f.id, "reason": f.reason, "detail": f.detail, "attempts": f.attempts}
+        for f in failed
+    ]
     return b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows)
 
 
@@ -202,16 +212,19 @@ def _summary_of(report: VerifyReport) -> GenerateSummary:
     counts = report.manifest.counts
     rows_by = counts.get("rows_by", {})
     return GenerateSummary(counts.get("prompts", 0), counts.get("rows", 0), 0, 0, counts.get("bad_prompts", 0),
-                           dict(counts.get("reasons", {})), rows_by.get("finish_length", 0), rows_by.get("with_token_ids", 0))
+                           dict(counts.get("reasons", {})), rows_by.get("finish_length", 0),
+                           rows_by.get("with_token_ids", 0))
 
 
 def summary_lines(result: StageResult) -> list[str]:
     """The run's summary for people: one line per fact, reasons counted."""
     summary: GenerateSummary = result.details
     lines = [
-        f"{result.report.state.value}: {result.url}" + (" (already complete, nothing generated)" if result.already_done else ""),
+        f"{result.report.state.value}: {result.url}"
+        + (" (already complete, nothing generated)" if result.already_done else ""),
         f"prompts {summary.prompts}: reused {summary.reused}, generated {summary.generated}, failed {summary.failed}, "
-        f"bad {summary.bad_prompts}; truncated {summary.truncated}, with token ids {summary.with_token_ids}; {result.seconds:.1f} s",
+        f"bad {summary.bad_prompts}; truncated {summary.truncated}, with token ids {summary.with_token_ids}; "
+        f"{result.seconds:.1f} s",
     ]
     lines += [f"  {reason}: {count}" for reason, count in summary.reasons.items()]
     return lines
