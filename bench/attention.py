@@ -3,13 +3,16 @@
 One call as a training layer makes it (`blockdraft.model.drafter.attend`), mask building included: dense builds the
 [b, 1, Q, S+Q] mask from the anchors (`block_attention_mask`), block-sparse builds the BlockMask from the same anchors
 (`AnchorLayout.block_mask`) and runs compiled FlexAttention. Every row has `--seq-len` tokens, all supervised, and
-`--anchors` sampled anchors of `--block-size` slots. Each path runs in a fresh process, warmed up first (the FlexAttention
-kernel compiled at the measured shape), and reports what the call itself added: on the CPU the resident high-water mark
-(reset just before the call through /proc/self/clear_refs) above the resident size then; on CUDA the allocator's peak
-above what was allocated then. FlexAttention has no backward on the CPU, so `--backward` there measures dense alone.
+`--anchors` sampled anchors of `--block-size` slots. Each path runs in a fresh process, warmed up first (the
+FlexAttention kernel compiled at the measured shape), and reports what the call itself added: on the CPU the resident
+high-water mark (reset just before the call through /proc/self/clear_refs) above the resident size then; on CUDA the
+allocator's peak above what was allocated then. FlexAttention has no backward on the CPU, so `--backward` there measures
+dense alone.
 
-    python -m bench.attention --small                  # a self-check (about a minute, mostly compiling): outputs compared
-    python -m bench.attention                          # 4096 tokens x 512 anchors x block 16, 32 query / 8 KV heads of 128
+    python -m bench.attention --small                  # a self-check (about a minute, mostly compiling): outputs
+                                                       # compared
+    python -m bench.attention                          # 4096 tokens x 512 anchors x block 16, 32 query / 8 KV heads
+                                                       # of 128
     python -m bench.attention --device cuda --backward # on a GPU: forward and backward, bf16
 """
 
@@ -48,7 +51,9 @@ def _inputs(cfg: dict, rows: int, device: torch.device, dtype: torch.dtype, grad
     q_len = n * size
 
     def rand(heads: int, length: int) -> torch.Tensor:
-        return torch.randn(rows, heads, length, cfg["head_dim"], generator=g, device=device, dtype=dtype).requires_grad_(grad)
+        return torch.randn(
+            rows, heads, length, cfg["head_dim"], generator=g, device=device, dtype=dtype
+        ).requires_grad_(grad)
 
     return anchors, keep, rand(cfg["heads"], q_len), rand(cfg["kv_heads"], s + q_len), rand(cfg["kv_heads"], s + q_len)
 
@@ -101,8 +106,8 @@ def measure(path: str, cfg: dict, rows: int, device: torch.device, backward: boo
 
 def _child(args: argparse.Namespace) -> dict:
     """Run `args.path` in a fresh interpreter and read back its JSON line."""
-    cmd = [sys.executable, "-m", "bench.attention", "--path", args.path, "--device", args.device, "--rows", str(args.rows),
-           *(["--small"] if args.small else []), *(["--backward"] if args.backward else []),
+    cmd = [sys.executable, "-m", "bench.attention", "--path", args.path, "--device", args.device, "--rows",
+           str(args.rows), *(["--small"] if args.small else []), *(["--backward"] if args.backward else []),
            *(["--window", str(args.window)] if args.window else [])]
     for key in FULL:
         value = getattr(args, key)
@@ -136,9 +141,10 @@ def main() -> None:
         return
 
     q_len, kv_len = cfg["anchors"] * cfg["block_size"], cfg["seq_len"] + cfg["anchors"] * cfg["block_size"]
-    print(f"{args.rows} x [{q_len} queries, {kv_len} keys], {cfg['heads']}/{cfg['kv_heads']} heads of {cfg['head_dim']}, "
-          f"{'sliding ' + str(args.window) if args.window else 'full attention'}, {'forward+backward' if args.backward else 'forward'}, "
-          f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{args.rows} x [{q_len} queries, {kv_len} keys], {cfg['heads']}/{cfg['kv_heads']} heads of "
+          f"{cfg['head_dim']}, {'sliding ' + str(args.window) if args.window else 'full attention'}, "
+          f"{'forward+backward' if args.backward else 'forward'}, {device}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
     results = {}
     for path in PATHS:
         if path == "flex" and args.backward and device.type != "cuda":
@@ -149,13 +155,13 @@ def main() -> None:
         if "error" in r:
             print(f"{path:>5}: not measured ({r['error']})")
         else:
-            print(f"{path:>5}: {r['seconds']:.3f} s, peak +{r['peak_added_mib']:.1f} MiB (mask {r['mask_mib']:.2f} MiB, "
-                  f"output {r['output_mib']:.1f} MiB)")
+            print(f"{path:>5}: {r['seconds']:.3f} s, peak +{r['peak_added_mib']:.1f} MiB (mask {r['mask_mib']:.2f} "
+                  f"MiB, output {r['output_mib']:.1f} MiB)")
     dense, flex = results["dense"], results["flex"]
     if "error" not in dense and "error" not in flex:
         agree = abs(dense["checksum"] - flex["checksum"]) / max(dense["abs_sum"], 1e-12)
-        print(f"flex / dense: peak {flex['peak_added_mib'] / dense['peak_added_mib']:.3f}, time {flex['seconds'] / dense['seconds']:.3f}; "
-              f"outputs agree to {agree:.1e} of their magnitude")
+        print(f"flex / dense: peak {flex['peak_added_mib'] / dense['peak_added_mib']:.3f}, time "
+              f"{flex['seconds'] / dense['seconds']:.3f}; outputs agree to {agree:.1e} of their magnitude")
         if args.small and agree > 1e-4:
             sys.exit(f"dense and flex outputs differ: {agree:.1e} of their magnitude")
     print(json.dumps({"config": cfg, "rows": args.rows, "backward": args.backward, "window": args.window, **results}))

@@ -82,13 +82,15 @@ def main() -> None:
             results.setdefault("first (fills the cache)", []).append(run("first", status, cache))
             results.setdefault("cached", []).append(run("cached", status, cache))
             results.setdefault("deep, page cache warm", []).append(run("deep", status + ["--deep"], work / "unused"))
-            results.setdefault("deep, evicted", []).append(run("deep", status + ["--deep"], work / "unused", lambda: evict(folder)))
+            results.setdefault("deep, evicted", []).append(run("deep", status + ["--deep"], work / "unused",
+                                                               lambda: evict(folder)))
             results.setdefault("cached, evicted", []).append(run("cached", status, cache, lambda: evict(folder)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     n = args.artifacts * args.files
-    print(f"folder: {args.artifacts} artifacts, {n} files, {total / 2**20:.0f} MiB; `blockdraft status`, median of {args.repeats}")
+    print(f"folder: {args.artifacts} artifacts, {n} files, {total / 2**20:.0f} MiB; `blockdraft status`, median of "
+          f"{args.repeats}")
     cached = statistics.median(s for s, _ in results["cached"])
     print(f"{'run':<28}{'wall s':>8}{'CPU s':>8}{'wall / cached':>15}   all (s)")
     for mode, runs in results.items():

@@ -1,4 +1,5 @@
-"""How much a reader must follow for one stage: the blockdraft modules and classes it reaches, and the store names it uses.
+"""How much a reader must follow for one stage: the blockdraft modules and classes it reaches, and the store names it
+uses.
 
     .venv/bin/python -m bench.concepts [tokenize train ...] [--src SRC] [--surface MODULE ...]
 
@@ -73,7 +74,9 @@ def reached_by(module: str, names: list[str]) -> list[str]:
 
 def stage_modules(stage: str) -> list[str]:
     package = SRC / ROOT / "stages" / stage
-    return sorted(f"{ROOT}.stages.{stage}" + ("" if p.stem == "__init__" else f".{p.stem}") for p in package.glob("*.py"))
+    return sorted(
+        f"{ROOT}.stages.{stage}" + ("" if p.stem == "__init__" else f".{p.stem}") for p in package.glob("*.py")
+    )
 
 
 def closure(start: list[str]) -> set[str]:
@@ -135,7 +138,8 @@ def main() -> None:
     for stage in args.stages:
         reached = closure(stage_modules(stage))
         used = store_names(stage)
-        print(f"{stage}: {len(reached)} modules, {classes_in(reached)} classes; {len(used)} store names: {', '.join(used)}")
+        print(f"{stage}: {len(reached)} modules, {classes_in(reached)} classes; {len(used)} store names: "
+              f"{', '.join(used)}")
 
 
 if __name__ == "__main__":

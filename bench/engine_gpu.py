@@ -10,11 +10,12 @@ of this script.
   copied with a `preprocessor_config.json` (its image processor's patch sizes, from the target's vision config), which
   vLLM's Qwen3.5 loader asks for; the vision tower is kept out of the engine's memory profiling
   (`--limit-mm-per-prompt`), since the eval sends text only. bf16: vLLM runs Gated DeltaNet in bf16.
-- `sglang`: the tiny dense target with a one-layer drafter, served by SGLang (`eval --engine sglang`), in bf16 (the dtype
-  SGLang's GPU attention backends take).
+- `sglang`: the tiny dense target with a one-layer drafter, served by SGLang (`eval --engine sglang`), in bf16 (the
+  dtype SGLang's GPU attention backends take).
 - `dflash2-vllm`, `dflash2-sglang`: the tiny dense target with a DFlash2 drafter (`dflash.architecture = "dflash2"`, the
-  published drafter's taps, groups and top-K, a smaller selector rank), trained and exported by the same commands, served
-  by vLLM's V2 model runner (the only one that serves DFlash2: its candidate walk is a Triton kernel) and by SGLang.
+  published drafter's taps, groups and top-K, a smaller selector rank), trained and exported by the same commands,
+  served by vLLM's V2 model runner (the only one that serves DFlash2: its candidate walk is a Triton kernel) and by
+  SGLang.
 
     python -m bench.engine_gpu hybrid-vllm --engine-python .venv-engine/bin/python [--workdir DIR] [--steps N]
     python -m bench.engine_gpu sglang --engine-python .venv-sglang/bin/python
@@ -40,13 +41,14 @@ from blockdraft.pipeline import write_toml
 from blockdraft.stages.eval.engine import engine_python
 from blockdraft.stages.eval.report import EngineCheck, engine_lines
 
-PUBLISHED_SHAPE = {"num_draft_layers": 5, "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 32}
+PUBLISHED_SHAPE = {"num_draft_layers": 5, "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
+                   "sliding_window": 32}
 CHECKS: dict[str, dict[str, Any]] = {
     "hybrid-vllm": {"target": TINY_HYBRID_TARGET_DIR, "engine": "vllm", "block_size": 16, "drafter": PUBLISHED_SHAPE,
                     "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"},
                     "engine_args": ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]},
-    "sglang": {"target": TINY_TARGET_DIR, "engine": "sglang", "block_size": 8, "drafter": {"num_draft_layers": 1}, "env": {},
-               "engine_args": []},
+    "sglang": {"target": TINY_TARGET_DIR, "engine": "sglang", "block_size": 8, "drafter": {"num_draft_layers": 1},
+               "env": {}, "engine_args": []},
 }
 DFLASH2_DRAFTER = {"num_draft_layers": 1, "architecture": "dflash2", "selector_rank": 64}
 CHECKS["dflash2-vllm"] = {"target": TINY_TARGET_DIR, "engine": "vllm", "block_size": 8, "drafter": DFLASH2_DRAFTER,
@@ -80,9 +82,12 @@ def sections(check: dict[str, Any], target: Path, work: Path, python: str, steps
         "tokenize": {"held_out_fraction": 0.0, "max_length": 1024},
         "dflash": {"block_size": check["block_size"], "mask_token_id": mask, "num_anchors": 32, **check["drafter"]},
         "placement": {"target_devices": ["cuda:0"], "drafter_devices": ["cuda:0"]},
-        "train": {"data": str(work / "tokenized"), "output": str(work / "run"), "log_dir": str(work / "logs"), "max_steps": steps,
-                  "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05, "checkpoint_every": steps, "seed": 0},
-        "eval": {"num_prompts": 16, "max_new_tokens": 64, "prompts": str(target / "prompts.jsonl"), "untrained_baseline": False,
+        "train": {"data": str(work / "tokenized"), "output": str(work / "run"), "log_dir": str(work / "logs"),
+                  "max_steps": steps,
+                  "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05, "checkpoint_every": steps,
+                  "seed": 0},
+        "eval": {"num_prompts": 16, "max_new_tokens": 64, "prompts": str(target / "prompts.jsonl"),
+                 "untrained_baseline": False,
                  "engine": check["engine"], "engine_python": python, "engine_args": check["engine_args"]},
     }
 
@@ -97,8 +102,10 @@ def blockdraft(*args: str, env: dict[str, str]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("check", choices=sorted(CHECKS))
-    parser.add_argument("--engine-python", required=True, help="The Python that has the engine (vllm or sglang) installed.")
-    parser.add_argument("--workdir", default=None, help="Where the config, data, run and eval go (default: ./engine-CHECK).")
+    parser.add_argument("--engine-python", required=True, help="The Python that has the engine (vllm or sglang) "
+                                                               "installed.")
+    parser.add_argument("--workdir", default=None, help="Where the config, data, run and eval go (default: "
+                                                        "./engine-CHECK).")
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     check = CHECKS[args.check]
@@ -106,11 +113,16 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     python = str(Path(args.engine_python).absolute())
     try:
-        engine_python(EvalConfig(engine=check["engine"], engine_python=python))  # no engine: its one line before any training
+        # no engine: its one line before any training
+        engine_python(EvalConfig(engine=check["engine"], engine_python=python))
     except EngineError as exc:
         print(f"error: {exc}", flush=True)
         return 2
-    target = with_processor_config(check["target"], work / "target") if check["target"] == TINY_HYBRID_TARGET_DIR else check["target"]
+    target = (
+        with_processor_config(check["target"], work / "target")
+        if check["target"] == TINY_HYBRID_TARGET_DIR
+        else check["target"]
+    )
     config = work / "blockdraft.toml"
     write_toml(config, sections(check, target, work, python, args.steps))
     env = {**os.environ, **check["env"]}

@@ -47,7 +47,8 @@ def one_server(cfg: EvalConfig, ids: list[list[int]], new_tokens: int, workdir: 
         stopping = time.perf_counter()
     stopped = time.perf_counter()
     new = sum(len(o) for o in run.outputs)
-    return {"start_s": healthy - started, "tokens_per_s": new / run.seconds, "stop_s": stopped - stopping, "outputs": run.outputs}
+    return {"start_s": healthy - started, "tokens_per_s": new / run.seconds, "stop_s": stopped - stopping,
+            "outputs": run.outputs}
 
 
 def main() -> None:
@@ -68,14 +69,18 @@ def main() -> None:
                 os.environ[VARIABLE] = WAYS[way]
                 result = one_server(cfg, ids, args.new_tokens, Path(tmp))
                 seen[way].append(result)
-                print(json.dumps({"round": r, "way": way, **{k: round(v, 2) for k, v in result.items() if k != "outputs"}}), flush=True)
+                print(json.dumps({"round": r, "way": way,
+                                  **{k: round(v, 2) for k, v in result.items() if k != "outputs"}}), flush=True)
     if before is None:
         os.environ.pop(VARIABLE, None)
     else:
         os.environ[VARIABLE] = before
     outputs = {json.dumps(r["outputs"]) for runs in seen.values() for r in runs}
     assert len(outputs) == 1, "the two ways produced different outputs"
-    median = {way: {k: statistics.median(r[k] for r in runs) for k in ("start_s", "tokens_per_s", "stop_s")} for way, runs in seen.items()}
+    median = {
+        way: {k: statistics.median(r[k] for r in runs) for k in ("start_s", "tokens_per_s", "stop_s")}
+        for way, runs in seen.items()
+    }
     inproc, worker = median["in-process"], median["worker process"]
     print(json.dumps({"median": median, "start_ratio": round(inproc["start_s"] / worker["start_s"], 3),
                       "rate_ratio": round(inproc["tokens_per_s"] / worker["tokens_per_s"], 3), "outputs_equal": True,

@@ -4,18 +4,19 @@ DFlash drafter, the n-gram baseline and an untrained drafter, all on the same pr
     .venv/bin/python -m bench.eval [--suite all|golden|tiny|hybrid] [--repeats 3] [--threads 1] [--train-steps 300]
 
 Suites:
-- `golden`: the golden tiny target (8 layers, hidden 64) and its briefly trained drafter (tests/fixtures/dflash-golden, B=4), on
-  `golden`, the four prompts whose continuations the drafter was trained on (24 new tokens, as in golden.json), and on `random`,
-  seeded random token ids it never saw (--max-new-tokens).
-- `tiny`: the tiny target fixture (8 layers, hidden 128, src/blockdraft/assets/tiny-target). A drafter (2 layers, B=8) is trained here
-  on the target's own completions (tokenize + train, --train-steps), then evaluated on held-out prompts from prompts.jsonl
-  (chat template, stop at <|im_end|>).
+- `golden`: the golden tiny target (8 layers, hidden 64) and its briefly trained drafter (tests/fixtures/dflash-golden,
+  B=4), on `golden`, the four prompts whose continuations the drafter was trained on (24 new tokens, as in golden.json),
+  and on `random`, seeded random token ids it never saw (--max-new-tokens).
+- `tiny`: the tiny target fixture (8 layers, hidden 128, src/blockdraft/assets/tiny-target). A drafter (2 layers, B=8)
+  is trained here on the target's own completions (tokenize + train, --train-steps), then evaluated on held-out prompts
+  from prompts.jsonl (chat template, stop at <|im_end|>).
 - `hybrid`: the same on the tiny hybrid target (src/blockdraft/assets/tiny-hybrid-target: Qwen3.5-style, Gated DeltaNet
-  linear attention with full attention every 4th layer), with a drafter of one sliding-window and one full-attention layer;
-  the `rollbk%` column is the share of the cycle spent rolling the linear-attention state back after partial acceptances.
-Each repeat runs every prompt through greedy and each drafter in turn (interleaved, so machine noise hits all paths alike);
-the figures are from the repeat with the fastest greedy run, and speedup = greedy wall / spec wall within that repeat. Every
-run is also checked token for token against greedy: a bench never reports a lossy speedup.
+  linear attention with full attention every 4th layer), with a drafter of one sliding-window and one full-attention
+  layer; the `rollbk%` column is the share of the cycle spent rolling the linear-attention state back after partial
+  acceptances.
+Each repeat runs every prompt through greedy and each drafter in turn (interleaved, so machine noise hits all paths
+alike); the figures are from the repeat with the fastest greedy run, and speedup = greedy wall / spec wall within that
+repeat. Every run is also checked token for token against greedy: a bench never reports a lossy speedup.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def golden_suite(args) -> None:
     golden = json.loads((GOLDEN / "golden.json").read_text())["decode"]
     prompt_sets = {
         "golden": ([case["prompt"] for case in golden], 24),
-        "random": ([[rng.randrange(vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)], args.max_new_tokens),
+        "random": ([[rng.randrange(vocab - 1) for _ in range(args.prompt_len)] for _ in range(args.prompts)],
+                   args.max_new_tokens),
     }
     for label, (prompts, max_new_tokens) in prompt_sets.items():
         report_set(label, target, drafter, prompts, max_new_tokens, [], args.repeats, args.threads)
@@ -91,18 +93,20 @@ def tiny_suite(args, target_dir: Path, label: str, drafter: dict) -> None:
     fixture = json.loads((target_dir / "fixture.json").read_text())
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
         work = Path(tmp)
-        base = {"target": {"path": str(target_dir)}, "store": {"url": str(work / "store")}, "tokenize": {"held_out_fraction": 0.0}}
+        base = {"target": {"path": str(target_dir)}, "store": {"url": str(work / "store")},
+                "tokenize": {"held_out_fraction": 0.0}}
         tokenize_stage.run(load_config(None, base), str(target_dir / "completions.jsonl"), str(work / "tokenized"))
         cfg = load_config(None, {
             **base,
             "dflash": {"block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_anchors": 32, **drafter},
             "train": {"data": str(work / "tokenized"), "output": str(work / "run"), "log_dir": str(work / "logs"),
-                      "max_steps": args.train_steps, "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05,
-                      "checkpoint_every": args.train_steps, "seed": args.seed},
+                      "max_steps": args.train_steps, "batch_size": 4, "global_batch_size": 4, "lr": 3e-3,
+                      "warmup_ratio": 0.05, "checkpoint_every": args.train_steps, "seed": args.seed},
         })
         started = time.perf_counter()
         train_stage.run(cfg)
-        print(f"\n[{label}] trained a drafter {drafter} (B=8) for {args.train_steps} steps in {time.perf_counter() - started:.0f} s")
+        print(f"\n[{label}] trained a drafter {drafter} (B=8) for {args.train_steps} steps in "
+              f"{time.perf_counter() - started:.0f} s")
         found = find_resumable(open_store(work / "run"))
         drafter = DFlashDrafter.from_pretrained(found.store.local_path()).eval()
     target = load_target(str(target_dir), "cpu", torch.float32)
@@ -122,14 +126,17 @@ def report_set(label, target, drafter, prompts, max_new_tokens, stops, repeats, 
         runs.append(report)
     best = min(runs, key=lambda r: r.greedy.wall_s)
     greedy = best.greedy
-    print(f"\n[{label}] {len(prompts)} prompts x up to {max_new_tokens} new tokens, B={best.block_size}, {threads} thread(s), "
-          f"best of {repeats}")
-    print(f"{'path':10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'fwd/tok':>8} {'draft%':>7} {'rollbk%':>7} {'exact':>6}")
-    print(f"{'greedy':10} {'-':>6} {greedy.tokens_per_s:8.1f} {1.0:8.2f} {greedy.target_forwards_per_token:8.3f} {'-':>7} {'-':>7} "
-          f"{'-':>6}")
+    print(f"\n[{label}] {len(prompts)} prompts x up to {max_new_tokens} new tokens, B={best.block_size}, {threads} "
+          f"thread(s), best of {repeats}")
+    print(
+        f"{'path':10} {'tau':>6} {'tok/s':>8} {'speedup':>8} {'fwd/tok':>8} {'draft%':>7} {'rollbk%':>7} {'exact':>6}"
+    )
+    print(f"{'greedy':10} {'-':>6} {greedy.tokens_per_s:8.1f} {1.0:8.2f} {greedy.target_forwards_per_token:8.3f} "
+          f"{'-':>7} {'-':>7} {'-':>6}")
     exact = {name: not any(d.drafter == name for d in best.lossless.divergences) for name in best.drafters}
     for name, m in best.drafters.items():
-        cycle_s = max(m.draft_s + m.verify_s, 1e-12)  # draft% and rollbk% (part of the verify) are shares of the cycle time
+        # draft% and rollbk% (part of the verify) are shares of the cycle time
+        cycle_s = max(m.draft_s + m.verify_s, 1e-12)
         print(f"{name:10} {m.tau:6.3f} {m.tokens_per_s:8.1f} {m.speedup:8.2f} {m.target_forwards_per_token:8.3f} "
               f"{100 * m.draft_s / cycle_s:6.1f}% {100 * m.rollback_s / cycle_s:6.1f}% {str(exact[name]):>6}")
     speedups = {name: [round(r.drafters[name].speedup, 2) for r in runs] for name in best.drafters}

@@ -14,14 +14,17 @@ lr, through `blockdraft train`; each drafter is then measured by `blockdraft eva
   median step time to DFlash's, measured on this run's equal-step runs (so it runs after them).
 
 Fixtures: `tiny` (8-layer Qwen3, one-layer B = 8 drafter) and `hybrid` (Qwen3.5-style linear attention, a drafter of one
-sliding-window and one full-attention layer). Per fixture and objective it prints tau's mean and sd over the seeds and the
-paired difference against `ce` (mean and sd of tau(objective, seed) - tau(ce, seed), and the mean as a share of ce's mean
-tau); an objective may become a default only where that share is >= 3% on both fixtures. Every run is checked lossless.
+sliding-window and one full-attention layer). Per fixture and objective it prints tau's mean and sd over the seeds and
+the paired difference against `ce` (mean and sd of tau(objective, seed) - tau(ce, seed), and the mean as a share of ce's
+mean tau); an objective may become a default only where that share is >= 3% on both fixtures. Every run is checked
+lossless.
 
-    .venv/bin/python -m bench.quality                 # full size: 5 seeds, both fixtures, 2 workers (about 15 min on 2 cores)
+    .venv/bin/python -m bench.quality                 # full size: 5 seeds, both fixtures, 2 workers
+                                                      # (about 15 min on 2 cores)
     .venv/bin/python -m bench.quality --quick         # 1 seed, a few steps: checks that it runs, not the figures
     .venv/bin/python -m bench.quality --fixtures tiny --objectives ce,distill --seeds 3 --out runs.jsonl
-    .venv/bin/python -m bench.quality --dflash2       # DFlash2 against DFlash: equal steps and equal wall time, both rules
+    .venv/bin/python -m bench.quality --dflash2       # DFlash2 against DFlash: equal steps and equal wall time,
+                                                      # both rules
 
 With `--dflash2` it also prints the architecture table: per fixture the walk's tau (for DFlash the argmax's: it has no
 walk), the unary argmax's tau of the same DFlash2 drafter on the same prompts, acceptance per draft position, candidate
@@ -46,8 +49,10 @@ OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = {
     "distill": {"train": {"distill_weight": 0.5}},
     "dpace": {"dflash": {"loss_weighting": "dpace"}},
     "hf_normal": {"train": {"init": "hf_normal"}},
-    "dflash2": {"dflash": {"architecture": "dflash2", "selector_rank": 64, "selector_top_k": 16, "selector_missing_gold": "inject"}},
-    "dflash2_skip": {"dflash": {"architecture": "dflash2", "selector_rank": 64, "selector_top_k": 16, "selector_missing_gold": "skip"}},
+    "dflash2": {"dflash": {"architecture": "dflash2", "selector_rank": 64, "selector_top_k": 16,
+                           "selector_missing_gold": "inject"}},
+    "dflash2_skip": {"dflash": {"architecture": "dflash2", "selector_rank": 64, "selector_top_k": 16,
+                                "selector_missing_gold": "skip"}},
     "ce_wall": {},
 }
 DFLASH2_OBJECTIVES = "ce,dflash2,dflash2_skip,ce_wall"
@@ -55,7 +60,8 @@ RECENT = 20  # training steps whose recall is averaged
 # (drafter settings, training steps at full size): both at B = 8 with 32 anchors per row and 4 rows per step.
 FIXTURES: dict[str, tuple[dict[str, Any], int]] = {
     "tiny": ({"num_draft_layers": 1}, 240),
-    "hybrid": ({"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32}, 120),
+    "hybrid": ({"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32},
+               120),
 }
 THRESHOLD = 0.03  # the gain over ce, as a share of ce's mean tau, that makes an objective a default candidate
 
@@ -68,7 +74,8 @@ def fixture_dir(name: str) -> Path:
 
 
 def base_settings(fixture: str, store: Path) -> dict[str, Any]:
-    return {"target": {"path": str(fixture_dir(fixture))}, "store": {"url": str(store)}, "tokenize": {"held_out_fraction": 0.0}}
+    return {"target": {"path": str(fixture_dir(fixture))}, "store": {"url": str(store)},
+            "tokenize": {"held_out_fraction": 0.0}}
 
 
 def tokenize(fixture: str, work: Path) -> str:
@@ -77,7 +84,8 @@ def tokenize(fixture: str, work: Path) -> str:
     from blockdraft.stages import tokenize as tokenize_stage
 
     out = work / f"{fixture}-tokenized"
-    tokenize_stage.run(load_config(None, base_settings(fixture, work / "store")), str(fixture_dir(fixture) / "completions.jsonl"), str(out))
+    tokenize_stage.run(load_config(None, base_settings(fixture, work / "store")),
+                       str(fixture_dir(fixture) / "completions.jsonl"), str(out))
     return str(out)
 
 
@@ -108,8 +116,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         {
             "dflash": {"block_size": 8, "mask_token_id": mask_token_id, "num_anchors": 32, **drafter},
             "train": {"data": job["data"], "output": str(work / name / "run"), "log_dir": str(work / name / "logs"),
-                      "max_steps": job["steps"], "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05,
-                      "checkpoint_every": job["steps"], "seed": seed},
+                      "max_steps": job["steps"], "batch_size": 4, "global_batch_size": 4, "lr": 3e-3,
+                      "warmup_ratio": 0.05, "checkpoint_every": job["steps"], "seed": seed},
             "eval": {"num_prompts": job["prompts"], "untrained_baseline": False},
         },
         OBJECTIVES[objective],
@@ -120,7 +128,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     trained = train_stage.run(cfg).details
     t1 = time.perf_counter()
     prompts = str(fixture_dir(fixture) / "prompts.jsonl")
-    report = eval_stage.run(cfg, str(work / name / "run"), prompts=prompts, max_new_tokens=job["max_new_tokens"]).details
+    report = eval_stage.run(cfg, str(work / name / "run"), prompts=prompts,
+                            max_new_tokens=job["max_new_tokens"]).details
     drafted = report.drafters["dflash"]
     recent = trained.metrics[-RECENT:]
     out = {
@@ -155,31 +164,38 @@ def summarise(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                    "tau_sd": statistics.stdev(taus) if len(taus) > 1 else 0.0}
             if diffs and objective != "ce":
                 gain = statistics.fmean(diffs) / ce_mean
-                row.update(diff_mean=statistics.fmean(diffs), diff_sd=statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                row.update(diff_mean=statistics.fmean(diffs),
+                           diff_sd=statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
                            gain=gain, wins=sum(d > 0 for d in diffs), meets_threshold=gain >= THRESHOLD)
             rows.append(row)
     return rows
 
 
 def table(summary: list[dict[str, Any]]) -> str:
-    lines = ["| fixture | objective | seeds | tau mean | tau sd | paired diff vs ce (mean +- sd) | gain | seeds better |",
+    lines = ["| fixture | objective | seeds | tau mean | tau sd | paired diff vs ce (mean +- sd) | gain | seeds better "
+             "|",
              "|---|---|---|---|---|---|---|---|"]
     for r in summary:
         paired = f"{r['diff_mean']:+.3f} +- {r['diff_sd']:.3f}" if "diff_mean" in r else "-"
         gain = f"{100 * r['gain']:+.1f}%" if "gain" in r else "-"
         wins = f"{r['wins']}/{r['seeds']}" if "wins" in r else "-"
-        lines.append(f"| {r['fixture']} | {r['objective']} | {r['seeds']} | {r['tau_mean']:.3f} | {r['tau_sd']:.3f} | {paired} | {gain} | {wins} |")
+        lines.append(f"| {r['fixture']} | {r['objective']} | {r['seeds']} | {r['tau_mean']:.3f} | {r['tau_sd']:.3f} | "
+                     f"{paired} | {gain} | {wins} |")
     return "\n".join(lines)
 
 
 def wall_steps(results: list[dict[str, Any]], fixture: str, steps: int) -> int:
     """DFlash's steps at DFlash2's wall time on `fixture`: `steps` times the ratio of the two median step times."""
-    med = {o: statistics.median(r["step_ms"] for r in results if r["fixture"] == fixture and r["objective"] == o) for o in ("ce", "dflash2")}
+    med = {
+        o: statistics.median(r["step_ms"] for r in results if r["fixture"] == fixture and r["objective"] == o)
+        for o in ("ce", "dflash2")
+    }
     return round(steps * med["dflash2"] / med["ce"])
 
 
 def paired_gain(runs: dict[tuple[str, int], dict[str, Any]], objective: str, base: str) -> str:
-    """The mean paired difference of tau against `base` on the same seeds, as a share of base's mean, and the seeds won."""
+    """The mean paired difference of tau against `base` on the same seeds, as a share of base's mean, and the seeds
+    won."""
     rs = [r for (o, _), r in sorted(runs.items()) if o == objective and (base, r["seed"]) in runs]
     if objective in ("ce", "ce_wall", base) or not rs:
         return "-"
@@ -189,11 +205,12 @@ def paired_gain(runs: dict[tuple[str, int], dict[str, Any]], objective: str, bas
 
 
 def arch_table(results: list[dict[str, Any]]) -> str:
-    """DFlash2 against DFlash per fixture: mean over seeds of each figure, and the paired gain of tau over each baseline."""
+    """DFlash2 against DFlash per fixture: mean over seeds of each figure, and the paired gain of tau over each
+    baseline."""
     names = {"ce": "DFlash, equal steps", "ce_wall": "DFlash, equal wall time", "dflash2": "DFlash2 (inject)",
              "dflash2_skip": "DFlash2 (skip)"}
-    lines = ["| fixture | drafter | steps | tau (walk) mean +- sd | vs DFlash equal steps | vs DFlash equal wall | tau (argmax) |"
-             " acceptance per position | candidate recall | ms/step | params |",
+    lines = ["| fixture | drafter | steps | tau (walk) mean +- sd | vs DFlash equal steps | vs DFlash equal wall | tau "
+             "(argmax) | acceptance per position | candidate recall | ms/step | params |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for fixture in dict.fromkeys(r["fixture"] for r in results):
         runs = {(r["objective"], r["seed"]): r for r in results if r["fixture"] == fixture}
@@ -203,12 +220,18 @@ def arch_table(results: list[dict[str, Any]]) -> str:
             gain = partial(paired_gain, runs, objective)
 
             acc = [statistics.fmean(col) for col in zip(*(r["position_acceptance"] for r in rs), strict=True)]
-            argmax = f"{statistics.fmean(r['tau_argmax'] for r in rs):.3f}" if all("tau_argmax" in r for r in rs) else "-"
-            recall = f"{statistics.fmean(r['candidate_recall'] for r in rs):.3f}" if all("candidate_recall" in r for r in rs) else "-"
+            argmax = (
+                f"{statistics.fmean(r['tau_argmax'] for r in rs):.3f}" if all("tau_argmax" in r for r in rs) else "-"
+            )
+            recall = (
+                f"{statistics.fmean(r['candidate_recall'] for r in rs):.3f}"
+                if all("candidate_recall" in r for r in rs)
+                else "-"
+            )
             sd = statistics.stdev(taus) if len(taus) > 1 else 0.0
             lines.append(
-                f"| {fixture} | {names[objective]} | {rs[0]['steps']} | {statistics.fmean(taus):.3f} +- {sd:.3f} | {gain('ce')} | "
-                f"{gain('ce_wall')} | {argmax} | {' '.join(f'{a:.2f}' for a in acc)} | {recall} | "
+                f"| {fixture} | {names[objective]} | {rs[0]['steps']} | {statistics.fmean(taus):.3f} +- {sd:.3f} | "
+                f"{gain('ce')} | {gain('ce_wall')} | {argmax} | {' '.join(f'{a:.2f}' for a in acc)} | {recall} | "
                 f"{statistics.median(r['step_ms'] for r in rs):.1f} | {rs[0]['params']:,} |"
             )
     return "\n".join(lines)
@@ -218,21 +241,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fixtures", default="tiny,hybrid")
     parser.add_argument("--objectives", default="ce,distill,dpace,hf_normal")
-    parser.add_argument("--dflash2", action="store_true", help=f"DFlash2 against DFlash: --objectives {DFLASH2_OBJECTIVES}")
+    parser.add_argument("--dflash2", action="store_true", help="DFlash2 against DFlash: --objectives "
+                                                               f"{DFLASH2_OBJECTIVES}")
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--steps", type=int, help="training steps for every fixture (default: each fixture's, see FIXTURES)")
-    parser.add_argument("--step-scale", type=float, default=1.0, help="each fixture's own steps times this (without --steps)")
+    parser.add_argument("--steps", type=int, help="training steps for every fixture (default: each fixture's, see "
+                                                  "FIXTURES)")
+    parser.add_argument("--step-scale", type=float, default=1.0, help="each fixture's own steps times this (without "
+                                                                      "--steps)")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts per eval")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--distill-weight", type=float, default=0.5)
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel, one torch thread each")
-    parser.add_argument("--quick", action="store_true", help="1 seed, 12 steps, 2 prompts x 24 tokens: a check that it runs")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 12 steps, 2 prompts x 24 tokens: a check that it "
+                                                             "runs")
     parser.add_argument("--out", help="also write every run's figures to this JSONL file")
     args = parser.parse_args()
-    fixtures, objectives = args.fixtures.split(","), (DFLASH2_OBJECTIVES if args.dflash2 else args.objectives).split(",")
+    fixtures, objectives = (
+        args.fixtures.split(","),
+        (DFLASH2_OBJECTIVES if args.dflash2 else args.objectives).split(","),
+    )
     unknown = [x for x in fixtures if x not in FIXTURES] + [x for x in objectives if x not in OBJECTIVES]
     if unknown or "ce" not in objectives:
-        parser.error(f"unknown fixture or objective {unknown}" if unknown else "--objectives must include ce (the baseline)")
+        parser.error(f"unknown fixture or objective {unknown}" if unknown else "--objectives must include ce (the "
+                                                                               "baseline)")
     if "ce_wall" in objectives and "dflash2" not in objectives:
         parser.error("ce_wall needs dflash2 (its steps follow DFlash2's step time)")
     seeds, prompts, new_tokens = (1, 2, 24) if args.quick else (args.seeds, args.prompts, args.max_new_tokens)
@@ -240,20 +271,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="blockdraft-quality-") as tmp:
         work = Path(tmp)
         data = {fixture: tokenize(fixture, work) for fixture in fixtures}
-        steps = {fixture: 12 if args.quick else args.steps or round(FIXTURES[fixture][1] * args.step_scale) for fixture in fixtures}
+        steps = {
+            fixture: 12 if args.quick else args.steps or round(FIXTURES[fixture][1] * args.step_scale)
+            for fixture in fixtures
+        }
 
         def job(fixture: str, objective: str, seed: int, n: int) -> dict[str, Any]:
-            return {"fixture": fixture, "objective": objective, "seed": seed, "work": str(work), "data": data[fixture], "steps": n,
-                    "prompts": prompts, "max_new_tokens": new_tokens, "distill_weight": args.distill_weight}
+            return {"fixture": fixture, "objective": objective, "seed": seed, "work": str(work), "data": data[fixture],
+                    "steps": n, "prompts": prompts, "max_new_tokens": new_tokens, "distill_weight": args.distill_weight}
 
         results: list[dict[str, Any]] = []
         with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
-            first = [job(f, o, seed, steps[f]) for f in fixtures for seed in range(seeds) for o in objectives if o != "ce_wall"]
+            first = [
+                job(f, o, seed, steps[f])
+                for f in fixtures
+                for seed in range(seeds)
+                for o in objectives
+                if o != "ce_wall"
+            ]
             for result in pool.map(run_one, first):
                 results.append(result)
                 print(json.dumps(result), flush=True)
             if "ce_wall" in objectives:  # DFlash again, at the wall time DFlash2's steps took
-                wall = [job(f, "ce_wall", seed, wall_steps(results, f, steps[f])) for f in fixtures for seed in range(seeds)]
+                wall = [
+                    job(f, "ce_wall", seed, wall_steps(results, f, steps[f])) for f in fixtures for seed in range(seeds)
+                ]
                 for result in pool.map(run_one, wall):
                     results.append(result)
                     print(json.dumps(result), flush=True)
@@ -263,11 +305,13 @@ def main() -> None:
     print(table(summary))
     if "dflash2" in objectives:
         print(arch_table(results))
-    print(f"{len(results)} runs in {time.perf_counter() - started:.0f} s; all lossless: {all(r['lossless'] for r in results)}")
+    print(f"{len(results)} runs in {time.perf_counter() - started:.0f} s; all lossless: "
+          f"{all(r['lossless'] for r in results)}")
     for r in summary:
         if "gain" in r:
             verdict = "meets" if r["meets_threshold"] else "does not meet"
-            print(f"{r['fixture']} {r['objective']}: {100 * r['gain']:+.1f}% mean tau over ce, {verdict} the {100 * THRESHOLD:.0f}% bar")
+            print(f"{r['fixture']} {r['objective']}: {100 * r['gain']:+.1f}% mean tau over ce, {verdict} the "
+                  f"{100 * THRESHOLD:.0f}% bar")
 
 
 if __name__ == "__main__":

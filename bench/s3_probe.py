@@ -97,8 +97,9 @@ def failing(cap: float) -> None:
     silent, held = _silent_port()
     endpoints = {"refused": f"http://127.0.0.1:{_refused_port()}", "silent": f"http://127.0.0.1:{silent}"}
     transfer_bound = TRANSFER_ATTEMPTS * TRANSFER_READ_TIMEOUT_S
-    print(f"transfer settings: {TRANSFER_CONNECT_TIMEOUT_S} s connect, {TRANSFER_READ_TIMEOUT_S} s read, {TRANSFER_ATTEMPTS} tries "
-          f"(a silent endpoint: about {transfer_bound} s); probe: {PROBE_CONNECT_TIMEOUT_S} s / {PROBE_READ_TIMEOUT_S} s / {PROBE_ATTEMPTS} tries")
+    print(f"transfer settings: {TRANSFER_CONNECT_TIMEOUT_S} s connect, {TRANSFER_READ_TIMEOUT_S} s read, "
+          f"{TRANSFER_ATTEMPTS} tries (a silent endpoint: about {transfer_bound} s); probe: {PROBE_CONNECT_TIMEOUT_S} "
+          f"s / {PROBE_READ_TIMEOUT_S} s / {PROBE_ATTEMPTS} tries")
     for label, endpoint in endpoints.items():
 
         def ours(endpoint: str = endpoint) -> None:
@@ -109,7 +110,8 @@ def failing(cap: float) -> None:
                 raise
 
         def one_client(probe: bool, endpoint: str = endpoint):
-            client = boto3.client("s3", endpoint_url=endpoint, config=_client_config("us-east-1", endpoint, 8, probe=probe))
+            client = boto3.client("s3", endpoint_url=endpoint,
+                                  config=_client_config("us-east-1", endpoint, 8, probe=probe))
             return lambda: client.head_object(Bucket="bench", Key="p/x")
 
         print(f"{label}:")
@@ -159,7 +161,8 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=60.0)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_REGION": "us-east-1"})
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret",
+                       "AWS_REGION": "us-east-1"})
     for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
         os.environ.pop(k, None)
     print(f"load average before {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")

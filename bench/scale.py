@@ -1,18 +1,19 @@
-"""How cost grows with the job's size: bytes `eval` moves to read its prompts from an `s3://` tokenized artifact, and the
-time `status` takes over 100 / 1,000 / 10,000 committed artifacts on a local folder store.
+"""How cost grows with the job's size: bytes `eval` moves to read its prompts from an `s3://` tokenized artifact, and
+the time `status` takes over 100 / 1,000 / 10,000 committed artifacts on a local folder store.
 
-    .venv/bin/python -m bench.scale [--train-mib 256] [--num-prompts 32] [--sizes 100,1000,10000] [--repeats 3] [--skip eval|status]
+    .venv/bin/python -m bench.scale [--train-mib 256] [--num-prompts 32] [--sizes 100,1000,10000] [--repeats 3] [--skip
+    eval|status]
 
 eval fetch: a tokenized artifact in tokenize's layout (a big train split, a small held-out split in several Arrow files)
 is pushed to a local SeaweedFS, then eval's prompts are resolved from it (`read_eval_prompts`, what `eval` runs with
 train.data). Bytes moved are counted at the store, over every S3Store read (whole-object downloads, small reads,
 read-back checksums, streams), and printed beside the held-out split's bytes and the artifact's.
 
-status: N artifacts of one tiny file each, committed with `commit_artifact` once (the largest N), the smaller sets copied
-from it; `status()` is timed at each size first (every file checksummed) and then `--repeats` times again (what a repeated
-status costs; the fastest is kept, as on a shared machine the others measure the neighbours). Each time is wall seconds and
-the process's CPU seconds, which waiting for a busy machine's cores does not inflate; the load average is printed before
-and after. Growth is the ratio of the largest to the one ten times smaller: about 10 is linear.
+status: N artifacts of one tiny file each, committed with `commit_artifact` once (the largest N), the smaller sets
+copied from it; `status()` is timed at each size first (every file checksummed) and then `--repeats` times again (what a
+repeated status costs; the fastest is kept, as on a shared machine the others measure the neighbours). Each time is wall
+seconds and the process's CPU seconds, which waiting for a busy machine's cores does not inflate; the load average is
+printed before and after. Growth is the ratio of the largest to the one ten times smaller: about 10 is linear.
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ def make_tokenized(out: Path, train_mib: int, held_out_files: int, held_out_rows
 
 @contextmanager
 def counting_s3_reads() -> Iterator[Counter[str]]:
-    """Bytes each S3 object sent, by URL, over every S3Store read while the block runs (a stream counts its whole object)."""
+    """Bytes each S3 object sent, by URL, over every S3Store read while the block runs (a stream counts its whole
+    object)."""
     moved: Counter[str] = Counter()
-    originals = {name: getattr(S3Store, name) for name in ("get_file", "read_bytes", "checksum_by_reading", "open_read")}
+    originals = {name: getattr(S3Store, name) for name in ("get_file", "read_bytes", "checksum_by_reading",
+                                                           "open_read")}
 
     def sized(name: str, measure: Any) -> Any:
         def wrapper(store: S3Store, key: str, *args: Any) -> Any:
@@ -176,7 +179,8 @@ def make_artifacts(root: Path, count: int) -> None:
         folder = root / f"a{i:05d}"
         folder.mkdir(parents=True)
         (folder / "data.bin").write_bytes(f"artifact {i}\n".encode())
-        commit_artifact(open_store(folder), "bench", [entry_for_local_file(folder, folder / "data.bin")], config={}, counts={"rows": 1})
+        commit_artifact(open_store(folder), "bench", [entry_for_local_file(folder, folder / "data.bin")], config={},
+                        counts={"rows": 1})
 
 
 def copy_artifacts(source: Path, root: Path, count: int) -> None:
@@ -229,7 +233,8 @@ def main() -> None:
     parser.add_argument("--train-mib", type=int, default=256, help="size of the tokenized artifact's train split")
     parser.add_argument("--num-prompts", type=int, default=32, help="eval.num_prompts")
     parser.add_argument("--sizes", default="100,1000,10000", help="artifact counts for status")
-    parser.add_argument("--repeats", type=int, default=3, help="repeated status passes per size (the fastest is reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeated status passes per size (the fastest is "
+                                                               "reported)")
     parser.add_argument("--skip", choices=["eval", "status"], action="append", default=[])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
@@ -241,7 +246,8 @@ def main() -> None:
             print(json.dumps(bench_eval_fetch(Path(tmp) / "eval", args.train_mib, args.num_prompts)), flush=True)
         if "status" not in args.skip:
             (Path(tmp) / "status").mkdir()
-            print(json.dumps(bench_status(Path(tmp) / "status", [int(n) for n in args.sizes.split(",")], args.repeats)), flush=True)
+            print(json.dumps(bench_status(Path(tmp) / "status", [int(n) for n in args.sizes.split(",")], args.repeats)),
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
 """Tokenize throughput against the tokenizer's own speed, on one synthetic corpus shaped like the reference workload;
 with --scale, how it scales with the input's size and layout and with the number of workers.
 
-    .venv/bin/python -m bench.tokenize [--conversations 1600] [--repeats 3] [--task-mib 4] [--tokenizer tests/fixtures/qwen3-tokenizer]
-    .venv/bin/python -m bench.tokenize --scale [--sizes 25,50,100] [--many 8]
+    .venv/bin/python -m bench.tokenize [--conversations 1600] [--repeats 3] [--task-mib 4] [--tokenizer
+    tests/fixtures/qwen3-tokenizer] .venv/bin/python -m bench.tokenize --scale [--sizes 25,50,100] [--many 8]
     .venv/bin/python -m bench.tokenize --big-row 200
 
 The corpus: reasoning-heavy completions averaging about 2,000 tokens per assistant turn, a fifth of them multi-turn,
-as one JSONL file (about 10 MB, cut into tasks of at most --task-mib: 4 tasks), and its first half as another (2 tasks). Every tokenize run spawns its workers, one included, so that one
-worker and two run the same way. In each repeat (repeats interleaved) it measures:
+as one JSONL file (about 10 MB, cut into tasks of at most --task-mib: 4 tasks), and its first half as another (2 tasks).
+Every tokenize run spawns its workers, one included, so that one worker and two run the same way. In each repeat
+(repeats interleaved) it measures:
 
-- raw `encode_batch` on one core, in a spawned process, over the exact texts the stage encodes (rendered beforehand, outside the timing), in
-  batches of the stage's size, `TOKENIZERS_PARALLELISM=false`, on the full corpus and on the half;
+- raw `encode_batch` on one core, in a spawned process, over the exact texts the stage encodes (rendered beforehand,
+  outside the timing), in batches of the stage's size, `TOKENIZERS_PARALLELISM=false`, on the full corpus and on the
+  half;
 - end-to-end with 1 spawned worker (read + normalise + render + encode + mask + Arrow write + checksums + quarantine,
   CPU seconds of the worker's shards) on the full corpus and on the half;
 - the shard phase's wall time on the full corpus with 1 and with 2 spawned workers;
@@ -49,7 +51,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 REPO = Path(__file__).resolve().parent.parent
 
-_SYLLABLES = ["ka", "lo", "mi", "ren", "ta", "vo", "sel", "dri", "an", "tor", "pe", "qui", "us", "el", "ma", "no", "ist", "ver"]
+_SYLLABLES = ["ka", "lo", "mi", "ren", "ta", "vo", "sel", "dri", "an", "tor", "pe", "qui", "us", "el", "ma", "no",
+              "ist", "ver"]
 _STEPS = ["First,", "Next,", "So", "Then", "Wait,", "Let me check:", "Therefore", "Hmm,", "Alternatively,", "Now"]
 
 
@@ -104,8 +107,11 @@ def write_corpus(folder: Path, conversations: int, files: int, seed: int = 0) ->
     return rows
 
 
-def raw_encode(rows: list[dict], tokenizer_dir: str, template_path: str | None, repeats: int) -> tuple[int, float, float]:
-    """(tokens, best wall seconds, best CPU seconds) of `encode_batch` over the exact texts the stage encodes, one process, no threads."""
+def raw_encode(
+    rows: list[dict], tokenizer_dir: str, template_path: str | None, repeats: int
+) -> tuple[int, float, float]:
+    """(tokens, best wall seconds, best CPU seconds) of `encode_batch` over the exact texts the stage encodes, one
+    process, no threads."""
     from tokenizers import Tokenizer
 
     from blockdraft.data.completions import normalise
@@ -137,13 +143,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=1600)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--task-mib", type=int, default=4, help="tokenize.task_bytes in MiB for the ratios (the full file is cut in 4 tasks)")
+    ap.add_argument("--task-mib", type=int, default=4, help="tokenize.task_bytes in MiB for the ratios (the full file "
+                                                            "is cut in 4 tasks)")
     ap.add_argument("--tokenizer", default=str(REPO / "tests/fixtures/qwen3-tokenizer"))
     ap.add_argument("--chat-template", default=None)
     ap.add_argument("--scale", action="store_true", help="sizes x layouts x workers instead")
     ap.add_argument("--sizes", default="25,50,100", help="--scale: corpus sizes in MB")
     ap.add_argument("--many", type=int, default=8, help="--scale: files in the many-files layout")
-    ap.add_argument("--big-row", type=int, default=0, metavar="MB", help="peak RSS of tokenize on a row of MB megabytes instead")
+    ap.add_argument("--big-row", type=int, default=0, metavar="MB", help="peak RSS of tokenize on a row of MB "
+                                                                         "megabytes instead")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
     try:
@@ -182,7 +190,8 @@ def _spawned_run(args: argparse.Namespace, src: Path, out: Path, workers: int) -
 
     # No clipping, so every measurement counts the same tokens.
     options = {"workers": workers, "max_length": 1 << 20, "task_bytes": args.task_mib << 20}
-    cfg = load_config(None, {"target": {"path": args.tokenizer, "chat_template": args.chat_template}, "tokenize": options})
+    cfg = load_config(None,
+                      {"target": {"path": args.tokenizer, "chat_template": args.chat_template}, "tokenize": options})
     result = tokenize.run(cfg, str(src), str(out), Reporter(), spawn_one=True)
     s = result.details
     assert result.report.state.value == "verified", result.report.state
@@ -226,19 +235,21 @@ def run(args: argparse.Namespace, work: Path) -> None:
         walls[1].append(one_full[2])
         walls[2].append(two_full[2])
         scaling.append(one_full[2] / two_full[2])
-        print(f"repeat {r + 1}: raw {raw_rate / 1e6:.3f} M tok/s CPU, end-to-end {e2e_rate / 1e6:.3f} (marginal, 1 spawned worker), "
-              f"ratio {per_core[-1]:.3f}; shard phase 1 worker {one_full[2]:.2f} s, 2 workers {two_full[2]:.2f} s, "
-              f"ratio {scaling[-1]:.3f}; load {_loadavg()}", flush=True)
+        print(f"repeat {r + 1}: raw {raw_rate / 1e6:.3f} M tok/s CPU, end-to-end {e2e_rate / 1e6:.3f} (marginal, 1 "
+              f"spawned worker), ratio {per_core[-1]:.3f}; shard phase 1 worker {one_full[2]:.2f} s, 2 workers "
+              f"{two_full[2]:.2f} s, ratio {scaling[-1]:.3f}; load {_loadavg()}", flush=True)
     size = (work / "full" / "part-000.jsonl").stat().st_size
-    print(f"corpus: {len(rows)} conversations ({turns} assistant turns), one JSONL file of {size / 1e6:.1f} MB cut in tasks of at most "
-          f"{args.task_mib} MiB, {tokens:,} row tokens "
+    print(f"corpus: {len(rows)} conversations ({turns} assistant turns), one JSONL file of {size / 1e6:.1f} MB cut in "
+          f"tasks of at most {args.task_mib} MiB, {tokens:,} row tokens "
           f"({tokens / turns:,.0f} per row); half: the first {len(half_rows)} conversations")
-    print(f"raw encode_batch marginal, 1 core: best {max(raw_rates) / 1e6:.3f}, median {_median(raw_rates) / 1e6:.3f} M tok/s CPU")
-    print(f"end-to-end marginal, 1 spawned worker: best {max(e2e_rates) / 1e6:.3f}, median {_median(e2e_rates) / 1e6:.3f} M tok/s CPU")
+    print(f"raw encode_batch marginal, 1 core: best {max(raw_rates) / 1e6:.3f}, median {_median(raw_rates) / 1e6:.3f} "
+          "M tok/s CPU")
+    print(f"end-to-end marginal, 1 spawned worker: best {max(e2e_rates) / 1e6:.3f}, median "
+          f"{_median(e2e_rates) / 1e6:.3f} M tok/s CPU")
     print(f"RATIO end-to-end / raw encode per core (marginal, CPU time), same repeat: best {max(per_core):.3f}, "
           f"median {_median(per_core):.3f}   (goal >= 0.85)")
-    print(f"RATIO 2 spawned workers / 1 spawned worker, one big JSONL file (shard phase wall), same repeat: best {max(scaling):.3f}, "
-          f"median {_median(scaling):.3f}   (goal >= 1.8)")
+    print("RATIO 2 spawned workers / 1 spawned worker, one big JSONL file (shard phase wall), same repeat: best "
+          f"{max(scaling):.3f}, median {_median(scaling):.3f}   (goal >= 1.8)")
     print(f"peak RSS per worker process: {max(peak_rss_mib):.0f} MiB")
     print(f"(load average before {load_before}, after {_loadavg()}, on {os.cpu_count()} cores)")
 
@@ -248,8 +259,9 @@ def _loadavg() -> str:
 
 
 def big_row(args: argparse.Namespace, work: Path) -> None:
-    """Tokenize 8 conversations and one row of `--big-row` MB (written in pieces: this process never holds it) in a child
-    process; print its exit status, what the manifest counted and the peak RSS of the largest process of the run."""
+    """Tokenize 8 conversations and one row of `--big-row` MB (written in pieces: this process never holds it) in a
+    child process; print its exit status, what the manifest counted and the peak RSS of the largest process of the
+    run."""
     src, out = work / "big-row.jsonl", work / "out"
     rng = random.Random(0)
     piece = _words(rng, 100_000) + " "
@@ -263,12 +275,14 @@ def big_row(args: argparse.Namespace, work: Path) -> None:
         for i in range(4, 8):
             f.write(json.dumps(synthetic_conversation(rng, i)) + "\n")
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "blockdraft", "tokenize", str(src), str(out), "--tokenizer", args.tokenizer],
+    proc = subprocess.run([sys.executable, "-m", "blockdraft", "tokenize", str(src), str(out), "--tokenizer",
+                           args.tokenizer],
                           capture_output=True, text=True)
     seconds = time.perf_counter() - started
     peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # KiB on Linux
     counts = json.loads((out / "blockdraft-manifest.json").read_text())["counts"] if proc.returncode == 0 else {}
-    print(f"input: {src.stat().st_size / 1e6:.1f} MB, one row of {args.big_row} MB; tokenize exit {proc.returncode} in {seconds:.1f} s")
+    print(f"input: {src.stat().st_size / 1e6:.1f} MB, one row of {args.big_row} MB; tokenize exit {proc.returncode} in "
+          f"{seconds:.1f} s")
     print(f"rows in {counts.get('rows_in')}, out {counts.get('rows_out')}, rejected {counts.get('rejected')}")
     print(f"peak RSS of the largest process of the run: {peak_mib:,.0f} MiB   (goal < 2048)")
     if proc.returncode:
@@ -276,7 +290,8 @@ def big_row(args: argparse.Namespace, work: Path) -> None:
 
 
 def write_sized(folder: Path, rows: list[dict], megabytes: int, files: int) -> int:
-    """The first rows of `rows` that make `megabytes` MB of JSONL, in `files` files of about equal size; returns the rows."""
+    """The first rows of `rows` that make `megabytes` MB of JSONL, in `files` files of about equal size; returns the
+    rows."""
     lines, total = [], 0
     for row in rows:
         if total >= megabytes * 1_000_000:
@@ -302,19 +317,28 @@ def timed_run(args: argparse.Namespace, src: Path, out: Path, workers: int) -> d
     s = result.details
     assert result.report.state.value == "verified", result.report.state
     shutil.rmtree(out, ignore_errors=True)
-    return {"wall": s.shard_phase_seconds, "call": result.seconds, "tasks": s.shards_total, "tokens": s.counts["tokens"],
-            "cpu": sorted(s.process_cpu_seconds.values(), reverse=True), "bytes": sum(p.stat().st_size for p in src.iterdir())}
+    return {"wall": s.shard_phase_seconds, "call": result.seconds, "tasks": s.shards_total,
+            "tokens": s.counts["tokens"],
+            "cpu": sorted(s.process_cpu_seconds.values(), reverse=True),
+            "bytes": sum(p.stat().st_size for p in src.iterdir())}
 
 
 def _cpu(run: dict) -> str:
     cpu = run["cpu"]
-    balance = f", min/max {min(cpu) / max(cpu):.2f}" if len(cpu) > 1 else " (one process ran every task)" if run["tasks"] > 1 else ""
+    balance = (
+        f", min/max {min(cpu) / max(cpu):.2f}"
+        if len(cpu) > 1
+        else " (one process ran every task)"
+        if run["tasks"] > 1
+        else ""
+    )
     return "CPU-s per worker " + " / ".join(f"{c:.1f}" for c in cpu) + balance
 
 
 def scale(args: argparse.Namespace, work: Path) -> None:
     """Sizes x (one file, many files) x (1, 2 workers), the largest single file again (--repeats in all, best of each),
-    then what cutting a compressed stream costs. Every corpus is written first, so that no run shares its process with it."""
+    then what cutting a compressed stream costs. Every corpus is written first, so that no run shares its process with
+    it."""
     sizes = [int(x) for x in args.sizes.split(",")]
     rng = random.Random(0)
     rows, total = [], 0
@@ -327,8 +351,10 @@ def scale(args: argparse.Namespace, work: Path) -> None:
             write_sized(work / f"in-{megabytes}-{files}", rows, megabytes, files)
     stream_src = write_streams(work / "stream", rows, min(sizes))
     del rows
-    print(f"corpus: synthetic reasoning conversations (bench.tokenize), default tokenize.task_bytes; {os.cpu_count()} cores")
-    print(f"{'size':>7} {'layout':>10} {'tasks':>5} {'1 worker s':>10} {'2 workers s':>11} {'ratio':>6}  CPU-s: 1 worker; 2 workers, per process")
+    print(f"corpus: synthetic reasoning conversations (bench.tokenize), default tokenize.task_bytes; {os.cpu_count()} "
+          "cores")
+    print(f"{'size':>7} {'layout':>10} {'tasks':>5} {'1 worker s':>10} {'2 workers s':>11} {'ratio':>6}  CPU-s: 1 "
+          "worker; 2 workers, per process")
     runs: dict[tuple[int, int], tuple[dict, dict]] = {}
     for megabytes in sizes:
         for layout, files in layouts:
@@ -345,10 +371,10 @@ def scale(args: argparse.Namespace, work: Path) -> None:
         one, two = (min(a, b, key=lambda r: r["wall"]) for a, b in zip((one, two), again, strict=True))
     cpu = two["cpu"]
     spread = (max(cpu) - min(cpu)) / max(cpu) if len(cpu) > 1 else 1.0
-    print(f"RATIO one {biggest} MB JSONL ({two['tasks']} tasks), 2 workers / 1 worker, best of {args.repeats} (shard phase wall "
-          f"{one['wall']:.1f} s / {two['wall']:.1f} s): {one['wall'] / two['wall']:.2f}   (goal >= 1.7)")
-    print(f"CPU-s per worker process, 2 workers: {' / '.join(f'{c:.1f}' for c in cpu)}, {100 * spread:.0f}% apart   (goal <= 20%); "
-          f"1 worker: {one['cpu'][0]:.1f}")
+    print(f"RATIO one {biggest} MB JSONL ({two['tasks']} tasks), 2 workers / 1 worker, best of {args.repeats} (shard "
+          f"phase wall {one['wall']:.1f} s / {two['wall']:.1f} s): {one['wall'] / two['wall']:.2f}   (goal >= 1.7)")
+    print(f"CPU-s per worker process, 2 workers: {' / '.join(f'{c:.1f}' for c in cpu)}, {100 * spread:.0f}% apart   "
+          f"(goal <= 20%); 1 worker: {one['cpu'][0]:.1f}")
     stream_costs(args, work, stream_src, one)
     print(f"(load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores)")
 
@@ -371,9 +397,9 @@ def write_streams(folder: Path, rows: list[dict], megabytes: int) -> Path:
 
 
 def stream_costs(args: argparse.Namespace, work: Path, src: Path, plain_one: dict) -> None:
-    """A .jsonl.zst or .jsonl.gz is cut into decompressed ranges, and part k decompresses (and skips) the k ranges before
-    its own: with n parts the file is decompressed about (n + 1) / 2 times. Measured against the tokenizing itself
-    (`plain_one`: a 1-worker run over plain JSONL)."""
+    """A .jsonl.zst or .jsonl.gz is cut into decompressed ranges, and part k decompresses (and skips) the k ranges
+    before its own: with n parts the file is decompressed about (n + 1) / 2 times. Measured against the tokenizing
+    itself (`plain_one`: a 1-worker run over plain JSONL)."""
     from blockdraft.data.ranges import MAX_STREAM_PARTS
     from blockdraft.data.streams import CountingReader, decompressed
 
@@ -392,11 +418,13 @@ def stream_costs(args: argparse.Namespace, work: Path, src: Path, plain_one: dic
     tokenize_speed = plain_one["bytes"] / plain_one["cpu"][0] / 1e6
     n = MAX_STREAM_PARTS
     for suffix, (speed, _) in speeds.items():
-        print(f"stream cut, .jsonl.{suffix}: decompress + skip {speed:,.0f} MB/s vs tokenize {tokenize_speed:.2f} MB/s per core; "
-              f"with {n} parts the extra decompressing is {100 * (n - 1) / 2 * tokenize_speed / speed:.1f}% of the tokenizing CPU")
+        print(f"stream cut, .jsonl.{suffix}: decompress + skip {speed:,.0f} MB/s vs tokenize {tokenize_speed:.2f} MB/s "
+              f"per core; with {n} parts the extra decompressing is {100 * (n - 1) / 2 * tokenize_speed / speed:.1f}% "
+              "of the tokenizing CPU")
     one, two = (timed_run(args, src, work / "out", w) for w in (1, 2))
-    print(f"stream cut, one {speeds['zst'][1] / 1e6:.0f} MB .jsonl.zst: {two['tasks']} tasks, 1 worker {one['wall']:.1f} s "
-          f"({one['cpu'][0]:.1f} CPU-s), 2 workers {two['wall']:.1f} s, ratio {one['wall'] / two['wall']:.2f}; {_cpu(two)}")
+    print(f"stream cut, one {speeds['zst'][1] / 1e6:.0f} MB .jsonl.zst: {two['tasks']} tasks, 1 worker "
+          f"{one['wall']:.1f} s ({one['cpu'][0]:.1f} CPU-s), 2 workers {two['wall']:.1f} s, ratio "
+          f"{one['wall'] / two['wall']:.2f}; {_cpu(two)}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
-"""Does a training step or a checkpoint cost more as the data grows or the run goes on? `train` end to end on CPU, golden tiny
-target (tests/fixtures/dflash-golden/target: 8 layers, hidden 64) and a 2-layer B = 4 drafter, random rows of --row-len tokens.
+"""Does a training step or a checkpoint cost more as the data grows or the run goes on? `train` end to end on CPU,
+golden tiny target (tests/fixtures/dflash-golden/target: 8 layers, hidden 64) and a 2-layer B = 4 drafter, random rows
+of --row-len tokens.
 
-    .venv/bin/python -m bench.train_scale [--section all|rows|long] [--steps 150] [--long-steps 20000] [--checkpoint-every 500]
+    .venv/bin/python -m bench.train_scale [--section all|rows|long] [--steps 150] [--long-steps 20000]
+    [--checkpoint-every 500]
 
-- `rows`: median step time (as `train` logs it: inputs, forward, backward, optimizer) on N rows and on 100 N rows, for N = the
-  full demo's size (320) and N = 10,000 (so 100 N is the real job's million), the sizes interleaved, all in one process. Beside it,
-  what one full `torch.randperm(num_rows)` costs at each size: what a step would pay if it drew the epoch's permutation itself.
-- `long`: one run of --long-steps with a checkpoint every --checkpoint-every (metrics logged every step, curves redrawn every
-  --plot-every-minutes): the time a checkpoint takes on its background thread (write, push, verify, prune), how long the
-  training thread is held for it (`Checkpoints.save`), the checkpoint's size, first against last, and the median step time of the
-  first and last 500 steps.
+- `rows`: median step time (as `train` logs it: inputs, forward, backward, optimizer) on N rows and on 100 N rows, for N
+  = the full demo's size (320) and N = 10,000 (so 100 N is the real job's million), the sizes interleaved, all in one
+  process. Beside it, what one full `torch.randperm(num_rows)` costs at each size: what a step would pay if it drew the
+  epoch's permutation itself.
+- `long`: one run of --long-steps with a checkpoint every --checkpoint-every (metrics logged every step, curves redrawn
+  every --plot-every-minutes): the time a checkpoint takes on its background thread (write, push, verify, prune), how
+  long the training thread is held for it (`Checkpoints.save`), the checkpoint's size, first against last, and the
+  median step time of the first and last 500 steps.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ def config(work: Path, data: str, name: str, **train):
         "target": {"path": str(GOLDEN_TARGET)}, "store": {"url": str(work / "store")},
         "dflash": {"block_size": 4, "mask_token_id": 511, "num_draft_layers": 2, "gamma": 4.0, "num_anchors": 8,
                    "intermediate_size": 96},
-        "train": {"data": data, "output": str(work / name / "ckpt"), "log_dir": str(work / name / "logs"), "batch_size": 2, "global_batch_size": 2,
+        "train": {"data": data, "output": str(work / name / "ckpt"), "log_dir": str(work / name / "logs"),
+                  "batch_size": 2, "global_batch_size": 2,
                   "lr": 3e-3, "warmup_ratio": 0.05, "seed": 0, "log_every": 1, **train},
     })
 
@@ -84,19 +88,22 @@ def rows_section(work: Path, args: argparse.Namespace) -> None:
         made = time.perf_counter() - t0
         step_times: dict[int, list[float]] = {n: [] for n in sizes}
         ratios = []
-        for repeat in range(args.repeats):  # interleaved, in alternating order, so the machine's load hits both sizes alike
+        for repeat in range(args.repeats):
+            # interleaved, in alternating order, so the machine's load hits both sizes alike
             medians = {}
             for n in sizes if repeat % 2 == 0 else sizes[::-1]:
                 cfg = config(work, data[n], f"rows-{n}-run{repeat}", max_steps=args.steps, checkpoint_every=args.steps)
-                times = [e["step_time_s"] for e in run(cfg, reporter=Reporter()).details.metrics[10:]]  # past the warm-up
+                # past the warm-up
+                times = [e["step_time_s"] for e in run(cfg, reporter=Reporter()).details.metrics[10:]]
                 step_times[n] += times
                 medians[n] = statistics.median(times)
             ratios.append(medians[sizes[1]] / medians[sizes[0]])
         small, large = (statistics.median(step_times[n]) for n in sizes)
-        print(f"rows {sizes[0]:>9,} vs {sizes[1]:>9,}: median step {small * 1e3:6.2f} ms vs {large * 1e3:6.2f} ms; ratio of the "
-              f"paired runs' medians {statistics.median(ratios):.3f} (each: {' '.join(f'{r:.3f}' for r in ratios)}; "
-              f"{len(step_times[sizes[0]])} steps per size; data written in {made:.0f} s); one randperm: "
-              f"{randperm_ms(sizes[0]):.2f} ms vs {randperm_ms(sizes[1]):.2f} ms (the cost one full permutation per step would add)")
+        print(f"rows {sizes[0]:>9,} vs {sizes[1]:>9,}: median step {small * 1e3:6.2f} ms vs {large * 1e3:6.2f} ms; "
+              f"ratio of the paired runs' medians {statistics.median(ratios):.3f} (each: "
+              f"{' '.join(f'{r:.3f}' for r in ratios)}; {len(step_times[sizes[0]])} steps per size; data written in "
+              f"{made:.0f} s); one randperm: {randperm_ms(sizes[0]):.2f} ms vs {randperm_ms(sizes[1]):.2f} ms (the "
+              "cost one full permutation per step would add)")
 
 
 def long_section(work: Path, args: argparse.Namespace) -> None:
@@ -131,7 +138,11 @@ def long_section(work: Path, args: argparse.Namespace) -> None:
         finally:
             draws.append(time.perf_counter() - t0)
 
-    checkpoint.Checkpoints.save, checkpoint.Checkpoints._write, metrics.draw_curves = timed_save, timed_write, timed_draw
+    checkpoint.Checkpoints.save, checkpoint.Checkpoints._write, metrics.draw_curves = (
+        timed_save,
+        timed_write,
+        timed_draw,
+    )
     data = write_rows(work / "long-data", DEMO_ROWS, args.row_len, seed=1)
     cfg = config(work, data, "long", max_steps=args.long_steps, checkpoint_every=args.checkpoint_every,
                  plot_every_minutes=args.plot_every_minutes)
@@ -149,21 +160,29 @@ def long_section(work: Path, args: argparse.Namespace) -> None:
         return (f"{sum(files.values()):,} B (metrics.jsonl {files.get('metrics.jsonl', 0):,} B, training-curves.png "
                 f"{files.get('training-curves.png', 0):,} B)")
 
-    step_times = [float(line.split('"step_time_s": ')[1].split(",")[0]) for line in (work / "long" / "logs" / "metrics.jsonl").open()]
-    print(f"long run: {args.long_steps} steps, checkpoint every {args.checkpoint_every}, {len(steps)} checkpoints, {wall:.0f} s; "
-          f"local log {len(step_times)} entries")
+    step_times = [
+        float(line.split('"step_time_s": ')[1].split(",")[0])
+        for line in (work / "long" / "logs" / "metrics.jsonl").open()
+    ]
+    print(f"long run: {args.long_steps} steps, checkpoint every {args.checkpoint_every}, {len(steps)} checkpoints, "
+          f"{wall:.0f} s; local log {len(step_times)} entries")
     steady = steps[2:]  # from the third on, pruning verifies the two older kept checkpoints every time
-    print(f"  checkpoint time (write, push, verify, prune): first (step {steps[0]}) {saves[steps[0]]:.3f} s, last (step "
-          f"{steps[-1]}) {saves[steps[-1]]:.3f} s; median of the first 5 from the third on "
-          f"{statistics.median(saves[s] for s in steady[:5]):.3f} s, of the last 5 {statistics.median(saves[s] for s in steady[-5:]):.3f} s")
-    print(f"  training thread held per checkpoint (snapshot, waiting for the push before; the final one waits for its own): "
-          f"median {statistics.median(stalls.values()):.3f} s, max {max(stalls.values()):.3f} s")
+    print(f"  checkpoint time (write, push, verify, prune): first (step {steps[0]}) {saves[steps[0]]:.3f} s, last "
+          f"(step {steps[-1]}) {saves[steps[-1]]:.3f} s; median of the first 5 from the third on "
+          f"{statistics.median(saves[s] for s in steady[:5]):.3f} s, of the last 5 "
+          f"{statistics.median(saves[s] for s in steady[-5:]):.3f} s")
+    print("  training thread held per checkpoint (snapshot, waiting for the push before; the final one waits for its "
+          f"own): median {statistics.median(stalls.values()):.3f} s, max {max(stalls.values()):.3f} s")
     print(f"  checkpoint size: first (step {steps[0]}) {size(steps[0])}; last (step {steps[-1]}) {size(steps[-1])}")
     print(f"  checkpoints left: {len(kept)} ({kept})")
-    print(f"  median step: first 500 {statistics.median(step_times[:500]) * 1e3:.2f} ms, last 500 "
-          f"{statistics.median(step_times[-500:]) * 1e3:.2f} ms; by tenth of the run (ms): "
-          + " ".join(f"{statistics.median(step_times[i * len(step_times) // 10:(i + 1) * len(step_times) // 10]) * 1e3:.1f}"
-                     for i in range(10)))
+    print(
+        f"  median step: first 500 {statistics.median(step_times[:500]) * 1e3:.2f} ms, last 500 "
+        f"{statistics.median(step_times[-500:]) * 1e3:.2f} ms; by tenth of the run (ms): "
+        + " ".join(
+            f"{statistics.median(step_times[i * len(step_times) // 10 : (i + 1) * len(step_times) // 10]) * 1e3:.1f}"
+            for i in range(10)
+        )
+    )
     print("  checkpoint times by step (s): " + " ".join(f"{s}:{saves[s]:.3f}" for s in steps))
     print(f"  curves redrawn {len(draws)} times (every {args.plot_every_minutes} min and at the end), "
           f"longest {max(draws):.2f} s" if draws else "  curves never redrawn")

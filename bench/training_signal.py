@@ -37,7 +37,8 @@ def main() -> None:
         sections = demo_config(root, str(root / "store"), SIZES["ci"])
         sections["tokenize"]["held_out_fraction"] = 0.2
         sections["train"].update(
-            data=str(root / "tokenized"), max_steps=args.steps, checkpoint_every=args.steps, eval_every=args.measure_every,
+            data=str(root / "tokenized"), max_steps=args.steps, checkpoint_every=args.steps,
+            eval_every=args.measure_every,
             batch_size=defaults.batch_size, global_batch_size=defaults.global_batch_size, eval_rows=defaults.eval_rows,
             decode_eval_prompts=defaults.decode_eval_prompts, log_every=1,
         )
@@ -54,7 +55,8 @@ def main() -> None:
     step_s = sum(steps) / len(steps)
     measures = [e["eval"]["seconds"] for e in entries if "eval" in e]
     measure_s = sum(measures) / len(measures)
-    decode_s = next(float(m.group(1)) for line in reporter.lines if (m := re.search(r"decoded on .*\((\d+\.\d+)s\)$", line)))
+    decode_s = next(float(m.group(1)) for line in reporter.lines if (m := re.search(r"decoded on .*\((\d+\.\d+)s\)$",
+                                                                                    line)))
     result = {
         "step_s": round(step_s, 4), "held_out_measure_s": round(measure_s, 4), "decode_s": round(decode_s, 3),
         "held_out_share_at_defaults": round(measure_s / (defaults.eval_every * step_s), 4),

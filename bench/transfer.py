@@ -116,7 +116,8 @@ def main() -> None:
             # As a module from the repository root: run as a script, bench/ would lead sys.path and bench/tokenize.py
             # would shadow the standard library's tokenize.
             me = [sys.executable, "-m", "bench.transfer", "--child"]
-            results: dict[str, list[tuple[float, int, float]]] = {k: [] for k in ("push", "s5cmd_up", "pull", "s5cmd_down")}
+            results: dict[str, list[tuple[float, int, float]]] = {k: [] for k in ("push", "s5cmd_up", "pull",
+                                                                                  "s5cmd_down")}
 
             def ours(op: str, src: str, dst: str) -> tuple[float, int, float]:
                 _, rss, cpu, out = run_measured(me + [op, src, dst], env)
@@ -162,15 +163,18 @@ def main() -> None:
 
     print(f"artifact: {total / MIB:.0f} MiB in {args.files} files; {args.repeats} rounds; MB/s = 1e6 bytes/s")
     print(f"{'transfer':<18}{'best MB/s':>10}{'median MB/s':>12}{'peak RSS MiB':>14}{'CPU s/GiB':>11}   all runs (s)")
-    for name, label in [("push", "push + verify"), ("s5cmd_up", "s5cmd cp up"), ("pull", "pull + verify"), ("s5cmd_down", "s5cmd cp down")]:
+    for name, label in [("push", "push + verify"), ("s5cmd_up", "s5cmd cp up"), ("pull", "pull + verify"),
+                        ("s5cmd_down", "s5cmd cp down")]:
         rate, rss, cpu = best(name)
         median = total / sorted(t for t, _, _ in results[name])[len(results[name]) // 2] / 1e6
         runs = " ".join(f"{t:.2f}" for t, _, _ in results[name])
         print(f"{label:<18}{rate:>10.0f}{median:>12.0f}{rss:>14}{cpu:>11.2f}   {runs}")
-    for label, ours, theirs, goal in [("push+verify / s5cmd up", "push", "s5cmd_up", 1.0), ("pull+verify / s5cmd down", "pull", "s5cmd_down", 0.8)]:
+    for label, ours, theirs, goal in [("push+verify / s5cmd up", "push", "s5cmd_up", 1.0),
+                                      ("pull+verify / s5cmd down", "pull", "s5cmd_down", 0.8)]:
         each = ratios(ours, theirs)
         listed = " ".join(f"{r:.2f}" for r in each)
-        print(f"RATIO {label}, same round: best {max(each):.2f}, median {sorted(each)[len(each) // 2]:.2f} ({listed})   (goal >= {goal})")
+        print(f"RATIO {label}, same round: best {max(each):.2f}, median {sorted(each)[len(each) // 2]:.2f} "
+              f"({listed})   (goal >= {goal})")
     print(f"(load average before {load_before}, after {_loadavg()}, on {os.cpu_count()} cores)")
 
 

@@ -78,11 +78,15 @@ def child_ours(op: str, local: Path, prefix: str, sums: dict[str, list]) -> None
     names = sorted(sums)
     with ThreadPoolExecutor(len(names)) as pool:
         if op == "up":
-            list(pool.map(lambda n: store.put_file(n, local / n, sums[n][1]), names))  # pyright: ignore[reportAttributeAccessIssue]
+            list(pool.map(
+                lambda n: store.put_file(n, local / n, sums[n][1]),  # pyright: ignore[reportAttributeAccessIssue]
+                names))
         else:
             local.mkdir(parents=True)
             into = open_store(local)
-            got = dict(zip(names, pool.map(lambda n: store.get_file(n, into, n)[1], names)))  # pyright: ignore[reportAttributeAccessIssue]
+            got = dict(zip(names, pool.map(
+                lambda n: store.get_file(n, into, n)[1],  # pyright: ignore[reportAttributeAccessIssue]
+                names)))
             _check(local, sums, got)
 
 
@@ -94,13 +98,15 @@ def child_boto3(op: str, local: Path, prefix: str, sums: dict[str, list]) -> dic
 
     client = boto3.client("s3", config=_client_config("us-east-1", os.environ["AWS_ENDPOINT_URL"], CONCURRENCY))
     config = TransferConfig(
-        multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=CONCURRENCY, preferred_transfer_client="classic"
+        multipart_threshold=PART, multipart_chunksize=PART, max_concurrency=CONCURRENCY,
+        preferred_transfer_client="classic"
     )
     names = sorted(sums)
     with create_transfer_manager(client, config) as manager:
         if op == "up":
             futures = [
-                manager.upload(str(local / n), BUCKET, prefix + n, extra_args={"ChecksumCRC64NVME": sums[n][1]}) for n in names
+                manager.upload(str(local / n), BUCKET, prefix + n,
+                               extra_args={"ChecksumCRC64NVME": sums[n][1]}) for n in names
             ]
         else:
             local.mkdir(parents=True)
@@ -134,12 +140,14 @@ def child_crt(op: str, local: Path, prefix: str, sums: dict[str, list]) -> None:
     requests = []
     if op == "up":
         for n in names:
-            headers = http.HttpHeaders([("Host", host), ("Content-Length", str(sums[n][0])), ("x-amz-checksum-crc64nvme", sums[n][1])])
+            headers = http.HttpHeaders([("Host", host), ("Content-Length", str(sums[n][0])),
+                                        ("x-amz-checksum-crc64nvme", sums[n][1])])
             requests.append(client.make_request(
                 type=s3.S3RequestType.PUT_OBJECT,
                 request=http.HttpRequest("PUT", f"/{BUCKET}/{prefix}{n}", headers),
                 send_filepath=str(local / n),
-                checksum_config=s3.S3ChecksumConfig(algorithm=s3.S3ChecksumAlgorithm.CRC64NVME, location=s3.S3ChecksumLocation.TRAILER),
+                checksum_config=s3.S3ChecksumConfig(algorithm=s3.S3ChecksumAlgorithm.CRC64NVME,
+                                                    location=s3.S3ChecksumLocation.TRAILER),
             ))
     else:
         local.mkdir(parents=True)
@@ -184,7 +192,8 @@ def child_obstore(op: str, local: Path, prefix: str, sums: dict[str, list]) -> N
     async def up() -> None:
         # One part in flight per file, files in parallel: CONCURRENCY parts in flight in all, as ours.
         await asyncio.gather(*[
-            obstore.put_async(store, prefix + n, local / n, chunk_size=PART, max_concurrency=max(1, CONCURRENCY // len(names)))
+            obstore.put_async(store, prefix + n, local / n, chunk_size=PART,
+                              max_concurrency=max(1, CONCURRENCY // len(names)))
             for n in names
         ])
 
@@ -238,7 +247,9 @@ def main() -> None:
 
     tools = ["push_pull", *[t for t in args.tools.split(",") if t], "s5cmd"]
     if "obstore" in tools and importlib.util.find_spec("obstore") is None:
-        print("obstore is not installed (not a dependency of blockdraft: `pip install obstore` to measure it); left out")
+        print(
+            "obstore is not installed (not a dependency of blockdraft: `pip install obstore` to measure it); left out"
+        )
         tools.remove("obstore")
     load_before = _loadavg()
     work = Path(tempfile.mkdtemp(prefix="bd-bench-libs-"))
@@ -270,10 +281,18 @@ def main() -> None:
                 prefix = f"{tool}-{rep}/"
                 there = work / f"down-{tool}-{rep}"
                 if tool == "push_pull":
-                    argv = bt + (["push", str(local), f"s3://{BUCKET}/{prefix}"] if op == "up" else ["pull", f"s3://{BUCKET}/{prefix}", str(there)])
+                    argv = bt + (
+                        ["push", str(local), f"s3://{BUCKET}/{prefix}"]
+                        if op == "up"
+                        else ["pull", f"s3://{BUCKET}/{prefix}", str(there)]
+                    )
                 elif tool == "s5cmd":
                     argv = [s5cmd, "--endpoint-url", server.endpoint, "cp"]
-                    argv += [str(local / "shard-*"), f"s3://{BUCKET}/{prefix}"] if op == "up" else [f"s3://{BUCKET}/{prefix}*", f"{there}/"]
+                    argv += (
+                        [str(local / "shard-*"), f"s3://{BUCKET}/{prefix}"]
+                        if op == "up"
+                        else [f"s3://{BUCKET}/{prefix}*", f"{there}/"]
+                    )
                 else:
                     argv = me + [tool, op, str(local if op == "up" else there), prefix]
                 result, extra = timed(argv)
@@ -282,7 +301,8 @@ def main() -> None:
                     # What the server holds: a FULL_OBJECT CRC64NVME equal to the manifest's, or what instead.
                     for name, (_, crc) in sums.items():
                         head = admin.head_object(Bucket=BUCKET, Key=prefix + name, ChecksumMode="ENABLED")
-                        kind = f"{head.get('ChecksumType')} crc64nvme {'=' if head.get('ChecksumCRC64NVME') == crc else '!='} manifest"
+                        kind = (f"{head.get('ChecksumType')} crc64nvme "
+                                f"{'=' if head.get('ChecksumCRC64NVME') == crc else '!='} manifest")
                         stored.setdefault(tool, set()).add(kind)
                 for k, v in extra.items():
                     notes.setdefault(f"{tool} {op} {k}", []).append(v)
@@ -298,8 +318,13 @@ def main() -> None:
                 print(f"round {rep + 1}: up " + " ".join(f"{t} {up[t][-1][0]:.2f}" for t in tools)
                       + " | down " + " ".join(f"{t} {down[t][-1][0]:.2f}" for t in tools), flush=True)
                 for tool in tools:  # free the server's disk for the next round
-                    keys = [o["Key"] for page in admin.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{tool}-{rep}/")
-                            for o in page.get("Contents", [])]
+                    keys = [
+                        o["Key"]
+                        for page in admin.get_paginator("list_objects_v2").paginate(
+                            Bucket=BUCKET, Prefix=f"{tool}-{rep}/"
+                        )
+                        for o in page.get("Contents", [])
+                    ]
                     for i in range(0, len(keys), 1000):
                         admin.delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
             leftovers = admin.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])
@@ -307,7 +332,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     gib = total / 1024**3
-    print(f"artifact: {total / MIB:.0f} MiB in {args.files} files; {args.repeats} rounds; part {PART // MIB} MiB x {CONCURRENCY}")
+    print(f"artifact: {total / MIB:.0f} MiB in {args.files} files; {args.repeats} rounds; part {PART // MIB} MiB x "
+          f"{CONCURRENCY}")
     print(f"{'transfer':<16}{'best MB/s':>10}{'median MB/s':>12}{'peak RSS MiB':>14}{'CPU s/GiB':>11}"
           f"{'ratio/s5cmd best':>18}{'median':>8}   runs (s)")
     for label, results in (("up", up), ("down", down)):
@@ -317,8 +343,12 @@ def main() -> None:
             seconds, _, cpu = min(runs)
             median_s = sorted(t for t, _, _ in runs)[len(runs) // 2]
             ratios = sorted(r[0] / o[0] for o, r in zip(runs, ref, strict=True))
-            print(f"{tool + ' ' + label:<16}{total / seconds / 1e6:>10.0f}{total / median_s / 1e6:>12.0f}{max(r for _, r, _ in runs):>14}"
-                  f"{cpu / gib:>11.2f}{ratios[-1]:>18.2f}{ratios[len(ratios) // 2]:>8.2f}   " + " ".join(f"{t:.2f}" for t, _, _ in runs))
+            print(
+                f"{tool + ' ' + label:<16}{total / seconds / 1e6:>10.0f}{total / median_s / 1e6:>12.0f}"
+                f"{max(r for _, r, _ in runs):>14}"
+                f"{cpu / gib:>11.2f}{ratios[-1]:>18.2f}{ratios[len(ratios) // 2]:>8.2f}   "
+                + " ".join(f"{t:.2f}" for t, _, _ in runs)
+            )
     for key, values in notes.items():
         print(f"{key}: " + " ".join(f"{v:.2f}" for v in values))
     for tool, kinds in stored.items():

@@ -1,6 +1,6 @@
-"""Concurrent writers on one output: N trials of two `blockdraft push` processes (different artifacts, one S3 prefix on a
-local SeaweedFS) started together, N trials of two `blockdraft tokenize` runs into one folder, and N of two `blockdraft
-train` runs (seeds 0 and 1) into one train.output.
+"""Concurrent writers on one output: N trials of two `blockdraft push` processes (different artifacts, one S3 prefix on
+a local SeaweedFS) started together, N trials of two `blockdraft tokenize` runs into one folder, and N of two
+`blockdraft train` runs (seeds 0 and 1) into one train.output.
 
     .venv/bin/python -m bench.writers [--trials 20] [--train-trials 20]
 
@@ -20,7 +20,14 @@ import tempfile
 from pathlib import Path
 
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, read_manifest, verify_artifact
+from blockdraft.store.artifact import (
+    MANIFEST_NAME,
+    State,
+    commit_artifact,
+    entry_for_local_file,
+    read_manifest,
+    verify_artifact,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -39,13 +46,15 @@ def _artifact(root: Path, fill: int) -> Path:
 
 
 def _race(argvs: list[list[str]]) -> list[tuple[int, str]]:
-    procs = [subprocess.Popen([sys.executable, "-m", "blockdraft", *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "blockdraft", *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
              for a in argvs]
     return [(p.wait(), p.communicate()[1]) for p in procs]
 
 
 def _judge(url: str, results: list[tuple[int, str]], allowed: list[bytes]) -> dict[str, int]:
-    """One trial's outcome: overlapped (one process lost the lease), false_verified (a `verified` the output contradicts)."""
+    """One trial's outcome: overlapped (one process lost the lease), false_verified (a `verified` the output
+    contradicts)."""
     losers = [err for rc, err in results if rc == 2 and "is being written by pid" in err]  # the lease's line
     other = [rc for rc, err in results if rc != 0 and err not in losers]
     report = verify_artifact(open_store(url), deep=True)
@@ -58,7 +67,8 @@ def _judge(url: str, results: list[tuple[int, str]], allowed: list[bytes]) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--train-trials", type=int, default=20, help="two train runs into one output, this many times (0: skip)")
+    parser.add_argument("--train-trials", type=int, default=20, help="two train runs into one output, this many times "
+                                                                     "(0: skip)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-writers-") as tmp, SeaweedS3(Path(tmp) / "s3") as server:
         os.environ.update(server.admin.env(server.endpoint))
@@ -77,7 +87,12 @@ def main() -> None:
         totals = {"kind": "tokenize", "trials": args.trials, "overlapped": 0, "false_verified": 0, "other_failures": 0}
         for trial in range(args.trials):
             out = Path(tmp) / f"tok-{trial}"
-            results = _race([["tokenize", str(corpus), str(out), "--tokenizer", str(TOKENIZER_DIR), "--max-length", str(m)] for m in (512, 256)])
+            results = _race(
+                [
+                    ["tokenize", str(corpus), str(out), "--tokenizer", str(TOKENIZER_DIR), "--max-length", str(m)]
+                    for m in (512, 256)
+                ]
+            )
             for key, value in _judge(str(out), results, []).items():
                 totals[key] += value
         print(json.dumps(totals))
@@ -86,13 +101,14 @@ def main() -> None:
 
 
 def _train_races(tmp: Path, trials: int) -> dict[str, object]:
-    """Two `blockdraft train` runs (seeds 0 and 1) into one train.output: every checkpoint left there must verify and come
-    from one run (the run identity in its manifest), and a run that exited 0 must be that run."""
+    """Two `blockdraft train` runs (seeds 0 and 1) into one train.output: every checkpoint left there must verify and
+    come from one run (the run identity in its manifest), and a run that exited 0 must be that run."""
     from helpers.train_data import config_file, make_rows, write_tokenized
 
     rows = make_rows(6, prompt_len=6, new_tokens=24, seed=0)
     data = write_tokenized(tmp / "train-data", rows[:4], rows[4:])
-    totals: dict[str, object] = {"kind": "train", "trials": trials, "overlapped": 0, "false_verified": 0, "other_failures": 0}
+    totals: dict[str, object] = {"kind": "train", "trials": trials, "overlapped": 0, "false_verified": 0,
+                                 "other_failures": 0}
     for trial in range(trials):
         out = tmp / f"ckpt-{trial}"
         configs = []
@@ -111,7 +127,9 @@ def _train_races(tmp: Path, trials: int) -> dict[str, object]:
             seeds.add(manifest.counts["run"]["seed"])
         winners = {seed for seed, (rc, _) in zip((0, 1), results) if rc == 0}
         totals["false_verified"] = int(totals["false_verified"]) + int(len(seeds) > 1 or not winners <= seeds)
-        totals["overlapped"] = int(totals["overlapped"]) + int(any(rc == 2 and "is being written by pid" in err for rc, err in results))
+        totals["overlapped"] = int(totals["overlapped"]) + int(
+            any(rc == 2 and "is being written by pid" in err for rc, err in results)
+        )
         totals["other_failures"] = int(totals["other_failures"]) + sum(rc not in (0, 2) for rc, _ in results)
     return totals
 
