@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -269,6 +270,44 @@ class LossOutput:
     selector: SelectorStats | None = None
 
 
+@dataclass(frozen=True)
+class HeadInputs:
+    """What the chunked head reads besides the hidden states, none of it differentiated: the frozen head `weight` [V, H]
+    and `bias` [V] (or None), each row's `labels` [R] and loss `weights` [R], the teacher's rows when distilling
+    (`Teacher.flat`: hidden [b*S, H] and each row's `teacher_index` [R], else None), `chunk_rows` rows per chunk, the
+    `block_size` and the `objective`."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    labels: torch.Tensor
+    weights: torch.Tensor
+    teacher_hidden: torch.Tensor | None
+    teacher_index: torch.Tensor | None
+    chunk_rows: int
+    block_size: int
+    objective: Objective
+
+
+class HeadLoss(NamedTuple):
+    """The chunked head's result over R rows: `total` sum(w * term) (differentiable); `kl` sum(w * KL(p_T || q_T)) (0
+    unless distilling); per row [R]: `hits` (unary argmax = label), `ce` (unary CE against the label), `used` (the weight
+    each row counted with: D-PACE's are computed in the head); `candidates` [R, K + 1] each row's top-K unary ids then
+    its label, with their unary logits `values` [R, K + 1] (differentiable), K = 0 columns without a selector."""
+
+    total: torch.Tensor
+    kl: torch.Tensor
+    hits: torch.Tensor
+    ce: torch.Tensor
+    used: torch.Tensor
+    candidates: torch.Tensor
+    values: torch.Tensor
+
+
+def chunked_head_loss(hidden: torch.Tensor, inputs: HeadInputs) -> HeadLoss:
+    """`HeadLoss` of hidden [R, H] (the drafter's, after its final norm), one chunk's logits in memory at a time."""
+    return HeadLoss(*_ChunkedHeadLoss.apply(hidden, inputs))
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """sum(w * term) with the LM head applied chunk by chunk, the weighted KL part, argmax hits and CE per row, the
     weights used, and for DFlash2 each row's top-K candidates plus its label with their unary logits.
@@ -285,7 +324,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, weights, teacher_hidden, teacher_index, chunk_rows, block_size, objective):
+    def forward(ctx, hidden: torch.Tensor, inputs: HeadInputs):
+        weight, bias, labels, weights = inputs.weight, inputs.bias, inputs.labels, inputs.weights
+        objective, chunk_rows, block_size = inputs.objective, inputs.chunk_rows, inputs.block_size
         distill, lam, temp, k = objective.distills, objective.distill_weight, objective.temperature, objective.top_k
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         kl_total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -326,7 +367,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     grad[sl] = grad_chunk.to(hidden.dtype)
                 continue
             # Distillation: the teacher's logits for these rows, then KL(p_T || q_T) per row, in place where it can be.
-            teacher = F.linear(teacher_hidden[teacher_index[sl]].to(weight.dtype), weight, bias).float()
+            assert inputs.teacher_hidden is not None and inputs.teacher_index is not None, "block_loss checks the teacher"
+            teacher = F.linear(inputs.teacher_hidden[inputs.teacher_index[sl]].to(weight.dtype), weight, bias).float()
             log_p = torch.log_softmax(teacher.div_(temp), dim=-1)
             del teacher
             log_q = torch.log_softmax(logits / temp, dim=-1)
@@ -343,23 +385,24 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     hard = hard * slope.gather(1, labels[sl, None])[:, 0]
                     g.mul_(slope)
                 grad[sl] = (g.to(weight.dtype) @ weight - hard[:, None].to(weight.dtype) * weight[labels[sl]]).to(hidden.dtype)
-        ctx.save_for_backward(grad, weight, candidates, values)
+        ctx.save_for_backward(grad, weight, candidates, values)  # read back by these names in backward
         ctx.objective, ctx.chunk_rows = objective, chunk_rows
         ctx.mark_non_differentiable(kl_total, hits, ce_rows, used, candidates)
-        return total, kl_total, hits, ce_rows, used, candidates, values
+        return HeadLoss(total, kl_total, hits, ce_rows, used, candidates, values)
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_kl, _grad_hits, _grad_ce, _grad_used, _grad_candidates, grad_values):
+    def backward(ctx, *grads):
+        upstream = HeadLoss(*grads)  # one gradient per output, by name: only `total` and `values` are differentiable
         grad, weight, candidates, values = ctx.saved_tensors
-        grad = grad * grad_total.to(grad.dtype)
-        if grad_values is not None and candidates.shape[1]:
-            objective = ctx.objective
-            g = grad_values * objective.unary_slope(values) if objective.transforms else grad_values
+        objective: Objective = ctx.objective
+        grad = grad * upstream.total.to(grad.dtype)
+        if upstream.values is not None and candidates.shape[1]:
+            g = upstream.values * objective.unary_slope(values) if objective.transforms else upstream.values
             for start in range(0, grad.shape[0], ctx.chunk_rows):
                 sl = slice(start, start + ctx.chunk_rows)
                 rows = torch.einsum("rk,rkh->rh", g[sl].to(weight.dtype), weight[candidates[sl]])
                 grad[sl] += rows.to(grad.dtype)
-        return grad, *([None] * 9)
+        return grad, None  # the hidden states' gradient; `inputs` gets none
 
 
 def global_weight_sum(weights: torch.Tensor, objective: Objective = PAPER_OBJECTIVE) -> torch.Tensor:
@@ -401,29 +444,28 @@ def block_loss(
     y = labels.reshape(-1)
     w = weights.reshape(-1).float()
     t_hidden, t_index = teacher.flat() if objective.distills and teacher is not None else (None, None)
-    weighted_ce, weighted_kl, hits, ce_rows, used, candidates, values = _ChunkedHeadLoss.apply(
-        h, head_weight, head_bias, y, w, t_hidden, t_index, chunk_blocks * block_size, block_size, objective
-    )
+    inputs = HeadInputs(head_weight, head_bias, y, w, t_hidden, t_index, chunk_blocks * block_size, block_size, objective)
+    head = chunked_head_loss(h, inputs)
     supervised = (w.reshape(-1, block_size)[:, 1:] > 0).float()
     per_slot = lambda rows: (rows.float().reshape(-1, block_size)[:, 1:] * supervised).sum(0)  # noqa: E731  [B-1]
     # [B-1]: the blocks whose slots 1..k are all supervised and right (a running product along each block).
     leading = lambda rows: (rows.float().reshape(-1, block_size)[:, 1:] * supervised).cumprod(dim=1).sum(0)  # noqa: E731
-    slots = SlotStats(correct=per_slot(hits), total=supervised.sum(0), ce=per_slot(ce_rows.detach()), leading=leading(hits))
+    slots = SlotStats(correct=per_slot(head.hits), total=supervised.sum(0), ce=per_slot(head.ce.detach()), leading=leading(head.hits))
     selector = None
-    term = weighted_ce
+    term = head.total
     if objective.selects and walk_scores is not None:
-        out = selector_term(h, y, used, candidates, values, walk_scores, block_size, objective.missing_gold == "inject")
+        out = selector_term(h, y, head.used, head.candidates, head.values, walk_scores, block_size, objective.missing_gold == "inject")
         selector = SelectorStats(out.weighted.detach(), per_slot(out.recall), per_slot(out.correct), leading(out.correct))
-        term = weighted_ce + objective.selector_alpha * out.weighted
+        term = head.total + objective.selector_alpha * out.weighted
 
     weight_sum = global_weight_sum(w, objective) if weight_sum is None else weight_sum
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     loss = term / weight_sum.clamp_min(1e-12) * world
-    kl = weighted_kl.detach() if objective.distills else None
+    kl = head.kl.detach() if objective.distills else None
     return LossOutput(loss=loss, weighted_ce=term.detach(), weight_sum=weight_sum, slots=slots, weighted_kl=kl, selector=selector)
 
 
 __all__ = [
-    "LossOutput", "Objective", "PAPER_OBJECTIVE", "SelectorStats", "SelectorTerm", "SlotStats", "Teacher", "WalkScores", "block_loss",
-    "dpace_weights", "global_weight_sum", "gold_predecessors", "selector_term",
+    "HeadInputs", "HeadLoss", "LossOutput", "Objective", "PAPER_OBJECTIVE", "SelectorStats", "SelectorTerm", "SlotStats", "Teacher",
+    "WalkScores", "block_loss", "chunked_head_loss", "dpace_weights", "global_weight_sum", "gold_predecessors", "selector_term",
 ]
