@@ -1,9 +1,9 @@
-"""What `eval --engine` gains on a machine without CUDA by starting its two servers (with the drafter, target-only) side by
-side rather than one after the other.
+"""What `eval --engine` gains on a machine without CUDA by starting its two servers (with the drafter, target-only) side
+by side rather than one after the other.
 
-Each round starts two servers of the tiny target with `serving_together` (the product's own launch, health wait and stop),
-once both in one call (side by side) and once in two calls (one after the other), in alternating order, and times the
-fixed cost: launch to both healthy. The requests are not timed: they run one server at a time either way. Needs
+Each round starts two servers of the tiny target with `serving_together` (the product's own launch, health wait and
+stop), once both in one call (side by side) and once in two calls (one after the other), in alternating order, and times
+the fixed cost: launch to both healthy. The requests are not timed: they run one server at a time either way. Needs
 `make engine`.
 
     .venv/bin/python -m bench.engine_pair --rounds 3    # about 4 min on 2 cores
@@ -29,7 +29,10 @@ NAMES = ("drafter", "target-only")  # two target-only servers here: the start, n
 def start_both(cfg: EvalConfig, workdir: Path, together: bool) -> float:
     """Seconds spent starting both servers: launch to every server of a call healthy, summed over the calls (one call
     together, else one per server, each stopped before the next starts)."""
-    argvs = {name: free_argv(Path(cfg.engine_python), "vllm", str(TINY_TARGET_DIR), "float32", 512, None, []) for name in NAMES}
+    argvs = {
+        name: free_argv(Path(cfg.engine_python), "vllm", str(TINY_TARGET_DIR), "float32", 512, None, [])
+        for name in NAMES
+    }
     groups = [list(NAMES)] if together else [[name] for name in NAMES]
     seconds = 0.0
     for group in groups:

@@ -3,9 +3,9 @@
     .venv/bin/python -m pytest -q --junitxml=suite.xml
     .venv/bin/python bench/suite_table.py suite.xml [--top 25] [--against before.xml]
 
-Each test case's time in the XML is its set-up, call and teardown together, so a module fixture's cost lands on the first test
-that uses it; summed by file the figures are whole. With `--against`, a second XML (the same suite at another commit) gives a
-before column and the change.
+Each test case's time in the XML is its set-up, call and teardown together, so a module fixture's cost lands on the
+first test that uses it; summed by file the figures are whole. With `--against`, a second XML (the same suite at another
+commit) gives a before column and the change.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ cycle, shared by every engine, and vLLM's command line and requests; SGLang's ar
 
 The engine runs in its own Python (`eval.engine_python`, built by `make engine`: vLLM pins its own torch and
 transformers), as an OpenAI-compatible server on a free loopback port, twice: with the drafter (the settings the export
-wrote in serving.json) and target-only, the two started side by side without CUDA, one after the other on a GPU. Prompts go in as token ids, one request at a time (batch 1, as our decode
-runs), greedy or at the eval's sampling settings with a seed per request, with our `max_new_tokens` and stop ids; the
-new token ids come back (`return_token_ids`) and the
+wrote in serving.json) and target-only, the two started side by side without CUDA, one after the other on a GPU. Prompts
+go in as token ids, one request at a time (batch 1, as our decode runs), greedy or at the eval's sampling settings with
+a seed per request, with our `max_new_tokens` and stop ids; the new token ids come back (`return_token_ids`) and the
 speculative-decoding counters come from `/metrics` (read before and after, so warm-up requests do not count).
 
 A server never outlives the command: it runs in its own process group, which is stopped on every exit from `serving`
@@ -51,7 +51,8 @@ _COUNTER = re.compile(r'^(vllm:spec_decode_num_(?:drafts|accepted_tokens_per_pos
 class ServedRun:
     """What one server produced: the new token ids per prompt, the wall time of the requests, and the deltas of its
     speculative counters over them (drafts proposed, tokens accepted at each draft position). An engine that reports no
-    per-position counts leaves `accepted_per_position` empty and gives the accepted tokens in all as `accepted_total`."""
+    per-position counts leaves `accepted_per_position` empty and gives the accepted tokens in all as
+    `accepted_total`."""
 
     outputs: list[list[int]]
     seconds: float
@@ -68,20 +69,23 @@ class ServedRun:
 
 # How to get each engine's environment, for the one line when it is missing.
 _INSTALL = {
-    "vllm": "run `make engine` to build the engine's environment there (or set eval.engine_python to a Python that has vllm)",
-    "sglang": "install sglang into a Python on a GPU machine (`pip install sglang`; its CPU build needs sgl-kernel built from "
-              "source) and set eval.engine_python to it",
+    "vllm": "run `make engine` to build the engine's environment there (or set eval.engine_python to a Python "
+            "that has vllm)",
+    "sglang": "install sglang into a Python on a GPU machine (`pip install sglang`; its CPU build needs sgl-kernel "
+              "built from source) and set eval.engine_python to it",
 }
 
 
 def engine_python(cfg: EvalConfig) -> Path:
-    """The engine's interpreter, or EngineError saying how to get it when it is not there or cannot import the engine."""
+    """The engine's interpreter, or EngineError saying how to get it when it is not there or cannot import the
+    engine."""
     python = Path(cfg.engine_python)
     install = _INSTALL.get(cfg.engine, _INSTALL["vllm"])
     if not python.is_file():
         raise EngineError(f"eval.engine {cfg.engine}: no engine Python at {python}; {install}")
     if not _has_module(python, cfg.engine):
-        raise EngineError(f"eval.engine {cfg.engine}: the engine Python at {python} has no {cfg.engine} module; {install}")
+        raise EngineError(f"eval.engine {cfg.engine}: the engine Python at {python} has no {cfg.engine} module; "
+                          f"{install}")
     return python
 
 
@@ -94,14 +98,14 @@ def _has_module(python: Path, module: str) -> bool:
         return False
 
 
-def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, max_len: int | None, spec: dict[str, Any] | None,
-                extra: Sequence[str]) -> list[str]:
+def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, max_len: int | None,
+                spec: dict[str, Any] | None, extra: Sequence[str]) -> list[str]:
     """The command line that serves `target` (with the drafter `spec`, vLLM's speculative config, or target-only), with
     room for `max_len` tokens per sequence (None: what the target's config allows)."""
     if engine != "vllm":
         raise EngineError(f"eval.engine {engine!r} is not run by this version; use 'vllm'")
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", SERVED_NAME,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", "0"]
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name",
+            SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", "0"]
     if max_len is not None:
         argv += ["--max-model-len", str(max_len)]
     if spec is not None:
@@ -122,7 +126,9 @@ def has_expand_fix(python: Path) -> bool:
     probe = ("import importlib.util, pathlib; spec = importlib.util.find_spec('vllm'); "
              "print(pathlib.Path(spec.submodule_search_locations[0], 'utils', 'cpu_triton_utils.py'))")
     try:
-        shim = Path(subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60).stdout.strip())
+        shim = Path(
+            subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60).stdout.strip()
+        )
         return shim.is_file() and EXPAND_FIX in shim.read_text()
     except (OSError, subprocess.SubprocessError):
         return False
@@ -180,13 +186,15 @@ class Server:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise EngineError(f"the engine exited with status {self.proc.returncode} while starting; {self.log_tail()}")
+                raise EngineError(f"the engine exited with status {self.proc.returncode} while starting; "
+                                  f"{self.log_tail()}")
             with contextlib.suppress(OSError, urllib.error.URLError):
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
                     if resp.status == 200:
                         return
             time.sleep(HEALTH_POLL_S)
-        raise EngineError(f"the engine did not answer /health within {timeout_s:.0f} s (eval.engine_start_timeout_s); {self.log_tail()}")
+        raise EngineError(f"the engine did not answer /health within {timeout_s:.0f} s (eval.engine_start_timeout_s); "
+                          f"{self.log_tail()}")
 
     def log_tail(self) -> str:
         """The last lines of the server's output, redacted like every server text, as one line."""
@@ -219,9 +227,11 @@ class Server:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
-            raise EngineError(f"the engine answered {path} with HTTP {exc.code}: {redact(exc.read().decode(errors='replace')[:500])}") from None
+            raise EngineError(f"the engine answered {path} with HTTP {exc.code}: "
+                              f"{redact(exc.read().decode(errors='replace')[:500])}") from None
         except (OSError, ValueError) as exc:
-            raise EngineError(f"the engine did not answer {path} ({type(exc).__name__}: {redact(str(exc))}); {self.log_tail()}") from None
+            raise EngineError(f"the engine did not answer {path} ({type(exc).__name__}: {redact(str(exc))}); "
+                              f"{self.log_tail()}") from None
 
     def get_text(self, path: str) -> str:
         try:
@@ -261,7 +271,8 @@ def serving_together(argvs: dict[str, list[str]], workdir: Path, cfg: EvalConfig
 
 @contextlib.contextmanager
 def serving(argv: list[str], workdir: Path, name: str, cfg: EvalConfig) -> Iterator[Server]:
-    """A healthy server for the duration of the block; stopped (with every process it started) however the block ends."""
+    """A healthy server for the duration of the block; stopped (with every process it started) however the block
+    ends."""
     with serving_together({name: argv}, workdir, cfg) as servers:
         yield servers[name]
 
@@ -281,11 +292,13 @@ def read_counters(server: Server, positions: int) -> tuple[int, list[int]]:
     return int(drafts), [int(a) for a in accepted]
 
 
-def generate(server: Server, prompts: Sequence[Sequence[int]], max_new_tokens: int, stops: Sequence[int], positions: int,
-             reporter: Reporter, label: str, sampling: Sampling | None = None, seed: int = 0) -> ServedRun:
+def generate(server: Server, prompts: Sequence[Sequence[int]], max_new_tokens: int, stops: Sequence[int],
+             positions: int, reporter: Reporter, label: str, sampling: Sampling | None = None,
+             seed: int = 0) -> ServedRun:
     """Every prompt through `server`, one request at a time, greedy (`sampling` None) or sampled, request i seeded with
     `seed + i`; the counters' deltas over exactly these requests."""
-    server.post("/v1/completions", _request(prompts[0], 2, stops))  # warm-up: first-request costs stay out of the timing
+    # warm-up: first-request costs stay out of the timing
+    server.post("/v1/completions", _request(prompts[0], 2, stops))
     drafts_before, accepted_before = read_counters(server, positions)
     outputs: list[list[int]] = []
     reporter.progress(label, 0, len(prompts))
@@ -297,13 +310,15 @@ def generate(server: Server, prompts: Sequence[Sequence[int]], max_new_tokens: i
     seconds = time.perf_counter() - started
     drafts, accepted = read_counters(server, positions)
     version = str(answer.get("system_fingerprint") or "")
-    return ServedRun(outputs, seconds, drafts - drafts_before, [a - b for a, b in zip(accepted, accepted_before)], version)
+    return ServedRun(outputs, seconds, drafts - drafts_before, [a - b for a, b in zip(accepted, accepted_before)],
+                     version)
 
 
 def _request(prompt: Sequence[int], max_new_tokens: int, stops: Sequence[int], sampling: Sampling | None = None,
              seed: int = 0) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_new_tokens, "temperature": 0.0,
-                            "stop_token_ids": list(stops), "return_token_ids": True, "skip_special_tokens": False}
+    body: dict[str, Any] = {"model": SERVED_NAME, "prompt": list(prompt), "max_tokens": max_new_tokens,
+                            "temperature": 0.0, "stop_token_ids": list(stops), "return_token_ids": True,
+                            "skip_special_tokens": False}
     if sampling is not None:
         body.update(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed)
         if sampling.top_k:
@@ -317,4 +332,5 @@ def free_argv(python: Path, engine: str, target: str, dtype: str, max_len: int |
     return server_argv(python, engine, target, free_port(), dtype, max_len, spec, extra)
 
 
-__all__ = ["EXPAND_FIX", "SERVED_NAME", "ServedRun", "Server", "cuda_here", "engine_python", "free_argv", "free_port", "generate", "has_expand_fix", "read_counters", "server_argv", "server_env", "serving", "serving_together"]
+__all__ = ["EXPAND_FIX", "SERVED_NAME", "ServedRun", "Server", "cuda_here", "engine_python", "free_argv", "free_port",
+           "generate", "has_expand_fix", "read_counters", "server_argv", "server_env", "serving", "serving_together"]

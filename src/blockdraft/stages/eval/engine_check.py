@@ -2,13 +2,14 @@
 decode just ran; the engine's acceptance compared with ours.
 
 Agreement rule: equal drafts and tokens accepted at every draft position agree ("exact"); otherwise each position's
-acceptance rate and tau must be within `eval.engine_tolerance_fp32` when both sides ran in float32, `eval.engine_tolerance`
-below it. Float32 is not always exact: the engine's drafter kernels round differently from ours, so a near-tie in the
-drafter's logits can flip one draft (measured in docs/PERFORMANCE.md, "engine"), and in bf16 near-ties in the target's
-logits flip too; `FLIPS` flipped drafts are allowed on top of the tolerance, which matters on a few prompts only. An
-export that differs from its checkpoint moves the figures by far more. The engine's outputs with the
-drafter must equal its own target-only outputs (lossless in the engine), whatever the precision. An engine that reports
-no per-position counts (SGLang without its acceptance histogram) is held to tau alone, within the same tolerance.
+acceptance rate and tau must be within `eval.engine_tolerance_fp32` when both sides ran in float32,
+`eval.engine_tolerance` below it. Float32 is not always exact: the engine's drafter kernels round differently from ours,
+so a near-tie in the drafter's logits can flip one draft (measured in docs/PERFORMANCE.md, "engine"), and in bf16
+near-ties in the target's logits flip too; `FLIPS` flipped drafts are allowed on top of the tolerance, which matters on
+a few prompts only. An export that differs from its checkpoint moves the figures by far more. The engine's outputs with
+the drafter must equal its own target-only outputs (lossless in the engine), whatever the precision. An engine that
+reports no per-position counts (SGLang without its acceptance histogram) is held to tau alone, within the same
+tolerance.
 
 At temperature > 0 (`eval.temperature`), both sides sample, each decode with its own seed (ours `eval.seed + i`, and the
 same number on the engine's request i), so their counts differ by chance and the rule is statistical: each position's
@@ -16,9 +17,9 @@ acceptance rate (pooled two-proportion z-test) and tau (two-sample z-test on the
 by less than z standard errors, z the normal quantile at 1 - alpha / (2 B) (`eval.engine_alpha` shared by the B - 1
 positions and tau, Bonferroni). Cycles of one decode are not independent trials (they share a prompt and a history), so
 each standard error is widened by the design effect measured on our decodes (`design_effects`): on the demo's drafter
-at T 0.6 it was 2 to 7, and a binomial interval failed engines that agreed with our per-decode intervals. The engine's outputs are not compared with its
-target-only outputs there: sampled outputs differ by chance; that speculative sampling keeps the target's distribution
-is what `tests/test_sampling_rules.py` checks of our loop, under every draft rule.
+at T 0.6 it was 2 to 7, and a binomial interval failed engines that agreed with our per-decode intervals. The engine's
+outputs are not compared with its target-only outputs there: sampled outputs differ by chance; that speculative sampling
+keeps the target's distribution is what `tests/test_sampling_rules.py` checks of our loop, under every draft rule.
 """
 
 from __future__ import annotations
@@ -60,15 +61,18 @@ def require_export(cfg: EvalConfig, export: str | None) -> Path:
     if cfg.temperature > 0:
         refuse_proposal(cfg)
         if cfg.engine == "vllm" and not cuda_here() and not has_expand_fix(python):
-            raise EngineError(f"eval.temperature {cfg.temperature:g}: the vLLM at {python} verifies drafts at temperature with "
-                              f"uninitialised settings on the CPU ({EXPAND_FIX}, fixed in PR 55006); `make engine` "
-                              "patches it, or run the engine check greedy (eval.temperature = 0)")
+            raise EngineError(f"eval.temperature {cfg.temperature:g}: the vLLM at {python} verifies drafts at "
+                              f"temperature with uninitialised settings on the CPU ({EXPAND_FIX}, fixed in PR 55006); "
+                              "`make engine` patches it, or run the engine check greedy (eval.temperature = 0)")
     if export is None:
-        raise EngineError(f"eval.engine {cfg.engine} needs the checkpoint's export: pass --export DIR (the CLI makes one when omitted)")
+        raise EngineError(f"eval.engine {cfg.engine} needs the checkpoint's export: pass --export DIR (the CLI makes "
+                          "one when omitted)")
     folder = Path(export.removeprefix("file://"))
     missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME, SERVING_NAME) if not (folder / name).is_file()]
     if missing:
-        raise EngineError(f"--export {export} has no {', '.join(missing)}; pass a folder that `blockdraft export` wrote")
+        raise EngineError(
+            f"--export {export} has no {', '.join(missing)}; pass a folder that `blockdraft export` wrote"
+        )
     architectures = json.loads((folder / CONFIG_NAME).read_text()).get("architectures") or []
     refuse_unservable(cfg, DFLASH2 if ARCHITECTURE_NAMES[DFLASH2] in architectures else DFLASH)
     return folder
@@ -83,12 +87,14 @@ def refuse_proposal(cfg: EvalConfig) -> None:
 
 
 def refuse_unservable(cfg: EvalConfig, architecture: str) -> None:
-    """EngineError when `cfg.engine` cannot serve a drafter of `architecture` on this machine: vLLM 0.32 serves DFlash2 only
-    on its V2 model runner, whose candidate walk is a Triton kernel, so not on the CPU (its V1 runner refuses it)."""
+    """EngineError when `cfg.engine` cannot serve a drafter of `architecture` on this machine: vLLM 0.32 serves DFlash2
+    only on its V2 model runner, whose candidate walk is a Triton kernel, so not on the CPU (its V1 runner refuses
+    it)."""
     if cfg.engine == "vllm" and architecture == DFLASH2 and not cuda_here():
         raise EngineError(
-            "vLLM 0.32 serves a DFlash2 drafter only on its V2 model runner (the candidate walk is a Triton kernel, GPU "
-            "only) and this machine has no CUDA device; run `eval --engine vllm` on a GPU machine, or eval without --engine"
+            "vLLM 0.32 serves a DFlash2 drafter only on its V2 model runner (the candidate walk is a Triton kernel, "
+            "GPU only) and this machine has no CUDA device; run `eval --engine vllm` on a GPU machine, or eval "
+            "without --engine"
         )
 
 
@@ -105,9 +111,11 @@ def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequenc
     sampling = Sampling(sampled.temperature, sampled.top_p, sampled.top_k) if sampled is not None else None
     if sampled is not None:
         if sglang:
-            raise EngineError("eval.engine sglang is checked greedy only in this version; set eval.temperature = 0 or use --engine vllm")
+            raise EngineError("eval.engine sglang is checked greedy only in this version; set eval.temperature = 0 or "
+                              "use --engine vllm")
         prompts = [p for p in prompts for _ in range(sampled.samples_per_prompt)]  # request i: prompt i // S, seed + i
-    spec: Any = sglang_spec(serving_json, export) if sglang else {**serving_json["vllm_speculative_config"], "model": str(export.absolute())}
+    spec: Any = (sglang_spec(serving_json, export) if sglang
+                 else {**serving_json["vllm_speculative_config"], "model": str(export.absolute())})
     if sampled is not None and not sglang:  # vLLM proposes by its draft_sample_method: the rule our decode ran
         spec["draft_sample_method"] = "probabilistic" if sampled.proposal == "vllm-probabilistic" else "greedy"
     version = sglang_version(python) if sglang else ""
@@ -127,7 +135,8 @@ def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequenc
         with serving_together({name: argvs[name] for name in names}, workdir, cfg) as servers:
             for name, server in servers.items():
                 reporter.say(f"engine: serving {len(prompts)} prompts {name}")
-                args = (server, prompts, report.max_new_tokens, report.stop_token_ids, positions, reporter, f"engine {name}")
+                args = (server, prompts, report.max_new_tokens, report.stop_token_ids, positions, reporter,
+                        f"engine {name}")
                 if sglang:
                     runs[name] = generate_sglang(*args, version)
                 else:
@@ -137,15 +146,16 @@ def check_in_engine(cfg: EvalConfig, export: Path, target: str, prompts: Sequenc
 
 
 def ours(report: EvalReport) -> tuple[int, list[int]]:
-    """(cycles, tokens accepted at each draft position) of our decode of the dflash drafter, counted as the engine counts them."""
+    """(cycles, tokens accepted at each draft position) of our decode of the dflash drafter, counted as the engine
+    counts them."""
     lengths = [n for decode in _our_decodes(report) for n in decode]
     return len(lengths), [sum(1 for n in lengths if n - 1 >= k) for k in range(1, report.block_size)]
 
 
 def _our_decodes(report: EvalReport) -> list[list[int]]:
     """a + 1 of every cycle of each dflash decode the engine is compared with (the sampled ones at temperature > 0), as
-    the engine counts them: our loop runs one more cycle when its anchor is already the `max_new_tokens`-th new token (its
-    output is cut to the limit), a step the engine never schedules, so such a cycle is left out."""
+    the engine counts them: our loop runs one more cycle when its anchor is already the `max_new_tokens`-th new token
+    (its output is cut to the limit), a step the engine never schedules, so such a cycle is left out."""
     if report.sampled is not None:
         decodes = report.sampled.drafters["dflash"].acceptance_lengths
     else:
@@ -186,7 +196,8 @@ def design_effects(decodes: Sequence[Sequence[int]], positions: int) -> list[flo
     return effects
 
 
-def compare(cfg: EvalConfig, with_drafter: ServedRun, target_only: ServedRun, report: EvalReport, dtype: str) -> EngineCheck:
+def compare(cfg: EvalConfig, with_drafter: ServedRun, target_only: ServedRun, report: EvalReport,
+            dtype: str) -> EngineCheck:
     cycles, accepted = ours(report)
     if report.sampled is not None:
         return _compare_sampled(cfg, with_drafter, target_only, report, dtype, cycles, accepted)
@@ -206,11 +217,13 @@ def compare(cfg: EvalConfig, with_drafter: ServedRun, target_only: ServedRun, re
         outputs_equal_target_only=sum(a == b for a, b in zip(with_drafter.outputs, target_only.outputs)),
         num_prompts=len(with_drafter.outputs),
         tokens_per_s=new_tokens / with_drafter.seconds if with_drafter.seconds else 0.0,
-        target_only_tokens_per_s=sum(len(o) for o in target_only.outputs) / target_only.seconds if target_only.seconds else 0.0,
+        target_only_tokens_per_s=(sum(len(o) for o in target_only.outputs) / target_only.seconds
+                                  if target_only.seconds else 0.0),
         ours_cycles=cycles,
         ours_accepted_per_position=accepted,
         ours_tau=_tau(cycles, accepted),
-        rule="exact" if exact else within if per_position else f"tau {within}: {cfg.engine} reported no per-position counts",
+        rule=("exact" if exact else within if per_position
+              else f"tau {within}: {cfg.engine} reported no per-position counts"),
     )
     check.speedup = check.tokens_per_s / check.target_only_tokens_per_s if check.target_only_tokens_per_s else 0.0
     check.disagreement = disagreement(check, exact, tolerance)
@@ -223,13 +236,16 @@ def _compare_sampled(cfg: EvalConfig, with_drafter: ServedRun, target_only: Serv
     z = NormalDist().inv_cdf(1 - cfg.engine_alpha / (2 * report.block_size))
     check = EngineCheck(
         engine=cfg.engine, version=with_drafter.version, dtype=dtype, drafts=with_drafter.drafts,
-        accepted_per_position=with_drafter.accepted_per_position, tau=_tau(with_drafter.drafts, [with_drafter.accepted]),
+        accepted_per_position=with_drafter.accepted_per_position,
+        tau=_tau(with_drafter.drafts, [with_drafter.accepted]),
         outputs_equal_target_only=sum(a == b for a, b in zip(with_drafter.outputs, target_only.outputs)),
         num_prompts=len(with_drafter.outputs),
         tokens_per_s=sum(len(o) for o in with_drafter.outputs) / with_drafter.seconds if with_drafter.seconds else 0.0,
-        target_only_tokens_per_s=sum(len(o) for o in target_only.outputs) / target_only.seconds if target_only.seconds else 0.0,
+        target_only_tokens_per_s=(sum(len(o) for o in target_only.outputs) / target_only.seconds
+                                  if target_only.seconds else 0.0),
         ours_cycles=cycles, ours_accepted_per_position=accepted, ours_tau=_tau(cycles, accepted),
-        rule=f"binomial {1 - cfg.engine_alpha:.0%}, z {z:.2f} (T={report.sampled.temperature:g}, {report.sampled.proposal} drafts)",
+        rule=f"binomial {1 - cfg.engine_alpha:.0%}, z {z:.2f} (T={report.sampled.temperature:g}, "
+             f"{report.sampled.proposal} drafts)",
         temperature=report.sampled.temperature,
     )
     check.speedup = check.tokens_per_s / check.target_only_tokens_per_s if check.target_only_tokens_per_s else 0.0
@@ -255,7 +271,8 @@ def sampled_disagreement(check: EngineCheck, z: float, effects: Sequence[float] 
     are widened by its square root."""
     n1, n2 = check.drafts, check.ours_cycles
     if n1 == 0 or n2 == 0:
-        return f"the engine ran {n1} drafts and our decode {n2} cycles at temperature {check.temperature:g}: nothing to compare"
+        return (f"the engine ran {n1} drafts and our decode {n2} cycles at temperature {check.temperature:g}: nothing "
+                "to compare")
     effects = list(effects) if effects is not None else [1.0] * (len(check.accepted_per_position) + 1)
     off = []
     for k, (a1, a2) in enumerate(zip(check.accepted_per_position, check.ours_accepted_per_position)):
@@ -269,8 +286,9 @@ def sampled_disagreement(check: EngineCheck, z: float, effects: Sequence[float] 
     if not off and not tau_off:
         return None
     where = f"at draft position(s) {', '.join(map(str, off))}" if off else "in tau"
-    return (f"the engine disagrees with our decode {where} ({check.rule}): engine {n1} drafts, accepted {check.accepted_per_position}, "
-            f"tau {check.tau:.3f}; ours {n2} cycles, accepted {check.ours_accepted_per_position}, tau {check.ours_tau:.3f}")
+    return (f"the engine disagrees with our decode {where} ({check.rule}): engine {n1} drafts, accepted "
+            f"{check.accepted_per_position}, tau {check.tau:.3f}; ours {n2} cycles, accepted "
+            f"{check.ours_accepted_per_position}, tau {check.ours_tau:.3f}")
 
 
 def _tau(drafts: int, accepted: Sequence[int]) -> float:
@@ -282,22 +300,25 @@ def disagreement(check: EngineCheck, exact: bool, tolerance: float) -> str | Non
     """One line saying where the engine and our decode differ beyond the rule, or None when they agree."""
     if check.outputs_equal_target_only != check.num_prompts:
         return (f"the engine's outputs with the drafter differ from its target-only outputs on "
-                f"{check.num_prompts - check.outputs_equal_target_only} of {check.num_prompts} prompts: not lossless in the engine")
+                f"{check.num_prompts - check.outputs_equal_target_only} of {check.num_prompts} prompts: not lossless "
+                "in the engine")
     if exact:
         return None
     theirs, ours_ = check.accepted_per_position, check.ours_accepted_per_position
     rate = [a / check.drafts if check.drafts else 0.0 for a in theirs]
     ours_rate = [b / check.ours_cycles if check.ours_cycles else 0.0 for b in ours_]
     cycles = max(1, min(check.drafts, check.ours_cycles))
-    # `FLIPS` drafts flipped by near-ties move a rate by up to FLIPS / cycles and tau by up to FLIPS * B / cycles: on a few
-    # prompts that alone can pass the tolerance, so it is allowed on top of it.
+    # `FLIPS` drafts flipped by near-ties move a rate by up to FLIPS / cycles and tau by up to FLIPS * B / cycles: on a
+    # few prompts that alone can pass the tolerance, so it is allowed on top of it.
     off = [k + 1 for k, (a, b) in enumerate(zip(rate, ours_rate)) if abs(a - b) > tolerance + FLIPS / cycles]
     tau_slack = tolerance * max(check.ours_tau, 1.0) + FLIPS * (len(ours_) + 1) / cycles
     if not off and abs(check.tau - check.ours_tau) <= tau_slack:
         return None
     where = f"at draft position(s) {', '.join(map(str, off))}" if off else "in tau"
-    return (f"the engine disagrees with our decode {where} ({check.rule}): engine {check.drafts} drafts, accepted {theirs}, "
-            f"tau {check.tau:.3f}; ours {check.ours_cycles} cycles, accepted {ours_}, tau {check.ours_tau:.3f}")
+    return (f"the engine disagrees with our decode {where} ({check.rule}): engine {check.drafts} drafts, accepted "
+            f"{theirs}, tau {check.tau:.3f}; ours {check.ours_cycles} cycles, accepted {ours_}, tau "
+            f"{check.ours_tau:.3f}")
 
 
-__all__ = ["check_in_engine", "compare", "design_effects", "disagreement", "ours", "refuse_proposal", "refuse_unservable", "require_export", "sampled_disagreement"]
+__all__ = ["check_in_engine", "compare", "design_effects", "disagreement", "ours", "refuse_proposal",
+           "refuse_unservable", "require_export", "sampled_disagreement"]
