@@ -130,8 +130,9 @@ def test_accumulated_gradients_equal_one_pass_over_the_same_rows():
         return MicroBatch(batch, padded, batch.num_tokens)
 
     def grads(parts: list[list[int]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        totals, weight_sum, _ = accumulate(DraftForward(drafter), drafter, head, [micro(p) for p in parts], 2, 1e9, 1)
-        return totals[0] / weight_sum, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        sums, weight_sum, _ = accumulate(DraftForward(drafter), drafter, head, [micro(p) for p in parts], 2, 1e9, 1)
+        gradients = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        return sums["weighted_term"] / weight_sum, gradients
 
     loss_one, one = grads([[0, 1, 2, 3]])
     for split in ([[0], [1], [2], [3]], [[0, 1], [2, 3]]):

@@ -59,7 +59,8 @@ def expected_scalars(entries: list[dict]) -> dict[str, list[tuple[int, float]]]:
     scalars = {tag: [(e["step"], float(np.float32(value(e)))) for e in entries] for tag, value in tags.items()}
     held = [e for e in entries if "eval" in e]  # the held-out figures, at the steps that measured them
     evals = {f"eval/{name}": (lambda h, n=name: h[n]) for name in ("loss", "tau_estimate")}
-    evals |= {f"eval/slot_accuracy/{k + 1}": (lambda h, k=k: h["slot_accuracy"][k]) for k in range(slots)}
+    for listed in ("slot_accuracy", "slot_loss"):  # the held-out figures are the training ones' (`metrics.Figures`)
+        evals |= {f"eval/{listed}/{k + 1}": (lambda h, k=k, n=listed: h[n][k]) for k in range(slots)}
     scalars |= {tag: [(e["step"], float(np.float32(value(e["eval"])))) for e in held] for tag, value in evals.items() if held}
     return scalars
 
@@ -74,7 +75,8 @@ def test_tensorboard_and_wandb_offline_get_every_metric_at_every_logged_step(tmp
     # Every log_every-th step, and the checkpoint of step 3, which measured the held-out rows.
     assert [e["step"] for e in entries] == [2, 3, 4, 6] and reporter.warnings == []
     assert [e["step"] for e in entries if "eval" in e] == [3, 6]
-    assert tensorboard_scalars(logs) == expected_scalars(entries)  # 3 slots (block size 4): 12 train/ tags and 5 eval/ tags
+    # 3 slots (block size 4): 12 train/ tags and 8 eval/ tags
+    assert tensorboard_scalars(logs) == expected_scalars(entries)
 
     # W&B's offline run folder, under the log folder: its record file holds every tracked name.
     (run_folder,) = (logs / "wandb").glob("offline-run-*")

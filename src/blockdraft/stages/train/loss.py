@@ -269,6 +269,22 @@ class LossOutput:
     weighted_kl: torch.Tensor | None = None
     selector: SelectorStats | None = None
 
+    def sums(self) -> dict[str, torch.Tensor]:
+        """This batch's figures as named sums (detached, fp32): added up over micro-batches (or held-out batches) and
+        ranks, they are what `metrics.Figures.of_sums` reads, each by its name here."""
+        named = {
+            "weighted_term": self.weighted_ce, "slot_correct": self.slots.correct, "slot_counted": self.slots.total,
+            "slot_ce": self.slots.ce, "slot_leading": self.slots.leading,
+        }
+        if self.weighted_kl is not None:
+            named["weighted_kl"] = self.weighted_kl
+        if self.selector is not None:
+            named |= {
+                "selector_weighted": self.selector.weighted, "slot_recall": self.selector.recall,
+                "slot_selector_correct": self.selector.correct, "slot_walk_leading": self.selector.leading,
+            }
+        return {name: value.detach().float() for name, value in named.items()}
+
 
 @dataclass(frozen=True)
 class HeadInputs:

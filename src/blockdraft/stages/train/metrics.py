@@ -1,5 +1,10 @@
 """Where a run's figures go: metrics.jsonl and its curves, TensorBoard and W&B, all in the run's own log folder.
 
+What the loss measures, by name: `Figures`, one record per step (and per held-out measurement), made from the named
+sums that `LossOutput.sums` gives (`Figures.of_sums`). Its field names are the keys of a metrics entry (and of its
+`eval`), the trackers' names (`train/<name>`, `eval/<name>`) and what the curves read; nothing reads a figure by its
+position.
+
 Training metrics: one JSON line per logged step, and a PNG of the loss and the per-slot accuracies.
 
 Nothing here grows with the run: the log is appended to and never held in memory, a checkpoint takes only the entries
@@ -32,17 +37,107 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
+import torch
+
 from blockdraft.errors import ConfigError, safe_url
+from blockdraft.stages.train.data import teacher_forced_tau
 from blockdraft.store import Store
 from blockdraft.store.manifest import MANIFEST_NAME
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "training-curves.png"
 PLOT_POINTS = 2000  # a curve has between this many and twice as many points, whatever the log's length
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the loss measured over a step's rows (every micro-batch, every rank) or over the held-out sample.
+
+    `loss`: the whole objective, sum(w * term) / the denominator; per slot 1..B-1 of the unary term: `slot_accuracy`
+    (argmax = label) and `slot_loss` (mean CE); `tau_estimate` (`data.teacher_forced_tau`); `tokens`: the real context
+    tokens. Distilling: `distill_kl`, the KL(p_T || q_T) part alone, weighted and divided like the loss (0 where the
+    drafter's distribution is the target's; the loss mixes it with CE). DFlash2: `selector_loss` (its term before
+    selector_loss_alpha), `candidate_recall` (gold among the top-K), `selector_accuracy` (the walk's choice given the
+    gold predecessor is the gold), over all slots and per slot (`slot_...`), and `walk_tau_estimate` of those choices.
+    A figure the run does not compute is None, and left out of `entry`."""
+
+    loss: float
+    slot_accuracy: list[float]
+    slot_loss: list[float]
+    tau_estimate: float
+    tokens: int
+    distill_kl: float | None = None
+    selector_loss: float | None = None
+    candidate_recall: float | None = None
+    slot_candidate_recall: list[float] | None = None
+    selector_accuracy: float | None = None
+    slot_selector_accuracy: list[float] | None = None
+    walk_tau_estimate: float | None = None
+
+    @classmethod
+    def of_sums(cls, sums: Mapping[str, torch.Tensor], denominator: torch.Tensor | float) -> Figures:
+        """The figures of `sums` (`LossOutput.sums`, plus "tokens", added up over what they measure; on the host) and
+        the loss's denominator (sum(w), or D-PACE's supervised slot count, over the same)."""
+        d = torch.as_tensor(denominator).cpu().clamp_min(1e-12)
+        counted = sums["slot_counted"]
+        slots = counted.clamp_min(1)
+        blocks = float(counted[0])  # every block has a slot 1: the blocks whose slot 1 is supervised
+        named: dict[str, Any] = {
+            "loss": float(sums["weighted_term"] / d),
+            "slot_accuracy": (sums["slot_correct"] / slots).tolist(),
+            "slot_loss": (sums["slot_ce"] / slots).tolist(),
+            "tau_estimate": teacher_forced_tau(sums["slot_leading"].tolist(), blocks),
+            "tokens": int(sums["tokens"]),
+        }
+        if "weighted_kl" in sums:
+            named["distill_kl"] = float(sums["weighted_kl"] / d)
+        if "selector_weighted" in sums:
+            all_slots = float(counted.sum().clamp_min(1))
+            named |= {
+                "selector_loss": float(sums["selector_weighted"] / d),
+                "candidate_recall": float(sums["slot_recall"].sum()) / all_slots,
+                "slot_candidate_recall": (sums["slot_recall"] / slots).tolist(),
+                "selector_accuracy": float(sums["slot_selector_correct"].sum()) / all_slots,
+                "slot_selector_accuracy": (sums["slot_selector_correct"] / slots).tolist(),
+                "walk_tau_estimate": teacher_forced_tau(sums["slot_walk_leading"].tolist(), blocks),
+            }
+        return cls(**named)
+
+    def entry(self) -> dict[str, Any]:
+        """The figures a metrics entry holds: every field that is not None, by its name."""
+        return {f.name: value for f in fields(self) if (value := getattr(self, f.name)) is not None}
+
+
+def add_sums(total: dict[str, torch.Tensor] | None, part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`total` + `part`, name by name (None: nothing yet); both must hold the same names."""
+    if total is None:
+        return dict(part)
+    if total.keys() != part.keys():
+        raise ValueError(f"figures to add hold different names: {sorted(total)} and {sorted(part)}")
+    return {name: total[name] + part[name] for name in total}
+
+
+# The keys of a metrics entry (and of its `eval`) that count or place it rather than measure: no tracker curve.
+NOT_TRACKED = frozenset({"step", "epoch", "tokens", "rows", "seconds"})
+
+
+def scalars_of(entry: Mapping[str, Any]) -> dict[str, float]:
+    """Every number of a metrics entry (or of its `eval`) by name, a per-slot list's as `<name>/<k>` (k from 1); what
+    counts or places it (`NOT_TRACKED`) and nested entries are left out."""
+    scalars: dict[str, float] = {}
+    for name, value in entry.items():
+        if name in NOT_TRACKED or isinstance(value, Mapping):
+            continue
+        if isinstance(value, list):
+            scalars.update({f"{name}/{k}": float(v) for k, v in enumerate(value, start=1)})
+        else:
+            scalars[name] = float(value)
+    return scalars
 
 
 def _whole_lines(path: Path) -> Iterator[str]:
@@ -54,28 +149,34 @@ def _whole_lines(path: Path) -> Iterator[str]:
             yield line
 
 
-def read_curves(path: Path, max_points: int = PLOT_POINTS, held_out: bool = False) -> list[list[float]]:
-    """[step, loss, tau estimate, slot 1 accuracy, ...] per point, read from the log at `path` in one pass, in memory
-    bounded by `max_points`: consecutive entries are averaged in bins that double in size whenever 2 * max_points bins
-    are full. `held_out`: the same of the held-out figures, from the entries that have them."""
-    points: list[list[float]] = []
+# The figures the curves draw (`Figures`' names): the loss, the tau estimate and the per-slot accuracy.
+PLOTTED = ("loss", "tau_estimate", "slot_accuracy")
+
+
+def read_curves(path: Path, max_points: int = PLOT_POINTS, held_out: bool = False) -> list[dict[str, float]]:
+    """{"step", "loss", "tau_estimate", "slot_accuracy/1", ...} per point (`PLOTTED`, by `scalars_of`'s names), read
+    from the log at `path` in one pass, in memory bounded by `max_points`: consecutive entries are averaged in bins that
+    double in size whenever 2 * max_points bins are full. `held_out`: the same of the held-out figures, from the entries
+    that have them."""
+    points: list[dict[str, float]] = []
     size, total, count = 1, None, 0
     for line in _whole_lines(path):
         e = json.loads(line)
         if held_out and "eval" not in e:
             continue
         f = e["eval"] if held_out else e
-        row = [float(e["step"]), float(f["loss"]), float(f["tau_estimate"]), *map(float, f["slot_accuracy"])]
-        total = row if total is None else [a + b for a, b in zip(total, row, strict=True)]
+        row = {"step": float(e["step"]), **scalars_of({name: f[name] for name in PLOTTED})}
+        total = row if total is None else {name: total[name] + value for name, value in row.items()}
         count += 1
         if count == size:
-            points.append([a / count for a in total])
+            points.append({name: value / count for name, value in total.items()})
             total, count = None, 0
             if len(points) == 2 * max_points:
-                points = [[(a + b) / 2 for a, b in zip(p, q, strict=True)] for p, q in zip(points[::2], points[1::2], strict=True)]
+                pairs = zip(points[::2], points[1::2], strict=True)
+                points = [{name: (p[name] + q[name]) / 2 for name in p} for p, q in pairs]
                 size *= 2
     if total is not None:
-        points.append([a / count for a in total])
+        points.append({name: value / count for name, value in total.items()})
     return points
 
 
@@ -86,14 +187,14 @@ def draw_curves(source: Path, target: Path) -> None:
     from matplotlib.figure import Figure
 
     points, held = read_curves(source), read_curves(source, held_out=True)
-    steps, held_steps = [p[0] for p in points], [p[0] for p in held]
+    steps, held_steps = [p["step"] for p in points], [p["step"] for p in held]
     fig = Figure(figsize=(15, 4))
     ax_loss, ax_tau, ax_acc = fig.subplots(1, 3)
-    ax_loss.plot(steps, [p[1] for p in points], color="black", label="training rows")
-    ax_tau.plot(steps, [p[2] for p in points], color="black", label="training rows")
+    ax_loss.plot(steps, [p["loss"] for p in points], color="black", label="training rows")
+    ax_tau.plot(steps, [p["tau_estimate"] for p in points], color="black", label="training rows")
     if held:  # the held-out figures (docs/TRAINING-SIGNAL.md), beside the training ones
-        ax_loss.plot(held_steps, [p[1] for p in held], color="tab:orange", marker=".", label="held-out")
-        ax_tau.plot(held_steps, [p[2] for p in held], color="tab:orange", marker=".", label="held-out")
+        ax_loss.plot(held_steps, [p["loss"] for p in held], color="tab:orange", marker=".", label="held-out")
+        ax_tau.plot(held_steps, [p["tau_estimate"] for p in held], color="tab:orange", marker=".", label="held-out")
     ax_loss.set_yscale("log")
     ax_loss.set_xlabel("step")
     ax_loss.set_title("loss (weighted CE)")
@@ -102,12 +203,12 @@ def draw_curves(source: Path, target: Path) -> None:
     ax_tau.set_title("tau estimate (teacher forced)")
     ax_tau.legend(fontsize=7)
     if points:
-        num_slots = len(points[0]) - 3
-        cmap = matplotlib.colormaps["viridis"].resampled(max(num_slots, 2))
-        for k in range(num_slots):
-            ax_acc.plot(steps, [p[3 + k] for p in points], color=cmap(k), label=f"slot {k + 1}")
+        accuracy = [name for name in points[0] if name.startswith("slot_accuracy/")]  # slot_accuracy/1 .. /B-1
+        cmap = matplotlib.colormaps["viridis"].resampled(max(len(accuracy), 2))
+        for k, name in enumerate(accuracy):
+            ax_acc.plot(steps, [p[name] for p in points], color=cmap(k), label=f"slot {k + 1}")
             if held:
-                ax_acc.plot(held_steps, [p[3 + k] for p in held], color=cmap(k), linestyle="--")
+                ax_acc.plot(held_steps, [p[name] for p in held], color=cmap(k), linestyle="--")
         ax_acc.legend(fontsize=7, ncol=2, title="dashed: held-out" if held else None, title_fontsize=7)
     ax_acc.set_ylim(0, 1)
     ax_acc.set_xlabel("step")
@@ -220,21 +321,12 @@ INSTALL_HINT = "pip install 'blockdraft[trackers]'"
 
 
 def tracked_scalars(entry: Mapping[str, Any]) -> dict[str, float]:
-    """The numbers of a metrics entry that the trackers get, by their name there (slot k's accuracy is
-    `train/slot_accuracy/k`, k from 1; the same for every per-slot list; the held-out figures of a step that has them are
-    `eval/...` beside them). A DFlash2 run's selector figures come along."""
-    names = ("loss", "tau_estimate", "lr", "grad_norm", "tokens_per_s", "step_time_s", *_SELECTOR_SCALARS)
-    scalars = {f"train/{name}": float(entry[name]) for name in names if name in entry}
-    for listed in ("slot_accuracy", "slot_loss", *_SELECTOR_SLOTS):
-        scalars.update({f"train/{listed}/{k}": float(value) for k, value in enumerate(entry.get(listed, ()), start=1)})
-    if (held := entry.get("eval")) is not None:  # the held-out figures measured after this step, under eval/
-        scalars.update({f"eval/{name}": float(held[name]) for name in ("loss", "tau_estimate")})
-        scalars.update({f"eval/slot_accuracy/{k}": float(acc) for k, acc in enumerate(held["slot_accuracy"], start=1)})
+    """What the trackers get of a metrics entry: each of its numbers as `train/<name>` (`scalars_of`: slot k's accuracy
+    is `train/slot_accuracy/k`), and the held-out figures of a step that has them as `eval/<name>` beside them."""
+    scalars = {f"train/{name}": value for name, value in scalars_of(entry).items()}
+    if (held := entry.get("eval")) is not None:  # the held-out figures measured after this step
+        scalars.update({f"eval/{name}": value for name, value in scalars_of(held).items()})
     return scalars
-
-
-_SELECTOR_SCALARS = ("selector_loss", "candidate_recall", "selector_accuracy", "walk_tau_estimate")
-_SELECTOR_SLOTS = ("slot_candidate_recall", "slot_selector_accuracy")
 
 
 class Tracker(Protocol):
@@ -408,6 +500,7 @@ def claim_log_dir(folder: Path, identity: dict[str, Any], output_url: str) -> Pa
 
 
 __all__ = [
-    "INSTALL_HINT", "METRICS_NAME", "MetricsLog", "OWNER_FORMAT", "OWNER_NAME", "PLOT_NAME", "PLOT_POINTS", "Plotter", "TensorBoardTracker",
-    "Tracker", "Trackers", "WandbTracker", "check_log_dir", "claim_log_dir", "draw_curves", "log_owner", "read_curves", "tracked_scalars",
+    "INSTALL_HINT", "METRICS_NAME", "NOT_TRACKED", "PLOTTED", "PLOT_NAME", "PLOT_POINTS", "OWNER_FORMAT", "OWNER_NAME",
+    "Figures", "MetricsLog", "Plotter", "TensorBoardTracker", "Tracker", "Trackers", "WandbTracker", "add_sums",
+    "check_log_dir", "claim_log_dir", "draw_curves", "log_owner", "read_curves", "scalars_of", "tracked_scalars",
 ]

@@ -41,8 +41,9 @@ from transformers import AutoTokenizer
 from blockdraft.config import EvalConfig
 from blockdraft.decode.speculative import DFlashProposer, greedy_decode, run_speculative
 from blockdraft.model import DFlashDrafter, TargetHead
-from blockdraft.stages.train.data import anchor_generator, build_block_batch, teacher_forced_tau
+from blockdraft.stages.train.data import anchor_generator, build_block_batch
 from blockdraft.stages.train.loss import Teacher, block_loss
+from blockdraft.stages.train.metrics import Figures, add_sums
 from blockdraft.stages.train.ranks import RankPlacement
 from blockdraft.stages.train.setup import TrainingSetup
 
@@ -171,12 +172,11 @@ class HeldOut:
 
     @torch.no_grad()
     def measure(self, setup: TrainingSetup, place: RankPlacement, num_anchors: int, chunk_blocks: int) -> dict[str, Any]:
-        """{"loss", "slot_accuracy", "tau_estimate", "rows", "seconds"} of the drafter now, on this rank alone (it
-        reduces nothing across ranks): the weighted loss of the run's objective, each slot's share of argmax hits."""
+        """The drafter's `Figures` now (`Figures.entry`: loss, per-slot accuracy and loss, tau estimate, ... as training
+        measures them), with "rows" and "seconds", on this rank alone (it reduces nothing across ranks)."""
         began = time.perf_counter()
-        nslots = setup.spec.block_size - 1
-        weighted, normaliser = 0.0, 0.0
-        correct, counted, leading = torch.zeros(nslots), torch.zeros(nslots), torch.zeros(nslots)
+        sums: dict[str, torch.Tensor] | None = None
+        normaliser = 0.0
         device = place.drafter_device
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         for first in range(0, len(self.rows), self.batch_size):
@@ -202,19 +202,12 @@ class HeldOut:
                 out = block_loss(hidden, moved.labels, moved.weights, setup.head.lm_head_weight, setup.head.lm_head_bias,
                                  setup.spec.block_size, chunk_blocks, norm, objective=setup.objective, teacher=teacher,
                                  walk_scores=selector.scores if (selector := setup.drafter.candidate_selector) is not None else None)
-            weighted += float(out.weighted_ce)
             normaliser += float(norm)
-            correct += out.slots.correct.cpu()
-            counted += out.slots.total.cpu()
-            leading += out.slots.leading.cpu()
-        accuracy = (correct / counted.clamp_min(1)).tolist()
-        return {
-            "loss": weighted / max(normaliser, 1e-12),
-            "slot_accuracy": accuracy,
-            "tau_estimate": teacher_forced_tau(leading.tolist(), float(counted[0])),
-            "rows": len(self.rows),
-            "seconds": time.perf_counter() - began,
-        }
+            part = {**out.sums(), "tokens": torch.tensor(float(batch.num_tokens))}
+            sums = add_sums(sums, {name: value.cpu().double() for name, value in part.items()})  # on the host, in fp64
+        assert sums is not None, "a held-out sample has at least one row"
+        figures = Figures.of_sums(sums, normaliser).entry()
+        return {**figures, "rows": len(self.rows), "seconds": time.perf_counter() - began}
 
 
 def prompts_before_supervision(dataset: Dataset | None, count: int) -> list[list[int]]:

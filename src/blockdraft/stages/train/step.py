@@ -25,15 +25,16 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, fields
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from blockdraft.model import DFlashDrafter, TargetHead
-from blockdraft.stages.train.data import BlockBatch, teacher_forced_tau
+from blockdraft.stages.train.data import BlockBatch
 from blockdraft.stages.train.loss import PAPER_OBJECTIVE, LossOutput, Objective, Teacher, block_loss
+from blockdraft.stages.train.metrics import add_sums
 
 
 class DraftForward(nn.Module):
@@ -105,70 +106,43 @@ def accumulate(
     grad_clip: float,
     world_size: int,
     objective: Objective = PAPER_OBJECTIVE,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The step's gradients over its micro-batches, clipped. Returns (totals, weight_sum, grad_norm) as device tensors:
-    totals (`totals_of`, read by `step_metrics`) summed over micro-batches and ranks; nothing here waits for the device."""
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The step's gradients over its micro-batches, clipped. Returns (sums, weight_sum, grad_norm) as device tensors:
+    sums (`sums_of`, by name; `metrics.Figures.of_sums` reads them) added over micro-batches and ranks; nothing here
+    waits for the device."""
     weight_sum = step_weight_sum(micro, world_size, objective)
     for p in drafter.parameters():
         p.grad = None
-    totals = None
+    sums: dict[str, torch.Tensor] | None = None
     for i, m in enumerate(micro):
         last = i == len(micro) - 1
         no_sync = getattr(model, "no_sync", None)
         with nullcontext() if last or no_sync is None else no_sync():
             out = backward_micro(model, drafter, head, m.batch, m.features, chunk_blocks, weight_sum, objective, m.teacher)
-        part = totals_of(out, m.tokens)
-        totals = part if totals is None else totals + part
-    assert totals is not None, "a step has at least one micro-batch"
+        sums = add_sums(sums, sums_of(out, m.tokens))
+    assert sums is not None, "a step has at least one micro-batch"
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
     if world_size > 1:
-        dist.all_reduce(totals)
-    return totals, weight_sum, grad_norm
+        sums = all_reduce_sums(sums)
+    return sums, weight_sum, grad_norm
 
 
-def totals_of(out: LossOutput, tokens: int) -> torch.Tensor:
-    """One micro-batch's figures as one summable vector: sum(w * term), per-slot unary correct, counted, CE and leading
-    sums, the real tokens, and for DFlash2 the selector's sum(w * CE), per-slot recall, teacher-forced correct and leading."""
-    slots = out.slots
-    parts = [out.weighted_ce.reshape(1), slots.correct, slots.total, slots.ce, slots.leading, slots.total.new_tensor([tokens])]
-    if out.selector is not None:
-        parts += [out.selector.weighted.reshape(1), out.selector.recall, out.selector.correct, out.selector.leading]
-    return torch.cat(parts)
+def sums_of(out: LossOutput, tokens: int) -> dict[str, torch.Tensor]:
+    """One micro-batch's figures as named sums: the loss's (`LossOutput.sums`) and its real context tokens."""
+    sums = out.sums()
+    sums["tokens"] = out.slots.total.new_tensor(float(tokens))
+    return sums
 
 
-def step_metrics(totals: torch.Tensor, weight_sum: torch.Tensor, block_size: int) -> dict[str, Any]:
-    """The metrics entry's figures of a step's summed `totals_of` (on the host): the loss (the whole objective),
-    per-slot unary accuracy and CE, the unary tau estimate (`batch.teacher_forced_tau`), tokens; for DFlash2 also the
-    selector's loss (its own term, before selector_loss_alpha), candidate recall and teacher-forced selector accuracy, per
-    slot and over all slots, and `walk_tau_estimate`: the tau estimate of the walk's choices with gold predecessors."""
-    n = block_size - 1
-    denominator = weight_sum.cpu().clamp_min(1e-12)
-    correct, counted, ce = totals[1 : 1 + n], totals[1 + n : 1 + 2 * n], totals[1 + 2 * n : 1 + 3 * n]
-    leading, tokens = totals[1 + 3 * n : 1 + 4 * n], totals[1 + 4 * n]
-    slots = counted.clamp_min(1)
-    accuracy = (correct / slots).tolist()
-    blocks = float(counted[0])
-    entry: dict[str, Any] = {
-        "loss": float(totals[0] / denominator),
-        "slot_accuracy": accuracy,
-        "slot_loss": (ce / slots).tolist(),
-        "tau_estimate": teacher_forced_tau(leading.tolist(), blocks),
-        "tokens": int(tokens),
-    }
-    if totals.numel() > 2 + 4 * n:  # a DFlash2 drafter's selector figures follow
-        rest = totals[2 + 4 * n :]
-        recall, chosen, walked = rest[1 : 1 + n], rest[1 + n : 1 + 2 * n], rest[1 + 2 * n : 1 + 3 * n]
-        selector_accuracy = (chosen / slots).tolist()
-        all_slots = float(counted.sum().clamp_min(1))
-        entry.update({
-            "selector_loss": float(rest[0] / denominator),
-            "candidate_recall": float(recall.sum()) / all_slots,
-            "slot_candidate_recall": (recall / slots).tolist(),
-            "selector_accuracy": float(chosen.sum()) / all_slots,
-            "slot_selector_accuracy": selector_accuracy,
-            "walk_tau_estimate": teacher_forced_tau(walked.tolist(), blocks),
-        })
-    return entry
+def all_reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`sums` added over every rank, in one all-reduce: packed into one vector in sorted-name order, each name's share
+    as long as its tensor, and unpacked by the same names and shapes (every rank holds the same names: one
+    objective)."""
+    names = sorted(sums)
+    packed = torch.cat([sums[name].reshape(-1) for name in names])
+    dist.all_reduce(packed)
+    parts = packed.split([sums[name].numel() for name in names])
+    return {name: part.reshape(sums[name].shape) for name, part in zip(names, parts, strict=True)}
 
 
 T = TypeVar("T")
@@ -291,6 +265,6 @@ class Prefetcher(Generic[T]):
 
 
 __all__ = [
-    "DraftForward", "MicroBatch", "Prefetcher", "SideStreams", "StepInputs", "accumulate", "backward_micro", "step_metrics",
-    "step_weight_sum", "totals_of",
+    "DraftForward", "MicroBatch", "Prefetcher", "SideStreams", "StepInputs", "accumulate", "all_reduce_sums",
+    "backward_micro", "step_weight_sum", "sums_of",
 ]

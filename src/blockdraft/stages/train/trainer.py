@@ -38,11 +38,11 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages.train.checkpoint import read_checkpoint, resume_note
 from blockdraft.stages.train.data import TrainRows, anchor_generator, build_block_batch
 from blockdraft.stages.train.loss import Teacher
-from blockdraft.stages.train.metrics import MetricsLog, Trackers, claim_log_dir
+from blockdraft.stages.train.metrics import Figures, MetricsLog, Trackers, claim_log_dir
 from blockdraft.stages.train.ranks import RankPlacement, check_ranks_in_sync, rng_state, set_rng_state
 from blockdraft.stages.train.setup import TrainingSetup, describe_limit, resume_schedule
 from blockdraft.stages.train.signal import HeldOut, TrainingSignal, decode_checkpoint, prompts_before_supervision, target_stop_ids
-from blockdraft.stages.train.step import MicroBatch, Prefetcher, SideStreams, StepInputs, accumulate, step_metrics
+from blockdraft.stages.train.step import MicroBatch, Prefetcher, SideStreams, StepInputs, accumulate
 from blockdraft.store.artifact import VerifyReport
 
 
@@ -104,12 +104,13 @@ def check_finite_weights(drafter: nn.Module, step: int) -> None:
 
 @dataclass
 class PendingStep:
-    """A launched optimizer step whose numbers are still on the drafter's device: the all-reduced totals, the loss's
-    denominator and the gradient norm (tensors), the learning rate it used, and when it started (perf_counter)."""
+    """A launched optimizer step whose numbers are still on the drafter's device: the all-reduced named sums
+    (`step.accumulate`), the loss's denominator and the gradient norm (tensors), the learning rate it used, and when it
+    started (perf_counter)."""
 
     step: int
     started: float
-    totals: torch.Tensor
+    sums: dict[str, torch.Tensor]
     weight_sum: torch.Tensor
     grad_norm: torch.Tensor
     lr: float
@@ -286,14 +287,14 @@ class Trainer:
         started = time.perf_counter()
         inputs = inputs if inputs is not None else self.inputs_of(step)
         inputs.wait(self.place.drafter_device)
-        totals, weight_sum, grad_norm = accumulate(
+        sums, weight_sum, grad_norm = accumulate(
             self.setup.model, self.setup.drafter, self.setup.head, inputs.micro, self.tc.lm_head_chunk_blocks, self.tc.grad_clip, self.place.world_size,
             self.setup.objective,
         )
         lr = float(self.setup.scheduler.get_last_lr()[0])
         self.setup.optimizer.step()
         self.setup.scheduler.step()
-        return PendingStep(step, started, totals, weight_sum, grad_norm, lr)
+        return PendingStep(step, started, sums, weight_sum, grad_norm, lr)
 
     def maybe_checkpoint(self, done: int) -> VerifyReport | None:
         """After `done` steps, at every train.checkpoint_every-th and the last: check the replicas are bit-equal, then
@@ -369,9 +370,10 @@ class Trainer:
         return StepInputs(micro, self._streams.record())
 
     def _entry(self, pending: PendingStep, seconds: float) -> dict[str, Any]:
-        """The metrics of a launched step from its all-reduced totals (`step.step_metrics`), with its step, epoch,
-        learning rate, gradient norm and time."""
-        figures = step_metrics(pending.totals.cpu(), pending.weight_sum, self.setup.spec.block_size)
+        """The metrics of a launched step: its `Figures` from the all-reduced sums, with its step, epoch, learning rate,
+        gradient norm and time."""
+        sums = {name: value.cpu() for name, value in pending.sums.items()}
+        figures = Figures.of_sums(sums, pending.weight_sum).entry()
         return {
             "step": pending.step + 1,
             "epoch": pending.step // self.setup.per_epoch,
