@@ -29,6 +29,13 @@ class _Section(BaseModel):
     # No setting is infinite or NaN: `inf` as a learning rate trains to NaN, as a timeout or a memory size overflows later.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    def resolved(self) -> dict:
+        """This section (the whole config, for `BlockdraftConfig`) with every default filled in, as plain JSON data, each
+        credential a setting carries replaced by its fingerprint (`redact_settings`: a URL's userinfo and query values,
+        `--hf-token X` in eval.engine_args, an `hf_...` token): this is what manifests, checkpoints and exports record, and
+        what every stage key is read from. A section's is its part of the whole config's."""
+        return redact_settings(self.model_dump(mode="json"))
+
 
 class TargetConfig(_Section):
     """The frozen target model; its tokenizer and chat template are the defaults for tokenize.
@@ -302,7 +309,7 @@ class TrainConfig(_Section):
     device_memory_gb: float | None = Field(default=None, gt=0, le=MAX_DEVICE_MEMORY_GB)
     log_every: int = Field(default=10, ge=1)
     # Local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG); one run's own (blockdraft-log.json
-    # names it: another run is refused), apart from train.data, train.output and any artifact (stages/train/log_dir.py).
+    # names it: another run is refused), apart from train.data, train.output and any artifact (stages/train/metrics.py).
     log_dir: str = "blockdraft-train-logs"
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # also fed every logged step, by rank 0 (docs/TRAINING.md)
     wandb: dict[Literal["project", "entity", "group", "name", "mode"], str] = Field(default_factory=dict)  # wandb.init's arguments
@@ -440,12 +447,6 @@ class BlockdraftConfig(_Section):
         ranks = len(self.placement.drafter_devices) * self.placement.nnodes
         accumulation_steps(self.train.global_batch_size, self.train.batch_size, ranks)
         return self
-
-    def resolved(self) -> dict:
-        """The full config with every default filled in, as plain JSON data, each credential a setting carries replaced by
-        its fingerprint (`redact_settings`: a URL's userinfo and query values, `--hf-token X` in eval.engine_args, an
-        `hf_...` token): this is what manifests, checkpoints and exports record, and what every stage key is read from."""
-        return redact_settings(self.model_dump(mode="json"))
 
     def digest(self, *sections: str) -> str:
         """sha256 of the resolved config (or of the named sections only), stable across runs."""
