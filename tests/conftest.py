@@ -19,10 +19,10 @@ SERVER_FIXTURES = {"s3_server", "own_s3_server"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark `s3` every test whose fixtures start or use a SeaweedFS server, however indirectly it asks for one; then order
-    the files longest first (the engine's, then the other `slow` ones, each group in name order), so that `make test`'s
-    workers, which take a file at a time in this order (`--dist loadfile --no-loadscope-reorder`), do not end with one
-    long file left on one of them."""
+    """Mark `s3` every test whose fixtures start or use a SeaweedFS server, however indirectly it asks for one; then
+    order the files longest first (the engine's, then the other `slow` ones, each group in name order), so that
+    `make test`'s workers, which take a file at a time in this order (`--dist loadfile --no-loadscope-reorder`), do not
+    end with one long file left on one of them."""
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.s3)

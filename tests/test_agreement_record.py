@@ -31,7 +31,8 @@ def _completions(folder: Path, rows: int) -> Path:
 
 def _config(tmp: Path) -> Path:
     path = tmp / "blockdraft.toml"
-    path.write_text(f'[target]\npath = "{TINY_TARGET_DIR}"\n[tokenize]\nheld_out_fraction = 0.0\n[train]\ntarget_agreement_rows = 6\n')
+    path.write_text(f'[target]\npath = "{TINY_TARGET_DIR}"\n[tokenize]\nheld_out_fraction = 0.0\n'
+                    '[train]\ntarget_agreement_rows = 6\n')
     return path
 
 
@@ -48,7 +49,8 @@ def _shown(status_output: str, url_part: str) -> str | None:
 def test_check_target_records_the_share_status_shows_it_and_push_and_pull_carry_it(tmp_path, dest):
     config = _config(tmp_path)
     tokenized = tmp_path / "work" / "tokenized"
-    made = cli("tokenize", _completions(tmp_path / "completions", ROWS), tokenized, "--check-target", "--config", config)
+    made = cli("tokenize", _completions(tmp_path / "completions", ROWS), tokenized, "--check-target", "--config",
+               config)
     assert made.exit_code == 0, made.output
     said = re.search(r"target agreement (\d\.\d\d): ", made.stderr.replace("\n", " "))
     assert said is not None, made.output
@@ -56,9 +58,11 @@ def test_check_target_records_the_share_status_shows_it_and_push_and_pull_carry_
     assert record["target"] == TINY_TARGET_DIR.name and record["rows"] == 6
 
     local = cli("status", tmp_path / "work")
-    assert local.exit_code == 0, local.output  # the record is bookkeeping: the artifact still verifies, nothing incomplete
+    # the record is bookkeeping: the artifact still verifies, nothing incomplete
+    assert local.exit_code == 0, local.output
     shown = _shown(local.stdout, "tokenized")
-    assert shown is not None and shown.startswith(f"target_agreement={record['agreement']:.3f} ({TINY_TARGET_DIR.name}, 6 rows)")
+    assert shown is not None and shown.startswith(f"target_agreement={record['agreement']:.3f} "
+                                                  f"({TINY_TARGET_DIR.name}, 6 rows)")
     assert f"{record['agreement']:.2f}" == said.group(1)
 
     endpoint = ["--endpoint-url", dest.server.endpoint] if dest.kind == "s3" else []
@@ -75,7 +79,8 @@ def test_check_target_records_the_share_status_shows_it_and_push_and_pull_carry_
 def test_a_record_that_names_another_manifest_is_not_shown(tmp_path):
     config = _config(tmp_path)
     tokenized = tmp_path / "work" / "tokenized"
-    made = cli("tokenize", _completions(tmp_path / "completions", ROWS), tokenized, "--check-target", "--config", config)
+    made = cli("tokenize", _completions(tmp_path / "completions", ROWS), tokenized, "--check-target", "--config",
+               config)
     assert made.exit_code == 0, made.output
     record = (tokenized / AGREEMENT_NAME).read_bytes()
     assert _shown(cli("status", tmp_path / "work").stdout, "tokenized") is not None
@@ -93,6 +98,7 @@ def test_a_record_that_names_another_manifest_is_not_shown(tmp_path):
     assert found is not None
     current = {**json.loads(record), "manifest_sha256": manifest_sha256(found[1]), "agreement": 0.5}
     (tokenized / AGREEMENT_NAME).write_text(json.dumps(current))
-    assert _shown(cli("status", tmp_path / "work").stdout, "tokenized") == f"target_agreement=0.500 ({TINY_TARGET_DIR.name}, 6 rows)"
+    assert _shown(cli("status", tmp_path / "work").stdout, "tokenized") == ("target_agreement=0.500 "
+                                                                            f"({TINY_TARGET_DIR.name}, 6 rows)")
     (tokenized / AGREEMENT_NAME).write_text(json.dumps({**current, "agreement": "high"}))
     assert _shown(cli("status", tmp_path / "work").stdout, "tokenized") is None

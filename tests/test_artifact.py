@@ -50,7 +50,8 @@ def test_a_manifest_of_another_format_is_refused_with_one_line(tmp_path, make_ar
     make_artifact(tmp_path, {"a.bin": b"alpha"})
     manifest = tmp_path / MANIFEST_NAME
     manifest.write_text(manifest.read_text().replace('"blockdraft-manifest/1"', '"blockdraft-manifest/0"'))
-    with pytest.raises(ArtifactError, match=r"format: .*'blockdraft-manifest/0', this blockdraft reads only .*re-run the stage") as caught:
+    with pytest.raises(ArtifactError, match=r"format: .*'blockdraft-manifest/0', this blockdraft reads only .*re-run "
+                                            r"the stage") as caught:
         read_manifest(open_store(tmp_path))
     assert "\n" not in str(caught.value)
 

@@ -94,7 +94,8 @@ def test_labels_positions_and_decayed_weights():
     loss_mask = [0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1]
     gamma = 2.0
     batch = build_block_batch(
-        [(ids, loss_mask)], num_anchors=64, block_size=4, mask_token_id=MASK, gamma=gamma, generators=[anchor_generator(0, 0, 0)]
+        [(ids, loss_mask)], num_anchors=64, block_size=4, mask_token_id=MASK, gamma=gamma,
+        generators=[anchor_generator(0, 0, 0)]
     )
     assert batch.anchors[0].tolist() == [3, 4, 5, 6, 7, 8]  # all eligible, N capped at their count
     for n, a in enumerate(batch.anchors[0].tolist()):
@@ -150,7 +151,9 @@ def test_chunked_loss_equals_dense_loss_and_gradient(bias):
     out.loss.backward()
     g_chunked = hidden.grad.clone()
     hidden.grad = None
-    dense = (weights * F.cross_entropy(head(hidden).reshape(-1, v), labels.reshape(-1), reduction="none").reshape(b, -1)).sum()
+    dense = (
+        weights * F.cross_entropy(head(hidden).reshape(-1, v), labels.reshape(-1), reduction="none").reshape(b, -1)
+    ).sum()
     dense = dense / weights.sum()
     dense.backward()
     assert out.loss.item() == pytest.approx(dense.item(), rel=1e-6)
@@ -165,6 +168,7 @@ def test_chunked_loss_equals_dense_loss_and_gradient(bias):
 def test_all_padded_batch_has_zero_finite_loss():
     head = torch.nn.Linear(4, 7, bias=False).requires_grad_(False)
     hidden = torch.randn(1, 8, 4, requires_grad=True)
-    out = block_loss(hidden, torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8), head.weight, None, block_size=4, chunk_blocks=1)
+    out = block_loss(hidden, torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8), head.weight, None, block_size=4,
+                     chunk_blocks=1)
     out.loss.backward()
     assert out.loss.item() == 0.0 and torch.isfinite(hidden.grad).all()

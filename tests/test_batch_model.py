@@ -33,12 +33,14 @@ def _row(length: int, seed: int) -> torch.Tensor:
 
 def _training_forward(drafter, head, features, batch):
     block_hidden = head.embed(batch.block_ids)
-    return DraftForward(drafter)(features, block_hidden, batch.block_positions, batch.context_positions, batch.attention_mask)
+    return DraftForward(drafter)(features, block_hidden, batch.block_positions, batch.context_positions,
+                                 batch.attention_mask)
 
 
 def _batch(rows, masks, num_anchors, spec, epoch=0):
     return build_block_batch(
-        list(zip(rows, masks, strict=True)), num_anchors=num_anchors, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
+        list(zip(rows, masks, strict=True)), num_anchors=num_anchors, block_size=spec.block_size,
+        mask_token_id=spec.mask_token_id,
         gamma=3.0, generators=[anchor_generator(0, epoch, i) for i in range(len(rows))],
     )
 
@@ -65,7 +67,8 @@ def test_training_forward_equals_draft_step_at_every_anchor(golden):
 
 
 def test_draft_step_reproduces_golden_logits_through_training_path(golden):
-    """The golden step (anchor 11, context 0..10) computed by the training forward; ties train to the reference engine."""
+    """The golden step (anchor 11, context 0..10) computed by the training forward; ties train to the reference
+    engine."""
     drafter, target, head = golden
     spec = drafter.spec
     gold = load_file(str(GOLDEN / "golden.safetensors"))
@@ -97,7 +100,8 @@ def test_features_at_or_after_anchor_cannot_reach_its_block(golden):
             own = slice(n * b, (n + 1) * b)
             later = features.clone()
             later[:, p:] += torch.randn_like(later[:, p:])  # the anchor's own features and everything after
-            torch.testing.assert_close(_training_forward(drafter, head, later, batch)[:, own], base[:, own], atol=0, rtol=0)
+            torch.testing.assert_close(_training_forward(drafter, head, later, batch)[:, own], base[:, own], atol=0,
+                                       rtol=0)
             earlier = features.clone()
             earlier[:, p - 1] += 1.0
             changed = _training_forward(drafter, head, earlier, batch)[:, own]
@@ -116,9 +120,11 @@ def test_short_and_long_rows_give_the_loss_of_each_alone_globally_normalised(gol
                                   mask_token_id=spec.mask_token_id, gamma=3.0, generators=gens)
         features = target.features(batch.input_ids, batch.attention_mask_context.long())
         hidden = _training_forward(drafter, head, features, batch)
-        return block_loss(hidden, batch.labels, batch.weights, head.lm_head_weight, None, spec.block_size, chunk_blocks=3), batch
+        return block_loss(hidden, batch.labels, batch.weights, head.lm_head_weight, None, spec.block_size,
+                          chunk_blocks=3), batch
 
-    both, batch = loss_of([short_ids, long_ids], [short_mask, long_mask], [anchor_generator(0, 0, 0), anchor_generator(0, 0, 1)])
+    both, batch = loss_of([short_ids, long_ids], [short_mask, long_mask],
+                          [anchor_generator(0, 0, 0), anchor_generator(0, 0, 1)])
     assert not batch.keep[0].all(), "the short row must get padded blocks"
     short, _ = loss_of([short_ids], [short_mask], [anchor_generator(0, 0, 0)])
     long, _ = loss_of([long_ids], [long_mask], [anchor_generator(0, 0, 1)])

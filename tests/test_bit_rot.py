@@ -27,7 +27,8 @@ GOLDEN_DFLASH = {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 
 @pytest.fixture
 def rotten_checkpoint(tmp_path):
     """A committed checkpoint of the golden drafter whose model.safetensors rotted after the cache read it."""
-    cfg = BlockdraftConfig(target=TargetConfig(path=str(GOLDEN / "target")), dflash=DFlashConfig(architecture="dflash", **GOLDEN_DFLASH))
+    cfg = BlockdraftConfig(target=TargetConfig(path=str(GOLDEN / "target")),
+                           dflash=DFlashConfig(architecture="dflash", **GOLDEN_DFLASH))
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter")
     ckpt = tmp_path / "run" / "step-00000010"
     save_checkpoint(open_store(ckpt.parent), 10, drafter, {"step": 10}, cfg.resolved(), [], {"step": 10})
@@ -57,12 +58,14 @@ def test_export_refuses_the_rotten_weights(rotten_checkpoint, tmp_path):
 
 
 def test_pull_refuses_the_rotten_weights(rotten_checkpoint, tmp_path):
-    _one_line_naming_the_weights(CliRunner().invoke(app, ["pull", f"file://{rotten_checkpoint}", str(tmp_path / "pulled")]))
+    _one_line_naming_the_weights(
+        CliRunner().invoke(app, ["pull", f"file://{rotten_checkpoint}", str(tmp_path / "pulled")]))
     assert not (tmp_path / "pulled" / "model.safetensors").exists()
 
 
 def test_eval_refuses_the_rotten_weights(rotten_checkpoint, tmp_path):
-    cfg = BlockdraftConfig(target=TargetConfig(path=str(GOLDEN / "target")), dflash=DFlashConfig(architecture="dflash", **GOLDEN_DFLASH))
+    cfg = BlockdraftConfig(target=TargetConfig(path=str(GOLDEN / "target")),
+                           dflash=DFlashConfig(architecture="dflash", **GOLDEN_DFLASH))
     with pytest.raises(ArtifactError, match=r"model\.safetensors: crc64nvme"):
         eval_stage.run(cfg, str(rotten_checkpoint), str(tmp_path / "eval"))
 

@@ -1,6 +1,6 @@
-"""The checksum cache serves the `status`/`verify` listings only: an unchanged file (size, mtime, ctime, inode) is not read
-again there, a changed one is, `--deep` always reads; everything that consumes a file reads its bytes whatever the cache
-says."""
+"""The checksum cache serves the `status`/`verify` listings only: an unchanged file (size, mtime, ctime, inode) is not
+read again there, a changed one is, `--deep` always reads; everything that consumes a file reads its bytes whatever the
+cache says."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from blockdraft.store.status import find_artifact_roots
 
 
 def _age(path, seconds: float = 10.0) -> None:
-    """Make `path` look written `seconds` ago (a fresh file is never cached: its mtime could still move within a tick)."""
+    """Make `path` look written `seconds` ago (a fresh file is never cached: its mtime could still move within a
+    tick)."""
     then = time.time() - seconds
     os.utime(path, (then, then))
 
@@ -104,7 +105,9 @@ def test_an_unusable_cache_only_means_reading_again(tmp_path, monkeypatch):
 
 
 def test_artifact_roots_are_found_in_one_pass_over_many_keys():
-    keys = [f"run/step-{i:05d}/{name}" for i in range(3000) for name in ("model.safetensors", "blockdraft-manifest.json")]
-    keys += ["run/step-03000/model.safetensors", "raw/in.jsonl", "tok/.blockdraft-pieces/shard-0.json", "tok/train/d.arrow"]
+    keys = [f"run/step-{i:05d}/{name}" for i in range(3000)
+            for name in ("model.safetensors", "blockdraft-manifest.json")]
+    keys += ["run/step-03000/model.safetensors", "raw/in.jsonl", "tok/.blockdraft-pieces/shard-0.json",
+             "tok/train/d.arrow"]
     committed, incomplete = find_artifact_roots(keys)
     assert len(committed) == 3000 and incomplete == ["raw", "run/step-03000", "tok"]

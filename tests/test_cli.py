@@ -26,7 +26,8 @@ def test_a_user_error_is_one_line_and_exit_status_2_without_a_traceback(tmp_path
 
 
 def test_a_stage_package_does_not_hide_its_launch_module_behind_a_function():
-    """`blockdraft.stages.train.launch` is the module (what mock targets and readers find), not a re-exported function."""
+    """`blockdraft.stages.train.launch` is the module (what mock targets and readers find), not a re-exported
+    function."""
     import types
 
     import blockdraft.stages.train

@@ -18,7 +18,8 @@ def test_free_cores_is_the_cores_less_the_load_at_least_one():
 
 
 def _threads(env: dict[str, str]) -> tuple[int, str]:
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout
     threads, omp = out.split("THREADS")[1].split()
     return int(threads), omp
 

@@ -1,4 +1,5 @@
-"""The one config: docs/CONFIG.md's example and the README quickstart's config validate, flags override the file, mistakes are one line naming the field."""
+"""The one config: docs/CONFIG.md's example and the README quickstart's config validate, flags override the file,
+mistakes are one line naming the field."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def test_the_config_pages_example_validates(tmp_path):
 
 def test_the_readme_quickstarts_config_validates(tmp_path):
     """The config the README's quickstart writes (its heredoc) loads, with the paths its commands use."""
-    block = re.search(r"cat > try/blockdraft.toml <<'EOF'\n(.*?)\nEOF\n", (ROOT / "README.md").read_text(), re.S).group(1)
+    block = re.search(r"cat > try/blockdraft.toml <<'EOF'\n(.*?)\nEOF\n", (ROOT / "README.md").read_text(),
+                      re.S).group(1)
     (tmp_path / "c.toml").write_text(block)
     cfg = load_config(tmp_path / "c.toml")
     assert cfg.store.url == "s3://drafters/tiny" and cfg.train.data == "try/train-node/tokenized"
@@ -31,11 +33,13 @@ def test_the_readme_quickstarts_config_validates(tmp_path):
 
 
 def test_the_readmes_dflash2_table_validates(tmp_path):
-    """The README's [dflash] table for the published Qwen3.8-27B DFlash2 shape loads as a DFlash2 drafter of that shape."""
+    """The README's [dflash] table for the published Qwen3.8-27B DFlash2 shape loads as a DFlash2 drafter of that
+    shape."""
     block = re.search(r"## A DFlash2 drafter.*?```toml\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     (tmp_path / "c.toml").write_text(block)
     d = load_config(tmp_path / "c.toml").dflash
-    assert (d.architecture, d.block_size, d.mask_token_id, d.num_draft_layers, d.sliding_window) == ("dflash2", 8, 248070, 5, 2048)
+    assert ((d.architecture, d.block_size, d.mask_token_id, d.num_draft_layers, d.sliding_window)
+            == ("dflash2", 8, 248070, 5, 2048))
     assert d.layer_types == ["sliding_attention"] * 5
     assert (d.conv_kernel_size, d.conv_group_size, d.selector_rank, d.selector_top_k) == (2, 16, 256, 16)
 
@@ -88,7 +92,9 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(tmp_path / "bad.toml")
 
 
-@pytest.mark.parametrize(("text", "item"), [("[tokenize]\nmax_lenght = 5\n", "tokenize.max_lenght=5"), ("[trian]\nlr = 1\n", "trian.lr=1")])
+@pytest.mark.parametrize(("text", "item"),
+                         [("[tokenize]\nmax_lenght = 5\n", "tokenize.max_lenght=5"),
+                          ("[trian]\nlr = 1\n", "trian.lr=1")])
 def test_a_mistyped_name_in_the_file_gets_the_same_suggestion_as_set(tmp_path, text, item):
     (tmp_path / "c.toml").write_text(text)
     with pytest.raises(ConfigError) as in_file:
@@ -96,4 +102,5 @@ def test_a_mistyped_name_in_the_file_gets_the_same_suggestion_as_set(tmp_path, t
     with pytest.raises(ConfigError) as in_set:
         load_config(None, sets=[item])
     said = str(in_set.value).removeprefix(f"--set {item}: ")
-    assert "did you mean" in said and f"config {tmp_path / 'c.toml'}: {said}; fix that name in the file" == str(in_file.value)
+    assert "did you mean" in said and (f"config {tmp_path / 'c.toml'}: {said}; fix that name in the file"
+                                       == str(in_file.value))

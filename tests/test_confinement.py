@@ -1,6 +1,6 @@
-"""A manifest's entries stay inside their artifact: no '..', no absolute path, no backslash, no duplicate, no bookkeeping
-name, no symlink out of the folder. A violating manifest is `corrupt` with the entry named, wherever it is read (verify,
-status, push, pull, a stage input), and nothing outside the artifact is read or written for it."""
+"""A manifest's entries stay inside their artifact: no '..', no absolute path, no backslash, no duplicate, no
+bookkeeping name, no symlink out of the folder. A violating manifest is `corrupt` with the entry named, wherever it is
+read (verify, status, push, pull, a stage input), and nothing outside the artifact is read or written for it."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def test_the_rule_names_each_kind_of_escape(path, why):
 
 
 def test_ordinary_entries_pass():
-    for path in ("model.safetensors", "train/shard-00000.arrow", "a..b/c.json", ".hidden/x", "step-00000002/config.json"):
+    for path in ("model.safetensors", "train/shard-00000.arrow", "a..b/c.json", ".hidden/x",
+                 "step-00000002/config.json"):
         assert entry_path_problem(path) is None
 
 
@@ -147,7 +148,8 @@ def test_a_planted_manifest_in_a_bucket_is_refused_by_pull(s3_env, tmp_path):
     src = commit_files(tmp_path / "src", {"a.bin": b"a" * 64})
     push(src, dest.url, dest.settings)
     data = json.loads((src / MANIFEST_NAME).read_text())
-    data["files"].append({"path": "/".join(["..", "..", "..", "victim.txt"]), "size": 64, "checksum": data["files"][0]["checksum"]})
+    data["files"].append({"path": "/".join(["..", "..", "..", "victim.txt"]), "size": 64,
+                          "checksum": data["files"][0]["checksum"]})
     dest.overwrite(MANIFEST_NAME, json.dumps(data).encode())
 
     victim = tmp_path / "victim.txt"

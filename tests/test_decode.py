@@ -1,4 +1,5 @@
-"""The decode loop of docs/DFLASH.md: golden vectors of the reference implementation, losslessness, acceptance, cropping, stops."""
+"""The decode loop of docs/DFLASH.md: golden vectors of the reference implementation, losslessness, acceptance,
+cropping, stops."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ FP32_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def golden_target():
-    return AutoModelForCausalLM.from_pretrained(GOLDEN / "target", attn_implementation="eager", dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(GOLDEN / "target", attn_implementation="eager",
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -81,20 +83,22 @@ def _random_target(seed: int, vocab: int, layers: int, init: float) -> Qwen3ForC
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=init, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=init,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     return Qwen3ForCausalLM(config).eval()
 
 
 def _untrained_drafter(target, block_size: int, seed: int) -> DFlashDrafter:
     torch.manual_seed(seed)
-    dflash = DFlashConfig(architecture="dflash", block_size=block_size, mask_token_id=target.config.vocab_size - 1, num_draft_layers=2, gamma=4.0)
+    dflash = DFlashConfig(architecture="dflash", block_size=block_size, mask_token_id=target.config.vocab_size - 1,
+                          num_draft_layers=2, gamma=4.0)
     return DFlashDrafter(DrafterSpec.from_target_config(target.config, dflash)).eval()
 
 
 class NoisyOracle:
-    """A test drafter that knows the greedy continuation and gets exactly the planned number of drafts right per cycle."""
+    """A test drafter that knows the greedy continuation and gets exactly the planned number of drafts right per
+    cycle."""
 
     layer_ids = None
 
@@ -127,7 +131,8 @@ def test_spec_output_equals_target_greedy_for_random_targets_and_drafters(seed, 
             "ngram": ngram_generate(target, prompt, max_new, [], block_size, vocab - 1),
         }
         plan = [rng.randint(0, block_size - 1) for _ in range(max_new + 1)]
-        runs["oracle"] = run_speculative(target, NoisyOracle(reference.tokens, block_size, vocab, plan), prompt, max_new)
+        runs["oracle"] = run_speculative(target, NoisyOracle(reference.tokens, block_size, vocab, plan), prompt,
+                                         max_new)
         for name, result in runs.items():
             found = first_divergence(name, p, result, reference, FP32_TOLERANCE)
             # Exact equality, or a divergence at a reported near-tie (batched vs one-at-a-time rounding).
@@ -207,7 +212,9 @@ def test_cached_drafts_equal_a_fresh_full_context_draft_at_every_cycle():
 
 def test_bf16_divergences_are_near_ties_within_the_bf16_tolerance(golden):
     tolerance = divergence_tolerance(EvalConfig(), torch.bfloat16)
-    assert tolerance == BlockdraftConfig().eval.divergence_margin_bf16 > divergence_tolerance(EvalConfig(), torch.float32)
+    assert (
+        tolerance == BlockdraftConfig().eval.divergence_margin_bf16 > divergence_tolerance(EvalConfig(), torch.float32)
+    )
     target = AutoModelForCausalLM.from_pretrained(GOLDEN / "target", dtype=torch.bfloat16).eval()
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter", dtype=torch.bfloat16).eval()
     head = TargetHead.from_target(target)

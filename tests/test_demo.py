@@ -42,7 +42,10 @@ def test_demo_ci_profile_on_the_local_store(tmp_path):
     assert out.exit_code == 0, out.output
     lines = out.stdout.splitlines()
     assert "speedup over target-only greedy" in out.stdout and "lossless: yes" in out.stdout
-    assert "dflash tau greedy" in out.stdout and "at temperature 0.6, top-p 0.95, top-k 20, vllm's draft rule:" in out.stdout
+    assert (
+        "dflash tau greedy" in out.stdout
+        and "at temperature 0.6, top-p 0.95, top-k 20, vllm's draft rule:" in out.stdout
+    )
     # The demo holds out a tenth of its conversations: training measures its held-out figures and decodes its checkpoint
     # on them, the line sets them beside eval's, and the target's own answers raise no training-signal warning.
     own = next(line for line in lines if line.startswith("training's own figures: "))
@@ -85,8 +88,8 @@ def test_demo_ci_profile_against_s3(tmp_path, s3_env):
 
 @pytest.mark.slow
 def test_demo_ci_profile_on_the_tiny_hybrid_target_with_a_sliding_window_drafter(tmp_path):
-    """`--target hybrid`: the same pipeline on the Qwen3.5-style hybrid target, a drafter with a sliding-window layer, eval
-    lossless through the linear-attention rollback, and an export that declares its sliding layer."""
+    """`--target hybrid`: the same pipeline on the Qwen3.5-style hybrid target, a drafter with a sliding-window layer,
+    eval lossless through the linear-attention rollback, and an export that declares its sliding layer."""
     runner = CliRunner()
     out = runner.invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--profile", "ci", "--target", "hybrid"])
     assert out.exit_code == 0, out.output
@@ -106,7 +109,8 @@ def test_demo_ci_profile_on_the_tiny_hybrid_target_with_a_sliding_window_drafter
 def test_demo_ci_profile_with_a_dflash2_drafter(tmp_path):
     """`--drafter dflash2`: the same pipeline trains, evaluates (lossless, the walk proposing) and exports a DFlash2
     drafter; the printed taus are the eval report's."""
-    out = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--profile", "ci", "--drafter", "dflash2"])
+    out = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--profile", "ci", "--drafter",
+                                   "dflash2"])
     assert out.exit_code == 0, out.output
     assert "lossless: yes" in out.stdout
     table = dict(line.split("\t") for line in out.stdout.splitlines() if "\t" in line)

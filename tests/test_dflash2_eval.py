@@ -1,6 +1,7 @@
-"""`eval` with DFlash2 (docs/DFLASH.md, "DFlash2"): a plain export-format folder as the checkpoint (a published DFlash or
-DFlash2 drafter), prompts as input_ids beside a target folder with no tokenizer, the report's architecture and the walk's
-acceptance beside the unary argmax's; and `eval --engine vllm` refusing a DFlash2 drafter on the CPU in one line."""
+"""`eval` with DFlash2 (docs/DFLASH.md, "DFlash2"): a plain export-format folder as the checkpoint (a published DFlash
+or DFlash2 drafter), prompts as input_ids beside a target folder with no tokenizer, the report's architecture and the
+walk's acceptance beside the unary argmax's; and `eval --engine vllm` refusing a DFlash2 drafter on the CPU in one
+line."""
 
 from __future__ import annotations
 
@@ -52,9 +53,11 @@ def test_eval_engine_vllm_refuses_a_dflash2_drafter_on_the_cpu_in_one_line(tmp_p
     architecture = 'architecture = "dflash2"\n' if how == "config" else ""
     config.write_text(
         f'[target]\npath = "{(GOLDEN2 / "target").as_posix()}"\n[store]\nurl = "{(tmp_path / "store").as_posix()}"\n'
-        f'[dflash]\nblock_size = 4\nmask_token_id = 511\n{architecture}[eval]\nengine_python = "{ENGINE_PYTHON.as_posix()}"\n'
+        f'[dflash]\nblock_size = 4\nmask_token_id = 511\n{architecture}'
+        f'[eval]\nengine_python = "{ENGINE_PYTHON.as_posix()}"\n'
     )
-    args = ["eval", "--config", str(config), "--checkpoint", str(GOLDEN2 / "drafter"), "--engine", "vllm", "--prompts", _prompts(tmp_path)]
+    args = ["eval", "--config", str(config), "--checkpoint", str(GOLDEN2 / "drafter"), "--engine", "vllm", "--prompts",
+            _prompts(tmp_path)]
     if how == "export":  # the export names its architecture, whatever the config says
         export = tmp_path / "export"
         export.mkdir()

@@ -1,6 +1,7 @@
 """DFlash2 export (docs/DFLASH.md, "DFlash2"): the format the engines and the reference load, and the reference
-implementation (`dflash` 0.1.0, installed by `make setup` as a test oracle) as the judge of a blockdraft export: it loads
-with no missing or unexpected keys, computes the same draft step and decodes the same tokens with the same acceptance."""
+implementation (`dflash` 0.1.0, installed by `make setup` as a test oracle) as the judge of a blockdraft export: it
+loads with no missing or unexpected keys, computes the same draft step and decodes the same tokens with the same
+acceptance."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from blockdraft.stages.export.stage import export_drafter
 from blockdraft.store import open_store
 from blockdraft.store.output import StageOutput, stage_key
 
-reference = pytest.importorskip("dflash.model", reason="the reference implementation: `make setup` installs dflash==0.1.0")
+reference = pytest.importorskip("dflash.model", reason="the reference implementation: `make setup` installs "
+                                                       "dflash==0.1.0")
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,8 @@ def golden2():
 
 def _export(drafter: DFlashDrafter, folder, dtype: str | None = None):
     out = StageOutput(open_store(folder), EXPORT_KIND, stage_key({"test": "in-memory DFlash2 drafter"}))
-    return export_drafter(drafter, AutoConfig.from_pretrained(GOLDEN2 / "target"), out, location=str(folder), dtype=dtype)
+    return export_drafter(drafter, AutoConfig.from_pretrained(GOLDEN2 / "target"), out, location=str(folder),
+                          dtype=dtype)
 
 
 def _perturbed(drafter: DFlashDrafter) -> DFlashDrafter:
@@ -53,14 +56,20 @@ def test_export_is_the_dflash2_format(tmp_path, golden2, dtype):
     _export(drafter, tmp_path / "out", dtype)
     stored = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(stored) == set(load_file(str(GOLDEN2 / "drafter" / "model.safetensors")))  # the reference's 51 names
-    assert "candidate_selector.predecessor_codebook" in stored and "layers.2.mlp_conv.kernel_projection.weight" in stored
+    assert (
+        "candidate_selector.predecessor_codebook" in stored and "layers.2.mlp_conv.kernel_projection.weight" in stored
+    )
     assert {str(t.dtype) for t in stored.values()} == {f"torch.{dtype or 'float32'}"}
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
-    assert config["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [1, 3, 5], "block_size": 4, "conv_kernel_size": 2,
-                                       "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 8}
+    assert config["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [1, 3, 5], "block_size": 4,
+                                       "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32,
+                                       "selector_top_k": 8}
     serving = json.loads((tmp_path / "out" / "serving.json").read_text())
-    assert serving["vllm_speculative_config"]["method"] == "dflash" and serving["vllm_speculative_config"]["num_speculative_tokens"] == 3
+    assert (
+        serving["vllm_speculative_config"]["method"] == "dflash"
+        and serving["vllm_speculative_config"]["num_speculative_tokens"] == 3
+    )
     assert "--speculative-algorithm DFLASH" in serving["sglang_command"]
     provenance = json.loads((tmp_path / "out" / "blockdraft-export.json").read_text())["dflash"]
     assert provenance["architecture"] == "dflash2" and provenance["selector_top_k"] == 8
@@ -82,7 +91,8 @@ def test_a_blockdraft_export_loads_in_the_reference_and_computes_the_same(tmp_pa
     ours_hidden = draft_step(ours, DraftCache(), gold["target_features"], head.embed(block), start)
     with torch.no_grad():
         their_hidden = theirs(
-            target_hidden=gold["target_features"], noise_embedding=head.embed(block), position_ids=torch.arange(start + 4)[None]
+            target_hidden=gold["target_features"], noise_embedding=head.embed(block),
+            position_ids=torch.arange(start + 4)[None]
         )
     torch.testing.assert_close(ours_hidden, their_hidden, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ours_hidden, gold["draft_hidden"], atol=1e-3)  # the perturbation reached the forward

@@ -1,8 +1,8 @@
 """The DFlash2 objective's math (docs/DFLASH.md, "DFlash2 training"): the unary term plus the selector's K-way
-cross-entropy over the top-K scored as the walk scores them with the gold predecessor, computed chunk by chunk, equals the
-same objective written plainly over full logits and differentiated by autograd (value and gradients, both rules for a
-gold token outside the top-K, scaled and soft-capped unary logits, D-PACE weights); the two rules differ exactly on the
-slots whose gold is outside the top-K."""
+cross-entropy over the top-K scored as the walk scores them with the gold predecessor, computed chunk by chunk, equals
+the same objective written plainly over full logits and differentiated by autograd (value and gradients, both rules for
+a gold token outside the top-K, scaled and soft-capped unary logits, D-PACE weights); the two rules differ exactly on
+the slots whose gold is outside the top-K."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def problem(seed: int = 0, rows: int = 2, blocks: int = 3):
     weights[torch.rand(rows, q, generator=g) < 0.2] = 0.0
     head_w = torch.randn(V, H, generator=g) * 0.3
     head_b = torch.randn(V, generator=g) * 0.1
-    selector = {"pred": torch.randn(V, R, generator=g), "succ": torch.randn(V, R, generator=g), "proj": torch.randn(R, H, generator=g) * 0.3}
+    selector = {"pred": torch.randn(V, R, generator=g), "succ": torch.randn(V, R, generator=g),
+                "proj": torch.randn(R, H, generator=g) * 0.3}
     return hidden, labels, weights, head_w, head_b, selector
 
 
@@ -34,7 +35,11 @@ def pair(selector):
     """The walk's scores (`CandidateSelector.scores`) with these tensors as its parameters."""
     module = CandidateSelector(H, V, R, K)
     del module.predecessor_codebook, module.successor_codebook, module.hidden_projection.weight
-    module.predecessor_codebook, module.successor_codebook, module.hidden_projection.weight = selector["pred"], selector["succ"], selector["proj"]
+    module.predecessor_codebook, module.successor_codebook, module.hidden_projection.weight = (
+        selector["pred"],
+        selector["succ"],
+        selector["proj"],
+    )
     return module.scores
 
 
@@ -87,7 +92,8 @@ def test_chunked_dflash2_objective_equals_the_plain_one(objective):
     for chunk_blocks in (1, 4):
         h = hidden.clone().requires_grad_(True)
         sel = leaves(selector)
-        out = block_loss(h, labels, weights, head_w, head_b, B, chunk_blocks, objective=objective, walk_scores=pair(sel))
+        out = block_loss(h, labels, weights, head_w, head_b, B, chunk_blocks, objective=objective,
+                         walk_scores=pair(sel))
         out.loss.backward()
         torch.testing.assert_close(out.loss.detach(), want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(h.grad, want_h, rtol=1e-4, atol=1e-6)
@@ -114,8 +120,20 @@ def test_the_two_rules_differ_on_the_slots_whose_gold_is_outside_the_top_k():
     assert inject.weighted > skip.weighted > 0
     assert (inject.correct <= inject.recall).all()
     # with K = V every gold is a candidate: the rules agree and recall is every supervised slot
-    full = [block_loss(hidden, labels, weights, head_w, head_b, B, 2, walk_scores=pair(selector),
-                       objective=Objective(top_k=V, selector_alpha=1.0, missing_gold=rule)).selector for rule in ("inject", "skip")]
+    full = [
+        block_loss(
+            hidden,
+            labels,
+            weights,
+            head_w,
+            head_b,
+            B,
+            2,
+            walk_scores=pair(selector),
+            objective=Objective(top_k=V, selector_alpha=1.0, missing_gold=rule),
+        ).selector
+        for rule in ("inject", "skip")
+    ]
     assert full[0] is not None and full[1] is not None
     torch.testing.assert_close(full[0].weighted, full[1].weighted)
     torch.testing.assert_close(full[0].recall, supervised)
@@ -130,7 +148,8 @@ def test_a_dflash_objective_has_no_selector_term():
 
 
 def test_the_loss_unary_logits_are_the_walks():
-    """The transform the chunked loss applies in place, and its slope, are the decode's `unary_logits` and its derivative."""
+    """The transform the chunked loss applies in place, and its slope, are the decode's `unary_logits` and its
+    derivative."""
     from blockdraft.model.dflash2 import unary_logits
     from blockdraft.model.spec import DFlash2Spec
 

@@ -1,5 +1,5 @@
-"""DFlash2 (docs/DFLASH.md, "DFlash2"): its config, its modules in the one drafter forward, and parity with the reference
-implementation's golden vectors (one draft step, six greedy decodes), fp32 on CPU.
+"""DFlash2 (docs/DFLASH.md, "DFlash2"): its config, its modules in the one drafter forward, and parity with the
+reference implementation's golden vectors (one draft step, six greedy decodes), fp32 on CPU.
 
 Negative controls run beside the checks they back: a decode that ignores the selector, and a convolution whose taps
 cross a block boundary, must not reproduce what the reference computes.
@@ -36,7 +36,8 @@ def golden2():
 
 def _draft_slots(drafter, head, gold):
     block = torch.tensor([[int(gold["anchor_id"][0])] + [drafter.spec.mask_token_id] * (drafter.spec.block_size - 1)])
-    hidden = draft_step(drafter, DraftCache(), gold["target_features"], head.embed(block), start=gold["context_ids"].shape[1])
+    hidden = draft_step(drafter, DraftCache(), gold["target_features"], head.embed(block),
+                        start=gold["context_ids"].shape[1])
     return block, hidden
 
 
@@ -55,7 +56,8 @@ def test_dflash2_is_the_default_with_the_published_drafters_settings():
 
 @pytest.mark.parametrize("sets,named", [
     (["dflash.architecture=dflash", "dflash.selector_top_k=8"], "dflash.selector_top_k is a DFlash2 setting"),
-    (["dflash.architecture=dflash2", "dflash.block_size=4", "dflash.conv_kernel_size=5"], "dflash.conv_kernel_size 5 is more taps"),
+    (["dflash.architecture=dflash2", "dflash.block_size=4", "dflash.conv_kernel_size=5"],
+     "dflash.conv_kernel_size 5 is more taps"),
 ])
 def test_config_refuses_dflash2_settings_that_cannot_hold_in_one_line(sets, named):
     with pytest.raises(ConfigError, match=named) as info:
@@ -74,11 +76,14 @@ def test_spec_refuses_a_group_that_does_not_divide_the_hidden_size_and_a_top_k_o
 def test_export_config_round_trips_the_dflash2_fields(golden2):
     _, drafter, _ = golden2
     spec = dataclasses.replace(
-        drafter.spec, dflash2=dataclasses.replace(drafter.spec.dflash2, input_embedding_scale=2.0, final_logit_softcapping=30.0)
+        drafter.spec,
+        dflash2=dataclasses.replace(drafter.spec.dflash2, input_embedding_scale=2.0, final_logit_softcapping=30.0)
     )
     config = spec.to_export_config()
     assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
-    assert config["dflash_config"]["input_embedding_scale"] == 2.0 and "output_multiplier" not in config["dflash_config"]
+    assert (
+        config["dflash_config"]["input_embedding_scale"] == 2.0 and "output_multiplier" not in config["dflash_config"]
+    )
     assert DrafterSpec.from_export_config(config).dflash2 == spec.dflash2
     plain = drafter.spec.to_export_config()
     assert {"input_embedding_scale", "output_multiplier", "final_logit_softcapping"}.isdisjoint(plain["dflash_config"])
@@ -86,7 +91,7 @@ def test_export_config_round_trips_the_dflash2_fields(golden2):
         DrafterSpec.from_export_config({**config, "architectures": ["DFlashDraftModel"]})
 
 
-# --- item 2: the model --------------------------------------------------------------------------------------------------
+# --- item 2: the model ------------------------------------------------------------------------------------------------
 
 
 def test_draft_step_reproduces_the_reference_hidden_unary_logits_top_k_and_walk(golden2):
@@ -116,8 +121,8 @@ def test_training_forward_of_many_blocks_equals_the_draft_step_and_taps_stay_ins
 
     def training_hidden(model):
         with torch.no_grad():
-            return DraftForward(model)(features, head.embed(batch.block_ids), batch.block_positions, batch.context_positions,
-                                       batch.attention_mask)
+            return DraftForward(model)(features, head.embed(batch.block_ids), batch.block_positions,
+                                       batch.context_positions, batch.attention_mask)
 
     trained = training_hidden(drafter)
     b = spec.block_size
@@ -135,8 +140,8 @@ def test_training_forward_of_many_blocks_equals_the_draft_step_and_taps_stay_ins
 
 
 def test_identity_initialised_dflash2_computes_exactly_the_dflash_drafter():
-    """A DFlash2 drafter built from a DFlash drafter's weights (convolutions at identity) gives the DFlash forward, under
-    either train.init; its selector then walks from its own initialisation."""
+    """A DFlash2 drafter built from a DFlash drafter's weights (convolutions at identity) gives the DFlash forward,
+    under either train.init; its selector then walks from its own initialisation."""
     dflash = DFlashDrafter.from_pretrained(GOLDEN / "drafter").eval()
     spec2 = dataclasses.replace(dflash.spec, dflash2=DFlash2Spec(selector_rank=16, selector_top_k=8))
     gold = load_file(str(GOLDEN / "golden.safetensors"))
@@ -165,13 +170,13 @@ def test_non_identity_convolution_changes_the_forward(golden2):
     assert not torch.allclose(_draft_slots(plain, head, gold)[1], gold["draft_hidden"], atol=1e-3)
 
 
-# --- item 6: decode parity ----------------------------------------------------------------------------------------------
+# --- item 6: decode parity --------------------------------------------------------------------------------------------
 
 
 def reference_counting(lengths: list[int], new_tokens: int) -> list[int]:
-    """Our acceptance lengths as the reference 0.1.0 counts them at the end of the budget: its prefill token is the first
-    new token, it stops once the anchor is the last token needed (we run one more cycle there) and counts a last cycle
-    only up to the budget. Every cycle before is compared as it is."""
+    """Our acceptance lengths as the reference 0.1.0 counts them at the end of the budget: its prefill token is the
+    first new token, it stops once the anchor is the last token needed (we run one more cycle there) and counts a last
+    cycle only up to the budget. Every cycle before is compared as it is."""
     counted, left = [], new_tokens - 1
     for length in lengths:
         if left <= 0:

@@ -33,7 +33,8 @@ def data_url(tmp_path_factory) -> str:
 
 def dflash2_config(tmp: Path, data: str, dflash: str = DFLASH2, **train) -> Path:
     path = config_file(tmp, data, **train)
-    text = path.read_text().replace('architecture = "dflash"\n', "")  # the helper's DFlash, replaced by `dflash`'s lines
+    # the helper's DFlash, replaced by `dflash`'s lines
+    text = path.read_text().replace('architecture = "dflash"\n', "")
     path.write_text(text.replace("intermediate_size = 96\n", f"intermediate_size = 96\n{dflash}"))
     return path
 
@@ -56,12 +57,15 @@ def test_a_dflash2_run_learns_and_logs_the_selector_figures(tmp_path, data_url):
     assert len(entries) == 30
     first, last = entries[0], entries[-1]
     for entry in (first, last):
-        assert len(entry["slot_loss"]) == len(entry["slot_selector_accuracy"]) == len(entry["slot_candidate_recall"]) == 3
+        assert (
+            len(entry["slot_loss"]) == len(entry["slot_selector_accuracy"]) == len(entry["slot_candidate_recall"]) == 3
+        )
         assert 0.0 <= entry["selector_accuracy"] <= entry["candidate_recall"] <= 1.0
         assert entry["walk_tau_estimate"] >= 1.0 and entry["selector_loss"] > 0
     assert last["loss"] < 0.5 * first["loss"] and last["selector_loss"] < first["selector_loss"]
     assert last["candidate_recall"] > first["candidate_recall"]
-    assert last["walk_tau_estimate"] > first["walk_tau_estimate"] + 0.5, (first["walk_tau_estimate"], last["walk_tau_estimate"])
+    assert last["walk_tau_estimate"] > first["walk_tau_estimate"] + 0.5, (first["walk_tau_estimate"],
+                                                                          last["walk_tau_estimate"])
     scalars = tracked_scalars(last)  # what TensorBoard and W&B get
     assert {"train/selector_loss", "train/candidate_recall", "train/selector_accuracy", "train/walk_tau_estimate",
             "train/slot_loss/1", "train/slot_selector_accuracy/3", "train/slot_candidate_recall/2"} <= scalars.keys()
@@ -69,13 +73,15 @@ def test_a_dflash2_run_learns_and_logs_the_selector_figures(tmp_path, data_url):
     saved = DFlashDrafter.from_pretrained(tmp_path / "ckpt" / checkpoint_key(30))
     assert saved.spec.dflash2 is not None and saved.candidate_selector is not None
     assert result.drafter.candidate_selector is not None
-    torch.testing.assert_close(saved.candidate_selector.successor_codebook, result.drafter.candidate_selector.successor_codebook)
+    torch.testing.assert_close(saved.candidate_selector.successor_codebook,
+                               result.drafter.candidate_selector.successor_codebook)
 
 
 def test_a_dflash_drafter_warm_starts_dflash2_exactly(tmp_path, data_url):
     """train.init_from a DFlash export into a DFlash2 run (lr 0, one step): the checkpoint holds the DFlash tensors as
     they were, identity convolutions and an initialised selector, and its forward equals the DFlash drafter's."""
-    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=2, gamma=4.0, intermediate_size=96)
+    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=2, gamma=4.0,
+                          intermediate_size=96)
     torch.manual_seed(5)
     saved = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
     for p in saved.parameters():  # a trained-looking drafter, not the default init's
@@ -103,7 +109,9 @@ def test_mismatched_warm_starts_are_refused_naming_the_field(tmp_path, data_url)
     torch.manual_seed(0)
     dflash2 = DFlashConfig(block_size=4, mask_token_id=511, num_draft_layers=2, gamma=4.0, intermediate_size=96,
                            architecture="dflash2", selector_rank=32, selector_top_k=8)
-    DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash2)).save_pretrained(tmp_path / "d2")
+    DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash2)).save_pretrained(
+        tmp_path / "d2"
+    )
     (tmp_path / "a").mkdir()
     into_dflash = config_file(tmp_path / "a", data_url, max_steps=1)
     into_dflash.write_text(into_dflash.read_text() + f'init_from = "{(tmp_path / "d2").as_posix()}"\n')
@@ -129,10 +137,11 @@ def test_two_gloo_ranks_train_dflash2_as_one_process(tmp_path, data_url):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     run(load_config(dflash2_config(one, data_url, max_steps=3, checkpoint_every=3, batch_size=4, global_batch_size=4)))
-    cfg2 = dflash2_config(two, data_url, max_steps=3, checkpoint_every=3, batch_size=2, global_batch_size=4, drafters=["cpu", "cpu"])
+    cfg2 = dflash2_config(two, data_url, max_steps=3, checkpoint_every=3, batch_size=2, global_batch_size=4,
+                          drafters=["cpu", "cpu"])
     blockdraft = str(Path(sys.executable).with_name("blockdraft"))
-    proc = subprocess.run([blockdraft, "train", "--config", str(cfg2), "--nproc", "2"], cwd=two, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([blockdraft, "train", "--config", str(cfg2), "--nproc", "2"], cwd=two, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     w1 = load_file(str(one / "ckpt" / checkpoint_key(3) / "model.safetensors"))
     w2 = load_file(str(two / "ckpt" / checkpoint_key(3) / "model.safetensors"))

@@ -116,8 +116,8 @@ def test_weight_one_is_zero_with_zero_gradient_where_the_drafter_reproduces_the_
         moved = at_target + scale * torch.randn(at_target.shape, generator=g)
         assert loss_and_grad(moved, labels, weights, head_w, head_b, objective=objective, teacher=teacher)[0].loss > 0
     # while the hard labels alone would still pull it elsewhere
-    assert torch.count_nonzero(loss_and_grad(at_target, labels, weights, head_w, head_b, objective=Objective(distill_weight=0.5),
-                                             teacher=teacher)[1]) > 0
+    assert torch.count_nonzero(loss_and_grad(at_target, labels, weights, head_w, head_b,
+                                             objective=Objective(distill_weight=0.5), teacher=teacher)[1]) > 0
 
 
 @pytest.mark.parametrize("objective", [
@@ -132,12 +132,16 @@ def test_analytic_gradient_equals_autograd_of_the_plain_objective(objective):
     torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("objective", [Objective(distill_weight=0.5, temperature=1.5), Objective(weighting="dpace", distill_weight=0.3)])
+@pytest.mark.parametrize("objective",
+                         [Objective(distill_weight=0.5, temperature=1.5),
+                          Objective(weighting="dpace", distill_weight=0.3)])
 def test_chunking_equals_one_chunk(objective):
     hidden, labels, weights, head_w, head_b, teacher = problem(seed=5, blocks=5)
-    one, grad_one = loss_and_grad(hidden, labels, weights, head_w, head_b, chunk_blocks=5, objective=objective, teacher=teacher)
+    one, grad_one = loss_and_grad(hidden, labels, weights, head_w, head_b, chunk_blocks=5, objective=objective,
+                                  teacher=teacher)
     for chunk_blocks in (1, 2, 3):  # chunks of whole blocks, the last one short
-        out, grad = loss_and_grad(hidden, labels, weights, head_w, head_b, chunk_blocks, objective=objective, teacher=teacher)
+        out, grad = loss_and_grad(hidden, labels, weights, head_w, head_b, chunk_blocks, objective=objective,
+                                  teacher=teacher)
         torch.testing.assert_close(out.loss, one.loss, rtol=1e-6, atol=0)
         torch.testing.assert_close(grad, grad_one, rtol=1e-6, atol=1e-9)
         assert torch.equal(out.slots.correct, one.slots.correct)
@@ -151,18 +155,19 @@ def test_distilling_without_the_target_states_is_refused():
 
 def test_each_slot_learns_the_targets_prediction_of_its_own_token():
     """On the target's own greedy continuations, the teacher of every supervised slot (the target's logits at a + k - 1
-    given the true prefix) picks exactly that slot's label; shifted by one position it would not. The final hidden states
-    are what the LM head reads: head(final) equals the model's own logits bit for bit."""
+    given the true prefix) picks exactly that slot's label; shifted by one position it would not. The final hidden
+    states are what the LM head reads: head(final) equals the model's own logits bit for bit."""
     hf = load_target(str(GOLDEN_TARGET), "cpu", torch.float32)
     prompts = torch.randint(0, 500, (2, 6), generator=torch.Generator().manual_seed(4))
     greedy = cast(Any, hf).generate(prompts, max_new_tokens=18, min_new_tokens=18, do_sample=False, pad_token_id=0)
     rows = [{"input_ids": row.tolist(), "loss_mask": [0] * 6 + [1] * 18} for row in greedy]
     target, head = TargetModel(hf, [1]), TargetHead.from_target(hf)
-    batch = build_block_batch([(r["input_ids"], r["loss_mask"]) for r in rows], num_anchors=6, block_size=B, mask_token_id=511,
-                              gamma=4.0, generators=[anchor_generator(0, 0, i) for i in range(2)])
+    batch = build_block_batch([(r["input_ids"], r["loss_mask"]) for r in rows], num_anchors=6, block_size=B,
+                              mask_token_id=511, gamma=4.0, generators=[anchor_generator(0, 0, i) for i in range(2)])
     features, final = target.features_and_final(batch.input_ids, batch.attention_mask_context.long())
     assert torch.equal(features, target.features(batch.input_ids, batch.attention_mask_context.long()))
-    assert torch.equal(head.logits(final), hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask_context.long()).logits)
+    assert torch.equal(head.logits(final),
+                       hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask_context.long()).logits)
 
     supervised = batch.weights > 0
     for shift, expect_all in ((0, True), (1, False)):

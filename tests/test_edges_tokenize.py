@@ -1,7 +1,7 @@
-"""Tokenize at its edges, as a careless user meets them: a config that is not UTF-8 or has a section that is not a table,
-a mask token id the tokenizer emits, inputs that are no regular files, an output that cannot be a folder or cannot be
-written, a row too large to hold, a Parquet file without conversations. Each ends in one line and a non-zero exit, or in
-a verified artifact that names what it left out."""
+"""Tokenize at its edges, as a careless user meets them: a config that is not UTF-8 or has a section that is not a
+table, a mask token id the tokenizer emits, inputs that are no regular files, an output that cannot be a folder or
+cannot be written, a row too large to hold, a Parquet file without conversations. Each ends in one line and a non-zero
+exit, or in a verified artifact that names what it left out."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from blockdraft.store.artifact import State, read_manifest, verify_artifact
 
 
 def short_row(i: int, prefix: str = "r") -> dict:
-    return {"id": f"{prefix}{i}", "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+    return {"id": f"{prefix}{i}",
+            "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
 
 
 def cli(*args: str | Path):
@@ -40,10 +41,14 @@ def cli(*args: str | Path):
 
 
 def assert_one_line(result, *words: str) -> None:
-    """A non-zero exit whose output is one line holding `words`, without a traceback (besides warnings and the start line
-    of a run that got to tokenize, which says its plan)."""
+    """A non-zero exit whose output is one line holding `words`, without a traceback (besides warnings and the start
+    line of a run that got to tokenize, which says its plan)."""
     start = re.compile(r"tokenize: \d+ tasks of about ")
-    lines = [line for line in result.output.splitlines() if line.strip() and not line.startswith("WARNING") and not start.match(line)]
+    lines = [
+        line
+        for line in result.output.splitlines()
+        if line.strip() and not line.startswith("WARNING") and not start.match(line)
+    ]
     assert result.exit_code == 2, result.output
     assert len(lines) == 1 and "Traceback" not in result.output, result.output
     assert all(w in lines[0] for w in words), result.output
@@ -61,14 +66,16 @@ def test_a_config_that_is_not_utf8_is_one_line_naming_the_file_and_the_byte(tmp_
     path.write_bytes("[tokenize]\nworkers = 1\n# café\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xe9 at offset 28\); save it as UTF-8"):
         load_config(path)
-    assert_one_line(tokenize_cli(write_jsonl(tmp_path / "in.jsonl", [short_row(0)]), tmp_path / "out", "--config", path),
-                    str(path), "UTF-8")
+    assert_one_line(
+        tokenize_cli(write_jsonl(tmp_path / "in.jsonl", [short_row(0)]), tmp_path / "out", "--config", path),
+        str(path), "UTF-8")
 
 
 def test_a_section_that_is_not_a_table_with_a_flag_for_it_is_one_line(tmp_path):
     path = tmp_path / "five.toml"
     path.write_text("tokenize = 5\n")
-    result = tokenize_cli(write_jsonl(tmp_path / "in.jsonl", [short_row(0)]), tmp_path / "out", "--config", path, "--workers", "2")
+    result = tokenize_cli(write_jsonl(tmp_path / "in.jsonl", [short_row(0)]), tmp_path / "out", "--config", path,
+                          "--workers", "2")
     assert_one_line(result, "'tokenize' is a int, not a table", "[tokenize]")
     with pytest.raises(ConfigError, match="'tokenize'"):  # without a flag, the field check names it
         load_config(path)
@@ -103,8 +110,10 @@ def test_a_fifo_or_a_symlink_to_dev_zero_as_input_is_one_line_naming_it_never_a_
     """Reading a FIFO waits for a writer forever; /dev/zero never ends. Either is refused when the inputs are listed."""
     os.mkfifo(tmp_path / "pipe.jsonl")
     (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
-    assert_one_line(tokenize_cli(tmp_path / "pipe.jsonl", tmp_path / "out"), "pipe.jsonl", "is a FIFO (named pipe), not a regular file")
-    assert_one_line(tokenize_cli(tmp_path / "zero.jsonl", tmp_path / "out"), "zero.jsonl", "is a character device, not a regular file")
+    assert_one_line(tokenize_cli(tmp_path / "pipe.jsonl", tmp_path / "out"), "pipe.jsonl",
+                    "is a FIFO (named pipe), not a regular file")
+    assert_one_line(tokenize_cli(tmp_path / "zero.jsonl", tmp_path / "out"), "zero.jsonl",
+                    "is a character device, not a regular file")
     folder = tmp_path / "in"
     write_jsonl(folder / "good.jsonl", [short_row(0)])
     os.mkfifo(folder / "pipe.jsonl")
@@ -128,7 +137,8 @@ def test_an_output_path_that_is_a_file_is_one_line_and_the_file_is_kept(tmp_path
 def test_an_output_the_system_refuses_to_write_is_one_line_naming_it(tmp_path):
     """/sys refuses new folders even to root (tests run as root, where a chmod 0o555 folder stays writable)."""
     input = write_jsonl(tmp_path / "in.jsonl", [short_row(0)])
-    assert_one_line(tokenize_cli(input, "/sys/blockdraft-out"), "cannot write the output /sys/blockdraft-out", "this user can write")
+    assert_one_line(tokenize_cli(input, "/sys/blockdraft-out"), "cannot write the output /sys/blockdraft-out",
+                    "this user can write")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder; the /sys test covers root")
@@ -146,7 +156,8 @@ def test_a_read_only_output_folder_is_one_line_naming_it(tmp_path):
 
 
 def big_row(nbytes: int) -> dict:
-    """A conversation of about `nbytes` bytes that compresses little (so a compressed file of it is cut into parts too)."""
+    """A conversation of about `nbytes` bytes that compresses little (so a compressed file of it is cut into parts
+    too)."""
     text = base64.b64encode(random.Random(0).randbytes(nbytes * 3 // 4)).decode()
     return {"id": "big", "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]}
 
@@ -181,7 +192,9 @@ def test_a_line_longer_than_the_bound_is_skipped_in_bounded_memory():
 
 
 def row_too_large_lines(out: Path) -> list[dict]:
-    lines = [json.loads(line) for p in sorted((out / "quarantine").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    lines = [
+        json.loads(line) for p in sorted((out / "quarantine").glob("*.jsonl")) for line in p.read_text().splitlines()
+    ]
     assert all(len(json.dumps(q)) < 4096 for q in lines), "the quarantine holds the start of a large row only"
     return [q for q in lines if q["reason"] == "row_too_large"]
 
@@ -199,7 +212,8 @@ def test_a_row_over_max_row_bytes_is_quarantined_counted_and_the_others_tokenize
     [line] = row_too_large_lines(out)
     assert line["position"] == 2 and "max_row_bytes" in line["detail"] and line["row"].startswith('{"id": "big"')
     assert f"{len(json.dumps(rows[1])):,} bytes" in line["detail"]
-    result = cli("tokenize", input, tmp_path / "cli-out", "--tokenizer", TOKENIZER_DIR, "--config", config_file(tmp_path, 1 << 20))
+    result = cli("tokenize", input, tmp_path / "cli-out", "--tokenizer", TOKENIZER_DIR, "--config",
+                 config_file(tmp_path, 1 << 20))
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output  # as for every rejected row
 
 
@@ -221,7 +235,8 @@ def test_a_large_row_across_the_cuts_of_a_split_file_is_quarantined_once_and_the
     assert result.details.shards_total > 1 and result.report.state is State.VERIFIED
     assert result.details.counts["rejected"] == {"row_too_large": 1} and result.details.counts["rows_out"] == 400
     assert len(row_too_large_lines(out)) == 1
-    assert verify_artifact(open_store(out), check_inputs=True).state is State.VERIFIED  # the lineage's checksum is the file's
+    # the lineage's checksum is the file's
+    assert verify_artifact(open_store(out), check_inputs=True).state is State.VERIFIED
     assert tokenize(input, out, cfg).already_done
     first = piece_names(out)[0]
     half_finished(out, first)
@@ -247,10 +262,11 @@ def test_a_parquet_row_over_max_row_bytes_is_quarantined_without_the_others_lost
 def test_a_parquet_file_without_conversation_columns_is_a_failed_input_named_in_the_manifest(tmp_path):
     folder = tmp_path / "in"
     folder.mkdir()
-    pq.write_table(pa.Table.from_pylist([{"text": f"plain text {i}", "label": i} for i in range(5)]), folder / "texts.parquet")
+    pq.write_table(pa.Table.from_pylist([{"text": f"plain text {i}", "label": i} for i in range(5)]),
+                   folder / "texts.parquet")
     # Large enough to be cut into row-group parts at task_bytes 1024: each part refuses it.
-    pq.write_table(pa.Table.from_pylist([{"prompt": f"question {i} " * 20} for i in range(400)]), folder / "prompts.parquet",
-                   row_group_size=50)
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"question {i} " * 20} for i in range(400)]),
+                   folder / "prompts.parquet", row_group_size=50)
     pq.write_table(pa.Table.from_pylist([short_row(i) for i in range(3)]), folder / "good.parquet")
     out = tmp_path / "out"
     with pytest.raises(InputFilesFailed) as raised:
@@ -259,7 +275,8 @@ def test_a_parquet_file_without_conversation_columns_is_a_failed_input_named_in_
     found = read_manifest(open_store(out))
     assert found is not None
     failed = found[0].counts["failed_inputs"]
-    assert sorted(failed) == ["prompts.parquet", "texts.parquet"] and {f["reason"] for f in failed.values()} == {"wrong_schema"}
+    assert (sorted(failed) == ["prompts.parquet", "texts.parquet"]
+            and {f["reason"] for f in failed.values()} == {"wrong_schema"})
     assert "(text, label)" in failed["texts.parquet"]["detail"] and "'messages'" in failed["texts.parquet"]["detail"]
     assert found[0].counts["rows_out"] == 3 and verify_artifact(open_store(out)).state is State.VERIFIED
     (folder / "prompts.parquet").unlink()

@@ -1,7 +1,7 @@
-"""`eval --engine vllm`: the export served by vLLM's CPU build (`make engine`) reproduces our decode's acceptance exactly in
-float32 for a full-attention and a sliding-window drafter, and no server outlives the command, however it ends. The
-drafters are trained once per test run (`helpers.engine.trained_once`); an export that differs from its checkpoint is in
-test_engine_controls.py, the check at temperature in test_engine_sampled.py."""
+"""`eval --engine vllm`: the export served by vLLM's CPU build (`make engine`) reproduces our decode's acceptance
+exactly in float32 for a full-attention and a sliding-window drafter, and no server outlives the command, however it
+ends. The drafters are trained once per test run (`helpers.engine.trained_once`); an export that differs from its
+checkpoint is in test_engine_controls.py, the check at temperature in test_engine_sampled.py."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def test_the_engine_reproduces_our_acceptance_exactly_in_float32(trained, drafte
     assert engine.outputs_equal_target_only == engine.num_prompts == PROMPTS  # lossless in the engine
     assert engine.drafts == engine.ours_cycles > 0
     assert engine.accepted_per_position == engine.ours_accepted_per_position
-    assert engine.accepted_per_position[1] > 0, "no draft accepted past the first position: the comparison would cover one"
+    assert engine.accepted_per_position[1] > 0, ("no draft accepted past the first position: the comparison would "
+                                                 "cover one")
     assert abs(engine.tau - engine.ours_tau) < 1e-9
     assert "engine\tagrees (exact)" in output
 
@@ -88,10 +89,12 @@ PHASES = {
 def test_no_server_outlives_the_command_killed_while(trained, exports, phase):
     tmp, runs = trained
     marker, sig = PHASES[phase]
-    config = write_config(tmp, engine_config(tmp, "full", num_prompts=4, max_new_tokens=16, untrained_baseline=False), f"kill-{phase}.toml")
-    argv = [sys.executable, "-m", "blockdraft", "eval", "--config", str(config), "--checkpoint", str(runs["full"]), "--engine", "vllm",
-            "--export", str(exports["full"]), "--output", str(tmp / f"kill-{phase}")]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "300"})
+    config = write_config(tmp, engine_config(tmp, "full", num_prompts=4, max_new_tokens=16, untrained_baseline=False),
+                          f"kill-{phase}.toml")
+    argv = [sys.executable, "-m", "blockdraft", "eval", "--config", str(config), "--checkpoint", str(runs["full"]),
+            "--engine", "vllm", "--export", str(exports["full"]), "--output", str(tmp / f"kill-{phase}")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "300"})
     sessions: set[int] = set()
     seen = []
     assert proc.stdout is not None
@@ -103,7 +106,8 @@ def test_no_server_outlives_the_command_killed_while(trained, exports, phase):
     else:
         pytest.fail(f"the command ended before '{marker}': {''.join(seen)[-2000:]}")
     deadline = time.monotonic() + 60
-    while phase != "comparing" and not sessions and time.monotonic() < deadline:  # the server of this phase is being started
+    while phase != "comparing" and not sessions and time.monotonic() < deadline:
+        # the server of this phase is being started
         sessions |= {s for s in map(_session_of, _children(proc.pid)) if s is not None and s != os.getsid(0)}
         time.sleep(0.2)
     assert sessions or phase == "comparing", "no server process was seen"
@@ -113,5 +117,6 @@ def test_no_server_outlives_the_command_killed_while(trained, exports, phase):
     deadline = time.monotonic() + 60
     while any(processes_of_session(s) for s in sessions) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not any(processes_of_session(s) for s in sessions), f"left running: {[processes_of_session(s) for s in sessions]}"
+    assert not any(processes_of_session(s) for s in sessions), ("left running: "
+                                                                f"{[processes_of_session(s) for s in sessions]}")
     assert ENGINE_PYTHON.is_file()

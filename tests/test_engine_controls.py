@@ -44,14 +44,17 @@ def _recommit(folder: Path) -> None:
 
 def _shifted_layer_ids(config: dict) -> None:
     ids = config["dflash_config"]["target_layer_ids"]
-    config["dflash_config"]["target_layer_ids"] = [i + 1 for i in ids]  # another drafter's taps, still inside the target
+    # another drafter's taps, still inside the target
+    config["dflash_config"]["target_layer_ids"] = [i + 1 for i in ids]
 
 
-# name: (the drafter whose export is edited, the edit). Each yields an export that vLLM loads and serves without complaint.
+# name: (the drafter whose export is edited, the edit). Each yields an export that vLLM loads and serves without
+# complaint.
 CONTROLS = {
     "sliding_window": ("sliding", lambda f: _edit_config(f, lambda c: c.update(sliding_window=4))),
     "target_layer_ids": ("full", lambda f: _edit_config(f, _shifted_layer_ids)),
-    "mask_token_id": ("full", lambda f: _edit_config(f, lambda c: c["dflash_config"].update(mask_token_id=c["dflash_config"]["mask_token_id"] + 1))),
+    "mask_token_id": ("full", lambda f: _edit_config(
+        f, lambda c: c["dflash_config"].update(mask_token_id=c["dflash_config"]["mask_token_id"] + 1))),
     "weights": ("full", None),  # the other checkpoint's model.safetensors
 }
 
@@ -74,20 +77,24 @@ def test_an_export_that_differs_from_its_checkpoint_is_caught_by_the_engine(trai
     assert code == 1 and len(errors) == 1 and "Traceback" not in output, output
     assert "the engine disagrees with our decode at draft position(s)" in " ".join(output.split())
     assert report is not None and report.engine is not None and report.engine.disagreement is not None
-    assert report.engine.accepted_per_position != report.engine.ours_accepted_per_position or report.engine.drafts != report.engine.ours_cycles
+    assert (
+        report.engine.accepted_per_position != report.engine.ours_accepted_per_position
+        or report.engine.drafts != report.engine.ours_cycles
+    )
 
 
 @pytest.mark.fault
 def test_at_temperature_an_export_that_differs_from_its_checkpoint_is_caught(trained, exports):
-    """An export whose mask id is off by one. At temperature the check has the power of its sample: an export with shifted
-    target layer ids moved vLLM's tau by 0.09 over 32 decodes here, inside the interval (the greedy check catches it)."""
+    """An export whose mask id is off by one. At temperature the check has the power of its sample: an export with
+    shifted target layer ids moved vLLM's tau by 0.09 over 32 decodes here, inside the interval (the greedy check
+    catches it)."""
     tmp, runs = trained
     edited = tmp / "edited-sampled"
     shutil.copytree(exports["full"], edited)
     CONTROLS["mask_token_id"][1](edited)
     _recommit(edited)
-    code, output, report = run_eval(tmp, runs["full"], "full", "eval-sampled-edited", "--export", str(edited), num_prompts=8,
-                                 untrained_baseline=False, **SAMPLING)
+    code, output, report = run_eval(tmp, runs["full"], "full", "eval-sampled-edited", "--export", str(edited),
+                                    num_prompts=8, untrained_baseline=False, **SAMPLING)
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert code == 1 and len(errors) == 1 and "Traceback" not in output, output
     assert report is not None and report.engine is not None and report.engine.disagreement is not None

@@ -29,11 +29,13 @@ from blockdraft.store import open_store
 from blockdraft.store.artifact import MANIFEST_NAME, State, verify_artifact
 from blockdraft.store.inputs import open_input
 
-GOLDEN_DFLASH = {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3, "gamma": 4.0}
+GOLDEN_DFLASH = {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3,
+                 "gamma": 4.0}
 
 
 def golden_config(tmp: Path, **sections):
-    data = {"target": {"path": str(GOLDEN / "target")}, "dflash": dict(GOLDEN_DFLASH), "store": {"url": str(tmp / "store")}}
+    data = {"target": {"path": str(GOLDEN / "target")}, "dflash": dict(GOLDEN_DFLASH),
+            "store": {"url": str(tmp / "store")}}
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
     return load_config(None, data)
@@ -44,7 +46,8 @@ def conversation(i: int) -> dict:
         "id": f"c{i}",
         "messages": [
             {"role": "user", "content": f"What is {i} plus {i + 3}?"},
-            {"role": "assistant", "content": f"It is {2 * i + 3}.", "reasoning_content": f"{i} + {i + 3} = {2 * i + 3}."},
+            {"role": "assistant", "content": f"It is {2 * i + 3}.",
+             "reasoning_content": f"{i} + {i + 3} = {2 * i + 3}."},
         ],
     }
 
@@ -62,13 +65,15 @@ def tokenized(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def golden_run(tmp_path_factory, tokenized) -> Path:
-    """A training output holding one committed checkpoint of the golden drafter, its data lineage the tokenized artifact."""
+    """A training output holding one committed checkpoint of the golden drafter, its data lineage the tokenized
+    artifact."""
     tmp = tmp_path_factory.mktemp("run")
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter")
     cfg = golden_config(tmp, train={"data": tokenized})
     data = verify_artifact(open_store(tokenized)).manifest.config["tokenize_run"]  # what train pins from its data
     resolved = resolved_training_config(cfg, drafter.spec, str(tmp / "ckpt"), data)
-    save_checkpoint(open_store(tmp / "ckpt"), 40, drafter, {}, resolved, [open_input(open_store(tokenized)).ref], {"step": 40})
+    save_checkpoint(open_store(tmp / "ckpt"), 40, drafter, {}, resolved, [open_input(open_store(tokenized)).ref],
+                    {"step": 40})
     return tmp / "ckpt"
 
 
@@ -80,14 +85,14 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
     config = tmp_path / "blockdraft.toml"
     config.write_text(
         f'[target]\npath = "{(GOLDEN / "target").as_posix()}"\n'
-        "[dflash]\nblock_size = 4\nmask_token_id = 511\nnum_draft_layers = 3\n"  # layer ids: the default spread, [1, 3, 5]
+        # layer ids: the default spread, [1, 3, 5]
+        "[dflash]\nblock_size = 4\nmask_token_id = 511\nnum_draft_layers = 3\n"
         f'[store]\nurl = "{(tmp_path / "store").as_posix()}"\n'
     )
     out = tmp_path / "report"
     result = CliRunner().invoke(
-        app,
-        ["eval", "--config", str(config), "--checkpoint", str(golden_run), "--prompts", str(prompts),
-         "--max-new-tokens", "24", "--output", str(out)],
+        app, ["eval", "--config", str(config), "--checkpoint", str(golden_run), "--prompts", str(prompts),
+              "--max-new-tokens", "24", "--output", str(out)],
     )
     assert result.exit_code == 0, result.output
     assert "lossless\tok" in result.output and "dflash\ttau 3.8" in result.output
@@ -102,26 +107,30 @@ def test_eval_command_reproduces_golden_decodes_and_commits_a_verified_report(tm
 
     report = json.loads((out / "report.json").read_text())
     assert list(report) == [
-        "block_size", "mask_token_id", "target_layer_ids", "max_new_tokens", "num_prompts", "stop_token_ids", "target_dtype",
-        "greedy", "drafters", "lossless", "prompts", "checkpoint", "target", "prompts_source", "template_sha256", "engine", "sampled",
-        "prompt_sets", "architecture",
+        "block_size", "mask_token_id", "target_layer_ids", "max_new_tokens", "num_prompts", "stop_token_ids",
+        "target_dtype", "greedy", "drafters", "lossless", "prompts", "checkpoint", "target", "prompts_source",
+        "template_sha256", "engine", "sampled", "prompt_sets", "architecture",
     ]
     assert report["engine"] is None and report["sampled"] is None  # no engine asked for, temperature 0: greedy only
-    assert list(report["greedy"]) == ["new_tokens", "target_forwards", "target_forwards_per_token", "wall_s", "tokens_per_s", "min_margin"]
+    assert list(report["greedy"]) == ["new_tokens", "target_forwards", "target_forwards_per_token", "wall_s",
+                                      "tokens_per_s", "min_margin"]
     assert list(report["drafters"]) == ["dflash", "ngram", "untrained"]
     assert list(report["drafters"]["dflash"]) == [
         "tau", "cycles", "histogram", "position_acceptance", "conditional_acceptance", "new_tokens", "target_forwards",
         "target_forwards_per_token", "wall_s", "tokens_per_s", "draft_s", "verify_s", "rollback_s", "speedup",
     ]
-    assert report["drafters"]["dflash"]["rollback_s"] == 0.0  # a full-attention target has no linear-attention state to roll back
+    # a full-attention target has no linear-attention state to roll back
+    assert report["drafters"]["dflash"]["rollback_s"] == 0.0
     assert list(report["prompts"][0]) == [
-        "index", "prompt_set", "prompt_len", "new_tokens", "tau_dflash", "acceptance_lengths_dflash", "tau_ngram", "acceptance_lengths_ngram",
-        "tau_untrained", "acceptance_lengths_untrained",
+        "index", "prompt_set", "prompt_len", "new_tokens", "tau_dflash", "acceptance_lengths_dflash", "tau_ngram",
+        "acceptance_lengths_ngram", "tau_untrained", "acceptance_lengths_untrained",
     ]
     assert report["checkpoint"] == str(golden_run) and report["prompts_source"] == [str(prompts)]
     assert list(report["prompt_sets"]) == ["plain"]  # one set, whose figures are those over every prompt
     assert report["prompt_sets"]["plain"]["drafters"]["dflash"]["tau"] == report["drafters"]["dflash"]["tau"]
-    assert [p["acceptance_lengths_dflash"] for p in report["prompts"]] == [c["acceptance_lengths"] for c in golden["decode"]]
+    assert [p["acceptance_lengths_dflash"] for p in report["prompts"]] == [
+        c["acceptance_lengths"] for c in golden["decode"]
+    ]
     assert report["lossless"] == {"ok": True, "tolerance": 1e-4, "divergences": []}
     assert len(report["template_sha256"]) == 64  # pinned in the checkpoint from its data
     cycles = [n for c in golden["decode"] for n in c["acceptance_lengths"]]
@@ -168,15 +177,19 @@ def test_eval_refuses_a_chat_template_other_than_the_training_rows(tmp_path, gol
 
 def test_eval_command_refuses_with_one_line_naming_the_field(tmp_path, golden_run):
     config = tmp_path / "blockdraft.toml"
-    config.write_text(f'[target]\npath = "{(GOLDEN / "target").as_posix()}"\n[dflash]\nblock_size = 6\nmask_token_id = 511\nnum_draft_layers = 3\n')
+    config.write_text(f'[target]\npath = "{(GOLDEN / "target").as_posix()}"\n'
+                      '[dflash]\nblock_size = 6\nmask_token_id = 511\nnum_draft_layers = 3\n')
     result = CliRunner().invoke(app, ["eval", "--config", str(config), "--checkpoint", str(golden_run)])
     assert result.exit_code == 2
     assert "dflash.block_size" in result.output and "Traceback" not in result.output
 
 
 def test_eval_refuses_target_layer_kinds_it_cannot_roll_back_by_name(tmp_path, golden_run):
-    # Sliding-window target layers are not supported by the decode loop's rollback; linear attention is (tests/test_hybrid_decode.py).
-    Qwen3Config(num_hidden_layers=8, layer_types=["sliding_attention", "full_attention"] * 4).save_pretrained(tmp_path / "sliding")
+    # Sliding-window target layers are not supported by the decode loop's rollback; linear attention is
+    # (tests/test_hybrid_decode.py).
+    Qwen3Config(num_hidden_layers=8, layer_types=["sliding_attention", "full_attention"] * 4).save_pretrained(
+        tmp_path / "sliding"
+    )
     cfg = golden_config(tmp_path, target={"path": str(tmp_path / "sliding")})
     with pytest.raises(DecodeError, match=r"layer types \['sliding_attention'\].*not be lossless"):
         eval_stage.run(cfg, str(golden_run))
@@ -195,7 +208,11 @@ def test_prompts_come_from_the_held_out_rows_up_to_the_first_supervised_token(tm
     assert data.ref.kind == "manifest" and data.ref.sha256
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     for ids, row in zip(prompts, held, strict=True):
-        assert row["input_ids"][: len(ids)] == ids and row["loss_mask"][len(ids)] == 1 and not any(row["loss_mask"][: len(ids)])
+        assert (
+            row["input_ids"][: len(ids)] == ids
+            and row["loss_mask"][len(ids)] == 1
+            and not any(row["loss_mask"][: len(ids)])
+        )
         assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
     assert held_out_prompts(data, limit=2, workdir=tmp_path) == prompts[:2]
 
@@ -212,8 +229,8 @@ def test_divergences_are_reported_with_margin_and_fail_beyond_tolerance():
     report = EvalReport.model_validate({
         "block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "max_new_tokens": 3, "num_prompts": 2,
         "stop_token_ids": [], "target_dtype": "float32", "drafters": {}, "prompts": [],
-        "greedy": {"new_tokens": 3, "target_forwards": 3, "target_forwards_per_token": 1.0, "wall_s": 3.0, "tokens_per_s": 1.0,
-                   "min_margin": 3e-7},
+        "greedy": {"new_tokens": 3, "target_forwards": 3, "target_forwards_per_token": 1.0, "wall_s": 3.0,
+                   "tokens_per_s": 1.0, "min_margin": 3e-7},
         "lossless": {"ok": False, "tolerance": 1e-4, "divergences": [near_tie, real]},
     })
     lines = summary_lines(report)
@@ -236,7 +253,11 @@ def test_a_wrong_target_path_is_one_line_naming_the_field(tmp_path, command):
         f'[store]\nurl = "{(tmp_path / "store").as_posix()}"\n'
         f'[train]\ndata = "{(tmp_path / "data").as_posix()}"\nlog_dir = "{(tmp_path / "logs").as_posix()}"\n'
     )
-    args = ["eval", "--config", str(config), "--checkpoint", str(tmp_path / "ckpt")] if command == "eval" else ["train", "--config", str(config)]
+    args = (
+        ["eval", "--config", str(config), "--checkpoint", str(tmp_path / "ckpt")]
+        if command == "eval"
+        else ["train", "--config", str(config)]
+    )
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "target.path" in result.output and "Traceback" not in result.output
@@ -251,7 +272,8 @@ def test_a_second_eval_of_the_same_checkpoint_prompts_and_settings_is_already_do
     reporter = ProgressLog()
     first = eval_stage.run(cfg, str(golden_run), str(out), reporter, prompts=str(prompts))
     assert not first.already_done and first.report.state is State.VERIFIED and first.stage == "eval"
-    assert [call[:3] for call in reporter.calls] == [("eval", 0, 2), ("eval", 1, 2), ("eval", 2, 2)]  # one step per prompt
+    # one step per prompt
+    assert [call[:3] for call in reporter.calls] == [("eval", 0, 2), ("eval", 1, 2), ("eval", 2, 2)]
     assert EvalReport.from_json((out / "report.json").read_text()) == first.details
     manifest = (out / MANIFEST_NAME).read_bytes()
 
@@ -281,27 +303,37 @@ def test_eval_at_temperature_reports_sampled_acceptance_with_intervals_beside_un
         "[dflash]\nblock_size = 4\nmask_token_id = 511\nnum_draft_layers = 3\n"
         f'[store]\nurl = "{(tmp_path / "store").as_posix()}"\n[eval]\nuntrained_baseline = false\n'
     )
-    base = ["eval", "--config", str(config), "--checkpoint", str(golden_run), "--prompts", str(prompts), "--max-new-tokens", "24"]
+    base = ["eval", "--config", str(config), "--checkpoint", str(golden_run), "--prompts", str(prompts),
+            "--max-new-tokens", "24"]
     # The golden drafter drafts the same few tokens whatever the context, so off the golden path its argmax drafts (the
     # default rule) are never in the target's top-k at T 0.6; vLLM's probabilistic rule samples them and gets some in.
-    sampled = [*base, "--temperature", "0.6", "--top-p", "0.95", "--top-k", "20", "--samples-per-prompt", "3", "--seed", "5",
-               "--proposal", "vllm-probabilistic"]
+    sampled = [*base, "--temperature", "0.6", "--top-p", "0.95", "--top-k", "20", "--samples-per-prompt", "3", "--seed",
+               "5", "--proposal", "vllm-probabilistic"]
     result = CliRunner().invoke(app, [*sampled, "--output", str(tmp_path / "t06")])
     assert result.exit_code == 0, result.output
-    assert "sampled\ttemperature 0.6 top-p 0.95 top-k 20, draft rule vllm-probabilistic: 6 decodes (3 per prompt, seed 5)" in result.output
+    assert (
+        "sampled\ttemperature 0.6 top-p 0.95 top-k 20, draft rule vllm-probabilistic: 6 decodes (3 per prompt, seed 5)"
+        in result.output
+    )
     report = EvalReport.from_json((tmp_path / "t06" / "report.json").read_text())
     # Greedy is measured as before: the golden vectors' acceptance, token for token lossless.
-    assert [p.acceptance_lengths_dflash for p in report.prompts] == [c["acceptance_lengths"] for c in golden]  # type: ignore[attr-defined]
+    assert ([p.acceptance_lengths_dflash for p in report.prompts]  # type: ignore[attr-defined]
+            == [c["acceptance_lengths"] for c in golden])
     assert report.lossless.ok
     s = report.sampled
-    assert s is not None and (s.temperature, s.top_p, s.top_k, s.seed, s.samples_per_prompt, s.decodes) == (0.6, 0.95, 20, 5, 3, 6)
+    assert s is not None and ((s.temperature, s.top_p, s.top_k, s.seed, s.samples_per_prompt, s.decodes)
+                              == (0.6, 0.95, 20, 5, 3, 6))
     dflash = s.drafters["dflash"]
     assert len(dflash.acceptance_lengths) == 6 and dflash.metrics.cycles == sum(map(len, dflash.acceptance_lengths))
     assert dflash.tau_ci95[0] <= dflash.metrics.tau <= dflash.tau_ci95[1] and dflash.tau_ci95[0] < dflash.tau_ci95[1]
-    assert all(lo <= r <= hi for r, (lo, hi) in zip(dflash.metrics.position_acceptance, dflash.position_acceptance_ci95))
+    assert all(lo <= r <= hi for r, (lo, hi) in zip(dflash.metrics.position_acceptance,
+                                                    dflash.position_acceptance_ci95))
     assert dflash.metrics.tau < report.drafters["dflash"].tau  # the golden drafter was trained on greedy continuations
     assert set(s.drafters) == {"dflash", "ngram"} and s.target_only.new_tokens == 6 * 24
-    assert f"dflash\ttau {dflash.metrics.tau:.3f} [{dflash.tau_ci95[0]:.3f}, {dflash.tau_ci95[1]:.3f}] at T=0.6" in result.output
+    assert (
+        f"dflash\ttau {dflash.metrics.tau:.3f} [{dflash.tau_ci95[0]:.3f}, {dflash.tau_ci95[1]:.3f}] at T=0.6"
+        in result.output
+    )
     for png in ("tau_histogram_sampled.png", "position_acceptance_sampled.png", "tau_histogram.png"):
         assert (tmp_path / "t06" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The settings are part of the eval's key: the same command is already done, another temperature or seed is not.
@@ -309,7 +341,8 @@ def test_eval_at_temperature_reports_sampled_acceptance_with_intervals_beside_un
     assert again.exit_code == 0 and "already holds" in again.output
     other = CliRunner().invoke(app, [*sampled, "--seed", "6", "--output", str(tmp_path / "t06")])
     assert other.exit_code == 0 and "already holds" not in other.output
-    assert EvalReport.from_json((tmp_path / "t06" / "report.json").read_text()).sampled.drafters["dflash"].acceptance_lengths != dflash.acceptance_lengths  # type: ignore[union-attr]
+    assert (EvalReport.from_json((tmp_path / "t06" / "report.json").read_text())
+            .sampled.drafters["dflash"].acceptance_lengths != dflash.acceptance_lengths)  # type: ignore[union-attr]
 
 
 def test_eval_without_output_writes_to_the_store_and_finds_its_report_there_again(tmp_path, golden_run):
@@ -324,16 +357,20 @@ def test_eval_without_output_writes_to_the_store_and_finds_its_report_there_agai
 
 
 def test_a_published_style_drafter_is_decoded_beside_the_checkpoint_as_baseline(tmp_path, golden_run):
-    """eval.baseline: a plain drafter folder (no manifest, as a published drafter comes) is checked against the target and
-    decoded on the same prompts; here it is the checkpoint's own drafter, so its figures equal the checkpoint's."""
+    """eval.baseline: a plain drafter folder (no manifest, as a published drafter comes) is checked against the target
+    and decoded on the same prompts; here it is the checkpoint's own drafter, so its figures equal the checkpoint's."""
     golden = json.loads((GOLDEN / "golden.json").read_text())
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": case["prompt"]}) + "\n" for case in golden["decode"][:2]))
     cfg = golden_config(tmp_path, eval={"baseline": str(GOLDEN / "drafter"), "untrained_baseline": False})
-    report = eval_stage.run(cfg, str(golden_run), str(tmp_path / "out"), prompts=str(prompts), max_new_tokens=16).details
+    report = eval_stage.run(cfg, str(golden_run), str(tmp_path / "out"), prompts=str(prompts),
+                            max_new_tokens=16).details
     assert set(report.drafters) == {"dflash", "ngram", "baseline"} and report.lossless.ok
     assert report.drafters["baseline"].tau == report.drafters["dflash"].tau > 1
-    assert report.prompts[0].model_extra["acceptance_lengths_baseline"] == report.prompts[0].model_extra["acceptance_lengths_dflash"]
+    assert (
+        report.prompts[0].model_extra["acceptance_lengths_baseline"]
+        == report.prompts[0].model_extra["acceptance_lengths_dflash"]
+    )
 
 
 def test_a_baseline_drafter_for_another_target_is_refused_naming_it(tmp_path, golden_run):
@@ -357,16 +394,19 @@ def test_a_baseline_whose_weights_are_garbage_is_one_line_naming_the_file(tmp_pa
     prompts.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n")
     config = tmp_path / "blockdraft.toml"
     dflash = "\n".join(f"{k} = {json.dumps(v)}" for k, v in GOLDEN_DFLASH.items())
-    config.write_text(f'[target]\npath = "{(GOLDEN / "target").as_posix()}"\n[dflash]\n{dflash}\n[store]\nurl = "{(tmp_path / "store").as_posix()}"\n')
-    result = CliRunner().invoke(app, ["eval", "--config", str(config), "--checkpoint", str(golden_run), "--prompts", str(prompts),
-                                      "--baseline", str(baseline), "--max-new-tokens", "4"])
+    config.write_text(f'[target]\npath = "{(GOLDEN / "target").as_posix()}"\n[dflash]\n{dflash}\n'
+                      f'[store]\nurl = "{(tmp_path / "store").as_posix()}"\n')
+    result = CliRunner().invoke(app, ["eval", "--config", str(config), "--checkpoint", str(golden_run), "--prompts",
+                                      str(prompts), "--baseline", str(baseline), "--max-new-tokens", "4"])
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert result.exit_code == 2 and len(errors) == 1 and "Traceback" not in result.output, result.output
     assert errors[0].startswith(f"error: eval.baseline {baseline}: {baseline / 'model.safetensors'} is not readable (")
     assert errors[0].endswith("give a drafter folder in the export format")
 
 
-def test_the_eval_report_keeps_no_credential_from_the_checkpoint_target_or_prompt_paths_it_records(tmp_path, golden_run):
+def test_the_eval_report_keeps_no_credential_from_the_checkpoint_target_or_prompt_paths_it_records(
+    tmp_path, golden_run
+):
     """The report records the checkpoint, target and prompt sources as given: a token in any of them (here hf_ token
     shapes in the folder names) is fingerprinted there, as every pinned setting is."""
     secret = "hf_" + "Q7" * 18

@@ -24,7 +24,8 @@ from blockdraft.store.local import LocalStore
 from blockdraft.store.s3 import S3Store
 from blockdraft.store.transfer import push
 
-GOLDEN_DFLASH = {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3, "gamma": 4.0}
+GOLDEN_DFLASH = {"block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3,
+                 "gamma": 4.0}
 HELD_OUT_SHARDS = 4
 
 
@@ -32,13 +33,15 @@ def _rows(count: int, seed: int, length: int = 48) -> list[dict]:
     """Rows in the golden target's vocabulary: 8 unsupervised prompt tokens, then supervised ones."""
     rng = random.Random(seed)
     return [
-        {"input_ids": [rng.randrange(500) for _ in range(length)], "loss_mask": [0] * 8 + [1] * (length - 8), "source_id": f"r{seed}-{i}"}
+        {"input_ids": [rng.randrange(500) for _ in range(length)], "loss_mask": [0] * 8 + [1] * (length - 8),
+         "source_id": f"r{seed}-{i}"}
         for i in range(count)
     ]
 
 
 def _tokenized(folder: Path) -> Path:
-    """A tokenized artifact in the layout tokenize writes: a big train split and a held-out split in several Arrow files."""
+    """A tokenized artifact in the layout tokenize writes: a big train split and a held-out split in several Arrow
+    files."""
     splits = DatasetDict({"train": Dataset.from_list(_rows(3000, 1)), "held_out": Dataset.from_list(_rows(16, 2))})
     splits.save_to_disk(str(folder), num_shards={"train": 3, "held_out": HELD_OUT_SHARDS})
     entries = [entry_for_local_file(folder, p) for p in sorted(folder.rglob("*")) if p.is_file()]
@@ -47,8 +50,8 @@ def _tokenized(folder: Path) -> Path:
 
 
 class Moved:
-    """Bytes each S3 object sent, by URL, over every read path of S3Store (whole-object downloads, small reads, read-back
-    checksums, streams: a stream counts its whole object, an upper bound)."""
+    """Bytes each S3 object sent, by URL, over every read path of S3Store (whole-object downloads, small reads,
+    read-back checksums, streams: a stream counts its whole object, an upper bound)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes: Counter[str] = Counter()
@@ -105,7 +108,8 @@ def test_eval_against_an_s3_tokenized_artifact_moves_at_most_the_held_out_bytes(
         "train": {"data": remote},
         "eval": {"untrained_baseline": False, "num_prompts": 3},
     })
-    save_checkpoint(open_store(tmp_path / "ckpt"), 7, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {}, cfg.resolved(), [], {})
+    save_checkpoint(open_store(tmp_path / "ckpt"), 7, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {},
+                    cfg.resolved(), [], {})
     sizes = _sizes(remote)
     held_out = {path: size for path, size in sizes.items() if path.startswith("held_out/")}
     arrow = sorted(p for p in held_out if p.endswith(".arrow"))
@@ -135,7 +139,9 @@ def test_every_held_out_file_is_read_once_when_the_prompts_need_them_all(s3_buck
     prompts = held_out_prompts(data, limit=100, workdir=tmp_path / "work")
     files = moved.under(f"{remote}/")
     assert files == {p: n for p, n in held_out.items() if p.endswith(".arrow") or p.endswith("/state.json")}
-    assert len(prompts) == 16 and prompts == [row[:8] for row in DatasetDict.load_from_disk(str(local))["held_out"]["input_ids"]]
+    assert len(prompts) == 16 and prompts == [
+        row[:8] for row in DatasetDict.load_from_disk(str(local))["held_out"]["input_ids"]
+    ]
 
     # A local artifact is read where it is: nothing is copied into the work folder.
     assert held_out_prompts(open_input(str(local)), limit=100, workdir=tmp_path / "local") == prompts

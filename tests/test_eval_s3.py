@@ -33,13 +33,14 @@ def test_eval_reads_checkpoint_and_export_from_s3_and_commits_the_report_there(s
     prompts.write_text("".join(json.dumps({"input_ids": case["prompt"]}) + "\n" for case in golden[:2]))
     cfg = load_config(None, {
         "target": {"path": str(GOLDEN / "target")},
-        "dflash": {"architecture": "dflash", "block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5], "num_draft_layers": 3,
-                   "gamma": 4.0},
+        "dflash": {"architecture": "dflash", "block_size": 4, "mask_token_id": 511, "target_layer_ids": [1, 3, 5],
+                   "num_draft_layers": 3, "gamma": 4.0},
         "store": {"url": f"s3://{s3_bucket}/store"},
         "eval": {"untrained_baseline": False},
     })
     run = f"s3://{s3_bucket}/runs/r1"
-    save_checkpoint(open_store(run, cfg.store), 7, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {}, cfg.resolved(), [], {})
+    save_checkpoint(open_store(run, cfg.store), 7, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {},
+                    cfg.resolved(), [], {})
     exported = f"s3://{s3_bucket}/exports/r1"
     export_stage.run(cfg, run, exported)
 
@@ -53,7 +54,9 @@ def test_eval_reads_checkpoint_and_export_from_s3_and_commits_the_report_there(s
         verified = verify_artifact(open_store(url, cfg.store))
         assert verified.state is State.VERIFIED and verified.manifest.kind == "eval", verified.summary()
         stored = json.loads(open_store(url, cfg.store).read_bytes("report.json"))
-        assert [p["acceptance_lengths_dflash"] for p in stored["prompts"]] == [c["acceptance_lengths"] for c in golden[:2]]
+        assert [p["acceptance_lengths_dflash"] for p in stored["prompts"]] == [
+            c["acceptance_lengths"] for c in golden[:2]
+        ]
         assert stored["lossless"]["ok"] and set(stored["drafters"]) == {"dflash", "ngram"}
         assert result.details.checkpoint == source
         assert verified.manifest.lineage[1].url.endswith(Path(prompt_url).name) and verified.manifest.lineage[1].size
@@ -85,9 +88,17 @@ def test_held_out_prompts_from_s3_fetch_only_the_held_out_split(s3_bucket, tmp_p
     data = open_input(remote, cfg.store)
     assert any(e.path.startswith("train/") for e in data.manifest.files)
     prompts = held_out_prompts(data, limit=100, workdir=tmp_path / "work")
-    fetched = {p.relative_to(tmp_path / "work" / "prompts").as_posix() for p in (tmp_path / "work" / "prompts").rglob("*") if p.is_file()}
+    fetched = {
+        p.relative_to(tmp_path / "work" / "prompts").as_posix()
+        for p in (tmp_path / "work" / "prompts").rglob("*")
+        if p.is_file()
+    }
     # The held-out split's rows and the state.json that orders them: nothing of train, nothing else.
-    assert fetched == {e.path for e in data.manifest.files if e.path.startswith("held_out/") and e.path.endswith((".arrow", "/state.json"))}
+    assert fetched == {
+        e.path
+        for e in data.manifest.files
+        if e.path.startswith("held_out/") and e.path.endswith((".arrow", "/state.json"))
+    }
     held = datasets.load_from_disk(str(tmp_path / "tokenized"))["held_out"]
     assert 0 < len(prompts) == len(held)
     assert prompts == held_out_prompts(open_input(tmp_path / "tokenized"), limit=100, workdir=tmp_path / "local")

@@ -51,15 +51,21 @@ def golden_drafter():
 
 
 def _draft_logits(drafter: DFlashDrafter, head: TargetHead, golden: dict) -> torch.Tensor:
-    ids = torch.tensor([[int(golden["anchor_id"].item())] + [drafter.spec.mask_token_id] * (drafter.spec.block_size - 1)])
-    hidden = draft_step(drafter, DraftCache(), golden["target_features"], head.embed(ids), start=golden["target_features"].shape[1])
+    ids = torch.tensor(
+        [[int(golden["anchor_id"].item())] + [drafter.spec.mask_token_id] * (drafter.spec.block_size - 1)]
+    )
+    hidden = draft_step(drafter, DraftCache(), golden["target_features"], head.embed(ids),
+                        start=golden["target_features"].shape[1])
     return head.logits(hidden[:, 1:])
 
 
 def test_export_of_golden_drafter_equals_reference_files(tmp_path, golden_drafter, target_config):
     result = export_drafter(golden_drafter, target_config, destination(tmp_path / "out"))
     out = tmp_path / "out"
-    written, reference = load_file(str(out / "model.safetensors")), load_file(str(GOLDEN / "drafter" / "model.safetensors"))
+    written, reference = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(GOLDEN / "drafter" / "model.safetensors")),
+    )
     assert sorted(written) == sorted(reference)
     for name, tensor in reference.items():
         assert written[name].shape == tensor.shape and torch.equal(written[name], tensor), name
@@ -69,7 +75,8 @@ def test_export_of_golden_drafter_equals_reference_files(tmp_path, golden_drafte
         assert config[field] == golden_config[field], field
     report = verify_artifact(open_store(out))
     assert report.state is State.VERIFIED and report.manifest.kind == EXPORT_KIND
-    assert {f.path for f in report.manifest.files} == {"config.json", "model.safetensors", PROVENANCE_NAME, SERVING_NAME, "README.md"}
+    assert {f.path for f in report.manifest.files} == {"config.json", "model.safetensors", PROVENANCE_NAME,
+                                                       SERVING_NAME, "README.md"}
     assert result.report.state is State.VERIFIED
 
 
@@ -78,7 +85,8 @@ def test_export_round_trip_gives_identical_logits(tmp_path, golden_drafter):
     head = TargetHead.from_target(target)
     golden = load_file(str(GOLDEN / "golden.safetensors"))
     # a drafter that is not the golden one, so the round trip is not trivially the fixture's files
-    spec = DrafterSpec.from_target_config(target.config, DFlashConfig(architecture="dflash", block_size=8, mask_token_id=500, num_draft_layers=2))
+    spec = DrafterSpec.from_target_config(
+        target.config, DFlashConfig(architecture="dflash", block_size=8, mask_token_id=500, num_draft_layers=2))
     torch.manual_seed(0)
     drafter = DFlashDrafter(spec).eval()
     for param in drafter.parameters():
@@ -94,8 +102,10 @@ def test_export_round_trip_gives_identical_logits(tmp_path, golden_drafter):
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
 def test_export_schema_five_layers(tmp_path, target_config, dtype):
     """The tensor set and config engines read, in the target config's own dtype (float32 here) or the one configured."""
-    spec = DrafterSpec.from_target_config(target_config, DFlashConfig(architecture="dflash", block_size=16, mask_token_id=511))
-    result = export_drafter(DFlashDrafter(spec), target_config, destination(tmp_path / "out"), location="/srv/drafter", dtype=dtype)
+    spec = DrafterSpec.from_target_config(target_config,
+                                          DFlashConfig(architecture="dflash", block_size=16, mask_token_id=511))
+    result = export_drafter(DFlashDrafter(spec), target_config, destination(tmp_path / "out"), location="/srv/drafter",
+                            dtype=dtype)
     tensors = load_file(str(tmp_path / "out" / "model.safetensors"))
     stored = dtype or "float32"
     assert {str(t.dtype) for t in tensors.values()} == {f"torch.{stored}"}
@@ -116,8 +126,11 @@ def test_export_schema_five_layers(tmp_path, target_config, dtype):
 
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
-    assert config["block_size"] == 16 and config["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [1, 2, 3, 4, 5], "block_size": 16}
-    assert config["rope_theta"] == 10000.0 and config["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    assert config["block_size"] == 16 and config["dflash_config"] == {"mask_token_id": 511,
+                                                                      "target_layer_ids": [1, 2, 3, 4, 5],
+                                                                      "block_size": 16}
+    assert config["rope_theta"] == 10000.0 and config["rope_parameters"] == {"rope_theta": 10000.0,
+                                                                             "rope_type": "default"}
     assert "rope_scaling" in config and config["num_target_layers"] == 8 and config["vocab_size"] == 512
     assert config["num_hidden_layers"] == 5 and config["layer_types"] == ["full_attention"] * 5
     assert config["tie_word_embeddings"] is False and config["hidden_act"] == "silu"
@@ -126,8 +139,12 @@ def test_export_schema_five_layers(tmp_path, target_config, dtype):
     serving = json.loads((tmp_path / "out" / SERVING_NAME).read_text())
     assert serving == result.details.serving
     assert "--speculative-algorithm DFLASH" in serving["sglang_args"]
-    assert f"--speculative-draft-model-path /srv/drafter --speculative-num-draft-tokens 16 --dtype {stored}" in serving["sglang_args"]
-    assert serving["vllm_speculative_config"] == {"method": "dflash", "model": "/srv/drafter", "num_speculative_tokens": 15}
+    assert (
+        f"--speculative-draft-model-path /srv/drafter --speculative-num-draft-tokens 16 --dtype {stored}"
+        in serving["sglang_args"]
+    )
+    assert serving["vllm_speculative_config"] == {"method": "dflash", "model": "/srv/drafter",
+                                                  "num_speculative_tokens": 15}
     assert serving["drafter_dir"] == "/srv/drafter" and serving["pull_command"] is None and serving["dtype"] == stored
 
 
@@ -135,7 +152,8 @@ def test_export_schema_five_layers(tmp_path, target_config, dtype):
     ("change", "message"),
     [
         ({"vocab_size": 500}, r"mask_token_id 511 >= the target's embedding rows 500 \(config.vocab_size"),
-        ({"num_hidden_layers": 5, "layer_types": ["full_attention"] * 5}, r"target_layer_ids \[5\] outside the target's valid ids 0\.\.3"),
+        ({"num_hidden_layers": 5, "layer_types": ["full_attention"] * 5},
+         r"target_layer_ids \[5\] outside the target's valid ids 0\.\.3"),
         ({"hidden_size": 128}, r"hidden_size 64 differs from the target's 128"),
     ],
 )
@@ -160,7 +178,8 @@ def _data_artifact(root: Path):
 def _checkpoint(tmp_path: Path, golden_drafter: DFlashDrafter, mask_token_id: int = 511) -> Path:
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(GOLDEN / "target")),
-        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=mask_token_id, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=mask_token_id,
+                            target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
     )
     run = tmp_path / "run"
     data = _data_artifact(tmp_path / "data")
@@ -180,8 +199,9 @@ def test_export_from_training_run_records_provenance(tmp_path, golden_drafter):
     assert result.report.manifest.lineage[0].url == open_store(run / "step-00000010").url
     provenance = json.loads((out / PROVENANCE_NAME).read_text())
     assert provenance["dflash"] == {"mask_token_id": 511, "target_layer_ids": [1, 3, 5], "block_size": 4,
-                                    "num_target_layers": 8, "layer_types": ["full_attention"] * 3, "sliding_window": None,
-                                    "rope_scaling": None, "gamma": 3.0, "architecture": "dflash"}
+                                    "num_target_layers": 8, "layer_types": ["full_attention"] * 3,
+                                    "sliding_window": None, "rope_scaling": None, "gamma": 3.0,
+                                    "architecture": "dflash"}
     assert provenance["config"]["target"]["path"] == str(GOLDEN / "target")
     (data,) = provenance["data"]
     assert data["kind_of_input"] == "tokenized" and len(data["sha256"]) == 64
@@ -225,11 +245,14 @@ def test_export_refuses_an_artifact_that_is_not_a_checkpoint(tmp_path):
 
 def test_export_refuses_a_drafter_without_its_pinned_config(tmp_path, golden_drafter):
     export_stage.run(BlockdraftConfig(), str(_checkpoint(tmp_path, golden_drafter)), str(tmp_path / "export"))
-    with pytest.raises(ExportError, match=r"lists no blockdraft-config\.json: it is not a blockdraft training checkpoint"):
+    with pytest.raises(ExportError,
+                       match=r"lists no blockdraft-config\.json: it is not a blockdraft training checkpoint"):
         export_stage.run(BlockdraftConfig(), str(tmp_path / "export"), str(tmp_path / "again"))  # an export pins none
 
 
-def test_a_second_export_of_the_same_checkpoint_is_already_done_and_another_target_exports_again(tmp_path, golden_drafter):
+def test_a_second_export_of_the_same_checkpoint_is_already_done_and_another_target_exports_again(
+    tmp_path, golden_drafter
+):
     run = _checkpoint(tmp_path, golden_drafter)
     out = tmp_path / "export"
     first = export_stage.run(BlockdraftConfig(), str(run), str(out))
@@ -254,7 +277,8 @@ def test_a_second_export_of_the_same_checkpoint_is_already_done_and_another_targ
 # The published Qwen3.6-27B drafter's shape: 4 sliding layers + 1 full, window 2048, for a 64-layer target.
 PUBLISHED_STYLE = {
     "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "dtype": "bfloat16", "hidden_size": 5120,
-    "intermediate_size": 17408, "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 17408, "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128,
     "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "vocab_size": 248320,
     "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": True, "sliding_window": 2048,
     "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "max_window_layers": 5,
@@ -270,7 +294,8 @@ def test_published_style_config_parses(rope):
     if rope == "yarn-parameters":
         config["rope_parameters"] = {"rope_theta": 10000000, **YARN}
     elif rope == "yarn-scaling":
-        config = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 10000000, "rope_scaling": YARN}
+        config = ({k: v for k, v in config.items() if k != "rope_parameters"}
+                  | {"rope_theta": 10000000, "rope_scaling": YARN})
     spec = DrafterSpec.from_export_config(config)
     assert spec.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and spec.sliding_window == 2048
     assert (spec.hidden_size, spec.num_target_layers, spec.block_size, spec.mask_token_id) == (5120, 64, 16, 248070)
@@ -328,11 +353,13 @@ def bf16_target(tmp_path_factory):
 
 
 def test_export_of_a_bf16_target_checkpoint_is_bf16_and_keeps_the_logits(tmp_path, golden_drafter, bf16_target):
-    """The checkpoint holds fp32 master weights; the export of it for a bf16 target stores every tensor in bf16, says so in
-    config.json, prints SGLang's --dtype bfloat16, and loads back with the fp32 drafter's logits within bf16 rounding."""
+    """The checkpoint holds fp32 master weights; the export of it for a bf16 target stores every tensor in bf16, says so
+    in config.json, prints SGLang's --dtype bfloat16, and loads back with the fp32 drafter's logits within bf16
+    rounding."""
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(bf16_target)),
-        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5],
+                            num_draft_layers=3, gamma=3.0),
     )
     run = tmp_path / "run"
     save_checkpoint(open_store(run), 5, golden_drafter, {"step": 5}, cfg.resolved(), [], {"step": 5})
@@ -341,12 +368,20 @@ def test_export_of_a_bf16_target_checkpoint_is_bf16_and_keeps_the_logits(tmp_pat
 
     assert {t.dtype for t in load_file(str(run / "step-00000005" / "model.safetensors")).values()} == {torch.float32}
     config = json.loads((out / "config.json").read_text())
-    written, reference = load_file(str(out / "model.safetensors")), load_file(str(GOLDEN / "drafter" / "model.safetensors"))
+    written, reference = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(GOLDEN / "drafter" / "model.safetensors")),
+    )
     assert config["dtype"] == "bfloat16" and {t.dtype for t in written.values()} == {torch.bfloat16}
-    assert sorted(written) == sorted(reference) and all(torch.equal(written[n], t.to(torch.bfloat16)) for n, t in reference.items())
+    assert sorted(written) == sorted(reference) and all(
+        torch.equal(written[n], t.to(torch.bfloat16)) for n, t in reference.items()
+    )
     for field in DFLASH_FIELDS:  # nothing else about the format changes
         assert config[field] == json.loads((GOLDEN / "drafter" / "config.json").read_text())[field], field
-    assert "--dtype bfloat16" in result.details.serving["sglang_command"] and result.details.provenance["dtype"] == "bfloat16"
+    assert (
+        "--dtype bfloat16" in result.details.serving["sglang_command"]
+        and result.details.provenance["dtype"] == "bfloat16"
+    )
 
     loaded = DFlashDrafter.from_pretrained(out).eval()
     assert next(loaded.parameters()).dtype == torch.bfloat16
@@ -355,9 +390,11 @@ def test_export_of_a_bf16_target_checkpoint_is_bf16_and_keeps_the_logits(tmp_pat
     golden = load_file(str(GOLDEN / "golden.safetensors"))
     head32 = TargetHead.from_target(load_target(str(GOLDEN / "target"), attn_implementation="eager"))
     expected = _draft_logits(golden_drafter, head32, golden)
-    served = _draft_logits(loaded, TargetHead.from_target(target), {**golden, "target_features": golden["target_features"].bfloat16()})
+    served = _draft_logits(loaded, TargetHead.from_target(target),
+                           {**golden, "target_features": golden["target_features"].bfloat16()})
     assert served.dtype == torch.bfloat16 and torch.equal(served.argmax(-1), expected.argmax(-1))
-    # bf16 keeps 8 significant bits: after the rounded layers, within a few hundredths of the logits' scale (0.42 of 12.7 here)
+    # bf16 keeps 8 significant bits: after the rounded layers, within a few hundredths of the logits' scale (0.42 of
+    # 12.7 here)
     torch.testing.assert_close(served.float(), expected, rtol=0.0, atol=0.05 * float(expected.abs().max()))
 
 

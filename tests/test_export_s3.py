@@ -1,5 +1,5 @@
-"""`export` from a checkpoint on S3 to S3 (a real SeaweedFS server on 127.0.0.1): pulled with checksums, pushed as an artifact;
-the serving settings name a local folder that `blockdraft pull` fills first, never the s3:// URL."""
+"""`export` from a checkpoint on S3 to S3 (a real SeaweedFS server on 127.0.0.1): pulled with checksums, pushed as an
+artifact; the serving settings name a local folder that `blockdraft pull` fills first, never the s3:// URL."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_export_s3_checkpoint_to_s3(s3_bucket, tmp_path):
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter")
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(GOLDEN / "target")),
-        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5],
+                            num_draft_layers=3, gamma=3.0),
     )
     run = f"s3://{s3_bucket}/runs/r1"
     save_checkpoint(open_store(run, cfg.store), 5, drafter, {"step": 5}, cfg.resolved(), [], {"step": 5})
@@ -41,11 +42,17 @@ def test_export_s3_checkpoint_to_s3(s3_bucket, tmp_path):
     serving = result.details.serving
     assert serving["export_url"] == out and serving["drafter_dir"] == "./r1"
     assert serving["pull_command"] == f"blockdraft pull {out} ./r1"
-    assert serving["vllm_speculative_config"]["model"] == "./r1" and "--speculative-draft-model-path ./r1 " in serving["sglang_command"]
+    assert (
+        serving["vllm_speculative_config"]["model"] == "./r1"
+        and "--speculative-draft-model-path ./r1 " in serving["sglang_command"]
+    )
 
     local = tmp_path / "pulled"
     pull(out, local, cfg.store)
-    written, reference = load_file(str(local / "model.safetensors")), load_file(str(GOLDEN / "drafter" / "model.safetensors"))
+    written, reference = (
+        load_file(str(local / "model.safetensors")),
+        load_file(str(GOLDEN / "drafter" / "model.safetensors")),
+    )
     assert sorted(written) == sorted(reference) and all(torch.equal(written[n], t) for n, t in reference.items())
     assert json.loads((local / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [1, 3, 5]
     assert json.loads((local / SERVING_NAME).read_text()) == result.details.serving
@@ -61,7 +68,8 @@ def test_export_cli_to_s3_prints_the_pull_step_and_a_local_folder(s3_bucket, tmp
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter")
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(GOLDEN / "target")),
-        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5],
+                            num_draft_layers=3, gamma=3.0),
     )
     run = f"s3://{s3_bucket}/runs/r2"
     save_checkpoint(open_store(run, cfg.store), 5, drafter, {"step": 5}, cfg.resolved(), [], {"step": 5})

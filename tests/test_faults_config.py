@@ -47,8 +47,10 @@ def test_a_malformed_device_string_fails_at_load_naming_the_field_and_the_forms(
 
 
 def test_well_formed_devices_load_whatever_this_machine_has(tmp_path):
-    """A config is often written on another machine than it runs on: cuda:7 loads; the stage that places models checks."""
-    cfg = load(tmp_path, '[placement]\ntarget_devices = ["cuda:7"]\ndrafter_devices = ["cpu", "cuda", "mps", "cuda:1"]\n')
+    """A config is often written on another machine than it runs on: cuda:7 loads; the stage that places models
+    checks."""
+    cfg = load(tmp_path, '[placement]\ntarget_devices = ["cuda:7"]\n'
+                         'drafter_devices = ["cpu", "cuda", "mps", "cuda:1"]\n')
     assert cfg.placement.target_devices == ["cuda:7"]
     with pytest.raises(ConfigError) as err:
         load(tmp_path, "[placement]\ndrafter_devices = []\n")
@@ -136,11 +138,13 @@ def test_a_bad_flag_value_names_the_flag_not_the_file(tmp_path):
 
 
 def test_a_bad_flag_value_through_the_cli_is_one_line_naming_the_flag(tmp_path):
-    result = CliRunner().invoke(app, ["tokenize", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--max-length", "-3"])
+    result = CliRunner().invoke(app, ["tokenize", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--max-length",
+                                      "-3"])
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert "--max-length -3: must be >= 2" in lines[0] and "in the file" not in lines[0]
-    result = CliRunner().invoke(app, ["tokenize", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "--held-out-fraction", "1.5"])
+    result = CliRunner().invoke(app, ["tokenize", str(tmp_path / "in.jsonl"), str(tmp_path / "out"),
+                                      "--held-out-fraction", "1.5"])
     assert result.exit_code == 2 and "--held-out-fraction 1.5: must be < 1" in result.output, result.output
 
 
@@ -209,7 +213,8 @@ def test_a_refused_connection_names_the_full_url_of_every_object(closed_endpoint
 
 
 def test_pull_from_a_refused_endpoint_names_the_source(closed_endpoint, tmp_path):
-    result = CliRunner().invoke(app, ["pull", "s3://bucket/runs/tok", str(tmp_path / "here"), "--endpoint-url", closed_endpoint])
+    result = CliRunner().invoke(app, ["pull", "s3://bucket/runs/tok", str(tmp_path / "here"), "--endpoint-url",
+                                      closed_endpoint])
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert "s3://bucket/runs/tok/" in lines[0] and closed_endpoint in lines[0]

@@ -65,10 +65,11 @@ def _one_line_error(result) -> str:
 
 
 def _export_like(root: Path) -> Path:
-    return commit_files(root, {"config.json": b'{"drafter": 1}', "model.safetensors": b"\0" * 64}, kind="drafter-export")
+    return commit_files(root, {"config.json": b'{"drafter": 1}', "model.safetensors": b"\0" * 64},
+                        kind="drafter-export")
 
 
-# ---------------------------------------------------------------------------------------------- case 3: what a writer owns
+# ------------------------------------------------------------------------------------------- case 3: what a writer owns
 
 
 def test_pull_into_a_folder_of_the_users_own_files_refuses_and_changes_nothing(tmp_path):
@@ -80,7 +81,9 @@ def test_pull_into_a_folder_of_the_users_own_files_refuses_and_changes_nothing(t
     before = _snapshot(folder)
 
     out = _one_line_error(CliRunner().invoke(app, ["pull", str(export), str(folder)]))
-    assert "not a file of a blockdraft 'drafter-export' artifact" in out and ("config.json" in out or ".tmp-notes.txt" in out)
+    assert "not a file of a blockdraft 'drafter-export' artifact" in out and (
+        "config.json" in out or ".tmp-notes.txt" in out
+    )
     assert _snapshot(folder) == before
 
 
@@ -129,13 +132,15 @@ def test_tokenize_into_a_folder_holding_the_users_dataset_refuses_and_deletes_no
     (out_dir / "dataset_dict.json").write_text('{"splits": ["train"]}')
     before = _snapshot(out_dir)
 
-    out = _one_line_error(CliRunner().invoke(app, ["tokenize", str(corpus), str(out_dir), "--tokenizer", str(TOKENIZER_DIR)]))
+    out = _one_line_error(CliRunner().invoke(app, ["tokenize", str(corpus), str(out_dir), "--tokenizer",
+                                                   str(TOKENIZER_DIR)]))
     assert "not a file of a blockdraft 'tokenized' artifact" in out
     assert _snapshot(out_dir) == before  # not even the run's lease is left behind
 
 
 def test_input_equal_to_inside_or_containing_the_output_is_refused_by_every_stage(tmp_path):
-    completions = commit_files(tmp_path / "store" / "completions", {"part-0.jsonl": b'{"messages": []}\n'}, kind="completions")
+    completions = commit_files(tmp_path / "store" / "completions", {"part-0.jsonl": b'{"messages": []}\n'},
+                               kind="completions")
     manifest = (completions / MANIFEST_NAME).read_bytes()
     tok = ["--tokenizer", str(TOKENIZER_DIR)]
     cases = [
@@ -163,12 +168,13 @@ def test_train_data_inside_its_output_is_refused(tmp_path):
 
     rows = make_rows(3, prompt_len=4, new_tokens=12, seed=0)
     data = write_tokenized(tmp_path / "run" / "data", rows[:2], rows[2:])
-    with pytest.raises(ConfigError, match="train.data .* lies inside the output .*; a stage never reads what it writes"):
+    with pytest.raises(ConfigError,
+                       match="train.data .* lies inside the output .*; a stage never reads what it writes"):
         train.run(load_config(config_file(tmp_path, str(data), output=str(tmp_path / "run"), max_steps=2)))
     assert not any((tmp_path / "run").glob("step-*"))
 
 
-# ---------------------------------------------------------------------------------------------- case 4: --force and live writers
+# ------------------------------------------------------------------------------------- case 4: --force and live writers
 
 
 def test_force_never_takes_the_lease_of_a_writer_alive_on_this_host(tmp_path):
@@ -178,7 +184,9 @@ def test_force_never_takes_the_lease_of_a_writer_alive_on_this_host(tmp_path):
     try:
         _lease(dest, host=socket.gethostname(), pid=alive.pid)
         out = _one_line_error(CliRunner().invoke(app, ["push", str(art), str(dest), "--force"]))
-        assert f"pid {alive.pid} is alive on this host" in out and "--force takes over only a writer that is dead" in out
+        assert (
+            f"pid {alive.pid} is alive on this host" in out and "--force takes over only a writer that is dead" in out
+        )
         assert not (dest / MANIFEST_NAME).exists() and json.loads((dest / LEASE_NAME).read_bytes())["pid"] == alive.pid
     finally:
         alive.kill()
@@ -201,12 +209,14 @@ def test_force_takes_over_another_hosts_lease_and_says_so_through_the_reporter(t
 @pytest.mark.parametrize("force", [False, True])
 def test_a_malformed_lease_is_unreadable_and_taken_over_with_one_warning(tmp_path, expires_at, force):
     """A lease blockdraft never writes (a time that is no date, a string) is treated as expired, as a torn one is: it
-    names no writer that could still be alive, and refusing it would block the output until someone deletes it by hand."""
+    names no writer that could still be alive, and refusing it would block the output until someone deletes it by
+    hand."""
     art = _export_like(tmp_path / "art")
     dest = tmp_path / "dest"
     dest.mkdir()
     (dest / LEASE_NAME).write_text(
-        f'{{"owner": "x:1:y", "host": "{FOREIGN_HOST}", "pid": 1, "command": "c", "acquired_at": 0, "expires_at": {expires_at}}}'
+        f'{{"owner": "x:1:y", "host": "{FOREIGN_HOST}", "pid": 1, "command": "c", "acquired_at": 0, "expires_at": '
+        f'{expires_at}}}'
     )
     result = CliRunner().invoke(app, ["push", str(art), str(dest), *(["--force"] if force else [])])
     assert result.exit_code == 0 and result.exception is None, result.output
@@ -270,11 +280,13 @@ def test_s3_a_push_above_another_artifact_never_aborts_its_upload_and_a_live_one
     art = _export_like(tmp_path / "art")
     child_art = commit_files(tmp_path / "child", {"a.bin": b"child"}, kind="tokenized")
     push(child_art, f"s3://{bucket}/nest/child")
-    upload = _start_upload(client, bucket, "nest/child/b.bin")  # a writer of the child, between its lease and its commit
+    # a writer of the child, between its lease and its commit
+    upload = _start_upload(client, bucket, "nest/child/b.bin")
 
     # The child's writer holds its lease: the push above it is refused, naming it.
     client.put_object(Bucket=bucket, Key=f"nest/child/{LEASE_NAME}",
-                      Body=LeaseRecord(f"{FOREIGN_HOST}:7:t", FOREIGN_HOST, 7, "blockdraft push", time.time(), time.time() + 600).to_bytes())
+                      Body=LeaseRecord(f"{FOREIGN_HOST}:7:t", FOREIGN_HOST, 7, "blockdraft push", time.time(),
+                                       time.time() + 600).to_bytes())
     out = _one_line_error(CliRunner().invoke(app, ["push", str(art), f"s3://{bucket}/nest"]))
     assert f"s3://{bucket}/nest/child, inside s3://{bucket}/nest, is being written by pid 7 on {FOREIGN_HOST}" in out
     assert upload in _uploads(client, bucket)
@@ -293,7 +305,8 @@ def test_s3_a_writer_whose_lease_another_host_took_ends_with_one_line_naming_it(
     uploading, ends with the lease line naming the new owner, not the server's NoSuchUpload."""
     bucket = s3_env.new_bucket()
     client = s3_env.client()
-    big = commit_files(tmp_path / "big", {"model.safetensors": bytes(range(256)) * (160 * 1024)}, kind="drafter-export")  # 40 MiB
+    # 40 MiB
+    big = commit_files(tmp_path / "big", {"model.safetensors": bytes(range(256)) * (160 * 1024)}, kind="drafter-export")
     url = f"s3://{bucket}/export"
     settings = StoreConfig(part_size_mib=5, concurrency=1)
     failure: list[BaseException] = []
@@ -311,7 +324,8 @@ def test_s3_a_writer_whose_lease_another_host_took_ends_with_one_line_naming_it(
         time.sleep(0.01)
     # Another host takes the lease with --force and aborts the unfinished uploads of its keys, as its push does.
     client.put_object(Bucket=bucket, Key=f"export/{LEASE_NAME}",
-                      Body=LeaseRecord(f"{FOREIGN_HOST}:9:t", FOREIGN_HOST, 9, "blockdraft push", time.time(), time.time() + 600).to_bytes())
+                      Body=LeaseRecord(f"{FOREIGN_HOST}:9:t", FOREIGN_HOST, 9, "blockdraft push", time.time(),
+                                       time.time() + 600).to_bytes())
     for up in client.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
         client.abort_multipart_upload(Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
     thread.join(timeout=120)

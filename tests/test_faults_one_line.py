@@ -1,7 +1,7 @@
-"""A careless user's paths meet one line and a non-zero exit, never a traceback: an output that is a file or a folder that
-cannot be written (pull, export), `verify` of a file, a full disk in `push` to a folder and in `export`, a `--progress`
-page in a missing folder, `status` of a path with nothing there, `train` over a checkpoint that does not verify; and `push`
-says what it compared at the destination.
+"""A careless user's paths meet one line and a non-zero exit, never a traceback: an output that is a file or a folder
+that cannot be written (pull, export), `verify` of a file, a full disk in `push` to a folder and in `export`, a
+`--progress` page in a missing folder, `status` of a path with nothing there, `train` over a checkpoint that does not
+verify; and `push` says what it compared at the destination.
 
 A full disk is a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) on a CLI subprocess: every write past it fails with
 EFBIG, as a full disk fails with ENOSPC, through the same code. A read-only folder is an empty one under /sys, which
@@ -58,10 +58,12 @@ def checkpoint(tmp_path_factory) -> Path:
     """A committed checkpoint of the golden drafter (what export reads)."""
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(GOLDEN / "target")),
-        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5],
+                            num_draft_layers=3, gamma=3.0),
     )
     run = tmp_path_factory.mktemp("ckpt") / "run"
-    save_checkpoint(open_store(run), 10, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {"step": 10}, cfg.resolved(), [], {"step": 10})
+    save_checkpoint(open_store(run), 10, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {"step": 10},
+                    cfg.resolved(), [], {"step": 10})
     return run / "step-00000010"
 
 
@@ -95,8 +97,8 @@ def cli_with_file_size_limit(limit: int, args: list[object], tmp: Path) -> subpr
     tmp.mkdir(exist_ok=True)
     env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "blockdraft", *map(str, args)], capture_output=True, text=True, env=env, preexec_fn=limit_writes,
-        timeout=300,
+        [sys.executable, "-m", "blockdraft", *map(str, args)], capture_output=True, text=True, env=env,
+        preexec_fn=limit_writes, timeout=300,
     )
 
 
@@ -123,15 +125,18 @@ def test_export_into_a_path_that_is_a_file_is_one_line_and_leaves_the_file(tmp_p
 
 def test_verify_of_a_file_names_it_and_the_folder_to_pass(artifact):
     line = invoke("verify", artifact / MANIFEST_NAME)
-    assert line == f"error: artifact {artifact / MANIFEST_NAME} is a file, not a folder; pass the folder that holds its {MANIFEST_NAME}"
+    assert line == (f"error: artifact {artifact / MANIFEST_NAME} is a file, not a folder; pass the folder that holds "
+                    f"its {MANIFEST_NAME}")
 
 
 def test_pull_and_export_into_a_folder_that_refuses_writes_are_one_line(artifact, checkpoint):
     folder = read_only_folder()
-    for args, again in ((["pull", artifact, folder], "rerun the pull"), (["export", checkpoint, folder], "rerun the export")):
+    for args, again in ((["pull", artifact, folder], "rerun the pull"),
+                        (["export", checkpoint, folder], "rerun the export")):
         line = invoke(*args)
-        assert line.startswith(f"error: cannot write files in {folder} (") and line.endswith(f"choose another folder, then {again}" + (
-            " (nothing was committed)" if args[0] == "export" else "")), line
+        assert line.startswith(f"error: cannot write files in {folder} (") and line.endswith(
+            f"choose another folder, then {again}" + (" (nothing was committed)" if args[0] == "export" else "")
+        ), line
     assert not any(folder.iterdir())
 
 
@@ -156,7 +161,8 @@ def test_a_full_disk_during_an_export_is_one_line_and_leaves_no_temp_file(tmp_pa
     out, tmp = tmp_path / "export", tmp_path / "tmp"
     proc = cli_with_file_size_limit(100_000, ["export", checkpoint, out], tmp)
     line = one_line_error(proc.stderr, proc.returncode)
-    assert line.startswith("error: disk full in ") and line.endswith("free space, then rerun the export (nothing was committed)"), line
+    assert (line.startswith("error: disk full in ")
+            and line.endswith("free space, then rerun the export (nothing was committed)")), line
     assert list(tmp.iterdir()) == []  # the folder the export files were made in is gone
     assert temp_files(out) == [] and not (out / MANIFEST_NAME).exists() and not (out / LEASE_NAME).exists()
 
@@ -168,13 +174,16 @@ def test_status_with_a_progress_page_in_a_missing_folder_fails_before_the_survey
     page = tmp_path / "missing" / "dir" / "P.md"
     result = CliRunner().invoke(app, ["status", str(artifact), "--progress", str(page)])
     line = one_line_error(result.output, result.exit_code)
-    assert line == f"error: --progress {page}: the folder {page.parent} does not exist; create it or write the page elsewhere"
+    assert line == (f"error: --progress {page}: the folder {page.parent} does not exist; create it or write the page "
+                    "elsewhere")
 
 
 def test_status_of_a_path_with_nothing_there_exits_2(tmp_path):
     typo = tmp_path / "stroe"
     line = invoke("status", typo)
-    assert line.startswith(f"error: nothing under file://{typo}: no manifest and no finished file") and line.endswith("check the path or URL")
+    assert line.startswith(f"error: nothing under file://{typo}: no manifest and no finished file") and line.endswith(
+        "check the path or URL"
+    )
     # A pull killed in its first download leaves its lease and an unfinished temp file, and nothing a reader may use.
     interrupted = tmp_path / "pulled"
     (interrupted / INCOMING_DIR).mkdir(parents=True)
@@ -211,7 +220,8 @@ def test_a_run_whose_only_checkpoint_is_corrupt_stops_naming_it_unless_force(tmp
     refused = CliRunner().invoke(app, ["train", "--config", str(config)])
     errors = [line for line in refused.output.splitlines() if "error:" in line]
     assert refused.exit_code == 2 and len(errors) == 1 and "Traceback" not in refused.output, refused.output
-    assert errors[0].startswith(f"error: no checkpoint under {open_store(tmp_path / 'ckpt').url} verifies (step-00000002 (corrupt: ")
+    assert errors[0].startswith(f"error: no checkpoint under {open_store(tmp_path / 'ckpt').url} verifies "
+                                "(step-00000002 (corrupt: ")
     assert errors[0].endswith("or rerun with --force to start over")
     assert weights.read_bytes() == bytes(flipped)  # not overwritten
 

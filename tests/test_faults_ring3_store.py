@@ -1,6 +1,6 @@
 """Third ring of faults, the store and data side: nothing written where it does not belong (a planted link in a working
-folder, a demo folder or a progress page holding someone else's files), a suspended writer that comes back after its lease
-was taken over, a row nested deeper than Python recurses, and the messages that named the wrong cause."""
+folder, a demo folder or a progress page holding someone else's files), a suspended writer that comes back after its
+lease was taken over, a row nested deeper than Python recurses, and the messages that named the wrong cause."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_eval_prompts_nested_50000_deep_are_one_line_naming_the_row(tmp_path):
         prompts_from_jsonl(prompts, None, load_config(None, {}), 10)
 
 
-# ------------------------------------------------------------------------------------------ working paths in a destination
+# --------------------------------------------------------------------------------------- working paths in a destination
 
 
 @pytest.mark.parametrize("planted", [INCOMING_DIR, f"{INCOMING_DIR}/sub"])
@@ -120,8 +120,8 @@ def test_a_store_writes_no_working_file_through_a_link_swapped_in_after_a_check(
 def test_demo_refuses_a_workdir_holding_the_users_own_files_and_leaves_them(tmp_path):
     work = tmp_path / "work"
     (work / "train-logs").mkdir(parents=True)
-    own = {"blockdraft.toml": "[train]\nlr = 1e-4\n", "prompts.jsonl": '{"prompt": "mine"}\n', "PROGRESS.md": "my notes\n",
-           "train-logs/metrics.jsonl": '{"step": 1}\n'}
+    own = {"blockdraft.toml": "[train]\nlr = 1e-4\n", "prompts.jsonl": '{"prompt": "mine"}\n',
+           "PROGRESS.md": "my notes\n", "train-logs/metrics.jsonl": '{"step": 1}\n'}
     for name, text in own.items():
         (work / name).write_text(text)
     result = CliRunner().invoke(app, ["demo", "--workdir", str(work), "--profile", "ci"])
@@ -140,13 +140,18 @@ def test_a_folder_the_demo_made_is_the_demos_again(tmp_path):
     assert (tmp_path / "new" / DEMO_MARK).is_file() and (tmp_path / "empty" / DEMO_MARK).is_file()
 
 
-# ------------------------------------------------------------------------------------------ messages that name the cause
+# ----------------------------------------------------------------------------------------- messages that name the cause
 
 
 def test_an_endpoint_with_a_query_string_is_refused_by_name(tmp_path):
-    result = CliRunner().invoke(app, ["status", "s3://b/x", "--endpoint-url", "http://user:SECRET@127.0.0.1:1/?region=x"])
+    result = CliRunner().invoke(app, ["status", "s3://b/x", "--endpoint-url",
+                                      "http://user:SECRET@127.0.0.1:1/?region=x"])
     assert result.exit_code != 0 and "Traceback" not in result.output
-    assert "has a query string" in result.output and "not a valid URI" not in result.output and "SECRET" not in result.output
+    assert (
+        "has a query string" in result.output
+        and "not a valid URI" not in result.output
+        and "SECRET" not in result.output
+    )
 
 
 def test_bit_rot_on_the_server_is_named_as_a_damaged_server_copy_not_a_short_read(s3_env, tmp_path):
@@ -228,10 +233,12 @@ MIB = 1 << 20
 
 
 def _stopped_push(dest: Destination, local, at_least: int) -> subprocess.Popen:
-    """`blockdraft push local dest` in its own process (one file at a time, 5 MiB parts), SIGSTOPped once `at_least` objects
-    (its lease and writing mark among them) are at the destination, with files still to upload."""
-    cmd = [str(Path(sys.executable).parent / "blockdraft"), "push", str(local), dest.url, "--concurrency", "1", "--part-size-mib", "5"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "COLUMNS": "400"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """`blockdraft push local dest` in its own process (one file at a time, 5 MiB parts), SIGSTOPped once `at_least`
+    objects (its lease and writing mark among them) are at the destination, with files still to upload."""
+    cmd = [str(Path(sys.executable).parent / "blockdraft"), "push", str(local), dest.url, "--concurrency", "1",
+           "--part-size-mib", "5"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "COLUMNS": "400"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     raw, deadline = dest.server.client(), time.monotonic() + 300
     while len(raw.list_objects_v2(Bucket=dest.bucket).get("Contents", [])) < at_least and proc.poll() is None:
         assert time.monotonic() < deadline, "the push uploaded nothing in 300 s"
@@ -242,18 +249,22 @@ def _stopped_push(dest: Destination, local, at_least: int) -> subprocess.Popen:
 
 
 def _age_lease(dest: Destination, **fields) -> None:
-    """The push's lease, as the store holds it, with `fields` changed and its expiry an hour ago (a suspended job, a clock
-    that jumped)."""
+    """The push's lease, as the store holds it, with `fields` changed and its expiry an hour ago (a suspended job, a
+    clock that jumped)."""
     raw, key = dest.server.client(), dest.s3_key(LEASE_NAME)
     record = json.loads(raw.get_object(Bucket=dest.bucket, Key=key)["Body"].read())
     record.update(fields, expires_at=time.time() - 3600)
     raw.put_object(Bucket=dest.bucket, Key=key, Body=json.dumps(record).encode())
 
 
-def test_a_push_suspended_past_its_lease_keeps_it_and_one_that_lost_it_writes_nothing_more(s3_env, tmp_path, leases_given_back):
+def test_a_push_suspended_past_its_lease_keeps_it_and_one_that_lost_it_writes_nothing_more(
+    s3_env, tmp_path, leases_given_back
+):
     dest = Destination.s3(s3_env)
-    first = commit_files(tmp_path / "first", {f"shard-{i}.arrow": bytes([i]) * (6 * MIB) for i in range(6)}, kind="tokenized")
-    second = commit_files(tmp_path / "second", {f"shard-{i}.arrow": bytes([100 + i]) * (6 * MIB) for i in range(6)}, kind="tokenized")
+    first = commit_files(tmp_path / "first", {f"shard-{i}.arrow": bytes([i]) * (6 * MIB) for i in range(6)},
+                         kind="tokenized")
+    second = commit_files(tmp_path / "second", {f"shard-{i}.arrow": bytes([100 + i]) * (6 * MIB) for i in range(6)},
+                          kind="tokenized")
     proc = _stopped_push(dest, first, at_least=3)
     try:
         # Its writer is alive on this host (pid and start time): an expired lease is still its, whatever the clock says.
@@ -261,8 +272,8 @@ def test_a_push_suspended_past_its_lease_keeps_it_and_one_that_lost_it_writes_no
         with pytest.raises(LeaseError, match=r"is alive on this host"):
             push(second, dest.url, dest.settings)
 
-        # Now a lease the second push may take over (another host's, expired): it commits, and the first, resumed, stops at
-        # its next object with the one line naming the new writer, and writes none.
+        # Now a lease the second push may take over (another host's, expired): it commits, and the first, resumed, stops
+        # at its next object with the one line naming the new writer, and writes none.
         _age_lease(dest, host="train-node-7")
         taken = push(second, dest.url, dest.settings, reporter=(told := Reporter()))
         assert taken.verify.state is State.VERIFIED and any("taking over the lease" in w for w in told.warnings)

@@ -110,10 +110,13 @@ def test_export_refuses_a_checkpoint_with_non_finite_weights(tmp_path):
     (data / "rows.txt").write_text("rows\n")
     from blockdraft.store.artifact import commit_artifact, entry_for_local_file
 
-    commit_artifact(open_store(data), "tokenized", [entry_for_local_file(data, data / "rows.txt")], config={}, counts={})
+    commit_artifact(open_store(data), "tokenized", [entry_for_local_file(data, data / "rows.txt")], config={},
+                    counts={})
     cfg = BlockdraftConfig(target=TargetConfig(path=str(GOLDEN / "target")),
-                           dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0))
-    save_checkpoint(open_store(tmp_path / "run"), 10, drafter, {"step": 10}, cfg.resolved(), [open_input(open_store(data)).ref], {"step": 10})
+                           dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511,
+                                               target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0))
+    save_checkpoint(open_store(tmp_path / "run"), 10, drafter, {"step": 10}, cfg.resolved(),
+                    [open_input(open_store(data)).ref], {"step": 10})
     with pytest.raises(ExportError) as err:
         export_stage.run(BlockdraftConfig(), str(tmp_path / "run"), str(tmp_path / "export"))
     assert "not finite" in one_line(err) and "fc.weight" in str(err.value)
@@ -157,7 +160,8 @@ def test_no_warning_when_a_run_resumes_with_its_own_config(tmp_path, data_url):
     ("ckpt/step-00000004", "lies inside train.output"), ("artifact/logs", "lies inside the artifact at"),
     ("a-file", "is a file, not a folder"), ("a-file/logs", "cannot be written"),
 ])
-def test_a_log_dir_inside_the_runs_input_output_or_an_artifact_or_unwritable_is_one_line(tmp_path, data_url, where, says):
+def test_a_log_dir_inside_the_runs_input_output_or_an_artifact_or_unwritable_is_one_line(tmp_path, data_url, where,
+                                                                                         says):
     import shutil
 
     data = tmp_path / "data"
@@ -165,10 +169,15 @@ def test_a_log_dir_inside_the_runs_input_output_or_an_artifact_or_unwritable_is_
     shutil.copytree(data_url, tmp_path / "artifact")
     (tmp_path / "a-file").write_text("a user's file\n")
     cfg = load_config(config_file(tmp_path, str(data), max_steps=4), sets=[f"train.log_dir={tmp_path / where}"])
-    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "blockdraft.toml"), "--set", f"train.log_dir={tmp_path / where}"])
+    result = CliRunner().invoke(app, ["train", "--config", str(tmp_path / "blockdraft.toml"), "--set",
+                                      f"train.log_dir={tmp_path / where}"])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]  # after the memory plan's lines
-    assert line.startswith(f"error: train.log_dir {tmp_path / where}") and says in line and "train.log_dir to a folder" in line
+    assert (
+        line.startswith(f"error: train.log_dir {tmp_path / where}")
+        and says in line
+        and "train.log_dir to a folder" in line
+    )
     assert cfg.train.log_dir == str(tmp_path / where)
     assert (tmp_path / "a-file").read_text() == "a user's file\n" and not (tmp_path / "ckpt").exists()
 
@@ -202,7 +211,8 @@ def test_a_log_dir_belongs_to_one_run_a_rerun_continues_it_and_another_run_is_re
 
 def test_wandb_run_files_hold_no_secret_of_the_command_line(tmp_path, data_url, monkeypatch):
     secret = "SECRETpw4711"
-    monkeypatch.setattr("sys.argv", ["blockdraft", "train", "--set", f"store.endpoint_url=http://user:{secret}@127.0.0.1:9"])
+    monkeypatch.setattr("sys.argv",
+                        ["blockdraft", "train", "--set", f"store.endpoint_url=http://user:{secret}@127.0.0.1:9"])
     path = config_file(tmp_path, data_url, max_steps=2, checkpoint_every=2, report_to=["wandb"])
     path.write_text(path.read_text() + 'wandb = { mode = "offline", project = "blockdraft-tests" }\n')
     cfg = load_config(path, sets=[f"store.endpoint_url=http://user:{secret}@127.0.0.1:9"])
@@ -227,7 +237,8 @@ def free_port() -> int:
 
 def node(cfg: Path, rank: int, port: int, cwd: Path, *sets: str) -> subprocess.Popen:
     """Node `rank` of 2 started in `cwd` with `--set` items `sets`; its output in cwd/node{rank}.out and .err."""
-    args = ["train", "--config", str(cfg), "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    args = ["train", "--config", str(cfg), "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint",
+            f"127.0.0.1:{port}"]
     args += [arg for item in sets for arg in ("--set", item)]
     with open(cwd / f"node{rank}.out", "w") as out, open(cwd / f"node{rank}.err", "w") as err:
         return subprocess.Popen([BLOCKDRAFT, *args], cwd=cwd, env=NODE_ENV, stdout=out, stderr=err)
@@ -260,7 +271,9 @@ def test_a_node_started_with_another_setting_is_refused_at_start_naming_the_fiel
         stop(*nodes)
     for rank in (0, 1):
         (line,) = errors_of(tmp_path, rank)
-        assert line.startswith("error: node 1 (rank 1) was started with train.lr = 0.001, node 0 (rank 0) with 0.003"), line
+        assert line.startswith(
+            "error: node 1 (rank 1) was started with train.lr = 0.001, node 0 (rank 0) with 0.003"
+        ), line
     assert not list((tmp_path / "ckpt").glob("step-*"))  # nothing trained
 
 
@@ -275,7 +288,9 @@ def test_ranks_reading_other_data_at_the_same_path_are_refused_naming_the_node(t
     assert [(tmp_path / f"rank{r}-0").read_text() for r in (0, 1)] == ["agreed", "agreed"]
     said = [(tmp_path / f"rank{r}-1").read_text() for r in (0, 1)]
     assert said[0] == said[1] and said[0].startswith("node 1 (rank 1) reads other data at train.data tok"), said
-    assert "manifest sha256 bbbbbbbbbbbb..., node 0's aaaaaaaaaaaa..." in said[0] and "same tokenized artifact" in said[0]
+    assert (
+        "manifest sha256 bbbbbbbbbbbb..., node 0's aaaaaaaaaaaa..." in said[0] and "same tokenized artifact" in said[0]
+    )
 
 
 def test_a_rendezvous_endpoint_out_of_range_or_a_taken_port_is_one_line(tmp_path, data_url):
@@ -289,7 +304,8 @@ def test_a_rendezvous_endpoint_out_of_range_or_a_taken_port_is_one_line(tmp_path
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = CliRunner().invoke(app, ["train", "--config", cfg, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"])
+        result = CliRunner().invoke(app, ["train", "--config", cfg, "--nnodes", "2", "--rdzv-endpoint",
+                                          f"127.0.0.1:{port}"])
     (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert f"port {port} is in use on this machine" in line and "its own --node-rank" in line
@@ -310,7 +326,8 @@ def test_two_nodes_both_started_as_node_0_each_end_in_one_line_within_the_timeou
     """The second node 0 finds the rendezvous port taken; the first, whose node 1 never comes, gives up after
     train.dist_timeout_minutes with one line, not torchrun's traceback and not its default 15 minutes."""
     timeout_minutes = 0.1
-    cfg = config_file(tmp_path, data_url, max_steps=2, batch_size=1, global_batch_size=2, dist_timeout_minutes=timeout_minutes)
+    cfg = config_file(tmp_path, data_url, max_steps=2, batch_size=1, global_batch_size=2,
+                      dist_timeout_minutes=timeout_minutes)
     port = free_port()
     first = node(cfg, 0, port, tmp_path)
     try:
@@ -319,7 +336,8 @@ def test_two_nodes_both_started_as_node_0_each_end_in_one_line_within_the_timeou
             assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "node0.err").read_text()[-3000:]
             time.sleep(0.05)
         started = time.monotonic()
-        args = ["train", "--config", str(cfg), "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        args = ["train", "--config", str(cfg), "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
+                f"127.0.0.1:{port}"]
         second = CliRunner().invoke(app, args)
         (line,) = [x for x in second.output.splitlines() if x.startswith("error:")]
         assert second.exit_code == 2 and f"port {port} is in use" in line and "Traceback" not in second.output

@@ -1,9 +1,9 @@
 """Trust, fourth ring (issue 47): what blockdraft stores and prints can be trusted, and what it was told to keep secret
 is kept.
 
-- A credential in any free-form setting (`eval.engine_args`' `--hf-token`, a URL's userinfo or token, an `hf_...` key) is
-  pinned as its fingerprint wherever a config is pinned, and named by no manifest, checkpoint, export, message or log;
-  the fingerprint still changes every key read from the setting when the secret changes.
+- A credential in any free-form setting (`eval.engine_args`' `--hf-token`, a URL's userinfo or token, an `hf_...` key)
+  is pinned as its fingerprint wherever a config is pinned, and named by no manifest, checkpoint, export, message or
+  log; the fingerprint still changes every key read from the setting when the secret changes.
 - An agreement record beside a tokenized artifact is checked when read, and every stored string `status` prints goes
   through one formatter: a newline in a record, a key or a lineage URL forges no line of `status` or PROGRESS.md.
 - A card rewrite stopped between the card and the manifest (Ctrl-C) is finished by `export --card-only`.
@@ -50,7 +50,14 @@ from blockdraft.stages import export as export_stage
 from blockdraft.stages.export import CARD_NAME, SERVING_NAME, export_drafter, serving_lines
 from blockdraft.stages.train import resolved_training_config, save_checkpoint
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, InputRef, State, commit_artifact, entry_for_local_file, verify_artifact
+from blockdraft.store.artifact import (
+    MANIFEST_NAME,
+    InputRef,
+    State,
+    commit_artifact,
+    entry_for_local_file,
+    verify_artifact,
+)
 from blockdraft.store.base import LEASE_NAME
 from blockdraft.store.inputs import open_input
 from blockdraft.store.lease import Lease
@@ -97,9 +104,9 @@ CONSTRAINED = {("placement", "target_devices"), ("placement", "drafter_devices")
 
 
 def free_form_fields() -> list[tuple[str, str, str]]:
-    """(section, field, "str" | "list" | "dict") of every setting whose value is text the user writes freely: str, a list of
-    str, a table of str; not a Literal (its values are blockdraft's), not one of CONSTRAINED. Read from the model: a new
-    setting is covered."""
+    """(section, field, "str" | "list" | "dict") of every setting whose value is text the user writes freely: str, a
+    list of str, a table of str; not a Literal (its values are blockdraft's), not one of CONSTRAINED. Read from the
+    model: a new setting is covered."""
     return [field for field in text_fields() if field[:2] not in CONSTRAINED]
 
 
@@ -230,7 +237,8 @@ def test_secrets_planted_in_every_free_form_setting_reach_no_checkpoint_export_m
     blockdraft-export.json, serving.json, card and manifest) and no printed byte holds one, nor the error of a command
     that names one."""
     sections, secrets_of = planted_sections(tmp_path)
-    run = make_tiny_run(tmp_path)  # the data tokenized under a plain config; the checkpoint is then pinned under the planted one
+    # the data tokenized under a plain config; the checkpoint is then pinned under the planted one
+    run = make_tiny_run(tmp_path)
     checkpoint = run / "step-00000005"
     planted = {**tiny_config(tmp_path), **{k: {**tiny_config(tmp_path).get(k, {}), **v} for k, v in sections.items()}}
     cfg = BlockdraftConfig.model_validate(planted)
@@ -238,7 +246,8 @@ def test_secrets_planted_in_every_free_form_setting_reach_no_checkpoint_export_m
     data = verify_artifact(open_store(tmp_path / "tokenized")).manifest.config["tokenize_run"]
     resolved = resolved_training_config(cfg, drafter.spec, str(tmp_path / "run"), data)
     shutil.rmtree(run)
-    save_checkpoint(open_store(run), 5, drafter, {}, resolved, [open_input(open_store(tmp_path / "tokenized")).ref], {"step": 5})
+    save_checkpoint(open_store(run), 5, drafter, {}, resolved, [open_input(open_store(tmp_path / "tokenized")).ref],
+                    {"step": 5})
     config = tmp_path / "planted.toml"
     write_planted_toml(config, planted)
 
@@ -259,7 +268,9 @@ def test_secrets_planted_in_every_free_form_setting_reach_no_checkpoint_export_m
     assert leaked == [], leaked  # the names only: the assertion message holds no secret either
 
     assert exported.returncode == 0 and verified.returncode == 0, redact(exported.stderr + verified.stderr)
-    assert refused.returncode == 2 and "cannot read the target's config" in refused.stderr and REDACTED in refused.stderr
+    assert (
+        refused.returncode == 2 and "cannot read the target's config" in refused.stderr and REDACTED in refused.stderr
+    )
     provenance = json.loads((out / PROVENANCE_NAME).read_text())
     assert provenance["config"]["eval"]["engine_args"][2] == "--hf-token"
     assert provenance["config"]["eval"]["engine_args"][3].startswith("[redacted:")
@@ -330,7 +341,8 @@ def test_card_only_finishes_a_card_rewrite_interrupted_before_its_manifest(tmp_p
         export_stage.rewrite_card(load_config(config), str(out), eval=str(eval_dir))
     monkeypatch.undo()
     verified = cli("verify", out)
-    assert verified.exit_code == 1 and verified.stdout.startswith("incomplete"), verified.output  # never a false verified
+    # never a false verified
+    assert verified.exit_code == 1 and verified.stdout.startswith("incomplete"), verified.output
 
     finished = cli("export", "--config", config, "--card-only", out, "--eval", eval_dir)
     assert finished.exit_code == 0, finished.output
@@ -406,7 +418,8 @@ def eval_of_another_target(eval_dir: Path, dest: Path, target: str, created_at: 
     commit_artifact(open_store(dest), "eval", files, config=recorded["config"],
                     lineage=[InputRef(**ref) for ref in recorded["lineage"]], counts=recorded["counts"])
     manifest = json.loads((dest / MANIFEST_NAME).read_text())
-    (dest / MANIFEST_NAME).write_text(json.dumps({**manifest, "created_at": created_at}, indent=2, sort_keys=True) + "\n")
+    (dest / MANIFEST_NAME).write_text(json.dumps({**manifest, "created_at": created_at}, indent=2,
+                                                 sort_keys=True) + "\n")
     assert verify_artifact(open_store(dest)).state is State.VERIFIED
     return dest
 
@@ -414,11 +427,14 @@ def eval_of_another_target(eval_dir: Path, dest: Path, target: str, created_at: 
 def test_an_eval_against_another_target_is_refused_in_one_line_and_passed_over_by_the_card(tmp_path, evaluated):
     run, eval_dir, _ = evaluated
     config = write_config(tmp_path, tiny_config(tmp_path))  # its store: tmp_path/store
-    other = eval_of_another_target(eval_dir, tmp_path / "store" / "eval" / "other", "Qwen/Qwen3-8B", "2099-01-01T00:00:00+00:00")
+    other = eval_of_another_target(eval_dir, tmp_path / "store" / "eval" / "other", "Qwen/Qwen3-8B",
+                                   "2099-01-01T00:00:00+00:00")
 
     refused = cli("export", "--config", config, run, tmp_path / "export", "--eval", other)
     line = one_line(refused.output)
-    assert refused.exit_code == 2 and "measured the drafter against target Qwen/Qwen3-8B, not this export's target" in line
+    assert (
+        refused.exit_code == 2 and "measured the drafter against target Qwen/Qwen3-8B, not this export's target" in line
+    )
     assert str(TINY_TARGET_DIR) in line and "--target" in line
     assert not (tmp_path / "export").exists() or not (tmp_path / "export" / MANIFEST_NAME).exists()
 
@@ -447,7 +463,8 @@ def test_a_dflash2_exports_vllm_command_names_the_v2_runner_and_its_card_calls_i
         drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(target), cfg.dflash))
     out = StageOutput(open_store(tmp_path / "out"), EXPORT_KIND, stage_key({"test": architecture}))
     torch.manual_seed(0)
-    result = export_drafter(drafter, AutoConfig.from_pretrained(target), out, target_path=str(target), location=str(tmp_path / "out"))
+    result = export_drafter(drafter, AutoConfig.from_pretrained(target), out, target_path=str(target),
+                            location=str(tmp_path / "out"))
     serving = json.loads((tmp_path / "out" / SERVING_NAME).read_text())
     card = (tmp_path / "out" / CARD_NAME).read_text()
     vllm = next(line for line in serving_lines(result.details.serving) if line.startswith("vLLM:"))
@@ -455,7 +472,9 @@ def test_a_dflash2_exports_vllm_command_names_the_v2_runner_and_its_card_calls_i
         assert serving["vllm_env"] == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
         assert serving["vllm_command"].startswith("VLLM_USE_V2_MODEL_RUNNER=1 vllm serve ")
         assert vllm.startswith("vLLM:   VLLM_USE_V2_MODEL_RUNNER=1 vllm serve")
-        assert f"# DFlash2 drafter for {target}" in card and "A DFlash2 drafter" in card and "DFlash drafter" not in card
+        assert (
+            f"# DFlash2 drafter for {target}" in card and "A DFlash2 drafter" in card and "DFlash drafter" not in card
+        )
         assert "V2 model runner" in card and serving["vllm_command"] in card
         assert "dflash2" in front_matter(card)["tags"]
     else:
@@ -467,10 +486,12 @@ def test_a_dflash2_exports_vllm_command_names_the_v2_runner_and_its_card_calls_i
 # ---- case 21: a folder at the lease file's name ----
 
 
-def test_a_folder_standing_at_the_lease_files_name_is_one_line_and_nothing_is_written(tmp_path, evaluated, leases_given_back):
+def test_a_folder_standing_at_the_lease_files_name_is_one_line_and_nothing_is_written(tmp_path, evaluated,
+                                                                                      leases_given_back):
     run, _, config = evaluated
     source = commit_files(tmp_path / "src", {"data.arrow": b"rows"}, kind="tokenized")
-    for dest, args in ((tmp_path / "pushed", ["push", source]), (tmp_path / "export", ["export", "--config", config, run])):
+    for dest, args in ((tmp_path / "pushed", ["push", source]),
+                       (tmp_path / "export", ["export", "--config", config, run])):
         (dest / LEASE_NAME).mkdir(parents=True)
         result = cli(*args, dest)
         # One error line (export says first which eval its card would have given), no traceback.
@@ -490,7 +511,12 @@ def test_redaction_of_a_setting_keeps_what_is_no_credential():
 
     argv = ["--max-num-batched-tokens", "8192", "--tokenizer-mode", "auto", "--hf-token", "EMPTY", "--api-key=KEY"]
     pinned = redact_settings(argv)
-    assert pinned[:4] == argv[:4] and pinned[5].startswith("[redacted:") and pinned[6].startswith("--api-key=[redacted:")
+    assert (
+        pinned[:4] == argv[:4] and pinned[5].startswith("[redacted:") and pinned[6].startswith("--api-key=[redacted:")
+    )
     assert redact_settings(pinned) == pinned  # pinning a pinned config changes nothing
-    assert redact_settings("hf://datasets/HuggingFaceH4/MATH-500?split=test") == "hf://datasets/HuggingFaceH4/MATH-500?split=test"
+    assert (
+        redact_settings("hf://datasets/HuggingFaceH4/MATH-500?split=test")
+        == "hf://datasets/HuggingFaceH4/MATH-500?split=test"
+    )
     assert redact_settings("https://alice:pw12345678@host/v1") != redact_settings("https://alice:pw87654321@host/v1")

@@ -1,6 +1,6 @@
-"""Two promises under faults: a server that echoes the key it was sent (whole, base64-encoded or cut) never gets that key
-into an artifact, a message or a log, nor does a password or token inside a URL (base URL, S3 endpoint, store URL); an S3
-endpoint that accepts connections and never answers fails a command with one line, through the probe
+"""Two promises under faults: a server that echoes the key it was sent (whole, base64-encoded or cut) never gets that
+key into an artifact, a message or a log, nor does a password or token inside a URL (base URL, S3 endpoint, store URL);
+an S3 endpoint that accepts connections and never answers fails a command with one line, through the probe
 client's short timeouts, while transfers keep their long ones.
 
 Nothing here reads a clock: the stall is bounded by the probe client's configured timeouts and attempts, which are
@@ -78,7 +78,9 @@ def texts_of_folder(root: Path) -> dict[str, bytes]:
         data = path.read_bytes()
         found[str(path.relative_to(root))] = data
         if path.name.endswith(".zst"):
-            found[f"{path.relative_to(root)} (decompressed)"] = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+            found[f"{path.relative_to(root)} (decompressed)"] = (
+                zstandard.ZstdDecompressor().decompressobj().decompress(data)
+            )
     return found
 
 
@@ -95,7 +97,8 @@ def s3_store(url: str, settings: StoreConfig | None = None) -> S3Store:
 
 
 def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([CLI, *args], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, timeout=300)
+    return subprocess.run([CLI, *args], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env}, timeout=300)
 
 
 # ---- secrets from servers ----
@@ -123,13 +126,16 @@ def test_a_server_echoing_the_key_leaves_it_in_no_artifact_message_or_log(where,
         assert key in refused.value.read().decode()
 
         common = ["--config", str(config), "--engine", "openai", "--base-url", endpoint.url]
-        failed = run_cli(["generate", str(tmp_path / "prompts.jsonl"), outputs[0], *common, "--model", NeverServes.name], {KEY_ENV: key})
+        failed = run_cli(
+            ["generate", str(tmp_path / "prompts.jsonl"), outputs[0], *common, "--model", NeverServes.name],
+            {KEY_ENV: key},
+        )
         # No model configured: the served name is asked first, and that refusal is the command's one-line error.
         unasked = run_cli(["generate", str(tmp_path / "prompts.jsonl"), outputs[1], *common], {KEY_ENV: key})
 
     # The leak check first, and messages of the later checks redacted: a failing test must not print the key either.
-    logs = {f"{name} {stream}": getattr(proc, stream).encode() for name, proc in (("failed", failed), ("unasked", unasked))
-            for stream in ("stdout", "stderr")}
+    logs = {f"{name} {stream}": getattr(proc, stream).encode()
+            for name, proc in (("failed", failed), ("unasked", unasked)) for stream in ("stdout", "stderr")}
     stored = texts_of_folder(tmp_path)  # the outputs, any staging left behind, the config and the prompts
     if where == "s3":
         raw = server.client()
@@ -139,7 +145,8 @@ def test_a_server_echoing_the_key_leaves_it_in_no_artifact_message_or_log(where,
     assert leaks(stored, key) == [] and leaks(logs, key) == []
 
     assert failed.returncode == 1, redact(failed.stderr, key)
-    assert unasked.returncode == 2 and "cannot ask" in unasked.stderr and REDACTED in unasked.stderr, redact(unasked.stderr, key)
+    assert (unasked.returncode == 2 and "cannot ask" in unasked.stderr
+            and REDACTED in unasked.stderr), redact(unasked.stderr, key)
     out = open_store(outputs[0])
     assert verify_artifact(out).state is State.VERIFIED
     failures = [json.loads(x) for x in out.read_bytes(FAILURES_NAME).decode().splitlines()]
@@ -150,21 +157,26 @@ def test_a_server_echoing_the_key_leaves_it_in_no_artifact_message_or_log(where,
 @pytest.mark.fault
 @pytest.mark.parametrize("echo", ["base64", "first10"])
 def test_a_server_echoing_the_key_base64_encoded_or_cut_leaves_it_nowhere(echo, tmp_path):
-    """Words that match no credential shape ("Credential Ymd... is not on file"): only the client's own key, in every form
-    a server may give it back, can be caught."""
+    """Words that match no credential shape ("Credential Ymd... is not on file"): only the client's own key, in every
+    form a server may give it back, can be caught."""
     key = fresh_key()
     write_prompts(tmp_path / "prompts.jsonl", 2)
     config = tmp_path / "c.toml"
     config.write_text(f'[generate]\napi_key_env = "{KEY_ENV}"\nmax_retries = 0\n')
     with ChatServer(NeverServes(), api_key="the-key-the-server-wants", echo=echo) as endpoint:
         common = ["--config", str(config), "--engine", "openai", "--base-url", endpoint.url]
-        failed = run_cli(["generate", str(tmp_path / "prompts.jsonl"), str(tmp_path / "out"), *common, "--model", NeverServes.name], {KEY_ENV: key})
-        unasked = run_cli(["generate", str(tmp_path / "prompts.jsonl"), str(tmp_path / "out2"), *common], {KEY_ENV: key})
+        failed = run_cli(
+            ["generate", str(tmp_path / "prompts.jsonl"), str(tmp_path / "out"), *common, "--model", NeverServes.name],
+            {KEY_ENV: key},
+        )
+        unasked = run_cli(["generate", str(tmp_path / "prompts.jsonl"), str(tmp_path / "out2"), *common],
+                          {KEY_ENV: key})
 
-    logs = {f"{name} {stream}": getattr(proc, stream).encode() for name, proc in (("failed", failed), ("unasked", unasked))
-            for stream in ("stdout", "stderr")}
+    logs = {f"{name} {stream}": getattr(proc, stream).encode()
+            for name, proc in (("failed", failed), ("unasked", unasked)) for stream in ("stdout", "stderr")}
     assert leaks(texts_of_folder(tmp_path), key) == [] and leaks(logs, key) == []
-    said = {"base64": f"Credential {REDACTED} is not on file", "first10": f"Credential starting {REDACTED} is not on file"}[echo]
+    said = {"base64": f"Credential {REDACTED} is not on file",
+            "first10": f"Credential starting {REDACTED} is not on file"}[echo]
     assert failed.returncode == 1, redact(failed.stderr, key)
     assert unasked.returncode == 2 and said in unasked.stderr, redact(unasked.stderr, key)
     failures = [json.loads(x) for x in (tmp_path / "out" / FAILURES_NAME).read_text().splitlines()]
@@ -191,7 +203,8 @@ def test_redact_removes_known_secrets_in_any_form_and_credential_shapes(monkeypa
         ("rejected: Bearer eyJhbGciOiJIUzI1NiJ9.e30.abc", "eyJhbGciOiJIUzI1NiJ9"),
         ("header Authorization: Basic dXNlcjpwYXNzd29yZA== was refused", "dXNlcjpwYXNzd29yZA"),
         ('{"authorization": "Token 0123456789abcdef"}', "0123456789abcdef"),
-        ("aws_secret_access_key=AbCdEfGhIjKlMnOpQrStUvWxYz0123456789/+Ab is wrong", "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789/+Ab"),
+        ("aws_secret_access_key=AbCdEfGhIjKlMnOpQrStUvWxYz0123456789/+Ab is wrong",
+         "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789/+Ab"),
         ("the api_key = 'abc123xyz789' is unknown", "abc123xyz789"),
     ]
     for text, secret in shaped:
@@ -206,7 +219,8 @@ def test_redact_removes_a_known_key_base64_encoded_or_cut_after_8_characters():
     remember_secret(key)
     encoded = base64.b64encode(key.encode()).decode()
     for text in (f"credential {encoded} unknown", f"credential {encoded.rstrip('=')} unknown",
-                 f"credential {encoded.replace('+', '-').replace('/', '_')} unknown", f"credential {encoded[:10]}... unknown",
+                 f"credential {encoded.replace('+', '-').replace('/', '_')} unknown",
+                 f"credential {encoded[:10]}... unknown",
                  f"credential {key[:10]}... unknown", f"credential {key[:8]} unknown"):
         assert redact(text) == f"credential {REDACTED} unknown", text
     assert redact(f"credential {key[:7]} unknown") == f"credential {key[:7]} unknown"  # 7 characters name no key
@@ -215,7 +229,8 @@ def test_redact_removes_a_known_key_base64_encoded_or_cut_after_8_characters():
 def test_urls_lose_userinfo_and_query_when_stored_or_printed():
     assert safe_url("http://alice:PASSWORD@host:8000/v1?token=X#top") == "http://host:8000/v1"
     assert safe_url("https://alice:p?ss#w@host/v1") == "https://host/v1"  # a password may hold "?" or "#"
-    for kept in ("s3://bucket/runs/tokenized", "file:///data/store", "/data/a?b", "http://127.0.0.1:8000/v1", "hub/model@rev"):
+    for kept in ("s3://bucket/runs/tokenized", "file:///data/store", "/data/a?b", "http://127.0.0.1:8000/v1",
+                 "hub/model@rev"):
         assert safe_url(kept) == kept
     text = "cannot reach http://alice:PASSWORD@host/v1: refused; see https://h/x?token=TOKEN123 and s3://b/p"
     assert redact(text) == "cannot reach http://host/v1: refused; see https://h/x and s3://b/p"
@@ -225,7 +240,9 @@ def test_urls_lose_userinfo_and_query_when_stored_or_printed():
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize(("where", "shape"), [("folder", "userinfo"), ("folder", "query"), pytest.param("s3", "userinfo", marks=pytest.mark.s3)])
+@pytest.mark.parametrize(("where", "shape"),
+                         [("folder", "userinfo"), ("folder", "query"),
+                          pytest.param("s3", "userinfo", marks=pytest.mark.s3)])
 def test_credentials_inside_urls_reach_no_artifact_message_or_log(where, shape, tmp_path, request):
     """`--base-url http://alice:PASSWORD@host/v1` (urllib cannot connect with it: every prompt fails, and says where) or
     `...?token=X` (sent as given; the server names its unknown path, token and all), and on S3 a `store.endpoint_url`
@@ -247,8 +264,8 @@ def test_credentials_inside_urls_reach_no_artifact_message_or_log(where, shape, 
     with ChatServer(NeverServes()) as endpoint:
         host = endpoint.url.removeprefix("http://")
         base_url = f"http://alice:{secret}@{host}" if shape == "userinfo" else f"{endpoint.url}?token={secret}"
-        proc = run_cli(["generate", str(tmp_path / "prompts.jsonl"), output, "--config", str(config), "--engine", "openai",
-                        "--base-url", base_url, "--model", NeverServes.name], env)
+        proc = run_cli(["generate", str(tmp_path / "prompts.jsonl"), output, "--config", str(config), "--engine",
+                        "openai", "--base-url", base_url, "--model", NeverServes.name], env)
 
     stored = texts_of_folder(tmp_path)
     stored.pop("c.toml")  # the user's own config names the secret
@@ -270,7 +287,8 @@ def test_credentials_inside_urls_reach_no_artifact_message_or_log(where, shape, 
         pinned = manifest["config"]["store"]["endpoint_url"]
         assert "[redacted:" in pinned and safe_url(pinned) == server.endpoint
     details = [json.loads(x)["detail"] for x in out.read_bytes(FAILURES_NAME).decode().splitlines()]
-    expected = f"cannot reach {endpoint.url}" if shape == "userinfo" else f"no route /v1/chat/completions?token={REDACTED}"
+    expected = (f"cannot reach {endpoint.url}" if shape == "userinfo"
+                else f"no route /v1/chat/completions?token={REDACTED}")
     assert len(details) == 2 and all(expected in d for d in details), details
 
 
@@ -304,8 +322,8 @@ def test_a_lease_records_its_command_line_without_the_token_of_a_url(tmp_path, m
 
 
 def test_s3_server_messages_are_redacted_including_the_secret_of_a_profile(tmp_path, monkeypatch):
-    """The generic S3 error line keeps the server's message: a secret in it, from the environment or from the profile the
-    client was built with, is redacted."""
+    """The generic S3 error line keeps the server's message: a secret in it, from the environment or from the profile
+    the client was built with, is redacted."""
     env_secret, profile_secret = (f"{uuid.uuid4().hex}{uuid.uuid4().hex[:8]}" for _ in range(2))
     for name in [n for n in os.environ if n.startswith("AWS_")]:
         monkeypatch.delenv(name)
@@ -317,9 +335,11 @@ def test_s3_server_messages_are_redacted_including_the_secret_of_a_profile(tmp_p
     open_store("s3://b/p", StoreConfig(profile="echo", endpoint_url="http://127.0.0.1:9"))  # builds the client only
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", env_secret)
     for secret in (env_secret, profile_secret):
-        echoed = bex.ClientError({"Error": {"Code": "InternalError", "Message": f"cannot verify {secret} now"}}, "PutObject")
+        echoed = bex.ClientError({"Error": {"Code": "InternalError", "Message": f"cannot verify {secret} now"}},
+                                 "PutObject")
         line = str(describe_error(echoed, "s3://b/p/k", "http://127.0.0.1:9", "writing"))
-        assert secret not in line and line == f"S3 error while writing s3://b/p/k: InternalError cannot verify {REDACTED} now"
+        assert secret not in line and line == ("S3 error while writing s3://b/p/k: InternalError cannot verify "
+                                               f"{REDACTED} now")
 
 
 # ---- stalled endpoints ----
@@ -346,7 +366,8 @@ class StalledEndpoint:
         self._thread.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         # close() alone does not wake an accept() blocked in another thread (the join would wait out its timeout);
         # shutdown() does, so the accepting thread ends at once.
         self.sock.shutdown(socket.SHUT_RDWR)
@@ -357,26 +378,34 @@ class StalledEndpoint:
 
 
 def aws_env(tmp_path: Path) -> dict[str, str]:
-    """Credentials that sign requests (the stalled endpoint never checks them), and nothing of the machine's AWS setup."""
+    """Credentials that sign requests (the stalled endpoint never checks them), and nothing of the machine's AWS
+    setup."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     return {**env, "AWS_ACCESS_KEY_ID": "AKIDSTALL", "AWS_SECRET_ACCESS_KEY": "stall-secret-never-checked",
-            "AWS_CONFIG_FILE": str(tmp_path / "no-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-credentials"),
-            "AWS_EC2_METADATA_DISABLED": "true"}
+            "AWS_CONFIG_FILE": str(tmp_path / "no-config"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-credentials"), "AWS_EC2_METADATA_DISABLED": "true"}
 
 
 def test_probe_timeouts_bound_a_stall_and_transfers_keep_theirs():
     store = s3_store("s3://b/x", StoreConfig(endpoint_url="http://127.0.0.1:9"))
     conn = store.at.conn
     probe, transfer = conn.probe_client.meta.config, conn.client.meta.config
-    assert (probe.connect_timeout, probe.read_timeout, probe.retries["total_max_attempts"]) == (PROBE_CONNECT_TIMEOUT_S, PROBE_READ_TIMEOUT_S, 2)
+    assert (probe.connect_timeout, probe.read_timeout, probe.retries["total_max_attempts"]) == (
+        PROBE_CONNECT_TIMEOUT_S,
+        PROBE_READ_TIMEOUT_S,
+        2,
+    )
     assert PROBE_ATTEMPTS == 2  # the first try and one retry
     # Worst case of a stall: every attempt waits its full timeout; botocore's first retry backs off under 1 s.
     assert PROBE_ATTEMPTS * max(PROBE_CONNECT_TIMEOUT_S, PROBE_READ_TIMEOUT_S) + 1 < 15
-    assert (transfer.read_timeout, transfer.retries["total_max_attempts"]) == (TRANSFER_READ_TIMEOUT_S, TRANSFER_ATTEMPTS)
+    assert (transfer.read_timeout, transfer.retries["total_max_attempts"]) == (TRANSFER_READ_TIMEOUT_S,
+                                                                               TRANSFER_ATTEMPTS)
     assert transfer.read_timeout > 10 * probe.read_timeout
     # Preflight sends everything through the probe client; a command's other requests go through the transfer client.
     view = probing(store)
-    assert isinstance(view, S3Store) and view.at.conn.client is conn.probe_client and conn.client is not conn.probe_client
+    assert (
+        isinstance(view, S3Store) and view.at.conn.client is conn.probe_client and conn.client is not conn.probe_client
+    )
 
 
 def test_the_first_request_of_a_connection_is_probed_once_and_preflight_counts_as_the_probe(s3_bucket):
@@ -413,10 +442,14 @@ def test_commands_against_an_endpoint_that_never_answers_fail_with_one_line(tmp_
         }
         # Separate processes, each with its own connections, that only wait out their probe timeouts: run side by side.
         with ThreadPoolExecutor(len(commands)) as pool:
-            futures = {name: pool.submit(run_cli, [*args, "--endpoint-url", stalled.url], env) for name, args in commands.items()}
+            futures = {
+                name: pool.submit(run_cli, [*args, "--endpoint-url", stalled.url], env)
+                for name, args in commands.items()
+            }
             runs = {name: future.result() for name, future in futures.items()}
         assert stalled.held  # the connections were accepted, then never answered
-    stall = f"S3 endpoint {stalled.url} accepts connections but did not answer within {PROBE_READ_TIMEOUT_S} s ({PROBE_ATTEMPTS} tries)"
+    stall = (f"S3 endpoint {stalled.url} accepts connections but did not answer within {PROBE_READ_TIMEOUT_S} s "
+             f"({PROBE_ATTEMPTS} tries)")
     for command in ("preflight", "status", "pull"):
         proc = runs[command]
         lines = proc.stderr.strip().splitlines()

@@ -40,7 +40,8 @@ def _flip_in_volume(data_dir, needle: bytes) -> None:
 def test_a_flipped_byte_in_the_servers_volume_is_corrupt_under_deep(tmp_path, s3_env, monkeypatch):
     bucket = s3_env.new_bucket()
     needle = os.urandom(64)
-    local = commit_files(tmp_path / "art", {"shard.arrow": b"head" + needle * 50 + b"tail", "other.bin": b"x" * 100}, kind="tokenized")
+    local = commit_files(tmp_path / "art", {"shard.arrow": b"head" + needle * 50 + b"tail", "other.bin": b"x" * 100},
+                         kind="tokenized")
     url = f"s3://{bucket}/run/tokenized"
     push(local, url)
     assert verify_artifact(open_store(url), deep=True).state is State.VERIFIED
@@ -52,9 +53,9 @@ def test_a_flipped_byte_in_the_servers_volume_is_corrupt_under_deep(tmp_path, s3
     assert shallow.state is State.VERIFIED and shallow.method == SERVER_CHECKSUMS
     assert "checksum its server stored at upload" in render_progress(url, status(open_store(f"s3://{bucket}/run")))
 
-    # Reading the bytes back fails at the server: SeaweedFS answers 500 only after its own read retries (about 13 s per GET,
-    # hence only two reads here). The transfer client would send each such GET TRANSFER_ATTEMPTS times for the same 500;
-    # one attempt gives the same answer, so the commands below (run in this process) send it once.
+    # Reading the bytes back fails at the server: SeaweedFS answers 500 only after its own read retries (about 13 s per
+    # GET, hence only two reads here). The transfer client would send each such GET TRANSFER_ATTEMPTS times for the same
+    # 500; one attempt gives the same answer, so the commands below (run in this process) send it once.
     monkeypatch.setattr(s3_client, "TRANSFER_ATTEMPTS", 1)
     runner = CliRunner()
     out = runner.invoke(app, ["verify", url, "--deep"])

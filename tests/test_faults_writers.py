@@ -82,8 +82,8 @@ def test_a_lease_left_by_a_dead_process_on_this_host_is_taken_over_at_once(tmp_p
     now = time.time()
     dest = tmp_path / "dest"
     dest.mkdir()
-    (dest / LEASE_NAME).write_bytes(LeaseRecord(f"{socket.gethostname()}:{gone.pid}:x", socket.gethostname(), gone.pid, "blockdraft push",
-                                                now, now + 600).to_bytes())
+    (dest / LEASE_NAME).write_bytes(LeaseRecord(f"{socket.gethostname()}:{gone.pid}:x", socket.gethostname(), gone.pid,
+                                                "blockdraft push", now, now + 600).to_bytes())
     art = commit_files(tmp_path / "art", {"a.bin": b"x" * 10}, kind="tokenized")
     reporter = Reporter()
     push(art, str(dest), reporter=reporter)
@@ -152,8 +152,12 @@ def test_a_refused_pull_leaves_the_verified_local_copy_untouched(tmp_path):
 @pytest.mark.slow
 def test_two_concurrent_pushes_to_one_prefix_never_leave_a_false_verified(tmp_path, s3_env):
     """Two real processes push different artifacts to one S3 prefix at once, twice: whoever says `verified` is what the
-    prefix holds when both are done (or was, before the other committed after it), and a loser exits 2 naming the owner."""
-    arts = [commit_files(tmp_path / f"a{i}", {f"shard-{k}.bin": bytes([i]) * 3_000_000 for k in range(4)}, kind="tokenized") for i in range(2)]
+    prefix holds when both are done (or was, before the other committed after it), and a loser exits 2 naming the
+    owner."""
+    arts = [
+        commit_files(tmp_path / f"a{i}", {f"shard-{k}.bin": bytes([i]) * 3_000_000 for k in range(4)}, kind="tokenized")
+        for i in range(2)
+    ]
     manifests = [(a / MANIFEST_NAME).read_bytes() for a in arts]
     for trial in range(2):
         url = f"s3://{s3_env.new_bucket()}/run/tokenized"

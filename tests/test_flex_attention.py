@@ -1,9 +1,10 @@
 """The block-sparse (FlexAttention) training attention against the dense mask, its reference.
 
-The BlockMask, expanded entry by entry, is the dense mask exactly (full and sliding layers, padded blocks, lengths that are
-not tile multiples); the drafter's loss and every gradient are the dense path's (fp32, 1e-5); the compiled kernel gives the
-dense forward and keeps each block blind to features at and after its anchor. Gradients use torch's eager FlexAttention:
-the fused CPU kernel has no backward, and torch refuses CPU inputs that require grad, a guard these tests lift.
+The BlockMask, expanded entry by entry, is the dense mask exactly (full and sliding layers, padded blocks, lengths that
+are not tile multiples); the drafter's loss and every gradient are the dense path's (fp32, 1e-5); the compiled kernel
+gives the dense forward and keeps each block blind to features at and after its anchor. Gradients use torch's eager
+FlexAttention: the fused CPU kernel has no backward, and torch refuses CPU inputs that require grad, a guard these tests
+lift.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _rows(lengths: list[int], seed: int) -> list[tuple[torch.Tensor, torch.Tenso
 def _batch(lengths: list[int], num_anchors: int, spec: DrafterSpec, attention: str, seed: int = 0):
     return build_block_batch(
         _rows(lengths, seed), num_anchors=num_anchors, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
-        gamma=3.0, generators=[anchor_generator(seed, 0, i) for i in range(len(lengths))], attention=attention,  # type: ignore[arg-type]
+        gamma=3.0, generators=[anchor_generator(seed, 0, i) for i in range(len(lengths))],
+        attention=attention,  # type: ignore[arg-type]
     )
 
 
@@ -68,7 +70,8 @@ def _expanded(mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
     q, kv = mask.seq_lengths
     b = mask.kv_num_blocks.shape[0]
     tiles = torch.zeros(b, 2, -(-q // TILE), -(-kv // TILE), dtype=torch.bool)  # [b, partial/full, Q tiles, KV tiles]
-    for kind, (count, index) in enumerate(((mask.kv_num_blocks, mask.kv_indices), (mask.full_kv_num_blocks, mask.full_kv_indices))):
+    for kind, (count, index) in enumerate(((mask.kv_num_blocks, mask.kv_indices),
+                                           (mask.full_kv_num_blocks, mask.full_kv_indices))):
         assert count is not None and index is not None
         for r in range(b):
             for t in range(tiles.shape[2]):
@@ -83,10 +86,10 @@ def _expanded(mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("window", [None, 24, 200])
 def test_block_mask_is_the_dense_mask_entry_by_entry(window):
     """Rows of uneven length (padded context, padded blocks), Q and S+Q not tile multiples, and anchors on tile edges
-    (query tiles are 32 blocks of 4): row 0's first query tile needs key tile [128, 256) for key 128 only (anchor 129), and
-    its second one, lowest anchor 255, leaves that tile one key short of full; row 2 has whole context tiles full; row 3
-    puts a window's first key on a tile's last key (window 24: anchor 150) and one key past a tile's first (window 200:
-    anchor 197, slot 3)."""
+    (query tiles are 32 blocks of 4): row 0's first query tile needs key tile [128, 256) for key 128 only (anchor 129),
+    and its second one, lowest anchor 255, leaves that tile one key short of full; row 2 has whole context tiles full;
+    row 3 puts a window's first key on a tile's last key (window 24: anchor 150) and one key past a tile's first (window
+    200: anchor 197, slot 3)."""
     size, s, n = 4, 419, 70
     assert n > 2 * TILE // size  # three query tiles, the last one ragged
     g = torch.Generator().manual_seed(3)
@@ -111,7 +114,8 @@ def test_block_mask_is_the_dense_mask_entry_by_entry(window):
     assert torch.equal(expanded, dense)
     assert not tiles.any(1).all(), "no tile skipped: the mask would not be sparse"
     if window is None:
-        assert tiles[2, 1, 0, :2].all() and tiles[0, 1, 1, 0] and not tiles[0, 1, 1, 1], "full where every key is seen, only there"
+        assert (tiles[2, 1, 0, :2].all() and tiles[0, 1, 1, 0]
+                and not tiles[0, 1, 1, 1]), "full where every key is seen, only there"
 
 
 def test_a_tile_list_that_misses_a_visited_tile_is_caught():
@@ -148,13 +152,17 @@ def test_flex_and_dense_give_equal_loss_and_gradients(eager_flex_with_grad, laye
     for attention in ("dense", "flex"):
         batch = _batch([150, 61, 23], 40, spec, attention)
         assert not batch.keep.all() and batch.anchors.shape[1] * spec.block_size > TILE
-        features = torch.randn(3, batch.input_ids.shape[1], spec.num_target_features * spec.hidden_size, generator=g.manual_seed(2))
+        features = torch.randn(3, batch.input_ids.shape[1], spec.num_target_features * spec.hidden_size,
+                               generator=g.manual_seed(2))
         hidden = DraftForward(drafter)(features, embed[batch.block_ids], batch.block_positions, batch.context_positions,
                                        batch.drafter_attention)
         out = block_loss(hidden, batch.labels, batch.weights, head, None, spec.block_size, 8)
         drafter.zero_grad(set_to_none=True)
         out.loss.backward()
-        results[attention] = out.loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        results[attention] = (
+            out.loss.detach(),
+            {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None},
+        )
     (dense_loss, dense_grads), (flex_loss, flex_grads) = results["dense"], results["flex"]
     torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-5, atol=0)
     assert dense_grads.keys() == flex_grads.keys() and len(dense_grads) == len(list(drafter.parameters()))
@@ -165,22 +173,25 @@ def test_flex_and_dense_give_equal_loss_and_gradients(eager_flex_with_grad, laye
 @pytest.mark.slow
 def test_compiled_kernel_equals_dense_and_keeps_blocks_blind_past_their_anchor():
     """The fused kernel (compiled for the CPU, forward only) reads the tile lists, so this checks them in a real kernel:
-    same hidden states as the dense path, full and sliding layers; features at or after a block's anchor cannot reach it."""
+    same hidden states as the dense path, full and sliding layers; features at or after a block's anchor cannot reach
+    it."""
     drafter = _drafter([S, F, S], 24).eval()
     spec = drafter.spec
     g = torch.Generator().manual_seed(4)
     embed = torch.randn(spec.vocab_size, spec.hidden_size, generator=g)
     (ids, _), short = _rows([300, 140], seed=5)
     batch = build_block_batch(  # row 0 anchors from 140 on, so its first context tile is full for every query tile
-        [(ids, torch.arange(300) >= 140), short], num_anchors=64, block_size=spec.block_size, mask_token_id=spec.mask_token_id,
-        gamma=3.0, generators=[anchor_generator(5, 0, i) for i in range(2)], attention="flex",
+        [(ids, torch.arange(300) >= 140), short], num_anchors=64, block_size=spec.block_size,
+        mask_token_id=spec.mask_token_id, gamma=3.0, generators=[anchor_generator(5, 0, i) for i in range(2)],
+        attention="flex",
     )
     assert batch.layout.block_mask().full_kv_num_blocks[0].min() >= 1  # type: ignore[union-attr]
     features = torch.randn(2, 300, spec.num_target_features * spec.hidden_size, generator=g)
 
     def run(feats, attention):
         with torch.no_grad():
-            return DraftForward(drafter)(feats, embed[batch.block_ids], batch.block_positions, batch.context_positions, attention)
+            return DraftForward(drafter)(feats, embed[batch.block_ids], batch.block_positions, batch.context_positions,
+                                         attention)
 
     flex = run(features, batch.layout)
     torch.testing.assert_close(flex, run(features, batch.attention_mask), rtol=1e-5, atol=1e-5)
@@ -199,7 +210,8 @@ def test_compiled_kernel_equals_dense_and_keeps_blocks_blind_past_their_anchor()
 def test_flex_batches_hand_the_drafter_the_layout_and_never_build_the_dense_mask(monkeypatch):
     spec = _spec([F, F, F], None)
     batch = _batch([40, 12], 8, spec, "flex")
-    monkeypatch.setattr("blockdraft.stages.train.data.block_attention_mask", lambda *a, **k: pytest.fail("dense mask built"))
+    monkeypatch.setattr("blockdraft.stages.train.data.block_attention_mask",
+                        lambda *a, **k: pytest.fail("dense mask built"))
     layout = batch.drafter_attention
     assert isinstance(layout, AnchorLayout) and layout.context_len == 40 and torch.equal(layout.anchors, batch.anchors)
 

@@ -1,5 +1,5 @@
-"""`generate`: the openai engine over real HTTP against the local endpoint (a separate process serving the tiny target, or
-an in-process server whose faults are scripted), and the hf engine in process. The endpoint is killed midway and
+"""`generate`: the openai engine over real HTTP against the local endpoint (a separate process serving the tiny target,
+or an in-process server whose faults are scripted), and the hf engine in process. The endpoint is killed midway and
 restarted; a held request never answers, so its timeout fires for certain; reruns keep finished pieces without reading
 a shard."""
 
@@ -76,7 +76,8 @@ def openai_config(url: str, **options):
 
 
 def hf_config(**options):
-    return load_config(None, {"target": {"path": str(TINY)}, "generate": {"engine": "hf", "max_new_tokens": 8, **options}})
+    return load_config(None,
+                       {"target": {"path": str(TINY)}, "generate": {"engine": "hf", "max_new_tokens": 8, **options}})
 
 
 def run(input: Path, output: Path, cfg, reporter: Reporter | None = None):
@@ -95,11 +96,13 @@ def shard_files(out: Path) -> dict[str, tuple[int, int]]:
 def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tmp_path, endpoints):
     ids = write_prompts(tmp_path / "prompts.jsonl", 12)
     out = tmp_path / "completions"
-    # Four requests are answered, the next two (both slots of concurrency 2) are held: the run cannot get further, however
-    # fast the machine, until the endpoint is killed under the held requests. The second endpoint serves the rerun; both
-    # start side by side (each process loads torch and the model, seconds), and nothing reaches the second before the rerun.
+    # Four requests are answered, the next two (both slots of concurrency 2) are held: the run cannot get further,
+    # however fast the machine, until the endpoint is killed under the held requests. The second endpoint serves the
+    # rerun; both start side by side (each process loads torch and the model, seconds), and nothing reaches the second
+    # before the rerun.
     with ThreadPoolExecutor(2) as pool:
-        first, second = pool.map(lambda args: endpoints(*args), [(tmp_path / "first.log", "ok,ok,ok,ok,hold,hold"), (tmp_path / "second.log", "")])
+        first, second = pool.map(lambda args: endpoints(*args),
+                                 [(tmp_path / "first.log", "ok,ok,ok,ok,hold,hold"), (tmp_path / "second.log", "")])
 
     def kill_once_two_requests_are_held() -> None:
         deadline = time.monotonic() + 300  # bounds a hang only; the kill comes as soon as both are held
@@ -118,7 +121,9 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
     assert set(run1.details.reasons) == {"connection"}
     failures = [json.loads(x) for x in (out / FAILURES_NAME).read_text().splitlines()]
     failed_ids = {f["id"] for f in failures}
-    assert len(failed_ids) == run1.details.failed and all(f["kind"] == "failed_request" and f["attempts"] == 3 for f in failures)
+    assert len(failed_ids) == run1.details.failed and all(
+        f["kind"] == "failed_request" and f["attempts"] == 3 for f in failures
+    )
     done_ids = {r["id"] for r in output_rows(out)}
     assert done_ids.isdisjoint(failed_ids) and done_ids | failed_ids == set(ids)
     assert run1.report.state is State.VERIFIED and run1.report.manifest.counts["failed"] == run1.details.failed
@@ -134,7 +139,8 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
     assert all(r["messages"][-1]["role"] == "assistant" and r["completion_token_ids"] for r in rows)
     # Each prompt's thinking mode reached the server's chat template as chat_template_kwargs.
     tok = AutoTokenizer.from_pretrained(TINY)
-    modes = {r["id"]: r["enable_thinking"] for r in map(json.loads, (tmp_path / "prompts.jsonl").read_text().splitlines())}
+    modes = {r["id"]: r["enable_thinking"]
+             for r in map(json.loads, (tmp_path / "prompts.jsonl").read_text().splitlines())}
     assert set(modes.values()) == {True, False}
     for r in rows:
         assert r["thinking"] == ("on" if modes[r["id"]] else "off")
@@ -168,7 +174,11 @@ def test_injected_5xx_and_timeouts_are_retried_then_recorded(tmp_path):
         assert failures["tool-turn"]["reason"] == "http_400" and failures["tool-turn"]["attempts"] == 1  # not retried
         assert "no role tool" in failures["tool-turn"]["detail"]
         summary = result.details
-        assert summary.reasons == {"http_503": 1, "timeout": 1, "http_400": 1} and summary.failed == 3 and summary.generated == 3
+        assert (
+            summary.reasons == {"http_503": 1, "timeout": 1, "http_400": 1}
+            and summary.failed == 3
+            and summary.generated == 3
+        )
         assert {r["id"] for r in output_rows(tmp_path / "out")} == set(ids[2:])
         counts = result.report.manifest.counts
         assert counts["failed"] == 3 and counts["reasons"] == summary.reasons
@@ -176,7 +186,8 @@ def test_injected_5xx_and_timeouts_are_retried_then_recorded(tmp_path):
 
         # The script is spent: a rerun generates the two prompts that failed on faults, and records the bad one again.
         rerun = run(tmp_path / "prompts.jsonl", tmp_path / "out", cfg)
-        assert (rerun.details.reused, rerun.details.generated, rerun.details.failed, rerun.details.reasons) == (3, 2, 1, {"http_400": 1})
+        assert ((rerun.details.reused, rerun.details.generated, rerun.details.failed, rerun.details.reasons)
+                == (3, 2, 1, {"http_400": 1}))
         assert sorted(r["id"] for r in output_rows(tmp_path / "out")) == sorted(ids)
 
         # The served model name, asked from the server when not configured, is what the completions were made with:
@@ -198,7 +209,10 @@ def test_hf_engine_regenerates_the_final_turn_with_exact_token_ids(tmp_path):
     cfg = hf_config(max_new_tokens=120, batch_size=4)
     result = run(tmp_path / "in.jsonl", tmp_path / "out", cfg)
     assert result.report.state is State.VERIFIED and result.details.generated == 5
-    assert result.details.reasons == {"no_user_turn": 1, "duplicate_id": 1, "bad_json": 1} and result.details.bad_prompts == 3
+    assert (
+        result.details.reasons == {"no_user_turn": 1, "duplicate_id": 1, "bad_json": 1}
+        and result.details.bad_prompts == 3
+    )
 
     tok = AutoTokenizer.from_pretrained(TINY)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -247,7 +261,8 @@ def test_rerun_keeps_finished_pieces_without_reading_a_shard(tmp_path, monkeypat
     assert done.already_done and done.details.reused == 3
     assert (out / MANIFEST_NAME).read_bytes() == manifest and shard_files(out) == shards
 
-    # A run killed after its last piece but before its commit, with one more shard uploaded whose piece was never recorded.
+    # A run killed after its last piece but before its commit, with one more shard uploaded whose piece was never
+    # recorded.
     (out / MANIFEST_NAME).unlink()
     (out / SHARDS_DIR / "part-00003.jsonl.zst").write_bytes(b"torn upload")
     resumed = run(tmp_path / "p.jsonl", out, cfg)
@@ -266,10 +281,12 @@ def test_a_piece_made_with_other_settings_is_refused(tmp_path):
     (out / MANIFEST_NAME).unlink()
     (out / SETTINGS_NAME).unlink()
     shards = shard_files(out)
-    with pytest.raises(ConfigError, match=r"holds completions made with other generate settings \(piece part-00000\); write to a new OUTPUT"):
+    with pytest.raises(ConfigError, match=r"holds completions made with other generate settings \(piece part-00000\); "
+                                          r"write to a new OUTPUT"):
         run(tmp_path / "p.jsonl", out, hf_config(max_new_tokens=9))
     assert shard_files(out) == shards  # nothing was removed
-    assert run(tmp_path / "p.jsonl", out, hf_config()).details.reused == 2  # the settings they were made with are still welcome
+    # the settings they were made with are still welcome
+    assert run(tmp_path / "p.jsonl", out, hf_config()).details.reused == 2
 
 
 def test_an_output_of_other_prompts_is_refused(tmp_path):
@@ -286,7 +303,8 @@ def test_generate_cli_refuses_other_settings_on_the_same_output(tmp_path):
     cfg_file.write_text(f'[target]\npath = "{TINY.as_posix()}"\n[generate]\nengine = "hf"\nmax_new_tokens = 8\n')
     first = run(tmp_path / "p.jsonl", tmp_path / "o", load_config(cfg_file))
     assert first.details.generated == 2 and len(output_rows(tmp_path / "o")) == len(ids)
-    cmd = [CLI, "generate", str(tmp_path / "p.jsonl"), str(tmp_path / "o"), "--config", str(cfg_file), "--max-new-tokens", "9"]
+    cmd = [CLI, "generate", str(tmp_path / "p.jsonl"), str(tmp_path / "o"), "--config", str(cfg_file),
+           "--max-new-tokens", "9"]
     other = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert other.returncode == 2
     assert "other generate settings (max_new_tokens)" in other.stderr and "Traceback" not in other.stderr
@@ -294,4 +312,7 @@ def test_generate_cli_refuses_other_settings_on_the_same_output(tmp_path):
 
     same = subprocess.run(cmd[:-2], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert same.returncode == 0, same.stderr
-    assert "(already complete, nothing generated)" in same.stderr and "prompts 2: reused 2, generated 0, failed 0" in same.stderr
+    assert (
+        "(already complete, nothing generated)" in same.stderr
+        and "prompts 2: reused 2, generated 0, failed 0" in same.stderr
+    )

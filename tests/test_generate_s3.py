@@ -52,7 +52,8 @@ def test_generate_on_s3_resumes_after_kill_9_of_the_generate_process(s3_bucket, 
     (tmp_path / "prompts.parquet").write_bytes(buf.getvalue())
     open_store(f"s3://{s3_bucket}/in").put_file("prompts.parquet", tmp_path / "prompts.parquet")
 
-    # Four requests are answered and the fifth is held: the run stops there, however fast the machine, until it is killed.
+    # Four requests are answered and the fifth is held: the run stops there, however fast the machine, until it is
+    # killed.
     with EndpointProcess(TINY_TARGET_DIR, tmp_path / "endpoint.log", faults="ok,ok,ok,ok,hold") as endpoint:
         config = tmp_path / "c.toml"
         config.write_text(
@@ -60,8 +61,8 @@ def test_generate_on_s3_resumes_after_kill_9_of_the_generate_process(s3_bucket, 
             'rows_per_shard = 2\nretry_backoff_s = 0.05\nthinking = "off"\n'
         )
         out_url = f"s3://{s3_bucket}/completions"
-        cmd = [str(Path(sys.executable).parent / "blockdraft"), "generate", f"s3://{s3_bucket}/in/prompts.parquet", out_url,
-               "--config", str(config)]
+        cmd = [str(Path(sys.executable).parent / "blockdraft"), "generate", f"s3://{s3_bucket}/in/prompts.parquet",
+               out_url, "--config", str(config)]
         out = open_store(out_url)
         first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.err", "w"))
         try:
@@ -88,4 +89,6 @@ def test_generate_on_s3_resumes_after_kill_9_of_the_generate_process(s3_bucket, 
         assert report.state is State.VERIFIED and report.manifest.kind == "completions"
         assert report.manifest.counts["rows"] == 10 and report.manifest.counts["rows_by"]["thinking_off"] == 10
         assert report.manifest.counts["reused"] == len(kept)
-        assert report.manifest.lineage[0].kind == "raw" and report.manifest.lineage[0].url.endswith("in/prompts.parquet")
+        assert report.manifest.lineage[0].kind == "raw" and report.manifest.lineage[0].url.endswith(
+            "in/prompts.parquet"
+        )

@@ -2,7 +2,8 @@
 read in a stage, a test or a doc points at one definition (a grep for it finds that one).
 
 Three kinds of name are one interface defined many times, always reached through the module, and are not counted:
-- the stage protocol (`STAGE_PROTOCOL`): every stage package's `run`, and the `summary_lines` the CLI prints of its result;
+- the stage protocol (`STAGE_PROTOCOL`): every stage package's `run`, and the `summary_lines` the CLI prints of its
+  result;
 - a CLI command (`@app.command()` in `cli.py`): named for what the user types, and calling the function of that name;
 - `main` of a module run with `python -m` (one that has an `if __name__ == "__main__":` block)."""
 

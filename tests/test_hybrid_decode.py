@@ -1,7 +1,7 @@
 """Lossless speculative decoding on hybrid-attention targets (linear-attention layers with a recurrent state).
 
-Two tiny fp32 fixtures built from config: a composite Qwen3.5 checkpoint (vision tower, M-RoPE) loaded as a causal LM, and
-a Qwen3-Next model. For an untrained drafter, a briefly trained one and a noisy oracle that forces every acceptance
+Two tiny fp32 fixtures built from config: a composite Qwen3.5 checkpoint (vision tower, M-RoPE) loaded as a causal LM,
+and a Qwen3-Next model. For an untrained drafter, a briefly trained one and a noisy oracle that forces every acceptance
 length 1..B, the speculative output equals target-only greedy; the same runs without the linear-state rollback diverge
 (the negative control: it proves the test can fail and that the rollback is what makes the output right).
 """
@@ -55,20 +55,23 @@ def _untrained(model) -> DFlashDrafter:
 
 
 def _trained(folder, references, tmp_path) -> DFlashDrafter:
-    """A drafter trained by the train stage on the target's own greedy continuations of the test prompts (it may memorise
-    them: what matters here is that it accepts often and partly, not that it generalises)."""
+    """A drafter trained by the train stage on the target's own greedy continuations of the test prompts (it may
+    memorise them: what matters here is that it accepts often and partly, not that it generalises)."""
     from helpers.train_data import write_tokenized
 
     rows = [
-        {"input_ids": ref.tokens, "loss_mask": [0] * ref.prompt_len + [1] * len(ref.new_tokens), "source_id": f"row-{i}-{copy}"}
+        {"input_ids": ref.tokens, "loss_mask": [0] * ref.prompt_len + [1] * len(ref.new_tokens),
+         "source_id": f"row-{i}-{copy}"}
         for copy in range(8) for i, ref in enumerate(references)
     ]
     data = write_tokenized(tmp_path / "tokenized", rows[:-2], rows[-2:])
     cfg = load_config(None, {
         "target": {"path": str(folder)}, "store": {"url": str(tmp_path / "store")},
-        "dflash": {"block_size": BLOCK, "mask_token_id": MASK_ID, "num_draft_layers": 2, "gamma": 4.0, "num_anchors": 16},
+        "dflash": {"block_size": BLOCK, "mask_token_id": MASK_ID, "num_draft_layers": 2, "gamma": 4.0,
+                   "num_anchors": 16},
         "train": {"data": data, "output": str(tmp_path / "run"), "log_dir": str(tmp_path / "logs"), "max_steps": 20,
-                  "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05, "checkpoint_every": 20, "seed": 0},
+                  "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05, "checkpoint_every": 20,
+                  "seed": 0},
     })
     train_stage.run(cfg)
     newest = find_resumable(open_store(str(tmp_path / "run")))
@@ -110,13 +113,15 @@ def test_untrained_and_trained_drafters_are_lossless_on_hybrid_targets(hybrid, t
         assert [r.tokens for r in results] == [r.tokens for r in references], name
         taus[name] = sum(r.tau for r in results) / len(results)
     assert taus["trained"] > taus["untrained"], taus
-    # Negative control with the trained drafter: partial acceptances happen, and without the rollback they corrupt the state.
+    # Negative control with the trained drafter: partial acceptances happen, and without the rollback they corrupt the
+    # state.
     without = _runs(model, lambda _i: DFlashProposer(trained, head), prompts, rollback=False)
     assert any(r.tokens != ref.tokens for r, ref in zip(without, references, strict=True))
 
 
 def test_a_layer_whose_projections_never_ran_is_refused_not_skipped(hybrid):
-    """A fused kernel that runs a linear layer without calling its projections leaves nothing to replay: refuse loudly."""
+    """A fused kernel that runs a linear layer without calling its projections leaves nothing to replay: refuse
+    loudly."""
     _folder, model, prompts, _references = hybrid
     target = CachedTarget(model)
     assert isinstance(target.linear, LinearStateRollback)
@@ -125,7 +130,8 @@ def test_a_layer_whose_projections_never_ran_is_refused_not_skipped(hybrid):
     index, mixer = next(iter(target.linear.mixers.items()))
     name, projection = next((n, c) for n, c in mixer.named_children() if isinstance(c, torch.nn.Linear))
     frozen = projection(torch.zeros(1, BLOCK, projection.in_features))
-    setattr(mixer, name, _Replay(frozen, BLOCK))  # stands in for a kernel: the layer runs, its projection's hook never fires
+    # stands in for a kernel: the layer runs, its projection's hook never fires
+    setattr(mixer, name, _Replay(frozen, BLOCK))
     try:
         target.forward(torch.tensor([[1] * BLOCK]), prompt.shape[1])
     finally:

@@ -1,5 +1,6 @@
-"""The tiny hybrid targets of `helpers.hybrid`: they load like Qwen3.5/Qwen3.6 and Qwen3-Next checkpoints, the composite's
-text model is what `AutoModelForCausalLM` loads (same weights, same logits), and greedy decoding of random prompts is varied."""
+"""The tiny hybrid targets of `helpers.hybrid`: they load like Qwen3.5/Qwen3.6 and Qwen3-Next checkpoints, the
+composite's text model is what `AutoModelForCausalLM` loads (same weights, same logits), and greedy decoding of random
+prompts is varied."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ def test_checkpoints_carry_the_qwen3_6_chat_template_and_a_tokenizer_below_the_v
     folder = composite_dir if which == "composite" else next_dir
     tok = AutoTokenizer.from_pretrained(folder)
     assert (folder / "chat_template.jinja").read_text() == (TEMPLATES / "trl_qwen3_6.jinja").read_text()
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Count from 3 to 6."}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Count from 3 to 6."}], tokenize=False,
+                                     add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n<think>\n")
     model = AutoModelForCausalLM.from_pretrained(folder)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")

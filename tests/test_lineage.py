@@ -40,8 +40,9 @@ def _flip_byte(path) -> None:
 
 
 def _build_on_a_pulled_copy(tmp_path):
-    """The store holds raw/completions.jsonl and `tokenized` made from it; a training node pulls `tokenized` into its own
-    folder and makes `checkpoint` (written to the store) from the pulled copy; `export` is made from the checkpoint."""
+    """The store holds raw/completions.jsonl and `tokenized` made from it; a training node pulls `tokenized` into its
+    own folder and makes `checkpoint` (written to the store) from the pulled copy; `export` is made from the
+    checkpoint."""
     store, node = tmp_path / "store", tmp_path / "train-node"
     (store / "raw").mkdir(parents=True)
     (store / "raw" / "completions.jsonl").write_text('{"messages": []}\n' * 50)
@@ -131,13 +132,16 @@ def test_an_input_gone_from_the_surveyed_store_is_stale(tmp_path):
 
 
 def test_export_of_a_checkpoint_pushed_to_scratch_stays_verified_when_the_scratch_copy_is_deleted(tmp_path):
-    """push CKPT to a scratch store, export from the local CKPT, delete the scratch copy: the export pinned the checkpoint it
-    read, which still verifies, so `verify` says verified (a push never makes a folder pin the copy it sent elsewhere)."""
+    """push CKPT to a scratch store, export from the local CKPT, delete the scratch copy: the export pinned the
+    checkpoint it read, which still verifies, so `verify` says verified (a push never makes a folder pin the copy it
+    sent elsewhere)."""
     cfg = BlockdraftConfig(
         target=TargetConfig(path=str(GOLDEN / "target")),
-        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0),
+        dflash=DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5],
+                            num_draft_layers=3, gamma=3.0),
     )
-    save_checkpoint(open_store(tmp_path / "run"), 10, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {}, cfg.resolved(), [], {})
+    save_checkpoint(open_store(tmp_path / "run"), 10, DFlashDrafter.from_pretrained(GOLDEN / "drafter"), {},
+                    cfg.resolved(), [], {})
     ckpt, runner = tmp_path / "run" / "step-00000010", CliRunner()
     pushed = runner.invoke(app, ["push", str(ckpt), f"file://{tmp_path / 'scratch' / 'ck'}"])
     assert pushed.exit_code == 0, pushed.output
@@ -154,8 +158,8 @@ def test_export_of_a_checkpoint_pushed_to_scratch_stays_verified_when_the_scratc
 
 
 def test_a_push_leaves_what_a_local_folder_pins_as_it_was(tmp_path):
-    """A folder made here pins itself after a push; a pulled copy keeps pinning the store it came from after it is pushed
-    elsewhere; an origin record for another manifest (the copy was remade since) is not believed."""
+    """A folder made here pins itself after a push; a pulled copy keeps pinning the store it came from after it is
+    pushed elsewhere; an origin record for another manifest (the copy was remade since) is not believed."""
     made = commit_files(tmp_path / "node" / "tokenized", {"data.arrow": b"rows"}, kind="tokenized")
     push(made, f"file://{tmp_path / 'store' / 'tokenized'}")
     assert open_input(str(made)).ref.url == open_store(made).url and not (made / ORIGIN_NAME).exists()
@@ -184,7 +188,8 @@ def test_a_copy_pulled_from_s3_pins_the_bucket(tmp_path, s3_env):
 
 def test_inputs_on_the_same_s3_store_resolve_with_the_endpoint_given(tmp_path, s3_env, monkeypatch):
     """`--endpoint-url` (or store.endpoint_url) reaches the inputs' store too: a checkpoint whose input is on the same
-    server is `verified` by `status` and `verify` with no AWS_ENDPOINT_URL in the environment, not `input unreachable here`."""
+    server is `verified` by `status` and `verify` with no AWS_ENDPOINT_URL in the environment, not
+    `input unreachable here`."""
     bucket = s3_env.new_bucket()
     run = f"s3://{bucket}/run"
     commit_files(tmp_path / "tokenized", {"data.arrow": b"rows" * 200}, kind="tokenized")
@@ -199,20 +204,29 @@ def test_inputs_on_the_same_s3_store_resolve_with_the_endpoint_given(tmp_path, s
     assert "unreachable" not in surveyed.output and surveyed.output.count("verified\t") == 2
     (tmp_path / "c.toml").write_text(f'[store]\nendpoint_url = "{s3_env.endpoint}"\n')
     checked = CliRunner().invoke(app, ["verify", f"{run}/checkpoint", "--config", str(tmp_path / "c.toml")])
-    assert checked.exit_code == 0 and "verified\tcheckpoint\t" in checked.output and "unreachable" not in checked.output, checked.output
+    assert (
+        checked.exit_code == 0 and "verified\tcheckpoint\t" in checked.output and "unreachable" not in checked.output
+    ), checked.output
 
 
 def test_push_and_pull_take_a_name_under_an_s3_store_url(tmp_path, s3_env, monkeypatch):
-    """With store.url on S3, `push tokenized NAME` and `pull NAME DIR` mean NAME under store.url; ./NAME stays a local path."""
+    """With store.url on S3, `push tokenized NAME` and `pull NAME DIR` mean NAME under store.url; ./NAME stays a local
+    path."""
     monkeypatch.chdir(tmp_path)  # a bare name taken as a local path would land here
     bucket = s3_env.new_bucket()
     (tmp_path / "c.toml").write_text(f'[store]\nurl = "s3://{bucket}/run"\n')
     commit_files(tmp_path / "tokenized", {"data.arrow": b"rows" * 200}, kind="tokenized")
     config = ["--config", str(tmp_path / "c.toml")]
     pushed = CliRunner().invoke(app, ["push", str(tmp_path / "tokenized"), "data/tokenized", *config])
-    assert pushed.exit_code == 0 and f"verified\ttokenized\ts3://{bucket}/run/data/tokenized" in pushed.output, pushed.output
+    assert pushed.exit_code == 0 and f"verified\ttokenized\ts3://{bucket}/run/data/tokenized" in pushed.output, (
+        pushed.output
+    )
     assert verify_artifact(open_store(f"s3://{bucket}/run/data/tokenized")).state is State.VERIFIED
     pulled = CliRunner().invoke(app, ["pull", "data/tokenized", str(tmp_path / "copy"), *config])
-    assert pulled.exit_code == 0 and verify_artifact(open_store(tmp_path / "copy")).state is State.VERIFIED, pulled.output
+    assert pulled.exit_code == 0 and verify_artifact(open_store(tmp_path / "copy")).state is State.VERIFIED, (
+        pulled.output
+    )
     local = CliRunner().invoke(app, ["push", "tokenized", "./local", *config])
-    assert local.exit_code == 0 and verify_artifact(open_store(tmp_path / "local")).state is State.VERIFIED, local.output
+    assert local.exit_code == 0 and verify_artifact(open_store(tmp_path / "local")).state is State.VERIFIED, (
+        local.output
+    )

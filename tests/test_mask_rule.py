@@ -1,7 +1,7 @@
-"""The mask id rule on a target whose embedding has no reserved row, as a new user meets one (a Llama-family instruct model
-like SmolLM2: vocab_size = len(tokenizer), every row a token, the chat tokens added ones): a mask id the rows never hold
-trains and evaluates end to end; one they hold is refused in one line before training starts, naming one that fits; the
-advice line states the rule for any tokenizer."""
+"""The mask id rule on a target whose embedding has no reserved row, as a new user meets one (a Llama-family instruct
+model like SmolLM2: vocab_size = len(tokenizer), every row a token, the chat tokens added ones): a mask id the rows
+never hold trains and evaluates end to end; one they hold is refused in one line before training starts, naming one that
+fits; the advice line states the rule for any tokenizer."""
 
 from __future__ import annotations
 
@@ -29,15 +29,16 @@ from blockdraft.store import open_store
 from blockdraft.store.artifact import State, commit_artifact, entry_for_local_file, verify_artifact
 
 ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as SmolLM2's are
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 
 def conversation(i: int, rng: random.Random) -> dict:
     a, b = rng.randrange(9), rng.randrange(9)
     return {"id": f"c{i}", "messages": [{"role": "user", "content": f"what is {WORDS[a]} and {WORDS[b]}?"},
-                                        {"role": "assistant", "content": f"{WORDS[a]} and {WORDS[b]} make {a + b + 2}."}]}
+                                        {"role": "assistant",
+                                         "content": f"{WORDS[a]} and {WORDS[b]} make {a + b + 2}."}]}
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +59,9 @@ def target(tmp_path_factory) -> Path:
     tokenizer.save_pretrained(folder)
     assert [tokenizer.convert_tokens_to_ids(t) for t in ADDED] == [0, 1, 2]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=2, pad_token_id=0,
-                         bos_token_id=None)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=None)
     LlamaForCausalLM(config).save_pretrained(folder)
     with (folder / "completions.jsonl").open("w") as f:
         f.writelines(json.dumps(c) + "\n" for c in conversations[:12])
@@ -70,12 +71,14 @@ def target(tmp_path_factory) -> Path:
 
 
 def settings(tmp: Path, target: Path, mask: int | None) -> dict:
-    dflash = {"architecture": "dflash", "block_size": 4, "num_draft_layers": 1, "target_layer_ids": [0], "num_anchors": 8, "gamma": 4.0}
+    dflash = {"architecture": "dflash", "block_size": 4, "num_draft_layers": 1, "target_layer_ids": [0],
+              "num_anchors": 8, "gamma": 4.0}
     return {
         "target": {"path": str(target)}, "store": {"url": str(tmp / "store")}, "tokenize": {"held_out_fraction": 0.0},
         "dflash": dflash if mask is None else {**dflash, "mask_token_id": mask},
-        "train": {"data": str(tmp / "tokenized"), "output": str(tmp / "run"), "log_dir": str(tmp / "logs"), "max_steps": 4,
-                  "batch_size": 2, "global_batch_size": 2, "checkpoint_every": 4, "decode_eval_prompts": 0, "seed": 0},
+        "train": {"data": str(tmp / "tokenized"), "output": str(tmp / "run"), "log_dir": str(tmp / "logs"),
+                  "max_steps": 4, "batch_size": 2, "global_batch_size": 2, "checkpoint_every": 4,
+                  "decode_eval_prompts": 0, "seed": 0},
         "eval": {"num_prompts": 2},
     }
 
@@ -84,7 +87,8 @@ def settings(tmp: Path, target: Path, mask: int | None) -> dict:
 def tokenized(target, tmp_path_factory) -> Path:
     """The completions tokenized with no mask id set (the target's family has no reserved one to check)."""
     tmp = tmp_path_factory.mktemp("data")
-    tokenize_stage.run(load_config(None, settings(tmp, target, None)), str(target / "completions.jsonl"), str(tmp / "tokenized"))
+    tokenize_stage.run(load_config(None, settings(tmp, target, None)), str(target / "completions.jsonl"),
+                       str(tmp / "tokenized"))
     return tmp / "tokenized"
 
 
@@ -97,7 +101,9 @@ def seen_ids(tokenized: Path) -> SeenIds:
 def test_the_target_has_no_reserved_row_and_tokenize_records_the_ids_its_rows_hold(target, tokenized):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(target)
     vocab_size = json.loads((target / "config.json").read_text())["vocab_size"]
-    assert vocab_size == len(tokenizer) and all(tokenizer.convert_ids_to_tokens(i) is not None for i in range(vocab_size))
+    assert vocab_size == len(tokenizer) and all(
+        tokenizer.convert_ids_to_tokens(i) is not None for i in range(vocab_size)
+    )
     seen = seen_ids(tokenized)
     rows = load_rows(tokenized)
     assert seen.size == vocab_size and {i for i in range(vocab_size) if i in seen} == {i for row in rows for i in row}
@@ -133,7 +139,11 @@ def test_a_mask_id_the_rows_hold_is_refused_in_one_line_before_training_and_by_t
     with pytest.raises(ConfigError) as raised:
         train_stage.run(load_config(None, {**settings(tmp_path, target, held), "train": train_cfg}))
     message = str(raised.value)
-    assert "\n" not in message and f"mask_token_id {held} occurs in the tokenized rows of" in message and f"e.g. {fit}" in message
+    assert (
+        "\n" not in message
+        and f"mask_token_id {held} occurs in the tokenized rows of" in message
+        and f"e.g. {fit}" in message
+    )
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("step-*"))  # refused before any step
     # the CLI: after the memory plan, one error line and exit status 2
     toml = tmp_path / "c.toml"
@@ -144,12 +154,16 @@ def test_a_mask_id_the_rows_hold_is_refused_in_one_line_before_training_and_by_t
     assert errors[0].startswith(f"error: dflash.mask_token_id {held} occurs in the tokenized rows of ")
     # tokenize with that mask id set commits its rows, then refuses the mask id in one line
     out = tmp_path / "tokenized-again"
-    with pytest.raises(ConfigError, match=rf"mask_token_id {held} occurs in the tokenized rows .* e\.g\. {fit} \(the artifact is "):
-        tokenize_stage.run(load_config(None, settings(tmp_path, target, held)), str(target / "completions.jsonl"), str(out))
+    with pytest.raises(ConfigError, match=rf"mask_token_id {held} occurs in the tokenized rows .* e\.g\. {fit} \(the "
+                                          r"artifact is "):
+        tokenize_stage.run(load_config(None, settings(tmp_path, target, held)), str(target / "completions.jsonl"),
+                           str(out))
     assert verify_artifact(open_store(out)).state is State.VERIFIED
 
 
-def test_an_added_token_as_mask_and_an_unset_mask_are_refused_with_the_rule_for_any_tokenizer(target, tokenized, tmp_path):
+def test_an_added_token_as_mask_and_an_unset_mask_are_refused_with_the_rule_for_any_tokenizer(
+    target, tokenized, tmp_path
+):
     assert "Qwen" not in HOW_TO_CHOOSE and "never hold" in HOW_TO_CHOOSE and "vocab_size" in HOW_TO_CHOOSE
     with pytest.raises(ConfigError) as raised:  # <|im_start|>: an added token, refused when the config loads
         load_config(None, settings(tmp_path, target, 1))
@@ -158,20 +172,30 @@ def test_an_added_token_as_mask_and_an_unset_mask_are_refused_with_the_rule_for_
     # no mask id set, and a Llama target has no known reserved one: the rule, and an id the rows never hold
     with pytest.raises(ConfigError) as raised:
         train_stage.run(load_config(None, {**settings(tmp_path, target, None),
-                                           "train": {**settings(tmp_path, target, None)["train"], "data": str(tokenized)}}))
+                                           "train": {**settings(tmp_path, target, None)["train"],
+                                                     "data": str(tokenized)}}))
     message = str(raised.value)
     fit = suggest_mask_token_id(seen_ids(tokenized), seen_ids(tokenized).size, dict.fromkeys(range(len(ADDED)), ""))
-    assert "\n" not in message and "has no known reserved id" in message and HOW_TO_CHOOSE in message and f"e.g. {fit}" in message
+    assert (
+        "\n" not in message
+        and "has no known reserved id" in message
+        and HOW_TO_CHOOSE in message
+        and f"e.g. {fit}" in message
+    )
     assert "Qwen" not in message
 
 
 def test_a_tokenized_artifact_without_recorded_ids_is_refused_in_one_line(target, tmp_path):
     """An artifact whose manifest records no token ids (an older tokenize's) cannot have its mask id checked."""
     folder = tmp_path / "old"
-    DatasetDict({"train": Dataset.from_list([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])}).save_to_disk(str(folder))
+    DatasetDict({"train": Dataset.from_list([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])}).save_to_disk(
+        str(folder)
+    )
     entries = [entry_for_local_file(folder, p) for p in sorted(folder.rglob("*")) if p.is_file()]
     commit_artifact(open_store(folder), "tokenized", entries, counts={"train_rows": 1})
-    cfg = load_config(None, {**settings(tmp_path, target, 200), "train": {**settings(tmp_path, target, 200)["train"], "data": str(folder)}})
-    with pytest.raises(ArtifactError, match=r"records no token ids \(counts.token_ids\).*rerun tokenize into it") as raised:
+    cfg = load_config(None, {**settings(tmp_path, target, 200),
+                             "train": {**settings(tmp_path, target, 200)["train"], "data": str(folder)}})
+    with pytest.raises(ArtifactError,
+                       match=r"records no token ids \(counts.token_ids\).*rerun tokenize into it") as raised:
         train_stage.run(cfg)
     assert "\n" not in str(raised.value)

@@ -146,14 +146,15 @@ def test_gamma_defaults():
 
 
 def test_spec_from_target_config_matches_golden(target, drafter):
-    cfg = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5], num_draft_layers=3, gamma=3.0,
-                       intermediate_size=96)
+    cfg = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, target_layer_ids=[1, 3, 5],
+                       num_draft_layers=3, gamma=3.0, intermediate_size=96)
     spec = DrafterSpec.from_target_config(target.config, cfg)
     golden = drafter.spec
     assert spec.to_export_config() == golden.to_export_config()
     assert spec.gamma == 3.0
     spec.check_target(target.config)
-    defaulted = DrafterSpec.from_target_config(target.config, DFlashConfig(architecture="dflash", block_size=16, mask_token_id=511))
+    defaulted = DrafterSpec.from_target_config(target.config,
+                                               DFlashConfig(architecture="dflash", block_size=16, mask_token_id=511))
     assert defaulted.target_layer_ids == [1, 2, 3, 4, 5]  # 8 layers: spread over 1..5
     assert (defaulted.num_layers, defaulted.gamma, defaulted.intermediate_size) == (5, 7.0, 128)
 
@@ -164,7 +165,8 @@ def test_refusals_name_the_field(target, drafter):
     with pytest.raises(SpecError, match="dflash.mask_token_id is not set and this target"):
         DrafterSpec.from_target_config(target.config, DFlashConfig())
     with pytest.raises(SpecError, match=r"target_layer_ids \[7\] outside .* 0\.\.6"):
-        DrafterSpec.from_target_config(target.config, DFlashConfig(architecture="dflash", mask_token_id=511, target_layer_ids=[1, 7]))
+        DrafterSpec.from_target_config(target.config,
+                                       DFlashConfig(architecture="dflash", mask_token_id=511, target_layer_ids=[1, 7]))
     with pytest.raises(SpecError, match=r"target layer ids \[8\]"):
         TargetModel(target, [8])
 
@@ -181,15 +183,16 @@ def test_refusals_name_the_field(target, drafter):
 
 @pytest.mark.parametrize(("ids", "why"), [([5, 1, 3], "5 before 1"), ([3, 3], "3 repeated")])
 def test_unsorted_or_repeated_layer_ids_are_refused_wherever_they_enter(target, drafter, ids, why):
-    """The engines feed `fc` the target's layers in layer order, once each: a spec, a drafter config.json and the target's
-    feature reader all refuse other ids with one line naming target_layer_ids."""
+    """The engines feed `fc` the target's layers in layer order, once each: a spec, a drafter config.json and the
+    target's feature reader all refuse other ids with one line naming target_layer_ids."""
     message = rf"target_layer_ids \[{ids[0]}, .*\] must be strictly ascending and unique \({why}\)"
     with pytest.raises(SpecError, match=message) as refused:
         DrafterSpec(**{**drafter.spec.to_dict(), "target_layer_ids": ids})
     assert "\n" not in str(refused.value) and "dflash.target_layer_ids" in str(refused.value)
     config = drafter.spec.to_export_config()
     with pytest.raises(SpecError, match="drafter config.json dflash_config." + message):
-        DrafterSpec.from_export_config({**config, "dflash_config": {**config["dflash_config"], "target_layer_ids": ids}})
+        DrafterSpec.from_export_config({**config,
+                                        "dflash_config": {**config["dflash_config"], "target_layer_ids": ids}})
     with pytest.raises(SpecError, match=message):
         TargetModel(target, ids)
     ordered = DrafterSpec(**{**drafter.spec.to_dict(), "target_layer_ids": sorted(set(ids))})
@@ -243,14 +246,17 @@ def test_target_features_stop_after_deepest_layer(golden, target):
 
 
 def test_hybrid_attention_target_features():
-    """Qwen3.5-style target (linear-attention layers, full attention every fourth): hidden states only, same convention."""
+    """Qwen3.5-style target (linear-attention layers, full attention every fourth): hidden states only, same
+    convention."""
     config = Qwen3_5TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    spec = DrafterSpec.from_target_config(model.config, DFlashConfig(architecture="dflash", mask_token_id=255, num_draft_layers=2, block_size=8))
+    spec = DrafterSpec.from_target_config(
+        model.config, DFlashConfig(architecture="dflash", mask_token_id=255, num_draft_layers=2, block_size=8))
     assert spec.target_layer_ids == [1, 9]  # the even spread: layer 1 is linear attention, 9 is not
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
@@ -260,7 +266,8 @@ def test_hybrid_attention_target_features():
 
 
 def test_bf16_drafter_with_packed_mask(drafter, golden):
-    """bf16 weights and a bool mask that hides part of the context: finite, bf16 out, and the hidden keys do not matter."""
+    """bf16 weights and a bool mask that hides part of the context: finite, bf16 out, and the hidden keys do not
+    matter."""
     model = DFlashDrafter(drafter.spec)
     model.load_state_dict(drafter.state_dict())
     model = model.to(torch.bfloat16)
@@ -278,7 +285,9 @@ def test_bf16_drafter_with_packed_mask(drafter, golden):
 
 
 def test_from_export_config_refuses_what_is_not_a_dflash_export():
-    config = DrafterSpec.from_export_config(json.loads((GOLDEN / "drafter" / "config.json").read_text())).to_export_config()
+    config = DrafterSpec.from_export_config(
+        json.loads((GOLDEN / "drafter" / "config.json").read_text())
+    ).to_export_config()
     with pytest.raises(SpecError, match="lacks dflash_config.mask_token_id"):
         DrafterSpec.from_export_config({**config, "dflash_config": {"target_layer_ids": [1]}})
     with pytest.raises(SpecError, match="lacks num_target_layers"):
@@ -288,22 +297,31 @@ def test_from_export_config_refuses_what_is_not_a_dflash_export():
     with pytest.raises(SpecError, match="unknown kind 'chunked_attention'"):
         DrafterSpec.from_export_config({**config, "layer_types": ["chunked_attention"] * 3})
     with pytest.raises(SpecError, match="is_causal False"):  # a non-causal sliding drafter (vLLM's override)
-        DrafterSpec.from_export_config({**config, "layer_types": ["sliding_attention"] * 3, "sliding_window": 8, "is_causal": False})
+        DrafterSpec.from_export_config({**config, "layer_types": ["sliding_attention"] * 3, "sliding_window": 8,
+                                        "is_causal": False})
     with pytest.raises(SpecError, match="use_swa"):
         DrafterSpec.from_export_config({**config, "dflash_config": {**config["dflash_config"], "use_swa": True}})
     with pytest.raises(SpecError, match="use_sliding_window without layer_types"):
-        DrafterSpec.from_export_config({k: v for k, v in config.items() if k != "layer_types"} | {"use_sliding_window": True})
+        DrafterSpec.from_export_config(
+            {k: v for k, v in config.items() if k != "layer_types"} | {"use_sliding_window": True}
+        )
     with pytest.raises(SpecError, match="rope_type 'yarn' without original_max_position_embeddings"):
-        DrafterSpec.from_export_config({**config, "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}})
+        DrafterSpec.from_export_config({**config,
+                                        "rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(SpecError, match="rope_type 'dynamic'"):
-        DrafterSpec.from_export_config({**config, "rope_parameters": {"rope_theta": 1e6, "rope_type": "dynamic", "factor": 4.0}})
+        DrafterSpec.from_export_config({**config,
+                                        "rope_parameters": {"rope_theta": 1e6, "rope_type": "dynamic", "factor": 4.0}})
     with pytest.raises(SpecError, match="rope_type 'linear'"):
         DrafterSpec.from_export_config({**config, "rope_scaling": {"type": "linear", "factor": 2.0}})
     # transformers 4 configs carry only rope_theta; transformers 5 only rope_parameters: both read the same
     old_style = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 5e5}
     new_style = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")} | {
         "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
-    assert DrafterSpec.from_export_config(old_style).rope_theta == DrafterSpec.from_export_config(new_style).rope_theta == 5e5
+    assert (
+        DrafterSpec.from_export_config(old_style).rope_theta
+        == DrafterSpec.from_export_config(new_style).rope_theta
+        == 5e5
+    )
 
 
 def test_yarn_rope_equals_transformers_qwen3_rotary_embedding():
@@ -313,7 +331,8 @@ def test_yarn_rope_equals_transformers_qwen3_rotary_embedding():
 
     from blockdraft.model.rope import rope_cos_sin, rope_tables
 
-    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0}
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "beta_fast": 32.0,
+               "beta_slow": 1.0}
     config = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=8192,
                          rope_parameters={"rope_theta": 1e6, **scaling})
     positions = torch.tensor([[0, 1, 7, 2047, 2048, 8000]])
@@ -349,7 +368,9 @@ def test_target_mrope_never_reaches_the_drafter():
     spec = DrafterSpec.from_target_config(target, DFlashConfig(architecture="dflash", block_size=16, mask_token_id=500))
     exported = spec.to_export_config()
     assert spec.rope_theta == 5e6 and spec.rope_scaling is None
-    assert exported["rope_parameters"] == {"rope_theta": 5e6, "rope_type": "default"} and exported["rope_scaling"] is None
+    assert (
+        exported["rope_parameters"] == {"rope_theta": 5e6, "rope_type": "default"} and exported["rope_scaling"] is None
+    )
 
 
 def test_load_target_reads_straight_to_its_device_in_the_asked_dtype(tmp_path):
@@ -377,10 +398,14 @@ def test_the_mask_id_defaults_to_the_known_reserved_id_of_qwen3_and_qwen35_else_
     assert DrafterSpec.from_target_config(qwen3, DFlashConfig()).mask_token_id == 151669
     assert 151669 not in tokenizer_added_tokens(FIXTURES / "qwen3-tokenizer")  # a row no text encodes to
     assert known_mask_token_id(local_text_config(str(FIXTURES / "qwen3.6-27b"))) == 248070
-    assert DrafterSpec.from_target_config(qwen3, DFlashConfig(architecture="dflash", mask_token_id=151670)).mask_token_id == 151670  # the config wins
+    assert DrafterSpec.from_target_config(  # the config wins
+        qwen3, DFlashConfig(architecture="dflash", mask_token_id=151670)).mask_token_id == 151670
     with pytest.raises(SpecError) as unknown:  # the tiny target: a Qwen3 shape with its own 512-row vocabulary
         DrafterSpec.from_target_config(target.config, DFlashConfig())
-    assert "has no known reserved id; set dflash.mask_token_id to an id the tokenized rows never hold" in str(unknown.value)
+    assert "has no known reserved id; set dflash.mask_token_id to an id the tokenized rows never hold" in str(
+        unknown.value
+    )
     tokenizer_json = json.dumps({"added_tokens": [{"id": 151669, "content": "<|mine|>"}]})
-    with pytest.raises(ConfigError, match=r"151669 is the tokenizer's added token <\|mine\|>"):  # what tokenize checks the default with
+    with pytest.raises(ConfigError, match=r"151669 is the tokenizer's added token <\|mine\|>"):
+        # what tokenize checks the default with
         check_mask_token(known_mask_token_id(local_text_config(str(FIXTURES / "qwen3-tokenizer"))), tokenizer_json)

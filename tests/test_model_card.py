@@ -54,7 +54,11 @@ def front_matter(card: str) -> dict:
 
 def table(card: str) -> dict[str, list[str]]:
     """The evaluation table's rows by prompt set: its cells after the set's name."""
-    rows = [line.strip("| ").split(" | ") for line in card.splitlines() if line.startswith("| ") and not line.startswith("| prompt set")]
+    rows = [
+        line.strip("| ").split(" | ")
+        for line in card.splitlines()
+        if line.startswith("| ") and not line.startswith("| prompt set")
+    ]
     return {row[0]: row[1:] for row in rows}
 
 
@@ -67,7 +71,8 @@ def test_export_after_eval_writes_a_card_whose_every_figure_is_the_reports(tmp_p
     card = (out / "README.md").read_text()
 
     meta = front_matter(card)
-    assert meta == {"base_model": str(TINY_TARGET_DIR), "library_name": "blockdraft", "tags": ["speculative-decoding", "dflash", "blockdraft"]}
+    assert meta == {"base_model": str(TINY_TARGET_DIR), "library_name": "blockdraft",
+                    "tags": ["speculative-decoding", "dflash", "blockdraft"]}
     assert "# license: set the license" in card and "export.license" in card  # none set: a comment says how to set it
 
     eval_manifest = verify_artifact(open_store(eval_dir))
@@ -91,7 +96,10 @@ def test_export_after_eval_writes_a_card_whose_every_figure_is_the_reports(tmp_p
 
     data = verify_artifact(open_store(run.parent / "tokenized"))
     counts = data.manifest.counts
-    assert f"manifest sha256 `{data.manifest_sha256}`): conversations {counts['rows_in']:,}, rows {counts['rows_out']:,}" in card
+    assert (
+        f"manifest sha256 `{data.manifest_sha256}`): conversations {counts['rows_in']:,}, rows {counts['rows_out']:,}"
+        in card
+    )
     assert f"tokens {counts['tokens']:,}, supervised tokens {counts['supervised_tokens']:,}" in card
     run_config = data.manifest.config["tokenize_run"]
     assert f"thinking mode {run_config['thinking']}; chat template sha256 `{run_config['template_sha256']}`" in card
@@ -120,7 +128,10 @@ def test_without_an_eval_the_card_says_none_ran_and_card_only_rewrites_it_after_
     after = verify_artifact(open_store(out), check_inputs=True)
     assert after.state is State.VERIFIED
     files = {e.path: e for e in after.manifest.files}
-    assert files["README.md"] != before["README.md"] and files["README.md"].checksum == crc64nvme_file(out / "README.md")[1]
+    assert (
+        files["README.md"] != before["README.md"]
+        and files["README.md"].checksum == crc64nvme_file(out / "README.md")[1]
+    )
     assert {p: e for p, e in files.items() if p != "README.md"} == {p: e for p, e in before.items() if p != "README.md"}
 
     # The same export command again finds its export done (the card's rewrite kept what it was made for).
@@ -132,17 +143,23 @@ def test_without_an_eval_the_card_says_none_ran_and_card_only_rewrites_it_after_
 def test_an_eval_of_another_checkpoint_is_refused_in_one_line(tmp_path, evaluated):
     _, eval_dir, config = evaluated
     other = make_tiny_run(tmp_path, seed=1)
-    result = CliRunner().invoke(app, ["export", "--config", str(config), str(other), str(tmp_path / "export"), "--eval", str(eval_dir)])
+    result = CliRunner().invoke(app, ["export", "--config", str(config), str(other), str(tmp_path / "export"), "--eval",
+                                      str(eval_dir)])
     assert result.exit_code != 0
     (line,) = result.output.strip().splitlines()
-    assert "is of checkpoint" in line and "not of the exported checkpoint" in line and "pass an eval of this checkpoint" in line
+    assert (
+        "is of checkpoint" in line
+        and "not of the exported checkpoint" in line
+        and "pass an eval of this checkpoint" in line
+    )
     assert not (tmp_path / "export" / MANIFEST_NAME).exists()
 
 
 def test_the_card_gives_the_sampling_settings_and_sampled_figures_of_an_eval_at_temperature(tmp_path, evaluated):
     run, _, config = evaluated
-    cfg = load_config(None, tiny_config(tmp_path, eval={"untrained_baseline": False, "num_prompts": 1, "temperature": 0.8,
-                                                       "top_k": 20, "seed": 3, "samples_per_prompt": 2}))
+    cfg = load_config(None, tiny_config(tmp_path, eval={"untrained_baseline": False, "num_prompts": 1,
+                                                        "temperature": 0.8, "top_k": 20, "seed": 3,
+                                                        "samples_per_prompt": 2}))
     eval_stage.run(cfg, str(run), str(tmp_path / "eval"), prompts=[str(SETS / "gsm8k.parquet")], max_new_tokens=4)
     sampled = json.loads((tmp_path / "eval" / "report.json").read_text())["sampled"]
     export("--config", str(config), str(run), str(tmp_path / "export"), "--eval", str(tmp_path / "eval"))
@@ -153,8 +170,8 @@ def test_the_card_gives_the_sampling_settings_and_sampled_figures_of_an_eval_at_
         row = re.search(rf"^\| {name} \| (\S+) \| (\S+) to (\S+) \| (\S+)x \|$", card, re.MULTILINE)
         assert row is not None, name
         tau, low, high, speedup = (float(x) for x in row.groups())
-        assert (tau, low, high, speedup) == (round(d["metrics"]["tau"], 3), round(d["tau_ci95"][0], 3), round(d["tau_ci95"][1], 3),
-                                             round(d["metrics"]["speedup"], 2))
+        assert (tau, low, high, speedup) == (round(d["metrics"]["tau"], 3), round(d["tau_ci95"][0], 3),
+                                             round(d["tau_ci95"][1], 3), round(d["metrics"]["speedup"], 2))
     # The figures at temperature name the draft rule they were measured under (the report's `proposal`); greedy's need
     # none (the same under every rule).
     named = "drafts proposed by the `{}` rule (`eval.proposal`)"
@@ -166,12 +183,14 @@ def test_the_card_gives_the_sampling_settings_and_sampled_figures_of_an_eval_at_
               "outputs_equal_target_only": 1, "rule": "binomial 95%", "temperature": 0.8, "disagreement": None}
     for proposal in ("vllm", "vllm-probabilistic", "sglang"):
         report["sampled"]["proposal"] = proposal
-        served = render_card("t", "e", {}, {}, {}, {}, EvalSource("file:///eval", "ab", {**report, "engine": engine}), [])
+        served = render_card("t", "e", {}, {}, {}, {},
+                             EvalSource("file:///eval", "ab", {**report, "engine": engine}), [])
         assert f"over every prompt; {named.format(proposal)} and verified" in served
         assert f"at temperature 0.8, {named.format(proposal)}: tau 2.000" in served
 
     # One decode has no interval, and the card says so rather than print one.
-    one = {**report["sampled"], "drafters": {n: {**d, "tau_ci95": None} for n, d in report["sampled"]["drafters"].items()}}
+    one = {**report["sampled"],
+           "drafters": {n: {**d, "tau_ci95": None} for n, d in report["sampled"]["drafters"].items()}}
     single = render_card("t", "e", {}, {}, {}, {}, EvalSource("file:///eval", "ab", {**report, "sampled": one}), [])
     assert "| none (1 decode) |" in single
 

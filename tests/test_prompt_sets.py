@@ -1,6 +1,6 @@
-"""`eval` on the standard prompt sets: every layout of tests/fixtures/prompt-sets read, rendered as chat with the target's
-template and thinking mode, and measured per set in the report and the summary; an unknown layout is one line; a folder
-`datasets` saved and a hub dataset in `datasets`' own cache (offline) read the same way."""
+"""`eval` on the standard prompt sets: every layout of tests/fixtures/prompt-sets read, rendered as chat with the
+target's template and thinking mode, and measured per set in the report and the summary; an unknown layout is one line;
+a folder `datasets` saved and a hub dataset in `datasets`' own cache (offline) read the same way."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def test_eval_on_every_layout_reports_each_set_and_prints_one_line_per_set(tmp_p
     prompts = [arg for name in LAYOUT_FILES for arg in ("--prompts", str(SETS / name))]
     out = tmp_path / "eval"
     result = CliRunner().invoke(app, ["eval", "--config", str(config), "--checkpoint", str(tiny_run), *prompts,
-                                      "--max-new-tokens", "6", "--output", str(out), "--set", "eval.untrained_baseline=false"])
+                                      "--max-new-tokens", "6", "--output", str(out), "--set",
+                                      "eval.untrained_baseline=false"])
     assert result.exit_code == 0, result.output
     report = EvalReport.from_json((out / "report.json").read_text())
     assert verify_artifact(open_store(out)).state is State.VERIFIED
@@ -57,7 +58,8 @@ def test_eval_on_every_layout_reports_each_set_and_prints_one_line_per_set(tmp_p
         assert dflash.position_acceptance[0] == pytest.approx(sum(n >= 2 for n in cycles) / len(cycles))
         assert dflash.speedup == pytest.approx(figures.greedy.wall_s / dflash.wall_s)
         assert set(figures.drafters) == {"dflash", "ngram"} and figures.lossless
-        assert line.startswith(f"set {layout}\t{layout}, 2 prompt(s)\ttau {dflash.tau:.3f}\tspeedup {dflash.speedup:.2f}x")
+        assert line.startswith(f"set {layout}\t{layout}, 2 prompt(s)\ttau {dflash.tau:.3f}\tspeedup "
+                               f"{dflash.speedup:.2f}x")
     # Over every prompt: the cycles of all sets together.
     everything = [n for row in report.prompts for n in row.model_extra["acceptance_lengths_dflash"]]
     assert report.drafters["dflash"].tau == pytest.approx(sum(everything) / len(everything))
@@ -65,9 +67,10 @@ def test_eval_on_every_layout_reports_each_set_and_prints_one_line_per_set(tmp_p
     # Each row became a user turn rendered with the target's template, thinking off as configured.
     tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET_DIR)
     chat = [{"role": "user", "content": "Ann has 3 apples and buys 4 more. How many apples does she have?"}]
-    off = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False),
-                    add_special_tokens=False)["input_ids"]
-    default = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    off = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
+                                                  enable_thinking=False), add_special_tokens=False)["input_ids"]
+    default = tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)["input_ids"]
     assert len(off) != len(default)  # the thinking mode changes the prompt, so the check below can tell them apart
     assert report.prompts[0].prompt_set == "gsm8k" and report.prompts[0].prompt_len == len(off)
     alpaca = [row for row in report.prompts if row.prompt_set == "alpaca"][1]  # instruction and input, one turn
@@ -91,7 +94,8 @@ def test_a_file_of_an_unknown_layout_is_one_line_naming_its_columns_and_the_layo
 def test_a_named_layout_is_checked_against_the_columns_and_pairs_with_its_file(tmp_path):
     cfg = load_config(None, tiny_config(tmp_path, eval={"num_prompts": 1}))
     tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET_DIR)
-    named = read_eval_prompts([str(SETS / "math500.jsonl"), str(SETS / "gsm8k.parquet")], cfg, tokenizer, tmp_path, ["auto", "gsm8k"])
+    named = read_eval_prompts([str(SETS / "math500.jsonl"), str(SETS / "gsm8k.parquet")], cfg, tokenizer, tmp_path,
+                              ["auto", "gsm8k"])
     assert [(s.name, s.layout, len(s.ids)) for s in named.sets] == [("math500", "math500", 1), ("gsm8k", "gsm8k", 1)]
     twice = read_eval_prompts([str(SETS / "gsm8k.parquet")] * 2, cfg, tokenizer, tmp_path)
     assert [s.name for s in twice.sets] == ["gsm8k", "gsm8k-2"] and twice.sets[0].ids == twice.sets[1].ids
@@ -108,8 +112,8 @@ def _rows(name: str) -> list[dict]:
 
 
 def test_a_folder_datasets_saved_and_a_hub_dataset_in_its_cache_read_offline(tmp_path, monkeypatch):
-    """`save_to_disk`'s layout is read with `load_from_disk`; `hf://datasets/NAME` goes through `load_dataset`, here offline
-    from the cache layout `load_dataset` itself writes for a hub dataset (the hub is never reached)."""
+    """`save_to_disk`'s layout is read with `load_from_disk`; `hf://datasets/NAME` goes through `load_dataset`, here
+    offline from the cache layout `load_dataset` itself writes for a hub dataset (the hub is never reached)."""
     for variable in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
         monkeypatch.setenv(variable, "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)

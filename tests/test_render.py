@@ -90,7 +90,8 @@ CASES = [
     ("trl_qwen3", "auto", REASONING, THINK_FULL),
     ("trl_qwen3", "off", PLAIN, PLAIN_OUT),  # <think>\n\n</think>\n\n is in the prompt, not supervised
     ("trl_qwen3", "auto", PLAIN, PLAIN_OUT),
-    ("trl_qwen3", "on", PLAIN, "<think>\n\n</think>\n\nHi!<|im_end|>"),  # thinking on, empty reasoning: the model emits it
+    # thinking on, empty reasoning: the model emits it
+    ("trl_qwen3", "on", PLAIN, "<think>\n\n</think>\n\nHi!<|im_end|>"),
     ("trl_qwen3", "off", REASONING, "render_not_prefix"),  # reasoning cannot follow the non-thinking prompt
     ("qwenlm_qwen3_nonthinking", "auto", PLAIN, PLAIN_OUT),
     ("qwenlm_qwen3_nonthinking", "auto", REASONING, "render_not_prefix"),
@@ -133,7 +134,8 @@ def test_renderer_matches_transformers_apply_chat_template():
     """Our Jinja environment renders what Hugging Face tokenizers (and so the serving engines) render."""
     hf = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     ours = compile_chat_template(hf.chat_template)
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "int"}}}}}]
+    tools = [{"type": "function",
+              "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "int"}}}}}]
     messages = [
         {"role": "system", "content": "Be brief. Ünïcode ok."},
         {"role": "user", "content": "add 1 and 2"},
@@ -142,8 +144,10 @@ def test_renderer_matches_transformers_apply_chat_template():
         {"role": "tool", "content": "3"},
         {"role": "assistant", "content": "It is 3.", "reasoning_content": "done"},
     ]
-    for gen, thinking, msgs, tl in [(True, True, messages[:4], tools), (False, False, messages, None), (True, False, messages[:2], None)]:
-        expected = hf.apply_chat_template(msgs, tools=tl, tokenize=False, add_generation_prompt=gen, enable_thinking=thinking)
+    for gen, thinking, msgs, tl in [(True, True, messages[:4], tools), (False, False, messages, None),
+                                    (True, False, messages[:2], None)]:
+        expected = hf.apply_chat_template(msgs, tools=tl, tokenize=False, add_generation_prompt=gen,
+                                          enable_thinking=thinking)
         assert ours.render(msgs, tl, add_generation_prompt=gen, enable_thinking=thinking) == expected
 
 
@@ -195,7 +199,8 @@ def test_tool_call_chain_keeps_the_reasoning_the_template_keeps(tokenizer, name)
 
 def test_template_ignoring_reasoning_rejects_every_reasoning_turn(tokenizer):
     rows = render_rows(tokenizer, MULTI, "trl_qwen3_instruct_2507")
-    assert [(r.turn, r.reason) for r, _ in rows] == [(0, "template_dropped_reasoning"), (1, "template_dropped_reasoning")]
+    assert [(r.turn, r.reason) for r, _ in rows] == [(0, "template_dropped_reasoning"),
+                                                     (1, "template_dropped_reasoning")]
 
 
 def test_inline_think_equals_reasoning_field(tokenizer):
@@ -223,7 +228,8 @@ _turn = st.fixed_dictionaries({"user": _text, "reasoning": _text, "content": _te
 
 @settings(max_examples=60, deadline=None)
 @given(turns=st.lists(_turn, min_size=1, max_size=3), system=st.one_of(st.none(), _text),
-       name=st.sampled_from(["trl_qwen3", "trl_qwen3_6", "trl_qwen3_training"]), mode=st.sampled_from(["auto", "on", "off"]))
+       name=st.sampled_from(["trl_qwen3", "trl_qwen3_6", "trl_qwen3_training"]),
+       mode=st.sampled_from(["auto", "on", "off"]))
 def test_mask_never_covers_the_prompt_and_stays_inside_the_turn(turns, system, name, mode):
     tokenizer = qwen3_tokenizer()
     messages = [{"role": "system", "content": system}] if system is not None else []
@@ -245,8 +251,8 @@ def test_mask_never_covers_the_prompt_and_stays_inside_the_turn(turns, system, n
         assert all(enc.offsets[i][1] <= boundary or enc.offsets[i][0] >= emitted_end for i in unsupervised)
 
 
-# Qwen3.5 / Qwen3.6 on multi-turn rows: every prompt opens `<think>\n` (thinking on) or closes an empty block (off), the model
-# emits the rest; exact prompts and exact supervised text per turn. Turn 1 has no reasoning.
+# Qwen3.5 / Qwen3.6 on multi-turn rows: every prompt opens `<think>\n` (thinking on) or closes an empty block (off), the
+# model emits the rest; exact prompts and exact supervised text per turn. Turn 1 has no reasoning.
 QWEN3_5_FAMILY = ["trl_qwen3_5_think", "trl_qwen3_5_nothink", "trl_qwen3_6", "trl_qwen3_6_training"]
 THREE_TURNS = {"id": "m3", "messages": [
     {"role": "system", "content": "You are terse."},
@@ -257,11 +263,13 @@ THREE_TURNS = {"id": "m3", "messages": [
     {"role": "user", "content": "What is 2+3?"},
     {"role": "assistant", "reasoning_content": "R3: 2 plus 3 is 5.", "content": "5"},
 ]}
-SYS, OPEN, CLOSED = "<|im_start|>system\nYou are terse.<|im_end|>\n", "<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+SYS, OPEN, CLOSED = ("<|im_start|>system\nYou are terse.<|im_end|>\n", "<|im_start|>assistant\n<think>\n",
+                     "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 U1, U2, U3 = ("<|im_start|>user\n" + q + "<|im_end|>\n" for q in ("Name a prime.", "Say hi.", "What is 2+3?"))
 A1_BARE, A2_BARE = "<|im_start|>assistant\n7.<|im_end|>\n", "<|im_start|>assistant\nHi!<|im_end|>\n"
 A1_THINK, A2_THINK = OPEN + "R1: 7 is prime.\n</think>\n\n7.<|im_end|>\n", CLOSED + "Hi!<|im_end|>\n"
-SUPERVISED = ["R1: 7 is prime.\n</think>\n\n7.<|im_end|>", "Hi!<|im_end|>", "R3: 2 plus 3 is 5.\n</think>\n\n5<|im_end|>"]
+SUPERVISED = ["R1: 7 is prime.\n</think>\n\n7.<|im_end|>", "Hi!<|im_end|>",
+              "R3: 2 plus 3 is 5.\n</think>\n\n5<|im_end|>"]
 
 
 def expected_prompts(name: str, mode: str) -> list[str]:
@@ -302,13 +310,14 @@ def test_qwen3_5_and_3_6_three_turns_exact_prompts_and_supervised_text(tokenizer
 
 @pytest.mark.parametrize("name", QWEN3_5_FAMILY)
 def test_qwen3_5_and_3_6_thinking_on_every_turn_reasons_after_the_opened_think(tokenizer, name):
-    """Three reasoning turns, thinking on: each prompt ends with the opened `<think>\\n`; the row supervises the reasoning
-    from its first character, the closing tag, the answer and <|im_end|>; earlier reasoning is in context only for the
-    training variant."""
+    """Three reasoning turns, thinking on: each prompt ends with the opened `<think>\\n`; the row supervises the
+    reasoning from its first character, the closing tag, the answer and <|im_end|>; earlier reasoning is in context only
+    for the training variant."""
     messages: list[dict] = []
     for k in range(3):
         messages += [{"role": "user", "content": f"Question {k}?"},
-                     {"role": "assistant", "reasoning_content": f"Step {k}: think\nthen answer.", "content": f"Answer {k}."}]
+                     {"role": "assistant", "reasoning_content": f"Step {k}: think\nthen answer.",
+                      "content": f"Answer {k}."}]
     rows = render_rows(tokenizer, {"id": "on3", "messages": messages}, name, "on")
     assert len(rows) == 3
     for k, (row, planned) in enumerate(rows):
@@ -337,17 +346,24 @@ def test_qwen3_5_and_3_6_tool_chain_rows_are_exact(tokenizer, name):
 
 
 def test_the_sandbox_still_refuses_what_it_refused_when_its_verdicts_are_remembered():
-    """Rendering remembers the sandbox's verdict per (type, attribute): a refused attribute stays refused on every render,
-    an allowed one stays allowed, and a template that tries to mutate its messages fails as a `template_error`."""
+    """Rendering remembers the sandbox's verdict per (type, attribute): a refused attribute stays refused on every
+    render, an allowed one stays allowed, and a template that tries to mutate its messages fails as a
+    `template_error`."""
     import jinja2.sandbox
 
-    probe = compile_chat_template("{{ messages[0].content.upper() }}|{{ messages[0].content.__class__ }}|{{ messages.__len__ }}")
+    probe = compile_chat_template("{{ messages[0].content.upper() }}|{{ messages[0].content.__class__ }}|"
+                                  "{{ messages.__len__ }}")
     for _ in range(3):
         assert probe.render([{"role": "user", "content": "hi"}], None, False, False) == "HI||"
     mutate = compile_chat_template("{{ messages.append(1) }}{{ messages[0].update({'role': 'x'}) }}")
     for _ in range(2):
         with pytest.raises(jinja2.sandbox.SecurityError):
             mutate.render([{"role": "user", "content": "hi"}], None, False, False)
-    conv = normalise(RawRecord(0, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, ""))
+    conv = normalise(RawRecord(
+        0, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, ""))
     (rejected,) = plan_turns(conv, mutate, "auto")
-    assert isinstance(rejected, TurnRejection) and rejected.reason == "template_error" and "SecurityError" in rejected.detail
+    assert (
+        isinstance(rejected, TurnRejection)
+        and rejected.reason == "template_error"
+        and "SecurityError" in rejected.detail
+    )

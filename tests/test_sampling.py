@@ -1,6 +1,6 @@
-"""Sampled decoding (docs/DFLASH.md, "Sampled verify"): the processed distribution is the one Hugging Face's warpers give,
-target-only sampling follows it, and a seed reproduces a sampled decode. That speculative sampling is lossless under
-every engine's draft rule is tests/test_sampling_rules.py's."""
+"""Sampled decoding (docs/DFLASH.md, "Sampled verify"): the processed distribution is the one Hugging Face's warpers
+give, target-only sampling follows it, and a seed reproduces a sampled decode. That speculative sampling is lossless
+under every engine's draft rule is tests/test_sampling_rules.py's."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ TARGET_ONLY_SAMPLES = 400  # the target-only reference sampler is checked with f
 
 @pytest.fixture(scope="module")
 def golden():
-    target = AutoModelForCausalLM.from_pretrained(GOLDEN / "target", attn_implementation="eager", dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(GOLDEN / "target", attn_implementation="eager",
+                                                  dtype=torch.float32).eval()
     drafter = DFlashDrafter.from_pretrained(GOLDEN / "drafter").eval()
     prompt = json.loads((GOLDEN / "golden.json").read_text())["decode"][1]["prompt"]
     return target, drafter, TargetHead.from_target(target), prompt
@@ -34,7 +35,8 @@ def test_processed_probs_are_huggingfaces_temperature_top_k_top_p():
     torch.manual_seed(0)
     logits = torch.randn(6, 300) * 3
     logits[0, :4] = 5.0  # ties at the k-th value are kept, as both rules keep them
-    for s in (THINKING, Sampling(1.0), Sampling(0.7, top_k=5), Sampling(1.3, top_p=0.5), Sampling(0.9, top_p=0.8, top_k=50)):
+    for s in (THINKING, Sampling(1.0), Sampling(0.7, top_k=5), Sampling(1.3, top_p=0.5),
+              Sampling(0.9, top_p=0.8, top_k=50)):
         x = TemperatureLogitsWarper(s.temperature)(None, logits.clone())
         if s.top_k:
             x = TopKLogitsWarper(s.top_k)(None, x)
@@ -55,7 +57,10 @@ def test_target_only_sampling_follows_the_processed_distribution(golden):
 
 def test_a_seed_reproduces_a_sampled_decode_and_another_seed_differs(golden):
     target, drafter, head, prompt = golden
-    runs = [run_speculative(target, DFlashProposer(drafter, head), prompt, 16, sampler=Sampler(THINKING, seed)) for seed in (7, 7, 8)]
+    runs = [
+        run_speculative(target, DFlashProposer(drafter, head), prompt, 16, sampler=Sampler(THINKING, seed))
+        for seed in (7, 7, 8)
+    ]
     assert runs[0].tokens == runs[1].tokens and runs[0].acceptance_lengths == runs[1].acceptance_lengths
     assert runs[0].tokens != runs[2].tokens
     # Drafts from a point-mass proposal (q None) are verified by the same rule: accepted with probability p(x).

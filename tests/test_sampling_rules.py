@@ -1,8 +1,8 @@
-"""Speculative sampling under each serving engine's draft rule (docs/EVAL.md, "Draft rules") is lossless in distribution:
-the first two new tokens of our loop follow target-only sampling's exact distribution under the chi-square test, for a
-DFlash and a DFlash2 drafter and every rule, while the same test rejects three broken verifies of each: one that keeps
-every draft, one that on a rejection draws from p itself instead of the residual (for a point-mass q: p without the
-rejected token), and one handed the wrong q (the target's own distribution in place of the drafts').
+"""Speculative sampling under each serving engine's draft rule (docs/EVAL.md, "Draft rules") is lossless in
+distribution: the first two new tokens of our loop follow target-only sampling's exact distribution under the chi-square
+test, for a DFlash and a DFlash2 drafter and every rule, while the same test rejects three broken verifies of each: one
+that keeps every draft, one that on a rejection draws from p itself instead of the residual (for a point-mass q: p
+without the rejected token), and one handed the wrong q (the target's own distribution in place of the drafts').
 
 One decode serves all four verifies: the first cycle's verify is run by each of them from the same generator state, and
 each one's second token is recorded (the first comes from the prefill), so each verify's counts are an independent
@@ -41,7 +41,8 @@ GOLDENS = {"dflash": GOLDEN, "dflash2": GOLDEN2}
 @pytest.fixture(scope="module", params=sorted(GOLDENS))
 def golden(request):
     folder = GOLDENS[request.param]
-    target = AutoModelForCausalLM.from_pretrained(folder / "target", attn_implementation="eager", dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(folder / "target", attn_implementation="eager",
+                                                  dtype=torch.float32).eval()
     drafter = DFlashDrafter.from_pretrained(folder / "drafter").eval()
     assert (drafter.candidate_selector is not None) == (request.param == "dflash2")
     prompt = json.loads((folder / "golden.json").read_text())["decode"][1]["prompt"]
@@ -72,7 +73,8 @@ VERIFIES: dict[str, Callable[[Proposal, torch.Tensor, Sampler], tuple[int, int]]
 
 
 def _first_two(golden, sampling: Sampling) -> dict[str, dict[tuple[int, ...], int]]:
-    """{verify: counts of (first, second) new token} over SAMPLES decodes, every verify run on each decode's first cycle."""
+    """{verify: counts of (first, second) new token} over SAMPLES decodes, every verify run on each decode's first
+    cycle."""
     name, target, drafter, head, prompt = golden
     counts: dict[str, dict[tuple[int, ...], int]] = {v: {} for v in VERIFIES}
     for seed in range(SAMPLES[name]):
@@ -88,11 +90,13 @@ def _first_two(golden, sampling: Sampling) -> dict[str, dict[tuple[int, ...], in
             generator.set_state(state)
             return rejection_verify(proposal, p, sampler)
 
-        result = run_speculative(target, DFlashProposer(drafter, head), prompt, 2, sampler=Sampler(sampling, seed), verify=fan_out)
+        result = run_speculative(target, DFlashProposer(drafter, head), prompt, 2, sampler=Sampler(sampling, seed),
+                                 verify=fan_out)
         for verify_name, second in seconds.items():
             cell = (result.new_tokens[0], second)
             counts[verify_name][cell] = counts[verify_name].get(cell, 0) + 1
-        assert tuple(result.new_tokens) in counts["rejection sampling"]  # the loop committed what rejection sampling chose
+        # the loop committed what rejection sampling chose
+        assert tuple(result.new_tokens) in counts["rejection sampling"]
     return counts
 
 
@@ -127,7 +131,8 @@ def test_every_draft_rule_is_lossless_and_each_broken_verify_fails(golden, rule)
 
 
 def _proposals(golden, rule: str, top_k: int = THINKING.top_k, seed: int = 3) -> list[tuple[Proposal, list[int]]]:
-    """(the proposal at temperature, greedy decoding's proposal from the same drafter state) of every cycle of a decode."""
+    """(the proposal at temperature, greedy decoding's proposal from the same drafter state) of every cycle of a
+    decode."""
     _, target, drafter, head, prompt = golden
     seen: list[tuple[Proposal, list[int]]] = []
 
@@ -161,9 +166,13 @@ def test_each_rule_proposes_as_its_engine_does(golden):
             torch.testing.assert_close(proposal.q.sum(dim=-1), torch.ones(spec.block_size - 1))
             assert all(float(proposal.q[k, token]) > 0 for k, token in enumerate(proposal.tokens))
             if name == "dflash":
-                assert int((proposal.q > 0).sum(dim=-1).min()) > THINKING.top_k, "a sampled DFlash slot's q is untruncated"
+                assert (int((proposal.q > 0).sum(dim=-1).min())
+                        > THINKING.top_k), "a sampled DFlash slot's q is untruncated"
             else:
-                assert spec.dflash2 is not None and int((proposal.q > 0).sum(dim=-1).max()) <= spec.dflash2.selector_top_k
-        assert rule in argmax_rules or differs, f"{rule}: every sampled draft equals the argmax one: nothing was sampled"
+                assert (
+                    spec.dflash2 is not None and int((proposal.q > 0).sum(dim=-1).max()) <= spec.dflash2.selector_top_k
+                )
+        assert rule in argmax_rules or differs, (f"{rule}: every sampled draft equals the argmax one: nothing was "
+                                                 "sampled")
     if name == "dflash2":  # SGLang walks greedily where top-k is 1
         assert all(p.q is None and p.tokens == greedy for p, greedy in _proposals(golden, "sglang", top_k=1))

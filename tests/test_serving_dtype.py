@@ -7,16 +7,18 @@ The rules, as the engines' sources state them (read for this test; encoded below
   (`torch_dtype` for a plain dict), float32 when it names none. With `--dtype auto` a float32 config runs in float16
   (bfloat16 for Gemma model types) and any other dtype runs as named; an explicit `--dtype` wins.
 - The SGLang draft model goes through that same function with the same flag: `DFlashWorker.__init__`
-  (`python/sglang/srt/speculative/dflash_worker.py`) builds the draft runner as a `TpModelWorker` with `is_draft_worker=True`
-  from a copy of the server args; `TpModelWorker` (`python/sglang/srt/managers/tp_worker.py`) then builds its config with
+  (`python/sglang/srt/speculative/dflash_worker.py`) builds the draft runner as a `TpModelWorker` with
+  `is_draft_worker=True` from a copy of the server args; `TpModelWorker` (`python/sglang/srt/managers/tp_worker.py`)
+  then builds its config with
   `ModelConfig.from_server_args(..., model_path=server_args.speculative_draft_model_path, is_draft_model=True)`, and
-  `ModelConfig.from_server_args` passes `dtype=server_args.dtype`. So under `--dtype auto` the drafter's dtype comes from the
-  drafter's own config.json, independently of the target's.
-- vLLM, vllm-project/vllm, `vllm/config/speculative.py`, `SpeculativeConfig.__post_init__`: the draft model's `ModelConfig`
-  is built with `dtype=self.target_model_config.dtype`, so the drafter runs in the target's dtype whatever its config says.
+  `ModelConfig.from_server_args` passes `dtype=server_args.dtype`. So under `--dtype auto` the drafter's dtype comes
+  from the drafter's own config.json, independently of the target's.
+- vLLM, vllm-project/vllm, `vllm/config/speculative.py`, `SpeculativeConfig.__post_init__`: the draft model's
+  `ModelConfig` is built with `dtype=self.target_model_config.dtype`, so the drafter runs in the target's dtype whatever
+  its config says.
 
-Hence the export stores the target's dtype: SGLang under `--dtype auto` then runs drafter and target alike, and vLLM's cast is
-a no-op. A float32 export beside a bf16 target is the bug this guards against: SGLang would run it in float16.
+Hence the export stores the target's dtype: SGLang under `--dtype auto` then runs drafter and target alike, and vLLM's
+cast is a no-op. A float32 export beside a bf16 target is the bug this guards against: SGLang would run it in float16.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from blockdraft.stages.export import SERVING_NAME, export_drafter
 from blockdraft.store import open_store
 from blockdraft.store.output import StageOutput, stage_key
 
-_SGLANG_NAMES = {"half": "float16", "float16": "float16", "float": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+_SGLANG_NAMES = {"half": "float16", "float16": "float16", "float": "float32", "float32": "float32",
+                 "bfloat16": "bfloat16"}
 
 
 def sglang_config_dtype(config: dict) -> str:
@@ -83,13 +86,18 @@ def test_engines_run_the_export_of_a_bf16_target_in_bf16(tmp_path):
     # SGLang, `--dtype auto`: the drafter's dtype comes from the export's config.json and equals the target's
     assert sglang_dtype(exported) == sglang_dtype(target_json) == "bfloat16"
     # the printed command passes the target's dtype: drafter and target agree under it too
-    assert _flag(serving) == "bfloat16" and sglang_dtype(exported, _flag(serving)) == sglang_dtype(target_json, _flag(serving))
+    assert _flag(serving) == "bfloat16" and sglang_dtype(exported, _flag(serving)) == sglang_dtype(
+        target_json, _flag(serving)
+    )
     # vLLM casts the drafter to the target's dtype: the stored tensors already are, so nothing is rounded at load
-    assert {str(t.dtype).removeprefix("torch.") for t in tensors.values()} == {vllm_draft_dtype(sglang_dtype(target_json))}
+    assert {str(t.dtype).removeprefix("torch.") for t in tensors.values()} == {
+        vllm_draft_dtype(sglang_dtype(target_json))
+    }
 
 
 def test_a_float32_export_would_run_in_float16_beside_a_bf16_target(tmp_path):
-    """The bug: a drafter stored in float32 (or with no dtype named, as the golden fixture) becomes float16 under auto."""
+    """The bug: a drafter stored in float32 (or with no dtype named, as the golden fixture) becomes float16 under
+    auto."""
     target_json = AutoConfig.from_pretrained(GOLDEN / "target", dtype="bfloat16").to_dict()
     DFlashDrafter.from_pretrained(GOLDEN / "drafter").save_pretrained(tmp_path / "fp32")  # the parameters' own dtype
     fp32_export = json.loads((tmp_path / "fp32" / "config.json").read_text())
@@ -107,10 +115,12 @@ def test_a_float32_target_exports_float32_and_the_command_keeps_it(tmp_path):
 
 
 def test_target_dtype_reads_the_config_as_sglang_does(tmp_path):
-    """`target.dtype` unset: the target config's own dtype, read as SGLang reads it (dtype, older torch_dtype, else float32)."""
+    """`target.dtype` unset: the target config's own dtype, read as SGLang reads it (dtype, older torch_dtype, else
+    float32)."""
     older = json.loads((GOLDEN / "target" / "config.json").read_text())
     older.pop("dtype", None)
-    cases = {"bf16": {**older, "dtype": "bfloat16"}, "torch_dtype": {**older, "torch_dtype": "float16"}, "unnamed": older}
+    cases = {"bf16": {**older, "dtype": "bfloat16"}, "torch_dtype": {**older, "torch_dtype": "float16"},
+             "unnamed": older}
     for name, config in cases.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))

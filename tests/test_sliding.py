@@ -96,17 +96,20 @@ def test_from_target_config_takes_layer_types_from_dflash_config():
     from transformers import AutoConfig
 
     target = AutoConfig.from_pretrained(GOLDEN / "target")
-    cfg = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=3, gamma=3.0, layer_types=[S, S, F], sliding_window=16)
+    cfg = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=3, gamma=3.0,
+                       layer_types=[S, S, F], sliding_window=16)
     spec = DrafterSpec.from_target_config(target, cfg)
     assert spec.layer_types == [S, S, F] and spec.sliding_window == 16 and spec.rope_scaling is None
-    default = DrafterSpec.from_target_config(target, DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=3, gamma=3.0))
+    default = DrafterSpec.from_target_config(
+        target, DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=3, gamma=3.0))
     assert default.layer_types == [F, F, F] and default.sliding_window is None
 
 
 # --- the training mask ------------------------------------------------------------------------------------------------
 
 def test_sliding_training_mask_is_the_engines_rule():
-    """Every entry against the rule written out: full layers see their anchor's prefix and their own block; sliding = that AND q - W < key <= q."""
+    """Every entry against the rule written out: full layers see their anchor's prefix and their own block; sliding =
+    that AND q - W < key <= q."""
     anchors, keep = torch.tensor([[3, 9, 15], [5, 0, 0]]), torch.tensor([[True, True, True], [True, False, False]])
     b_size, ctx_len, window = 4, 20, 6
     full = block_attention_mask(anchors, keep, ctx_len, b_size)
@@ -149,7 +152,9 @@ def test_training_forward_equals_draft_step_with_sliding_and_full_layers():
     full_train = _train_hidden(full, features, embed, batch)
     assert (full_train - train).abs().max() > 1e-3
     p = anchors[-1]
-    assert (_step_hidden(full, features, embed, ids, p) - _step_hidden(drafter, features, embed, ids, p)).abs().max() > 1e-3
+    assert (
+        _step_hidden(full, features, embed, ids, p) - _step_hidden(drafter, features, embed, ids, p)
+    ).abs().max() > 1e-3
 
 
 def test_padded_rows_and_packed_blocks_stay_finite_and_match():

@@ -1,5 +1,5 @@
-"""The stage output (`store.output`) and input (`store.inputs`), on both stores (a local folder and a real SeaweedFS S3 server):
-when an output is done, what begin() undoes, resumable pieces, and inputs verified or refused in one line."""
+"""The stage output (`store.output`) and input (`store.inputs`), on both stores (a local folder and a real SeaweedFS S3
+server): when an output is done, what begin() undoes, resumable pieces, and inputs verified or refused in one line."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ import pytest
 
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, PIECES_DIR, FileEntry, InputRef, Manifest, State, entry_for_local_file, verify_artifact
+from blockdraft.store.artifact import (
+    MANIFEST_NAME,
+    PIECES_DIR,
+    FileEntry,
+    InputRef,
+    Manifest,
+    State,
+    entry_for_local_file,
+    verify_artifact,
+)
 from blockdraft.store.inputs import open_input, open_raw_input
 from blockdraft.store.output import StageOutput, recorded_pieces, stage_key
 
@@ -82,19 +91,23 @@ def test_done_is_none_when_a_file_no_longer_verifies(dest, tmp_path):
     assert StageOutput(dest.sub("out"), KIND, "k1", dest.settings).done() is None
 
 
-def test_done_is_none_for_a_partial_output_and_another_config_or_key_and_computes_the_key_only_for_this_config(dest, tmp_path):
+def test_done_is_none_for_a_partial_output_and_another_config_or_key_and_computes_the_key_only_for_this_config(
+    dest, tmp_path
+):
     def output(key: str, digest: str, asked: list[str] | None = None) -> StageOutput:
         def key_of() -> str:
             if asked is not None:
                 asked.append(key)
             return key
 
-        return StageOutput(dest.sub("out"), KIND, key_of, dest.settings, made_with={"run.digest": digest}, failures="failed")
+        return StageOutput(dest.sub("out"), KIND, key_of, dest.settings, made_with={"run.digest": digest},
+                           failures="failed")
 
     assert output("k1", "d1").done() is None  # nothing there
     root = tmp_path / "src"
     files = local_files(root, FILES)
-    output("k1", "d1").publish(root, files, config={"run": {"digest": "d1"}}, counts={"failed": {"a.jsonl": "truncated"}})
+    output("k1", "d1").publish(root, files, config={"run": {"digest": "d1"}},
+                               counts={"failed": {"a.jsonl": "truncated"}})
     assert verify_artifact(open_store(dest.sub("out"), dest.settings)).state is State.VERIFIED
     assert output("k1", "d1").done() is None  # committed with failures: verified, yet not done, so a rerun retries them
     asked: list[str] = []
@@ -134,7 +147,11 @@ def test_commit_records_the_key_and_what_it_was_made_from(dest, tmp_path):
     out = StageOutput(dest.sub("out"), KIND, key, dest.settings)
     report = out.commit(uploaded(out, tmp_path, FILES), config={"note": "x"}, lineage=lineage, counts={"rows": 2})
     assert report.state is State.VERIFIED
-    assert report.manifest.lineage == lineage and report.manifest.config["note"] == "x" and report.manifest.counts == {"rows": 2}
+    assert (
+        report.manifest.lineage == lineage
+        and report.manifest.config["note"] == "x"
+        and report.manifest.counts == {"rows": 2}
+    )
     assert out.done() is not None
 
 
@@ -196,7 +213,8 @@ def test_a_piece_recorded_for_another_piece_key_or_kind_is_not_finished(dest, tm
     assert out.finished_piece("shard-0", "p0") is not None
     out.put_piece("shard-1", "p1", uploaded(out, tmp_path, {"shard-1.arrow": b"one"}))
     assert out.piece_names("p0") == (["shard-0"], ["shard-1"])
-    assert StageOutput(dest.sub("out"), "completions", "k1", dest.settings).piece_names("p0") == ([], ["shard-0", "shard-1"])
+    assert (StageOutput(dest.sub("out"), "completions", "k1", dest.settings).piece_names("p0")
+            == ([], ["shard-0", "shard-1"]))
 
 
 @pytest.mark.fault
@@ -244,7 +262,10 @@ def test_open_input_refuses_an_artifact_that_does_not_verify_in_one_line(damage,
     with pytest.raises(ArtifactError) as caught:
         open_input(dest.sub("out"), dest.settings, kinds=[KIND])
     message = str(caught.value)
-    assert message.startswith(f"input {open_store(dest.sub('out'), dest.settings).url} is {damage}:") and "\n" not in message
+    assert (
+        message.startswith(f"input {open_store(dest.sub('out'), dest.settings).url} is {damage}:")
+        and "\n" not in message
+    )
     assert damage == "incomplete" or "shard-0.arrow" in message
 
 
@@ -275,7 +296,8 @@ def test_fetch_reads_a_local_input_in_place_or_downloads_a_remote_one_checked(de
         assert got == dest.root / "out" and not target.exists()  # read where it is: no copy
     else:
         assert got == target
-        assert sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file()) == ["meta/info.json", "shard-0.arrow"]
+        assert (sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
+                == ["meta/info.json", "shard-0.arrow"])
     for rel, data in FILES.items():
         assert (got / rel).read_bytes() == data
     with inp.fetched() as folder:
@@ -298,14 +320,15 @@ def test_fetch_refuses_bytes_that_changed_since_the_input_verified(s3_bucket, s3
     assert open_store(url).exists("shard-0.arrow")
 
 
-# ---------------------------------------------------------------------------------------------- a raw input (no manifest)
+# -------------------------------------------------------------------------------------------- a raw input (no manifest)
 
 
 def test_a_raw_input_is_pinned_by_what_the_store_reports_and_read_back_against_it(dest, tmp_path):
     data = b'{"prompt": "hello"}\n' * 20
     root = tmp_path / "raw"
     [path] = local_files(root, {"prompts.jsonl": data})
-    open_store(dest.sub("raw"), dest.settings).put_file("prompts.jsonl", path, entry_for_local_file(root, path).checksum)
+    open_store(dest.sub("raw"), dest.settings).put_file("prompts.jsonl", path,
+                                                        entry_for_local_file(root, path).checksum)
     raw = open_raw_input(dest.sub("raw/prompts.jsonl"), dest.settings, role="prompts file")
     assert raw.ref.kind == "raw" and raw.ref.size == len(data) and raw.ref.url.endswith("/raw/prompts.jsonl")
     assert raw.ref.checksum is not None or raw.ref.etag is not None

@@ -81,7 +81,8 @@ def test_cli_endpoint_precedence_flag_config_env(s3_env, monkeypatch, tmp_path):
     config = tmp_path / "c.toml"
     config.write_text(f'[store]\nendpoint_url = "{configured}"\n')
     monkeypatch.setenv("AWS_ENDPOINT_URL", env)
-    cases = [(["--config", str(config), "--endpoint-url", flag], flag), (["--config", str(config)], configured), ([], env)]
+    cases = [(["--config", str(config), "--endpoint-url", flag], flag), (["--config", str(config)], configured),
+             ([], env)]
     for options, chosen in cases:
         result = CliRunner().invoke(app, ["preflight", "s3://b/p", *options])
         assert result.exit_code == 2 and f"S3 endpoint {chosen} unreachable" in result.stderr, result.stderr
@@ -114,8 +115,10 @@ def test_a_file_that_differs_from_its_checksum_is_never_completed(s3_bucket, s3_
 @pytest.mark.fault
 def test_stale_multipart_uploads_are_aborted(s3_bucket, s3_env):
     raw = s3_env.client()
-    raw.create_multipart_upload(Bucket=s3_bucket, Key="x/leftover", ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT")
-    raw.create_multipart_upload(Bucket=s3_bucket, Key="elsewhere/keep", ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT")
+    raw.create_multipart_upload(Bucket=s3_bucket, Key="x/leftover", ChecksumAlgorithm="CRC64NVME",
+                                ChecksumType="FULL_OBJECT")
+    raw.create_multipart_upload(Bucket=s3_bucket, Key="elsewhere/keep", ChecksumAlgorithm="CRC64NVME",
+                                ChecksumType="FULL_OBJECT")
     assert open_store(f"s3://{s3_bucket}/x").abort_partial_uploads() == 1
     left = [u["Key"] for u in raw.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])]
     assert left == ["elsewhere/keep"]
@@ -127,7 +130,11 @@ def test_preflight_ok_leaves_nothing_behind(s3_bucket, s3_env):
     report = preflight(store)
     # One round trip of one probe object, each request answered at its first attempt.
     assert requests.calls == PROBE_ROUND_TRIP and requests.sent == len(PROBE_ROUND_TRIP)
-    assert report.url == store.url and report.seconds >= 0 and report.summary().startswith(f"{store.url}: write, read back and delete")
+    assert (
+        report.url == store.url
+        and report.seconds >= 0
+        and report.summary().startswith(f"{store.url}: write, read back and delete")
+    )
     assert s3_env.client().list_objects_v2(Bucket=s3_bucket).get("KeyCount", 0) == 0
 
 
@@ -184,7 +191,8 @@ def test_preflight_stops_at_the_first_failed_request_and_never_retries_a_refusal
     reached = {"read-only": 2}.get(case, 1)  # the read-only identity may list; its write is the refused request
     assert requests.calls == PROBE_ROUND_TRIP[:reached]
     if case == "unreachable":
-        assert 1 <= requests.sent <= 4  # the first attempt and at most 3 retries (the client's bound), each refused at once
+        # the first attempt and at most 3 retries (the client's bound), each refused at once
+        assert 1 <= requests.sent <= 4
     else:
         assert requests.sent == (0 if case == "no credentials" else reached)  # no credentials: nothing is even sent
 
@@ -213,7 +221,8 @@ def objects_listed(raw, bucket: str, at_least: int, proc: subprocess.Popen) -> l
 
 @pytest.mark.slow
 @pytest.mark.fault
-def test_server_killed_mid_push_then_rerun_completes_without_reuploading(own_s3_server, make_artifact, tmp_path, monkeypatch):
+def test_server_killed_mid_push_then_rerun_completes_without_reuploading(own_s3_server, make_artifact, tmp_path,
+                                                                         monkeypatch):
     server = own_s3_server
     for key, value in server.admin.env(server.endpoint).items():
         monkeypatch.setenv(key, value)
@@ -223,7 +232,8 @@ def test_server_killed_mid_push_then_rerun_completes_without_reuploading(own_s3_
     local = make_artifact(tmp_path / "tok", files, kind="tokenized")
     url = f"s3://{bucket}/tok"
     env = {**os.environ, "COLUMNS": "400"}
-    push_cmd = [str(Path(sys.executable).parent / "blockdraft"), "push", str(local), url, "--concurrency", "1", "--part-size-mib", "5"]
+    push_cmd = [str(Path(sys.executable).parent / "blockdraft"), "push", str(local), url, "--concurrency", "1",
+                "--part-size-mib", "5"]
     proc = subprocess.Popen(push_cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     raw = server.client()
     objects_listed(raw, bucket, 3, proc)  # its lease, its writing mark and a first file
@@ -261,7 +271,8 @@ def test_no_secret_in_any_output_manifest_page_or_error(s3_env, monkeypatch, mak
     local = make_artifact(tmp_path / "a", {"x.bin": os.urandom(6 * MIB)})
     url = f"s3://{bucket}/a"
     page = tmp_path / "PROGRESS.md"
-    for args in (["preflight", url], ["push", str(local), url], ["verify", url], ["pull", url, str(tmp_path / "p")], ["status", f"s3://{bucket}/", "--progress", str(page)]):
+    for args in (["preflight", url], ["push", str(local), url], ["verify", url], ["pull", url, str(tmp_path / "p")],
+                 ["status", f"s3://{bucket}/", "--progress", str(page)]):
         result = runner.invoke(app, args)
         assert result.exit_code == 0, result.stderr
         texts += [result.stdout, result.stderr]
@@ -272,7 +283,8 @@ def test_no_secret_in_any_output_manifest_page_or_error(s3_env, monkeypatch, mak
     for case in ("wrong secret", "read-only", "no credentials"):
         with monkeypatch.context() as m:
             bad_url = _bad_settings(case, s3_env, m)
-            for args in (["preflight", bad_url], ["push", str(local), bad_url], ["pull", url, str(tmp_path / "q")], ["status", bad_url]):
+            for args in (["preflight", bad_url], ["push", str(local), bad_url], ["pull", url, str(tmp_path / "q")],
+                         ["status", bad_url]):
                 result = runner.invoke(app, args)
                 texts += [result.stdout, result.stderr]
             with pytest.raises(StoreError) as caught:
@@ -283,7 +295,11 @@ def test_no_secret_in_any_output_manifest_page_or_error(s3_env, monkeypatch, mak
     assert "wrong secret key" in blob and "no write permission" in blob  # the failures were really exercised
     for secret in (SECRET_KEY, RO_SECRET_KEY, WRONG_SECRET):
         assert secret not in blob
-    assert not [k for k in s3_env.client().list_objects_v2(Bucket=bucket).get("Contents", []) if k["Key"].startswith(PROBE_PREFIX)]
+    assert not [
+        k
+        for k in s3_env.client().list_objects_v2(Bucket=bucket).get("Contents", [])
+        if k["Key"].startswith(PROBE_PREFIX)
+    ]
 
 
 @pytest.mark.fault
@@ -332,7 +348,8 @@ def test_push_memory_is_bounded_by_part_size_times_concurrency(s3_bucket, s3_env
     """Two 48 MiB files through 5 MiB x 2 parts: peak memory grows by about 10 MiB, never by a whole file."""
     local = make_artifact(tmp_path / "a", {f"f{i}.bin": os.urandom(48 * MIB) for i in range(2)})
     out = subprocess.run(
-        [sys.executable, "-c", CHILD_PUSH, str(local), f"s3://{s3_bucket}/mem"], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", CHILD_PUSH, str(local), f"s3://{s3_bucket}/mem"], capture_output=True, text=True,
+        timeout=300, check=True
     ).stdout.split()
     before, after, state = int(out[0]), int(out[1]), out[2]
     assert state == "verified"

@@ -53,7 +53,9 @@ def test_mask_row_exists_below_vocab_size_and_no_text_encodes_to_it(target, buil
     mask = built["mask_token_id"]
     assert mask == len(tok) < model.config.vocab_size == model.get_input_embeddings().weight.shape[0]
     assert tok.convert_ids_to_tokens(mask) is None
-    sample = "".join(json.loads(x)["messages"][-1]["content"] for x in (TINY / "completions.jsonl").read_text().splitlines()[:50])
+    sample = "".join(
+        json.loads(x)["messages"][-1]["content"] for x in (TINY / "completions.jsonl").read_text().splitlines()[:50]
+    )
     assert max(tok(sample, add_special_tokens=False)["input_ids"]) < mask
 
 
@@ -68,7 +70,8 @@ def test_chat_template_thinking_on_and_off_like_qwen3(target):
     off = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     assert on.endswith("<|im_start|>assistant\n") and off == on + "<think>\n\n</think>\n\n"
     assert "I start at 3." not in on  # reasoning before the last user turn is dropped
-    full = tok.apply_chat_template(history + [{"role": "assistant", "content": "30.", "reasoning_content": "Add."}], tokenize=False)
+    full = tok.apply_chat_template(history + [{"role": "assistant", "content": "30.", "reasoning_content": "Add."}],
+                                   tokenize=False)
     assert full.startswith(on) and full.endswith("<think>\nAdd.\n</think>\n\n30.<|im_end|>\n")
 
 

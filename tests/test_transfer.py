@@ -35,7 +35,8 @@ def payload(seed: int, size: int) -> bytes:
 @pytest.fixture
 def artifact(tmp_path, make_artifact):
     # One multipart file (3 parts of 5 MiB), one single-part file, an empty one, one in a subfolder.
-    files = {"shard-0.arrow": payload(0, 11 * MIB + 7), "shard-1.arrow": payload(1, 300_000), "empty.txt": b"", "meta/info.json": b'{"rows": 3}'}
+    files = {"shard-0.arrow": payload(0, 11 * MIB + 7), "shard-1.arrow": payload(1, 300_000), "empty.txt": b"",
+             "meta/info.json": b'{"rows": 3}'}
     return make_artifact(tmp_path / "local", files, kind="tokenized")
 
 
@@ -151,7 +152,8 @@ def test_interrupted_push_is_incomplete_never_verified(dest, artifact):
 def test_repush_with_different_content_uncommits_first(dest, artifact, make_artifact, tmp_path):
     url = dest.sub("tok")
     push(artifact, url, dest.settings)
-    newer = make_artifact(tmp_path / "newer", {"shard-0.arrow": payload(9, 6 * MIB), "other.bin": b"new"}, kind="tokenized")
+    newer = make_artifact(tmp_path / "newer", {"shard-0.arrow": payload(9, 6 * MIB), "other.bin": b"new"},
+                          kind="tokenized")
     # The new push dies after uploading part of its files: the old manifest must already be gone.
     (newer / "other.bin").write_bytes(b"NEW")
     with pytest.raises(Exception, match="not match its expected checksum"):
@@ -167,7 +169,8 @@ def test_status_lineage_stale_and_progress_page(dest, artifact, make_artifact, t
     comp_local = make_artifact(tmp_path / "comp", {"part-0.jsonl": b'{"messages": []}\n'}, kind="completions")
     comp_url = dest.sub("completions")
     push(comp_local, comp_url, dest.settings)
-    tok_local = make_artifact(tmp_path / "tok", {"s.arrow": b"rows"}, kind="tokenized", lineage=[open_input(open_store(comp_url, dest.settings)).ref])
+    tok_local = make_artifact(tmp_path / "tok", {"s.arrow": b"rows"}, kind="tokenized",
+                              lineage=[open_input(open_store(comp_url, dest.settings)).ref])
     push(tok_local, dest.sub("tokenized"), dest.settings)
     by_root = {a.root: a for a in status(open_store(dest.url, dest.settings))}
     assert by_root["tokenized"].state is State.VERIFIED

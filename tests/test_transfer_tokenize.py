@@ -31,14 +31,17 @@ pytestmark = pytest.mark.s3
 def jsonl(first: int, n: int) -> bytes:
     rows = []
     for i in range(first, first + n):
-        rows.append({"id": f"c{i}", "messages": [{"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": f"It is {i + 1}."}]})
+        rows.append({"id": f"c{i}",
+                     "messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                                  {"role": "assistant", "content": f"It is {i + 1}."}]})
     return "".join(json.dumps(r) + "\n" for r in rows).encode()
 
 
 def s3_config(tmp_path: Path, **tokenize):
     return load_config(
         None,
-        {"target": {"path": str(TOKENIZER_DIR)}, "tokenize": tokenize, "store": {"staging_dir": str(tmp_path / "staging"), "part_size_mib": 5}},
+        {"target": {"path": str(TOKENIZER_DIR)}, "tokenize": tokenize,
+         "store": {"staging_dir": str(tmp_path / "staging"), "part_size_mib": 5}},
     )
 
 
@@ -97,8 +100,8 @@ class WaitForFirstShardAtDestination(Reporter):
 
 
 class PollCount:
-    """Wraps `finished` (what the pusher asks each poll): counts the polls, keeps what they listed, and lets the stage wait
-    for the n-th poll to begin."""
+    """Wraps `finished` (what the pusher asks each poll): counts the polls, keeps what they listed, and lets the stage
+    wait for the n-th poll to begin."""
 
     def __init__(self, finished) -> None:
         self.finished, self.polls, self.listed = finished, 0, []
@@ -136,7 +139,8 @@ def test_tokenize_to_s3_with_a_wrong_secret_fails_before_any_work(s3_bucket, s3_
     reporter = ProgressLog()
     with pytest.raises(StoreError, match="wrong secret key"):
         run(s3_config(tmp_path), f"s3://{s3_bucket}/raw", f"s3://{s3_bucket}/tokenized", reporter)
-    # Refused by the preflight: nothing tokenized, staged or written, rather than a clock that a slow machine could lose.
+    # Refused by the preflight: nothing tokenized, staged or written, rather than a clock that a slow machine could
+    # lose.
     assert not [call for call in reporter.calls if call[1]] and reporter.lines == []
     assert not (tmp_path / "staging").exists()
     assert s3_env.client().list_objects_v2(Bucket=s3_bucket, Prefix="tokenized/").get("KeyCount", 0) == 0
@@ -179,7 +183,9 @@ def test_tokenized_artifact_is_stale_once_a_raw_input_object_changes(s3_bucket, 
 
 
 @pytest.mark.fault
-def test_a_failed_rerun_over_a_committed_s3_output_that_changes_nothing_leaves_it_committed(s3_bucket, s3_env, tmp_path):
+def test_a_failed_rerun_over_a_committed_s3_output_that_changes_nothing_leaves_it_committed(
+    s3_bucket, s3_env, tmp_path
+):
     upload_raw(s3_env, s3_bucket)
     out_url = f"s3://{s3_bucket}/tokenized"
     cfg = s3_config(tmp_path)
@@ -188,8 +194,8 @@ def test_a_failed_rerun_over_a_committed_s3_output_that_changes_nothing_leaves_i
     polls = PollCount(finished_shard_entries)
 
     def crash(local: Path) -> None:
-        # The pusher looks at the staged (unchanged) shards, all already at the destination, before the stage dies: a second
-        # poll begins only after the first one has checked every shard it listed.
+        # The pusher looks at the staged (unchanged) shards, all already at the destination, before the stage dies: a
+        # second poll begins only after the first one has checked every shard it listed.
         assert polls.reached(2), "the pusher never polled"
         raise RuntimeError("stage died")
 

@@ -1,5 +1,6 @@
 """Position-aware loss weighting (dflash.loss_weighting): the D-PACE weights as published, what they mean, how the loss
-normalises them, and that the choice is pinned in the run like gamma. Also the drafter's initial weights (train.init)."""
+normalises them, and that the choice is pinned in the run like gamma. Also the drafter's initial weights
+(train.init)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ def ce_of(probabilities: list[float]) -> torch.Tensor:
 
 def test_dpace_weights_by_hand():
     # One block of 4: slot 0 is the anchor (unsupervised). Drafter probabilities of the labels 1.0, 0.5, 0.0 smooth with
-    # alpha 0.5 to s = 1, 0.75, 0.5; prefix products 1, 0.75, 0.375; each slot weighs the sum of the prefixes from it on.
+    # alpha 0.5 to s = 1, 0.75, 0.5; prefix products 1, 0.75, 0.375; each slot weighs the sum of the prefixes from it
+    # on.
     w = dpace_weights(ce_of([0.3, 1.0, 0.5, 1e-30]), torch.tensor([0, 1, 1, 1]), 4, 0.5)
     torch.testing.assert_close(w, torch.tensor([0.0, 2.125, 1.125, 0.375]))
     # An unsupervised slot passes the product through unchanged and weighs nothing; blocks are independent.
     w = dpace_weights(ce_of([0.3, 0.5, 0.1, 0.5] * 2), torch.tensor([0, 1, 0, 1, 0, 0, 1, 1]), 4, 0.5)
-    torch.testing.assert_close(w, torch.tensor([0.0, 0.75 + 0.75 * 0.75, 0.0, 0.75 * 0.75, 0.0, 0.0, 0.55 + 0.55 * 0.75, 0.55 * 0.75]))
+    torch.testing.assert_close(w, torch.tensor([0.0, 0.75 + 0.75 * 0.75, 0.0, 0.75 * 0.75, 0.0, 0.0,
+                                                0.55 + 0.55 * 0.75, 0.55 * 0.75]))
 
 
 def test_a_perfect_drafter_weighs_each_slot_by_the_tokens_it_gates():
@@ -55,7 +58,8 @@ def test_dpace_weight_is_the_gradient_of_the_expected_acceptance_length():
 
 
 def test_weights_flatten_as_the_drafter_improves():
-    # A weak drafter's weight falls off steeply along the block; a strong one's much less: the weights follow acceptance.
+    # A weak drafter's weight falls off steeply along the block; a strong one's much less: the weights follow
+    # acceptance.
     mask = torch.arange(8) > 0
     weak = dpace_weights(ce_of([0.2] * 8), mask, 8, 0.5)
     strong = dpace_weights(ce_of([0.9] * 8), mask, 8, 0.5)
@@ -72,7 +76,8 @@ def test_dpace_loss_divides_by_the_supervised_slot_count_and_ignores_gamma():
     assert torch.equal(outs[0].loss, outs[1].loss) and outs[0].weight_sum.item() == 5.0
     ce = torch.nn.functional.cross_entropy(hidden[0] @ head.T, labels[0], reduction="none")
     torch.testing.assert_close(outs[0].loss, (dpace_weights(ce, mask[0], 4, 0.5) * ce).sum() / 5)
-    assert Objective(weighting="dpace").normaliser(decays[1]).item() == 5.0 and Objective().normaliser(decays[1]).item() == pytest.approx(3.9)
+    assert (Objective(weighting="dpace").normaliser(decays[1]).item() == 5.0
+            and Objective().normaliser(decays[1]).item() == pytest.approx(3.9))
 
 
 @pytest.mark.slow
@@ -80,28 +85,36 @@ def test_weighting_is_pinned_in_the_checkpoint_and_a_resume_with_another_is_refu
     rows = make_rows(4, prompt_len=6, new_tokens=24, seed=1)
     data = write_tokenized(tmp_path / "tokenized", rows[:3], rows[3:])
     path = config_file(tmp_path, data, max_steps=2, checkpoint_every=2)
-    path.write_text(path.read_text().replace("gamma = 4.0", 'gamma = 4.0\nloss_weighting = "dpace"\ndpace_alpha = 0.25'))
+    path.write_text(path.read_text().replace("gamma = 4.0",
+                                             'gamma = 4.0\nloss_weighting = "dpace"\ndpace_alpha = 0.25'))
     run(load_config(path))
     pinned = json.loads((tmp_path / "ckpt" / checkpoint_key(2) / PINNED_CONFIG_NAME).read_text())
     assert pinned["dflash"]["loss_weighting"] == "dpace" and pinned["dflash"]["dpace_alpha"] == 0.25
-    path.write_text(path.read_text().replace('loss_weighting = "dpace"', 'loss_weighting = "exponential"').replace("max_steps = 2", "max_steps = 4"))
+    path.write_text(
+        path.read_text()
+        .replace('loss_weighting = "dpace"', 'loss_weighting = "exponential"')
+        .replace("max_steps = 2", "max_steps = 4")
+    )
     with pytest.raises(ConfigError, match="another run .differs in dflash"):
         run(load_config(path))
 
 
 def test_hf_normal_init_draws_every_linear_from_the_target_range_and_pytorch_leaves_the_defaults():
-    target = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=64, vocab_size=300, initializer_range=0.05)
-    spec = DrafterSpec(hidden_size=256, intermediate_size=512, num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                       rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=512, vocab_size=300, block_size=4,
-                       mask_token_id=299, target_layer_ids=[1, 3, 5], num_target_layers=8, gamma=4.0)
+    target = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, vocab_size=300, initializer_range=0.05)
+    spec = DrafterSpec(hidden_size=256, intermediate_size=512, num_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e4,
+                       max_position_embeddings=512, vocab_size=300, block_size=4, mask_token_id=299,
+                       target_layer_ids=[1, 3, 5], num_target_layers=8, gamma=4.0)
     torch.manual_seed(0)
     default = DFlashDrafter(spec)
     torch.manual_seed(0)
     untouched = DFlashDrafter(spec)
     init_drafter(untouched, "pytorch", target)
-    assert all(torch.equal(a, b) for a, b in zip(default.state_dict().values(), untouched.state_dict().values(), strict=True))
-    # PyTorch's default: uniform with std 1/sqrt(3 * fan_in), so fc (3 * 256 inputs) starts sqrt(3)x smaller than a 256-input layer
+    assert all(torch.equal(a, b) for a, b in zip(default.state_dict().values(), untouched.state_dict().values(),
+                                                 strict=True))
+    # PyTorch's default: uniform with std 1/sqrt(3 * fan_in), so fc (3 * 256 inputs) starts sqrt(3)x smaller than a
+    # 256-input layer
     assert default.fc.weight.std().item() == pytest.approx((3 * 768) ** -0.5, rel=0.05)
 
     torch.manual_seed(0)

@@ -14,7 +14,8 @@ from blockdraft.errors import ConfigError
 from blockdraft.stages.train.ranks import RankPlacement, check_same_config, check_same_data
 
 
-def compare_data(rank: int, port: int, folder: str, rounds: list[list], out: str, eval_folder: str | None = None) -> None:
+def compare_data(rank: int, port: int, folder: str, rounds: list[list], out: str,
+                 eval_folder: str | None = None) -> None:
     """Join the group, check the config (the same on both), then for each round of data digests ([rank 0's, rank 1's],
     each a train.data digest or a [train.data, train.eval_data] pair when `eval_folder` is train.eval_data) check the
     data; what each round said ("agreed" or the error line) goes to `out`/rank{rank}-{round}."""

@@ -1,5 +1,6 @@
 """Committed local artifacts, and the destinations the store tests write to: a local folder or a prefix in a fresh
-bucket of the SeaweedFS server, each with raw tampering that bypasses blockdraft (plain file writes or a raw boto3 client)."""
+bucket of the SeaweedFS server, each with raw tampering that bypasses blockdraft (plain file writes or a raw boto3
+client)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def commit_files(root: Path, files: dict[str, bytes], kind: str = "test", lineag
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)
     entries = [entry_for_local_file(root, root / rel) for rel in files]
-    commit_artifact(open_store(root), kind, entries, config={"store": {"url": "test"}}, lineage=lineage, counts={"rows": len(files)})
+    commit_artifact(open_store(root), kind, entries, config={"store": {"url": "test"}}, lineage=lineage,
+                    counts={"rows": len(files)})
     return root
 
 
@@ -42,7 +44,8 @@ class Destination:
     """Where a transfer test writes: an S3 prefix in a fresh bucket (`kind` "s3") or a local folder ("file"), plus raw
     tampering that bypasses blockdraft."""
 
-    def __init__(self, kind: str, url: str, server: SeaweedS3 | None = None, bucket: str | None = None, root: Path | None = None):
+    def __init__(self, kind: str, url: str, server: SeaweedS3 | None = None, bucket: str | None = None,
+                 root: Path | None = None):
         self.kind, self.url, self.server, self.bucket, self.root = kind, url, server, bucket, root
         # 5 MiB parts (the S3 minimum) so small test files still take the multipart path.
         self.settings = StoreConfig(part_size_mib=5, concurrency=4)

@@ -75,7 +75,8 @@ class Chat(Protocol):
 
 
 class ChatModel:
-    """A local transformers model behind the endpoint; one generation at a time (the lock), greedy unless temperature > 0."""
+    """A local transformers model behind the endpoint; one generation at a time (the lock), greedy unless
+    temperature > 0."""
 
     def __init__(self, model_dir: str, dtype: str = "float32") -> None:
         import torch  # heavy: only the serving process needs it
@@ -158,7 +159,8 @@ class _Handler(BaseHTTPRequestHandler):
             pass  # the client gave up (its timeout); nothing to answer
 
     def _error(self, status: int, message: str) -> None:
-        self._send(status, {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+        self._send(status, {"error": {"message": message,
+                                      "type": "invalid_request_error" if status < 500 else "server_error",
                                       "code": status}})
 
     def _refused(self) -> bool:
@@ -181,7 +183,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self._refused():
             return
         if self.path.rstrip("/") == "/v1/models":
-            self._send(200, {"object": "list", "data": [{"id": self.server.chat.name, "object": "model", "owned_by": "blockdraft"}]})
+            self._send(200, {"object": "list",
+                             "data": [{"id": self.server.chat.name, "object": "model", "owned_by": "blockdraft"}]})
         elif self.path.rstrip("/") == "/health":
             self._send(200, {"status": "ok"})
         else:
@@ -261,7 +264,8 @@ class ChatServer(ThreadingHTTPServer, RequestEvents):
         threading.Thread(target=self.serve_forever, name="chat-server", daemon=True).start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.faults.release.set()
         self.shutdown()
         self.server_close()
@@ -302,20 +306,24 @@ class EndpointProcess(RequestEvents):
     def __enter__(self) -> EndpointProcess:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.stop()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="OpenAI-compatible chat endpoint for a local HF model (blockdraft's tests; "
-                                                 "use vLLM or SGLang in production).")
+    parser = argparse.ArgumentParser(description="OpenAI-compatible chat endpoint for a local HF model (blockdraft's "
+                                                 "tests; use vLLM or SGLang in production).")
     parser.add_argument("model_dir")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for tiny models on a busy machine)")
-    parser.add_argument("--faults", default="", help="answers to the first chat requests: comma-separated ok, hold or an HTTP status")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1 is fastest for tiny models on a busy machine)")
+    parser.add_argument("--faults", default="",
+                        help="answers to the first chat requests: comma-separated ok, hold or an HTTP status")
     parser.add_argument("--request-log", default=None)
-    parser.add_argument("--api-key", default=None, help="answer 401, echoing the key sent, to requests without this key")
+    parser.add_argument("--api-key", default=None,
+                        help="answer 401, echoing the key sent, to requests without this key")
     args = parser.parse_args()
 
     import torch  # heavy: only the serving process needs it

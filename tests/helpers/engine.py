@@ -1,5 +1,5 @@
-"""The serving engine's environment (`make engine` builds `.venv-engine`) and the drafters its tests serve: trained here on
-the tiny target's own completions, one with a full-attention layer and one with a sliding-window layer."""
+"""The serving engine's environment (`make engine` builds `.venv-engine`) and the drafters its tests serve: trained here
+on the tiny target's own completions, one with a full-attention layer and one with a sliding-window layer."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from blockdraft.stages.eval.report import EvalReport
 
 REPO = Path(__file__).resolve().parent.parent.parent
 ENGINE_PYTHON = REPO / ".venv-engine" / "bin" / "python"
-needs_engine = pytest.mark.skipif(not ENGINE_PYTHON.is_file(), reason="no .venv-engine here: `make engine` builds vLLM's environment")
+needs_engine = pytest.mark.skipif(not ENGINE_PYTHON.is_file(),
+                                  reason="no .venv-engine here: `make engine` builds vLLM's environment")
 
 # name: the drafter's layers. Both train TRAIN_STEPS steps, enough that drafts are accepted beyond the first position.
 DRAFTERS = {
@@ -34,19 +35,22 @@ NEW_TOKENS = 48
 
 
 def engine_config(tmp: Path, drafter: str, **eval_settings) -> dict:
-    """The config of one engine test: the tiny target, `drafter`'s shape, the engine's environment, 16 held-out prompts."""
+    """The config of one engine test: the tiny target, `drafter`'s shape, the engine's environment, 16 held-out
+    prompts."""
     fixture = json.loads((TINY_TARGET_DIR / "fixture.json").read_text())
     return {
         "target": {"path": str(TINY_TARGET_DIR)},
         "store": {"url": str(tmp / "store")},
         "tokenize": {"held_out_fraction": 0.0},
         # vLLM's CPU build serves DFlash drafters only (DFlash2 needs its GPU runner)
-        "dflash": {"architecture": "dflash", "block_size": 8, "mask_token_id": fixture["mask_token_id"], "num_anchors": 32,
-                   **DRAFTERS[drafter]},
-        "train": {"data": str(tmp / "tokenized"), "output": str(tmp / f"run-{drafter}"), "log_dir": str(tmp / f"logs-{drafter}"),
+        "dflash": {"architecture": "dflash", "block_size": 8, "mask_token_id": fixture["mask_token_id"],
+                   "num_anchors": 32, **DRAFTERS[drafter]},
+        "train": {"data": str(tmp / "tokenized"), "output": str(tmp / f"run-{drafter}"),
+                  "log_dir": str(tmp / f"logs-{drafter}"),
                   "max_steps": TRAIN_STEPS, "batch_size": 4, "global_batch_size": 4, "lr": 3e-3, "warmup_ratio": 0.05,
                   "checkpoint_every": TRAIN_STEPS, "seed": 0},
-        "eval": {"num_prompts": PROMPTS, "max_new_tokens": NEW_TOKENS, "prompts": str(TINY_TARGET_DIR / "prompts.jsonl"),
+        "eval": {"num_prompts": PROMPTS, "max_new_tokens": NEW_TOKENS,
+                 "prompts": str(TINY_TARGET_DIR / "prompts.jsonl"),
                  "engine_python": str(ENGINE_PYTHON), **eval_settings},
     }
 
@@ -140,9 +144,10 @@ def export_all(tmp: Path, runs: dict[str, Path]) -> dict[str, Path]:
     return made
 
 
-def run_eval(tmp: Path, run: Path, drafter: str, out: str, *extra: str, **settings) -> tuple[int, str, EvalReport | None]:
-    """`blockdraft eval --engine vllm` of `run` with `drafter`'s config and `settings` over the eval section: (exit code,
-    output, the report when one was written)."""
+def run_eval(tmp: Path, run: Path, drafter: str, out: str, *extra: str,
+             **settings) -> tuple[int, str, EvalReport | None]:
+    """`blockdraft eval --engine vllm` of `run` with `drafter`'s config and `settings` over the eval section: (exit
+    code, output, the report when one was written)."""
     config = write_config(tmp, engine_config(tmp, drafter, **settings), f"{out}.toml")
     result = CliRunner().invoke(app, ["eval", "--config", str(config), "--checkpoint", str(run), "--engine", "vllm",
                                       "--output", str(tmp / out), *extra])

@@ -1,18 +1,21 @@
-"""Tiny hybrid-attention targets built from config alone (no downloads), random fp32 weights, saved like real checkpoints.
+"""Tiny hybrid-attention targets built from config alone (no downloads), random fp32 weights, saved like real
+checkpoints.
 
-- `save_qwen3_5_composite(path)`: a `Qwen3_5ForConditionalGeneration` (tiny vision tower, interleaved M-RoPE) whose text model has
-  8 layers, Gated DeltaNet linear attention with full attention every 4th layer; `AutoModelForCausalLM.from_pretrained(path)`
-  loads its text model alone as `Qwen3_5ForCausalLM` (the vision weights are skipped), as it does for Qwen3.5/Qwen3.6.
-- `save_qwen3_next(path)`: a `Qwen3NextForCausalLM`, the same layer pattern, a tiny sparse MoE (4 experts, top 2, a shared expert)
-  on most layers and a dense MLP on layer 0.
+- `save_qwen3_5_composite(path)`: a `Qwen3_5ForConditionalGeneration` (tiny vision tower, interleaved M-RoPE) whose text
+  model has 8 layers, Gated DeltaNet linear attention with full attention every 4th layer;
+  `AutoModelForCausalLM.from_pretrained(path)` loads its text model alone as `Qwen3_5ForCausalLM` (the vision weights
+  are skipped), as it does for Qwen3.5/Qwen3.6.
+- `save_qwen3_next(path)`: a `Qwen3NextForCausalLM`, the same layer pattern, a tiny sparse MoE (4 experts, top 2, a
+  shared expert) on most layers and a dense MLP on layer 0.
 
-Both write a small byte-level BPE tokenizer (the one `blockdraft.fixtures.tiny` builds, 448 ids) with the real Qwen3.6 chat
-template (`chat_template.jinja`), so `AutoTokenizer.from_pretrained(path)` works; every token id is < `VOCAB_SIZE` (512).
-Like a real checkpoint, eos (config and generation config) is `<|im_end|>` and pad is `<|endoftext|>`; a random prompt
-emits eos about once in 512 greedy tokens. The vision placeholder ids sit at 508..511, above every id the tokenizer makes.
+Both write a small byte-level BPE tokenizer (the one `blockdraft.fixtures.tiny` builds, 448 ids) with the real Qwen3.6
+chat template (`chat_template.jinja`), so `AutoTokenizer.from_pretrained(path)` works; every token id is < `VOCAB_SIZE`
+(512). Like a real checkpoint, eos (config and generation config) is `<|im_end|>` and pad is `<|endoftext|>`; a random
+prompt emits eos about once in 512 greedy tokens. The vision placeholder ids sit at 508..511, above every id the
+tokenizer makes.
 
-The init std (`INIT_STD`) is larger than the library's 0.02 so that greedy decoding of random prompts does not collapse into a
-one-token loop: speculative-decoding tests need varied acceptance lengths.
+The init std (`INIT_STD`) is larger than the library's 0.02 so that greedy decoding of random prompts does not collapse
+into a one-token loop: speculative-decoding tests need varied acceptance lengths.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ def _tokenizer():
 
 
 def _save(path: Path, model, tokenizer) -> Path:
-    """Weights, config, greedy generation config (eos = <|im_end|>) and tokenizer, as a real checkpoint folder has them."""
+    """Weights, config, greedy generation config (eos = <|im_end|>) and tokenizer, as a real checkpoint folder has
+    them."""
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig(
@@ -95,7 +99,8 @@ def save_qwen3_next(path: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     tokenizer = _tokenizer()
     config = Qwen3NextConfig(
-        **_text_fields(8, tokenizer), rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5},
+        **_text_fields(8, tokenizer),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.5},
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=True,
     )

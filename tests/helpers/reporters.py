@@ -1,4 +1,5 @@
-"""Reporters that keep what a stage told them, so a test asserts on it (the library's own `Reporter` keeps lines only)."""
+"""Reporters that keep what a stage told them, so a test asserts on it (the library's own `Reporter` keeps lines
+only)."""
 
 from __future__ import annotations
 

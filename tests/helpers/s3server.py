@@ -93,7 +93,8 @@ class SeaweedS3:
 
     def _identities(self) -> dict:
         def ident(name: str, who: Identity, actions: list[str]) -> dict:
-            return {"name": name, "credentials": [{"accessKey": who.access_key, "secretKey": who.secret_key}], "actions": actions}
+            return {"name": name, "credentials": [{"accessKey": who.access_key, "secretKey": who.secret_key}],
+                    "actions": actions}
 
         return {
             "identities": [
@@ -106,9 +107,9 @@ class SeaweedS3:
         argv = [weed_binary(), f"-logdir={self.logs}", "mini", f"-dir={self.data}"]
         argv += ["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false", "-webdav=false", "-admin.ui=false"]
         argv += ["-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={self.config_path}"]
-        # Every test's bucket is a collection with a volume of its own. Left at 0, the volume count is free disk / 1 GiB, so
-        # on a machine with 50 GiB free the session's server refuses writes ("no writable volumes") after about 50 buckets.
-        # Volumes are not preallocated: the count costs no disk.
+        # Every test's bucket is a collection with a volume of its own. Left at 0, the volume count is free disk / 1
+        # GiB, so on a machine with 50 GiB free the session's server refuses writes ("no writable volumes") after about
+        # 50 buckets. Volumes are not preallocated: the count costs no disk.
         argv += ["-volume.max=2000"]
         argv += [f"-s3.localSocket={self.workdir / 's3.sock'}", f"-filer.localSocket={self.workdir / 'filer.sock'}"]
         for name, (http, grpc) in self.ports.items():
@@ -119,7 +120,8 @@ class SeaweedS3:
         """Start `weed mini` and wait until S3 answers; `timeout` (seconds) only bounds a server that never comes up."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         out = open(self.logs / "stdout.txt", "ab")
-        self.proc = subprocess.Popen(self._argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self.proc = subprocess.Popen(self._argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env)
         out.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -19,7 +19,9 @@ def exact_first_two(target, prompt: list[int], sampling: Sampling) -> dict[tuple
         firsts = p1.nonzero()[:, 0]
         rows = torch.tensor([[*prompt, int(x)] for x in firsts])
         p2 = processed_probs(target(rows).logits[:, -1], sampling)
-    return {(int(x1), int(x2)): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(firsts) for x2 in p2[i].nonzero()[:, 0]}
+    return {
+        (int(x1), int(x2)): float(p1[x1] * p2[i, x2]) for i, x1 in enumerate(firsts) for x2 in p2[i].nonzero()[:, 0]
+    }
 
 
 def chi_square(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float]) -> tuple[float, int, float]:
@@ -35,4 +37,5 @@ def chi_square(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...
         wanted.append(rest_wanted)
     stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted))
     df = len(wanted) - 1
-    return stat, df, float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, df, float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                                   torch.tensor(stat / 2, dtype=torch.float64)))

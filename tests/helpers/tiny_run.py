@@ -24,7 +24,8 @@ MASK = json.loads((TINY_TARGET_DIR / "fixture.json").read_text())["mask_token_id
 
 def tiny_config(tmp: Path, **sections) -> dict:
     data = {"target": {"path": str(TINY_TARGET_DIR)}, "store": {"url": str(tmp / "store")},
-            "dflash": {"architecture": "dflash", "block_size": 4, "mask_token_id": MASK, "num_draft_layers": 1, "gamma": 4.0},
+            "dflash": {"architecture": "dflash", "block_size": 4, "mask_token_id": MASK, "num_draft_layers": 1,
+                       "gamma": 4.0},
             "tokenize": {"held_out_fraction": 0.0}}
     for name, values in sections.items():
         data.setdefault(name, {}).update(values)
@@ -42,7 +43,8 @@ def make_tiny_run(tmp: Path, seed: int = 0) -> Path:
     drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(TINY_TARGET_DIR), cfg.dflash))
     data = verify_artifact(open_store(tmp / "tokenized")).manifest.config["tokenize_run"]
     resolved = resolved_training_config(cfg, drafter.spec, str(tmp / "run"), data)
-    save_checkpoint(open_store(tmp / "run"), 5, drafter, {}, resolved, [open_input(open_store(tmp / "tokenized")).ref], {"step": 5})
+    save_checkpoint(open_store(tmp / "run"), 5, drafter, {}, resolved, [open_input(open_store(tmp / "tokenized")).ref],
+                    {"step": 5})
     return tmp / "run"
 
 

@@ -31,7 +31,8 @@ def conversation(i: int, turns: int = 1, reasoning: bool = True) -> dict:
 
 
 def long_conversation(i: int, turns: int, words: int) -> dict:
-    """A reasoning conversation of `turns` exchanges whose turn t reasons for about `words * (t + 1)` words; ids long<i>.
+    """A reasoning conversation of `turns` exchanges whose turn t reasons for about `words * (t + 1)` words; ids
+    long<i>.
 
     With thinking on, its later turns (longer reasoning after a longer history) outgrow a small `tokenize.max_length`.
     """
@@ -71,10 +72,12 @@ def make_corpus(folder: Path, files: int = 3, per_file: int = 30) -> Path:
 
 def config(chat_template: str | None = None, **tokenize) -> BlockdraftConfig:
     """The tiny tokenizer's target with `chat_template` (target.chat_template) and these [tokenize] values."""
-    return load_config(None, {"target": {"path": str(TOKENIZER_DIR), "chat_template": chat_template}, "tokenize": tokenize})
+    return load_config(None,
+                       {"target": {"path": str(TOKENIZER_DIR), "chat_template": chat_template}, "tokenize": tokenize})
 
 
-def tokenize(input: Path | str, output: Path | str, cfg: BlockdraftConfig, reporter: Reporter | None = None, **options) -> StageResult:
+def tokenize(input: Path | str, output: Path | str, cfg: BlockdraftConfig, reporter: Reporter | None = None,
+             **options) -> StageResult:
     """The stage, as the library runs it: `tokenize.run` with a `Reporter` that keeps its lines."""
     return tokenize_stage.run(cfg, str(input), str(output), reporter or Reporter(), **options)
 

@@ -1,4 +1,5 @@
-"""What the train tests share: learnable tokenized rows from the golden target, a config file around them, the metrics log.
+"""What the train tests share: learnable tokenized rows from the golden target, a config file around them, the metrics
+log.
 
 Rows are the golden target's own greedy continuations (learnable, as regenerated data is); prompts are unsupervised.
 """
@@ -29,11 +30,14 @@ def make_rows(num_rows: int, prompt_len: int, new_tokens: int, seed: int) -> lis
     return [{"input_ids": row.tolist(), "loss_mask": mask, "source_id": f"row-{i}"} for i, row in enumerate(out)]
 
 
-def write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[dict], tokenize_run: dict | None = None) -> str:
-    """A tokenized artifact in the layout `tokenize` writes: a DatasetDict (train, held_out) plus the manifest, whose config
-    records `tokenize_run` (what tokenize records of its template, tokenizer, thinking mode) when given, and whose counts
-    record the token ids the rows hold, as tokenize's do."""
-    DatasetDict({"train": Dataset.from_list(train_rows), "held_out": Dataset.from_list(held_out_rows)}).save_to_disk(str(folder))
+def write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[dict],
+                    tokenize_run: dict | None = None) -> str:
+    """A tokenized artifact in the layout `tokenize` writes: a DatasetDict (train, held_out) plus the manifest, whose
+    config records `tokenize_run` (what tokenize records of its template, tokenizer, thinking mode) when given, and
+    whose counts record the token ids the rows hold, as tokenize's do."""
+    DatasetDict({"train": Dataset.from_list(train_rows), "held_out": Dataset.from_list(held_out_rows)}).save_to_disk(
+        str(folder)
+    )
     entries = [entry_for_local_file(folder, p) for p in sorted(folder.rglob("*")) if p.is_file()]
     config = {"tokenize_run": tokenize_run} if tokenize_run is not None else {}
     ids = [i for row in train_rows + held_out_rows for i in row["input_ids"]]
@@ -47,9 +51,9 @@ def write_tokenized(folder: Path, train_rows: list[dict], held_out_rows: list[di
 def config_file(tmp: Path, data: str, output: str | None = None, **train) -> Path:
     """`tmp/blockdraft.toml`: the golden target, a 2-layer B=4 drafter, checkpoints to `output` (default `tmp/ckpt`),
     logs in `tmp/logs`, deterministic, one micro-batch per step (global batch = batch_size x ranks unless given);
-    `train` overrides train.* settings, `drafters` the drafter devices. No checkpoint is decoded for real unless a test asks
-    (`decode_eval_prompts`): on the golden target each decode costs seconds at every checkpoint, and the tests of the decoded
-    figures (test_training_signal, test_train's first) ask for it."""
+    `train` overrides train.* settings, `drafters` the drafter devices. No checkpoint is decoded for real unless a test
+    asks (`decode_eval_prompts`): on the golden target each decode costs seconds at every checkpoint, and the tests of
+    the decoded figures (test_training_signal, test_train's first) ask for it."""
     placement = train.pop("drafters", ["cpu"])
     settings = {
         "max_steps": 12, "batch_size": 2, "lr": 3e-3, "warmup_ratio": 0.1, "checkpoint_every": 4, "log_every": 1,
@@ -58,11 +62,12 @@ def config_file(tmp: Path, data: str, output: str | None = None, **train) -> Pat
     settings.setdefault("global_batch_size", settings["batch_size"] * len(placement))  # one micro-batch per rank
     lines = [
         "[target]", f'path = "{GOLDEN_TARGET.as_posix()}"',
-        "[dflash]", 'architecture = "dflash"', "block_size = 4", "mask_token_id = 511", "num_draft_layers = 2", "gamma = 4.0", "num_anchors = 8",
-        "intermediate_size = 96",
+        "[dflash]", 'architecture = "dflash"', "block_size = 4", "mask_token_id = 511", "num_draft_layers = 2",
+        "gamma = 4.0", "num_anchors = 8", "intermediate_size = 96",
         "[placement]", f"drafter_devices = {json.dumps(placement)}",
         "[store]", f'url = "{(tmp / "store").as_posix()}"',
-        "[train]", f'data = "{data}"', f'output = "{output or (tmp / "ckpt").as_posix()}"', f'log_dir = "{(tmp / "logs").as_posix()}"',
+        "[train]", f'data = "{data}"', f'output = "{output or (tmp / "ckpt").as_posix()}"',
+        f'log_dir = "{(tmp / "logs").as_posix()}"',
     ]
     lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
     path = tmp / "blockdraft.toml"
