@@ -95,10 +95,11 @@ def build_trainers(work: Path, layers: int, data: str, args: argparse.Namespace,
     trainers = []
     for _ in range(count):
         reporter = Reporter()
-        setup = build_training(config, place, rows, open_store(tc.output, config.store), tc.output, reporter)
+        setup = build_training(tc, config.dflash, config.target, config.store, place, rows,
+                               open_store(tc.output, config.store), reporter, recorded=config.resolved())
         if trainers:
             setup.target = trainers[0].setup.target
-        trainer = Trainer(config, place, rows, setup, reporter)
+        trainer = Trainer(tc, config.dflash, config.target, config.eval, place, rows, setup, reporter)
         trainers.append(trainer)
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -27,7 +27,7 @@ from blockdraft.model import DFlashDrafter, DrafterSpec
 from blockdraft.model.formats import checkpoint_key, find_resumable
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train import run
-from blockdraft.stages.train.checkpoint import CHECKPOINT_FORMAT, Checkpoints, Snapshot, run_identity, save_checkpoint
+from blockdraft.stages.train.checkpoint import CHECKPOINT_FORMAT, Checkpoints, RunIdentity, Snapshot, save_checkpoint
 from blockdraft.stages.train.metrics import MetricsLog
 from blockdraft.stages.train.ranks import rng_state, set_rng_state
 from blockdraft.store import open_store
@@ -204,8 +204,9 @@ def test_a_checkpoint_of_another_format_is_refused_with_one_line(tmp_path):
     with one line that says how to train again, and every setting (at its default too) is part of the identity."""
     dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
     drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
-    resolved = load_config(None, {"target": {"path": "t"}}).resolved()
-    identity = run_identity(resolved, "sha")
+    config = load_config(None, {"target": {"path": "t"}})
+    resolved = config.resolved()
+    identity = RunIdentity.of(config.train, config.dflash, config.target.path, "sha").record()
     assert identity["format"] == CHECKPOINT_FORMAT and identity["dflash"]["loss_weighting"] == "exponential"
     (tmp_path / "data.bin").write_bytes(b"rows")
     data = InputRef(kind="raw", url=(tmp_path / "data.bin").as_uri(), size=4)
@@ -225,8 +226,9 @@ def test_a_checkpoint_of_the_same_settings_on_other_data_is_another_runs(tmp_pat
     (pulled to another node) is the same run's."""
     dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
     drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
-    resolved = load_config(None, {"target": {"path": "t"}}).resolved()
-    identity = run_identity(resolved, "sha")
+    config = load_config(None, {"target": {"path": "t"}})
+    resolved = config.resolved()
+    identity = RunIdentity.of(config.train, config.dflash, config.target.path, "sha").record()
     (tmp_path / "moved").mkdir()
     for name, content in (("data.bin", b"rows"), ("other.bin", b"more rows"), ("moved/data.bin", b"rows")):
         (tmp_path / name).write_bytes(content)

@@ -41,8 +41,8 @@ from typing import Any, Generic, NoReturn, TypeVar
 import torch
 from safetensors.torch import load_file
 
-from blockdraft.config import BlockdraftConfig
-from blockdraft.errors import ArtifactError, ConfigError, StoreError, redact_setting
+from blockdraft.config import BlockdraftConfig, DFlashConfig, TargetConfig, TrainConfig
+from blockdraft.errors import ArtifactError, ConfigError, StoreError, redact_settings
 from blockdraft.model import DFlashDrafter, DrafterSpec
 from blockdraft.model.formats import (
     CHECKPOINT_KIND,
@@ -199,48 +199,87 @@ def resume_note(step: int, recorded: dict[str, Any], current: dict[str, Any]) ->
 PINNED_DATA_FIELDS = ("template_sha256", "thinking", "tokenizer_sha256", "end_of_turn_id")
 
 
-def resolved_training_config(
-    config: BlockdraftConfig, spec: DrafterSpec, output_url: str, tokenize_run: dict[str, Any] | None = None
+def pinned_dflash(dflash: DFlashConfig, spec: DrafterSpec) -> DFlashConfig:
+    """`dflash` with every value the run derives from the target and train.init_from set to the drafter's (mask id,
+    layer ids, gamma, shapes): what checkpoints record and the run identity holds."""
+    return dflash.model_copy(update={
+        "mask_token_id": spec.mask_token_id,
+        "target_layer_ids": list(spec.target_layer_ids),
+        "gamma": spec.gamma,
+        "intermediate_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+    })
+
+
+def checkpoint_config(
+    recorded: dict[str, Any], dflash: DFlashConfig, target: TargetConfig, tokenize_run: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """The config with every derived DFlash value pinned (mask id, layer ids, gamma, shapes), as written into checkpoints.
+    """The config every checkpoint records: `recorded` (the whole config, `BlockdraftConfig.resolved`, train.output set
+    to where the run writes) with the two sections the run resolves further in place of its own: `dflash` pinned to the
+    drafter (`pinned_dflash`) and `target` with the dtype it resolved to.
 
     `tokenize_run` (what the tokenized data's manifest records: chat-template hash, thinking mode, tokenizer hash) is
     pinned under "data", so eval and export read the template a drafter was trained for from the checkpoint itself.
     """
-    data = config.resolved()
-    data["data"] = {key: (tokenize_run or {}).get(key) for key in PINNED_DATA_FIELDS}
-    data["dflash"].update(
-        mask_token_id=spec.mask_token_id,
-        target_layer_ids=list(spec.target_layer_ids),
-        gamma=spec.gamma,
-        intermediate_size=spec.intermediate_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-    )
-    data["train"]["output"] = redact_setting(output_url)  # pinned like every other setting (`BlockdraftConfig.resolved`)
-    return data
+    data = {key: (tokenize_run or {}).get(key) for key in PINNED_DATA_FIELDS}
+    return {**recorded, "target": target.resolved(), "dflash": dflash.resolved(), "data": data}
+
+
+def resolved_training_config(
+    config: BlockdraftConfig, spec: DrafterSpec, output_url: str, tokenize_run: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """`checkpoint_config` of a whole config, for a checkpoint written by hand: train.output set to `output_url`, dflash
+    pinned to `spec`, the target as configured."""
+    recorded = config.model_copy(update={"train": config.train.model_copy(update={"output": output_url})}).resolved()
+    return checkpoint_config(recorded, pinned_dflash(config.dflash, spec), config.target, tokenize_run)
 
 
 # The checkpoint format, recorded first in every checkpoint's run identity: resume reads this format only.
 CHECKPOINT_FORMAT = "blockdraft-checkpoint/3"  # 3: the scheduler state records its plan (schedule.WarmupCosine)
 
 
-def run_identity(resolved: dict[str, Any], data_sha256: str | None) -> dict[str, Any]:
-    """What a resumed run must share with the checkpoint for its next steps to be the ones the first run would take."""
-    t = resolved["train"]
-    return {
-        "format": CHECKPOINT_FORMAT,
-        "target": resolved["target"]["path"],
-        "dflash": resolved["dflash"],
-        "data_sha256": data_sha256,
-        "seed": t["seed"],
-        "global_batch": t["global_batch_size"],  # rows per optimizer step, however many ranks share them
-        "max_length": t["max_length"],
-        "init_from": t["init_from"],  # a run started from another drafter is another run
-        "init": t["init"],  # other initial weights (train.init), like another seed
-        "distill": {"weight": t["distill_weight"], "temperature": t["distill_temperature"]},  # another objective
-    }
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a resumed run must share with the checkpoint for its next steps to be the ones the first run would take:
+    the target, the DFlash settings pinned to the drafter (`pinned_dflash`), the data, and the train settings that set
+    the path of the weights. Every checkpoint records it (`record`) and is keyed on it."""
+
+    target: str | None
+    dflash: DFlashConfig
+    data_sha256: str | None
+    seed: int
+    global_batch: int  # rows per optimizer step, however many ranks share them
+    max_length: int
+    init_from: str | None  # a run started from another drafter is another run
+    init: str  # other initial weights (train.init), like another seed
+    distill_weight: float  # another objective
+    distill_temperature: float
+
+    @classmethod
+    def of(
+        cls, train: TrainConfig, dflash: DFlashConfig, target_path: str | None, data_sha256: str | None
+    ) -> RunIdentity:
+        """The identity of a run of `train` with the pinned `dflash`, of the target at `target_path`, on the data
+        `data_sha256`."""
+        return cls(target_path, dflash, data_sha256, train.seed, train.global_batch_size, train.max_length,
+                   train.init_from, train.init, train.distill_weight, train.distill_temperature)
+
+    def record(self) -> dict[str, Any]:
+        """As a checkpoint records it (`counts["run"]`), format first, each setting pinned as the resolved config pins
+        it."""
+        return {"format": CHECKPOINT_FORMAT, **redact_settings({
+            "target": self.target,
+            "dflash": self.dflash.model_dump(mode="json"),
+            "data_sha256": self.data_sha256,
+            "seed": self.seed,
+            "global_batch": self.global_batch,
+            "max_length": self.max_length,
+            "init_from": self.init_from,
+            "init": self.init,
+            "distill": {"weight": self.distill_weight, "temperature": self.distill_temperature},
+        })}
 
 
 def refuse_other_format(url: str, recorded: dict[str, Any]) -> None:
@@ -510,7 +549,8 @@ class Checkpoints:
 
 
 __all__ = [
-    "BackgroundWriter", "CHECKPOINT_FORMAT", "CHECKPOINT_SETTINGS", "Checkpoints", "LoadedCheckpoint", "PINNED_DATA_FIELDS", "Snapshot",
-    "Written", "changed_settings", "drafter_on_host", "host_copy", "prune_checkpoints", "read_checkpoint", "refuse_other_format",
-    "resolved_training_config", "resume_note", "run_identity", "save_checkpoint",
+    "BackgroundWriter", "CHECKPOINT_FORMAT", "CHECKPOINT_SETTINGS", "Checkpoints", "LoadedCheckpoint",
+    "PINNED_DATA_FIELDS", "RunIdentity", "Snapshot", "Written", "changed_settings", "checkpoint_config",
+    "drafter_on_host", "host_copy", "pinned_dflash", "prune_checkpoints", "read_checkpoint", "refuse_other_format",
+    "resolved_training_config", "resume_note", "save_checkpoint",
 ]

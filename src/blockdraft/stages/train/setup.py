@@ -38,14 +38,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from blockdraft.config import BlockdraftConfig, DFlashConfig, StoreConfig, TrainConfig, accumulation_steps
+from blockdraft.config import DFlashConfig, StoreConfig, TargetConfig, TrainConfig, accumulation_steps
 from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel, load_target
 from blockdraft.model.block_sparse import resolve_attention
 from blockdraft.model.formats import CONFIG_NAME, WEIGHTS_NAME, open_drafter_artifact, plain_drafter_folder
 from blockdraft.model.weight_init import init_drafter
 from blockdraft.reporter import Reporter
-from blockdraft.stages.train.checkpoint import Checkpoints, resolved_training_config, run_identity
+from blockdraft.stages.train.checkpoint import Checkpoints, RunIdentity, checkpoint_config, pinned_dflash
 from blockdraft.stages.train.data import RowOrder, TrainRows, steps_per_epoch
 from blockdraft.stages.train.loss import Objective
 from blockdraft.stages.train.memory import apply_memory_options
@@ -222,26 +222,29 @@ class TrainingSetup:
 
 
 def build_training(
-    config: BlockdraftConfig, place: RankPlacement, rows: TrainRows, out_store: Store, output_url: str, reporter: Reporter,
-    start_over: bool = False,
+    tc: TrainConfig, dflash: DFlashConfig, target: TargetConfig, store: StoreConfig, place: RankPlacement,
+    rows: TrainRows, out_store: Store, reporter: Reporter, *, recorded: dict[str, Any], start_over: bool = False,
 ) -> TrainingSetup:
-    """Build one rank's run: `out_store`/`output_url` where its checkpoints go, `rows` the verified training rows,
-    `start_over` (`train --force`) for its checkpoints."""
-    tc = config.train
+    """Build one rank's run from the sections it reads: `tc` ([train], train.output set to where its checkpoints go,
+    `out_store`), `dflash`, `target`, and `store` for train.init_from. `rows`: the verified training rows; `recorded`:
+    the whole config resolved (`BlockdraftConfig.resolved`), which every checkpoint records with the sections this run
+    resolves further in their place (`checkpoint_config`); `start_over` (`train --force`) for its checkpoints."""
     attention = resolve_attention(tc.attention, place.drafter_device)  # fails before the target loads
-    assert config.target.path is not None  # the stage checked it (load_target_config) before any data moved
-    hf_target = load_target(config.target.path, place.target_device, config.target.dtype, reporter=reporter)
-    spec = DrafterSpec.from_target_config(hf_target.config, config.dflash)
-    init = load_init_drafter(tc.init_from, config.store) if tc.init_from else None
+    assert target.path is not None  # the stage checked it (load_target_config) before any data moved
+    hf_target = load_target(target.path, place.target_device, target.dtype, reporter=reporter)
+    spec = DrafterSpec.from_target_config(hf_target.config, dflash)
+    init = load_init_drafter(tc.init_from, store) if tc.init_from else None
     if init is not None:  # train.init_from: its weights and shapes, checked against what this run derives
-        spec = check_init_spec(init.spec, spec, config.dflash, hf_target.config, str(tc.init_from))
+        spec = check_init_spec(init.spec, spec, dflash, hf_target.config, str(tc.init_from))
     assert spec.gamma is not None  # from_target_config resolves dflash.gamma or its default
-    resolved = resolved_training_config(config, spec, output_url, rows.tokenize_run)
-    resolved["target"]["dtype"] = str(hf_target.dtype).removeprefix("torch.")  # what target.dtype resolved to
-    identity = run_identity(resolved, rows.lineage.sha256)
+    pinned = pinned_dflash(dflash, spec)
+    ran_as = target.model_copy(update={"dtype": str(hf_target.dtype).removeprefix("torch.")})  # target.dtype resolved
+    identity = RunIdentity.of(tc, pinned, target.path, rows.lineage.sha256)
     keep_every = tc.keep_checkpoint_every * tc.checkpoint_every if tc.keep_checkpoint_every else None
-    checkpoints = Checkpoints(out_store, resolved, identity, rows.lineage, tc.keep_checkpoints, keep_every, reporter,
-                              tc.max_checkpoint_failures, start_over, eval_data=rows.eval_lineage)
+    checkpoints = Checkpoints(
+        out_store, checkpoint_config(recorded, pinned, ran_as, rows.tokenize_run), identity.record(), rows.lineage,
+        tc.keep_checkpoints, keep_every, reporter, tc.max_checkpoint_failures, start_over, eval_data=rows.eval_lineage,
+    )
 
     torch.manual_seed(tc.seed)  # the drafter's initial weights (when not train.init_from's; DFlash2's modules from DFlash)
     drafter = DFlashDrafter(spec)
@@ -267,7 +270,7 @@ def build_training(
         head=TargetHead.from_target(hf_target, place.drafter_device),
         checkpoints=checkpoints,
         drafter=drafter,
-        objective=Objective.of(config.dflash, tc),  # the loss: weighting (D-PACE or gamma's decay) and distillation
+        objective=Objective.of(dflash, tc),  # the loss: weighting (D-PACE or gamma's decay) and distillation
         model=model,
         optimizer=optimizer,
         scheduler=new_scheduler(optimizer, tc, per_epoch),

@@ -123,8 +123,10 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
         check_eval_data(data, eval_data)
     check_mask_in_rows(config, target_config, data)  # before a row moves or the target's weights load
     rows = load_train_rows(data, config.store, tc.max_length, log_dir, place.local_rank == 0, lambda: barrier(place), eval_data)
-    setup = build_training(config, place, rows, out_store, tc.output, reporter, start_over=force)
-    return Trainer(config, place, rows, setup, reporter, start_over=force)
+    # The one place training's sections are handed out; the whole config goes on only as what checkpoints record.
+    setup = build_training(tc, config.dflash, config.target, config.store, place, rows, out_store, reporter,
+                           recorded=config.resolved(), start_over=force)
+    return Trainer(tc, config.dflash, config.target, config.eval, place, rows, setup, reporter, start_over=force)
 
 
 def _final_report(trainer: Trainer, place: RankPlacement, done: bool) -> tuple[VerifyReport, bool]:

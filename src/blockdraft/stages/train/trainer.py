@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import DFlashConfig, EvalConfig, TargetConfig, TrainConfig
 from blockdraft.data.agreement import agreement_warning, describe_agreement, load_tokenizer, sample_indices, target_agreement, think_ids
 from blockdraft.errors import DivergedError, TrainingInterrupted
 from blockdraft.model.finite import describe_nonfinite, nonfinite_weights
@@ -119,8 +119,10 @@ class PendingStep:
 class Trainer:
     """One rank of a training run: `train()` resumes (`resume`), then runs `step` and `maybe_checkpoint` to the end.
 
-    `setup`: the run's drafter, target, objective, optimizer and checkpoints (`setup.build_training`); `rows`: the
-    verified training rows; `reporter`: this rank's; `start_over`: `train --force`, for resuming.
+    The sections it reads: `tc` ([train]), `dflash` (num_anchors), `target` (the tokenizer folder: target agreement and
+    stop ids), `eval_config` (how a checkpoint is decoded on the held-out prompts). `setup`: the run's drafter, target,
+    objective, optimizer and checkpoints (`setup.build_training`); `rows`: the verified training rows; `reporter`: this
+    rank's; `start_over`: `train --force`, for resuming.
     After `train()`: `steps_run`, `metrics` (the last `RECENT_METRICS` steps of this run: no rank holds the whole history;
     rank 0's `train.log_dir/metrics.jsonl` has it), `resumed_from` (a step or None), `last_checkpoint` (the newest
     checkpoint this run verified or resumed from; None on ranks other than 0 unless resumed).
@@ -128,11 +130,12 @@ class Trainer:
 
     RECENT_METRICS = 1000
 
-    def __init__(self, config: BlockdraftConfig, place: RankPlacement, rows: TrainRows, setup: TrainingSetup, reporter: Reporter,
+    def __init__(self, tc: TrainConfig, dflash: DFlashConfig, target: TargetConfig, eval_config: EvalConfig,
+                 place: RankPlacement, rows: TrainRows, setup: TrainingSetup, reporter: Reporter,
                  start_over: bool = False) -> None:
-        tc = self.tc = config.train
+        self.tc, self.dflash, self.target_config, self.eval_config = tc, dflash, target, eval_config
         self.start_over = start_over  # `train --force`: start at step 0 when checkpoints are there but none verifies
-        self.config, self.place, self.rows, self.setup, self.reporter = config, place, rows, setup, reporter
+        self.place, self.rows, self.setup, self.reporter = place, rows, setup, reporter
         self.log = MetricsLog(Path(tc.log_dir), tc.plot_every_minutes * 60, reporter.warn)
         self.trackers: Trackers | None = None  # open while `train` runs
         self.metrics: deque[dict[str, Any]] = deque(maxlen=self.RECENT_METRICS)
@@ -185,7 +188,7 @@ class Trainer:
                     at_checkpoint = done % self.tc.checkpoint_every == 0 or done == self.setup.total_steps
                     if self.held_out is not None and (at_checkpoint or done % self.tc.eval_every == 0):
                         with self._target_turn:
-                            self._held[done] = self.held_out.measure(self.setup, self.place, self.config.dflash.num_anchors,
+                            self._held[done] = self.held_out.measure(self.setup, self.place, self.dflash.num_anchors,
                                                                      self.tc.lm_head_chunk_blocks)
                     if at_checkpoint:
                         self._record(pending, None)
@@ -199,7 +202,7 @@ class Trainer:
     def _target_agreement(self) -> dict[str, Any]:
         """Target agreement (`blockdraft.data.agreement`) on train.target_agreement_rows training rows drawn with
         train.seed, said in one line, and one warning when it is below train.min_target_agreement."""
-        target = self.config.target
+        target = self.target_config
         picked = sample_indices(len(self.rows), self.tc.target_agreement_rows, self.tc.seed)
         think = think_ids(load_tokenizer(target.tokenizer or target.path))
         result = target_agreement(self.setup.target.model, (self.rows.row(i) for i in picked), think)
@@ -321,9 +324,9 @@ class Trainer:
     def _decode(self, done: int) -> None:
         """Rank 0: the checkpoint of step `done` decoded for real on the held-out prompts (`decoded.decode_checkpoint`)."""
         hf_model = self.setup.target.model
-        stops = target_stop_ids(hf_model, self.config.target.tokenizer or self.config.target.path)
+        stops = target_stop_ids(hf_model, self.target_config.tokenizer or self.target_config.path)
         with self._target_turn:
-            decoded = decode_checkpoint(self.setup.drafter, hf_model, self.decode_prompts, self.config.eval, stops)
+            decoded = decode_checkpoint(self.setup.drafter, hf_model, self.decode_prompts, self.eval_config, stops)
         self.reporter.say(
             f"checkpoint step {done} decoded on {decoded['prompts']} held-out prompts: tau {decoded['tau']:.2f}, speedup "
             f"{decoded['speedup']:.2f}x, lossless {'yes' if decoded['lossless'] else 'NO'} ({decoded['seconds']:.1f}s)"
@@ -350,7 +353,7 @@ class Trainer:
             rows = idx[first : first + tc.batch_size]
             batch = build_block_batch(
                 [self.rows.row(i) for i in rows],
-                num_anchors=self.config.dflash.num_anchors,
+                num_anchors=self.dflash.num_anchors,
                 block_size=self.setup.spec.block_size,
                 mask_token_id=self.setup.spec.mask_token_id,
                 gamma=self.setup.gamma,
