@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from blockdraft.added_tokens import known_mask_token_id, local_text_config, tokenizer_added_tokens
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import BlockdraftConfig, DFlashConfig, StoreConfig, TargetConfig, TokenizeConfig
 from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.data.inputs import STAT_PIN, InputFile, list_inputs
 from blockdraft.data.seen_ids import SEEN_IDS, SeenIds, mask_in_data_problem
@@ -98,25 +98,25 @@ def run(
         result = _run_local(config, input, output, reporter, started, force, spawn_one)
     if result.details.counts.get("input_files_failed"):
         raise InputFilesFailed(result)
-    _check_mask_in_rows(config, result)
+    _check_mask_in_rows(config.dflash, config.target, result)
     return result
 
 
-def _mask_token_id(config: BlockdraftConfig) -> int | None:
+def _mask_token_id(dflash: DFlashConfig, target: TargetConfig) -> int | None:
     """The mask id training will use: dflash.mask_token_id, else the target family's reserved one (None: neither)."""
-    mask = config.dflash.mask_token_id
-    return mask if mask is not None else known_mask_token_id(local_text_config(config.target.path))
+    mask = dflash.mask_token_id
+    return mask if mask is not None else known_mask_token_id(local_text_config(target.path))
 
 
-def _check_mask_in_rows(config: BlockdraftConfig, result: StageResult) -> None:
+def _check_mask_in_rows(dflash: DFlashConfig, target: TargetConfig, result: StageResult) -> None:
     """ConfigError (one line, naming an id that fits) when the committed rows hold the mask id training will use. The
     artifact stays as committed: its rows are right, the mask id is not, and a rerun with another one finds it done."""
-    mask, record = _mask_token_id(config), result.details.counts.get(SEEN_IDS)
+    mask, record = _mask_token_id(dflash, target), result.details.counts.get(SEEN_IDS)
     if mask is None or record is None:
         return
-    text = local_text_config(config.target.path)
+    text = local_text_config(target.path)
     seen = SeenIds.from_record(record)
-    folder = config.target.tokenizer or config.target.path
+    folder = target.tokenizer or target.path
     added = tokenizer_added_tokens(Path(folder)) if folder else {}
     rows = text.get("vocab_size")
     vocab_size = rows if isinstance(rows, int) else seen.size  # the target's embedding rows; else the tokenizer's ids
@@ -126,8 +126,9 @@ def _check_mask_in_rows(config: BlockdraftConfig, result: StageResult) -> None:
 
 def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, started: float, force: bool,
                spawn_one: bool) -> StageResult:
-    plan = _plan(config, input, output, reporter, force)
-    with _writable(plan.out_dir), ShardRunner(config.tokenize.workers, plan.src, spawn_one) as runner:
+    plan = _plan(config.tokenize, config.target, config.dflash, config.store, config.resolved(), input, output,
+                 reporter, force)
+    with _writable(plan.out_dir), ShardRunner(plan.opts.workers, plan.src, spawn_one) as runner:
         report = plan.out.done()
         done = report is not None and report.manifest is not None
         if report is not None and done:
@@ -152,7 +153,7 @@ class _Ran:
 def _summary(plan: _Plan, counts: dict[str, Any], ran: _Ran, reporter: Reporter) -> TokenizeSummary:
     """The run's summary, from the committed manifest's `counts` and what this call ran; warns when rows were clipped."""
     warnings = list(plan.warnings)
-    max_length = plan.config.tokenize.max_length
+    max_length = plan.opts.max_length
     if (message := clip_warning(counts, max_length)) is not None:
         reporter.warn(message)
         warnings.append(message)
@@ -235,10 +236,12 @@ class _InputPins:
 
 @dataclass(frozen=True)
 class _Plan:
-    """One tokenize run, resolved once (`_plan`): what it reads, what it writes, the config digest its shards are keyed
-    on, and the tokenizer's warnings."""
+    """One tokenize run, resolved once (`_plan`): its options (`opts`, [tokenize]) and where the store settings
+    (`store`) say its input and output are, what it reads, what it writes, the config digest its shards are keyed on,
+    the config its manifest records (`run_config`) and the tokenizer's warnings."""
 
-    config: BlockdraftConfig
+    opts: TokenizeConfig
+    store: StoreConfig
     src: TokenizerSource
     eot_id: int
     digest: str
@@ -266,12 +269,11 @@ class _Cut:
     kept_earlier: bool = False
 
 
-def _cut(config: BlockdraftConfig, in_store: Store, files: list[InputFile], out_store: Store, digest: str) -> _Cut:
+def _cut(opts: TokenizeConfig, in_store: Store, files: list[InputFile], out_store: Store, digest: str) -> _Cut:
     """The run's tasks, sized for its workers (`task_size`). When the output holds finished pieces of this config that
     were cut with another size (a run with another number of workers, or over other inputs), and more of them match
     that cut than this one, the input is cut that way instead, so that a resume keeps them: rows never depend on the cut,
     and finished work is worth more than an even share. A piece that records no size was cut with `task_bytes`."""
-    opts = config.tokenize
     size = task_size(sum(f.size for f in files), opts.workers, opts.task_bytes, opts.min_task_bytes)
     pieces = recorded_pieces(out_store)
     cut = _Cut(plan_tasks(in_store, files, size), size, len(pieces))
@@ -293,11 +295,11 @@ def _cut(config: BlockdraftConfig, in_store: Store, files: list[InputFile], out_
     return cut
 
 
-def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> str:
+def _config_digest(opts: TokenizeConfig, src: TokenizerSource, eot_id: int) -> str:
     """What the rows depend on: tokenize options, tokenizer, template, end-of-turn id, shard format. Not `workers` nor
     `min_task_bytes`: they only choose how the input is cut into tasks, and the rows are the same for any cut (so a rerun
     with another number of workers finds its output done, or resumes it)."""
-    options = cfg.resolved()["tokenize"]
+    options = opts.resolved()
     options.pop("workers")
     options.pop("min_task_bytes")
     data = {"tokenize": options, "tokenizer": src.tokenizer_sha256, "template": src.template.sha256,
@@ -305,22 +307,32 @@ def _config_digest(cfg: BlockdraftConfig, src: TokenizerSource, eot_id: int) -> 
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter, force: bool) -> _Plan:
-    opts = config.tokenize
-    src, warnings = resolve_tokenizer(config.target)
+def _plan(
+    opts: TokenizeConfig, target: TargetConfig, dflash: DFlashConfig, store: StoreConfig, recorded: dict[str, Any],
+    input: str, output: str, reporter: Reporter, force: bool,
+) -> _Plan:
+    """Plan a run from the sections it reads: `opts` ([tokenize]), `target` (tokenizer, template, the target's config),
+    `dflash` (the mask id training will use), `store`; `recorded`: the whole config resolved
+    (`BlockdraftConfig.resolved`), which the manifest records with this run's [tokenize] (less `workers`) and what it
+    resolved (`tokenize_run`)."""
+    src, warnings = resolve_tokenizer(target)
     for message in warnings:
         reporter.warn(message)
     eot_id = end_of_turn_id(src.tokenizer_json, opts.end_of_turn)
     # The mask id training will use, the derived default included, must be none of the tokenizer's added tokens.
-    check_mask_token(_mask_token_id(config), src.tokenizer_json, local_text_config(config.target.path).get("vocab_size"))
-    digest = _config_digest(config, src, eot_id)
-    out_store = open_store(output, config.store)
+    vocab_size = local_text_config(target.path).get("vocab_size")
+    check_mask_token(_mask_token_id(dflash, target), src.tokenizer_json, vocab_size)
+    digest = _config_digest(opts, src, eot_id)
+    out_store = open_store(output, store)
     out_dir = out_store.local_path()
     assert out_dir is not None, "a remote output is staged in a local folder by run()"
-    in_store, files, artifact_lineage = list_inputs(input, config.store)
-    cut = _cut(config, in_store, files, out_store, digest)
+    in_store, files, artifact_lineage = list_inputs(input, store)
+    cut = _cut(opts, in_store, files, out_store, digest)
+    options = opts.resolved()
+    options.pop("workers")  # how many processes ran does not change the rows
     run_config = {
-        **config.resolved(),
+        **recorded,
+        "tokenize": options,
         "tokenize_run": {
             "config_digest": digest,
             "thinking": opts.thinking,
@@ -335,13 +347,12 @@ def _plan(config: BlockdraftConfig, input: str, output: str, reporter: Reporter,
             "split_rule": "held_out iff int(sha256(source_id)[:8 bytes], big-endian) < held_out_fraction * 2**64",
         },
     }
-    run_config["tokenize"].pop("workers")  # how many processes ran does not change the rows
     inputs = _InputPins(in_store, files, artifact_lineage)
     # The key names the inputs by content: asked for only of an output of this config, and at commit.
     out = StageOutput(out_store, TOKENIZED_KIND, lambda: inputs.key(digest), made_with={DIGEST_FIELD: digest}, failures=FAILED_FIELD,
                       force=force, reporter=reporter)
-    return _Plan(config=config, src=src, eot_id=eot_id, digest=digest, out=out, out_dir=out_dir, inputs=inputs, cut=cut,
-                 run_config=run_config, warnings=warnings)
+    return _Plan(opts=opts, store=store, src=src, eot_id=eot_id, digest=digest, out=out, out_dir=out_dir, inputs=inputs,
+                 cut=cut, run_config=run_config, warnings=warnings)
 
 
 @contextlib.contextmanager
@@ -392,7 +403,7 @@ def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> tuple[Ver
 
 def _plan_line(plan: _Plan) -> str:
     """The start line: how many tasks of about what size the input is cut into, for how many workers."""
-    workers = plan.config.tokenize.workers
+    workers = plan.opts.workers
     mean = sum(t.share for t in plan.tasks) / max(len(plan.tasks), 1)
     line = (f"tokenize: {len(plan.tasks)} tasks of about {_bytes(mean)} for {workers} worker{'s' if workers != 1 else ''} "
             f"(task size {_bytes(plan.cut.size)}")
@@ -419,12 +430,12 @@ class _Progress:
 
 
 def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], reporter: Reporter, kept: int) -> _Ran:
-    opts = plan.config.tokenize
+    opts = plan.opts
     settings = WorkerSettings(
         tools_key=tools_key(plan.src.tokenizer_sha256, plan.src.template), thinking=opts.thinking, max_length=opts.max_length,
         held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, file_bytes=opts.file_bytes,
         max_row_bytes=opts.max_row_bytes, eot_id=plan.eot_id,
-        vocab_size=plan.src.vocab_size, config_digest=plan.digest, input_url=plan.inputs.store.url, store=plan.config.store,
+        vocab_size=plan.src.vocab_size, config_digest=plan.digest, input_url=plan.inputs.store.url, store=plan.store,
         output_dir=str(plan.out_dir), schema=output_schema(), task_size=plan.cut.size,
     )
     progress = _Progress(reporter, sum(t.share for t in pending))
@@ -445,5 +456,5 @@ def _commit(plan: _Plan, shards: list[ShardOutput]) -> VerifyReport:
     counts[SEEN_IDS] = seen.to_record()  # what train checks dflash.mask_token_id against
     counts["shards"] = len(plan.tasks)
     counts["input_files"] = len(plan.inputs.files)
-    counts["held_out_fraction"] = plan.config.tokenize.held_out_fraction
+    counts["held_out_fraction"] = plan.opts.held_out_fraction
     return plan.out.commit(entries, config=plan.run_config, lineage=plan.inputs.lineage(), counts=counts)
