@@ -1,6 +1,6 @@
 """How far the one config travels from a function: the rooms it enters and the times it climbs back up.
 
-    .venv/bin/python -m bench.config_walk [FUNCTION ...] [--src SRC] [--list]
+    .venv/bin/python -m bench.config_walk [FUNCTION ...] [--given PARAMETER=PART ...] [--src SRC] [--list]
 
 Not a timing: a count read from the source with `ast`, nothing imported. FUNCTION is a dotted name under `src/`
 (`blockdraft.stages.train.setup.build_training` by default; `module.Class` starts at the class's constructor).
@@ -30,7 +30,9 @@ Counted:
   own), less one: having gone down into one section, each other section is reached by climbing back up to the root. A
   function given its sections one by one climbs nowhere.
 
-`--list` prints each room and each climb; `--src` reads another checkout's `src` (an older commit, for a before figure).
+`--list` prints each room and each climb; `--given recorded=config{}` says what a start parameter that no annotation
+names is given by its callers (a dict made of the config); `--src` reads another checkout's `src` (an older commit, for a
+before figure).
 """
 
 from __future__ import annotations
@@ -175,10 +177,13 @@ class Walk:
         for fn, cls, env in bodies:
             returned = self._read(module, fn, cls, env, reached)
             result = returned if fn is node else result
-        for _, _, env in bodies:  # the parts it holds by name besides those it was given (`tc = config.train`)
-            for part in env.values():
-                if not self.src.is_setting(part) and (holder, part) not in self.rooms:
-                    self.rooms.append((holder, part))
+        # The parts it holds by name besides those it was given (`tc = config.train`), and those it reaches: a setting's
+        # section for a setting (`config.store.url` enters `config.store`).
+        for part in [*(p for _, _, env in bodies for p in env.values()), *reached]:
+            while self.src.is_setting(part):
+                part = Part(part.path[:-1], part.dict_at if part.dict_at is None or part.dict_at < len(part.path) else None)
+            if (holder, part) not in self.rooms:
+                self.rooms.append((holder, part))
         held = [part for h, part in self.rooms if h == holder]
         below = [part for part in given.values() if part.path]  # sections handed over one by one
         for part in held:
@@ -309,8 +314,9 @@ def _name(node: ast.AST) -> str | None:
     return None
 
 
-def start(src: Source, dotted: str) -> Walk:
-    """Walk from the function or class `dotted`, its config parameters holding the parts their annotations name."""
+def start(src: Source, dotted: str, named: dict[str, Part] | None = None) -> Walk:
+    """Walk from the function or class `dotted`, its config parameters holding the parts their annotations name, and those
+    `named` ({parameter: part}) the parts given there."""
     module, name = dotted.rsplit(".", 1)
     found = src.lookup(module, name)
     owner = None
@@ -330,10 +336,21 @@ def start(src: Source, dotted: str) -> Walk:
         annotation = ast.unparse(arg.annotation) if arg.annotation else ""
         if annotation in by_class:
             given[arg.arg] = Part(by_class[annotation])
+        if named and arg.arg in named:
+            given[arg.arg] = named[arg.arg]
     assert given, f"{dotted} takes no config part"
     walk = Walk(src)
     walk.enter(where, node, owner, given)
     return walk
+
+
+def _given(item: str) -> tuple[str, Part]:
+    """`recorded=config{}` as (parameter, part); `config.train`, `config{}.train` and `config.train{}` as written."""
+    name, _, text = item.partition("=")
+    dict_at = text.split(".").index(next(p for p in text.split(".") if p.endswith("{}"))) if "{}" in text else None
+    path = tuple(p.removesuffix("{}") for p in text.split("."))
+    assert path[0] == "config", f"{item}: a part is written config, config{{}}, config.train, ..."
+    return name, Part(path[1:], dict_at)
 
 
 def main() -> None:
@@ -342,11 +359,13 @@ def main() -> None:
     parser.add_argument("functions", nargs="*", default=[f"{ROOT}.stages.train.setup.build_training"])
     parser.add_argument("--src", type=Path, default=SRC, help="the src folder to read (another checkout's)")
     parser.add_argument("--list", action="store_true", help="print each room and each climb")
+    parser.add_argument("--given", nargs="+", default=[], metavar="PARAMETER=PART",
+                        help="a start parameter no annotation names, and the part its callers give it: recorded=config{}")
     args = parser.parse_args()
     SRC = args.src.resolve()
     src = Source()
     for dotted in args.functions:
-        walk = start(src, dotted)
+        walk = start(src, dotted, dict(_given(item) for item in args.given))
         climbs = sum(len(sections) - 1 for _, _, sections in walk.climbs)
         print(f"{dotted}: {len(walk.rooms)} rooms, {climbs} climbs")
         if args.list:
