@@ -1,14 +1,15 @@
-"""Training checkpoints: what one holds, how it is written in the background and published, and how a run resumes from it.
+"""Training checkpoints: what one holds, how it is written in the background and published, and how a run resumes from
+it.
 
 Checkpoints are artifacts: written locally, published through `StageOutput`, verified at the destination. Layout under
 the run's output store: `step-00000500/` per checkpoint, each its own artifact holding the drafter in the export format
 (`config.json`, `model.safetensors`), `training-state.pt` (optimizer, scheduler, RNG states, data position), the
 resolved config (`blockdraft-config.json`), the metrics logged since the checkpoint before (its window of
-`metrics.jsonl`: checkpoints do not grow with the run) and the latest training curves. Resume reads only checkpoints that
-verify; one whose push never completed (no manifest) or whose files differ is skipped (`model.formats.search_checkpoints`),
-and when every committed one differs the run stops rather than overwrite them from step 0, unless `train --force`. The
-newest that verifies is resumed from only when its `StageOutput` (keyed by the run identity and the data) says `done`.
-Pruning (`prune_checkpoints`) keeps the newest verified ones and every Nth for good.
+`metrics.jsonl`: checkpoints do not grow with the run) and the latest training curves. Resume reads only checkpoints
+that verify; one whose push never completed (no manifest) or whose files differ is skipped
+(`model.formats.search_checkpoints`), and when every committed one differs the run stops rather than overwrite them from
+step 0, unless `train --force`. The newest that verifies is resumed from only when its `StageOutput` (keyed by the run
+identity and the data) says `done`. Pruning (`prune_checkpoints`) keeps the newest verified ones and every Nth for good.
 
 Written in the background: `Checkpoints` copies the state to the host at its step, then one worker thread writes,
 pushes and verifies it while training goes on. A `Snapshot` is everything one checkpoint holds, taken on the training
@@ -66,8 +67,8 @@ T = TypeVar("T")
 
 
 def host_copy(value: Any) -> Any:
-    """`value` (a state dict: nested dicts, lists, tuples of tensors and plain values) with every tensor copied to the CPU,
-    so that later in-place updates of the originals (an optimizer step) do not reach it."""
+    """`value` (a state dict: nested dicts, lists, tuples of tensors and plain values) with every tensor copied to the
+    CPU, so that later in-place updates of the originals (an optimizer step) do not reach it."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
@@ -89,8 +90,9 @@ def drafter_on_host(drafter: DFlashDrafter) -> DFlashDrafter:
 class Snapshot:
     """One checkpoint as taken at `step`: what the background writer saves, and what counts once it verified.
 
-    `folder` (removed by `discard`) holds `files`: the metrics logged since the last checkpoint that counted and the curves
-    as last drawn; `window_end` is where that window ends in the log (`MetricsLog.window_saved` once the push verified).
+    `folder` (removed by `discard`) holds `files`: the metrics logged since the last checkpoint that counted and the
+    curves as last drawn; `window_end` is where that window ends in the log (`MetricsLog.window_saved` once the push
+    verified).
     """
 
     step: int
@@ -104,7 +106,8 @@ class Snapshot:
 
     @classmethod
     def take(
-        cls, step: int, drafter: DFlashDrafter, training_state: dict[str, Any], log: MetricsLog, counts: dict[str, Any], final: bool
+        cls, step: int, drafter: DFlashDrafter, training_state: dict[str, Any], log: MetricsLog, counts: dict[str, Any],
+        final: bool
     ) -> Snapshot:
         folder = Path(tempfile.mkdtemp(prefix="blockdraft-ckpt-state-"))
         try:
@@ -112,7 +115,8 @@ class Snapshot:
             files = [window]
             if log.plot_path.is_file():  # the plotter replaces the file whole, so this copy is one drawing
                 files.append(Path(shutil.copyfile(log.plot_path, folder / log.plot_path.name)))
-            return cls(step, drafter_on_host(drafter), host_copy(training_state), host_copy(counts), folder, files, end, final)
+            return cls(step, drafter_on_host(drafter), host_copy(training_state), host_copy(counts), folder, files, end,
+                       final)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -287,8 +291,8 @@ def refuse_other_format(url: str, recorded: dict[str, Any]) -> None:
     found = recorded.get("format")
     if found != CHECKPOINT_FORMAT:
         raise ConfigError(
-            f"{url} is a checkpoint of format {found or 'unversioned'}, this blockdraft resumes only {CHECKPOINT_FORMAT}; "
-            "set train.output to a new location (or delete it) to train again from step 0"
+            f"{url} is a checkpoint of format {found or 'unversioned'}, this blockdraft resumes only "
+            f"{CHECKPOINT_FORMAT}; set train.output to a new location (or delete it) to train again from step 0"
         )
 
 
@@ -296,8 +300,8 @@ def checkpoint_output(
     store: Store, step: int, identity: dict[str, Any] | None, lineage: list[InputRef], force: bool = False
 ) -> StageOutput:
     """The checkpoint of `step` under `store` as a stage output: its key is the run identity and its data by content
-    (`stage_key`), not by where the data lies, so a run resumes from its checkpoints after its data was pulled to another
-    folder or node; `force` goes to its lease."""
+    (`stage_key`), not by where the data lies, so a run resumes from its checkpoints after its data was pulled to
+    another folder or node; `force` goes to its lease."""
     by_content = [ref.model_copy(update={"url": ""}) for ref in lineage]
     return StageOutput(store.child(checkpoint_key(step)), CHECKPOINT_KIND, stage_key(identity, by_content), force=force)
 
@@ -350,8 +354,8 @@ def prune_checkpoints(store: Store, keep: int, keep_every: int | None = None, ve
     `keep_every` (kept for good); returns the deleted steps. `verified`: a step just verified (not read again).
 
     Runs only after a new checkpoint verified, so the newest kept one is always resumable: a newer checkpoint that does
-    not verify is neither counted nor deleted. Older checkpoints are uncommitted before their files go, so a reader never
-    sees a manifest over missing files.
+    not verify is neither counted nor deleted. Older checkpoints are uncommitted before their files go, so a reader
+    never sees a manifest over missing files.
     """
     steps = checkpoint_steps(store)
     kept = 0
@@ -381,12 +385,14 @@ class LoadedCheckpoint:
 
 @contextmanager
 def read_checkpoint(found: Resumable) -> Iterator[LoadedCheckpoint]:
-    """A verified checkpoint's weights and training state; a remote one's files are fetched with their checksums compared."""
+    """A verified checkpoint's weights and training state; a remote one's files are fetched with their checksums
+    compared."""
     source = found.artifact
     listed = {entry.path for entry in source.manifest.files}
     names = [name for name in (WEIGHTS_NAME, STATE_NAME, METRICS_NAME) if name in listed]
     with source.fetched(names) as folder:
-        yield LoadedCheckpoint(folder, load_file(str(folder / WEIGHTS_NAME)), torch.load(folder / STATE_NAME, weights_only=True))
+        yield LoadedCheckpoint(folder, load_file(str(folder / WEIGHTS_NAME)),
+                               torch.load(folder / STATE_NAME, weights_only=True))
 
 
 @dataclass
@@ -400,20 +406,21 @@ class Written:
 
 class Checkpoints:
     """One run's checkpoints under `store`: each published under the run's stage key (its identity and its data),
-    pruned to the newest `keep` plus every step that is a multiple of `keep_every`, and resumed from only when written by
-    the same run.
+    pruned to the newest `keep` plus every step that is a multiple of `keep_every`, and resumed from only when written
+    by the same run.
 
     `save` takes a checkpoint's state at its step and hands it to one background thread that writes, pushes and verifies
     it while training goes on; one is in flight at most (the next `save` waits for it). A checkpoint counts (its metrics
-    window saved, older ones pruned, its report returned) only once its push verified, taken in on the training thread by
-    the next `save`, `poll` or `finish`. A failed push is a warning, `max_failures` in a row stop the run.
+    window saved, older ones pruned, its report returned) only once its push verified, taken in on the training thread
+    by the next `save`, `poll` or `finish`. A failed push is a warning, `max_failures` in a row stop the run.
     `data` is the training data; `eval_data` the held-out data of train.eval_data (None: unset), recorded as a second
     input of each checkpoint (`save_checkpoint`'s `measured_on`).
     """
 
     def __init__(
         self, store: Store, resolved: dict[str, Any], identity: dict[str, Any], data: InputRef, keep: int | None,
-        keep_every: int | None, reporter: Reporter, max_failures: int = 3, force: bool = False, eval_data: InputRef | None = None,
+        keep_every: int | None, reporter: Reporter, max_failures: int = 3, force: bool = False,
+        eval_data: InputRef | None = None,
     ) -> None:
         self.store = store
         self.resolved = resolved
@@ -432,15 +439,16 @@ class Checkpoints:
 
     def newest(self, start_over: bool = False) -> Resumable | None:
         """The newest checkpoint that verifies, or None when there is none; raises ConfigError when it is of another
-        checkpoint format or belongs to another run. When checkpoints are there but none verifies, a start at step 0 would
-        overwrite them: ArtifactError naming them, unless `start_over` (`train --force`), which warns and returns None."""
+        checkpoint format or belongs to another run. When checkpoints are there but none verifies, a start at step 0
+        would overwrite them: ArtifactError naming them, unless `start_over` (`train --force`), which warns and returns
+        None."""
         found, skipped = search_checkpoints(self.store)
         if found is None and skipped:
             unverified = f"no checkpoint under {self.store.url} verifies ({'; '.join(skipped)})"
             if not start_over:
                 raise ArtifactError(
-                    f"{unverified}; training would restart at step 0 and overwrite it: restore it (`blockdraft verify` names "
-                    "the bad files), set train.output to a new location, or rerun with --force to start over"
+                    f"{unverified}; training would restart at step 0 and overwrite it: restore it (`blockdraft verify` "
+                    "names the bad files), set train.output to a new location, or rerun with --force to start over"
                 )
             self.reporter.warn(f"{unverified}; --force: training starts over at step 0 and overwrites it")
             return None
@@ -470,30 +478,34 @@ class Checkpoints:
         return checkpoint_output(self.store, step, self.identity, [self.data]).done() is not None
 
     def save(
-        self, step: int, drafter: DFlashDrafter, state: dict[str, Any], log: MetricsLog, final: bool, ranks_in_sync: int,
-        signal: dict[str, Any] | None = None,
+        self, step: int, drafter: DFlashDrafter, state: dict[str, Any], log: MetricsLog, final: bool,
+        ranks_in_sync: int, signal: dict[str, Any] | None = None,
     ) -> VerifyReport | None:
         """Take the checkpoint of `step` now (weights and `state` copied to the host, the metrics logged since the last
-        checkpoint that counted, the curves as last drawn) and push it in the background, once the one in flight is taken
-        in; the final one is awaited. `ranks_in_sync`: how many replicas were checked bit-equal just before (1 without DDP);
-        `signal`: the run's held-out, decoded and agreement figures (`TrainingSignal.counts`), recorded in its counts.
+        checkpoint that counted, the curves as last drawn) and push it in the background, once the one in flight is
+        taken in; the final one is awaited. `ranks_in_sync`: how many replicas were checked bit-equal just before (1
+        without DDP); `signal`: the run's held-out, decoded and agreement figures (`TrainingSignal.counts`), recorded in
+        its counts.
 
         Returns the report of a checkpoint that verified during this call (the one before, or the final one), else None.
-        Raises ArtifactError when the final checkpoint does not verify, or when `max_failures` pushes in a row failed."""
+        Raises ArtifactError when the final checkpoint does not verify, or when `max_failures` pushes in a row
+        failed."""
         report = self.finish()
-        counts = {"step": step, "run": self.identity, "ranks_in_sync": ranks_in_sync, "last": log.last, **(signal or {})}
+        counts = {"step": step, "run": self.identity, "ranks_in_sync": ranks_in_sync, "last": log.last,
+                  **(signal or {})}
         snapshot = Snapshot.take(step, drafter, state, log, counts, final)
         self._in_flight = (snapshot, log)
         self._writer.start(partial(self._write, snapshot))
         return (self.finish() if final else None) or report
 
     def poll(self) -> VerifyReport | None:
-        """`finish` when the push in flight has ended, else None at once: a failure is reported as soon as it is known."""
+        """`finish` when the push in flight has ended, else None at once: a failure is reported as soon as it is
+        known."""
         return self.finish() if self._writer.finished() else None
 
     def finish(self) -> VerifyReport | None:
-        """Wait for the checkpoint in flight and take it in: its report when it verified, None when there was none or its
-        (intermediate) push failed, which is warned about and counted."""
+        """Wait for the checkpoint in flight and take it in: its report when it verified, None when there was none or
+        its (intermediate) push failed, which is warned about and counted."""
         if self._in_flight is None:
             return None
         (snapshot, log), self._in_flight = self._in_flight, None
@@ -509,15 +521,18 @@ class Checkpoints:
         log.window_saved(snapshot.window_end)
         self.reporter.say(f"checkpoint step {snapshot.step}: {written.report.summary()} at {written.report.url}")
         if written.pruned:
-            self.reporter.say(f"removed older checkpoints of steps {written.pruned} (train.keep_checkpoints = {self.keep})")
+            self.reporter.say(f"removed older checkpoints of steps {written.pruned} (train.keep_checkpoints = "
+                              f"{self.keep})")
         if written.prune_failed:
-            self.reporter.warn(f"older checkpoints were not removed ({written.prune_failed}); the next checkpoint tries again")
+            self.reporter.warn(f"older checkpoints were not removed ({written.prune_failed}); the next checkpoint "
+                               "tries again")
         return written.report
 
     def _write(self, snapshot: Snapshot) -> Written:
         """On the writer's thread: write, push and verify the snapshot, then prune the older checkpoints."""
         report = save_checkpoint(
-            self.store, snapshot.step, snapshot.drafter, snapshot.training_state, self.resolved, [self.data], snapshot.counts,
+            self.store, snapshot.step, snapshot.drafter, snapshot.training_state, self.resolved, [self.data],
+            snapshot.counts,
             snapshot.files, force=self.force, measured_on=[self.eval_data] if self.eval_data is not None else [],
         )
         pruned, prune_failed = [], None
@@ -538,13 +553,14 @@ class Checkpoints:
         resume = f"the verified checkpoint of step {self.last_step}" if self.last_step is not None else "the start"
         if self.failures >= self.max_failures:
             raise ArtifactError(
-                f"{self.failures} checkpoints in a row did not verify at {self.store.url} (the last, step {step}: {exc}); "
-                f"training stopped: fix the store, then rerun to resume from {resume} (train.max_checkpoint_failures = "
-                f"{self.max_failures})"
+                f"{self.failures} checkpoints in a row did not verify at {self.store.url} (the last, step {step}: "
+                f"{exc}); training stopped: fix the store, then rerun to resume from {resume} "
+                f"(train.max_checkpoint_failures = {self.max_failures})"
             ) from exc
         self.reporter.warn(
-            f"checkpoint of step {step} did not verify at {self.store.url} ({exc}); training goes on, it will not be resumed "
-            f"from ({self.failures} failed in a row, the run stops at train.max_checkpoint_failures = {self.max_failures})"
+            f"checkpoint of step {step} did not verify at {self.store.url} ({exc}); training goes on, it will not be "
+            f"resumed from ({self.failures} failed in a row, the run stops at train.max_checkpoint_failures = "
+            f"{self.max_failures})"
         )
 
 

@@ -36,10 +36,12 @@ from blockdraft.store.transfer import pull
 
 
 def _splits(root: Path, role: str) -> list[str]:
-    """The splits a tokenize output folder lists (`datasets.save_to_disk` layout of a DatasetDict, docs/TOKENIZATION.md)."""
+    """The splits a tokenize output folder lists (`datasets.save_to_disk` layout of a DatasetDict,
+    docs/TOKENIZATION.md)."""
     listing = root / "dataset_dict.json"
     if not listing.is_file():
-        raise ArtifactError(f"{root} holds no DatasetDict saved by tokenize (no dataset_dict.json); pass a tokenized artifact as {role}")
+        raise ArtifactError(f"{root} holds no DatasetDict saved by tokenize (no dataset_dict.json); pass a tokenized "
+                            f"artifact as {role}")
     return json.loads(listing.read_text()).get("splits", [])
 
 
@@ -75,10 +77,11 @@ def _load_split(root: Path, split: str, role: str) -> Dataset | None:
 def _load_eval_rows(root: Path, url: str) -> Dataset:
     """Every row of the train.eval_data artifact in `root`: its train split, then its held-out split. All of them are
     held out from this run (a separate set of conversations, which may have been tokenized with held_out_fraction 0)."""
-    parts = [ds for split in (TRAIN_SPLIT, HELD_OUT_SPLIT) if (ds := _load_split(root, split, "train.eval_data")) is not None]
+    parts = [ds for split in (TRAIN_SPLIT, HELD_OUT_SPLIT)
+             if (ds := _load_split(root, split, "train.eval_data")) is not None]
     if not parts:
-        raise ArtifactError(f"train.eval_data {url} holds no rows in either split; tokenize more conversations into it, or unset "
-                            "train.eval_data to take train.data's held-out rows")
+        raise ArtifactError(f"train.eval_data {url} holds no rows in either split; tokenize more conversations into "
+                            "it, or unset train.eval_data to take train.data's held-out rows")
     return parts[0] if len(parts) == 1 else concatenate_datasets(parts)
 
 
@@ -141,8 +144,9 @@ def check_eval_data(data: StageInput, eval_data: StageInput) -> None:
     ours, theirs = data.store.url.rstrip("/"), eval_data.store.url.rstrip("/")
     if eval_data.ref.sha256 == data.ref.sha256:
         raise ConfigError(
-            f"train.eval_data {theirs} is the artifact train.data {ours} (the same manifest): its rows are the training rows, "
-            "not held out; set train.eval_data to a separately tokenized artifact, or unset it to take train.data's held-out rows"
+            f"train.eval_data {theirs} is the artifact train.data {ours} (the same manifest): its rows are the "
+            "training rows, not held out; set train.eval_data to a separately tokenized artifact, or unset it to take "
+            "train.data's held-out rows"
         )
     trained_from = {_content(ref) for ref in data.manifest.lineage}
     shared = next((ref for ref in eval_data.manifest.lineage if _content(ref) in trained_from), None)
@@ -157,25 +161,29 @@ def check_eval_data(data: StageInput, eval_data: StageInput) -> None:
     for key, what in _TOKENIZED_WITH.items():
         if made.get(key) != eval_made.get(key):
             raise ConfigError(
-                f"train.eval_data {theirs} was tokenized with another {what} ({key} {_shown(eval_made.get(key))}) than train.data "
-                f"{ours} ({_shown(made.get(key))}): its figures would measure the drafter on rows it does not learn to draft; "
-                "tokenize the eval conversations with train.data's target, template and thinking settings"
+                f"train.eval_data {theirs} was tokenized with another {what} ({key} {_shown(eval_made.get(key))}) than "
+                f"train.data {ours} ({_shown(made.get(key))}): its figures would measure the drafter on rows it does "
+                "not learn to draft; tokenize the eval conversations with train.data's target, template and thinking "
+                "settings"
             )
 
 
 def check_mask_in_rows(config: BlockdraftConfig, hf_config: Any, data: StageInput) -> None:
     """Refuse, in one line and before any row is read, a mask id the rows of train.data hold (`added_tokens`: the rule),
     naming an id they never hold; the same when dflash.mask_token_id is unset and the target family has no reserved id.
-    The ids come from what tokenize recorded in the manifest (`counts.token_ids`): an artifact without them is refused."""
+    The ids come from what tokenize recorded in the manifest (`counts.token_ids`): an artifact without them is
+    refused."""
     url = data.store.url
     record = data.manifest.counts.get(SEEN_IDS)
     if record is None:
-        raise ArtifactError(f"tokenized artifact {url} records no token ids (counts.{SEEN_IDS}): it was made by an older blockdraft, "
-                            "so dflash.mask_token_id cannot be checked against its rows; rerun tokenize into it (its rows are remade)")
+        raise ArtifactError(f"tokenized artifact {url} records no token ids (counts.{SEEN_IDS}): it was made by an "
+                            "older blockdraft, so dflash.mask_token_id cannot be checked against its rows; rerun "
+                            "tokenize into it (its rows are remade)")
     try:
         seen = SeenIds.from_record(record)
     except ValueError as exc:
-        raise ArtifactError(f"tokenized artifact {url} has an unreadable counts.{SEEN_IDS} ({exc}); rerun tokenize into it") from None
+        raise ArtifactError(f"tokenized artifact {url} has an unreadable counts.{SEEN_IDS} ({exc}); rerun tokenize "
+                            "into it") from None
     getter = getattr(hf_config, "get_text_config", None)
     text = getter() if getter is not None else hf_config
     vocab_size, model_type = int(text.vocab_size), getattr(text, "model_type", None)
@@ -185,8 +193,11 @@ def check_mask_in_rows(config: BlockdraftConfig, hf_config: Any, data: StageInpu
     mask = config.dflash.mask_token_id if config.dflash.mask_token_id is not None else known
     if mask is None:
         fit = suggest_mask_token_id(seen, vocab_size, added)
-        raise ConfigError(f"dflash.mask_token_id is not set and this target (model_type {model_type}, vocab_size {vocab_size}) has no "
-                          f"known reserved id; {HOW_TO_CHOOSE}" + (f": here e.g. {fit}, which the rows of {url} never hold" if fit is not None else ""))
+        raise ConfigError(
+            f"dflash.mask_token_id is not set and this target (model_type {model_type}, vocab_size "
+            f"{vocab_size}) has no known reserved id; {HOW_TO_CHOOSE}"
+            + (f": here e.g. {fit}, which the rows of {url} never hold" if fit is not None else "")
+        )
     if problem := mask_in_data_problem(mask, seen, url, vocab_size, added, known):
         raise ConfigError(problem)
 
@@ -221,11 +232,13 @@ def load_train_rows(
     wait()
     dataset = _load_dataset(local)
     if len(dataset) == 0:
-        raise ArtifactError(f"tokenized artifact {data.store.url} has no train rows; tokenize more data or lower tokenize.held_out_fraction")
+        raise ArtifactError(f"tokenized artifact {data.store.url} has no train rows; tokenize more data or lower "
+                            "tokenize.held_out_fraction")
     tokenize_run = data.manifest.config.get("tokenize_run")
     if eval_data is None or eval_local is None:
         return TrainRows(dataset, data.ref, max_length, tokenize_run, _load_split(local, HELD_OUT_SPLIT, "train.data"))
-    return TrainRows(dataset, data.ref, max_length, tokenize_run, _load_eval_rows(eval_local, eval_data.store.url), eval_data.ref)
+    return TrainRows(dataset, data.ref, max_length, tokenize_run, _load_eval_rows(eval_local, eval_data.store.url),
+                     eval_data.ref)
 
 
 def steps_per_epoch(num_rows: int, global_batch: int) -> int:
@@ -269,8 +282,11 @@ def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(m[:-1] & m[1:], as_tuple=False).flatten()
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to `num_anchors` eligible anchors drawn uniformly without replacement, sorted; padded to exactly `num_anchors`.
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_anchors` eligible anchors drawn uniformly without replacement, sorted; padded to exactly
+    `num_anchors`.
 
     Returns (anchors [N] long, keep [N] bool). Padded entries have anchor 0 and keep False.
     """
@@ -309,8 +325,8 @@ def block_attention_mask(
 
     Full attention (`sliding_window` None): a query of block n sees context keys at positions strictly below its anchor
     (`<=` would leak the anchor's own hidden state, which inference does not have) and every slot of its own block,
-    bidirectionally. A padded block (keep False) sees its own block only, so no query row is fully masked (that gives NaN
-    in SDPA). A sliding layer with window W sees that AND its causal window: the query at q = a_n + k sees context
+    bidirectionally. A padded block (keep False) sees its own block only, so no query row is fully masked (that gives
+    NaN in SDPA). A sliding layer with window W sees that AND its causal window: the query at q = a_n + k sees context
     positions c with q - W < c < a_n and its own block's slots at positions <= q (what the drafter computes per layer).
     """
     b, n = anchors.shape
@@ -333,13 +349,13 @@ def block_attention_mask(
 class BlockBatch:
     """One packed training batch; every tensor is on the CPU until `to(device)`.
 
-    input_ids [b, S] long (right-padded with 0), attention_mask_context [b, S] bool (real tokens), context_positions [b, S],
-    anchors [b, N], keep [b, N] bool, block_ids [b, Q] (anchor token at slot 0, mask token elsewhere),
+    input_ids [b, S] long (right-padded with 0), attention_mask_context [b, S] bool (real tokens), context_positions [b,
+    S], anchors [b, N], keep [b, N] bool, block_ids [b, Q] (anchor token at slot 0, mask token elsewhere),
     block_positions [b, Q] (anchor + k), labels [b, Q] (token at anchor + k), weights [b, Q] float.
     `attention_mask` [b, 1, Q, S+Q] bool is built on the batch's device when read (it is the one large tensor:
-    about 92 MB per row at S = 3072, N = 512, B = 16, not worth a host-to-device copy). `attention` says what the drafter
-    gets (`drafter_attention`): that dense mask, or with "flex" the anchors' layout, from which it builds block-sparse
-    masks, so the dense one is never made.
+    about 92 MB per row at S = 3072, N = 512, B = 16, not worth a host-to-device copy). `attention` says what the
+    drafter gets (`drafter_attention`): that dense mask, or with "flex" the anchors' layout, from which it builds
+    block-sparse masks, so the dense one is never made.
     """
 
     input_ids: torch.Tensor
@@ -373,7 +389,8 @@ class BlockBatch:
         return int(self.attention_mask_context.sum())
 
     def to(self, device: torch.device | str) -> BlockBatch:
-        moved = {f.name: value.to(device) for f in fields(self) if isinstance(value := getattr(self, f.name), torch.Tensor)}
+        moved = {f.name: value.to(device) for f in fields(self)
+                 if isinstance(value := getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
 
 
@@ -387,8 +404,8 @@ def build_block_batch(
     generators: Sequence[torch.Generator],
     attention: Literal["dense", "flex"] = "dense",
 ) -> BlockBatch:
-    """Pack `rows` ((input_ids, loss_mask) pairs) into one BlockBatch, one generator per row for its anchors; `attention`
-    is the drafter's attention path (`blockdraft.model.block_sparse.resolve_attention`).
+    """Pack `rows` ((input_ids, loss_mask) pairs) into one BlockBatch, one generator per row for its anchors;
+    `attention` is the drafter's attention path (`blockdraft.model.block_sparse.resolve_attention`).
 
     N is min(num_anchors, the most eligible anchors of any row in the batch) (at least 1): rows with fewer get padded
     blocks of weight 0. Weight of slot k of block n:
@@ -443,15 +460,15 @@ def build_block_batch(
 
 
 def teacher_forced_tau(leading: Sequence[float], blocks: float) -> float:
-    """tau estimate of drafted blocks, teacher forced: 1 + the mean over `blocks` of how many slots from slot 1 on were all
-    right (`leading[k]`: the blocks whose slots 1..k+1 all were). What a greedy verify accepts of them when the target's
-    next tokens are the row's; taken block by block, since a slot is right far more often after right slots before it
-    than its share over all blocks says (a product of per-slot accuracies reads well below decoding)."""
+    """tau estimate of drafted blocks, teacher forced: 1 + the mean over `blocks` of how many slots from slot 1 on were
+    all right (`leading[k]`: the blocks whose slots 1..k+1 all were). What a greedy verify accepts of them when the
+    target's next tokens are the row's; taken block by block, since a slot is right far more often after right slots
+    before it than its share over all blocks says (a product of per-slot accuracies reads well below decoding)."""
     return 1.0 + float(sum(leading)) / blocks if blocks > 0 else 1.0
 
 
 __all__ = [
-    "BlockBatch", "RowOrder", "TrainRows", "anchor_generator", "block_attention_mask", "build_block_batch", "check_eval_data",
-    "check_mask_in_rows", "eligible_anchors", "epoch_order", "load_train_rows", "sample_anchors", "slot_decay", "steps_per_epoch",
-    "teacher_forced_tau",
+    "BlockBatch", "RowOrder", "TrainRows", "anchor_generator", "block_attention_mask", "build_block_batch",
+    "check_eval_data", "check_mask_in_rows", "eligible_anchors", "epoch_order", "load_train_rows", "sample_anchors",
+    "slot_decay", "steps_per_epoch", "teacher_forced_tau",
 ]

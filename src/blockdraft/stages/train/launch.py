@@ -2,7 +2,8 @@
 
 torchrun starts one process per drafter device, each running `python -m blockdraft train --config FILE`
 (`blockdraft/__main__.py`), which lands here again as a rank and calls `run`. With placement.nnodes > 1 every node
-runs `blockdraft train` with its placement.node_rank, and the torchruns meet at placement.rdzv_endpoint (`rendezvous_args`).
+runs `blockdraft train` with its placement.node_rank, and the torchruns meet at placement.rdzv_endpoint
+(`rendezvous_args`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ TORCHRUN = "blockdraft.stages.train.torchrun"  # torchrun, with a rendezvous tha
 
 @dataclass
 class Launched:
-    """What `launch` did: trained in this process as `rank` (`result`), or ran torchrun (`result` None, its `exit_status`)."""
+    """What `launch` did: trained in this process as `rank` (`result`), or ran torchrun (`result` None, its
+    `exit_status`)."""
 
     result: StageResult | None
     rank: int = 0
@@ -39,8 +41,8 @@ class Launched:
 
 
 def launch(
-    config_path: str | None, nproc: int | None = None, reporter: Reporter | None = None, force: bool = False, sets: Sequence[str] = (),
-    flags: Mapping[str, Mapping[str, Any]] | None = None,
+    config_path: str | None, nproc: int | None = None, reporter: Reporter | None = None, force: bool = False,
+    sets: Sequence[str] = (), flags: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Launched:
     """Train per the config at `config_path` (None: the defaults) with `flags` (the node flags, {"placement": {...}}, as
     `load_config` takes them) and `sets` (`--set section.key=value`) laid over it, with one process per
@@ -48,9 +50,9 @@ def launch(
     start over when checkpoints are there but none verifies (`run`), on every rank: the ranks get `--force`, the flags
     as `--set` items (`as_set_items`) and `sets` on their command line.
 
-    `nproc`, when given, must equal that count (a check, not a setting). The memory plan is printed and checked first (`check_plan`). In a
-    torchrun rank, or with a single drafter device, `run` trains here; otherwise torchrun starts the ranks and this
-    waits for it.
+    `nproc`, when given, must equal that count (a check, not a setting). The memory plan is printed and checked first
+    (`check_plan`). In a torchrun rank, or with a single drafter device, `run` trains here; otherwise torchrun starts
+    the ranks and this waits for it.
     """
     config = load_config(config_path, dict(flags or {}), sets)
     rendezvous = rendezvous_args(config.placement)
@@ -59,8 +61,8 @@ def launch(
     wanted = len(config.placement.drafter_devices)
     if nproc is not None and nproc != wanted:
         raise ConfigError(
-            f"--nproc {nproc} but placement.drafter_devices lists {wanted} device(s); one process runs per drafter device, "
-            "so list the devices in the config (or --set placement.drafter_devices=cpu,cpu)"
+            f"--nproc {nproc} but placement.drafter_devices lists {wanted} device(s); one process runs per drafter "
+            "device, so list the devices in the config (or --set placement.drafter_devices=cpu,cpu)"
         )
     in_rank = "LOCAL_RANK" in os.environ
     if not os.environ.get(PLAN_CHECKED):  # ranks this launcher starts skip it: the plan was printed and checked here
@@ -71,9 +73,12 @@ def launch(
         raise ConfigError("training on several drafter devices or nodes needs the config as a file; pass --config FILE")
     if config.placement.nnodes > 1 and config.placement.node_rank == 0:
         refuse_taken_port(config.placement)
-    env = {CUBLAS_WORKSPACE: CUBLAS_WORKSPACE_VALUE, **os.environ, PLAN_CHECKED: "1"}  # the ranks' environment, not ours
+    # the ranks' environment, not ours
+    env = {CUBLAS_WORKSPACE: CUBLAS_WORKSPACE_VALUE, **os.environ, PLAN_CHECKED: "1"}
     rank_sets = [*as_set_items(flag_overrides(flags or {})), *sets]
-    return Launched(None, exit_status=subprocess.call(torchrun_command(config_path, wanted, force, rank_sets, rendezvous), env=env))
+    return Launched(None,
+                    exit_status=subprocess.call(torchrun_command(config_path, wanted, force, rank_sets, rendezvous),
+                                                env=env))
 
 
 def check_plan(config: BlockdraftConfig, reporter: Reporter, show: bool = True) -> MemoryPlan:
@@ -99,16 +104,18 @@ def rendezvous_args(placement: PlacementConfig) -> list[str]:
     verified checkpoint. A missing or malformed endpoint, or a node rank past the node count, is a ConfigError."""
     nodes, rank, endpoint = placement.nnodes, placement.node_rank, placement.rdzv_endpoint
     if rank >= nodes:
-        raise ConfigError(f"placement.node_rank {rank} but placement.nnodes is {nodes}; give each node a rank from 0 to {nodes - 1}")
+        raise ConfigError(f"placement.node_rank {rank} but placement.nnodes is {nodes}; give each node a rank from 0 "
+                          f"to {nodes - 1}")
     if nodes == 1:
         return ["--standalone"]
     found = None if endpoint is None else _ENDPOINT.fullmatch(endpoint)
     if endpoint is None or found is None or not 1 <= int(found.group(2)) <= 65535:
         raise ConfigError(
-            f"placement.nnodes {nodes} needs placement.rdzv_endpoint as HOST:PORT (node 0's address and a free port from 1 "
-            f"to 65535, the same on every node), not {endpoint!r}; pass --rdzv-endpoint HOST:PORT"
+            f"placement.nnodes {nodes} needs placement.rdzv_endpoint as HOST:PORT (node 0's address and a free port "
+            f"from 1 to 65535, the same on every node), not {endpoint!r}; pass --rdzv-endpoint HOST:PORT"
         )
-    return [f"--nnodes={nodes}", f"--node-rank={rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}", "--max-restarts=0"]
+    return [f"--nnodes={nodes}", f"--node-rank={rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}",
+            "--max-restarts=0"]
 
 
 def refuse_taken_port(placement: PlacementConfig) -> None:
@@ -121,14 +128,16 @@ def refuse_taken_port(placement: PlacementConfig) -> None:
     except OSError:  # IPv6 switched off on this machine
         probe = socket.socket(socket.AF_INET)
     with probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torchrun's store: a closed run's TIME_WAIT is no owner
+        # as torchrun's store: a closed run's TIME_WAIT is no owner
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", port))
         except OSError as exc:
             raise ConfigError(
-                f"placement.rdzv_endpoint {placement.rdzv_endpoint}: port {port} is in use on this machine ({exc.strerror}), "
-                "where node 0 serves the rendezvous: another program holds it, or another node was started as --node-rank 0; "
-                "pass a free port (the same on every node) and give each node its own --node-rank"
+                f"placement.rdzv_endpoint {placement.rdzv_endpoint}: port {port} is in use on this machine "
+                f"({exc.strerror}), where node 0 serves the rendezvous: another program holds it, or another node was "
+                "started as --node-rank 0; pass a free port (the same on every node) and give each node its own "
+                "--node-rank"
             ) from None
 
 
@@ -145,4 +154,5 @@ def torchrun_command(
     ]
 
 
-__all__ = ["PLAN_CHECKED", "TORCHRUN", "Launched", "check_plan", "launch", "refuse_taken_port", "rendezvous_args", "torchrun_command"]
+__all__ = ["PLAN_CHECKED", "TORCHRUN", "Launched", "check_plan", "launch", "refuse_taken_port", "rendezvous_args",
+           "torchrun_command"]

@@ -7,51 +7,55 @@ Loss = sum(w * CE) / sum(w) over every rank's rows. DDP averages gradients over 
 global batch, and so does gradient clipping.
 
 Two options change the per-slot term or its weight (`Objective`, docs/DFLASH.md "Training objective options"):
-- `train.distill_weight` w > 0: each slot's term is (1 - w) * CE + w * T^2 * KL(p_T || q_T), p_T the target's own next-token
-  distribution for that slot at temperature T (`train.distill_temperature`), q_T the drafter's. KL rather than the soft
-  cross-entropy: the two differ by the target's entropy, a constant, so the gradient is the same, but KL is 0 exactly where
-  the drafter matches the target, so the logged loss measures the gap and not the target's own uncertainty. T^2 keeps the
-  gradient's size independent of T (Hinton et al., "Distilling the Knowledge in a Neural Network").
+- `train.distill_weight` w > 0: each slot's term is (1 - w) * CE + w * T^2 * KL(p_T || q_T), p_T the target's own
+  next-token distribution for that slot at temperature T (`train.distill_temperature`), q_T the drafter's. KL rather
+  than the soft cross-entropy: the two differ by the target's entropy, a constant, so the gradient is the same, but KL
+  is 0 exactly where the drafter matches the target, so the logged loss measures the gap and not the target's own
+  uncertainty. T^2 keeps the gradient's size independent of T (Hinton et al., "Distilling the Knowledge in a Neural
+  Network").
 - `dflash.loss_weighting = "dpace"`: the weights come from the drafter's own predictions in the batch
   (`dpace_weights`, below), and the denominator is the count of supervised slots.
 
 A DFlash2 drafter (`dflash.architecture = "dflash2"`) adds the selector's term (`selector_term`, below):
-the unary logits above (the head's times `output_multiplier`, soft-capped when `final_logit_softcapping` is set) decide each
-slot's top-K, which the chunked head returns with their values (differentiable) and the gold token as one more column; the
-selector's K-way cross-entropy over them, weighted by `dflash.selector_loss_alpha` and by the same per-slot weights, joins
-the sum before the one division by the global denominator.
+the unary logits above (the head's times `output_multiplier`, soft-capped when `final_logit_softcapping` is set) decide
+each slot's top-K, which the chunked head returns with their values (differentiable) and the gold token as one more
+column; the selector's K-way cross-entropy over them, weighted by `dflash.selector_loss_alpha` and by the same per-slot
+weights, joins the sum before the one division by the global denominator.
 
 How much each slot of a block counts in the loss: the paper's fixed decay, or D-PACE weights that follow the drafter.
 
-`dflash.loss_weighting` picks one; it is pinned in the checkpoint's config and in the run's identity like `dflash.gamma`.
+`dflash.loss_weighting` picks one; it is pinned in the checkpoint's config and in the run's identity like
+`dflash.gamma`.
 
-- **exponential** (default, the DFlash paper's): slot k >= 1 of a block weighs `exp(-(k - 1) / gamma)`, fixed for the whole run.
-  The batch carries these weights (`batch.slot_decay`); the loss is `sum(w * CE) / sum(w)`.
-- **dpace** (D-PACE, "Dynamic Position-Aware Cross-Entropy for Parallel Speculative Drafting", arXiv 2605.18810; the same
-  definition is implemented in vllm-project/speculators `src/speculators/losses/utils.py` (`dpace_loss_decay`) and in
-  sgl-project/SpecForge `specforge/algorithms/common/dflash_family_model.py` (`OnlineDFlashModel._dpace_weight`)): per block,
-  with the drafter's own probability of the label at each supervised slot, `q_k = exp(-CE_k)` (no gradient), smoothed
-  `s_k = (1 - alpha) * q_k + alpha` (`dflash.dpace_alpha`, default 0.5; 1 on unsupervised slots), the weight of slot k is
-  `w_k = m_k * sum_{j >= k} m_j * prod_{i <= j} s_i` (m the supervision mask). That is the derivative of the expected
-  acceptance length `sum_j prod_{i <= j} s_i` with respect to `log s_k`: a slot counts by how many later tokens its
-  acceptance gates, measured on this batch with the current drafter, so the weights move with the drafter as it learns
-  (early in training they fall off steeply, later they flatten). Being computed from the batch, they need no running
-  statistics, and a resumed run computes exactly what an uninterrupted one would. The loss is normalised by the global count
-  of supervised slots (as speculators does), so it is `sum(w * CE) / count`, not a weighted mean: the weights' sum is part of
-  the signal (it grows as acceptance grows). gamma is still resolved and pinned, and unused.
+- **exponential** (default, the DFlash paper's): slot k >= 1 of a block weighs `exp(-(k - 1) / gamma)`, fixed for the
+  whole run. The batch carries these weights (`batch.slot_decay`); the loss is `sum(w * CE) / sum(w)`.
+- **dpace** (D-PACE, "Dynamic Position-Aware Cross-Entropy for Parallel Speculative Drafting", arXiv 2605.18810; the
+  same definition is implemented in vllm-project/speculators `src/speculators/losses/utils.py` (`dpace_loss_decay`) and
+  in sgl-project/SpecForge `specforge/algorithms/common/dflash_family_model.py` (`OnlineDFlashModel._dpace_weight`)):
+  per block, with the drafter's own probability of the label at each supervised slot, `q_k = exp(-CE_k)` (no gradient),
+  smoothed `s_k = (1 - alpha) * q_k + alpha` (`dflash.dpace_alpha`, default 0.5; 1 on unsupervised slots), the weight of
+  slot k is `w_k = m_k * sum_{j >= k} m_j * prod_{i <= j} s_i` (m the supervision mask). That is the derivative of the
+  expected acceptance length `sum_j prod_{i <= j} s_i` with respect to `log s_k`: a slot counts by how many later tokens
+  its acceptance gates, measured on this batch with the current drafter, so the weights move with the drafter as it
+  learns (early in training they fall off steeply, later they flatten). Being computed from the batch, they need no
+  running statistics, and a resumed run computes exactly what an uninterrupted one would. The loss is normalised by the
+  global count of supervised slots (as speculators does), so it is `sum(w * CE) / count`, not a weighted mean: the
+  weights' sum is part of the signal (it grows as acceptance grows). gamma is still resolved and pinned, and unused.
 
 The selector's term of the DFlash2 objective: a K-way cross-entropy over each slot's top-K, with the gold predecessor.
 
 Slot k of a block (k >= 1) has unary logits u (the chunked head's, `block_loss`) and candidates C = the
 top-K of u. The walk scores candidate c after predecessor p as u[c] + pair(h, p, c) (the drafter's candidate selector,
-`CandidateSelector.scores`, the function the walk calls) and takes the best; training scores them the same way with the GOLD previous token as p (teacher forcing:
-slot 1's predecessor is the anchor), and the term is the cross-entropy of that softmax over C against the gold token,
-weighted per slot like the unary term (exponential decay or D-PACE's weights).
+`CandidateSelector.scores`, the function the walk calls) and takes the best; training scores them the same way with the
+GOLD previous token as p (teacher forcing: slot 1's predecessor is the anchor), and the term is the cross-entropy of
+that softmax over C against the gold token, weighted per slot like the unary term (exponential decay or D-PACE's
+weights).
 
 A gold token outside C (`missing_gold`): "inject" scores it as one more candidate of that slot's loss (so the selector
-still learns to prefer it over every token the unary ranked above it), "skip" gives that slot no selector term (the unary
-term is what can bring the gold into C). Candidate recall (gold in C) is reported either way. Teacher-forced selector
-accuracy counts a slot right when the walk's choice among C (never the injected column: the walk does not have it) is gold.
+still learns to prefer it over every token the unary ranked above it), "skip" gives that slot no selector term (the
+unary term is what can bring the gold into C). Candidate recall (gold in C) is reported either way. Teacher-forced
+selector accuracy counts a slot right when the walk's choice among C (never the injected column: the walk does not have
+it) is gold.
 """
 
 from __future__ import annotations
@@ -81,8 +85,8 @@ def dpace_weights(ce: torch.Tensor, supervised: torch.Tensor, block_size: int, a
         return (suffix * m).reshape(-1)
 
 
-# (final hidden [R, H], predecessor ids [R], candidates' unary logits [R, C], candidate ids [R, C]) -> each candidate's walk
-# score [R, C]: `blockdraft.model.dflash2.CandidateSelector.scores`
+# (final hidden [R, H], predecessor ids [R], candidates' unary logits [R, C], candidate ids [R, C]) -> each candidate's
+# walk score [R, C]: `blockdraft.model.dflash2.CandidateSelector.scores`
 WalkScores = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -107,8 +111,8 @@ def selector_term(
     walk_scores: WalkScores, block_size: int, inject: bool,
 ) -> SelectorTerm:
     """The term over R = blocks * block_size rows in block order: hidden [R, H] (the drafter's, after its final norm),
-    labels [R], weights [R] (0: not supervised), candidates [R, K + 1] and their unary logits values [R, K + 1] (the top-K,
-    then the label: `_ChunkedHeadLoss`). Only weighted rows are scored."""
+    labels [R], weights [R] (0: not supervised), candidates [R, K + 1] and their unary logits values [R, K + 1] (the
+    top-K, then the label: `_ChunkedHeadLoss`). Only weighted rows are scored."""
     rows = torch.nonzero(weights > 0, as_tuple=True)[0]
     recall = torch.zeros_like(labels, dtype=torch.bool)
     correct = torch.zeros_like(labels, dtype=torch.bool)
@@ -117,11 +121,14 @@ def selector_term(
     k = candidates.shape[1] - 1
     gold = labels[rows]
     cand = candidates[rows]
-    scores = walk_scores(hidden[rows], gold_predecessors(labels, block_size)[rows], values[rows], cand).float()  # [n, K + 1]
+    # [n, K + 1]
+    scores = walk_scores(hidden[rows], gold_predecessors(labels, block_size)[rows], values[rows], cand).float()
     in_top = cand[:, :k] == gold[:, None]
     found = in_top.any(dim=-1)
-    # The gold column counts only where the gold is outside the top-K and the rule injects it; elsewhere it is masked out.
-    scores = scores.masked_fill(torch.cat((torch.zeros_like(in_top), (found | (not inject))[:, None]), dim=1), float("-inf"))
+    # The gold column counts only where the gold is outside the top-K and the rule injects it; elsewhere it is masked
+    # out.
+    scores = scores.masked_fill(torch.cat((torch.zeros_like(in_top), (found | (not inject))[:, None]), dim=1),
+                                float("-inf"))
     target = torch.where(found, in_top.float().argmax(dim=-1), torch.full_like(gold, k if inject else 0))
     ce = torch.logsumexp(scores, dim=-1) - scores.gather(1, target[:, None])[:, 0]
     counted = found | inject
@@ -138,8 +145,9 @@ class Objective:
     the paper's objective (hard-label CE, exponential decay).
 
     A DFlash2 drafter's: `top_k` > 0 candidates per slot (0: DFlash, no selector term), `selector_alpha` the selector
-    term's weight, `missing_gold` what a slot whose gold token is not among its top-K gets ("inject": the gold joins that
-    slot's candidates in the loss; "skip": no selector term), and the unary logits' `output_multiplier` and `softcap`."""
+    term's weight, `missing_gold` what a slot whose gold token is not among its top-K gets ("inject": the gold joins
+    that slot's candidates in the loss; "skip": no selector term), and the unary logits' `output_multiplier` and
+    `softcap`."""
 
     weighting: str = "exponential"
     dpace_alpha: float = 0.5
@@ -160,7 +168,8 @@ class Objective:
         if dflash.architecture != "dflash2":
             return base
         return dataclasses.replace(
-            base, top_k=dflash.selector_top_k, selector_alpha=dflash.selector_loss_alpha, missing_gold=dflash.selector_missing_gold,
+            base, top_k=dflash.selector_top_k, selector_alpha=dflash.selector_loss_alpha,
+            missing_gold=dflash.selector_missing_gold,
             output_multiplier=dflash.output_multiplier, softcap=dflash.final_logit_softcapping,
         )
 
@@ -229,9 +238,10 @@ class Teacher:
 
 @dataclass
 class SlotStats:
-    """Per-slot counts for slots 1..B-1 (supervised slots only), summable across ranks, all [B-1] float: `correct` (unary
-    argmax = label), `total`, `ce` the sum of the unary cross-entropy against the label (unweighted), and `leading` the
-    blocks whose slots 1..k all are supervised and right (`batch.teacher_forced_tau`; `total[0]` counts the blocks)."""
+    """Per-slot counts for slots 1..B-1 (supervised slots only), summable across ranks, all [B-1] float: `correct`
+    (unary argmax = label), `total`, `ce` the sum of the unary cross-entropy against the label (unweighted), and
+    `leading` the blocks whose slots 1..k all are supervised and right (`batch.teacher_forced_tau`; `total[0]` counts
+    the blocks)."""
 
     correct: torch.Tensor
     total: torch.Tensor
@@ -244,10 +254,10 @@ class SlotStats:
 
 @dataclass
 class SelectorStats:
-    """The selector's term of a DFlash2 drafter: `weighted` its sum(w * CE) (detached, before selector_loss_alpha), and per
-    slot 1..B-1 [B-1] float over supervised slots: `recall` (gold among the top-K) and `correct` (the walk's choice with
-    the gold predecessor, among the top-K, is the gold: teacher-forced selector accuracy), and `leading` as `SlotStats`'s
-    for the walk's choices."""
+    """The selector's term of a DFlash2 drafter: `weighted` its sum(w * CE) (detached, before selector_loss_alpha), and
+    per slot 1..B-1 [B-1] float over supervised slots: `recall` (gold among the top-K) and `correct` (the walk's choice
+    with the gold predecessor, among the top-K, is the gold: teacher-forced selector accuracy), and `leading` as
+    `SlotStats`'s for the walk's choices."""
 
     weighted: torch.Tensor
     recall: torch.Tensor
@@ -257,10 +267,10 @@ class SelectorStats:
 
 @dataclass
 class LossOutput:
-    """loss: the scalar to backpropagate; weighted_ce: this rank's weighted sum of the per-slot terms (detached: sum(w * CE)
-    for the paper's objective, the mixed term when distilling, plus selector_loss_alpha times the selector's for DFlash2);
-    weight_sum: the global denominator; weighted_kl: this rank's sum(w * KL) (detached) when distilling, else None;
-    selector: the selector term's figures for a DFlash2 drafter, else None."""
+    """loss: the scalar to backpropagate; weighted_ce: this rank's weighted sum of the per-slot terms (detached: sum(w *
+    CE) for the paper's objective, the mixed term when distilling, plus selector_loss_alpha times the selector's for
+    DFlash2); weight_sum: the global denominator; weighted_kl: this rank's sum(w * KL) (detached) when distilling, else
+    None; selector: the selector term's figures for a DFlash2 drafter, else None."""
 
     loss: torch.Tensor
     weighted_ce: torch.Tensor
@@ -306,9 +316,9 @@ class HeadInputs:
 
 class HeadLoss(NamedTuple):
     """The chunked head's result over R rows: `total` sum(w * term) (differentiable); `kl` sum(w * KL(p_T || q_T)) (0
-    unless distilling); per row [R]: `hits` (unary argmax = label), `ce` (unary CE against the label), `used` (the weight
-    each row counted with: D-PACE's are computed in the head); `candidates` [R, K + 1] each row's top-K unary ids then
-    its label, with their unary logits `values` [R, K + 1] (differentiable), K = 0 columns without a selector."""
+    unless distilling); per row [R]: `hits` (unary argmax = label), `ce` (unary CE against the label), `used` (the
+    weight each row counted with: D-PACE's are computed in the head); `candidates` [R, K + 1] each row's top-K unary ids
+    then its label, with their unary logits `values` [R, K + 1] (differentiable), K = 0 columns without a selector."""
 
     total: torch.Tensor
     kl: torch.Tensor
@@ -329,14 +339,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     weights used, and for DFlash2 each row's top-K candidates plus its label with their unary logits.
 
     Each chunk's [rows, V] logits live only inside `forward`, which also computes that chunk's gradient with respect to
-    the hidden states: backward only scales it. So the logits are never kept nor recomputed, and the head costs one forward
-    and one input-gradient matmul (distilling adds one forward of the teacher's rows). W and bias are frozen.
+    the hidden states: backward only scales it. So the logits are never kept nor recomputed, and the head costs one
+    forward and one input-gradient matmul (distilling adds one forward of the teacher's rows). W and bias are frozen.
     With the drafter's logits z and the teacher's t, d(term)/dz = (1 - w_d) * (softmax(z) - onehot(label))
-    + w_d * T * (softmax(z / T) - softmax(t / T)); times W gives the hidden-state gradient, the one-hot part a row lookup.
+    + w_d * T * (softmax(z / T) - softmax(t / T)); times W gives the hidden-state gradient, the one-hot part a row
+      lookup.
     Unary logits that are scaled or capped (`Objective.unary`) multiply that by their slope first.
     The candidates' logits [rows, K + 1] are an output with a gradient (the selector's term scores with them): backward
-    adds sum_c g_c * slope_c * W[c] per row, gathering the K + 1 rows of W chunk by chunk again rather than keeping them.
-    The paper's objective (no teacher, exponential weights, no selector) runs exactly the operations it always did.
+    adds sum_c g_c * slope_c * W[c] per row, gathering the K + 1 rows of W chunk by chunk again rather than keeping
+    them. The paper's objective (no teacher, exponential weights, no selector) runs exactly the operations it always
+    did.
     """
 
     @staticmethod
@@ -355,7 +367,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for start in range(0, rows, chunk_rows):
             sl = slice(start, start + chunk_rows)
-            logits = F.linear(hidden[sl].to(weight.dtype), weight, bias).float()  # [rows, V], matmul in the head's dtype
+            # [rows, V], matmul in the head's dtype
+            logits = F.linear(hidden[sl].to(weight.dtype), weight, bias).float()
             if objective.transforms:
                 objective.unary(logits)
             lse = torch.logsumexp(logits, dim=-1)
@@ -383,7 +396,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     grad[sl] = grad_chunk.to(hidden.dtype)
                 continue
             # Distillation: the teacher's logits for these rows, then KL(p_T || q_T) per row, in place where it can be.
-            assert inputs.teacher_hidden is not None and inputs.teacher_index is not None, "block_loss checks the teacher"
+            assert inputs.teacher_hidden is not None and inputs.teacher_index is not None, (
+                "block_loss checks the teacher"
+            )
             teacher = F.linear(inputs.teacher_hidden[inputs.teacher_index[sl]].to(weight.dtype), weight, bias).float()
             log_p = torch.log_softmax(teacher.div_(temp), dim=-1)
             del teacher
@@ -400,7 +415,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 if slope is not None:
                     hard = hard * slope.gather(1, labels[sl, None])[:, 0]
                     g.mul_(slope)
-                grad[sl] = (g.to(weight.dtype) @ weight - hard[:, None].to(weight.dtype) * weight[labels[sl]]).to(hidden.dtype)
+                grad[sl] = (g.to(weight.dtype) @ weight - hard[:, None].to(weight.dtype) * weight[labels[sl]]).to(
+                    hidden.dtype
+                )
         ctx.save_for_backward(grad, weight, candidates, values)  # read back by these names in backward
         ctx.objective, ctx.chunk_rows = objective, chunk_rows
         ctx.mark_non_differentiable(kl_total, hits, ce_rows, used, candidates)
@@ -449,8 +466,9 @@ def block_loss(
     head_weight [V, H] (+ head_bias [V]) the frozen LM head. Peak extra memory is one chunk's logits
     [chunk_blocks*B, V] in fp32 (about four such buffers when distilling), never [Q, V] per row. `weight_sum`: the
     denominator when the optimizer step spans several micro-batches (`Objective.normaliser` summed over all of them and
-    all ranks); None: this batch's `global_weight_sum`. `teacher`: required when `objective` distills, ignored otherwise.
-    `walk_scores`: the DFlash2 selector's scoring (`CandidateSelector.scores`), required when `objective` selects.
+    all ranks); None: this batch's `global_weight_sum`. `teacher`: required when `objective` distills, ignored
+    otherwise. `walk_scores`: the DFlash2 selector's scoring (`CandidateSelector.scores`), required when `objective`
+    selects.
     """
     if objective.distills and teacher is None:
         raise ValueError("train.distill_weight > 0 needs the target's final hidden states (a Teacher) for the loss")
@@ -460,28 +478,35 @@ def block_loss(
     y = labels.reshape(-1)
     w = weights.reshape(-1).float()
     t_hidden, t_index = teacher.flat() if objective.distills and teacher is not None else (None, None)
-    inputs = HeadInputs(head_weight, head_bias, y, w, t_hidden, t_index, chunk_blocks * block_size, block_size, objective)
+    inputs = HeadInputs(head_weight, head_bias, y, w, t_hidden, t_index, chunk_blocks * block_size, block_size,
+                        objective)
     head = chunked_head_loss(h, inputs)
     supervised = (w.reshape(-1, block_size)[:, 1:] > 0).float()
     per_slot = lambda rows: (rows.float().reshape(-1, block_size)[:, 1:] * supervised).sum(0)  # noqa: E731  [B-1]
     # [B-1]: the blocks whose slots 1..k are all supervised and right (a running product along each block).
-    leading = lambda rows: (rows.float().reshape(-1, block_size)[:, 1:] * supervised).cumprod(dim=1).sum(0)  # noqa: E731
-    slots = SlotStats(correct=per_slot(head.hits), total=supervised.sum(0), ce=per_slot(head.ce.detach()), leading=leading(head.hits))
+    leading = lambda rows: (  # noqa: E731
+        (rows.float().reshape(-1, block_size)[:, 1:] * supervised).cumprod(dim=1).sum(0))
+    slots = SlotStats(correct=per_slot(head.hits), total=supervised.sum(0), ce=per_slot(head.ce.detach()),
+                      leading=leading(head.hits))
     selector = None
     term = head.total
     if objective.selects and walk_scores is not None:
-        out = selector_term(h, y, head.used, head.candidates, head.values, walk_scores, block_size, objective.missing_gold == "inject")
-        selector = SelectorStats(out.weighted.detach(), per_slot(out.recall), per_slot(out.correct), leading(out.correct))
+        out = selector_term(h, y, head.used, head.candidates, head.values, walk_scores, block_size,
+                            objective.missing_gold == "inject")
+        selector = SelectorStats(out.weighted.detach(), per_slot(out.recall), per_slot(out.correct),
+                                 leading(out.correct))
         term = head.total + objective.selector_alpha * out.weighted
 
     weight_sum = global_weight_sum(w, objective) if weight_sum is None else weight_sum
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     loss = term / weight_sum.clamp_min(1e-12) * world
     kl = head.kl.detach() if objective.distills else None
-    return LossOutput(loss=loss, weighted_ce=term.detach(), weight_sum=weight_sum, slots=slots, weighted_kl=kl, selector=selector)
+    return LossOutput(loss=loss, weighted_ce=term.detach(), weight_sum=weight_sum, slots=slots, weighted_kl=kl,
+                      selector=selector)
 
 
 __all__ = [
-    "HeadInputs", "HeadLoss", "LossOutput", "Objective", "PAPER_OBJECTIVE", "SelectorStats", "SelectorTerm", "SlotStats", "Teacher",
-    "WalkScores", "block_loss", "chunked_head_loss", "dpace_weights", "global_weight_sum", "gold_predecessors", "selector_term",
+    "HeadInputs", "HeadLoss", "LossOutput", "Objective", "PAPER_OBJECTIVE", "SelectorStats", "SelectorTerm",
+    "SlotStats", "Teacher", "WalkScores", "block_loss", "chunked_head_loss", "dpace_weights", "global_weight_sum",
+    "gold_predecessors", "selector_term",
 ]

@@ -75,7 +75,11 @@ class MemoryPlan:
             for label, (each, count) in plan.items.items():
                 shown = f"{_times(count)}{each / GB:.2f}" if count > 1 else f"{each / GB:.2f}"
                 out.append(f"{plan.device:<8} {label:<48} {shown:>9}")
-            cap = "capacity unknown (set train.device_memory_gb)" if plan.capacity is None else f"of {plan.capacity / GB:.2f}"
+            cap = (
+                "capacity unknown (set train.device_memory_gb)"
+                if plan.capacity is None
+                else f"of {plan.capacity / GB:.2f}"
+            )
             verdict = {None: "", True: "  fits", False: "  DOES NOT FIT"}[plan.fits]
             out.append(f"{plan.device:<8} {'total':<48} {plan.total / GB:>9.2f}  {cap}{verdict}")
         return out + self.warnings()
@@ -83,8 +87,8 @@ class MemoryPlan:
     def warnings(self) -> list[str]:
         """Devices that hold several target replicas (one per rank that names them) while the fit is unknown."""
         return [
-            f"note: {p.device} holds {p.target_replicas} target replicas, one per rank using it ({p.total / GB:.2f} GB in all); "
-            "list one target device per drafter device unless that fits"
+            f"note: {p.device} holds {p.target_replicas} target replicas, one per rank using it ({p.total / GB:.2f} GB "
+            "in all); list one target device per drafter device unless that fits"
             for p in self.devices
             if p.target_replicas > 1 and p.fits is None
         ]
@@ -94,12 +98,17 @@ class MemoryPlan:
         for p in self.devices:
             if p.fits is False:
                 assert p.capacity is not None
-                fixes = ["list one target device per drafter device (placement.target_devices)"] if p.target_replicas > 1 else []
+                fixes = (
+                    ["list one target device per drafter device (placement.target_devices)"]
+                    if p.target_replicas > 1
+                    else []
+                )
                 if p.drafter_ranks:
                     fixes.append("lower train.batch_size or train.max_length")
                     fixes += [] if self.checkpointing else ["set train.activation_checkpointing = true"]
                 fixes.append("use devices with more memory")
-                return (f"memory plan: {p.device} needs {p.total / GB:.2f} GB ({p.largest()}) but has {p.capacity / GB:.2f} GB; "
+                return (f"memory plan: {p.device} needs {p.total / GB:.2f} GB ({p.largest()}) but has "
+                        f"{p.capacity / GB:.2f} GB; "
                         f"{', '.join(fixes[:-1])}{' or ' if len(fixes) > 1 else ''}{fixes[-1]}")
         return None
 
@@ -157,8 +166,8 @@ def drafter_activations(
     `checkpointing` a layer keeps only its inputs (the fp32 residual 4H per query row, context K in fp32 and V in a:
     g*d*(4 + a) per context row). tests/test_plan.py checks all of this against what autograd saves, to the byte.
     A DFlash2 layer's four convolution sides keep, per query row and tap, the shifted input and its kernel (8 x 4H in
-    fp32, 32H per tap) and per tap after the first a block-boundary mask (8): exact in fp32, an upper bound under autocast
-    (where part of them is bf16). Checkpointing keeps none of it (a layer's inputs are the same).
+    fp32, 32H per tap) and per tap after the first a block-boundary mask (8): exact in fp32, an upper bound under
+    autocast (where part of them is bf16). Checkpointing keeps none of it (a layer's inputs are the same).
     """
     a = 2 if autocast else 4
     hidden, inner, heads, kv, d, n_feat = (spec.hidden_size, spec.intermediate_size, spec.num_attention_heads,
@@ -174,7 +183,8 @@ def drafter_activations(
     per_key = 2 * (heads if repeat_kv else kv) * d * a
     per_context = kv * d * (4 + a) + 4 * kv + (2 * hidden * a if autocast else 0)
     layer = b * (q * per_query + keys * per_key + s * per_context)
-    once = (b * s * ((n_feat * hidden * a if autocast else 0) + hidden * (4 + a) + 4 + (0 if autocast else 4 * hidden) + 8 * d)
+    once = (b * s * ((n_feat * hidden * a if autocast else 0) + hidden * (4 + a) + 4 + (0 if autocast else 4 * hidden)
+                     + 8 * d)
             + b * q * (8 * d + (8 * hidden + 4) + 4 * hidden) + 4)  # + the loss's scalar denominator
     if checkpointing:  # layer 0's input is the block embeddings themselves (counted with the batch)
         kept_layer = b * (q * 4 * hidden + s * (kv * d * (4 + a) + per_context))
@@ -187,9 +197,9 @@ def selector_items(spec: DrafterSpec, queries: int, chunk_rows: int, head_bytes:
     weights are in the drafter's parameter count, their activations in `drafter_activations`), with k = K + 1 (the top-K
     and the gold) and r the selector's rank: each slot's candidates (int64 ids, fp32 unary logits: 12k), what the
     selector's scores keep for backward (the slot's hidden state 4H, each candidate's successor-codebook row and id
-    k(4r + 8), the predecessor's row, the projection and their product 12r, the scores' fp32 copies 16k, row indices 32),
-    and in backward one chunk's gathered head rows for the candidates' logits (`chunk_rows` x k x H in the head's dtype).
-    An upper estimate for slots that all count (tests/test_plan.py checks it against what autograd keeps)."""
+    k(4r + 8), the predecessor's row, the projection and their product 12r, the scores' fp32 copies 16k, row indices
+    32), and in backward one chunk's gathered head rows for the candidates' logits (`chunk_rows` x k x H in the head's
+    dtype). An upper estimate for slots that all count (tests/test_plan.py checks it against what autograd keeps)."""
     assert spec.dflash2 is not None
     k, r, hidden = spec.dflash2.selector_top_k + 1, spec.dflash2.selector_rank, spec.hidden_size
     return [
@@ -213,7 +223,8 @@ def device_capacity(device: str, configured_gb: float | None) -> int | None:
     return None
 
 
-def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Callable[[str], int | None] | None = None) -> MemoryPlan:
+def memory_plan(config: BlockdraftConfig, hf_config: Any = None,
+                capacity: Callable[[str], int | None] | None = None) -> MemoryPlan:
     """The plan of `config`'s placement on this machine (one rank per drafter device) from the target's config
     (`hf_config`, default: read from target.path); `capacity` maps a device to its bytes (default `device_capacity`)."""
     hf_config = hf_config if hf_config is not None else load_target_config(config.target.path)
@@ -230,7 +241,10 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
     inner = int(getattr(text, "intermediate_size", None) or 4 * spec.hidden_size)
     b, s, q = tc.batch_size, tc.max_length, config.dflash.num_anchors * spec.block_size
     feat = b * s * spec.num_target_features * spec.hidden_size
-    target_forward = b * s * (2 * spec.num_target_features * spec.hidden_size + 4 * spec.hidden_size + 3 * inner) * t_bytes + b * s * s * t_bytes
+    target_forward = (
+        b * s * (2 * spec.num_target_features * spec.hidden_size + 4 * spec.hidden_size + 3 * inner) * t_bytes
+        + b * s * s * t_bytes
+    )
     world = int(os.environ.get("WORLD_SIZE", str(len(placement.drafter_devices) * placement.nnodes)))
     # A step's inputs hold the features of all its micro-batches, and `pipeline_depth` steps wait ahead of the drafter.
     micro = accumulation_steps(tc.global_batch_size, b, world) * (1 + tc.pipeline_depth)
@@ -251,7 +265,8 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
         autocast = drafter_device.startswith("cuda")  # the trainer's bf16 autocast; fp32 elsewhere
         attention = resolve_attention(tc.attention, torch.device(drafter_device))
         repeat_kv = attention == "dense" and autocast and spec.num_attention_heads != spec.num_key_value_heads
-        act = drafter_activations(spec, b, s, config.dflash.num_anchors, autocast, attention, repeat_kv, tc.activation_checkpointing)
+        act = drafter_activations(spec, b, s, config.dflash.num_anchors, autocast, attention, repeat_kv,
+                                  tc.activation_checkpointing)
         drafter_plan.add("drafter weights (fp32)", 4 * d_params)
         drafter_plan.add("drafter gradients (fp32)", 4 * d_params)
         drafter_plan.add("AdamW moments (fp32, 2 per parameter)", 8 * d_params)
@@ -261,17 +276,22 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
         if autocast:
             drafter_plan.add("bf16 weight copies (autocast)", 2 * d_linear)
         copy = ", fp32 copy" if t_bytes != 4 else ""  # a micro-batch's forward makes one of a bf16 target's features
-        drafter_plan.add(f"target features ({micro} micro-batches{copy})", feat * (t_bytes * micro + (4 if copy else 0)))
+        drafter_plan.add(f"target features ({micro} micro-batches{copy})",
+                         feat * (t_bytes * micro + (4 if copy else 0)))
         masks = (1 + spec.has_sliding) * (s + q) if attention == "dense" else 0  # bool [b, 1, Q, T] per layer kind
-        drafter_plan.add("block embeddings" + (" + attention masks" if masks else ""), b * q * (4 * spec.hidden_size + masks))
-        drafter_plan.add("activations kept for backward" + (" (checkpointed)" if tc.activation_checkpointing else ""), act.kept)
+        drafter_plan.add("block embeddings" + (" + attention masks" if masks else ""),
+                         b * q * (4 * spec.hidden_size + masks))
+        drafter_plan.add("activations kept for backward" + (" (checkpointed)" if tc.activation_checkpointing else ""),
+                         act.kept)
         drafter_plan.add("backward working space (one layer)", act.layer)
         rows = min(tc.lm_head_chunk_blocks * spec.block_size, b * q)
         chunk = rows * spec.vocab_size * (4 + (t_bytes if t_bytes != 4 else 0))
         distill = tc.distill_weight > 0  # the target's final hidden states come along, its logits per chunk
-        drafter_plan.add("LM-head chunk (logits, probabilities)" + (" x 2 (distillation)" if distill else ""), chunk * (2 if distill else 1))
+        drafter_plan.add("LM-head chunk (logits, probabilities)" + (" x 2 (distillation)" if distill else ""),
+                         chunk * (2 if distill else 1))
         if distill:
-            drafter_plan.add(f"target final hidden states ({micro} micro-batches)", b * s * spec.hidden_size * t_bytes * micro)
+            drafter_plan.add(f"target final hidden states ({micro} micro-batches)",
+                             b * s * spec.hidden_size * t_bytes * micro)
         if spec.dflash2 is not None:
             for label, nbytes in selector_items(spec, b * q, rows, t_bytes):
                 drafter_plan.add(label, nbytes)
@@ -281,9 +301,9 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None, capacity: Calla
     facts = [
         f"target: {type(target).__name__}, {target_params:,} parameters in {t_name} ({target_bytes / GB:.2f} GB); "
         f"drafter: {d_params:,} parameters ({spec.num_layers} layers), fp32 masters",
-        f"step: batch {b} x {s} tokens, {config.dflash.num_anchors} anchors x block {spec.block_size} = {q} queries per row; "
-        f"{len(placement.drafter_devices)} rank(s) on this machine, world size {world}, {micro // (1 + tc.pipeline_depth)} "
-        f"micro-batch(es) per rank per step, {tc.pipeline_depth} step(s) ahead; "
+        f"step: batch {b} x {s} tokens, {config.dflash.num_anchors} anchors x block {spec.block_size} = {q} queries "
+        f"per row; {len(placement.drafter_devices)} rank(s) on this machine, world size {world}, "
+        f"{micro // (1 + tc.pipeline_depth)} micro-batch(es) per rank per step, {tc.pipeline_depth} step(s) ahead; "
         f"activation checkpointing {'on' if tc.activation_checkpointing else 'off'}",
     ]
     if placement.nnodes > 1:
@@ -298,8 +318,9 @@ def node_traffic(nodes: int, world: int, params: int, dtype: str) -> str:
     ranks next to each other in the ring, that is what leaves each node."""
     grads = params * _DTYPE_BYTES[dtype]
     sent = 2 * (world - 1) * grads / world
-    return (f"{nodes} nodes, each with the devices below; inter-node gradient all-reduce per step: {grads / 1e6:.1f} MB of "
-            f"gradients ({dtype}, train.grad_allreduce_dtype), about {sent / 1e6:.1f} MB out of each node (ring over {world} ranks)")
+    return (f"{nodes} nodes, each with the devices below; inter-node gradient all-reduce per step: {grads / 1e6:.1f} "
+            f"MB of gradients ({dtype}, train.grad_allreduce_dtype), about {sent / 1e6:.1f} MB out of each node (ring "
+            f"over {world} ranks)")
 
 
 def _device_order(device: str) -> tuple[str, int]:
@@ -309,7 +330,8 @@ def _device_order(device: str) -> tuple[str, int]:
 
 def apply_memory_options(drafter: DFlashDrafter, model: nn.Module, train: TrainConfig) -> None:
     """train.activation_checkpointing (each drafter layer recomputed in backward) and train.grad_allreduce_dtype (the
-    DDP gradient all-reduce in bf16); call right after the DDP wrap, `model` being the wrapped module or the bare one."""
+    DDP gradient all-reduce in bf16); call right after the DDP wrap, `model` being the wrapped module or the bare
+    one."""
     drafter.checkpoint_layers = train.activation_checkpointing
     if isinstance(model, nn.parallel.DistributedDataParallel):
         register_grad_allreduce(model, train.grad_allreduce_dtype)

@@ -181,8 +181,9 @@ def read_curves(path: Path, max_points: int = PLOT_POINTS, held_out: bool = Fals
 
 
 def draw_curves(source: Path, target: Path) -> None:
-    """Loss (log scale), tau estimate and accuracy of each draft slot against the step (training and held-out), from the log `source`, into the PNG `target`
-    (written beside it and renamed, so a reader never sees half a file). Uses no pyplot state: safe off the main thread."""
+    """Loss (log scale), tau estimate and accuracy of each draft slot against the step (training and held-out), from the
+    log `source`, into the PNG `target` (written beside it and renamed, so a reader never sees half a file). Uses no
+    pyplot state: safe off the main thread."""
     import matplotlib
     from matplotlib.figure import Figure
 
@@ -274,11 +275,11 @@ class MetricsLog:
         self.last, self._window_start = None, 0
 
     def restart_from(self, checkpoint_folder: Path, step: int) -> int | None:
-        """Continue the log of a run resumed at `step`: the local log's entries up to `step` (none that a crashed run wrote
-        after) when it is this run's (it holds the checkpoint's last entry), else the checkpoint's window alone.
+        """Continue the log of a run resumed at `step`: the local log's entries up to `step` (none that a crashed run
+        wrote after) when it is this run's (it holds the checkpoint's last entry), else the checkpoint's window alone.
 
-        One streaming pass. Returns None when the log is whole, else the first step it holds: a checkpoint carries only the
-        entries since the one before, so a log lost with its machine restarts there."""
+        One streaming pass. Returns None when the log is whole, else the first step it holds: a checkpoint carries only
+        the entries since the one before, so a log lost with its machine restarts there."""
         window = checkpoint_folder / METRICS_NAME
         lines = list(_whole_lines(window)) if window.is_file() else []
         anchor = lines[-1] if lines else None
@@ -304,8 +305,8 @@ class MetricsLog:
         self.plotter.maybe()
 
     def write_window(self, folder: Path) -> tuple[Path, int]:
-        """`folder/metrics.jsonl` holding the entries since the last saved checkpoint; returns it and the log's length then
-        (pass it to `window_saved` once that checkpoint verified)."""
+        """`folder/metrics.jsonl` holding the entries since the last saved checkpoint; returns it and the log's length
+        then (pass it to `window_saved` once that checkpoint verified)."""
         target = folder / METRICS_NAME
         with open(self.path, "rb") as src, open(target, "wb") as dst:
             src.seek(self._window_start)
@@ -362,8 +363,9 @@ class WandbTracker:
 
         folder.mkdir(parents=True, exist_ok=True)
         arguments: dict[str, Any] = dict(settings)  # wandb.init checks the values (a bad mode fails there: one warning)
-        # W&B's run metadata holds the raw command line, which may carry a secret (`--set store.endpoint_url=http://u:pw@h`):
-        # it is not collected; `config` (the resolved config, its URLs redacted) says what ran.
+        # W&B's run metadata holds the raw command line, which may carry a secret
+        # (`--set store.endpoint_url=http://u:pw@h`): it is not collected; `config` (the resolved config, its URLs
+        # redacted) says what ran.
         quiet = wandb.Settings(silent=True, console="off", x_disable_meta=True)
         self.run = wandb.init(dir=str(folder), config=config, settings=quiet, **arguments)
 
@@ -414,7 +416,8 @@ class Trackers:
             try:
                 tracker.close(failed)
             except Exception as exc:
-                self.warn(f"train.report_to: {name} did not close ({_first_line(exc)}); its last steps may be missing there")
+                self.warn(f"train.report_to: {name} did not close ({_first_line(exc)}); its last steps may be missing "
+                          "there")
         self.active.clear()
 
     def _drop(self, name: str, why: str) -> None:
@@ -445,17 +448,18 @@ def check_log_dir(log_dir: str, places: dict[str, Store]) -> Path:
         local = store.local_path()
         if local is not None and real.is_relative_to(root := local.resolve()):
             where = f"is {role}" if real == root else f"lies inside {role} {root}"
-            raise ConfigError(f"train.log_dir {folder} {where}: the run's metrics and curves would be written into it; {_FIX}")
+            raise ConfigError(f"train.log_dir {folder} {where}: the run's metrics and curves would be written into it; "
+                              f"{_FIX}")
     if (artifact := _artifact_holding(real)) is not None:
-        raise ConfigError(f"train.log_dir {folder} lies inside the artifact at {artifact}: writing there would change files "
-                          f"that verified; {_FIX}")
+        raise ConfigError(f"train.log_dir {folder} lies inside the artifact at {artifact}: writing there would change "
+                          f"files that verified; {_FIX}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
-        raise ConfigError(f"train.log_dir {folder} cannot be written ({exc.strerror or exc}); {_FIX}, one this user may "
-                          "write") from None
+        raise ConfigError(f"train.log_dir {folder} cannot be written ({exc.strerror or exc}); {_FIX}, one this user "
+                          "may write") from None
     return folder
 
 
@@ -480,19 +484,22 @@ def claim_log_dir(folder: Path, identity: dict[str, Any], output_url: str) -> Pa
         try:
             recorded = json.loads(owner.read_text())
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"train.log_dir {folder}: {OWNER_NAME} is unreadable ({exc}); {_FIX}, or delete {folder}") from None
+            raise ConfigError(
+                f"train.log_dir {folder}: {OWNER_NAME} is unreadable ({exc}); {_FIX}, or delete {folder}"
+            ) from None
         if recorded == mine:
             return folder / METRICS_NAME
         if not isinstance(recorded, dict) or recorded.get("format") != OWNER_FORMAT:
-            raise ConfigError(f"train.log_dir {folder} is a log folder of format {recorded.get('format') if isinstance(recorded, dict) else None}, "
-                              f"this blockdraft writes {OWNER_FORMAT}; {_FIX}, or delete {folder}")
+            raise ConfigError(f"train.log_dir {folder} is a log folder of format "
+                              f"{recorded.get('format') if isinstance(recorded, dict) else None}, this blockdraft "
+                              f"writes {OWNER_FORMAT}; {_FIX}, or delete {folder}")
         other = "the same train.output with another run identity (settings, data or target)" if (
             recorded.get("output") == mine["output"]) else f"train.output {recorded.get('output')}"
-        raise ConfigError(f"train.log_dir {folder} holds the metrics of another run ({other}); a log folder belongs to one "
-                          f"run: {_FIX}, or delete {folder} to reuse it")
+        raise ConfigError(f"train.log_dir {folder} holds the metrics of another run ({other}); a log folder belongs to "
+                          f"one run: {_FIX}, or delete {folder} to reuse it")
     if (folder / METRICS_NAME).exists():
-        raise ConfigError(f"train.log_dir {folder} holds a {METRICS_NAME} that no run recorded as its own ({OWNER_NAME} is "
-                          f"missing); {_FIX}, or delete {folder} to reuse it")
+        raise ConfigError(f"train.log_dir {folder} holds a {METRICS_NAME} that no run recorded as its own "
+                          f"({OWNER_NAME} is missing); {_FIX}, or delete {folder} to reuse it")
     partial = owner.with_name(owner.name + ".partial")
     partial.write_text(json.dumps(mine, indent=2) + "\n")
     os.replace(partial, owner)

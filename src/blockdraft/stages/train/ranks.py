@@ -1,4 +1,5 @@
-"""The ranks of a run: where each one runs, what they must agree on before training, and what keeps their replicas equal.
+"""The ranks of a run: where each one runs, what they must agree on before training, and what keeps their replicas
+equal.
 
 Where one training process runs: its rank, its drafter and target devices, and the process group it joins.
 
@@ -54,9 +55,11 @@ class RankPlacement:
 
 
 def check_placement_devices(placement: PlacementConfig) -> None:
-    """Every listed device exists on this machine (the lists describe one machine; torchrun across machines runs the same
-    lists on each): one it lacks is a ConfigError naming the field and what torch sees, not a torch traceback later."""
-    for field, devices in (("drafter_devices", placement.drafter_devices), ("target_devices", placement.target_devices)):
+    """Every listed device exists on this machine (the lists describe one machine; torchrun across machines runs the
+    same lists on each): one it lacks is a ConfigError naming the field and what torch sees, not a torch traceback
+    later."""
+    for field, devices in (("drafter_devices", placement.drafter_devices),
+                           ("target_devices", placement.target_devices)):
         for device in devices:
             check_device(f"placement.{field}", device)
 
@@ -77,8 +80,8 @@ def rank_placement(placement: PlacementConfig) -> RankPlacement:
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     if local_world != len(drafters):
         raise ConfigError(
-            f"placement.drafter_devices lists {len(drafters)} device(s) but {local_world} process(es) run on this machine; "
-            f"launch one process per drafter device (blockdraft train --nproc {len(drafters)})"
+            f"placement.drafter_devices lists {len(drafters)} device(s) but {local_world} process(es) run on this "
+            f"machine; launch one process per drafter device (blockdraft train --nproc {len(drafters)})"
         )
     target = target_device_of(placement, local_rank)
     return RankPlacement(rank, world, local_rank, torch.device(drafters[local_rank]), torch.device(target))
@@ -105,12 +108,13 @@ CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_VALUE = "CUBLAS_WORKSPACE_CONFIG", ":4096:8"
 @contextmanager
 def rank_session(place: RankPlacement, deterministic: bool, timeout_minutes: float = 60.0) -> Iterator[None]:
     """Join the process group (several ranks, none joined yet; a collective waits `timeout_minutes` for the others, as
-    train.dist_timeout_minutes says) and, when `deterministic`, switch torch to deterministic algorithms; both are undone
-    on exit, so an in-process caller gets its torch settings back. A collective that fails because another rank went
-    away or timed out (`lost_rank`) leaves as one RankLostError line, not gloo's traceback."""
-    if deterministic and place.drafter_device.type == "cuda" and CUBLAS_WORKSPACE not in os.environ:  # `launch` sets it for its ranks
-        raise ConfigError(f"train.deterministic on CUDA needs {CUBLAS_WORKSPACE}={CUBLAS_WORKSPACE_VALUE} in the environment "
-                          "(cuBLAS refuses deterministic mode without it); export it and rerun")
+    train.dist_timeout_minutes says) and, when `deterministic`, switch torch to deterministic algorithms; both are
+    undone on exit, so an in-process caller gets its torch settings back. A collective that fails because another rank
+    went away or timed out (`lost_rank`) leaves as one RankLostError line, not gloo's traceback."""
+    # `launch` sets it for its ranks
+    if deterministic and place.drafter_device.type == "cuda" and CUBLAS_WORKSPACE not in os.environ:
+        raise ConfigError(f"train.deterministic on CUDA needs {CUBLAS_WORKSPACE}={CUBLAS_WORKSPACE_VALUE} in the "
+                          "environment (cuBLAS refuses deterministic mode without it); export it and rerun")
     owns_group = place.world_size > 1 and not dist.is_initialized()
     if owns_group:
         if place.drafter_device.type == "cuda":
@@ -124,11 +128,12 @@ def rank_session(place: RankPlacement, deterministic: bool, timeout_minutes: flo
         yield
     except RuntimeError as exc:
         if place.world_size > 1 and lost_rank(exc):
-            detail = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0]).split(". ")[0][:160]  # gloo: "[file:line] what."
+            # gloo: "[file:line] what."
+            detail = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip().splitlines()[0]).split(". ")[0][:160]
             raise RankLostError(
-                f"rank {place.rank} of {place.world_size}: a collective failed ({detail}); another rank stopped or did not answer "
-                f"within train.dist_timeout_minutes = {timeout_minutes:g}: check every node, then rerun `blockdraft train` on every "
-                "node, which resumes from the newest verified checkpoint"
+                f"rank {place.rank} of {place.world_size}: a collective failed ({detail}); another rank stopped or did "
+                f"not answer within train.dist_timeout_minutes = {timeout_minutes:g}: check every node, then rerun "
+                "`blockdraft train` on every node, which resumes from the newest verified checkpoint"
             ) from None
         raise
     finally:
@@ -146,9 +151,9 @@ def lost_rank(exc: BaseException) -> bool:
 
 def bf16_allreduce_hook(group: dist.ProcessGroup | None, bucket):
     """A DDP comm hook for gloo: the bucket's mean over ranks computed in bf16 (half the bytes sent), written back in
-    the gradients' dtype; returns a Future of the bucket's tensor. torch's `bf16_compress_hook` does the same but refuses
-    anything but NCCL. `bucket` is DDP's GradBucket (unannotated: DDP checks the annotation's object, and this module's
-    annotations are strings)."""
+    the gradients' dtype; returns a Future of the bucket's tensor. torch's `bf16_compress_hook` does the same but
+    refuses anything but NCCL. `bucket` is DDP's GradBucket (unannotated: DDP checks the annotation's object, and this
+    module's annotations are strings)."""
     world = dist.get_world_size(group)
     compressed = bucket.buffer().to(torch.bfloat16).div_(world)
     work = dist.all_reduce(compressed, group=group, async_op=True)
@@ -228,30 +233,32 @@ def check_same_config(config: BlockdraftConfig, place: RankPlacement) -> None:
         if (found := first_difference(reference, resolved)) is not None:
             field, ours, theirs = found
             raise ConfigError(
-                f"node {node} (rank {rank}) was started with {field} = {theirs!r}, node {node0} (rank 0) with {ours!r}; "
-                "every node must train with the same settings (only placement.node_rank differs): start each node with "
-                "the same config file and --set items"
+                f"node {node} (rank {rank}) was started with {field} = {theirs!r}, node {node0} (rank 0) with "
+                f"{ours!r}; every node must train with the same settings (only placement.node_rank differs): start "
+                "each node with the same config file and --set items"
             )
 
 
-def check_same_data(config: BlockdraftConfig, data_sha256: str, place: RankPlacement, eval_sha256: str | None = None) -> None:
-    """ConfigError on every rank when a rank's train.data, or its train.eval_data (`eval_sha256`, None when unset), is not
-    rank 0's (its manifest digest differs)."""
+def check_same_data(config: BlockdraftConfig, data_sha256: str, place: RankPlacement,
+                    eval_sha256: str | None = None) -> None:
+    """ConfigError on every rank when a rank's train.data, or its train.eval_data (`eval_sha256`, None when unset), is
+    not rank 0's (its manifest digest differs)."""
     sent = _gather(place, (config.placement.node_rank, data_sha256, eval_sha256))
     node0, *reference = sent[0]
     for rank, (node, *digests) in enumerate(sent[1:], start=1):
-        for field, url, digest, theirs in zip(("train.data", "train.eval_data"), (config.train.data, config.train.eval_data),
-                                              digests, reference):
+        for field, url, digest, theirs in zip(("train.data", "train.eval_data"),
+                                              (config.train.data, config.train.eval_data), digests, reference):
             if digest != theirs:
                 raise ConfigError(
-                    f"node {node} (rank {rank}) reads other data at {field} {url} (manifest sha256 {(digest or '')[:12]}..., "
-                    f"node {node0}'s {(theirs or '')[:12]}...); every node must read the same tokenized artifact: copy node 0's "
-                    "to each node (blockdraft push / pull)"
+                    f"node {node} (rank {rank}) reads other data at {field} {url} (manifest sha256 "
+                    f"{(digest or '')[:12]}..., node {node0}'s {(theirs or '')[:12]}...); every node must read the "
+                    "same tokenized artifact: copy node 0's to each node (blockdraft push / pull)"
                 )
 
 
 def parameter_fingerprint(module: nn.Module) -> torch.Tensor:
-    """[2] int64 over the exact bits of every parameter: equal on two ranks iff (practically) their parameters are bit-equal.
+    """[2] int64 over the exact bits of every parameter: equal on two ranks iff (practically) their parameters are
+    bit-equal.
 
     Integer arithmetic (wrapping on overflow) so that no rounding can hide a one-ulp difference.
     """
@@ -264,7 +271,8 @@ def parameter_fingerprint(module: nn.Module) -> torch.Tensor:
 
 
 def check_ranks_in_sync(drafter: nn.Module, world_size: int) -> None:
-    """Refuse to checkpoint replicas that drifted apart (a DDP bug would otherwise train world_size different models)."""
+    """Refuse to checkpoint replicas that drifted apart (a DDP bug would otherwise train world_size different
+    models)."""
     mine = parameter_fingerprint(drafter)
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(everyone, mine)
@@ -290,7 +298,8 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 __all__ = [
-    "PER_NODE", "RankPlacement", "allreduce_hook_for", "barrier", "bf16_allreduce_hook", "check_placement_devices", "check_ranks_in_sync",
-    "check_same_config", "check_same_data", "config_leaves", "first_difference", "lost_rank", "parameter_fingerprint", "rank_placement",
-    "rank_session", "register_grad_allreduce", "resolve_placement", "rng_state", "set_rng_state", "target_device_of",
+    "PER_NODE", "RankPlacement", "allreduce_hook_for", "barrier", "bf16_allreduce_hook", "check_placement_devices",
+    "check_ranks_in_sync", "check_same_config", "check_same_data", "config_leaves", "first_difference", "lost_rank",
+    "parameter_fingerprint", "rank_placement", "rank_session", "register_grad_allreduce", "resolve_placement",
+    "rng_state", "set_rng_state", "target_device_of",
 ]

@@ -22,8 +22,9 @@ Its other shapes (heads, MLP width) and its RoPE are taken from it, unless the c
 
 Architectures: a DFlash drafter starts a DFlash or a DFlash2 run. Into DFlash2, its tensors are the DFlash2 drafter's
 backbone and the DFlash2 modules keep their own initialisation: the convolutions start as the identity, so the first
-forward is the DFlash drafter's, and the selector starts from its codebooks' initialisation. A DFlash2 drafter starts only
-a DFlash2 run with its own DFlash2 settings (taps, groups, rank, top-K, scales: one ConfigError line per disagreement).
+forward is the DFlash drafter's, and the selector starts from its codebooks' initialisation. A DFlash2 drafter starts
+only a DFlash2 run with its own DFlash2 settings (taps, groups, rank, top-K, scales: one ConfigError line per
+disagreement).
 """
 
 from __future__ import annotations
@@ -85,10 +86,12 @@ def describe_limit(tc: TrainConfig, per_epoch: int, rows: int) -> str:
     if tc.max_steps:
         return (f"schedule: {total:,} steps from train.max_steps ({total / per_epoch:.1f} epochs of {rows:,} rows; "
                 f"train.epochs = {tc.epochs} is not used while train.max_steps is set)")
-    return f"schedule: {total:,} steps = train.epochs {tc.epochs} x {per_epoch:,} steps per epoch ({rows:,} rows; train.max_steps unset)"
+    return (f"schedule: {total:,} steps = train.epochs {tc.epochs} x {per_epoch:,} steps per epoch ({rows:,} rows; "
+            "train.max_steps unset)")
 
 
-def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, planned: dict[str, Any], step: int, force: bool) -> str | None:
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, planned: dict[str, Any], step: int,
+                    force: bool) -> str | None:
     """After a checkpoint's scheduler state was loaded into `scheduler` (its plan now the recorded one), compare it with
     `planned` (this config's, `vars` of its `WarmupCosine` before the load). The same length and warmup, or a restarted
     cosine to the same total, go on as recorded; another plan raises ConfigError unless `force`, which restarts a cosine
@@ -102,14 +105,15 @@ def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, planned: dict[
     base = scheduler.base_lrs[0]
     if not force:
         raise ConfigError(
-            f"the learning-rate schedule changed since the checkpoint of step {step}: it was planned for {recorded['total']:,} "
-            f"steps ({recorded['warmup']:,} of warmup), this config plans {total:,} ({warmup:,}); resuming would move the "
-            f"learning rate from {base * fn(step):.3g} to {base * WarmupCosine(warmup, total)(step):.3g} at once. Restore "
-            f"train.max_steps / train.epochs / train.warmup_ratio, or rerun with --force to continue with a new cosine from "
-            f"step {step} to {total:,}"
+            f"the learning-rate schedule changed since the checkpoint of step {step}: it was planned for "
+            f"{recorded['total']:,} steps ({recorded['warmup']:,} of warmup), this config plans {total:,} "
+            f"({warmup:,}); resuming would move the learning rate from {base * fn(step):.3g} to "
+            f"{base * WarmupCosine(warmup, total)(step):.3g} at once. Restore train.max_steps / train.epochs / "
+            f"train.warmup_ratio, or rerun with --force to continue with a new cosine from step {step} to {total:,}"
         )
     if step >= total:
-        raise ConfigError(f"the checkpoint of step {step} is past this config's {total:,} steps; raise train.max_steps or train.epochs")
+        raise ConfigError(f"the checkpoint of step {step} is past this config's {total:,} steps; raise train.max_steps "
+                          "or train.epochs")
     fn.warmup, fn.total, fn.restart_at = warmup, total, step
     lrs = [b * fn(step) for b in scheduler.base_lrs]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
@@ -119,7 +123,9 @@ def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, planned: dict[
             f"schedule planned for {recorded['total']:,} steps")
 
 
-def new_scheduler(optimizer: torch.optim.Optimizer, tc: TrainConfig, per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+def new_scheduler(
+    optimizer: torch.optim.Optimizer, tc: TrainConfig, per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """The run's LambdaLR over `optimizer`: warmup over train.warmup_ratio of the planned steps, then cosine."""
     total = planned_steps(tc, per_epoch)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(round(tc.warmup_ratio * total), total))
@@ -150,48 +156,51 @@ def load_init_drafter(init_from: str, store_config: StoreConfig | None) -> DFlas
         return DFlashDrafter.from_pretrained(artifact.fetch([CONFIG_NAME, WEIGHTS_NAME], Path(tmp))).float()
 
 
-def check_init_spec(init: DrafterSpec, derived: DrafterSpec, dflash: DFlashConfig, hf_target_config: Any, source: str) -> DrafterSpec:
+def check_init_spec(init: DrafterSpec, derived: DrafterSpec, dflash: DFlashConfig, hf_target_config: Any,
+                    source: str) -> DrafterSpec:
     """The spec to train with: `init`'s, with this run's gamma, after checking it against `derived` (what the config and
     the target give) and the target itself. Raises ConfigError naming the first field that disagrees."""
     for name, where in _PINNED:
         ours, theirs = getattr(derived, name), getattr(init, name)
         if ours != theirs:
             raise ConfigError(
-                f"train.init_from {source} has {name} {theirs} but {where} gives {ours}; set it to the drafter's value or "
-                "start from another drafter"
+                f"train.init_from {source} has {name} {theirs} but {where} gives {ours}; set it to the drafter's value "
+                "or start from another drafter"
             )
     for name in _OPTIONAL:
         ours = getattr(dflash, name)
         if ours is not None and ours != getattr(init, name):
             raise ConfigError(
-                f"train.init_from {source} has {name} {getattr(init, name)} but dflash.{name} is {ours}; unset it or set "
-                "it to the drafter's value"
+                f"train.init_from {source} has {name} {getattr(init, name)} but dflash.{name} is {ours}; unset it or "
+                "set it to the drafter's value"
             )
     if init.dflash2 is not None and derived.dflash2 is None:
         raise ConfigError(
-            f"train.init_from {source} is a DFlash2 drafter but dflash.architecture is 'dflash'; set dflash.architecture = "
-            '"dflash2" or start from a DFlash drafter'
+            f"train.init_from {source} is a DFlash2 drafter but dflash.architecture is 'dflash'; set "
+            'dflash.architecture = "dflash2" or start from a DFlash drafter'
         )
     if init.dflash2 is not None and derived.dflash2 is not None:
         for name in (f.name for f in dataclasses.fields(init.dflash2)):
             ours, theirs = getattr(derived.dflash2, name), getattr(init.dflash2, name)
             if ours != theirs:
                 raise ConfigError(
-                    f"train.init_from {source} has {name} {theirs} but dflash.{name} is {ours}; set it to the drafter's value or "
-                    "start from another drafter"
+                    f"train.init_from {source} has {name} {theirs} but dflash.{name} is {ours}; set it to the "
+                    "drafter's value or start from another drafter"
                 )
     init.check_target(hf_target_config)
     return dataclasses.replace(init, gamma=derived.gamma, dflash2=derived.dflash2)
 
 
 def load_init_weights(drafter: DFlashDrafter, init: DFlashDrafter) -> None:
-    """Copy `init`'s tensors into `drafter` (built from `check_init_spec`'s spec): all of them for the same architecture;
-    from a DFlash drafter into a DFlash2 one, every tensor but the convolutions' and the selector's, which stay as
-    `drafter` initialised them. Strict otherwise: a missing or extra tensor raises."""
-    missing, unexpected = drafter.load_state_dict(init.state_dict(), strict=init.spec.architecture == drafter.spec.architecture)
+    """Copy `init`'s tensors into `drafter` (built from `check_init_spec`'s spec): all of them for the same
+    architecture; from a DFlash drafter into a DFlash2 one, every tensor but the convolutions' and the selector's, which
+    stay as `drafter` initialised them. Strict otherwise: a missing or extra tensor raises."""
+    missing, unexpected = drafter.load_state_dict(init.state_dict(),
+                                                  strict=init.spec.architecture == drafter.spec.architecture)
     own = [name for name in missing if not _dflash2_only(name)]
     if own or unexpected:
-        raise ConfigError(f"train.init_from: the drafter's tensors do not fit this run's drafter (missing {own[:3]}, unexpected {unexpected[:3]})")
+        raise ConfigError(f"train.init_from: the drafter's tensors do not fit this run's drafter (missing {own[:3]}, "
+                          f"unexpected {unexpected[:3]})")
 
 
 def _dflash2_only(name: str) -> bool:
@@ -203,7 +212,8 @@ def _dflash2_only(name: str) -> bool:
 class TrainingSetup:
     """One rank's run, ready for its first step. `model` is what the step calls (the drafter's forward, DDP-wrapped with
     several ranks); `drafter` the module itself; `head` the target's embedding and LM head on the drafter's device;
-    `per_epoch` optimizer steps per epoch; `total_steps` the run's; `gamma` the loss decay the batches are built with."""
+    `per_epoch` optimizer steps per epoch; `total_steps` the run's; `gamma` the loss decay the batches are built
+    with."""
 
     attention: Literal["dense", "flex"]
     spec: DrafterSpec
@@ -246,7 +256,8 @@ def build_training(
         tc.keep_checkpoints, keep_every, reporter, tc.max_checkpoint_failures, start_over, eval_data=rows.eval_lineage,
     )
 
-    torch.manual_seed(tc.seed)  # the drafter's initial weights (when not train.init_from's; DFlash2's modules from DFlash)
+    # the drafter's initial weights (when not train.init_from's; DFlash2's modules from DFlash)
+    torch.manual_seed(tc.seed)
     drafter = DFlashDrafter(spec)
     if init is not None:
         load_init_weights(drafter, init)
@@ -281,6 +292,6 @@ def build_training(
 
 
 __all__ = [
-    "TrainingSetup", "WarmupCosine", "build_training", "check_init_spec", "describe_limit", "load_init_drafter", "load_init_weights",
-    "new_scheduler", "planned_steps", "resume_schedule", "warmup_cosine",
+    "TrainingSetup", "WarmupCosine", "build_training", "check_init_spec", "describe_limit", "load_init_drafter",
+    "load_init_weights", "new_scheduler", "planned_steps", "resume_schedule", "warmup_cosine",
 ]

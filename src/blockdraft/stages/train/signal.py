@@ -48,8 +48,8 @@ from blockdraft.stages.train.ranks import RankPlacement
 from blockdraft.stages.train.setup import TrainingSetup
 
 # Held-out tau estimate below this share of the training one: the drafter learned its training rows, not the task.
-# Measured on the tiny target's own answers (docs/TRAINING-SIGNAL.md): the full demo (297 rows, 12 epochs, held-out still
-# rising) reads 0.72; 48 rows for 33 epochs (held-out flat from the 20th) 0.42.
+# Measured on the tiny target's own answers (docs/TRAINING-SIGNAL.md): the full demo (297 rows, 12 epochs, held-out
+# still rising) reads 0.72; 48 rows for 33 epochs (held-out flat from the 20th) 0.42.
 OVERFIT_RATIO = 0.6
 # Decoded tau below this share of the held-out tau estimate (the training one without held-out rows): the teacher-forced
 # figure does not carry over to real decoding.
@@ -89,9 +89,10 @@ class TrainingSignal:
             self.warnings.append("overfitting")
             epochs = step / self.per_epoch
             self.warn(
-                f"held-out tau estimate {held_out['tau_estimate']:.2f} is far below the training one {train:.2f} at step {step} "
-                f"(under {OVERFIT_RATIO:.0%} of it): the drafter learns its {self.rows:,} training rows ({epochs:.1f} epochs so far), "
-                "not to draft; train on more rows (`blockdraft generate` more prompts with the target) or fewer epochs"
+                f"held-out tau estimate {held_out['tau_estimate']:.2f} is far below the training one {train:.2f} at "
+                f"step {step} (under {OVERFIT_RATIO:.0%} of it): the drafter learns its {self.rows:,} training rows "
+                f"({epochs:.1f} epochs so far), not to draft; train on more rows (`blockdraft generate` more prompts "
+                "with the target) or fewer epochs"
             )
 
     def decoded_at(self, decoded: dict[str, Any], step: int) -> None:
@@ -104,9 +105,10 @@ class TrainingSignal:
         if decoded["tau"] < DECODED_RATIO * estimate:
             self.warnings.append("decoded")
             self.warn(
-                f"checkpoint of step {step} decoded for real gives tau {decoded['tau']:.2f}, far below its teacher-forced {which} "
-                f"estimate {estimate:.2f} (under {DECODED_RATIO:.0%} of it): the estimate does not carry over to decoding; check "
-                "that the data is the target's own output (target agreement) in the thinking mode it serves with"
+                f"checkpoint of step {step} decoded for real gives tau {decoded['tau']:.2f}, far below its "
+                f"teacher-forced {which} estimate {estimate:.2f} (under {DECODED_RATIO:.0%} of it): the estimate does "
+                "not carry over to decoding; check that the data is the target's own output (target agreement) in the "
+                "thinking mode it serves with"
             )
 
     def counts(self) -> dict[str, Any]:
@@ -135,7 +137,8 @@ class TrainingSignal:
         parts.append(f"held-out {self.held_out['tau_estimate']:.2f}" if self.held_out else "held-out -")
         if self.decoded:
             lossless = "" if self.decoded["lossless"] else ", NOT lossless"
-            parts.append(f"decoded {self.decoded['tau']:.2f} ({self.decoded['speedup']:.2f}x on {self.decoded['prompts']} prompts{lossless})")
+            parts.append(f"decoded {self.decoded['tau']:.2f} ({self.decoded['speedup']:.2f}x on "
+                         f"{self.decoded['prompts']} prompts{lossless})")
         else:
             parts.append("decoded -")
         return ", ".join(parts)
@@ -147,9 +150,11 @@ HELD_OUT_EPOCH = 2**20
 
 class HeldOut:
     """A fixed sample of held-out rows (`rows`: (input_ids, loss_mask) pairs, `indices`: where they are in the split)
-    whose blocks are drawn once per evaluation from the same seeds; `measure` gives the figures of the drafter as it is."""
+    whose blocks are drawn once per evaluation from the same seeds; `measure` gives the figures of the drafter as it
+    is."""
 
-    def __init__(self, rows: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int], seed: int, batch_size: int) -> None:
+    def __init__(self, rows: list[tuple[torch.Tensor, torch.Tensor]], indices: list[int], seed: int,
+                 batch_size: int) -> None:
         self.rows, self.indices, self.seed, self.batch_size = rows, indices, seed, batch_size
 
     @classmethod
@@ -171,7 +176,9 @@ class HeldOut:
         return len(self.rows)
 
     @torch.no_grad()
-    def measure(self, setup: TrainingSetup, place: RankPlacement, num_anchors: int, chunk_blocks: int) -> dict[str, Any]:
+    def measure(
+        self, setup: TrainingSetup, place: RankPlacement, num_anchors: int, chunk_blocks: int
+    ) -> dict[str, Any]:
         """The drafter's `Figures` now (`Figures.entry`: loss, per-slot accuracy and loss, tau estimate, ... as training
         measures them), with "rows" and "seconds", on this rank alone (it reduces nothing across ranks)."""
         began = time.perf_counter()
@@ -184,9 +191,13 @@ class HeldOut:
             batch = build_block_batch(
                 [self.rows[i] for i in chosen], num_anchors=num_anchors, block_size=setup.spec.block_size,
                 mask_token_id=setup.spec.mask_token_id, gamma=setup.gamma,
-                generators=[anchor_generator(self.seed, HELD_OUT_EPOCH, self.indices[i]) for i in chosen], attention=setup.attention,
+                generators=[anchor_generator(self.seed, HELD_OUT_EPOCH, self.indices[i]) for i in chosen],
+                attention=setup.attention,
             )
-            ids, mask = batch.input_ids.to(place.target_device), batch.attention_mask_context.long().to(place.target_device)
+            ids, mask = (
+                batch.input_ids.to(place.target_device),
+                batch.attention_mask_context.long().to(place.target_device),
+            )
             teacher = None
             if setup.objective.distills:
                 features, final = setup.target.features_and_final(ids, mask)
@@ -199,9 +210,11 @@ class HeldOut:
                 context = setup.drafter.project_context(features.to(device).float())
                 hidden = setup.drafter(setup.head.embed(moved.block_ids).float(), context, moved.block_positions,
                                        moved.context_positions, moved.drafter_attention)
-                out = block_loss(hidden, moved.labels, moved.weights, setup.head.lm_head_weight, setup.head.lm_head_bias,
-                                 setup.spec.block_size, chunk_blocks, norm, objective=setup.objective, teacher=teacher,
-                                 walk_scores=selector.scores if (selector := setup.drafter.candidate_selector) is not None else None)
+                out = block_loss(hidden, moved.labels, moved.weights, setup.head.lm_head_weight,
+                                 setup.head.lm_head_bias, setup.spec.block_size, chunk_blocks, norm,
+                                 objective=setup.objective, teacher=teacher,
+                                 walk_scores=(selector.scores
+                                              if (selector := setup.drafter.candidate_selector) is not None else None))
             normaliser += float(norm)
             part = {**out.sums(), "tokens": torch.tensor(float(batch.num_tokens))}
             sums = add_sums(sums, {name: value.cpu().double() for name, value in part.items()})  # on the host, in fp64
@@ -244,7 +257,8 @@ def target_stop_ids(hf_model: Any, tokenizer_folder: str | None) -> list[int]:
     return sorted(ids)
 
 
-def _lossless(spec_tokens: list[int], greedy_tokens: list[int], prompt_len: int, margins: list[float], tolerance: float) -> bool:
+def _lossless(spec_tokens: list[int], greedy_tokens: list[int], prompt_len: int, margins: list[float],
+              tolerance: float) -> bool:
     """Whether the speculative output is the greedy one, or first departs from it at a rounding near-tie (a top-2
     margin within `tolerance` there), as eval's check counts it."""
     if spec_tokens == greedy_tokens:
@@ -290,6 +304,6 @@ def decode_checkpoint(
 
 
 __all__ = [
-    "DECODED_RATIO", "HELD_OUT_EPOCH", "HeldOut", "MIN_TRAIN_TAU", "OVERFIT_RATIO", "TrainingSignal", "decode_checkpoint",
-    "prompts_before_supervision", "target_stop_ids",
+    "DECODED_RATIO", "HELD_OUT_EPOCH", "HeldOut", "MIN_TRAIN_TAU", "OVERFIT_RATIO", "TrainingSignal",
+    "decode_checkpoint", "prompts_before_supervision", "target_stop_ids",
 ]

@@ -22,7 +22,14 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.train.data import check_eval_data, check_mask_in_rows, load_train_rows
 from blockdraft.stages.train.metrics import check_log_dir
-from blockdraft.stages.train.ranks import RankPlacement, barrier, check_same_config, check_same_data, rank_session, resolve_placement
+from blockdraft.stages.train.ranks import (
+    RankPlacement,
+    barrier,
+    check_same_config,
+    check_same_data,
+    rank_session,
+    resolve_placement,
+)
 from blockdraft.stages.train.setup import build_training
 from blockdraft.stages.train.trainer import Trainer
 from blockdraft.store import open_store
@@ -72,19 +79,22 @@ def run(
     reporter = (reporter or Reporter()).for_rank(place.rank)
     with rank_session(place, config.train.deterministic, config.train.dist_timeout_minutes), ExitStack() as held:
         trainer = _prepare(config, place, reporter, held, force)
-        # Already done when the final checkpoint of this run is there and verifies, as its StageOutput says (rank 0 asks).
+        # Already done when the final checkpoint of this run is there and verifies, as its StageOutput says (rank 0
+        # asks).
         done = place.is_main and trainer.setup.checkpoints.has_checkpoint(trainer.setup.total_steps)
         trainer.train()
         final, done = _final_report(trainer, place, done)
     result = TrainResult(
-        trainer.setup.total_steps, trainer.resumed_from, final.url, list(trainer.metrics), trainer.setup.drafter, trainer.setup.head,
-        trainer.steps_run, trainer.signal.counts(), trainer.signal.summary(),
+        trainer.setup.total_steps, trainer.resumed_from, final.url, list(trainer.metrics), trainer.setup.drafter,
+        trainer.setup.head, trainer.steps_run, trainer.signal.counts(), trainer.signal.summary(),
     )
-    return StageResult(STAGE, final.url, final, already_done=done, seconds=time.perf_counter() - started, details=result)
+    return StageResult(STAGE, final.url, final, already_done=done, seconds=time.perf_counter() - started,
+                       details=result)
 
 
 def _with_paths(config: BlockdraftConfig, input: str | None, output: str | None) -> BlockdraftConfig:
-    """`config` with train.data and train.output set to what this run reads and writes (pinned into every checkpoint)."""
+    """`config` with train.data and train.output set to what this run reads and writes (pinned into every
+    checkpoint)."""
     data = input or config.train.data
     if data is None:
         raise ConfigError("train.data is not set; set it to a tokenized artifact (a folder, file:// or s3:// URL)")
@@ -92,13 +102,14 @@ def _with_paths(config: BlockdraftConfig, input: str | None, output: str | None)
     return config.model_copy(update={"train": config.train.model_copy(update={"data": data, "output": out})})
 
 
-def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter, held: ExitStack, force: bool = False) -> Trainer:
+def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter, held: ExitStack,
+             force: bool = False) -> Trainer:
     """Check what fails fast (every rank runs rank 0's config on rank 0's data, the target's config, a writable output
     store that no other run writes, a log folder apart from them, verified inputs: train.data, and train.eval_data when
-    set, tokenized as train.data was; a mask id train.data's rows never hold), open the rows, build the trainer (which claims the log folder for this run). Rank 0
-    takes the output's lease (one run per train.output: another run's checkpoints never interleave with this one's, and a
-    resume never picks another run's step) and `held` gives it back when training ends. Of the processes on one machine
-    only local rank 0 pulls a remote input."""
+    set, tokenized as train.data was; a mask id train.data's rows never hold), open the rows, build the trainer (which
+    claims the log folder for this run). Rank 0 takes the output's lease (one run per train.output: another run's
+    checkpoints never interleave with this one's, and a resume never picks another run's step) and `held` gives it back
+    when training ends. Of the processes on one machine only local rank 0 pulls a remote input."""
     tc = config.train
     assert tc.data is not None and tc.output is not None  # set by _with_paths
     check_same_config(config, place)  # every node runs rank 0's settings, or none trains
@@ -122,7 +133,8 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
     if eval_data is not None:  # after the ranks agree on both, so every rank refuses alike
         check_eval_data(data, eval_data)
     check_mask_in_rows(config, target_config, data)  # before a row moves or the target's weights load
-    rows = load_train_rows(data, config.store, tc.max_length, log_dir, place.local_rank == 0, lambda: barrier(place), eval_data)
+    rows = load_train_rows(data, config.store, tc.max_length, log_dir, place.local_rank == 0, lambda: barrier(place),
+                           eval_data)
     # The one place training's sections are handed out; the whole config goes on only as what checkpoints record.
     setup = build_training(tc, config.dflash, config.target, config.store, place, rows, out_store, reporter,
                            recorded=config.resolved(), start_over=force)

@@ -2,9 +2,10 @@
 
 The drafter's side of one optimizer step: forward, chunked loss and backward per micro-batch, then clipping.
 
-An optimizer step trains on `train.global_batch_size` rows across all ranks: each rank runs its share as micro-batches of
-`train.batch_size` rows, accumulating gradients (DDP synchronises only on the last). Every micro-batch's loss is divided by
-sum(w) over the whole global batch, so the accumulated gradient equals one process on the global batch in one pass.
+An optimizer step trains on `train.global_batch_size` rows across all ranks: each rank runs its share as micro-batches
+of `train.batch_size` rows, accumulating gradients (DDP synchronises only on the last). Every micro-batch's loss is
+divided by sum(w) over the whole global batch, so the accumulated gradient equals one process on the global batch in one
+pass.
 
 Target features made ahead of the drafter: while the drafter trains on step N, a background thread runs the target on
 step N+1, so a step costs max(target forward, drafter step) instead of their sum.
@@ -79,10 +80,12 @@ def backward_micro(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     block_hidden = head.embed(batch.block_ids).float()
     with autocast:
-        hidden = model(features.float(), block_hidden, batch.block_positions, batch.context_positions, batch.drafter_attention)
+        hidden = model(features.float(), block_hidden, batch.block_positions, batch.context_positions,
+                       batch.drafter_attention)
         out = block_loss(
-            hidden, batch.labels, batch.weights, head.lm_head_weight, head.lm_head_bias, drafter.spec.block_size, chunk_blocks,
-            weight_sum, objective=objective, teacher=teacher, walk_scores=selector.scores if (selector := drafter.candidate_selector) is not None else None,
+            hidden, batch.labels, batch.weights, head.lm_head_weight, head.lm_head_bias, drafter.spec.block_size,
+            chunk_blocks, weight_sum, objective=objective, teacher=teacher,
+            walk_scores=selector.scores if (selector := drafter.candidate_selector) is not None else None,
         )
     out.loss.backward()
     return out
@@ -118,7 +121,8 @@ def accumulate(
         last = i == len(micro) - 1
         no_sync = getattr(model, "no_sync", None)
         with nullcontext() if last or no_sync is None else no_sync():
-            out = backward_micro(model, drafter, head, m.batch, m.features, chunk_blocks, weight_sum, objective, m.teacher)
+            out = backward_micro(model, drafter, head, m.batch, m.features, chunk_blocks, weight_sum, objective,
+                                 m.teacher)
         sums = add_sums(sums, sums_of(out, m.tokens))
     assert sums is not None, "a step has at least one micro-batch"
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)

@@ -8,7 +8,8 @@ feeds the trackers of train.report_to) and the checkpoints; every rank checks be
 are still bit-equal.
 
 Progress for a log without a terminal (Slurm, nohup): one plain line every train.log_every_s seconds with the step,
-the loss, the held-out tau estimate, tokens/s and the time left; a terminal's bar shows the same (`Reporter.status_line`).
+the loss, the held-out tau estimate, tokens/s and the time left; a terminal's bar shows the same
+(`Reporter.status_line`).
 
 The run stops at the first step whose numbers are not finite: a NaN or infinite loss or gradient norm (a learning
 rate far too high, an overflow) would otherwise go on into NaN weights, checkpoints that verify and an export that
@@ -31,7 +32,14 @@ import torch
 from torch import nn
 
 from blockdraft.config import DFlashConfig, EvalConfig, TargetConfig, TrainConfig
-from blockdraft.data.agreement import agreement_warning, describe_agreement, load_tokenizer, sample_indices, target_agreement, think_ids
+from blockdraft.data.agreement import (
+    agreement_warning,
+    describe_agreement,
+    load_tokenizer,
+    sample_indices,
+    target_agreement,
+    think_ids,
+)
 from blockdraft.errors import DivergedError, TrainingInterrupted
 from blockdraft.model.finite import describe_nonfinite, nonfinite_weights
 from blockdraft.reporter import Reporter
@@ -41,7 +49,13 @@ from blockdraft.stages.train.loss import Teacher
 from blockdraft.stages.train.metrics import Figures, MetricsLog, Trackers, claim_log_dir
 from blockdraft.stages.train.ranks import RankPlacement, check_ranks_in_sync, rng_state, set_rng_state
 from blockdraft.stages.train.setup import TrainingSetup, describe_limit, resume_schedule
-from blockdraft.stages.train.signal import HeldOut, TrainingSignal, decode_checkpoint, prompts_before_supervision, target_stop_ids
+from blockdraft.stages.train.signal import (
+    HeldOut,
+    TrainingSignal,
+    decode_checkpoint,
+    prompts_before_supervision,
+    target_stop_ids,
+)
 from blockdraft.stages.train.step import MicroBatch, Prefetcher, SideStreams, StepInputs, accumulate
 from blockdraft.store.artifact import VerifyReport
 
@@ -58,7 +72,8 @@ class ProgressLines:
     """Says one status line (`Reporter.status_line`) at most every `every_s` seconds of `clock`, and the first after
     `every_s`; the time left is this run's pace so far times the steps left."""
 
-    def __init__(self, reporter: Reporter, every_s: float, start: int, total: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, reporter: Reporter, every_s: float, start: int, total: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.reporter, self.every_s, self.start, self.total, self.clock = reporter, every_s, start, total, clock
         self._began = self._last = clock()
 
@@ -90,13 +105,14 @@ def check_finite_step(entry: Mapping[str, Any], last_checkpoint: int | None) -> 
     newest = "no checkpoint of this run verified yet" if last_checkpoint is None else (
         f"the newest verified checkpoint is step {last_checkpoint}")
     raise DivergedError(
-        f"training diverged at step {entry['step']}: loss {loss}, gradient norm {grad_norm} (learning rate {entry['lr']:g}); "
-        f"the run stopped before checkpointing it ({newest}); {_ADVICE}"
+        f"training diverged at step {entry['step']}: loss {loss}, gradient norm {grad_norm} (learning rate "
+        f"{entry['lr']:g}); the run stopped before checkpointing it ({newest}); {_ADVICE}"
     )
 
 
 def check_finite_weights(drafter: nn.Module, step: int) -> None:
-    """DivergedError when the drafter's weights after `step` hold a NaN or an infinity (checked before its checkpoint)."""
+    """DivergedError when the drafter's weights after `step` hold a NaN or an infinity (checked before its
+    checkpoint)."""
     if bad := nonfinite_weights(drafter):
         raise DivergedError(f"training diverged at step {step}: {describe_nonfinite(bad)}; the run stopped before "
                             f"checkpointing it; {_ADVICE}")
@@ -123,9 +139,9 @@ class Trainer:
     stop ids), `eval_config` (how a checkpoint is decoded on the held-out prompts). `setup`: the run's drafter, target,
     objective, optimizer and checkpoints (`setup.build_training`); `rows`: the verified training rows; `reporter`: this
     rank's; `start_over`: `train --force`, for resuming.
-    After `train()`: `steps_run`, `metrics` (the last `RECENT_METRICS` steps of this run: no rank holds the whole history;
-    rank 0's `train.log_dir/metrics.jsonl` has it), `resumed_from` (a step or None), `last_checkpoint` (the newest
-    checkpoint this run verified or resumed from; None on ranks other than 0 unless resumed).
+    After `train()`: `steps_run`, `metrics` (the last `RECENT_METRICS` steps of this run: no rank holds the whole
+    history; rank 0's `train.log_dir/metrics.jsonl` has it), `resumed_from` (a step or None), `last_checkpoint` (the
+    newest checkpoint this run verified or resumed from; None on ranks other than 0 unless resumed).
     """
 
     RECENT_METRICS = 1000
@@ -146,7 +162,9 @@ class Trainer:
         # The training signal (docs/TRAINING-SIGNAL.md), on rank 0: a fixed held-out sample measured every
         # train.eval_every steps and at each checkpoint, and held-out prompts each checkpoint is decoded on.
         main = place.is_main
-        self.held_out = HeldOut.sample(rows.held_out, tc.eval_rows, tc.seed, tc.max_length, tc.batch_size) if main else None
+        self.held_out = (
+            HeldOut.sample(rows.held_out, tc.eval_rows, tc.seed, tc.max_length, tc.batch_size) if main else None
+        )
         self.decode_prompts = prompts_before_supervision(rows.held_out, tc.decode_eval_prompts) if main else []
         self.signal = TrainingSignal(reporter.warn, len(rows), setup.per_epoch)
         self._held: dict[int, dict[str, Any]] = {}  # held-out figures measured after a step, logged with its entry
@@ -168,9 +186,9 @@ class Trainer:
             if self.place.is_main and self.tc.target_agreement_rows:
                 self.signal.agreement = self._target_agreement()
             if self.place.is_main and self.held_out is None:
-                self.reporter.say("train.data has no held-out rows: no held-out figures and no checkpoint decoded during "
-                                  "training (tokenize with tokenize.held_out_fraction > 0, or set train.eval_data to a "
-                                  "tokenized artifact of other conversations)")
+                self.reporter.say("train.data has no held-out rows: no held-out figures and no checkpoint decoded "
+                                  "during training (tokenize with tokenize.held_out_fraction > 0, or set "
+                                  "train.eval_data to a tokenized artifact of other conversations)")
         self.reporter.progress("train", start, self.setup.total_steps)
         self._lines = ProgressLines(self.reporter, self.tc.log_every_s, start, self.setup.total_steps)
         pending: PendingStep | None = None
@@ -219,14 +237,16 @@ class Trainer:
         step = self.setup.checkpoints.last_step
         if self.last_checkpoint is None or step is None:
             return f"{at}; no checkpoint of this run verified yet: a rerun starts at step 0"
-        return f"{at}; the last verified checkpoint is {self.last_checkpoint.url} (step {step}): rerun the same command to resume from it"
+        return (f"{at}; the last verified checkpoint is {self.last_checkpoint.url} (step {step}): rerun the same "
+                "command to resume from it")
 
     def _open_trackers(self, start: int) -> Trackers:
-        """The trackers of train.report_to, logging from step `start + 1` on, in train.log_dir: on rank 0, when there are
-        steps left (a rerun with none starts no W&B run)."""
+        """The trackers of train.report_to, logging from step `start + 1` on, in train.log_dir: on rank 0, when there
+        are steps left (a rerun with none starts no W&B run)."""
         names = self.tc.report_to if self.place.is_main and start < self.setup.total_steps else []
         wandb: dict[str, str] = dict(self.tc.wandb.items())  # train.wandb, its keys as wandb.init takes them
-        return Trackers(names, Path(self.tc.log_dir), start + 1, wandb, self.setup.checkpoints.resolved, self.reporter.warn)
+        return Trackers(names, Path(self.tc.log_dir), start + 1, wandb, self.setup.checkpoints.resolved,
+                        self.reporter.warn)
 
     def _record(self, pending: PendingStep, next_started: float | None) -> None:
         """Read a launched step's metrics (waiting for its device), log them and report progress. Its time runs to the
@@ -259,27 +279,33 @@ class Trainer:
         found = self.setup.checkpoints.newest(self.start_over)
         if self.place.is_main:  # after the checkpoint's own refusal of another run, before the first entry is written
             output = self.tc.output or self.setup.checkpoints.store.url
-            self.reporter.say(f"metrics log: {claim_log_dir(Path(self.tc.log_dir), self.setup.checkpoints.identity, output)}")
+            self.reporter.say("metrics log: "
+                              f"{claim_log_dir(Path(self.tc.log_dir), self.setup.checkpoints.identity, output)}")
         if found is None:
             if self.place.is_main:
                 self.log.start_fresh()
             return 0
         with read_checkpoint(found) as loaded:
             device = self.place.drafter_device
-            self.setup.drafter.load_state_dict({name: tensor.to(device) for name, tensor in loaded.drafter_state.items()})
+            self.setup.drafter.load_state_dict(
+                {name: tensor.to(device) for name, tensor in loaded.drafter_state.items()}
+            )
             self.setup.optimizer.load_state_dict(loaded.training_state["optimizer"])
-            planned = dict(vars(self.setup.scheduler.lr_lambdas[0]))  # this config's plan, before the recorded one replaces it
+            # this config's plan, before the recorded one replaces it
+            planned = dict(vars(self.setup.scheduler.lr_lambdas[0]))
             self.setup.scheduler.load_state_dict(loaded.training_state["scheduler"])
             if (restarted := resume_schedule(self.setup.scheduler, planned, found.step, self.start_over)) is not None:
                 self.reporter.warn(restarted)
             set_rng_state(loaded.training_state["rng"], self.place.drafter_device)
             if self.place.is_main and (first := self.log.restart_from(loaded.folder, found.step)) is not None:
                 self.reporter.warn(
-                    f"{self.log.path} did not hold this run's metrics up to step {found.step}: it restarts with the checkpoint's "
-                    f"entries from step {first} on (a checkpoint keeps only those logged since the one before)"
+                    f"{self.log.path} did not hold this run's metrics up to step {found.step}: it restarts with the "
+                    f"checkpoint's entries from step {first} on (a checkpoint keeps only those logged since the one "
+                    "before)"
                 )
         self.reporter.say(f"resuming from verified checkpoint {found.store.url} (step {found.step})")
-        if found.report.manifest is not None and (note := resume_note(found.step, found.report.manifest.config, self.setup.checkpoints.resolved)):
+        if found.report.manifest is not None and (
+                note := resume_note(found.step, found.report.manifest.config, self.setup.checkpoints.resolved)):
             (self.reporter.warn if note[1] else self.reporter.say)(note[0])
         self.resumed_from, self.last_checkpoint = found.step, found.report
         return found.step
@@ -291,8 +317,8 @@ class Trainer:
         inputs = inputs if inputs is not None else self.inputs_of(step)
         inputs.wait(self.place.drafter_device)
         sums, weight_sum, grad_norm = accumulate(
-            self.setup.model, self.setup.drafter, self.setup.head, inputs.micro, self.tc.lm_head_chunk_blocks, self.tc.grad_clip, self.place.world_size,
-            self.setup.objective,
+            self.setup.model, self.setup.drafter, self.setup.head, inputs.micro, self.tc.lm_head_chunk_blocks,
+            self.tc.grad_clip, self.place.world_size, self.setup.objective,
         )
         lr = float(self.setup.scheduler.get_last_lr()[0])
         self.setup.optimizer.step()
@@ -318,18 +344,20 @@ class Trainer:
         if self.decode_prompts:
             self._decode(done)
         state = self._training_state(done)
-        return self._counted(self.setup.checkpoints.save(done, self.setup.drafter, state, self.log, final, self.place.world_size,
-                                                         self.signal.counts()))
+        return self._counted(self.setup.checkpoints.save(done, self.setup.drafter, state, self.log, final,
+                                                         self.place.world_size, self.signal.counts()))
 
     def _decode(self, done: int) -> None:
-        """Rank 0: the checkpoint of step `done` decoded for real on the held-out prompts (`decoded.decode_checkpoint`)."""
+        """Rank 0: the checkpoint of step `done` decoded for real on the held-out prompts
+        (`decoded.decode_checkpoint`)."""
         hf_model = self.setup.target.model
         stops = target_stop_ids(hf_model, self.target_config.tokenizer or self.target_config.path)
         with self._target_turn:
             decoded = decode_checkpoint(self.setup.drafter, hf_model, self.decode_prompts, self.eval_config, stops)
         self.reporter.say(
-            f"checkpoint step {done} decoded on {decoded['prompts']} held-out prompts: tau {decoded['tau']:.2f}, speedup "
-            f"{decoded['speedup']:.2f}x, lossless {'yes' if decoded['lossless'] else 'NO'} ({decoded['seconds']:.1f}s)"
+            f"checkpoint step {done} decoded on {decoded['prompts']} held-out prompts: tau {decoded['tau']:.2f}, "
+            f"speedup {decoded['speedup']:.2f}x, lossless {'yes' if decoded['lossless'] else 'NO'} "
+            f"({decoded['seconds']:.1f}s)"
         )
         self.signal.decoded_at(decoded, done)
 
@@ -343,8 +371,9 @@ class Trainer:
 
     def inputs_of(self, step: int) -> StepInputs[MicroBatch]:
         """This rank's micro-batches of `step` on the drafter's device with their target features [b, S, K*H], in the
-        target's dtype. Runs in the prefetching thread: the token ids go straight to the target's device, and the target's
-        forward and the copies to the drafter's device run on side streams (CUDA) whose event the step waits on."""
+        target's dtype. Runs in the prefetching thread: the token ids go straight to the target's device, and the
+        target's forward and the copies to the drafter's device run on side streams (CUDA) whose event the step waits
+        on."""
         tc, place = self.tc, self.place
         epoch, in_epoch = divmod(step, self.setup.per_epoch)
         idx = self.setup.order.rows(epoch, in_epoch, place.rank)
@@ -360,15 +389,21 @@ class Trainer:
                 generators=[anchor_generator(tc.seed, epoch, i) for i in rows],
                 attention=self.setup.attention,
             )
-            with self._streams.active(), self._target_turn:  # the target's forward and copies, off the drafter's stream (CUDA)
-                ids, mask = batch.input_ids.to(place.target_device), batch.attention_mask_context.long().to(place.target_device)
+            with self._streams.active(), self._target_turn:
+                # the target's forward and copies, off the drafter's stream (CUDA)
+                ids, mask = (
+                    batch.input_ids.to(place.target_device),
+                    batch.attention_mask_context.long().to(place.target_device),
+                )
                 final = None
-                if self.setup.objective.distills:  # the whole target runs: its final hidden states give each slot's distribution
+                if self.setup.objective.distills:
+                    # the whole target runs: its final hidden states give each slot's distribution
                     features, final = self.setup.target.features_and_final(ids, mask)
                 else:
                     features = self.setup.target.features(ids, mask)
                 moved = batch.to(place.drafter_device)
-                teacher = None if final is None else Teacher.for_blocks(final.to(place.drafter_device), moved.block_positions)
+                teacher = None if final is None else Teacher.for_blocks(final.to(place.drafter_device),
+                                                                        moved.block_positions)
                 micro.append(MicroBatch(moved, features.to(place.drafter_device), batch.num_tokens, teacher))
         return StepInputs(micro, self._streams.record())
 
