@@ -26,14 +26,15 @@ from blockdraft.overrides import Overrides, apply, flag_overrides, set_overrides
 
 
 class _Section(BaseModel):
-    # No setting is infinite or NaN: `inf` as a learning rate trains to NaN, as a timeout or a memory size overflows later.
+    # No setting is infinite or NaN: `inf` as a learning rate trains to NaN, as a timeout or a memory size overflows
+    # later.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     def resolved(self) -> dict:
-        """This section (the whole config, for `BlockdraftConfig`) with every default filled in, as plain JSON data, each
-        credential a setting carries replaced by its fingerprint (`redact_settings`: a URL's userinfo and query values,
-        `--hf-token X` in eval.engine_args, an `hf_...` token): this is what manifests, checkpoints and exports record, and
-        what every stage key is read from. A section's is its part of the whole config's."""
+        """This section (the whole config, for `BlockdraftConfig`) with every default filled in, as plain JSON data,
+        each credential a setting carries replaced by its fingerprint (`redact_settings`: a URL's userinfo and query
+        values, `--hf-token X` in eval.engine_args, an `hf_...` token): this is what manifests, checkpoints and exports
+        record, and what every stage key is read from. A section's is its part of the whole config's."""
         return redact_settings(self.model_dump(mode="json"))
 
 
@@ -59,17 +60,20 @@ def layer_ids_problem(ids: Sequence[int]) -> str | None:
         return None
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     why = f"{', '.join(map(str, repeated))} repeated" if repeated else f"{pair[0]} before {pair[1]}"
-    return f"{ids} must be strictly ascending and unique ({why}): the engines read the target's layers in order, once each"
+    return (f"{ids} must be strictly ascending and unique ({why}): the engines read the target's layers in order, once "
+            "each")
 
 
 def accumulation_steps(global_batch: int, batch_size: int, ranks: int) -> int:
-    """Micro-batches each rank accumulates per optimizer step; a global batch that does not split evenly is a ConfigError."""
+    """Micro-batches each rank accumulates per optimizer step; a global batch that does not split evenly is a
+    ConfigError."""
     per_pass = batch_size * ranks
     if global_batch % per_pass:
         lower, upper = max(per_pass, global_batch // per_pass * per_pass), (global_batch // per_pass + 1) * per_pass
         raise ConfigError(
-            f"train.global_batch_size {global_batch} is not a multiple of train.batch_size {batch_size} x {ranks} drafter "
-            f"rank(s) = {per_pass}; set train.global_batch_size to {lower} or {upper}, or change train.batch_size"
+            f"train.global_batch_size {global_batch} is not a multiple of train.batch_size {batch_size} x {ranks} "
+            f"drafter rank(s) = {per_pass}; set train.global_batch_size to {lower} or {upper}, or change "
+            "train.batch_size"
         )
     return global_batch // per_pass
 
@@ -96,10 +100,15 @@ def check_device(field: str, value: str) -> str:
     kind, _, index = value.partition(":")
     count = torch.cuda.device_count() if kind == "cuda" and torch.cuda.is_available() else 0
     if kind == "cuda" and not count:
-        has, use = "torch sees no CUDA device" + (" (a CPU-only torch build)" if torch.version.cuda is None else ""), "'cpu'"
+        has, use = (
+            "torch sees no CUDA device" + (" (a CPU-only torch build)" if torch.version.cuda is None else ""),
+            "'cpu'",
+        )
     elif kind == "cuda" and index and int(index) >= count:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        has = f"torch sees {count} CUDA device(s)" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+        has = f"torch sees {count} CUDA device(s)" + (
+            f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        )
         use = f"cuda:0 to cuda:{count - 1}"
     elif kind == "mps" and not torch.backends.mps.is_available():
         has, use = "torch sees no MPS device", "'cpu'"
@@ -117,13 +126,14 @@ def is_s3_url(url: str) -> bool:
 
 def store_url_problem(url: str) -> str | None:
     """Why `url` is not a store URL (s3://bucket/prefix, file://path or a plain path), or None. A scheme of two or more
-    letters followed by ':' marks a URL, so 'gs://b', 'http://h' and the typo 's3:/b' fail here, not at the first request."""
+    letters followed by ':' marks a URL, so 'gs://b', 'http://h' and the typo 's3:/b' fail here, not at the first
+    request."""
     accepted = "use s3://bucket/prefix, file://path or a plain path"
     if is_s3_url(url):
         bucket = url[5:].split("/", 1)[0]
         if "?" in url or "@" in bucket:
-            return (f"store URL '{safe_url(url)}' carries a query string or user info, which manifests and leases would record; "
-                    "drop it: S3 credentials come from AWS_* variables or store.profile")
+            return (f"store URL '{safe_url(url)}' carries a query string or user info, which manifests and leases "
+                    "would record; drop it: S3 credentials come from AWS_* variables or store.profile")
         return None if bucket else f"no bucket in '{url}'; {accepted}"
     if url.startswith("file://"):
         return None if url[7:] else f"no path in '{url}'; {accepted}"
@@ -142,16 +152,19 @@ class TokenizeConfig(_Section):
     max_length: int = Field(default=4096, ge=2)
     held_out_fraction: float = Field(default=0.01, ge=0.0, lt=1.0)
     workers: int = Field(default=1, ge=1)
-    # The most input bytes per task. A run sizes its tasks for `workers` (about 4 tasks a worker over all its input bytes),
-    # within [min_task_bytes, task_bytes]; a larger file is cut into 2, 4, 8, ... parts of at most that size, a file of at
-    # most that size stays whole (docs/TOKENIZATION.md, "Tasks").
+    # The most input bytes per task. A run sizes its tasks for `workers` (about 4 tasks a worker over all its input
+    # bytes), within [min_task_bytes, task_bytes]; a larger file is cut into 2, 4, 8, ... parts of at most that size, a
+    # file of at most that size stays whole (docs/TOKENIZATION.md, "Tasks").
     task_bytes: int = Field(default=16 << 20, ge=1024)
-    # The least input bytes per task, so that a small input is not cut into slivers (task_bytes wins when it is smaller).
+    # The least input bytes per task, so that a small input is not cut into slivers (task_bytes wins when it is
+    # smaller).
     min_task_bytes: int = Field(default=1 << 20, ge=1024)
-    # An Arrow file is closed once it holds this many bytes (a task's last file is smaller), or rows_per_shard rows if set.
+    # An Arrow file is closed once it holds this many bytes (a task's last file is smaller), or rows_per_shard rows if
+    # set.
     file_bytes: int = Field(default=256 << 20, ge=1)
     rows_per_shard: int | None = Field(default=None, ge=1)
-    # A row (a JSON Lines line, a Parquet row) larger than this is quarantined as `row_too_large` without being held whole.
+    # A row (a JSON Lines line, a Parquet row) larger than this is quarantined as `row_too_large` without being held
+    # whole.
     max_row_bytes: int = Field(default=MAX_ROW_BYTES, ge=1024)
     # The token that ends an assistant turn; supervision runs through it (Qwen: <|im_end|>).
     end_of_turn: str = "<|im_end|>"
@@ -173,16 +186,19 @@ class DFlashConfig(_Section):
     # One kind per drafter layer (None: all full attention); sliding layers need sliding_window >= block_size.
     layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
     sliding_window: int | None = Field(default=None, ge=1)
-    # How slots weigh in the loss: "exponential" (exp(-(k-1)/gamma), the paper's) or "dpace" (D-PACE: weights that follow the
-    # drafter's own per-slot confidence, smoothed by dpace_alpha). Pinned in checkpoints like gamma (docs/DFLASH.md).
+    # How slots weigh in the loss: "exponential" (exp(-(k-1)/gamma), the paper's) or "dpace" (D-PACE: weights that
+    # follow the drafter's own per-slot confidence, smoothed by dpace_alpha). Pinned in checkpoints like gamma
+    # (docs/DFLASH.md).
     loss_weighting: Literal["exponential", "dpace"] = "exponential"
     dpace_alpha: float = Field(default=0.5, gt=0.0, le=1.0)
     # "dflash2" (the default: it drafted better than DFlash on both tiny fixtures at equal steps and equal wall time,
-    # docs/PERFORMANCE.md "DFlash2 against DFlash"): DFlash plus a grouped dynamic causal convolution around every attention
-    # and MLP and a candidate selector that walks a path through each slot's top-K (docs/DFLASH.md, "DFlash2"); or "dflash".
-    # The fields below are DFlash2's, with the published drafter's values as defaults; a DFlash config that sets one is refused.
+    # docs/PERFORMANCE.md "DFlash2 against DFlash"): DFlash plus a grouped dynamic causal convolution around every
+    # attention and MLP and a candidate selector that walks a path through each slot's top-K (docs/DFLASH.md,
+    # "DFlash2"); or "dflash". The fields below are DFlash2's, with the published drafter's values as defaults; a DFlash
+    # config that sets one is refused.
     architecture: Literal["dflash", "dflash2"] = "dflash2"
-    conv_kernel_size: int = Field(default=2, ge=1)  # taps per convolution; at most block_size (taps never cross a block)
+    # taps per convolution; at most block_size (taps never cross a block)
+    conv_kernel_size: int = Field(default=2, ge=1)
     conv_group_size: int = Field(default=16, ge=1)  # channels sharing one dynamic tap; must divide the hidden size
     selector_rank: int = Field(default=256, ge=1)  # width of the predecessor/successor codebooks
     selector_top_k: int = Field(default=16, ge=1)  # candidates per slot; at most the vocabulary
@@ -204,24 +220,26 @@ class DFlashConfig(_Section):
     @model_validator(mode="after")
     def _dflash2_fields(self) -> DFlashConfig:
         # a resolved config (every default written out) validates again, so only a value other than the default counts
-        set_here = sorted(name for name in DFLASH2_FIELDS if getattr(self, name) != DFlashConfig.model_fields[name].default)
+        set_here = sorted(
+            name for name in DFLASH2_FIELDS if getattr(self, name) != DFlashConfig.model_fields[name].default
+        )
         if self.architecture == "dflash" and set_here:
             raise ValueError(
-                f"dflash.{set_here[0]} is a DFlash2 setting but dflash.architecture is 'dflash'; set dflash.architecture = \"dflash2\" "
-                f"or drop dflash.{set_here[0]}"
+                f"dflash.{set_here[0]} is a DFlash2 setting but dflash.architecture is 'dflash'; set "
+                f"dflash.architecture = \"dflash2\" or drop dflash.{set_here[0]}"
             )
         if self.architecture == "dflash2" and self.conv_kernel_size > self.block_size:
             raise ValueError(
-                f"dflash.conv_kernel_size {self.conv_kernel_size} is more taps than dflash.block_size {self.block_size} (a tap never "
-                "crosses a block); set conv_kernel_size to at most block_size"
+                f"dflash.conv_kernel_size {self.conv_kernel_size} is more taps than dflash.block_size "
+                f"{self.block_size} (a tap never crosses a block); set conv_kernel_size to at most block_size"
             )
         return self
 
 
 # The DFlashConfig fields only a DFlash2 drafter has (`architecture = "dflash2"`).
 DFLASH2_FIELDS = frozenset({
-    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha", "selector_missing_gold", "input_embedding_scale",
-    "output_multiplier", "final_logit_softcapping",
+    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha",
+    "selector_missing_gold", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
 })
 
 
@@ -253,8 +271,8 @@ class StoreConfig(_Section):
             return None
         parts = urlsplit(endpoint)
         if parts.query or parts.fragment or endpoint.rstrip().endswith(("?", "#")):
-            raise ValueError("has a query string or fragment ('?...' or '#...'), which an S3 endpoint cannot take: give "
-                             "scheme://host[:port] only")
+            raise ValueError("has a query string or fragment ('?...' or '#...'), which an S3 endpoint cannot take: "
+                             "give scheme://host[:port] only")
         return endpoint
 
 
@@ -263,7 +281,8 @@ class PlacementConfig(_Section):
 
     target_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
     drafter_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
-    # Several machines, each listing the same devices, meeting at node 0's HOST:PORT (docs/TRAINING.md, "More than one node").
+    # Several machines, each listing the same devices, meeting at node 0's HOST:PORT (docs/TRAINING.md, "More than one
+    # node").
     nnodes: int = Field(default=1, ge=1)
     node_rank: int = Field(default=0, ge=0)
     rdzv_endpoint: str | None = None
@@ -308,18 +327,23 @@ class TrainConfig(_Section):
     grad_allreduce_dtype: Literal["float32", "bfloat16"] = "float32"
     device_memory_gb: float | None = Field(default=None, gt=0, le=MAX_DEVICE_MEMORY_GB)
     log_every: int = Field(default=10, ge=1)
-    # Local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG); one run's own (blockdraft-log.json
-    # names it: another run is refused), apart from train.data, train.output and any artifact (stages/train/metrics.py).
+    # Local metrics.jsonl and curves PNG (each checkpoint: its window of entries, the PNG); one run's own
+    # (blockdraft-log.json names it: another run is refused), apart from train.data, train.output and any artifact
+    # (stages/train/metrics.py).
     log_dir: str = "blockdraft-train-logs"
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # also fed every logged step, by rank 0 (docs/TRAINING.md)
-    wandb: dict[Literal["project", "entity", "group", "name", "mode"], str] = Field(default_factory=dict)  # wandb.init's arguments
-    plot_every_minutes: float = Field(default=10.0, ge=0)  # curves redrawn in the background at most this often, and at the end
+    # also fed every logged step, by rank 0 (docs/TRAINING.md)
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    # wandb.init's arguments
+    wandb: dict[Literal["project", "entity", "group", "name", "mode"], str] = Field(default_factory=dict)
+    # curves redrawn in the background at most this often, and at the end
+    plot_every_minutes: float = Field(default=10.0, ge=0)
     keep_checkpoints: int | None = Field(default=3, ge=1)  # newest verified checkpoints kept; None keeps all
     # Also kept for good: every Nth checkpoint (its step a multiple of N * checkpoint_every); 1 keeps all, None none.
     keep_checkpoint_every: int | None = Field(default=10, ge=1)
     # Checkpoints are pushed in the background while training goes on; this many failed pushes in a row stop the run.
     max_checkpoint_failures: int = Field(default=3, ge=1)
-    # How long a rank waits for the others in a collective (rank 1 while rank 0 awaits a slow push) before the run fails.
+    # How long a rank waits for the others in a collective (rank 1 while rank 0 awaits a slow push) before the run
+    # fails.
     dist_timeout_minutes: float = Field(default=60.0, gt=0, le=MAX_DIST_TIMEOUT_MINUTES)
     # A drafter in the export format (a folder or store URL: an export, checkpoint or training output) to start from
     # instead of random weights; its DFlash parameters must match this config and the target.
@@ -332,11 +356,13 @@ class TrainConfig(_Section):
     distill_weight: float = Field(default=0.0, ge=0.0, le=1.0)
     distill_temperature: float = Field(default=1.0, gt=0.0)
     # The training signal (docs/TRAINING-SIGNAL.md). Every eval_every steps and at each checkpoint, rank 0 measures the
-    # loss, per-slot accuracies and tau estimate on a fixed, seeded sample of eval_rows held-out rows, without gradients.
+    # loss, per-slot accuracies and tau estimate on a fixed, seeded sample of eval_rows held-out rows, without
+    # gradients.
     eval_every: int = Field(default=100, ge=1)
     eval_rows: int = Field(default=32, ge=1)
-    # The held-out rows for those figures and for the decoded checkpoints' prompts: None takes train.data's held-out split;
-    # a tokenized artifact (a folder, file:// or s3:// URL, tokenized like train.data) gives all of its rows, both splits.
+    # The held-out rows for those figures and for the decoded checkpoints' prompts: None takes train.data's held-out
+    # split; a tokenized artifact (a folder, file:// or s3:// URL, tokenized like train.data) gives all of its rows,
+    # both splits.
     eval_data: str | None = None
     # Each checkpoint is also decoded for real (eval's loop, lossless check) on this many held-out prompts; 0: none.
     decode_eval_prompts: int = Field(default=2, ge=0)
@@ -366,9 +392,11 @@ class EvalConfig(_Section):
     divergence_margin_bf16: float = Field(default=0.5, ge=0.0)
     # Also decode with a freshly initialised drafter of the same shape: the floor a trained drafter must clearly beat.
     untrained_baseline: bool = True
-    # An export-format drafter folder (e.g. a published one) decoded beside it as "baseline"; checked against the target.
+    # An export-format drafter folder (e.g. a published one) decoded beside it as "baseline"; checked against the
+    # target.
     baseline: str | None = None
-    engine: Literal["none", "vllm", "sglang"] = "none"  # `vllm`: also serve the export in the engine and compare (`eval --engine`)
+    # `vllm`: also serve the export in the engine and compare (`eval --engine`)
+    engine: Literal["none", "vllm", "sglang"] = "none"
     engine_python: str = ".venv-engine/bin/python"  # the engine's own environment (`make engine`)
     engine_start_timeout_s: float = Field(default=600.0, gt=0)
     engine_tolerance_fp32: float = Field(default=0.02, ge=0.0)  # per-position acceptance rate and relative tau, float32
@@ -377,7 +405,8 @@ class EvalConfig(_Section):
     # At temperature > 0 the engine's acceptance is a sample too: the chance that the check fails an engine that agrees.
     engine_alpha: float = Field(default=0.01, gt=0.0, lt=1.0)
     # Sampling (docs/EVAL.md, "Measuring a drafter"): temperature 0 decodes greedy only; above 0, eval also decodes each
-    # prompt `samples_per_prompt` times with these settings (decode i seeded with seed + i) and reports acceptance there.
+    # prompt `samples_per_prompt` times with these settings (decode i seeded with seed + i) and reports acceptance
+    # there.
     temperature: float = Field(default=0.0, ge=0.0)  # 0, or at least MIN_TEMPERATURE
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)  # 1.0: off
     top_k: int = Field(default=0, ge=0)  # 0: off
@@ -402,10 +431,11 @@ class EvalConfig(_Section):
 
 
 class GenerateConfig(_Section):
-    """Regenerating completions with the target: `hf` runs it locally; `openai` calls vLLM/SGLang at `base_url` (.../v1).
+    """Regenerating completions with the target: `hf` runs it locally; `openai` calls vLLM/SGLang at `base_url`
+    (.../v1).
 
-    `model` None: the served model (openai) or target.path (hf). `thinking` auto follows the dropped final turn (on when it
-    had reasoning), else the template's default. The API key is read from the environment variable `api_key_env`.
+    `model` None: the served model (openai) or target.path (hf). `thinking` auto follows the dropped final turn (on when
+    it had reasoning), else the template's default. The API key is read from the environment variable `api_key_env`.
     """
 
     engine: Literal["hf", "openai"] = "hf"
@@ -426,8 +456,8 @@ class GenerateConfig(_Section):
 
 class ExportConfig(_Section):
     # The license the exported weights are published under (usually the target's), written into the model card's front
-    # matter as the Hugging Face Hub reads it: a Hub license id such as apache-2.0, mit or llama3.1. None: the card keeps
-    # the license it gives (`export --card-only`), else names none (docs/RESULTS.md, "Publishing on the Hub").
+    # matter as the Hugging Face Hub reads it: a Hub license id such as apache-2.0, mit or llama3.1. None: the card
+    # keeps the license it gives (`export --card-only`), else names none (docs/RESULTS.md, "Publishing on the Hub").
     license: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9.+-]*$", max_length=64)
 
 
@@ -457,7 +487,8 @@ class BlockdraftConfig(_Section):
 
 
 def load_config(
-    path: str | Path | None = None, flags: dict | None = None, sets: Sequence[str] = (), flag_names: dict[str, str] | None = None,
+    path: str | Path | None = None, flags: dict | None = None, sets: Sequence[str] = (),
+    flag_names: dict[str, str] | None = None,
 ) -> BlockdraftConfig:
     """Load and validate a TOML config with command-line overrides laid over it: `flags` ({"section": {"key": value}},
     None values ignored, so a CLI can pass every option and let the file decide the unset ones) and `sets`
@@ -482,7 +513,8 @@ def load_with(path: str | Path | None, overrides: Overrides) -> BlockdraftConfig
     except ValidationError as exc:
         raise ConfigError(validation_line(label, exc, overrides, BlockdraftConfig)) from None
     _check_mask_token(config, label)
-    config.resolved()  # remembers each credential a setting carries (`redact_settings`): no message of this run names one
+    # remembers each credential a setting carries (`redact_settings`): no message of this run names one
+    config.resolved()
     return config
 
 
@@ -504,4 +536,5 @@ def _check_mask_token(config: BlockdraftConfig, label: str) -> None:
         return
     mask, added = config.dflash.mask_token_id, tokenizer_added_tokens(Path(folder))
     if mask in added:  # the example row is read from the tokenizer's vocabulary only for the error line
-        raise ConfigError(f"config {label}: {mask_token_problem(mask, added, folder_spare_row(Path(folder), config.target.path))}")
+        raise ConfigError(f"config {label}: "
+                          f"{mask_token_problem(mask, added, folder_spare_row(Path(folder), config.target.path))}")

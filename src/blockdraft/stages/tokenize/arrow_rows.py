@@ -38,10 +38,11 @@ class SplitWriter:
     Every file is written through `store.writing` (the split folder opened one name at a time without following a link,
     the file created there under a new temp name and renamed within that same opened folder), so a link planted at the
     split folder is refused as resolving outside the output and nothing is written through one. There is no check before
-    the use: the folder opened is the one the file is made and renamed in. pyarrow writes into the open file object, never
-    by path."""
+    the use: the folder opened is the one the file is made and renamed in. pyarrow writes into the open file object,
+    never by path."""
 
-    def __init__(self, store: LocalStore, split: str, stem: str, schema: pa.Schema, rows_per_file: int | None, file_bytes: int) -> None:
+    def __init__(self, store: LocalStore, split: str, stem: str, schema: pa.Schema, rows_per_file: int | None,
+                 file_bytes: int) -> None:
         self.store, self.split, self.stem, self.schema = store, split, stem, schema
         self.rows_per_file, self.file_bytes = rows_per_file or (1 << 62), file_bytes
         self.files: list[FileEntry] = []
@@ -85,7 +86,8 @@ class SplitWriter:
     def _close_file(self) -> None:
         assert self._writer is not None and self._file is not None
         self._writer.close()
-        self._file.close()  # flushes the file object, then renames the temp file into place in the folder it was made in
+        # flushes the file object, then renames the temp file into place in the folder it was made in
+        self._file.close()
         self._writer, self._file, self._sink, self._rows_in_file = None, None, None, 0
         self.files.append(written_entry(self.store, self._key))
 
@@ -96,8 +98,9 @@ class SplitWriter:
         return self.files
 
     def discard(self) -> list[FileEntry]:
-        """Delete every file written so far (an input that failed is dropped whole, a full disk stops the shard); returns
-        the files left: none. A link planted on the way is refused by the store as on writing: nothing is removed through it."""
+        """Delete every file written so far (an input that failed is dropped whole, a full disk stops the shard);
+        returns the files left: none. A link planted on the way is refused by the store as on writing: nothing is
+        removed through it."""
         if self._file is not None:
             if self._writer is not None:
                 try:

@@ -45,11 +45,15 @@ def finished_shard(out: StageOutput, in_store: Store, digest: str, task: ShardTa
     return ShardOutput(task.name, list(piece.files), piece.counts)
 
 
-def keep_finished_shards(out: StageOutput, in_store: Store, digest: str, tasks: list[ShardTask]) -> dict[str, ShardOutput]:
-    """The shards whose pieces match this run, by name; every other piece, temporary file and unnamed file is deleted."""
+def keep_finished_shards(
+    out: StageOutput, in_store: Store, digest: str, tasks: list[ShardTask]
+) -> dict[str, ShardOutput]:
+    """The shards whose pieces match this run, by name; every other piece, temporary file and unnamed file is
+    deleted."""
     recorded = recorded_pieces(out.store)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # each check reads files back (and maybe input bytes)
-        found = list(pool.map(lambda task: finished_shard(out, in_store, digest, task), [t for t in tasks if t.name in recorded]))
+        found = list(pool.map(lambda task: finished_shard(out, in_store, digest, task),
+                              [t for t in tasks if t.name in recorded]))
     kept = {shard.name: shard for shard in found if shard is not None}
     for name in recorded:
         if name not in kept:
@@ -67,7 +71,9 @@ def drop_failed_files(out: StageOutput, tasks: list[ShardTask], outputs: dict[st
     named: set[int] = set()
     for task in tasks:
         shard = outputs[task.name]
-        if task.file_index not in failed_files or (shard.stats.get("input_files_failed") and task.file_index not in named):
+        if task.file_index not in failed_files or (
+            shard.stats.get("input_files_failed") and task.file_index not in named
+        ):
             keep.append(shard)
             named.add(task.file_index)
             continue

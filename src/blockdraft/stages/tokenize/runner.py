@@ -10,7 +10,14 @@ import queue
 from types import TracebackType
 
 from blockdraft.data.tokenizer import TokenizerSource
-from blockdraft.stages.tokenize.shard import Advance, ShardRun, WorkerSettings, install_tools, tokenize_shard, worker_init
+from blockdraft.stages.tokenize.shard import (
+    Advance,
+    ShardRun,
+    WorkerSettings,
+    install_tools,
+    tokenize_shard,
+    worker_init,
+)
 from blockdraft.stages.tokenize.tasks import ShardTask
 
 # How often the parent drains the workers' progress queue while it waits for shards (seconds).
@@ -21,8 +28,9 @@ class ShardRunner:
     """Runs shard tasks with `workers` processes; use as a context manager (the pool shuts down on exit).
 
     One worker runs in this process (no pool to start) unless `spawn_one`: bench.tokenize spawns it, so that its scaling
-    figure compares N spawned workers with one spawned worker. The pool starts (and each worker builds its tokenizer) as soon as the runner exists, so that start-up overlaps
-    the parent's verifying of the output and of the finished shards.
+    figure compares N spawned workers with one spawned worker. The pool starts (and each worker builds its tokenizer) as
+    soon as the runner exists, so that start-up overlaps the parent's verifying of the output and of the finished
+    shards.
     """
 
     def __init__(self, workers: int, src: TokenizerSource, spawn_one: bool = False) -> None:
@@ -73,5 +81,6 @@ class ShardRunner:
     def __enter__(self) -> ShardRunner:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.close()

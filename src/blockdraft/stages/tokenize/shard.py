@@ -5,15 +5,15 @@ A finished shard is a piece of the output (`StageOutput.put_piece`, written afte
 the run's config digest, the input file's key and size, and the part. Its counts hold the shard's row statistics
 (`stats`), the token ids its rows hold (`token_ids`, a `SeenIds` record), its Arrow files per split in the order written
 (`split_files`), what it read of the input (`input`: the
-file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `tasks.checksum_from_reads`) and the task
-size its run cut the input with (`task_size`: a rerun cuts it the same way to keep the piece, `stage._cut`).
+file's pin, the raw bytes it read and their checksum; `resume.input_unchanged`, `tasks.checksum_from_reads`) and the
+task size its run cut the input with (`task_size`: a rerun cuts it the same way to keep the piece, `stage._cut`).
 
 An input file that cannot be decoded whole is dropped whole, with no piece (see `tokenize_shard`; the stage drops the
 file's other parts too).
 
-A worker streams: it holds one batch of `CONVERSATION_BATCH` conversations and at most `ARROW_BATCH_ROWS` (arrow_rows.py)
-pending rows per split, so its memory does not grow with the shard or the dataset. The tokenizer, compiled template and
-special-token pattern are built once per process (`install_tools`), never shipped with each task.
+A worker streams: it holds one batch of `CONVERSATION_BATCH` conversations and at most `ARROW_BATCH_ROWS`
+(arrow_rows.py) pending rows per split, so its memory does not grow with the shard or the dataset. The tokenizer,
+compiled template and special-token pattern are built once per process (`install_tools`), never shipped with each task.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ PIECES_ONLY = ""
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """Everything a worker needs for one shard besides the tokenizer and template (installed once per process, `tools_key`)."""
+    """Everything a worker needs for one shard besides the tokenizer and template (installed once per process,
+    `tools_key`)."""
 
     tools_key: str
     thinking: str
@@ -146,29 +147,36 @@ class _ShardCounts:
         self.seen = SeenIds(vocab_size)  # the token ids of the rows written (kept apart from the summed stats)
         self.rejected: Counter[str] = Counter()
         self.thinking: Counter[str] = Counter()
-        self.failed: dict[str, Any] = {}  # an input dropped whole: its key -> reason, detail, rows read before the fault
+        # an input dropped whole: its key -> reason, detail, rows read before the fault
+        self.failed: dict[str, Any] = {}
 
     def add_row(self, split: str, row: TurnRow) -> None:
         """A row written to `split`; a clipped one also adds what `max_length` cut off it (see `TurnRow`)."""
-        self.c.update({"rows_out": 1, f"{split}_rows": 1, "tokens": len(row.input_ids), "supervised_tokens": int(row.loss_mask.sum())})
+        self.c.update({"rows_out": 1, f"{split}_rows": 1, "tokens": len(row.input_ids),
+                       "supervised_tokens": int(row.loss_mask.sum())})
         self.thinking[row.thinking] += 1
         self.seen.add(row.input_ids)
         if row.clipped_tokens:
-            self.c.update({"rows_clipped": 1, "tokens_clipped": row.clipped_tokens, "supervised_tokens_clipped": row.clipped_supervised})
+            self.c.update({"rows_clipped": 1, "tokens_clipped": row.clipped_tokens,
+                           "supervised_tokens_clipped": row.clipped_supervised})
 
     def as_dict(self) -> dict[str, Any]:
-        return {**dict(self.c), "rejected": dict(self.rejected), "thinking": dict(self.thinking), "failed_inputs": dict(self.failed)}
+        return {**dict(self.c), "rejected": dict(self.rejected), "thinking": dict(self.thinking),
+                "failed_inputs": dict(self.failed)}
 
 
 WORKER: dict[str, Any] = {}
 
 
 def tools_key(tokenizer_sha256: str, template: ChatTemplate) -> str:
-    return hashlib.sha256(json.dumps([tokenizer_sha256, template.sha256, template.variables], sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps([tokenizer_sha256, template.sha256, template.variables], sort_keys=True).encode()
+    ).hexdigest()
 
 
 def install_tools(tokenizer_json: str, template_text: str, variables: dict[str, str]) -> None:
-    """Build this process's tokenizer and compiled template once (a pool worker does it while the parent lists inputs)."""
+    """Build this process's tokenizer and compiled template once (a pool worker does it while the parent lists
+    inputs)."""
     template = compile_chat_template(template_text, variables)
     key = tools_key(hashlib.sha256(tokenizer_json.encode()).hexdigest(), template)
     if WORKER.get("key") != key:
@@ -176,7 +184,8 @@ def install_tools(tokenizer_json: str, template_text: str, variables: dict[str, 
         WORKER["tools"], WORKER["key"] = (Tokenizer.from_str(tokenizer_json), template, special), key
 
 
-def worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, template_text: str, variables: dict[str, str]) -> None:
+def worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, template_text: str,
+                variables: dict[str, str]) -> None:
     WORKER["queue"] = progress_queue
     if sys.platform == "linux":
         # A worker must not outlive a killed parent: it would keep writing shard files under a rerun's feet.
@@ -187,7 +196,8 @@ def worker_init(progress_queue: Any, parent_pid: int, tokenizer_json: str, templ
 
 
 def _remove_shard_outputs(output: StageOutput, name: str) -> None:
-    """Delete every output of one shard (its piece first, so a crash in between never leaves a piece over missing files).
+    """Delete every output of one shard (its piece first, so a crash in between never leaves a piece over missing
+    files).
 
     Each file is deleted through the store, in its folder opened one name at a time without following a link: a link
     planted at a split or quarantine folder is OutsideArtifactError ("resolves outside"), and nothing is removed through
@@ -201,7 +211,9 @@ def _remove_shard_outputs(output: StageOutput, name: str) -> None:
 def _shard_files(store: Store, name: str) -> list[str]:
     """Every whole file of one shard in the output, by key: its Arrow files of each split and its quarantine file (a
     listing follows no link to a folder)."""
-    arrow = [info.key for split in SPLITS for info in store.list(f"{split}/{name}-part-") if info.key.endswith(".arrow")]
+    arrow = [
+        info.key for split in SPLITS for info in store.list(f"{split}/{name}-part-") if info.key.endswith(".arrow")
+    ]
     return [*arrow, f"{QUARANTINE_DIR}/{name}.jsonl"]
 
 
@@ -214,8 +226,8 @@ def _to_parent_queue() -> Advance | None:
 
 
 def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance | None = None) -> ShardRun:
-    """Tokenize one task (an input file or a part of one) into its Arrow files and quarantine file; record it (last) as a
-    finished piece.
+    """Tokenize one task (an input file or a part of one) into its Arrow files and quarantine file; record it (last) as
+    a finished piece.
 
     `progress(nbytes, rows, tokens)` is called as it goes; in a pool worker, progress goes to the parent's queue.
     An input that cannot be decoded whole is dropped whole: its quarantine holds one line with the reason, its stats
@@ -229,7 +241,10 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
     store = LocalStore(out)
     output = StageOutput(store, TOKENIZED_KIND, PIECES_ONLY)
     _remove_shard_outputs(output, task.name)
-    writers = {split: SplitWriter(store, split, task.name, settings.schema, settings.rows_per_file, settings.file_bytes) for split in SPLITS}
+    writers = {
+        split: SplitWriter(store, split, task.name, settings.schema, settings.rows_per_file, settings.file_bytes)
+        for split in SPLITS
+    }
     reading = _Reading(task.share, progress or _to_parent_queue())
     try:
         shard = _write_shard(task, settings, store, output, writers, reading)
@@ -241,7 +256,9 @@ def tokenize_shard(task: ShardTask, settings: WorkerSettings, progress: Advance 
             _remove_shard_outputs(output, task.name)
         except OutsideArtifactError:
             pass  # a link swapped in meanwhile: nothing is removed through it, and the error raised below names it
-        error = disk_full_error(exc, out, written, reading.done / max(task.share, 1)) if isinstance(exc, OSError) else None
+        error = (
+            disk_full_error(exc, out, written, reading.done / max(task.share, 1)) if isinstance(exc, OSError) else None
+        )
         if error is None:
             raise
         raise error from None
@@ -275,8 +292,8 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _write_shard(task: ShardTask, settings: WorkerSettings, out: LocalStore, output: StageOutput, writers: dict[str, SplitWriter],
-                 reading: _Reading) -> ShardOutput:
+def _write_shard(task: ShardTask, settings: WorkerSettings, out: LocalStore, output: StageOutput,
+                 writers: dict[str, SplitWriter], reading: _Reading) -> ShardOutput:
     tokenizer, template, special = WORKER["tools"]
     counts = _ShardCounts(settings.vocab_size)
     quarantine_key = f"{QUARANTINE_DIR}/{task.name}.jsonl"
@@ -290,7 +307,8 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, out: LocalStore, out
         trusted = _check_pin(task, raw)
         # Parquet is read by seeking; its checksum is a second, sequential pass, skipped when the listing names it.
         reader = RangeReader(raw, task.input_key, task.file.size, task.part,
-                             checksum=not (task.input_key.lower().endswith(".parquet") and task.file.checksum), max_row_bytes=settings.max_row_bytes)
+                             checksum=not (task.input_key.lower().endswith(".parquet") and task.file.checksum),
+                             max_row_bytes=settings.max_row_bytes)
 
         def reject(record: RawRecord, source_id: str | None, turn: int | None, reason: str, detail: str) -> None:
             counts.rejected[reason] += 1
@@ -327,8 +345,10 @@ def _write_shard(task: ShardTask, settings: WorkerSettings, out: LocalStore, out
     shard = ShardOutput(
         task.name,
         [*(e for split in SPLITS for e in split_files[split]), quarantine_entry],
-        {"stats": counts.as_dict(), SEEN_IDS: counts.seen.to_record(), "split_files": {split: [e.path for e in split_files[split]] for split in SPLITS},
-         INPUT_READ: {"pin": task.file.pin, "pin_trusted": trusted, "window": list(reader.window) if reader.window else None,
+        {"stats": counts.as_dict(), SEEN_IDS: counts.seen.to_record(),
+         "split_files": {split: [e.path for e in split_files[split]] for split in SPLITS},
+         INPUT_READ: {"pin": task.file.pin, "pin_trusted": trusted,
+                      "window": list(reader.window) if reader.window else None,
                       "crc": reader.crc, "reads": [list(r) for r in reader.reads]},
          TASK_SIZE: settings.task_size},
     )
@@ -348,7 +368,9 @@ def _check_pin(task: ShardTask, raw: BinaryIO) -> bool:
     return pin_is_trusted(st)
 
 
-def _failed_counts(key: str, failure: InputUnreadable, rows_read: int, vocab_size: int) -> tuple[dict[str, Any], _ShardCounts]:
+def _failed_counts(
+    key: str, failure: InputUnreadable, rows_read: int, vocab_size: int
+) -> tuple[dict[str, Any], _ShardCounts]:
     """(its one quarantine line, its counts: `input_files_failed` 1 and its entry in `failed_inputs`) for an input file
     dropped whole."""
     record = {"reason": failure.reason, "detail": failure.detail, "rows_read_before_failure": rows_read}
@@ -390,7 +412,8 @@ class _Batches:
                 continue
             if conv.prompt_ids is not None:
                 counts.c["turns_in"] += 1
-                ready.append((record, conv.source_id, row_from_generator_ids(conv, settings.max_length, settings.vocab_size)))
+                ready.append((record, conv.source_id,
+                              row_from_generator_ids(conv, settings.max_length, settings.vocab_size)))
                 continue
             for item in plan_turns(conv, self.template, settings.thinking):  # type: ignore[arg-type]
                 counts.c["turns_in"] += 1
@@ -399,8 +422,9 @@ class _Batches:
                 else:
                     ready.append((record, conv.source_id, item))
         if planned:
-            # One `encode` per text, not `encode_batch`: that starts the tokenizer's own thread pool, which does not scale on few
-            # cores (the stage scales by worker processes, one core each) and can deadlock in a forked child.
+            # One `encode` per text, not `encode_batch`: that starts the tokenizer's own thread pool, which does not
+            # scale on few cores (the stage scales by worker processes, one core each) and can deadlock in a forked
+            # child.
             encodings = [self.tokenizer.encode(p.full, add_special_tokens=False) for _, _, p in planned]
             for (record, source_id, p), enc in zip(planned, encodings, strict=True):
                 ready.append((record, source_id, mask_turn(p, enc, settings.eot_id, settings.max_length)))

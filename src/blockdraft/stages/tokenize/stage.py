@@ -6,13 +6,13 @@ finished shards' pieces (`.blockdraft-pieces/`, see `blockdraft.store.output`) a
 One shard = one task: an input file, or a part of a large one (`tasks.py`), processed by one worker process (`shard.py`;
 `runner.py` runs them). Whether the output is done is its `StageOutput`'s to say: done when its manifest records this
 run's config digest (`made_with`) and stage key (the digest and the inputs by content) and verifies, and nothing failed
-(an input file left out makes it partial: a rerun tries it again). Else the finished shards are kept (`resume.py`) and the
-rest redone; the lease (`StageOutput.begin`) keeps a second run from writing the same output meanwhile.
+(an input file left out makes it partial: a rerun tries it again). Else the finished shards are kept (`resume.py`) and
+the rest redone; the lease (`StageOutput.begin`) keeps a second run from writing the same output meanwhile.
 
-Each input byte is checksummed once, by the task that reads it: the parent lists inputs without reading them, and a local
-file's checksum (for the lineage) is put together from its tasks' (`tasks.checksum_from_reads`). Only a rerun over a committed
-output of this config asks for checksums up front, to tell whether it is done (`_InputPins.key`: a raw input file is read
-only if it changed).
+Each input byte is checksummed once, by the task that reads it: the parent lists inputs without reading them, and a
+local file's checksum (for the lineage) is put together from its tasks' (`tasks.checksum_from_reads`). Only a rerun over
+a committed output of this config asks for checksums up front, to tell whether it is done (`_InputPins.key`: a raw input
+file is read only if it changed).
 """
 
 from __future__ import annotations
@@ -71,22 +71,23 @@ def run(
     force: bool = False,
     spawn_one: bool = False,
 ) -> StageResult:
-    """Tokenize completions at `input` (file, folder or completions artifact) into a verified `tokenized` artifact at `output`.
+    """Tokenize completions at `input` (file, folder or completions artifact) into a verified `tokenized` artifact at
+    `output`.
 
     Options come from `config.tokenize` (thinking, max_length, held_out_fraction, workers, task_bytes = input bytes per
     task, file_bytes = bytes per Arrow file, rows_per_shard = rows per Arrow file if set, end_of_turn);
-    the tokenizer and template from `config.target` (`resolve_tokenizer`). Reports (to a `Reporter()` when none is given)
-    progress as ("tokenize", input bytes done, input bytes to do, rows=, tokens=), and warnings (a template not the
-    target tokenizer's own; more than 1% of the rows clipped to `tokenize.max_length`). `spawn_one`: run even a single
-    worker in a spawned process (`ShardRunner`).
+    the tokenizer and template from `config.target` (`resolve_tokenizer`). Reports (to a `Reporter()` when none is
+    given) progress as ("tokenize", input bytes done, input bytes to do, rows=, tokens=), and warnings (a template not
+    the target tokenizer's own; more than 1% of the rows clipped to `tokenize.max_length`). `spawn_one`: run even a
+    single worker in a spawned process (`ShardRunner`).
     Resumes: finished shards of this run are kept, the rest redone. Returns what was verified at the destination, with a
     `TokenizeSummary` as details; ConfigError for unusable input or options; `DiskFull` (one line: where, how much) when
     the output's disk fills, after removing the temporary files.
 
-    An input file that cannot be decoded whole (cut short, corrupt, not its format) is left out whole; the other files go
-    on, the artifact is committed with the failed files named (`counts.failed_inputs`, a quarantine line each), and then
-    `InputFilesFailed` is raised with the result, so a run that lost a file never ends as a plain success. A rerun tries
-    the failed files again.
+    An input file that cannot be decoded whole (cut short, corrupt, not its format) is left out whole; the other files
+    go on, the artifact is committed with the failed files named (`counts.failed_inputs`, a quarantine line each), and
+    then `InputFilesFailed` is raised with the result, so a run that lost a file never ends as a plain success. A rerun
+    tries the failed files again.
     """
     started = time.perf_counter()
     reporter = reporter or Reporter()
@@ -132,7 +133,8 @@ def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Repo
         report = plan.out.done()
         done = report is not None and report.manifest is not None
         if report is not None and done:
-            # Left as it is: rewriting the manifest would change its sha256 and make every dependent artifact look stale.
+            # Left as it is: rewriting the manifest would change its sha256 and make every dependent artifact look
+            # stale.
             ran = _Ran(kept=len(plan.tasks))
         else:
             report, ran = _tokenize(plan, runner, reporter)
@@ -143,7 +145,8 @@ def _run_local(config: BlockdraftConfig, input: str, output: str, reporter: Repo
 
 @dataclass(frozen=True)
 class _Ran:
-    """What this call did to the output: `kept` shards from an earlier run, the shards it ran and their phase's seconds."""
+    """What this call did to the output: `kept` shards from an earlier run, the shards it ran and their phase's
+    seconds."""
 
     kept: int
     runs: list[ShardRun] = dataclasses.field(default_factory=list)
@@ -151,7 +154,8 @@ class _Ran:
 
 
 def _summary(plan: _Plan, counts: dict[str, Any], ran: _Ran, reporter: Reporter) -> TokenizeSummary:
-    """The run's summary, from the committed manifest's `counts` and what this call ran; warns when rows were clipped."""
+    """The run's summary, from the committed manifest's `counts` and what this call ran; warns when rows were
+    clipped."""
     warnings = list(plan.warnings)
     max_length = plan.opts.max_length
     if (message := clip_warning(counts, max_length)) is not None:
@@ -182,14 +186,16 @@ def _run_to_remote(config: BlockdraftConfig, input: str, output: str, reporter: 
     def run_locally(local: Path) -> StageResult:
         return _run_local(config, input, str(local), reporter, started, force, spawn_one)
 
-    staged, pushed = stage_and_push(output, config.store, TOKENIZED_KIND, run_locally, finished_shard_entries, reporter=reporter, force=force)
+    staged, pushed = stage_and_push(output, config.store, TOKENIZED_KIND, run_locally, finished_shard_entries,
+                                    reporter=reporter, force=force)
     result = cast(StageResult, staged)
-    return dataclasses.replace(result, url=pushed.destination, report=pushed.verify, seconds=time.perf_counter() - started)
+    return dataclasses.replace(result, url=pushed.destination, report=pushed.verify,
+                               seconds=time.perf_counter() - started)
 
 
 class _InputPins:
-    """The inputs by content: an artifact input's lineage, or each raw file with its CRC64NVME as known (listed, asked of
-    the store, or put together from what its tasks read) or its ETag."""
+    """The inputs by content: an artifact input's lineage, or each raw file with its CRC64NVME as known (listed, asked
+    of the store, or put together from what its tasks read) or its ETag."""
 
     def __init__(self, store: Store, files: list[InputFile], artifact_lineage: list[InputRef] | None) -> None:
         self.store, self.files, self.artifact_lineage = store, files, artifact_lineage
@@ -224,8 +230,8 @@ class _InputPins:
             combined = checksum_from_reads(f.size, by_file.get(i, []))
             known = self.checksums.get(f.key)
             if combined is not None and known is not None and combined != known:
-                raise ArtifactError(f"input {f.key} changed while it was tokenized (its tasks read crc64nvme {combined}; it had "
-                                    f"{known} when listed); rerun when the input is complete")
+                raise ArtifactError(f"input {f.key} changed while it was tokenized (its tasks read crc64nvme "
+                                    f"{combined}; it had {known} when listed); rerun when the input is complete")
             if not f.pin.startswith(STAT_PIN) or known is not None:
                 continue  # a store object keeps what its store lists (an ETag alone stays so)
             if combined is None and (info := self.store.head(f.key)) is not None:
@@ -259,9 +265,9 @@ class _Plan:
 
 @dataclass(frozen=True)
 class _Cut:
-    """How a run cuts its input: its `tasks`, of at most about `size` input bytes each; `recorded`: the finished pieces the
-    output held when the cut was chosen; `kept_earlier`: the size is the one those pieces were cut with, not the one for
-    this run's workers, so that they are kept."""
+    """How a run cuts its input: its `tasks`, of at most about `size` input bytes each; `recorded`: the finished pieces
+    the output held when the cut was chosen; `kept_earlier`: the size is the one those pieces were cut with, not the one
+    for this run's workers, so that they are kept."""
 
     tasks: list[ShardTask]
     size: int
@@ -272,8 +278,8 @@ class _Cut:
 def _cut(opts: TokenizeConfig, in_store: Store, files: list[InputFile], out_store: Store, digest: str) -> _Cut:
     """The run's tasks, sized for its workers (`task_size`). When the output holds finished pieces of this config that
     were cut with another size (a run with another number of workers, or over other inputs), and more of them match
-    that cut than this one, the input is cut that way instead, so that a resume keeps them: rows never depend on the cut,
-    and finished work is worth more than an even share. A piece that records no size was cut with `task_bytes`."""
+    that cut than this one, the input is cut that way instead, so that a resume keeps them: rows never depend on the
+    cut, and finished work is worth more than an even share. A piece that records no size was cut with `task_bytes`."""
     size = task_size(sum(f.size for f in files), opts.workers, opts.task_bytes, opts.min_task_bytes)
     pieces = recorded_pieces(out_store)
     cut = _Cut(plan_tasks(in_store, files, size), size, len(pieces))
@@ -297,8 +303,8 @@ def _cut(opts: TokenizeConfig, in_store: Store, files: list[InputFile], out_stor
 
 def _config_digest(opts: TokenizeConfig, src: TokenizerSource, eot_id: int) -> str:
     """What the rows depend on: tokenize options, tokenizer, template, end-of-turn id, shard format. Not `workers` nor
-    `min_task_bytes`: they only choose how the input is cut into tasks, and the rows are the same for any cut (so a rerun
-    with another number of workers finds its output done, or resumes it)."""
+    `min_task_bytes`: they only choose how the input is cut into tasks, and the rows are the same for any cut (so a
+    rerun with another number of workers finds its output done, or resumes it)."""
     options = opts.resolved()
     options.pop("workers")
     options.pop("min_task_bytes")
@@ -349,8 +355,8 @@ def _plan(
     }
     inputs = _InputPins(in_store, files, artifact_lineage)
     # The key names the inputs by content: asked for only of an output of this config, and at commit.
-    out = StageOutput(out_store, TOKENIZED_KIND, lambda: inputs.key(digest), made_with={DIGEST_FIELD: digest}, failures=FAILED_FIELD,
-                      force=force, reporter=reporter)
+    out = StageOutput(out_store, TOKENIZED_KIND, lambda: inputs.key(digest), made_with={DIGEST_FIELD: digest},
+                      failures=FAILED_FIELD, force=force, reporter=reporter)
     return _Plan(opts=opts, store=store, src=src, eot_id=eot_id, digest=digest, out=out, out_dir=out_dir, inputs=inputs,
                  cut=cut, run_config=run_config, warnings=warnings)
 
@@ -360,7 +366,8 @@ def _writable(out_dir: Path) -> Iterator[None]:
     """The output folder written inside the block: one that is a file is refused up front; a write refused by the system
     (read-only, not permitted) is one line naming the folder (`unwritable_error`)."""
     if out_dir.exists() and not out_dir.is_dir():
-        raise ConfigError(f"output {out_dir} is a file, not a folder; point OUTPUT at a folder (new, or a tokenize output)")
+        raise ConfigError(f"output {out_dir} is a file, not a folder; point OUTPUT at a folder (new, or a tokenize "
+                          "output)")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         yield
@@ -382,10 +389,11 @@ def _tokenize(plan: _Plan, runner: ShardRunner, reporter: Reporter) -> tuple[Ver
         kept = keep_finished_shards(plan.out, plan.inputs.store, plan.digest, plan.tasks)
         pending = [t for t in plan.tasks if t.name not in kept]
         if kept:
-            reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match this run)")
+            reporter.say(f"resuming: {len(kept)} of {len(plan.tasks)} shards already done (records and files match "
+                         "this run)")
         if plan.cut.recorded > len(kept):
-            reporter.say(f"redoing the input of {plan.cut.recorded - len(kept)} finished shards that do not match this run "
-                         "(another cut of the input, config or input bytes); their files are deleted")
+            reporter.say(f"redoing the input of {plan.cut.recorded - len(kept)} finished shards that do not match this "
+                         "run (another cut of the input, config or input bytes); their files are deleted")
         ran = _run_pending(plan, runner, pending, reporter, len(kept))
         made = {r.output.name: r.output for r in ran.runs}
         shards = {t.name: kept.get(t.name) or made[t.name] for t in plan.tasks}
@@ -405,8 +413,8 @@ def _plan_line(plan: _Plan) -> str:
     """The start line: how many tasks of about what size the input is cut into, for how many workers."""
     workers = plan.opts.workers
     mean = sum(t.share for t in plan.tasks) / max(len(plan.tasks), 1)
-    line = (f"tokenize: {len(plan.tasks)} tasks of about {_bytes(mean)} for {workers} worker{'s' if workers != 1 else ''} "
-            f"(task size {_bytes(plan.cut.size)}")
+    line = (f"tokenize: {len(plan.tasks)} tasks of about {_bytes(mean)} for {workers} "
+            f"worker{'s' if workers != 1 else ''} (task size {_bytes(plan.cut.size)}")
     if plan.cut.kept_earlier:
         line += ": the size the finished shards of the run it resumes were cut with, to keep them"
     return line + ")"
@@ -432,7 +440,8 @@ class _Progress:
 def _run_pending(plan: _Plan, runner: ShardRunner, pending: list[ShardTask], reporter: Reporter, kept: int) -> _Ran:
     opts = plan.opts
     settings = WorkerSettings(
-        tools_key=tools_key(plan.src.tokenizer_sha256, plan.src.template), thinking=opts.thinking, max_length=opts.max_length,
+        tools_key=tools_key(plan.src.tokenizer_sha256, plan.src.template), thinking=opts.thinking,
+        max_length=opts.max_length,
         held_out_fraction=opts.held_out_fraction, rows_per_file=opts.rows_per_shard, file_bytes=opts.file_bytes,
         max_row_bytes=opts.max_row_bytes, eot_id=plan.eot_id,
         vocab_size=plan.src.vocab_size, config_digest=plan.digest, input_url=plan.inputs.store.url, store=plan.store,

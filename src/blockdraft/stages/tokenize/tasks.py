@@ -20,7 +20,8 @@ from blockdraft.store.output import stage_key
 # What a piece records of the input bytes its task read (its counts' "input"): the file's pin, whether the pin may
 # stand for the content later, the raw bytes read [window) and their CRC64NVME.
 INPUT_READ = "input"
-# What a piece records of the task size its run cut the input with (`task_size`), so that a rerun can cut it the same way.
+# What a piece records of the task size its run cut the input with (`task_size`), so that a rerun can cut it the same
+# way.
 TASK_SIZE = "task_size"
 # Tasks a run aims for per worker: a few, so that the workers share out the uneven ones and end close together.
 TASKS_PER_WORKER = 4
@@ -48,9 +49,9 @@ class ShardTask:
 
 def task_size(total_bytes: int, workers: int, task_bytes: int, min_task_bytes: int) -> int:
     """The input bytes per task for a run of `workers` over `total_bytes`: enough for about TASKS_PER_WORKER tasks a
-    worker, so that one large file keeps every worker busy and the last tasks finish close together; at most `task_bytes`
-    and at least `min_task_bytes` (or `task_bytes`, when that is smaller). Only how the input is cut depends on it: the
-    rows and their order are the same for any size."""
+    worker, so that one large file keeps every worker busy and the last tasks finish close together; at most
+    `task_bytes` and at least `min_task_bytes` (or `task_bytes`, when that is smaller). Only how the input is cut
+    depends on it: the rows and their order are the same for any size."""
     wanted = -(-total_bytes // (TASKS_PER_WORKER * workers))
     return min(task_bytes, max(min_task_bytes, wanted))
 
@@ -73,21 +74,23 @@ def plan_tasks(store: Store, files: list[InputFile], task_bytes: int) -> list[Sh
 
 
 def piece_key(config_digest: str, task: ShardTask) -> str:
-    """What a finished task depends on besides its input's bytes: the run's config digest, its file (key, size) and part.
-    The bytes are checked apart (`resume.input_unchanged`), so a moved or touched file whose bytes are the same keeps its pieces."""
-    return stage_key({"config_digest": config_digest, "input": {"key": task.input_key, "size": task.file.size}, "part": task.part.as_dict()})
+    """What a finished task depends on besides its input's bytes: the run's config digest, its file (key, size) and
+    part. The bytes are checked apart (`resume.input_unchanged`), so a moved or touched file whose bytes are the same
+    keeps its pieces."""
+    return stage_key({"config_digest": config_digest, "input": {"key": task.input_key, "size": task.file.size},
+                      "part": task.part.as_dict()})
 
 
 def check_listed(key: str, size: int, checksum: str | None, window: tuple[int, int] | None, crc: str | None) -> None:
-    """ArtifactError when the bytes a task read of a whole file (`window`, their `crc`) are not the file as listed (`size`,
-    and `checksum` when the listing names one): the input changed while it was tokenized."""
+    """ArtifactError when the bytes a task read of a whole file (`window`, their `crc`) are not the file as listed
+    (`size`, and `checksum` when the listing names one): the input changed while it was tokenized."""
     if window is None:
         return  # not checksummed: Parquet whose listed checksum is trusted, as its store verified it
     read = window[1] - window[0]
     if read != size or checksum not in (None, crc):
         raise ArtifactError(
-            f"input {key} changed while it was tokenized (read {read} bytes, crc64nvme {crc}; listed {size}, {checksum}); "
-            "rerun when the input is complete"
+            f"input {key} changed while it was tokenized (read {read} bytes, crc64nvme {crc}; listed {size}, "
+            f"{checksum}); rerun when the input is complete"
         )
 
 
@@ -110,6 +113,6 @@ def checksum_from_reads(size: int, reads: list[dict[str, Any]]) -> str | None:
 
 
 __all__ = [
-    "INPUT_READ", "TASKS_PER_WORKER", "TASK_SIZE", "ShardTask", "check_listed", "checksum_from_reads", "piece_key", "plan_tasks",
-    "task_size",
+    "INPUT_READ", "TASKS_PER_WORKER", "TASK_SIZE", "ShardTask", "check_listed", "checksum_from_reads", "piece_key",
+    "plan_tasks", "task_size",
 ]
