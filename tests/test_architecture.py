@@ -1,5 +1,5 @@
-"""The layout's rules, checked on the source itself so they cannot erode: imports go downward only (cli/pipeline -> stages ->
-model/decode/data -> store/config/errors/reporter), no stage imports another, no import cycle,
+"""The layout's rules, checked on the source itself so they cannot erode: imports go downward only (cli/pipeline ->
+stages -> model/decode/data -> store/config/errors/reporter), no stage imports another, no import cycle,
 and nothing points outside the repository."""
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def internal_imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("blockdraft"):
                 for alias in node.names:
-                    found.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module)
+                    found.add(
+                        f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                    )
             elif isinstance(node, ast.Import):
                 found.update(a.name for a in node.names if a.name.startswith("blockdraft"))
         edges[name] = {m for m in found if m in modules and m != name}
@@ -81,19 +83,28 @@ def test_there_is_no_import_cycle():
 
 
 def test_the_project_cites_no_path_outside_the_repository():
-    """Code, tests, benchmarks and docs point at docs/ or files in the repository, never at a folder beside it (a relative path that climbs above the repository root)."""
+    """Code, tests, benchmarks and docs point at docs/ or files in the repository, never at a folder beside it (a
+    relative path that climbs above the repository root)."""
     root = SRC.parent.parent
-    texts = [*SRC.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "bench").rglob("*.py"), *(root / "docs").glob("*.md"), root / "README.md"]
+    texts = [*SRC.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "bench").rglob("*.py"),
+             *(root / "docs").glob("*.md"), root / "README.md"]
     above = re.compile(r"(?<![.\w])\.\./\w")  # two dots, a slash, a name; an ellipsis such as `.../v1` is not one
-    hits = [f"{p.relative_to(root)}:{n}" for p in texts for n, line in enumerate(p.read_text().splitlines(), 1) if above.search(line)]
+    hits = [
+        f"{p.relative_to(root)}:{n}"
+        for p in texts
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if above.search(line)
+    ]
     assert hits == []
 
 
-STAGE_RUN = "run(config: BlockdraftConfig, input, output, reporter: Reporter | None = None, *, force: bool = False, **options) -> StageResult"
+STAGE_RUN = ("run(config: BlockdraftConfig, input, output, reporter: Reporter | None = None, *, force: bool = False, "
+             "**options) -> StageResult")
 
 
 def _stage_run_shape(fn: ast.FunctionDef) -> str:
-    """`fn`'s signature written as STAGE_RUN writes it: the stage's own keyword-only options (after `force`) as **options."""
+    """`fn`'s signature written as STAGE_RUN writes it: the stage's own keyword-only options (after `force`) as
+    **options."""
     a = fn.args
     params = [arg.arg for arg in a.args]
     ann = {arg.arg: ast.unparse(arg.annotation) if arg.annotation else "" for arg in [*a.args, *a.kwonlyargs]}
@@ -106,8 +117,8 @@ def _stage_run_shape(fn: ast.FunctionDef) -> str:
 
 
 def test_every_stage_run_has_the_one_signature():
-    """Every stage is called the same way (`docs/ARCHITECTURE.md`): the config, where it reads, where it writes, who hears
-    of it, and whether a dead writer's lease is taken over; a stage's own options come after, by keyword only."""
+    """Every stage is called the same way (`docs/ARCHITECTURE.md`): the config, where it reads, where it writes, who
+    hears of it, and whether a dead writer's lease is taken over; a stage's own options come after, by keyword only."""
     stages = sorted((SRC / "stages").glob("*/stage.py"))
     assert len(stages) == 5
     shapes = {}
@@ -133,7 +144,8 @@ def test_the_library_never_prints():
         tree = ast.parse(path.read_text())
         allowed = {id(n) for top in tree.body if _is_script_main(top, tree) for n in ast.walk(top)}
         hits += [f"{path.relative_to(SRC)}:{n.lineno}" for n in ast.walk(tree)
-                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print" and id(n) not in allowed]
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "print"
+                 and id(n) not in allowed]
     assert hits == []
 
 
@@ -142,15 +154,19 @@ ENV_WRITES = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__", 
 
 def test_the_library_never_writes_the_environment():
     """Settings travel as parameters and command lines (a rank gets `--force` and `--set` on its own), never through
-    this process's environment: no `os.environ[...] =`, `del os.environ[...]`, `os.environ.update/setdefault/pop`, `os.putenv`."""
+    this process's environment: no `os.environ[...] =`, `del os.environ[...]`, `os.environ.update/setdefault/pop`,
+    `os.putenv`."""
     hits = []
     for path in SRC.rglob("*.py"):
         for n in ast.walk(ast.parse(path.read_text())):
-            targets = n.targets if isinstance(n, (ast.Assign, ast.Delete)) else [n.target] if isinstance(n, ast.AugAssign) else []
+            targets = (n.targets if isinstance(n, (ast.Assign, ast.Delete))
+                       else [n.target] if isinstance(n, ast.AugAssign) else [])
             written = any(isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ" for t in targets)
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
                 owner = ast.unparse(n.func.value)
-                written |= (owner == "os.environ" and n.func.attr in ENV_WRITES) or (owner == "os" and n.func.attr in ("putenv", "unsetenv"))
+                written |= (owner == "os.environ" and n.func.attr in ENV_WRITES) or (
+                    owner == "os" and n.func.attr in ("putenv", "unsetenv")
+                )
             if written:
                 hits.append(f"{path.relative_to(SRC)}:{n.lineno}")
     assert hits == []
@@ -176,17 +192,27 @@ def manifest_reads(source: str) -> list[str]:
             found.append(f"{node.lineno}: uses {node.attr}")
         elif isinstance(node, ast.Call):
             func = node.func
-            if isinstance(func, ast.Attribute) and func.attr == "model_validate_json" and isinstance(func.value, ast.Name) and func.value.id == "Manifest":
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr == "model_validate_json"
+                and isinstance(func.value, ast.Name)
+                and func.value.id == "Manifest"
+            ):
                 found.append(f"{node.lineno}: parses a Manifest")
             reads = isinstance(func, ast.Attribute) and func.attr in STORE_READS
-            if reads and any(isinstance(arg, ast.Name) and arg.id == "MANIFEST_NAME" for arg in [*node.args, *(k.value for k in node.keywords)]):
+            if reads and any(
+                isinstance(arg, ast.Name) and arg.id == "MANIFEST_NAME"
+                for arg in [*node.args, *(k.value for k in node.keywords)]
+            ):
                 found.append(f"{node.lineno}: reads MANIFEST_NAME")
     return found
 
 
 def test_no_module_outside_the_store_reads_a_manifest():
     """Stages, pipeline.py, cli.py (and model/, data/) go through StageOutput, StageInput and the store's functions."""
-    assert manifest_reads("from blockdraft.store.artifact import State, read_manifest\n") == ["1: imports read_manifest"]
+    assert manifest_reads("from blockdraft.store.artifact import State, read_manifest\n") == [
+        "1: imports read_manifest"
+    ]
     assert manifest_reads("import blockdraft.store.manifest as m\nm.read_manifest(s)\n") == ["2: uses read_manifest"]
     assert manifest_reads("Manifest.model_validate_json(store.read_bytes(MANIFEST_NAME))\n") == [
         "1: parses a Manifest", "1: reads MANIFEST_NAME"]
@@ -196,9 +222,13 @@ def test_no_module_outside_the_store_reads_a_manifest():
 
 
 def test_model_imports_the_store_only_in_formats():
-    """model/ is the drafter and the target; only model/formats.py, which names and finds drafter artifacts, knows the store."""
-    wrong = {m: sorted(t for t in imported if t.startswith("blockdraft.store")) for m, imported in internal_imports().items()
-             if m.startswith("blockdraft.model") and m != "blockdraft.model.formats"}
+    """model/ is the drafter and the target; only model/formats.py, which names and finds drafter artifacts, knows the
+    store."""
+    wrong = {
+        m: sorted(t for t in imported if t.startswith("blockdraft.store"))
+        for m, imported in internal_imports().items()
+        if m.startswith("blockdraft.model") and m != "blockdraft.model.formats"
+    }
     assert {m: t for m, t in wrong.items() if t} == {}
 
 
@@ -219,5 +249,7 @@ def test_only_the_output_module_takes_a_lease_or_decides_ownership():
                 found += [f"{module_name(path)}: imports {a.name}" for a in node.names if a.name in LEASE_NAMES]
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MARK_WRITES:
                 names = {n.id for arg in node.args for n in ast.walk(arg) if isinstance(n, ast.Name)}
-                found += [f"{module_name(path)}: {node.func.attr}({name})" for name in names & {"LEASE_NAME", "WRITING_NAME"}]
+                found += [
+                    f"{module_name(path)}: {node.func.attr}({name})" for name in names & {"LEASE_NAME", "WRITING_NAME"}
+                ]
     assert found == []

@@ -1,6 +1,6 @@
-"""The memory plan: printed from the target's config.json alone, equal to the hand calculation of docs/PERFORMANCE.md for
-the Qwen3.6-27B example of docs/HYBRID.md, refused in one line when it does not fit; the activation estimate against what autograd
-really keeps; activation checkpointing and the bf16 gradient all-reduce (gloo)."""
+"""The memory plan: printed from the target's config.json alone, equal to the hand calculation of docs/PERFORMANCE.md
+for the Qwen3.6-27B example of docs/HYBRID.md, refused in one line when it does not fit; the activation estimate against
+what autograd really keeps; activation checkpointing and the bf16 gradient all-reduce (gloo)."""
 
 from __future__ import annotations
 
@@ -31,15 +31,18 @@ QWEN36 = Path(__file__).parent / "fixtures" / "qwen3.6-27b"  # its config.json o
 GB = 1e9
 
 
-def readme_config(tmp_path: Path, targets: list[str], drafters: list[str], memory_gb: float | None = 80, **train) -> Path:
-    """The Qwen3.6-27B example of docs/HYBRID.md (target on two GPUs, one drafter rank on each of two others) as a TOML file."""
+def readme_config(tmp_path: Path, targets: list[str], drafters: list[str], memory_gb: float | None = 80,
+                  **train) -> Path:
+    """The Qwen3.6-27B example of docs/HYBRID.md (target on two GPUs, one drafter rank on each of two others) as a TOML
+    file."""
     extra = "".join(f"{key} = {json.dumps(value)}\n" for key, value in train.items())
     memory = f"device_memory_gb = {memory_gb}\n" if memory_gb is not None else ""
     path = tmp_path / "blockdraft.toml"
     path.write_text(
         f'[target]\npath = "{QWEN36.as_posix()}"\ndtype = "bfloat16"\n'
         '[dflash]\narchitecture = "dflash"\nblock_size = 16\nmask_token_id = 248070\nnum_draft_layers = 5\n'
-        'layer_types = ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]\n'
+        'layer_types = ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention", '
+        '"full_attention"]\n'
         "sliding_window = 2048\n"
         f"[placement]\ntarget_devices = {json.dumps(targets)}\ndrafter_devices = {json.dumps(drafters)}\n"
         f'[train]\ndata = "s3://my-bucket/drafters/qwen3.6-27b/tokenized"\n{memory}{extra}'
@@ -52,14 +55,19 @@ def hand_plan() -> dict[str, float]:
     text = json.loads((QWEN36 / "config.json").read_text())["text_config"]
     hidden, inner, vocab = text["hidden_size"], text["intermediate_size"], text["vocab_size"]
     heads, kv, d = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
-    nk, nv, dk, dv = text["linear_num_key_heads"], text["linear_num_value_heads"], text["linear_key_head_dim"], text["linear_value_head_dim"]
+    nk, nv, dk, dv = (text["linear_num_key_heads"], text["linear_num_value_heads"], text["linear_key_head_dim"],
+                      text["linear_value_head_dim"])
     linear_layers = text["layer_types"].count("linear_attention")
     full_layers = text["layer_types"].count("full_attention")
     mlp, norms = 3 * hidden * inner, 2 * hidden
     conv = 2 * nk * dk + nv * dv
-    linear_attn = hidden * conv + hidden * nv * dv + 2 * hidden * nv + conv * text["linear_conv_kernel_dim"] + 2 * nv + dv + nv * dv * hidden
-    full_attn = hidden * heads * d * 2 + 2 * hidden * kv * d + heads * d * hidden + 2 * d  # q_proj also holds the output gate
-    target_params = 2 * vocab * hidden + hidden + 64 * (mlp + norms) + linear_layers * linear_attn + full_layers * full_attn
+    linear_attn = (hidden * conv + hidden * nv * dv + 2 * hidden * nv + conv * text["linear_conv_kernel_dim"] + 2 * nv
+                   + dv + nv * dv * hidden)
+    # q_proj also holds the output gate
+    full_attn = hidden * heads * d * 2 + 2 * hidden * kv * d + heads * d * hidden + 2 * d
+    target_params = (
+        2 * vocab * hidden + hidden + 64 * (mlp + norms) + linear_layers * linear_attn + full_layers * full_attn
+    )
     n_feat, layers = 5, 5
     drafter_layer = hidden * heads * d + 2 * hidden * kv * d + heads * d * hidden + 2 * d + mlp + norms
     drafter_params = n_feat * hidden * hidden + 2 * hidden + layers * drafter_layer
@@ -75,9 +83,11 @@ def hand_plan() -> dict[str, float]:
     return {
         "target_params": target_params,
         "drafter_params": drafter_params,
-        "target": 2 * target_params + 256 + b * s * (2 * n_feat * hidden + 4 * hidden + 3 * inner) * 2 + b * s * s * 2 + CUDA_RUNTIME_BYTES,
-        "drafter": (16 * drafter_params + 4 * drafter_params + 2 * vocab * hidden * 2 + 2 * drafter_linear + feat * (2 * micro + 4)
-                    + b * q * 4 * hidden + once + layers * layer - b * q * (4 * hidden + 4) + layer + 1024 * vocab * 6 + CUDA_RUNTIME_BYTES),
+        "target": (2 * target_params + 256 + b * s * (2 * n_feat * hidden + 4 * hidden + 3 * inner) * 2 + b * s * s * 2
+                   + CUDA_RUNTIME_BYTES),
+        "drafter": (16 * drafter_params + 4 * drafter_params + 2 * vocab * hidden * 2 + 2 * drafter_linear
+                    + feat * (2 * micro + 4) + b * q * 4 * hidden + once + layers * layer - b * q * (4 * hidden + 4)
+                    + layer + 1024 * vocab * 6 + CUDA_RUNTIME_BYTES),
     }
 
 
@@ -90,7 +100,8 @@ def test_train_plan_prints_the_readme_27b_plan_from_config_json_alone(tmp_path):
     result = CliRunner().invoke(app, ["train", "--config", str(config), "--plan"])
     assert result.exit_code == 0, result.output
     hand = hand_plan()
-    assert f"{hand['target_params']:,} parameters in bfloat16" in result.output  # counted on the meta device = the formula
+    # counted on the meta device = the formula
+    assert f"{hand['target_params']:,} parameters in bfloat16" in result.output
     assert f"drafter: {hand['drafter_params']:,} parameters" in result.output
     assert totals(result.output) == {
         device: round(hand[role] / GB, 2)
@@ -105,11 +116,16 @@ def test_a_plan_that_does_not_fit_is_refused_in_one_line_before_anything_loads(t
     assert planned.exit_code == 2 and "cuda:2   total" in planned.output  # the plan is printed, then refused
     errors = [line for line in planned.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in planned.output
-    assert re.search(r"memory plan: cuda:2 needs 71\.10 GB \(activations kept for backward 15\.18, AdamW moments \(fp32, 2 per "
-                     r"parameter\) 14\.68, .*\) but has 60\.00 GB; .*activation_checkpointing", errors[0])
-    # A real run refuses at the same point: the target's weights and the training data (an unreachable bucket) are never read.
+    assert re.search(r"memory plan: cuda:2 needs 71\.10 GB \(activations kept for backward 15\.18, AdamW moments "
+                     r"\(fp32, 2 per parameter\) 14\.68, .*\) but has 60\.00 GB; .*activation_checkpointing", errors[0])
+    # A real run refuses at the same point: the target's weights and the training data (an unreachable bucket) are never
+    # read.
     trained = CliRunner().invoke(app, ["train", "--config", str(config)])
-    assert trained.exit_code == 2 and "memory plan: cuda:2 needs 71.10 GB" in trained.output and "s3://" not in trained.output
+    assert (
+        trained.exit_code == 2
+        and "memory plan: cuda:2 needs 71.10 GB" in trained.output
+        and "s3://" not in trained.output
+    )
 
 
 def test_ranks_sharing_one_target_device_hold_one_replica_each(tmp_path):
@@ -119,27 +135,38 @@ def test_ranks_sharing_one_target_device_hold_one_replica_each(tmp_path):
     assert (card.device, card.target_replicas, card.items["target weights (bfloat16)"][1]) == ("cuda:0", 2, 2)
     assert any(line.startswith("note: cuda:0 holds 2 target replicas") for line in plan.lines())  # no capacity: flagged
     assert plan.problem() is None
-    small = memory_plan(one_card.model_copy(update={"train": one_card.train.model_copy(update={"device_memory_gb": 80.0})}))
-    assert re.fullmatch(r"memory plan: cuda:0 needs 110\.14 GB \(target weights \(bfloat16\) 2 x 53\.79, .*", small.problem() or "")
-    large = memory_plan(one_card.model_copy(update={"train": one_card.train.model_copy(update={"device_memory_gb": 141.0})}))
+    small = memory_plan(
+        one_card.model_copy(update={"train": one_card.train.model_copy(update={"device_memory_gb": 80.0})})
+    )
+    assert re.fullmatch(r"memory plan: cuda:0 needs 110\.14 GB \(target weights \(bfloat16\) 2 x 53\.79, .*",
+                        small.problem() or "")
+    large = memory_plan(
+        one_card.model_copy(update={"train": one_card.train.model_copy(update={"device_memory_gb": 141.0})})
+    )
     assert large.problem() is None and not large.warnings()  # two replicas that fit are fine
 
 
 def test_activation_checkpointing_and_batch_size_change_the_plan(tmp_path):
     base = memory_plan(load_config(readme_config(tmp_path, ["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"])))
-    doubled = memory_plan(load_config(readme_config(tmp_path, ["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"], batch_size=2)))
+    doubled = memory_plan(load_config(readme_config(tmp_path, ["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"],
+                                                    batch_size=2)))
     saved = memory_plan(load_config(readme_config(tmp_path, ["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"], batch_size=2,
                                                   activation_checkpointing=True)))
     one, two, recomputed = (plan.devices[2] for plan in (base, doubled, saved))  # cuda:2, a drafter rank
-    assert one.fits and two.fits is False and recomputed.fits  # batch 2 needs more than 80 GB unless layers are recomputed
+    # batch 2 needs more than 80 GB unless layers are recomputed
+    assert one.fits and two.fits is False and recomputed.fits
     # two rows recomputed keep less than a third of what one row keeps without
-    assert recomputed.items["activations kept for backward (checkpointed)"][0] < one.items["activations kept for backward"][0] / 3
+    assert (
+        recomputed.items["activations kept for backward (checkpointed)"][0]
+        < one.items["activations kept for backward"][0] / 3
+    )
 
 
 def _spec(layers: int) -> DrafterSpec:
-    return DrafterSpec(hidden_size=48, intermediate_size=80, num_layers=layers, num_attention_heads=6, num_key_value_heads=2,
-                       head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=4096, vocab_size=300, block_size=4,
-                       mask_token_id=1, target_layer_ids=[0, 2], num_target_layers=8, gamma=7.0)
+    return DrafterSpec(hidden_size=48, intermediate_size=80, num_layers=layers, num_attention_heads=6,
+                       num_key_value_heads=2,
+                       head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=4096, vocab_size=300,
+                       block_size=4, mask_token_id=1, target_layer_ids=[0, 2], num_target_layers=8, gamma=7.0)
 
 
 def _step(spec: DrafterSpec, checkpointing: bool, autocast: bool, batch: int = 2, context: int = 40, anchors: int = 5):
@@ -147,14 +174,19 @@ def _step(spec: DrafterSpec, checkpointing: bool, autocast: bool, batch: int = 2
     tensor autograd keeps for backward counted once (by storage); returns (kept bytes, drafter, gradients)."""
     torch.manual_seed(0)
     drafter = DFlashDrafter(spec)
-    apply_memory_options(drafter, drafter, load_config(None, {"train": {"activation_checkpointing": checkpointing}}).train)
+    apply_memory_options(drafter, drafter,
+                         load_config(None, {"train": {"activation_checkpointing": checkpointing}}).train)
     q, size = anchors * spec.block_size, spec.block_size
     features = torch.randn(batch, context, spec.num_target_features * spec.hidden_size)
     block_hidden = torch.randn(batch, q, spec.hidden_size)
     anchor = (torch.arange(anchors) * (context // anchors) + 1).expand(batch, anchors)
     mask = block_attention_mask(anchor, torch.ones(batch, anchors, dtype=torch.bool), context, size)
     positions = anchor.repeat_interleave(size, 1) + torch.arange(size).repeat(anchors)
-    labels, weights, head = torch.randint(0, spec.vocab_size, (batch, q)), torch.ones(batch, q), torch.randn(spec.vocab_size, spec.hidden_size)
+    labels, weights, head = (
+        torch.randint(0, spec.vocab_size, (batch, q)),
+        torch.ones(batch, q),
+        torch.randn(spec.vocab_size, spec.hidden_size),
+    )
     inputs = [features, block_hidden, mask, positions, weights, labels, head]
     kept: dict[int, int] = {}
 
@@ -164,7 +196,8 @@ def _step(spec: DrafterSpec, checkpointing: bool, autocast: bool, batch: int = 2
 
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
-        hidden = DraftForward(drafter)(features, block_hidden, positions, torch.arange(context).expand(batch, context), mask)
+        hidden = DraftForward(drafter)(features, block_hidden, positions, torch.arange(context).expand(batch, context),
+                                       mask)
         out = block_loss(hidden, labels, weights, head, None, size, 4)
     for t in [*drafter.parameters(), *inputs]:
         kept.pop(t.untyped_storage().data_ptr(), None)
@@ -181,8 +214,11 @@ def test_the_activation_estimate_is_what_autograd_keeps(autocast, checkpointing)
         estimate = drafter_activations(spec, 2, 40, 5, autocast, "dense", False, checkpointing).kept
         casts = 0  # autocast's bf16 weight copies that backward needs (the plan counts all of them as one item)
         if autocast:
-            layer_weights = [m.weight.numel() for layer in drafter.layers for m in layer.modules() if isinstance(m, nn.Linear)]
-            kv = [layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel() for layer in drafter.layers]  # type: ignore[union-attr]
+            layer_weights = [
+                m.weight.numel() for layer in drafter.layers for m in layer.modules() if isinstance(m, nn.Linear)
+            ]
+            kv = [layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel()  # type: ignore[union-attr]
+                  for layer in drafter.layers]
             casts = 2 * (sum(kv) if checkpointing else sum(layer_weights))  # fc's weight: no input gradient, never kept
         assert measured == estimate + casts
 
@@ -241,11 +277,15 @@ def test_a_dflash2_plan_counts_the_codebooks_convolutions_and_top_k_tensors(tmp_
     base = memory_plan(load_config(dflash))
     dflash.write_text(dflash.read_text().replace('architecture = "dflash"\n', 'architecture = "dflash2"\n'))
     plan = memory_plan(load_config(dflash))
-    conv = 2 * 2 * hidden + hidden * 2 * 2 * (hidden // 16)  # base_kernel [2, taps, H] + kernel_projection H -> 2 * taps * G
+    # base_kernel [2, taps, H] + kernel_projection H -> 2 * taps * G
+    conv = 2 * 2 * hidden + hidden * 2 * 2 * (hidden // 16)
     extra = 5 * 2 * conv + 2 * vocab * 256 + hidden * 256  # two per layer; two codebooks and the hidden projection
     drafter, before = plan.devices[2].items, base.devices[2].items
     assert drafter["drafter weights (fp32)"][0] - before["drafter weights (fp32)"][0] == 4 * extra
-    assert drafter["AdamW moments (fp32, 2 per parameter)"][0] - before["AdamW moments (fp32, 2 per parameter)"][0] == 8 * extra
+    assert (
+        drafter["AdamW moments (fp32, 2 per parameter)"][0] - before["AdamW moments (fp32, 2 per parameter)"][0]
+        == 8 * extra
+    )
     queries = 512 * 16  # dflash.num_anchors x block size, one row
     assert drafter["top-K candidates + gold (ids, unary logits)"][0] == queries * 17 * 12
     assert drafter["activations kept for backward"][0] > before["activations kept for backward"][0]  # the convolutions
@@ -264,10 +304,16 @@ def test_the_dflash2_activation_estimates_against_what_autograd_keeps(autocast):
     from blockdraft.stages.train.memory import selector_items
 
     for taps in (1, 2):
-        spec = dataclasses.replace(_spec(2), dflash2=DFlash2Spec(conv_kernel_size=taps, conv_group_size=16, selector_rank=8, selector_top_k=4))
+        spec = dataclasses.replace(_spec(2),
+                                   dflash2=DFlash2Spec(conv_kernel_size=taps, conv_group_size=16, selector_rank=8,
+                                                       selector_top_k=4))
         measured, drafter, _ = _step(spec, False, autocast)
         estimate = drafter_activations(spec, 2, 40, 5, autocast, "dense", False, False).kept
-        casts = 2 * sum(m.weight.numel() for layer in drafter.layers for m in layer.modules() if isinstance(m, nn.Linear)) if autocast else 0
+        casts = (
+            2 * sum(m.weight.numel() for layer in drafter.layers for m in layer.modules() if isinstance(m, nn.Linear))
+            if autocast
+            else 0
+        )
         assert measured == estimate + casts if not autocast else measured <= estimate + casts
 
     rows, hidden_size, vocab = 40, 48, 300
@@ -283,11 +329,14 @@ def test_the_dflash2_activation_estimates_against_what_autograd_keeps(autocast):
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            block_loss(hidden * 1.0, labels, weights, head, None, 4, 4, objective=objective, walk_scores=selector.scores)
+            block_loss(hidden * 1.0, labels, weights, head, None, 4, 4, objective=objective,
+                       walk_scores=selector.scores)
         for t in [*selector.parameters(), hidden, head, labels, weights]:
             kept.pop(t.untyped_storage().data_ptr(), None)
         kept_by[name] = sum(kept.values())
-    spec = dataclasses.replace(_spec(1), dflash2=DFlash2Spec(conv_kernel_size=1, conv_group_size=16, selector_rank=8, selector_top_k=4))
+    spec = dataclasses.replace(_spec(1),
+                               dflash2=DFlash2Spec(conv_kernel_size=1, conv_group_size=16, selector_rank=8,
+                                                   selector_top_k=4))
     items = dict(selector_items(spec, rows, 16, 4))
     estimate = items["top-K candidates + gold (ids, unary logits)"] + items["selector scores (hidden, codebook rows)"]
     measured = kept_by["dflash2"] - kept_by["unary"]

@@ -1,4 +1,5 @@
-"""The tokenize stage end to end with the real Qwen3 tokenizer: input variants, bad rows, split, workers, resume, verify."""
+"""The tokenize stage end to end with the real Qwen3 tokenizer: input variants, bad rows, split, workers, resume,
+verify."""
 
 from __future__ import annotations
 
@@ -40,11 +41,20 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages.tokenize.runner import ShardRunner
 from blockdraft.stages.tokenize.shard import is_held_out
 from blockdraft.store import open_store
-from blockdraft.store.artifact import MANIFEST_NAME, State, commit_artifact, entry_for_local_file, read_manifest, verify_artifact
+from blockdraft.store.artifact import (
+    MANIFEST_NAME,
+    State,
+    commit_artifact,
+    entry_for_local_file,
+    read_manifest,
+    verify_artifact,
+)
 
 
 def quarantine_lines(output: Path) -> list[dict]:
-    return [json.loads(line) for p in sorted((output / "quarantine").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    return [
+        json.loads(line) for p in sorted((output / "quarantine").glob("*.jsonl")) for line in p.read_text().splitlines()
+    ]
 
 
 def test_rows_load_with_datasets_and_carry_exact_columns(tmp_path):
@@ -73,9 +83,18 @@ def test_input_variants_normalise_to_the_same_rows(tmp_path):
 
     def sharegpt(conv):
         role = {"system": "system", "user": "human", "assistant": "gpt"}
-        return {"id": conv["id"], "conversations": [
-            {"from": role[m["role"]], "value": f"<think>\n{m['reasoning_content']}\n</think>\n\n{m['content']}" if "reasoning_content" in m else m["content"]}
-            for m in conv["messages"]]}
+        return {
+            "id": conv["id"],
+            "conversations": [
+                {
+                    "from": role[m["role"]],
+                    "value": f"<think>\n{m['reasoning_content']}\n</think>\n\n{m['content']}"
+                    if "reasoning_content" in m
+                    else m["content"],
+                }
+                for m in conv["messages"]
+            ],
+        }
 
     variants = {
         "a.jsonl.gz": canonical,
@@ -105,9 +124,11 @@ def test_generator_token_ids_are_used_directly(tmp_path):
         {"id": "g2", "prompt_ids": [1, 2, 3], "completion_ids": [4, 5]},
         {"id": "g3", "prompt_token_ids": [1, 2], "completion_token_ids": [3, 10**9]},
     ]
-    result = tokenize(str(write_jsonl(tmp_path / "ids.jsonl", rows)), str(tmp_path / "out"), config(held_out_fraction=0.0))
+    result = tokenize(str(write_jsonl(tmp_path / "ids.jsonl", rows)), str(tmp_path / "out"),
+                      config(held_out_fraction=0.0))
     train = rows_of(tmp_path / "out")["train"]
-    assert [r["input_ids"] for r in train] == [rows[0]["prompt_token_ids"] + rows[0]["completion_token_ids"], [1, 2, 3, 4, 5]]
+    assert [r["input_ids"] for r in train] == [rows[0]["prompt_token_ids"] + rows[0]["completion_token_ids"],
+                                               [1, 2, 3, 4, 5]]
     assert [r["loss_mask"] for r in train] == [[0] * 9 + [1] * 3, [0, 0, 0, 1, 1]]
     assert result.details.counts["rejected"] == {"bad_token_ids": 1}
     assert result.details.counts["thinking"] == {"generator": 2}
@@ -116,14 +137,21 @@ def test_generator_token_ids_are_used_directly(tmp_path):
 BAD_ROWS = {
     "bad_json": '{"id": "broken", "messages": [',
     "no_assistant_turn": {"id": "b1", "messages": [{"role": "user", "content": "hi"}]},
-    "no_user_turn": {"id": "b2", "messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}]},
+    "no_user_turn": {"id": "b2",
+                     "messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}]},
     "system_not_first": {"id": "b3", "messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
                                                   {"role": "assistant", "content": "a"}]},
-    "non_string_content": {"id": "b4", "messages": [{"role": "user", "content": {"text": "q"}}, {"role": "assistant", "content": "a"}]},
-    "lone_think_close": {"id": "b5", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r</think>a"}]},
-    "unclosed_think": {"id": "b6", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r"}]},
+    "non_string_content": {"id": "b4",
+                           "messages": [{"role": "user", "content": {"text": "q"}},
+                                        {"role": "assistant", "content": "a"}]},
+    "lone_think_close": {"id": "b5",
+                         "messages": [{"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": "r</think>a"}]},
+    "unclosed_think": {"id": "b6",
+                       "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r"}]},
     "empty_turn": {"id": "b7", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
-    "too_long": {"id": "b8", "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "a b c"}]},
+    "too_long": {"id": "b8",
+                 "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "a b c"}]},
 }
 
 
@@ -146,22 +174,26 @@ def test_every_bad_row_class_is_quarantined_with_its_reason_and_counted(tmp_path
 
 
 DROPS_CONTENT = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role != 'assistant' %}{{ m.content }}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role != 'assistant' %}{{ m.content }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TEMPLATE_ERROR_ROW = {"id": "te", "messages": [  # Qwen3.6 iterates tool-call arguments with |items: a list raises
     {"role": "user", "content": "q"},
-    {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": ["not", "a", "mapping"]}}]}]}
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"function": {"name": "f", "arguments": ["not", "a", "mapping"]}}]}]}
 
 
 @pytest.mark.parametrize(
     ("template", "thinking", "rows", "expected"),
     [
-        ("trl_qwen3_instruct_2507", "auto", [conversation(1), conversation(2, reasoning=False)], {"template_dropped_reasoning": 1}),
-        ("qwenlm_qwen3_nonthinking", "auto", [conversation(1), conversation(2, reasoning=False)], {"render_not_prefix": 1}),
+        ("trl_qwen3_instruct_2507", "auto", [conversation(1), conversation(2, reasoning=False)],
+         {"template_dropped_reasoning": 1}),
+        ("qwenlm_qwen3_nonthinking", "auto", [conversation(1), conversation(2, reasoning=False)],
+         {"render_not_prefix": 1}),
         ("trl_qwen3_6", "on", [conversation(1), conversation(2, reasoning=False), TEMPLATE_ERROR_ROW],
          {"boundary_merge": 1, "template_error": 1}),
-        (DROPS_CONTENT, "auto", [conversation(2, reasoning=False), conversation(3, reasoning=False)], {"template_dropped_content": 2}),
+        (DROPS_CONTENT, "auto", [conversation(2, reasoning=False), conversation(3, reasoning=False)],
+         {"template_dropped_content": 2}),
     ],
     ids=["2507-drops-reasoning", "nonthinking-not-prefix", "qwen3.6-merge-and-error", "drops-content"],
 )
@@ -171,7 +203,8 @@ def test_template_caused_rejections_are_quarantined(tmp_path, template, thinking
         path.write_text(template)
     else:
         path = TEMPLATES / f"{template}.jinja"
-    result = tokenize(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"), config(str(path), thinking=thinking))
+    result = tokenize(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"),
+                      config(str(path), thinking=thinking))
     assert result.report.state is State.VERIFIED
     assert result.details.counts["rejected"] == expected
     assert Counter(q["reason"] for q in quarantine_lines(tmp_path / "out")) == expected
@@ -201,7 +234,9 @@ def test_manifest_holds_template_hash_thinking_mode_counts_and_lineage(tmp_path)
     assert run["template_sha256"] == hashlib.sha256(own_template.encode()).hexdigest()
     assert run["template_matches_target"] is True and run["thinking"] == "auto" and run["end_of_turn_id"] == 151645
     thinking = manifest.counts["thinking"]
-    assert thinking["on"] > 0 and thinking["off"] > 0 and thinking["on"] + thinking["off"] == manifest.counts["rows_out"]
+    assert (
+        thinking["on"] > 0 and thinking["off"] > 0 and thinking["on"] + thinking["off"] == manifest.counts["rows_out"]
+    )
     assert [Path(ref.url).name for ref in manifest.lineage] == ["part-00.jsonl", "part-01.jsonl"]
     assert all(ref.kind == "raw" and ref.checksum and ref.size for ref in manifest.lineage)
     listed = {f.path for f in manifest.files}
@@ -256,7 +291,9 @@ def test_verify_reports_corrupt_missing_incomplete_on_tokenized_output(tmp_path)
     corpus = make_corpus(tmp_path / "in", files=1, per_file=10)
     out = tmp_path / "out"
     runner = CliRunner()
-    result = runner.invoke(app, ["tokenize", str(corpus), str(out), "--tokenizer", str(TOKENIZER_DIR), "--held-out-fraction", "0"])
+    result = runner.invoke(app,
+                           ["tokenize", str(corpus), str(out), "--tokenizer", str(TOKENIZER_DIR), "--held-out-fraction",
+                            "0"])
     assert result.exit_code == 0, result.output
     assert "verified" in result.output
     result = runner.invoke(app, ["verify", str(out)])
@@ -267,7 +304,11 @@ def test_verify_reports_corrupt_missing_incomplete_on_tokenized_output(tmp_path)
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     result = runner.invoke(app, ["verify", str(out)])
-    assert result.exit_code == 1 and result.stdout.startswith("corrupt") and "train/shard-00000-part-000.arrow" in result.output
+    assert (
+        result.exit_code == 1
+        and result.stdout.startswith("corrupt")
+        and "train/shard-00000-part-000.arrow" in result.output
+    )
 
     shard.unlink()
     result = runner.invoke(app, ["verify", str(out)])
@@ -292,18 +333,23 @@ def test_a_template_that_is_not_the_targets_is_announced_loudly(tmp_path):
 
 def test_bad_user_input_is_one_clear_line(tmp_path):
     runner = CliRunner()
-    result = runner.invoke(app, ["tokenize", str(tmp_path / "nope"), str(tmp_path / "out"), "--tokenizer", str(TOKENIZER_DIR)])
+    result = runner.invoke(app,
+                           ["tokenize", str(tmp_path / "nope"), str(tmp_path / "out"), "--tokenizer",
+                            str(TOKENIZER_DIR)])
     assert result.exit_code == 2 and "does not exist" in result.output and "Traceback" not in result.output
     (tmp_path / "empty").mkdir()
     result = runner.invoke(app, ["tokenize", str(tmp_path / "empty"), str(tmp_path / "out")])
     assert result.exit_code == 2 and "--tokenizer" in result.output
-    result = runner.invoke(app, ["tokenize", str(tmp_path / "empty"), str(tmp_path / "out"), "--tokenizer", str(TOKENIZER_DIR),
+    result = runner.invoke(app,
+                           ["tokenize", str(tmp_path / "empty"), str(tmp_path / "out"), "--tokenizer",
+                            str(TOKENIZER_DIR),
                                  "--thinking", "maybe"])
     assert result.exit_code == 2 and "thinking" in result.output
 
 
 def test_shards_are_streamed_in_bounded_record_batches_and_rotated(tmp_path):
-    """What keeps a worker's memory flat: rows leave in record batches of at most 256, files rotate every rows_per_shard."""
+    """What keeps a worker's memory flat: rows leave in record batches of at most 256, files rotate every
+    rows_per_shard."""
     corpus = make_corpus(tmp_path / "in", files=1, per_file=600)
     tokenize(str(corpus), str(tmp_path / "out"), config(held_out_fraction=0.0, rows_per_shard=300))
     files = sorted((tmp_path / "out" / "train").glob("*.arrow"))
@@ -320,19 +366,22 @@ def test_a_completions_artifact_is_read_through_its_manifest_and_pinned_by_it(tm
     src = tmp_path / "completions"
     write_jsonl(src / "shard-0.jsonl.zst", [conversation(i) for i in range(5)])
     (src / "notes.txt").write_text("not a completions file")
-    commit_artifact(open_store(src), "completions", [entry_for_local_file(src, src / "shard-0.jsonl.zst")], config={"k": 1})
+    commit_artifact(open_store(src), "completions", [entry_for_local_file(src, src / "shard-0.jsonl.zst")],
+                    config={"k": 1})
     result = tokenize(str(src), str(tmp_path / "out"), config())
     assert result.details.counts["rows_out"] == 5
     manifest = read_manifest(open_store(tmp_path / "out"))[0]
     [ref] = manifest.lineage
     assert ref.kind == "manifest" and ref.sha256 == hashlib.sha256((src / MANIFEST_NAME).read_bytes()).hexdigest()
     # The input artifact changes: the tokenized output is reported stale, by content, not by path or time.
-    commit_artifact(open_store(src), "completions", [entry_for_local_file(src, src / "shard-0.jsonl.zst")], config={"k": 2})
+    commit_artifact(open_store(src), "completions", [entry_for_local_file(src, src / "shard-0.jsonl.zst")],
+                    config={"k": 2})
     assert verify_artifact(open_store(tmp_path / "out"), check_inputs=True).state is State.STALE
 
 
 class AppendAfterFirstProgress(Reporter):
-    """Appends `line` to `path` once the first input bytes are reported done: after listing, before later shards are read."""
+    """Appends `line` to `path` once the first input bytes are reported done: after listing, before later shards are
+    read."""
 
     def __init__(self, path: Path, line: str) -> None:
         super().__init__()
@@ -386,10 +435,13 @@ def test_progress_is_reported_in_input_bytes_with_rows_and_tokens(tmp_path):
     for workers in (1, 2):
         reporter = ProgressLog()
         result = tokenize(corpus, tmp_path / f"out-{workers}", config(workers=workers), reporter)
-        assert {task for task, *_ in reporter.calls} == {"tokenize"} and all(t == total for _, _, t, _ in reporter.calls)
+        assert {task for task, *_ in reporter.calls} == {"tokenize"} and all(
+            t == total for _, _, t, _ in reporter.calls
+        )
         done = [c for _, c, _, _ in reporter.calls]
         assert done[0] == 0 and done == sorted(done) and done[-1] == total
-        assert reporter.calls[-1][3] == {"rows": result.details.counts["rows_out"], "tokens": result.details.counts["tokens"]}
+        assert reporter.calls[-1][3] == {"rows": result.details.counts["rows_out"],
+                                         "tokens": result.details.counts["tokens"]}
     # A rerun that resumes some shards reports only the bytes still to do, and says it resumes.
     half_finished(tmp_path / "out-1", "shard-00002")
     reporter = ProgressLog()
@@ -428,9 +480,14 @@ def test_a_second_run_on_the_same_output_is_refused_by_the_lease_while_the_first
 
     reporter = SecondRunInside()
     assert tokenize(corpus, tmp_path / "out", config(), reporter).report.state is State.VERIFIED
-    assert reporter.refusal is not None and reporter.refusal.returncode == 3, reporter.refusal and reporter.refusal.stderr
+    assert reporter.refusal is not None and reporter.refusal.returncode == 3, (
+        reporter.refusal and reporter.refusal.stderr
+    )
     [line] = reporter.refusal.stdout.splitlines()
-    assert line.startswith(f"file://{tmp_path / 'out'} is being written by pid {os.getpid()} on ") and "wait for it to finish" in line
+    assert (
+        line.startswith(f"file://{tmp_path / 'out'} is being written by pid {os.getpid()} on ")
+        and "wait for it to finish" in line
+    )
 
 
 # Qwen3.5 / Qwen3.6 targets: the stage on multi-turn rows with the real templates, thinking on and off.
@@ -442,7 +499,8 @@ QWEN3_6_ROW = {"id": "q36", "messages": [
     {"role": "user", "content": "What is 2+3?"},
     {"role": "assistant", "reasoning_content": "Two plus three.", "content": "5"},
 ]}
-QWEN3_6_SUPERVISED = {0: "Seven is prime.\n</think>\n\n7.<|im_end|>", 1: "Hi!<|im_end|>", 2: "Two plus three.\n</think>\n\n5<|im_end|>"}
+QWEN3_6_SUPERVISED = {0: "Seven is prime.\n</think>\n\n7.<|im_end|>", 1: "Hi!<|im_end|>",
+                      2: "Two plus three.\n</think>\n\n5<|im_end|>"}
 
 
 def _decoded(tok, row: dict) -> tuple[str, str]:
@@ -451,7 +509,8 @@ def _decoded(tok, row: dict) -> tuple[str, str]:
     first, last = mask.index(1), len(mask) - 1 - mask[::-1].index(1)
     assert all(mask[first : last + 1]) and not any(mask[last + 1 :])
     ids = row["input_ids"]
-    return tok.decode(ids[:first], skip_special_tokens=False), tok.decode(ids[first : last + 1], skip_special_tokens=False)
+    return tok.decode(ids[:first], skip_special_tokens=False), tok.decode(ids[first : last + 1],
+                                                                          skip_special_tokens=False)
 
 
 def test_a_qwen3_6_hybrid_target_tokenizes_multi_turn_rows_with_its_own_template_exactly(tmp_path):
@@ -471,7 +530,8 @@ def test_a_qwen3_6_hybrid_target_tokenizes_multi_turn_rows_with_its_own_template
         assert "Seven is prime." not in prompt  # dropped before a later user message, as the template does at serving
 
 
-@pytest.mark.parametrize("template", ["trl_qwen3_5_think", "trl_qwen3_5_nothink", "trl_qwen3_6", "trl_qwen3_6_training"])
+@pytest.mark.parametrize("template",
+                         ["trl_qwen3_5_think", "trl_qwen3_5_nothink", "trl_qwen3_6", "trl_qwen3_6_training"])
 @pytest.mark.parametrize(("thinking", "kept", "rejected"), [
     ("on", [0, 2], {"boundary_merge": 1}),  # turn 1 has empty reasoning: "<think>\n" + "\n" merge into one token
     ("off", [1], {"render_not_prefix": 2}),  # reasoning cannot follow the prompt's closed empty think block

@@ -1,8 +1,9 @@
-"""Rows longer than `tokenize.max_length` are clipped and counted: rows clipped, tokens dropped, supervised tokens dropped.
+"""Rows longer than `tokenize.max_length` are clipped and counted: rows clipped, tokens dropped, supervised tokens
+dropped.
 
-The expected figures come from the same conversations tokenized whole (a `max_length` nothing reaches): every clipped row
-must be its whole row cut at `max_length`, and the counts in the summary, the manifest and `status` must add up to exactly
-what the cuts removed, across shards, workers and resumed runs.
+The expected figures come from the same conversations tokenized whole (a `max_length` nothing reaches): every clipped
+row must be its whole row cut at `max_length`, and the counts in the summary, the manifest and `status` must add up to
+exactly what the cuts removed, across shards, workers and resumed runs.
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ TOO_LONG = {"id": "big-prompt", "messages": [{"role": "user", "content": "word "
 
 
 def expected_clipping(whole: Path, clipped: Path, max_length: int) -> dict[str, int]:
-    """The clip counts, worked out from the rows themselves: each row of `clipped` is its `whole` row cut at `max_length`."""
+    """The clip counts, worked out from the rows themselves: each row of `clipped` is its `whole` row cut at
+    `max_length`."""
     cut = {(r["source_id"], r["turn"]): r for rows in rows_of(clipped).values() for r in rows}
     counts: dict[str, int] = dict.fromkeys(CLIP_KEYS, 0)
     for row in (r for rows in rows_of(whole).values() for r in rows):
         ids, mask = row["input_ids"], row["loss_mask"]
         kept = cut.get((row["source_id"], row["turn"]))
         if kept is None:  # rejected too_long: at most one supervised token left before the cut
-            assert len(ids) > max_length and sum(a & b for a, b in zip(mask[: max_length - 1], mask[1:max_length], strict=True)) == 0
+            assert len(ids) > max_length and sum(a & b for a, b in zip(mask[: max_length - 1], mask[1:max_length],
+                                                                       strict=True)) == 0
             continue
         assert kept["input_ids"] == ids[:max_length] and kept["loss_mask"] == mask[:max_length]
         if len(ids) > max_length:
@@ -55,11 +58,13 @@ def test_multi_turn_thinking_rows_report_exact_clipping_in_summary_manifest_and_
     source = write_jsonl(tmp_path / "in.jsonl", [*LONG, TOO_LONG])
     tokenize(source, tmp_path / "whole", config(thinking="on", held_out_fraction=0.0, max_length=WHOLE))
     reporter = Reporter()
-    result = tokenize(source, tmp_path / "out", config(thinking="on", held_out_fraction=0.3, max_length=MAX_LENGTH), reporter)
+    result = tokenize(source, tmp_path / "out", config(thinking="on", held_out_fraction=0.3, max_length=MAX_LENGTH),
+                      reporter)
     assert result.report.state is State.VERIFIED
     expected = expected_clipping(tmp_path / "whole", tmp_path / "out", MAX_LENGTH)
     whole_rows = [r for r in rows_of(tmp_path / "whole")["train"] if r["source_id"] != "big-prompt"]
-    # The data reaches every case: rows cut in their supervised span, one cut after it, rows left whole, a prompt too long.
+    # The data reaches every case: rows cut in their supervised span, one cut after it, rows left whole, a prompt too
+    # long.
     [just_over] = [r for r in whole_rows if r["num_tokens"] == MAX_LENGTH + 1]
     assert just_over["loss_mask"][-1] == 0 and any(r["num_tokens"] <= MAX_LENGTH for r in whole_rows)
     assert expected["rows_clipped"] == 12 and expected["supervised_tokens_clipped"] < expected["tokens_clipped"]
@@ -68,16 +73,19 @@ def test_multi_turn_thinking_rows_report_exact_clipping_in_summary_manifest_and_
     assert clip_counts(result.details.counts) == expected
     manifest = read_manifest(open_store(tmp_path / "out"))[0]
     assert clip_counts(manifest.counts) == expected and all(type(manifest.counts[k]) is int for k in CLIP_KEYS)
-    assert result.details.counts["tokens"] == sum(r["num_tokens"] for rows in rows_of(tmp_path / "out").values() for r in rows)
+    assert result.details.counts["tokens"] == sum(
+        r["num_tokens"] for rows in rows_of(tmp_path / "out").values() for r in rows
+    )
     lines = summary_lines(result)
     assert (f"  clipped to tokenize.max_length {MAX_LENGTH}: rows 12; tokens dropped {expected['tokens_clipped']:,}, "
             f"of them supervised {expected['supervised_tokens_clipped']:,}") in lines
     # 12 of 18 rows clipped: one warning naming the setting, the figures and the fix; in the result's warnings too.
     [warning] = [w for w in reporter.warnings if "max_length" in w]
     assert warning.startswith(f"12 of 18 rows (66.7%) were longer than tokenize.max_length {MAX_LENGTH}")
-    share = 100 * expected["supervised_tokens_clipped"] / sum(r["num_supervised"] for r in whole_rows)  # of the rows written
-    assert (f"dropping {expected['tokens_clipped']:,} tokens of which {expected['supervised_tokens_clipped']:,} supervised "
-            f"({share:.1f}% of all supervised tokens)") in warning
+    # of the rows written
+    share = 100 * expected["supervised_tokens_clipped"] / sum(r["num_supervised"] for r in whole_rows)
+    assert (f"dropping {expected['tokens_clipped']:,} tokens of which {expected['supervised_tokens_clipped']:,} "
+            f"supervised ({share:.1f}% of all supervised tokens)") in warning
     assert "raise tokenize.max_length" in warning and warning in result.details.warnings
     assert f"  WARNING: {warning}" in lines
 
@@ -90,7 +98,8 @@ def test_multi_turn_thinking_rows_report_exact_clipping_in_summary_manifest_and_
 
     # A rerun that finds the output done reports the same figures from the manifest, and warns again.
     again_reporter = Reporter()
-    again = tokenize(source, tmp_path / "out", config(thinking="on", held_out_fraction=0.3, max_length=MAX_LENGTH), again_reporter)
+    again = tokenize(source, tmp_path / "out", config(thinking="on", held_out_fraction=0.3, max_length=MAX_LENGTH),
+                     again_reporter)
     assert again.already_done and clip_counts(again.details.counts) == expected
     assert [w for w in again_reporter.warnings if "max_length" in w] == [warning]
 
@@ -98,7 +107,9 @@ def test_multi_turn_thinking_rows_report_exact_clipping_in_summary_manifest_and_
 def test_the_warning_comes_only_above_one_percent_of_rows(tmp_path):
     max_length = 80  # above every short row (at most 69 tokens), below the long single-turn ones (98 and more)
     for n_long in (1, 2):
-        rows = [conversation(i) for i in range(100 - n_long)] + [long_conversation(i, turns=1, words=30) for i in range(n_long)]
+        rows = [conversation(i) for i in range(100 - n_long)] + [
+            long_conversation(i, turns=1, words=30) for i in range(n_long)
+        ]
         source = write_jsonl(tmp_path / f"in-{n_long}.jsonl", rows)
         tokenize(source, tmp_path / f"whole-{n_long}", config(thinking="on", max_length=WHOLE))
         reporter = Reporter()
@@ -109,9 +120,14 @@ def test_the_warning_comes_only_above_one_percent_of_rows(tmp_path):
         warnings = [w for w in reporter.warnings if "max_length" in w]
         if n_long == 1:  # exactly 1%: counted and shown, not warned about
             assert warnings == [] and not any("max_length" in w for w in result.details.warnings)
-            assert any(line.startswith(f"  clipped to tokenize.max_length {max_length}: rows 1;") for line in summary_lines(result))
+            assert any(
+                line.startswith(f"  clipped to tokenize.max_length {max_length}: rows 1;")
+                for line in summary_lines(result)
+            )
         else:
-            assert warnings == [clip_warning(result.details.counts, max_length)] and warnings[0].startswith("2 of 100 rows (2.0%)")
+            assert warnings == [clip_warning(result.details.counts, max_length)] and warnings[0].startswith(
+                "2 of 100 rows (2.0%)"
+            )
     # An output with no rows at all has nothing to warn about.
     assert clip_warning({"rows_out": 0, "rows_clipped": 0}, 4096) is None
 

@@ -1,4 +1,5 @@
-"""Kill and resume: `blockdraft tokenize` SIGKILLed midway, then rerun, ends with exactly the rows of an uninterrupted run."""
+"""Kill and resume: `blockdraft tokenize` SIGKILLed midway, then rerun, ends with exactly the rows of an uninterrupted
+run."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def freeze_at_first_piece(proc: subprocess.Popen, out: Path) -> set[int]:
 def test_sigkill_midway_then_rerun_gives_the_uninterrupted_rows(tmp_path):
     corpus = make_corpus(tmp_path / "in", files=8, per_file=150)
     out = tmp_path / "out"
-    cmd = [*CLI, "tokenize", str(corpus), str(out), "--tokenizer", str(TOKENIZER_DIR), "--workers", "2", "--held-out-fraction", "0.1"]
+    cmd = [*CLI, "tokenize", str(corpus), str(out), "--tokenizer", str(TOKENIZER_DIR), "--workers", "2",
+           "--held-out-fraction", "0.1"]
     env = {**os.environ, "TERM": "dumb", "COLUMNS": "200"}
     # Its own process group, so that it and its workers can be frozen together (and nothing else is).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -75,7 +77,8 @@ def test_sigkill_midway_then_rerun_gives_the_uninterrupted_rows(tmp_path):
             proc.kill()
             proc.wait()
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGCONT)  # a stopped worker can only notice its parent's death once it runs again
+            # a stopped worker can only notice its parent's death once it runs again
+            os.killpg(proc.pid, signal.SIGCONT)
     proc.stdout.close()
 
     # Killed midway: some shards recorded as pieces, no manifest; the workers die with their parent.

@@ -1,7 +1,8 @@
-"""Tokenize splits work by size, not by file, with the real Qwen3 tokenizer: one large input is cut into tasks (byte ranges
-of a plain JSONL, decompressed ranges of .gz/.zst, Parquet row groups) that give exactly the rows of the unsplit run;
-each task is resumable on its own; a file cut short fails whole however many tasks read it; the input is checksummed
-by the tasks that read it, never by the parent first; JSON arrays are streamed; Arrow files are cut by bytes."""
+"""Tokenize splits work by size, not by file, with the real Qwen3 tokenizer: one large input is cut into tasks (byte
+ranges of a plain JSONL, decompressed ranges of .gz/.zst, Parquet row groups) that give exactly the rows of the unsplit
+run; each task is resumable on its own; a file cut short fails whole however many tasks read it; the input is
+checksummed by the tasks that read it, never by the parent first; JSON arrays are streamed; Arrow files are cut by
+bytes."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ SMALL_TASKS = 8 << 10  # bytes: a corpus of ~100 KB is cut into 16 parts
 
 
 def corpus_rows(n: int = 400) -> list:
-    """Conversations of varied length, with blank lines, lines that are not JSON and rows that are rejected, so that task
-    boundaries land inside every kind of line."""
+    """Conversations of varied length, with blank lines, lines that are not JSON and rows that are rejected, so that
+    task boundaries land inside every kind of line."""
     rows: list = []
     for i in range(n):
         rows.append(conversation(i, turns=1 + i % 3, reasoning=i % 4 != 1))
@@ -43,8 +44,11 @@ def corpus_rows(n: int = 400) -> list:
 
 
 def quarantined(output: Path) -> list[tuple]:
-    """Every quarantine line, in task order, without where it was found (a task that starts mid-file knows no line number)."""
-    lines = [json.loads(line) for p in sorted((output / "quarantine").glob("*.jsonl")) for line in p.read_text().splitlines()]
+    """Every quarantine line, in task order, without where it was found (a task that starts mid-file knows no line
+    number)."""
+    lines = [
+        json.loads(line) for p in sorted((output / "quarantine").glob("*.jsonl")) for line in p.read_text().splitlines()
+    ]
     return [(q["input"], q["source_id"], q["turn"], q["reason"], q["row"]) for q in lines]
 
 
@@ -59,7 +63,8 @@ def write_format(path: Path, rows: list) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.name.endswith(".parquet"):
         buf = io.BytesIO()
-        pq.write_table(pa.Table.from_struct_array(pa.array([r for r in rows if isinstance(r, dict)])), buf, row_group_size=16)
+        pq.write_table(pa.Table.from_struct_array(pa.array([r for r in rows if isinstance(r, dict)])), buf,
+                       row_group_size=16)
         path.write_bytes(buf.getvalue())
         return path
     data = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
@@ -105,7 +110,9 @@ def test_a_plain_jsonl_is_cut_into_a_power_of_two_of_line_ranges_that_tile_it(tm
     # A JSON array is not cut: one task streams it.
     array = tmp_path / "b.json"
     array.write_text(json.dumps([conversation(i) for i in range(300)]))
-    assert split_file(lambda: array.open("rb"), array.name, array.stat().st_size, SMALL_TASKS) == [(ReadRange(), array.stat().st_size)]
+    assert split_file(lambda: array.open("rb"), array.name, array.stat().st_size, SMALL_TASKS) == [
+        (ReadRange(), array.stat().st_size)
+    ]
     # A compressed stream of unknown decompressed size is cut into at most MAX_STREAM_PARTS decompressed ranges.
     zst = write_format(tmp_path / "c.jsonl.zst", corpus_rows(3000))
     parts = split_file(lambda: zst.open("rb"), zst.name, zst.stat().st_size, 1024)
@@ -181,7 +188,8 @@ def test_a_byte_changed_past_a_parts_end_redoes_the_part_whose_last_line_holds_i
     again = tokenize(src, tmp_path / "out", cfg)
     tokenize(src, tmp_path / "fresh", cfg)
     assert rows_of(tmp_path / "out") == rows_of(tmp_path / "fresh")
-    assert again.details.shards_skipped == first.details.shards_total - 2  # the part that owns the line, the part that holds the byte
+    # the part that owns the line, the part that holds the byte
+    assert again.details.shards_skipped == first.details.shards_total - 2
 
 
 @pytest.mark.slow
@@ -208,13 +216,17 @@ def test_a_cut_zst_read_by_several_tasks_fails_that_whole_file(tmp_path):
     assert result.details.shards_total > 2 and result.report.state is State.VERIFIED
     counts = result.details.counts
     assert counts["input_files_failed"] == 1 and list(counts["failed_inputs"]) == ["cut.jsonl.zst"]
-    assert counts["rows_in"] == 5 and sorted(r["source_id"] for r in rows_of(tmp_path / "out")["train"]) == [f"c{i}" for i in range(5)]
+    assert counts["rows_in"] == 5 and sorted(r["source_id"] for r in rows_of(tmp_path / "out")["train"]) == [
+        f"c{i}" for i in range(5)
+    ]
     assert counts["failed_inputs"]["cut.jsonl.zst"]["rows_read_before_failure"] > 0
     # One line names it; none of its tasks left a piece, a row file or a quarantine file.
     assert [(q[0], q[3]) for q in quarantined(tmp_path / "out")] == [("cut.jsonl.zst", "truncated_input")]
     assert all(not name.startswith("shard-00000-") for name in piece_names(tmp_path / "out"))
     listed = {f.path for f in manifest_of(tmp_path / "out").files}
-    assert {p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*.arrow")} <= listed | {"held_out/empty.arrow"}
+    assert {p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*.arrow")} <= listed | {
+        "held_out/empty.arrow"
+    }
 
 
 def test_a_json_array_is_streamed_and_an_element_too_large_is_refused_with_a_jsonl_hint(tmp_path, monkeypatch):
@@ -224,7 +236,9 @@ def test_a_json_array_is_streamed_and_an_element_too_large_is_refused_with_a_jso
     array.write_text(json.dumps(rows, indent=1))
     monkeypatch.setattr(records, "ARRAY_READ", 512)  # the array arrives in many small reads
     result = tokenize(array, tmp_path / "out", config(held_out_fraction=0.0, task_bytes=1024))
-    assert result.details.shards_total == 1 and [r["source_id"] for r in rows_of(tmp_path / "out")["train"]] == [f"c{i}" for i in range(40)]
+    assert result.details.shards_total == 1 and [r["source_id"] for r in rows_of(tmp_path / "out")["train"]] == [
+        f"c{i}" for i in range(40)
+    ]
     monkeypatch.setattr(records, "MAX_ARRAY_ELEMENT", 100)
     with pytest.raises(InputFilesFailed) as raised:
         tokenize(array, tmp_path / "refused", config(held_out_fraction=0.0))
@@ -249,8 +263,11 @@ def test_a_large_object_on_s3_is_read_in_byte_ranges_by_several_tasks(s3_bucket,
     src = write_format(tmp_path / "local" / "big.jsonl", rows)
     s3_env.client().put_object(Bucket=s3_bucket, Key="raw/big.jsonl", Body=src.read_bytes())
     tokenize(src, tmp_path / "ref", config(held_out_fraction=0.2))
-    split = tokenize(f"s3://{s3_bucket}/raw", tmp_path / "out", config(held_out_fraction=0.2, task_bytes=SMALL_TASKS, workers=2))
+    split = tokenize(f"s3://{s3_bucket}/raw", tmp_path / "out",
+                     config(held_out_fraction=0.2, task_bytes=SMALL_TASKS, workers=2))
     assert split.details.shards_total > 1 and split.report.state is State.VERIFIED
-    assert rows_of(tmp_path / "out") == rows_of(tmp_path / "ref") and quarantined(tmp_path / "out") == quarantined(tmp_path / "ref")
+    assert rows_of(tmp_path / "out") == rows_of(tmp_path / "ref") and quarantined(tmp_path / "out") == quarantined(
+        tmp_path / "ref"
+    )
     [ref] = manifest_of(tmp_path / "out").lineage
     assert ref.url == f"s3://{s3_bucket}/raw/big.jsonl" and ref.etag and ref.size == src.stat().st_size

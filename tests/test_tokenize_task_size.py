@@ -1,6 +1,6 @@
-"""Tokenize sizes its tasks for its workers, with the real Qwen3 tokenizer and real files: about 4 tasks a worker over all
-the input bytes, never more than `tokenize.task_bytes` a task and never less than `tokenize.min_task_bytes`, so one large
-file keeps every worker busy and a small one stays whole; the rows and their order are the same for any number of
+"""Tokenize sizes its tasks for its workers, with the real Qwen3 tokenizer and real files: about 4 tasks a worker over
+all the input bytes, never more than `tokenize.task_bytes` a task and never less than `tokenize.min_task_bytes`, so one
+large file keeps every worker busy and a small one stays whole; the rows and their order are the same for any number of
 workers, and a resume with another number of workers cuts the input as the run it resumes did and keeps its finished
 tasks."""
 
@@ -42,7 +42,10 @@ def test_one_40_mb_file_is_cut_into_several_tasks_per_worker_within_task_bytes(t
     size, one = plan(src.parent, workers=1)
     assert 2 <= len(one) < len(two) and all(t.share <= size <= default.task_bytes for t in one)
     _, many = plan(src.parent, workers=64)  # more workers than 1 MiB tasks: the floor holds
-    assert all(t.share >= default.min_task_bytes // 2 for t in many) and len(many) <= src.stat().st_size // default.min_task_bytes * 2
+    assert (
+        all(t.share >= default.min_task_bytes // 2 for t in many)
+        and len(many) <= src.stat().st_size // default.min_task_bytes * 2
+    )
 
 
 def test_same_rows_in_the_same_order_with_one_or_two_workers(tmp_path):
@@ -57,7 +60,10 @@ def test_same_rows_in_the_same_order_with_one_or_two_workers(tmp_path):
     assert rows_of(tmp_path / "two") == rows_of(tmp_path / "one")
     without_shards = [{k: v for k, v in r.details.counts.items() if k != "shards"} for r in (one, two)]
     assert without_shards[0] == without_shards[1]
-    assert f"tokenize: {two.details.shards_total} tasks of about 20 KiB for 2 workers (task size 20 KiB)" in two_lines.lines
+    assert (
+        f"tokenize: {two.details.shards_total} tasks of about 20 KiB for 2 workers (task size 20 KiB)"
+        in two_lines.lines
+    )
     assert any(line.startswith(f"tokenize: {one.details.shards_total} tasks of about") for line in one_lines.lines)
 
 
@@ -79,11 +85,16 @@ def test_a_resume_with_another_worker_count_keeps_the_finished_tasks(tmp_path):
     again = tokenize(src, out, config(workers=2, **SMALL), reporter)
     assert again.details.shards_skipped == 3 and again.details.shards_total == 4
     assert "resuming: 3 of 4 shards already done (records and files match this run)" in reporter.lines
-    assert any("the size the finished shards of the run it resumes were cut with, to keep them" in line for line in reporter.lines)
+    assert any(
+        "the size the finished shards of the run it resumes were cut with, to keep them" in line
+        for line in reporter.lines
+    )
     assert rows_of(out) == uninterrupted
 
     # Pieces no cut of this run matches (another config here) are said to be redone, and the input is cut for 2 workers.
     reporter = Reporter()
     other = tokenize(src, out, config(workers=2, held_out_fraction=0.2, **SMALL), reporter)
     assert other.details.shards_total == 8 and other.details.shards_skipped == 0
-    assert any(line.startswith("redoing the input of 4 finished shards that do not match this run") for line in reporter.lines)
+    assert any(
+        line.startswith("redoing the input of 4 finished shards that do not match this run") for line in reporter.lines
+    )

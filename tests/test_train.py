@@ -48,7 +48,8 @@ def data_url(tmp_path_factory) -> str:
 @pytest.mark.slow
 def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_url):
     cfg = load_config(config_file(tmp_path, data_url, max_steps=60, checkpoint_every=30, batch_size=4, lr=5e-3,
-                                  decode_eval_prompts=2))  # the default: each checkpoint decoded for real on two prompts
+                                  # the default: each checkpoint decoded for real on two prompts
+                                  decode_eval_prompts=2))
     reporter = ProgressLog()
     done = run(cfg, reporter=reporter)
     result = done.details
@@ -70,7 +71,8 @@ def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_
         assert report.state is State.VERIFIED, report.summary()
         assert report.manifest.kind == CHECKPOINT_KIND
         names = {f.path for f in report.manifest.files}
-        assert {"config.json", "model.safetensors", "training-state.pt", "blockdraft-config.json", "metrics.jsonl"} <= names
+        assert {"config.json", "model.safetensors", "training-state.pt", "blockdraft-config.json",
+                "metrics.jsonl"} <= names
         assert ("training-curves.png" in names) == (step == 60)  # drawn at the end (and every train.plot_every_minutes)
     exported = json.loads((tmp_path / "ckpt" / checkpoint_key(60) / "config.json").read_text())
     assert exported["dflash_config"] == {"mask_token_id": 511, "target_layer_ids": [1, 5], "block_size": 4}
@@ -87,7 +89,11 @@ def test_learns_rows_keeps_frozen_copies_and_commits_checkpoints(tmp_path, data_
                                      "held-out tau": round(result.signal["held_out_tau"], 2)}
     logged_at = f"metrics log: {tmp_path / 'logs' / 'metrics.jsonl'}"  # said before step 1
     assert reporter.lines[0] == logged_at
-    pushed = [line.split(":")[0] for line in reporter.lines if line.startswith("checkpoint step") and " decoded on " not in line]
+    pushed = [
+        line.split(":")[0]
+        for line in reporter.lines
+        if line.startswith("checkpoint step") and " decoded on " not in line
+    ]
     assert pushed == ["checkpoint step 30", "checkpoint step 60"]
     assert len([line for line in reporter.lines if line.startswith("checkpoint step") and " decoded on " in line]) == 2
 
@@ -136,7 +142,8 @@ from blockdraft.reporter import Reporter
 from blockdraft.stages.train import run
 
 class DieAfterCheckpoint(Reporter):
-    # Checkpoints are pushed in the background: a checkpoint's line is said once it verified, before the next one starts.
+    # Checkpoints are pushed in the background: a checkpoint's line is said once it verified, before the next one
+    # starts.
     def say(self, line):
         super().say(line)
         if line.startswith(f"checkpoint step {sys.argv[2]}:"):
@@ -179,7 +186,8 @@ def test_kill_9_then_resume_from_last_verified_checkpoint_gives_the_uninterrupte
     assert [got[s] for s in range(5, 11)] == [expected[s] for s in range(5, 11)]  # deterministic mode: bit-equal
     for step in (8, 10):
         assert verify_artifact(ckpt.child(checkpoint_key(step))).state is State.VERIFIED
-    assert sorted(p.name for p in (crashed / "ckpt").iterdir() if any(p.iterdir())) == [checkpoint_key(8), checkpoint_key(10)]
+    assert sorted(p.name for p in (crashed / "ckpt").iterdir() if any(p.iterdir())) == [checkpoint_key(8),
+                                                                                        checkpoint_key(10)]
 
 
 @pytest.mark.fault
@@ -233,15 +241,18 @@ def test_input_and_output_arguments_override_the_config(tmp_path, data_url):
 
 
 def test_trains_on_a_hybrid_attention_target(tmp_path, data_url):
-    """Qwen3.5-style target (linear attention, full attention every fourth layer): training needs only its hidden states."""
+    """Qwen3.5-style target (linear attention, full attention every fourth layer): training needs only its hidden
+    states."""
     config = Qwen3_5TextConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=2,
         head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hybrid")
     cfg_path = config_file(tmp_path, data_url, max_steps=3, checkpoint_every=3)
-    cfg_path.write_text(cfg_path.read_text().replace(f'path = "{GOLDEN_TARGET.as_posix()}"', f'path = "{(tmp_path / "hybrid").as_posix()}"'))
+    cfg_path.write_text(cfg_path.read_text().replace(f'path = "{GOLDEN_TARGET.as_posix()}"',
+                                                     f'path = "{(tmp_path / "hybrid").as_posix()}"'))
     result = run(load_config(cfg_path)).details
     assert all(math.isfinite(e["loss"]) for e in result.metrics) and len(result.metrics) == 3
     pinned = json.loads((tmp_path / "ckpt" / checkpoint_key(3) / "blockdraft-config.json").read_text())
@@ -289,8 +300,8 @@ def test_init_from_starts_at_the_saved_weights_and_refuses_another_mask_id(tmp_p
     from blockdraft.config import DFlashConfig
     from blockdraft.model import DFlashDrafter, DrafterSpec
 
-    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=2, gamma=4.0, intermediate_size=96,
-                          layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=2, gamma=4.0,
+                          intermediate_size=96, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     torch.manual_seed(123)
     saved = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
     saved.save_pretrained(tmp_path / "published")
@@ -298,7 +309,8 @@ def test_init_from_starts_at_the_saved_weights_and_refuses_another_mask_id(tmp_p
 
     def configured(folder: str, init: bool, mask: int = 511) -> Path:
         path = config_file(tmp_path / folder, data_url, max_steps=1, checkpoint_every=1, lr=0.0)
-        text = path.read_text().replace("intermediate_size = 96", sliding).replace("mask_token_id = 511", f"mask_token_id = {mask}")
+        text = path.read_text().replace("intermediate_size = 96", sliding).replace("mask_token_id = 511",
+                                                                                   f"mask_token_id = {mask}")
         if init:
             text += f'init_from = "{(tmp_path / "published").as_posix()}"\n'
         path.write_text(text)

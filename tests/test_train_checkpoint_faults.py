@@ -35,8 +35,8 @@ from blockdraft.store.artifact import InputRef, State, verify_artifact
 
 
 class Scripted(Reporter):
-    """Keeps what the run reported, in order, as ("progress", step) / ("say", line) / ("warn", line), and runs the action
-    of the first line that begins with one of `actions`' keys (once each)."""
+    """Keeps what the run reported, in order, as ("progress", step) / ("say", line) / ("warn", line), and runs the
+    action of the first line that begins with one of `actions`' keys (once each)."""
 
     def __init__(self, actions: dict[str, Callable[[], None]]) -> None:
         super().__init__()
@@ -63,7 +63,9 @@ class Scripted(Reporter):
 
     def at(self, kind: str, what: str | int) -> int:
         """Where the first `kind` event was reported that is `what` (a step) or begins with it (a line)."""
-        return next(i for i, (k, v) in enumerate(self.events) if k == kind and (v == what or str(v).startswith(str(what))))
+        return next(
+            i for i, (k, v) in enumerate(self.events) if k == kind and (v == what or str(v).startswith(str(what)))
+        )
 
 
 @pytest.fixture
@@ -92,7 +94,9 @@ def checkpoint_states(out, steps) -> dict[int, State]:
 
 
 @pytest.mark.fault
-def test_store_down_training_goes_on_failures_in_a_row_stop_the_run_and_resume_takes_the_last_verified(store_env, data_url, tmp_path):
+def test_store_down_training_goes_on_failures_in_a_row_stop_the_run_and_resume_takes_the_last_verified(
+    store_env, data_url, tmp_path
+):
     out_url = "s3://ckpt/runs/r1"
     cfg = load_config(config_file(tmp_path, data_url, output=out_url, max_steps=12, **settings()))
     reporter = Scripted({"checkpoint step 2:": store_env.stop})
@@ -102,10 +106,12 @@ def test_store_down_training_goes_on_failures_in_a_row_stop_the_run_and_resume_t
     # One line naming the count, the store, the last failed step, the fix and where a rerun resumes.
     line = str(stopped.value)
     assert "\n" not in line
-    assert line.startswith(f"3 checkpoints in a row did not verify at {open_store(out_url, cfg.store).url} (the last, step 8: ")
+    assert line.startswith(f"3 checkpoints in a row did not verify at {open_store(out_url, cfg.store).url} (the last, "
+                           "step 8: ")
     assert "unreachable" in line and store_env.admin.secret_key not in line
     assert line.endswith(
-        "training stopped: fix the store, then rerun to resume from the verified checkpoint of step 2 (train.max_checkpoint_failures = 3)"
+        "training stopped: fix the store, then rerun to resume from the verified checkpoint of step 2 "
+        "(train.max_checkpoint_failures = 3)"
     )
     # Checkpoint 2 was pushed while training went on (taken in after step 3), and training went on past each failure.
     assert reporter.at("say", "checkpoint step 2:") > reporter.at("progress", 3)
@@ -116,11 +122,12 @@ def test_store_down_training_goes_on_failures_in_a_row_stop_the_run_and_resume_t
     first_losses = logged_losses(tmp_path / "logs")
     assert set(range(1, 9)) <= set(first_losses) and max(first_losses) < 12
 
-    # Back up: only checkpoint 2 verifies; the failed ones left no manifest, and the rerun resumes from 2 with the losses
-    # the first run had (deterministic mode), then ends with a verified final checkpoint.
+    # Back up: only checkpoint 2 verifies; the failed ones left no manifest, and the rerun resumes from 2 with the
+    # losses the first run had (deterministic mode), then ends with a verified final checkpoint.
     store_env.start()
     out = open_store(out_url, cfg.store)
-    assert checkpoint_states(out, (2, 4, 6, 8)) == {2: State.VERIFIED, 4: State.INCOMPLETE, 6: State.INCOMPLETE, 8: State.INCOMPLETE}
+    assert checkpoint_states(out, (2, 4, 6, 8)) == {2: State.VERIFIED, 4: State.INCOMPLETE, 6: State.INCOMPLETE,
+                                                    8: State.INCOMPLETE}
     assert (found := find_resumable(out)) is not None and found.step == 2
     again = run(cfg).details
     assert again.resumed_from == 2
@@ -132,13 +139,16 @@ def test_store_down_training_goes_on_failures_in_a_row_stop_the_run_and_resume_t
 def test_a_verified_push_resets_the_failure_count(store_env, data_url, tmp_path):
     """train.max_checkpoint_failures = 2: pushes 4 and 8 fail, 6 between them verifies, so the run ends normally."""
     out_url = "s3://ckpt/runs/r2"
-    cfg = load_config(config_file(tmp_path, data_url, output=out_url, max_steps=10, **settings(max_checkpoint_failures=2)))
+    cfg = load_config(config_file(tmp_path, data_url, output=out_url, max_steps=10,
+                                  **settings(max_checkpoint_failures=2)))
     reporter = Scripted({
         "checkpoint step 2:": store_env.stop, "checkpoint of step 4 ": store_env.start,
         "checkpoint step 6:": store_env.stop, "checkpoint of step 8 ": store_env.start,
     })
     done = run(cfg, reporter=reporter)
-    assert done.report.state is State.VERIFIED and done.url == open_store(out_url, cfg.store).child(checkpoint_key(10)).url
+    assert (
+        done.report.state is State.VERIFIED and done.url == open_store(out_url, cfg.store).child(checkpoint_key(10)).url
+    )
     assert not reporter.actions  # the server went down twice and came back twice
     failed = [w for w in reporter.warnings if w.startswith("checkpoint of step")]
     assert [w.split(" did not verify")[0] for w in failed] == ["checkpoint of step 4", "checkpoint of step 8"]
@@ -172,7 +182,8 @@ def test_cuda_rng_state_is_the_drafter_devices_alone():
 
 def test_a_snapshot_holds_the_state_of_its_step_while_training_goes_on(tmp_path):
     """What the background writer saves is a copy taken at the step: later optimizer steps change nothing in it."""
-    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
+    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0,
+                          intermediate_size=96)
     drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=0.1)
 
@@ -200,9 +211,10 @@ def test_a_snapshot_holds_the_state_of_its_step_while_training_goes_on(tmp_path)
 
 
 def test_a_checkpoint_of_another_format_is_refused_with_one_line(tmp_path):
-    """Resume reads `CHECKPOINT_FORMAT` only: a checkpoint whose run identity records no format (or another) stops the run
-    with one line that says how to train again, and every setting (at its default too) is part of the identity."""
-    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
+    """Resume reads `CHECKPOINT_FORMAT` only: a checkpoint whose run identity records no format (or another) stops the
+    run with one line that says how to train again, and every setting (at its default too) is part of the identity."""
+    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0,
+                          intermediate_size=96)
     drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
     config = load_config(None, {"target": {"path": "t"}})
     resolved = config.resolved()
@@ -214,17 +226,19 @@ def test_a_checkpoint_of_another_format_is_refused_with_one_line(tmp_path):
     unversioned = {key: value for key, value in identity.items() if key != "format"}
     save_checkpoint(store, 2, drafter, {}, resolved, [data], {"step": 2, "run": unversioned})
     checkpoints = Checkpoints(store, resolved, identity, data, None, None, Reporter())
-    with pytest.raises(ConfigError, match=r"format unversioned, this blockdraft resumes only .*set train.output to a new location"):
+    with pytest.raises(ConfigError, match=r"format unversioned, this blockdraft resumes only .*set train.output to a "
+                                          r"new location"):
         checkpoints.newest()
     save_checkpoint(store, 4, drafter, {}, resolved, [data], {"step": 4, "run": identity})
     assert checkpoints.newest().step == 4  # the same format and identity resume
 
 
 def test_a_checkpoint_of_the_same_settings_on_other_data_is_another_runs(tmp_path):
-    """Whose a checkpoint is, is its `StageOutput`'s to say (the run identity and the data by content, by its stage key):
-    the same recorded settings over other data are refused, and `has_checkpoint` agrees; the same data in another folder
-    (pulled to another node) is the same run's."""
-    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0, intermediate_size=96)
+    """Whose a checkpoint is, is its `StageOutput`'s to say (the run identity and the data by content, by its stage
+    key): the same recorded settings over other data are refused, and `has_checkpoint` agrees; the same data in another
+    folder (pulled to another node) is the same run's."""
+    dflash = DFlashConfig(architecture="dflash", block_size=4, mask_token_id=511, num_draft_layers=1, gamma=4.0,
+                          intermediate_size=96)
     drafter = DFlashDrafter(DrafterSpec.from_target_config(AutoConfig.from_pretrained(GOLDEN_TARGET), dflash))
     config = load_config(None, {"target": {"path": "t"}})
     resolved = config.resolved()

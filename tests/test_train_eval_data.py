@@ -1,6 +1,7 @@
 """train.eval_data (issue 29 item 1): the held-out figures and the decoded checkpoints read the rows of a tokenized
 artifact of their own (both its splits), in place of train.data's held-out split; the checkpoint pins it as a second
-input, so `status` says the checkpoint is stale when it changes; bad eval data is refused in one line before training."""
+input, so `status` says the checkpoint is stale when it changes; bad eval data is refused in one line before
+training."""
 
 from __future__ import annotations
 
@@ -75,11 +76,12 @@ def test_eval_without_prompts_decodes_every_row_of_eval_data_as_training_did(tmp
     in the order training decoded them, so eval's tau is the checkpoint's decoded tau. train.data here has no held-out
     row at all, so taking its held-out split would find none."""
     eval_url = _eval_data(tmp_path / "eval", rows)
-    cfg = load_config(config_file(tmp_path, data_url, eval_data=eval_url, max_steps=4, checkpoint_every=4, decode_eval_prompts=2,
-                                  target_agreement_rows=0))
+    cfg = load_config(config_file(tmp_path, data_url, eval_data=eval_url, max_steps=4, checkpoint_every=4,
+                                  decode_eval_prompts=2, target_agreement_rows=0))
     trained = run(cfg)
     report = eval_stage.run(cfg, trained.url, str(tmp_path / "eval-report")).details
-    assert report.prompts_source == [eval_url] and report.num_prompts == 2  # both rows: its train split and its held-out one
+    # both rows: its train split and its held-out one
+    assert report.prompts_source == [eval_url] and report.num_prompts == 2
     decoded = trained.report.manifest.counts["decoded_tau"]
     assert decoded == pytest.approx(report.drafters["dflash"].tau, abs=0.01) and report.lossless.ok
 
@@ -94,35 +96,47 @@ def test_bad_eval_data_is_refused_in_one_line_before_training(tmp_path, rows, da
         return re.escape(open_store(path).url.rstrip("/"))
 
     other_tokenizer = _eval_data(tmp_path / "other-tokenizer", rows, {**MADE, "tokenizer_sha256": "c" * 64})
-    refused(other_tokenizer, ConfigError, rf"^train.eval_data {url(other_tokenizer)} was tokenized with another tokenizer \(tokenizer_sha256 "
-            rf"c{{12}}\.\.\.\) than train.data {url(data_url)} \(b{{12}}\.\.\.\): .*tokenize the eval conversations with train.data's")
+    refused(other_tokenizer, ConfigError, rf"^train.eval_data {url(other_tokenizer)} was tokenized with another "
+                                          r"tokenizer \(tokenizer_sha256 c{12}\.\.\.\) than train.data "
+                                          rf"{url(data_url)} \(b{{12}}\.\.\.\): .*tokenize the eval conversations with "
+                                          r"train.data's")
     other_template = _eval_data(tmp_path / "other-template", rows, {**MADE, "template_sha256": "d" * 64})
-    refused(other_template, ConfigError, f"^train.eval_data {url(other_template)} was tokenized with another chat template")
+    refused(other_template, ConfigError, f"^train.eval_data {url(other_template)} was tokenized with another chat "
+                                         "template")
     missing = str(tmp_path / "no-such-eval")
-    refused(missing, ArtifactError, rf"^train.eval_data {url(missing)} does not exist \(nothing there\); check the path or URL$")
-    refused(data_url, ConfigError, f"^train.eval_data {url(data_url)} is the artifact train.data {url(data_url)} .*unset it")
+    refused(missing, ArtifactError, rf"^train.eval_data {url(missing)} does not exist \(nothing there\); check the "
+                                    r"path or URL$")
+    refused(data_url, ConfigError, f"^train.eval_data {url(data_url)} is the artifact train.data {url(data_url)} "
+                                   ".*unset it")
     empty = write_tokenized(tmp_path / "empty", [], [], MADE)
     refused(empty, ArtifactError, f"^train.eval_data {url(empty)} holds no rows in either split; tokenize more")
     inside = _eval_data(tmp_path / "run" / "eval", rows)
-    with pytest.raises(ConfigError, match=f"^train.eval_data {url(inside)} lies inside the output .*; a stage never reads what it writes"):
+    with pytest.raises(ConfigError, match=f"^train.eval_data {url(inside)} lies inside the output .*; a stage never "
+                                          "reads what it writes"):
         run(load_config(config_file(tmp_path, data_url, eval_data=inside, output=str(tmp_path / "run"), max_steps=2)))
     assert not any((tmp_path / "run").glob("step-*"))
     # The command line says it in one line, without a traceback.
-    out = CliRunner().invoke(app, ["train", "--config", str(config_file(tmp_path, data_url, eval_data=other_tokenizer))])
+    out = CliRunner().invoke(app,
+                             ["train", "--config", str(config_file(tmp_path, data_url, eval_data=other_tokenizer))])
     assert out.exit_code != 0 and "Traceback" not in out.output
     assert "train.eval_data " in out.stderr and "was tokenized with another tokenizer" in out.stderr.replace("\n", "")
 
 
-def test_eval_data_in_a_bucket_is_pulled_to_the_cache_with_its_checksums_and_pinned_at_the_bucket(s3_bucket, tmp_path, rows, data_url):
+def test_eval_data_in_a_bucket_is_pulled_to_the_cache_with_its_checksums_and_pinned_at_the_bucket(
+    s3_bucket, tmp_path, rows, data_url
+):
     local = _eval_data(tmp_path / "eval", rows)
     eval_url = f"s3://{s3_bucket}/data/eval"
     push(local, eval_url)
-    cfg = load_config(config_file(tmp_path, data_url, eval_data=eval_url, max_steps=2, checkpoint_every=2, target_agreement_rows=0))
+    cfg = load_config(config_file(tmp_path, data_url, eval_data=eval_url, max_steps=2, checkpoint_every=2,
+                                  target_agreement_rows=0))
     result = run(cfg)
     digest = verify_artifact(open_store(eval_url, cfg.store)).manifest_sha256
     assert digest is not None and (tmp_path / "logs" / f"data-{digest[:16]}" / "dataset_dict.json").is_file()
     assert result.report.manifest is not None and result.details.signal["held_out_tau"] >= 1.0
-    assert [(ref.url, ref.sha256) for ref in result.report.manifest.lineage[1:]] == [(open_store(eval_url, cfg.store).url, digest)]
+    assert [(ref.url, ref.sha256) for ref in result.report.manifest.lineage[1:]] == [
+        (open_store(eval_url, cfg.store).url, digest)
+    ]
 
 
 def test_ranks_reading_other_eval_data_at_the_same_path_are_refused_naming_the_node(tmp_path):
@@ -140,5 +154,7 @@ def test_ranks_reading_other_eval_data_at_the_same_path_are_refused_naming_the_n
     mp.spawn(compare_data, args=(port, "tok", rounds, str(tmp_path), "evaltok"), nprocs=2, join=True)
     assert [(tmp_path / f"rank{r}-0").read_text() for r in (0, 1)] == ["agreed", "agreed"]
     said = [(tmp_path / f"rank{r}-1").read_text() for r in (0, 1)]
-    assert said[0] == said[1] and said[0].startswith("node 1 (rank 1) reads other data at train.eval_data evaltok"), said
+    assert said[0] == said[1] and said[0].startswith("node 1 (rank 1) reads other data at train.eval_data evaltok"), (
+        said
+    )
     assert "manifest sha256 bbbbbbbbbbbb..., node 0's aaaaaaaaaaaa..." in said[0]

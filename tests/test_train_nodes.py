@@ -44,9 +44,11 @@ def free_port() -> int:
 def start_node(cfg: Path, rank: int, port: int) -> subprocess.Popen:
     """Node `rank` of 2: its own session (so the test can kill the whole node), output in cfg's folder."""
     folder = cfg.parent
-    args = ["train", "--config", str(cfg), "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    args = ["train", "--config", str(cfg), "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint",
+            f"127.0.0.1:{port}"]
     with open(folder / f"node{rank}.out", "w") as out, open(folder / f"node{rank}.err", "w") as err:
-        return subprocess.Popen([BLOCKDRAFT, *args], cwd=folder, env=ENV, stdout=out, stderr=err, start_new_session=True)
+        return subprocess.Popen([BLOCKDRAFT, *args], cwd=folder, env=ENV, stdout=out, stderr=err,
+                                start_new_session=True)
 
 
 def process_tree(pid: int) -> list[int]:
@@ -77,8 +79,10 @@ def test_rendezvous_arguments_and_refusals(tmp_path, data_url):
     for flags, line in [
         (["--nnodes", "2"], "placement.nnodes 2 needs placement.rdzv_endpoint as HOST:PORT"),
         (["--nnodes", "2", "--rdzv-endpoint", "node0"], "not 'node0'; pass --rdzv-endpoint HOST:PORT"),
-        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "placement.node_rank 2 but placement.nnodes is 2"),
-        (["--nnodes", "3", "--rdzv-endpoint", "h:1"], "train.global_batch_size 2 is not a multiple of train.batch_size 1 x 3"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"],
+         "placement.node_rank 2 but placement.nnodes is 2"),
+        (["--nnodes", "3", "--rdzv-endpoint", "h:1"],
+         "train.global_batch_size 2 is not a multiple of train.batch_size 1 x 3"),
     ]:
         result = CliRunner().invoke(app, ["train", "--config", cfg, *flags])
         assert result.exit_code == 2 and line in result.output, result.output
@@ -121,7 +125,8 @@ def test_two_nodes_match_one_node_with_two_ranks(tmp_path, data_url):
     one.mkdir(), two.mkdir()
     steps, settings = 4, {"batch_size": 1, "checkpoint_every": 2}
     cfg1 = config_file(one, data_url, max_steps=steps, drafters=["cpu", "cpu"], **settings)
-    single = subprocess.run([BLOCKDRAFT, "train", "--config", str(cfg1)], cwd=one, env=ENV, capture_output=True, text=True, timeout=300)
+    single = subprocess.run([BLOCKDRAFT, "train", "--config", str(cfg1)], cwd=one, env=ENV, capture_output=True,
+                            text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
     cfg2 = config_file(two, data_url, max_steps=steps, global_batch_size=2, **settings)  # one drafter device per node
     port = free_port()
@@ -155,7 +160,8 @@ def test_a_killed_node_fails_the_other_in_one_line_and_one_node_resumes(tmp_path
     waited = time.monotonic() - killed
     node1.wait()
     err = (tmp_path / "node0.err").read_text()
-    assert status != 0 and waited < timeout_minutes * 60 + 60, (status, waited)  # + the processes' teardown on a busy machine
+    # + the processes' teardown on a busy machine
+    assert status != 0 and waited < timeout_minutes * 60 + 60, (status, waited)
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: rank 0 of 2: a collective failed"), err[-3000:]
     assert "rerun `blockdraft train` on every node" in errors[0] and "[rank0]: Traceback" not in err

@@ -84,7 +84,8 @@ def test_pipelined_run_is_bit_equal_to_the_unpipelined_one(tmp_path, data_url):
     for depth in (0, 2):
         folder = tmp_path / f"depth{depth}"
         folder.mkdir()
-        run(load_config(config_file(folder, data_url, max_steps=8, checkpoint_every=4, batch_size=2, pipeline_depth=depth)))
+        run(load_config(config_file(folder, data_url, max_steps=8, checkpoint_every=4, batch_size=2,
+                                    pipeline_depth=depth)))
         runs[depth] = (logged_losses(folder / "logs"), _final_weights(folder, 8))
     (losses0, weights0), (losses2, weights2) = runs[0], runs[2]
     assert sorted(losses0) == list(range(1, 9)) and losses2 == losses0  # exact floats, every step
@@ -97,7 +98,8 @@ def test_accumulated_micro_batches_equal_the_global_batch_in_one_pass(tmp_path, 
     for micro in (4, 1):
         folder = tmp_path / f"micro{micro}"
         folder.mkdir()
-        result = run(load_config(config_file(folder, data_url, max_steps=6, checkpoint_every=6, batch_size=micro, global_batch_size=4)))
+        result = run(load_config(config_file(folder, data_url, max_steps=6, checkpoint_every=6, batch_size=micro,
+                                             global_batch_size=4)))
         runs[micro] = (logged_losses(folder / "logs"), _final_weights(folder, 6), result.details.metrics)
     (l4, w4, m4), (l1, w1, m1) = runs[4], runs[1]
     assert sorted(l1) == sorted(l4) == list(range(1, 7))
@@ -126,7 +128,9 @@ def test_accumulated_gradients_equal_one_pass_over_the_same_rows():
         batch = build_block_batch([rows[i] for i in indices], num_anchors=5, block_size=4, mask_token_id=96, gamma=4.0,
                                   generators=[anchor_generator(0, 0, i) for i in indices])
         width = batch.input_ids.shape[1]
-        padded = torch.cat([torch.nn.functional.pad(features[i], (0, 0, 0, width - features[i].shape[1])) for i in indices])
+        padded = torch.cat(
+            [torch.nn.functional.pad(features[i], (0, 0, 0, width - features[i].shape[1])) for i in indices]
+        )
         return MicroBatch(batch, padded, batch.num_tokens)
 
     def grads(parts: list[list[int]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -148,10 +152,11 @@ def test_two_gloo_ranks_accumulating_equal_one_process_on_the_global_batch(tmp_p
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     run(load_config(config_file(one, data_url, max_steps=4, checkpoint_every=4, batch_size=4, global_batch_size=4)))
-    cfg2 = config_file(two, data_url, max_steps=4, checkpoint_every=4, batch_size=1, global_batch_size=4, drafters=["cpu", "cpu"])
+    cfg2 = config_file(two, data_url, max_steps=4, checkpoint_every=4, batch_size=1, global_batch_size=4,
+                       drafters=["cpu", "cpu"])
     blockdraft = str(Path(sys.executable).with_name("blockdraft"))
-    proc = subprocess.run([blockdraft, "train", "--config", str(cfg2), "--nproc", "2"], cwd=two, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([blockdraft, "train", "--config", str(cfg2), "--nproc", "2"], cwd=two, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     l1, l2 = logged_losses(one / "logs"), logged_losses(two / "logs")
     assert sorted(l1) == sorted(l2) == [1, 2, 3, 4]
@@ -163,7 +168,8 @@ def test_two_gloo_ranks_accumulating_equal_one_process_on_the_global_batch(tmp_p
 
 
 def test_a_global_batch_that_does_not_split_over_the_ranks_is_one_line_naming_both_fields(tmp_path):
-    with pytest.raises(ValueError, match=r"global_batch_size 32 is not a multiple of train.batch_size 3 x 2 drafter rank\(s\) = 6"):
+    with pytest.raises(ValueError, match=r"global_batch_size 32 is not a multiple of train.batch_size 3 x 2 drafter "
+                                         r"rank\(s\) = 6"):
         BlockdraftConfig.model_validate({"train": {"batch_size": 3}, "placement": {"drafter_devices": ["cpu", "cpu"]}})
     path = tmp_path / "c.toml"
     path.write_text('[train]\nbatch_size = 5\nglobal_batch_size = 12\n')

@@ -37,7 +37,8 @@ def test_train_from_and_to_s3_resumes_from_the_last_committed_checkpoint(s3_buck
         assert report.state is State.VERIFIED, report.summary()
         assert report.manifest.lineage[0].url == open_store(data_url, cfg.store).url
 
-    # As if the push of step 6 had died before its manifest: the upload and its writer's mark are there, the commit is not.
+    # As if the push of step 6 had died before its manifest: the upload and its writer's mark are there, the commit is
+    # not.
     uncommit(out.child(checkpoint_key(6)))
     StageOutput(out.child(checkpoint_key(6)), CHECKPOINT_KIND, "").mark_writing()
     assert find_resumable(out).step == 4

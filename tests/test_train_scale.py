@@ -1,4 +1,5 @@
-"""`train` at the real job's scale: no per-step or per-checkpoint cost that grows with the run's length or the data's size.
+"""`train` at the real job's scale: no per-step or per-checkpoint cost that grows with the run's length or the data's
+size.
 
 The row order is drawn once per epoch (and stays the order it always was), checkpoints carry only their window of the
 metrics log, the curves are redrawn from the file now and then rather than at every checkpoint, and old checkpoints are
@@ -32,8 +33,10 @@ def data_url(tmp_path_factory) -> str:
     return write_tokenized(tmp_path_factory.mktemp("tokenized"), rows[:4], rows[4:])
 
 
-def old_step_rows(num_rows: int, seed: int, epoch: int, step_in_epoch: int, global_batch: int, rank: int, per_rank: int) -> list[int]:
-    """The row order as `train` drew it before: a full permutation at every step (the reference the new order must equal)."""
+def old_step_rows(num_rows: int, seed: int, epoch: int, step_in_epoch: int, global_batch: int, rank: int,
+                  per_rank: int) -> list[int]:
+    """The row order as `train` drew it before: a full permutation at every step (the reference the new order must
+    equal)."""
     g = torch.Generator()
     g.manual_seed((seed * 1_000_003 + epoch) % 2**63)
     order = torch.randperm(num_rows, generator=g)
@@ -41,7 +44,8 @@ def old_step_rows(num_rows: int, seed: int, epoch: int, step_in_epoch: int, glob
     return [int(order[i % num_rows]) for i in range(first, first + per_rank)]
 
 
-@pytest.mark.parametrize(("num_rows", "per_rank", "ranks", "seed"), [(103, 4, 2, 0), (10, 3, 1, 7), (1, 1, 1, 2), (64, 8, 4, 5)])
+@pytest.mark.parametrize(("num_rows", "per_rank", "ranks", "seed"),
+                         [(103, 4, 2, 0), (10, 3, 1, 7), (1, 1, 1, 2), (64, 8, 4, 5)])
 def test_row_order_is_the_old_one_and_drawn_once_per_epoch(monkeypatch, num_rows, per_rank, ranks, seed):
     drawn = []
     randperm = torch.randperm
@@ -112,8 +116,8 @@ def test_default_keeps_the_newest_three_and_every_tenth_checkpoint(tmp_path, dat
     left = sorted(p.name for p in (tmp_path / "ckpt").iterdir() if any(p.iterdir()))
     assert left == [checkpoint_key(s) for s in (10, 20, 21, 22, 23)]
     assert all(verify_artifact(open_store(tmp_path / "ckpt" / name)).state is State.VERIFIED for name in left)
-    # log_every 5: each checkpoint holds the entries logged since the one before (its own step, whose held-out figures it
-    # measured), never the history.
+    # log_every 5: each checkpoint holds the entries logged since the one before (its own step, whose held-out figures
+    # it measured), never the history.
     assert [window_steps(tmp_path / "ckpt", s) for s in (20, 21, 22)] == [[20], [21], [22]]
 
 

@@ -61,7 +61,9 @@ def expected_scalars(entries: list[dict]) -> dict[str, list[tuple[int, float]]]:
     evals = {f"eval/{name}": (lambda h, n=name: h[n]) for name in ("loss", "tau_estimate")}
     for listed in ("slot_accuracy", "slot_loss"):  # the held-out figures are the training ones' (`metrics.Figures`)
         evals |= {f"eval/{listed}/{k + 1}": (lambda h, k=k, n=listed: h[n][k]) for k in range(slots)}
-    scalars |= {tag: [(e["step"], float(np.float32(value(e["eval"])))) for e in held] for tag, value in evals.items() if held}
+    scalars |= {
+        tag: [(e["step"], float(np.float32(value(e["eval"])))) for e in held] for tag, value in evals.items() if held
+    }
     return scalars
 
 

@@ -1,5 +1,6 @@
-"""The training signal (issue 29): held-out figures in the log, the trackers and the checkpoint, the schedule's limit and a
-changed schedule on resume, plain progress lines without a terminal, the verified line when it verifies, Ctrl-C."""
+"""The training signal (issue 29): held-out figures in the log, the trackers and the checkpoint, the schedule's limit
+and a changed schedule on resume, plain progress lines without a terminal, the verified line when it verifies,
+Ctrl-C."""
 
 from __future__ import annotations
 
@@ -56,13 +57,16 @@ class Ordered(Reporter):
             time.sleep(2.0)  # time for the checkpoint before to finish its push in the background
 
 
-def test_held_out_figures_are_logged_tracked_and_recorded_and_each_verified_line_comes_when_it_verifies(tmp_path, data_url):
-    cfg = load_config(config_file(tmp_path, data_url, max_steps=12, checkpoint_every=4, eval_every=3, decode_eval_prompts=1,
-                                  log_every=5))
+def test_held_out_figures_are_logged_tracked_and_recorded_and_each_verified_line_comes_when_it_verifies(
+    tmp_path, data_url
+):
+    cfg = load_config(config_file(tmp_path, data_url, max_steps=12, checkpoint_every=4, eval_every=3,
+                                  decode_eval_prompts=1, log_every=5))
     reporter = Ordered(pause_at=6)
     result = run(cfg, reporter=reporter).details
     entries = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
-    # Every eval_every steps and at each checkpoint, whatever log_every says; the same sample each time (2 held-out rows).
+    # Every eval_every steps and at each checkpoint, whatever log_every says; the same sample each time (2 held-out
+    # rows).
     assert [e["step"] for e in entries if "eval" in e] == [3, 4, 6, 8, 9, 12]
     held = entries[-1]["eval"]
     assert held["rows"] == 2 and len(held["slot_accuracy"]) == 3 and held["tau_estimate"] >= 1.0
@@ -74,7 +78,11 @@ def test_held_out_figures_are_logged_tracked_and_recorded_and_each_verified_line
     assert "held-out" in result.summary and "decoded" in result.summary
     # The checkpoint of step 4, pushed by step 6, is said verified before step 8 (taken in only by the next checkpoint's
     # save, it would come after step 8's progress).
-    said = next(i for i, (kind, what) in enumerate(reporter.events) if kind == "say" and str(what).startswith("checkpoint step 4: "))
+    said = next(
+        i
+        for i, (kind, what) in enumerate(reporter.events)
+        if kind == "say" and str(what).startswith("checkpoint step 4: ")
+    )
     assert said < reporter.events.index(("progress", 8))
     assert any(str(w).startswith("schedule: 12 steps from train.max_steps") for k, w in reporter.events if k == "say")
 
@@ -91,13 +99,17 @@ def test_ctrl_c_names_the_last_verified_checkpoint_and_the_command_that_resumes(
     monkeypatch.setattr("sys.argv", ["blockdraft", "train", "--config", str(path)])
     out = CliRunner().invoke(app, ["train", "--config", str(path)])
     assert out.exit_code == 130, out.output
-    assert "no checkpoint of this run verified yet: a rerun starts at step 0: blockdraft train --config " in out.stderr.replace("\n", "")
+    assert (
+        "no checkpoint of this run verified yet: a rerun starts at step 0: blockdraft train --config "
+        in out.stderr.replace("\n", "")
+    )
 
 
 def test_a_raised_max_steps_on_resume_is_refused_naming_force_which_starts_a_new_cosine(tmp_path, data_url):
     run(load_config(config_file(tmp_path, data_url, max_steps=4, checkpoint_every=4, decode_eval_prompts=0)))
     longer = load_config(config_file(tmp_path, data_url, max_steps=8, checkpoint_every=4, decode_eval_prompts=0))
-    with pytest.raises(ConfigError, match="planned for 4 steps .* rerun with --force to continue with a new cosine from step 4 to 8"):
+    with pytest.raises(ConfigError, match="planned for 4 steps .* rerun with --force to continue with a new cosine "
+                                          "from step 4 to 8"):
         run(longer)
     reporter = Reporter()
     result = run(longer, reporter=reporter, force=True).details
@@ -133,7 +145,8 @@ def test_without_a_terminal_one_plain_line_every_interval_with_the_held_out_tau_
     assert lines.step(entry, 2.5) == "train step 10/100  loss 1.5000  held-out tau 2.50  1,234 tokens/s  ETA 4m30s"
     clock[0] = 45.0
     assert lines.step({**entry, "step": 15}, None) is None
-    assert out.getvalue().splitlines() == ["train step 10/100  loss 1.5000  held-out tau 2.50  1,234 tokens/s  ETA 4m30s"]
+    assert out.getvalue().splitlines() == ["train step 10/100  loss 1.5000  held-out tau 2.50  1,234 tokens/s  ETA "
+                                           "4m30s"]
     terminal = io.StringIO()
     ConsoleReporter(Console(file=terminal, force_terminal=True)).status_line("x")
     assert terminal.getvalue() == ""  # a terminal has the bar

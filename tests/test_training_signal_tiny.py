@@ -50,8 +50,8 @@ def train_and_eval(tmp: Path, reverse: bool) -> tuple[object, Reporter, object]:
     tmp.mkdir(parents=True, exist_ok=True)
     sections = demo_config(tmp, str(tmp / "store"), CI)
     sections["tokenize"]["held_out_fraction"] = 0.2
-    sections["train"].update(data=str(tmp / "tokenized"), eval_every=20, eval_rows=12, decode_eval_prompts=CI.eval_prompts,
-                             checkpoint_every=30)
+    sections["train"].update(data=str(tmp / "tokenized"), eval_every=20, eval_rows=12,
+                             decode_eval_prompts=CI.eval_prompts, checkpoint_every=30)
     write_toml(tmp / "blockdraft.toml", sections)
     cfg = load_config(tmp / "blockdraft.toml")
     tokenize_stage.run(cfg, str(_completions(tmp / "completions", reverse)), str(tmp / "tokenized"))
@@ -77,7 +77,8 @@ def test_agreement_warns_on_text_the_target_would_not_write_and_decoded_tau_is_t
     assert abs(result.signal["held_out_tau"] - report.drafters["dflash"].tau) < 0.25  # measured 0.03 and 0.01
     # The same figure before any training: `tokenize --check-target` (its output already done) and `train --plan`.
     config = str(tmp_path / "blockdraft.toml")
-    for args in (["tokenize", str(tmp_path / "completions"), str(tmp_path / "tokenized"), "--check-target"], ["train", "--plan"]):
+    for args in (["tokenize", str(tmp_path / "completions"), str(tmp_path / "tokenized"), "--check-target"],
+                 ["train", "--plan"]):
         out = CliRunner().invoke(app, [*args, "--config", config])
         assert out.exit_code == 0, out.output
         said = out.stderr.replace("\n", " ")
@@ -87,9 +88,9 @@ def test_agreement_warns_on_text_the_target_would_not_write_and_decoded_tau_is_t
 
 @pytest.mark.slow
 def test_text_the_target_would_not_write_warns_at_start_and_again_when_the_drafter_learns_its_rows(tmp_path):
-    """The target's completions with each answer's words reversed, trained 400 steps: the low target agreement before step
-    1, then held-out far below training once the drafter has learned its rows (measured: held-out 1.99 against a training
-    estimate of 4.67 at step 300)."""
+    """The target's completions with each answer's words reversed, trained 400 steps: the low target agreement before
+    step 1, then held-out far below training once the drafter has learned its rows (measured: held-out 1.99 against a
+    training estimate of 4.67 at step 300)."""
     sections = demo_config(tmp_path, str(tmp_path / "store"), CI)
     sections["tokenize"]["held_out_fraction"] = 0.2
     sections["train"].update(data=str(tmp_path / "tokenized"), eval_every=100, eval_rows=12, decode_eval_prompts=0,
@@ -101,6 +102,9 @@ def test_text_the_target_would_not_write_warns_at_start_and_again_when_the_draft
     result = train_stage.run(cfg, reporter=reporter).details
     said = [w.split(" ")[0:3] for w in reporter.warnings]
     assert said == [["target", "agreement", "0.48"], ["held-out", "tau", "estimate"]], reporter.warnings
-    assert re.search(r"far below the training one .* the drafter learns its \d+ training rows \(\d+\.\d epochs so far\)", reporter.warnings[1])
+    assert re.search(
+        r"far below the training one .* the drafter learns its \d+ training rows \(\d+\.\d epochs so far\)",
+        reporter.warnings[1],
+    )
     assert result.signal["signal_warnings"] == "overfitting"
     assert result.signal["held_out_tau"] < 0.6 * result.signal["train_tau"]
