@@ -9,17 +9,18 @@ Parts. The start's parameters annotated `BlockdraftConfig` or one of the section
 hold parts: the root `config`, or the section their annotation names (`config.train`). Below a
 part: its fields (`config.train`, `config.train.seed`; a section's field names are read from `config.py`).
 `part.resolved()` / `part.model_dump()` make a dict of the part, another part written `config{}`; `d["train"]` and
-`d.get("train")` reach below a dict part (`config{}.train`); `part.model_copy(...)` is the same part. Building a new dict
-around a dict part (`{**d, "x": ...}`) reaches nothing below it.
+`d.get("train")` reach below a dict part (`config{}.train`); `part.model_copy(...)` is the same part. Building a new
+dict around a dict part (`{**d, "x": ...}`) reaches nothing below it.
 
 The walk. In a function, a name holds a part when it is a parameter given one or is assigned one (`tc = config.train`,
 `data = config.resolved()`, `self.x = ...`, a call's result when the called function returns a part). Every call in
-the body to a function or class defined under `src/blockdraft` (a name defined or imported in the module, `Class.method`,
-`self.method`) that passes a part, positionally or by keyword, is followed into the parameter it lands in; a class is
-entered through its constructor (`__init__`, or a dataclass's fields), and the parts it keeps on `self` are held by
-every method of the class. One setting (a field whose value is not a section: `config.train.seed`) is reached but not
-followed. Nested functions and lambdas are read as part of the function around them. Not followed: a method called on
-any other object, a part kept in another object's field and read back outside its class, `*args`/`**kwargs`.
+the body to a function or class defined under `src/blockdraft` (a name defined or imported in the module,
+`Class.method`, `self.method`) that passes a part, positionally or by keyword, is followed into the parameter it lands
+in; a class is entered through its constructor (`__init__`, or a dataclass's fields), and the parts it keeps on `self`
+are held by every method of the class. One setting (a field whose value is not a section: `config.train.seed`) is
+reached but not followed. Nested functions and lambdas are read as part of the function around them. Not followed: a
+method called on any other object, a part kept in another object's field and read back outside its class,
+`*args`/`**kwargs`.
 
 Counted:
 
@@ -31,8 +32,8 @@ Counted:
   function given its sections one by one climbs nowhere.
 
 `--list` prints each room and each climb; `--given recorded=config{}` says what a start parameter that no annotation
-names is given by its callers (a dict made of the config); `--src` reads another checkout's `src` (an older commit, for a
-before figure).
+names is given by its callers (a dict made of the config); `--src` reads another checkout's `src` (an older commit, for
+a before figure).
 """
 
 from __future__ import annotations
@@ -65,7 +66,11 @@ class Part:
     def __str__(self) -> str:
         if self.dict_at is None:
             return ".".join(("config", *self.path))
-        return ".".join(("config", *self.path[: self.dict_at])) + "{}" + "".join(f".{p}" for p in self.path[self.dict_at :])
+        return (
+            ".".join(("config", *self.path[: self.dict_at]))
+            + "{}"
+            + "".join(f".{p}" for p in self.path[self.dict_at :])
+        )
 
 
 class Source:
@@ -93,9 +98,15 @@ class Source:
         names = {c.name for c in classes}
         found: dict[str, dict[str, str | None]] = {}
         for c in classes:
-            fields = {s.target.id: s.annotation for s in c.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            fields = {
+                s.target.id: s.annotation
+                for s in c.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
             if fields:
-                found[c.name] = {k: a.id if isinstance(a, ast.Name) and a.id in names else None for k, a in fields.items()}
+                found[c.name] = {
+                    k: a.id if isinstance(a, ast.Name) and a.id in names else None for k, a in fields.items()
+                }
         return found
 
     def type_of(self, part: Part) -> str | None:
@@ -157,9 +168,10 @@ class Walk:
     climbs: list[tuple[str, Part, list[str]]] = field(default_factory=list)
     returns: dict[tuple[str, frozenset[tuple[str, Part]]], Part | None] = field(default_factory=dict)
 
-    def enter(self, module: str, node: ast.FunctionDef | ast.ClassDef, owner: ast.ClassDef | None, given: dict[str, Part]) -> Part | None:
-        """Enter `node` (a function, or a class through its constructor) with `given` {parameter: part}; returns the part
-        it returns (a function's), else None."""
+    def enter(self, module: str, node: ast.FunctionDef | ast.ClassDef, owner: ast.ClassDef | None,
+              given: dict[str, Part]) -> Part | None:
+        """Enter `node` (a function, or a class through its constructor) with `given` {parameter: part}; returns the
+        part it returns (a function's), else None."""
         holder = f"{module}.{owner.name + '.' if owner else ''}{node.name}"
         key = (holder, frozenset(given.items()))
         if key in self.returns:
@@ -181,7 +193,8 @@ class Walk:
         # section for a setting (`config.store.url` enters `config.store`).
         for part in [*(p for _, _, env in bodies for p in env.values()), *reached]:
             while self.src.is_setting(part):
-                part = Part(part.path[:-1], part.dict_at if part.dict_at is None or part.dict_at < len(part.path) else None)
+                part = Part(part.path[:-1],
+                            part.dict_at if part.dict_at is None or part.dict_at < len(part.path) else None)
             if (holder, part) not in self.rooms:
                 self.rooms.append((holder, part))
         held = [part for h, part in self.rooms if h == holder]
@@ -190,15 +203,19 @@ class Walk:
             if part.path:
                 continue
             # Through this root (the object, or a dict made of it), not through a section held beside it.
-            sections = list(dict.fromkeys(r.path[0] for r in reached if r.path and (r.dict_at == 0) == (part.dict_at == 0)
-                                          and not any(r.path[: len(s.path)] == s.path and r.dict_at == s.dict_at for s in below)))
+            sections = list(dict.fromkeys(
+                r.path[0] for r in reached if r.path and (r.dict_at == 0) == (part.dict_at == 0)
+                and not any(r.path[: len(s.path)] == s.path and r.dict_at == s.dict_at for s in below)))
             if len(sections) > 1 and not any(h == holder and p == part for h, p, _ in self.climbs):
                 self.climbs.append((holder, part, sections))
         self.returns[key] = result
         return result
 
-    def _class_bodies(self, module: str, cls: ast.ClassDef, given: dict[str, Part]) -> list[tuple[ast.FunctionDef, ast.ClassDef, dict[str, Part]]]:
-        """Each method with what it holds: the constructor's parameters in `__init__`, the parts kept on `self` in all."""
+    def _class_bodies(
+        self, module: str, cls: ast.ClassDef, given: dict[str, Part]
+    ) -> list[tuple[ast.FunctionDef, ast.ClassDef, dict[str, Part]]]:
+        """Each method with what it holds: the constructor's parameters in `__init__`, the parts kept on `self` in
+        all."""
         methods = _methods(cls)
         kept: dict[str, Part] = {f"self.{name}": part for name, part in given.items()}  # a dataclass keeps its fields
         if (init := methods.get("__init__")) is not None:
@@ -214,13 +231,20 @@ class Walk:
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                     for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                         pairs = [(target, node.value)]
-                        if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple) and len(target.elts) == len(node.value.elts):
+                        if (
+                            isinstance(target, ast.Tuple)
+                            and isinstance(node.value, ast.Tuple)
+                            and len(target.elts) == len(node.value.elts)
+                        ):
                             pairs = list(zip(target.elts, node.value.elts, strict=True))  # a, b = x, y
                         for name_node, value in pairs:
-                            if (name := _name(name_node)) is not None and (part := self.part_of(value, env, module, cls)) is not None:
+                            if (name := _name(name_node)) is not None and (
+                                part := self.part_of(value, env, module, cls)
+                            ) is not None:
                                 env.setdefault(name, part)
 
-    def _read(self, module: str, fn: ast.FunctionDef, cls: ast.ClassDef | None, env: dict[str, Part], reached: list[Part]) -> Part | None:
+    def _read(self, module: str, fn: ast.FunctionDef, cls: ast.ClassDef | None, env: dict[str, Part],
+              reached: list[Part]) -> Part | None:
         """Read one function's body: the parts it reaches (added to `reached`), the calls it makes with parts (entered);
         returns the part it returns, if any."""
         self._assignments(module, fn, cls, env)
@@ -230,7 +254,8 @@ class Walk:
             if not isinstance(node, ast.expr):
                 continue
             part = self.part_of(node, env, module, cls)
-            if part is not None and self.part_of(parents.get(node, fn), env, module, cls) is None:  # type: ignore[arg-type]
+            if part is not None and (
+                    self.part_of(parents.get(node, fn), env, module, cls) is None):  # type: ignore[arg-type]
                 reached.append(part)
             if isinstance(node, ast.Call):
                 self.call(node, env, module, cls)
@@ -239,14 +264,20 @@ class Walk:
                 result = result or self.part_of(node.value, env, module, cls)
         return result
 
-    def callee(self, func: ast.expr, module: str, cls: ast.ClassDef | None) -> tuple[str, ast.FunctionDef | ast.ClassDef, ast.ClassDef | None] | None:
+    def callee(
+        self, func: ast.expr, module: str, cls: ast.ClassDef | None
+    ) -> tuple[str, ast.FunctionDef | ast.ClassDef, ast.ClassDef | None] | None:
         if isinstance(func, ast.Name) and (found := self.src.lookup(module, func.id)) is not None:
             return found[0], found[1], None
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
             if func.value.id == "self" and cls is not None and (m := _methods(cls).get(func.attr)) is not None:
                 return module, m, cls
             found = self.src.lookup(module, func.value.id)
-            if found is not None and isinstance(found[1], ast.ClassDef) and (m := _methods(found[1]).get(func.attr)) is not None:
+            if (
+                found is not None
+                and isinstance(found[1], ast.ClassDef)
+                and (m := _methods(found[1]).get(func.attr)) is not None
+            ):
                 return found[0], m, found[1]
         return None
 
@@ -261,11 +292,17 @@ class Walk:
             fields = [s.target.id for s in fn.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
             positional, names = _params(init, True) if init else (fields, set(fields))
         else:
-            bound = owner is not None and not any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
+            bound = owner is not None and not any(
+                isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list
+            )
             positional, names = _params(fn, bound)
         given: dict[str, Part] = {}
         for i, arg in enumerate(node.args):
-            if i < len(positional) and not isinstance(arg, ast.Starred) and (part := self.part_of(arg, env, module, cls)) is not None:
+            if (
+                i < len(positional)
+                and not isinstance(arg, ast.Starred)
+                and (part := self.part_of(arg, env, module, cls)) is not None
+            ):
                 if not self.src.is_setting(part):
                     given[positional[i]] = part
         for kw in node.keywords:
@@ -285,7 +322,11 @@ class Walk:
             if base is not None and base.dict_at is None and self.src.is_field(base, node.attr):
                 return base.below(node.attr)
             return None
-        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        if (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.slice, ast.Constant)
+            and isinstance(node.slice.value, str)
+        ):
             base = self.part_of(node.value, env, module, cls)
             if base is not None and base.dict_at is not None and self.src.is_field(base, node.slice.value):
                 return base.below(node.slice.value)
@@ -298,7 +339,12 @@ class Walk:
                 if node.func.attr == "model_copy" and base.dict_at is None:
                     return base
                 key = node.args[0] if node.args else None
-                if node.func.attr == "get" and base.dict_at is not None and isinstance(key, ast.Constant) and self.src.is_field(base, str(key.value)):
+                if (
+                    node.func.attr == "get"
+                    and base.dict_at is not None
+                    and isinstance(key, ast.Constant)
+                    and self.src.is_field(base, str(key.value))
+                ):
                     return base.below(str(key.value))
                 return None
         if isinstance(node, ast.Call) and module is not None:
@@ -315,8 +361,8 @@ def _name(node: ast.AST) -> str | None:
 
 
 def start(src: Source, dotted: str, named: dict[str, Part] | None = None) -> Walk:
-    """Walk from the function or class `dotted`, its config parameters holding the parts their annotations name, and those
-    `named` ({parameter: part}) the parts given there."""
+    """Walk from the function or class `dotted`, its config parameters holding the parts their annotations name, and
+    those `named` ({parameter: part}) the parts given there."""
     module, name = dotted.rsplit(".", 1)
     found = src.lookup(module, name)
     owner = None
@@ -360,7 +406,8 @@ def main() -> None:
     parser.add_argument("--src", type=Path, default=SRC, help="the src folder to read (another checkout's)")
     parser.add_argument("--list", action="store_true", help="print each room and each climb")
     parser.add_argument("--given", nargs="+", default=[], metavar="PARAMETER=PART",
-                        help="a start parameter no annotation names, and the part its callers give it: recorded=config{}")
+                        help="a start parameter no annotation names, and the part its callers give it: "
+                             "recorded=config{}")
     args = parser.parse_args()
     SRC = args.src.resolve()
     src = Source()
@@ -372,7 +419,8 @@ def main() -> None:
             for holder, part in walk.rooms:
                 print(f"  room  {holder.removeprefix(ROOT + '.')}: {part}")
             for holder, part, sections in walk.climbs:
-                print(f"  climb {holder.removeprefix(ROOT + '.')}: {part} reaches {', '.join(sections)} ({len(sections) - 1})")
+                print(f"  climb {holder.removeprefix(ROOT + '.')}: {part} reaches {', '.join(sections)} "
+                      f"({len(sections) - 1})")
 
 
 if __name__ == "__main__":
