@@ -52,6 +52,15 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def one_engine_thread(request, monkeypatch):
+    """An engine server a test starts runs one OpenMP thread, as our own decode does here (`one_torch_thread`):
+    `make test` runs a worker per core, and a server spinning a thread on every core beside another worker's tests is
+    slowed many times over."""
+    if request.node.get_closest_marker("engine"):
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     with SeaweedS3(tmp_path_factory.mktemp("seaweedfs")) as server:
