@@ -535,16 +535,20 @@ def demo(
                                                    "works too.")] = None,
     endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint for an S3-compatible server.")] = None,
     profile: Annotated[str, typer.Option(help="full (the README's main job, a few minutes) or ci (the same pipeline, "
-                                              "smaller, <60 s).")] = "full",
-    target: Annotated[str, typer.Option(help="tiny (a Qwen3 target) or hybrid (a Qwen3.5-style linear/full-attention "
-                                             "target, with a sliding-window drafter layer).")] = "tiny",
+                                              "smaller, <60 s); the real target has one size.")] = "full",
+    target: Annotated[str, typer.Option(help="tiny (a Qwen3 target), hybrid (a Qwen3.5-style linear/full-attention "
+                                             "target, with a sliding-window drafter layer) or real (SmolLM2-135M-"
+                                             "Instruct from the package registry, about 35 minutes on 2 cores).")]
+    = "tiny",
     engine: Annotated[str, typer.Option(help="vllm: generate with vLLM and check the drafter in it too "
                                              "(`make engine`).")] = "none",
-    # The demo's drafter stays DFlash, whatever dflash.architecture defaults to: its figures are DFlash's
-    # (docs/PERFORMANCE.md), and its engine variant serves the export in vLLM's CPU build, which serves DFlash only.
-    drafter: Annotated[str, typer.Option(help="dflash, or dflash2 (a convolution around every sublayer and a candidate "
-                                              "selector that walks each slot's top-K; the default for your own "
-                                              "configs).")] = "dflash",
+    # The tiny demos' drafter stays DFlash, whatever dflash.architecture defaults to: their figures are DFlash's
+    # (docs/PERFORMANCE.md), and their engine variant serves the export in vLLM's CPU build, which serves DFlash only.
+    # The real target's demo trains DFlash2, the shape its bench chose (docs/REAL-TARGET.md).
+    drafter: Annotated[str | None, typer.Option(help="dflash, or dflash2 (a convolution around every sublayer and a "
+                                                     "candidate selector that walks each slot's top-K; the default "
+                                                     "for your own configs). Default: dflash on the tiny targets, "
+                                                     "dflash2 on the real one.")] = None,
 ) -> None:
     """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
     from blockdraft.pipeline import (
@@ -562,6 +566,7 @@ def demo(
         raise typer.BadParameter(f"--profile must be one of {', '.join(SIZES)}, not {profile!r}")
     if target not in TARGETS:
         raise typer.BadParameter(f"--target must be one of {', '.join(TARGETS)}, not {target!r}")
+    drafter = drafter or ("dflash2" if target == "real" else "dflash")
     if drafter not in ARCHITECTURES:
         raise typer.BadParameter(f"--drafter must be one of {', '.join(ARCHITECTURES)}, not {drafter!r}")
     with ConsoleReporter(console) as reporter:

@@ -2,7 +2,10 @@
 `target="hybrid"` (`blockdraft demo --target hybrid`) runs it on the tiny Qwen3.5-style hybrid target (linear attention
 with full attention every 4th layer) with a drafter of one sliding-window layer and one full-attention layer.
 `drafter="dflash2"` (`--drafter dflash2`) trains, evaluates and exports a DFlash2 drafter of the same shape instead
-(`ARCHITECTURES`).
+(`ARCHITECTURES`). `target="real"` (`blockdraft demo --target real`) runs it on a real language model,
+SmolLM2-135M-Instruct made from the package registry (`blockdraft.fixtures.smollm2`, made first when its folder is
+missing), regenerating the answers to the shipped prompt set (`assets/real-prompts/`) and measuring the drafter on its
+held-out prompts.
 
     prompts --generate--> completions --tokenize--> tokenized --push--> store --pull--> training node
         --train--> checkpoints --eval--> tau / speedup / lossless --export--> SGLang/vLLM folder
@@ -33,6 +36,8 @@ from blockdraft.config import BlockdraftConfig, EvalConfig, StoreConfig, load_co
 from blockdraft.data.formats import COMPLETIONS_KIND
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.fixtures.hybrid import TINY_HYBRID_TARGET_DIR
+from blockdraft.fixtures.smollm2 import MASK_TOKEN_ID as REAL_MASK_TOKEN_ID
+from blockdraft.fixtures.smollm2 import ensure_real_target, real_target_dir
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR, distinct_ngram_ratio
 from blockdraft.model.formats import EXPORT_KIND
 from blockdraft.reporter import Reporter
@@ -51,14 +56,17 @@ from blockdraft.store.transfer import pull, push
 T = TypeVar("T")
 
 Profile = Literal["full", "ci"]
-DemoTarget = Literal["tiny", "hybrid"]
+DemoTarget = Literal["tiny", "hybrid", "real"]
 
-TARGETS: dict[str, Path] = {"tiny": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGET_DIR}
+# The real target's folder is made on demand (`target_folder`); the tiny ones ship in the package.
+TARGETS: dict[str, Path | None] = {"tiny": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGET_DIR, "real": None}
+REAL_PROMPTS_DIR = Path(__file__).resolve().parent / "assets" / "real-prompts"
 # The drafter per target: a hybrid target gets the published Qwen3.6 drafter's shape in small (sliding layers, then a
 # full one); the window (>= block size) is short enough that the demo's prompts overflow it.
 DRAFTERS: dict[str, dict[str, Any]] = {
     "tiny": {"num_draft_layers": 1},
     "hybrid": {"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32},
+    "real": {"num_draft_layers": 2},
 }
 
 DemoDrafter = Literal["dflash", "dflash2"]
@@ -82,6 +90,10 @@ class DemoSize:
     generate_new_tokens: int
 
 
+# On the real target every size is `REAL_SIZE`: the whole shipped prompt set, and the step count that fits the demo's
+# time on 2 cores (docs/REAL-TARGET.md).
+REAL_SIZE = DemoSize(conversations=257, train_steps=300, anchors=32, eval_prompts=43, eval_new_tokens=96,
+                     generate_new_tokens=192)
 SIZES: dict[str, DemoSize] = {
     "ci": DemoSize(conversations=48, train_steps=60, anchors=32, eval_prompts=3, eval_new_tokens=48,
                    generate_new_tokens=160),
@@ -139,20 +151,33 @@ def write_toml(path: Path, sections: dict[str, dict[str, Any]]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def target_folder(target: DemoTarget, say: Callable[[str], None] = print) -> Path:
+    """The demo target's folder: a tiny one from the package, or the real one, made and verified first
+    (`ensure_real_target`)."""
+    folder = TARGETS[target]
+    return folder if folder is not None else ensure_real_target(real_target_dir(), say)
+
+
+def _mask_token_id(target: DemoTarget, folder: Path) -> int:
+    if target == "real":
+        return REAL_MASK_TOKEN_ID
+    return int(json.loads((folder / "fixture.json").read_text())["mask_token_id"])
+
+
 def demo_config(
     workdir: Path, store_url: str, size: DemoSize, endpoint_url: str | None = None, target: DemoTarget = "tiny",
-    drafter: DemoDrafter = "dflash",
+    drafter: DemoDrafter = "dflash", folder: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The demo's config sections: the tiny (or tiny hybrid) target, block size 8, its drafter (`DRAFTERS`, of the
-    architecture `drafter`: `ARCHITECTURES`), the store and the stage sizes."""
-    fixture = json.loads((TARGETS[target] / "fixture.json").read_text())
+    """The demo's config sections: the target (`folder`, else `target`'s own: `target_folder`), block size 8, its
+    drafter (`DRAFTERS`, of the architecture `drafter`: `ARCHITECTURES`), the store and the stage sizes."""
+    folder = folder or target_folder(target)
     store = store_url.rstrip("/")
     return {
-        "target": {"path": str(TARGETS[target])},
+        "target": {"path": str(folder)},
         # A tenth of the conversations held out: training measures its held-out figures and decodes its checkpoints on
         # them (docs/TRAINING-SIGNAL.md), the figures to set beside eval's on the fixture's own held-out prompts.
         "tokenize": {"held_out_fraction": DEMO_HELD_OUT, "max_length": 1024},
-        "dflash": {"block_size": BLOCK_SIZE, "mask_token_id": fixture["mask_token_id"], **DRAFTERS[target],
+        "dflash": {"block_size": BLOCK_SIZE, "mask_token_id": _mask_token_id(target, folder), **DRAFTERS[target],
                    **ARCHITECTURES[drafter], "num_anchors": size.anchors},
         "store": {"url": store, "endpoint_url": endpoint_url},
         "train": {
@@ -169,15 +194,24 @@ def demo_config(
         },
         # Qwen3's thinking-mode sampling settings: the demo measures tau greedy and at the temperature users serve.
         "eval": {"num_prompts": size.eval_prompts, "max_new_tokens": size.eval_new_tokens, **DEMO_SAMPLING},
-        "generate": {"engine": "hf", "max_new_tokens": size.generate_new_tokens, "batch_size": 160, "thinking": "auto"},
+        "generate": {"engine": "hf", "max_new_tokens": size.generate_new_tokens,
+                     "batch_size": 64 if target == "real" else 160, "thinking": "auto"},
     }
 
 
-def _regeneration_prompts(workdir: Path, count: int, target_dir: Path) -> Path:
-    """The first `count` conversations of the fixture's completions: generate drops their final turn and regenerates
-    it."""
+def _prompt_files(target: DemoTarget, folder: Path) -> tuple[Path, Path]:
+    """(training-side prompts, held-out prompts) of the demo's target: the tiny targets' fixture completions and
+    held-out prompts, or the real target's shipped prompt set."""
+    if target == "real":
+        return REAL_PROMPTS_DIR / "train.jsonl", REAL_PROMPTS_DIR / "held-out.jsonl"
+    return folder / "completions.jsonl", folder / "prompts.jsonl"
+
+
+def _regeneration_prompts(workdir: Path, count: int, source: Path) -> Path:
+    """The first `count` rows of `source`: generate drops a row's final assistant turn, if any, and answers the
+    rest."""
     out = workdir / "prompts.jsonl"
-    with open(target_dir / "completions.jsonl") as src, open(out, "w") as dst:
+    with open(source) as src, open(out, "w") as dst:
         for i, line in enumerate(src):
             if i >= count:
                 break
@@ -247,6 +281,9 @@ def demo_lines(result: DemoResult) -> list[str]:
                  f"   (block size {report.block_size if report else '-'})")
     lines.append(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: "
                  f"{'yes' if result.lossless else 'NO'}")
+    if report is not None:
+        positions = " ".join(f"{a:.2f}" for a in report.drafters["dflash"].position_acceptance)
+        lines.append(f"greedy acceptance by draft position 1..{report.block_size - 1}: {positions}")
     if result.training_signal:
         lines.append(f"training's own figures: {result.training_signal}")
     sampled = report.sampled if report is not None else None
@@ -261,6 +298,7 @@ def demo_lines(result: DemoResult) -> list[str]:
     if report is not None and report.engine is not None:
         lines += engine_lines(report.engine)
     lines.append(f"target's answers, distinct-4-gram ratio: {result.distinct_4gram:.2f}")
+    lines.append("stage times: " + ", ".join(f"{name} {s:.0f}s" for name, s in result.stage_seconds.items()))
     lines.append(f"wall time {result.wall_s:.1f}s, peak RSS {result.peak_rss_mib:.0f} MiB; status page: "
                  f"{result.workdir / 'PROGRESS.md'}")
     return [*lines, "", "serve the exported drafter beside the target:", *serving_lines(result.serving)]
@@ -280,9 +318,9 @@ def run_demo(
     says about each artifact. `engine="vllm"`: the target's answers come from vLLM serving it, and the eval also serves
     the export in vLLM and compares (`eval --engine`). `drafter="dflash2"`: a DFlash2 drafter."""
     threads = torch.get_num_threads()
-    # One thread: these tiny matmuls gain nothing from two, and two threads stall badly when anything else shares the
-    # cores.
-    torch.set_num_threads(1)
+    # One thread on the tiny targets: their matmuls gain nothing from two, and two threads stall badly when anything
+    # else shares the cores. The real target's do gain: it keeps torch's default.
+    torch.set_num_threads(threads if target == "real" else 1)
     try:
         return _run(Path(workdir).absolute(), store_url, SIZES[profile], endpoint_url, reporter or Reporter(), target,
                     engine, drafter)
@@ -362,8 +400,11 @@ def _run(
     refuse_another_drafter(workdir, drafter)
     claim_workdir(workdir)
     store = (store_url or f"file://{workdir / 'store'}").rstrip("/")
-    target_dir = TARGETS[target]
-    sections = demo_config(workdir, store, size, endpoint_url, target, drafter)
+    if target == "real":
+        size = REAL_SIZE
+    target_dir = target_folder(target, reporter.say)
+    train_prompts, held_out = _prompt_files(target, target_dir)
+    sections = demo_config(workdir, store, size, endpoint_url, target, drafter, target_dir)
     if engine != "none":
         sections["eval"]["engine"] = engine
         sections["eval"]["engine_python"] = str(Path(EvalConfig().engine_python).absolute())
@@ -376,7 +417,7 @@ def _run(
 
     # The tokenize node: regenerate answers with the target, tokenize them, push them to the store.
     timed("preflight", lambda: preflight(open_store(store, cfg.store)))
-    prompts = str(_regeneration_prompts(workdir, size.conversations, target_dir))
+    prompts = str(_regeneration_prompts(workdir, size.conversations, train_prompts))
     timed("generate", lambda: _generate(cfg, prompts, f"{store}/completions", reporter, workdir),
           f"{store}/completions")
     result.distinct_4gram = _distinct_4gram(f"{store}/completions", cfg.store, target_dir)
@@ -391,14 +432,15 @@ def _run(
     timed("pull", lambda: pull(f"{store}/tokenized", node_data, cfg.store), node_data)
     trained = timed("train", lambda: train.run(cfg, reporter=reporter), lambda trained: trained.url)
     result.training_signal = trained.details.summary
-    held_out = str(target_dir / "prompts.jsonl")  # prompts the target never trained on, absent from the completions
+    # prompts absent from the completions (the tiny targets never trained on them either)
     exported = timed("export", lambda: export.run(cfg, run_dir, f"{store}/export", reporter), f"{store}/export")
     result.serving = exported.details.serving
     served = (
         export_for_engine(cfg, f"{store}/export", workdir / "engine-export", reporter) if engine != "none" else None
     )
     evaluated = timed("eval",
-                      lambda: eval_stage.run(cfg, run_dir, f"{store}/eval", reporter, prompts=held_out, export=served),
+                      lambda: eval_stage.run(cfg, run_dir, f"{store}/eval", reporter, prompts=str(held_out),
+                                                        export=served),
                       f"{store}/eval")
 
     # Every artifact, as the store holds it.
