@@ -66,11 +66,12 @@ demo: $(STAMP)
 real-target: $(STAMP)
 	$(BIN)/python -m blockdraft.fixtures.smollm2
 
+# Its own workdir: `make demo`'s trains a DFlash drafter, this one a DFlash2 drafter.
 demo-real: real-target
-	$(BIN)/blockdraft demo --target real
+	$(BIN)/blockdraft demo --target real --workdir demo-work-real
 
 demo-engine: $(STAMP) engine
 	$(BIN)/blockdraft demo --engine vllm
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) demo-work
+	rm -rf $(VENV) $(ENGINE_VENV) demo-work demo-work-real

@@ -538,7 +538,7 @@ def demo(
                                               "smaller, <60 s); the real target has one size.")] = "full",
     target: Annotated[str, typer.Option(help="tiny (a Qwen3 target), hybrid (a Qwen3.5-style linear/full-attention "
                                              "target, with a sliding-window drafter layer) or real (SmolLM2-135M-"
-                                             "Instruct from the package registry, about 35 minutes on 2 cores).")]
+                                             "Instruct from the package registry, about half an hour on 2 cores).")]
     = "tiny",
     engine: Annotated[str, typer.Option(help="vllm: generate with vLLM and check the drafter in it too "
                                              "(`make engine`).")] = "none",
@@ -550,7 +550,7 @@ def demo(
                                                      "for your own configs). Default: dflash on the tiny targets, "
                                                      "dflash2 on the real one.")] = None,
 ) -> None:
-    """The whole pipeline on a tiny CPU target: generate, tokenize, push, pull, train, eval, export, status."""
+    """The whole pipeline on a CPU target: generate, tokenize, push, pull, train, eval, export, status."""
     from blockdraft.pipeline import (
         ARCHITECTURES,
         SIZES,
@@ -566,6 +566,8 @@ def demo(
         raise typer.BadParameter(f"--profile must be one of {', '.join(SIZES)}, not {profile!r}")
     if target not in TARGETS:
         raise typer.BadParameter(f"--target must be one of {', '.join(TARGETS)}, not {target!r}")
+    if target == "real" and profile != "full":
+        raise typer.BadParameter("--target real has one size (docs/REAL-TARGET.md); leave --profile out")
     drafter = drafter or ("dflash2" if target == "real" else "dflash")
     if drafter not in ARCHITECTURES:
         raise typer.BadParameter(f"--drafter must be one of {', '.join(ARCHITECTURES)}, not {drafter!r}")

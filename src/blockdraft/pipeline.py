@@ -92,7 +92,7 @@ class DemoSize:
 
 # On the real target every size is `REAL_SIZE`: the whole shipped prompt set, and the step count that fits the demo's
 # time on 2 cores (docs/REAL-TARGET.md).
-REAL_SIZE = DemoSize(conversations=257, train_steps=300, anchors=32, eval_prompts=43, eval_new_tokens=96,
+REAL_SIZE = DemoSize(conversations=257, train_steps=300, anchors=32, eval_prompts=43, eval_new_tokens=48,
                      generate_new_tokens=192)
 SIZES: dict[str, DemoSize] = {
     "ci": DemoSize(conversations=48, train_steps=60, anchors=32, eval_prompts=3, eval_new_tokens=48,
@@ -158,7 +158,8 @@ def target_folder(target: DemoTarget, say: Callable[[str], None] = print) -> Pat
     return folder if folder is not None else ensure_real_target(real_target_dir(), say)
 
 
-def _mask_token_id(target: DemoTarget, folder: Path) -> int:
+def mask_token_id_of(target: DemoTarget, folder: Path) -> int:
+    """The drafter's mask id on a demo target: a tiny one's fixture.json's, or the real one's (`REAL_MASK_TOKEN_ID`)."""
     if target == "real":
         return REAL_MASK_TOKEN_ID
     return int(json.loads((folder / "fixture.json").read_text())["mask_token_id"])
@@ -177,7 +178,7 @@ def demo_config(
         # A tenth of the conversations held out: training measures its held-out figures and decodes its checkpoints on
         # them (docs/TRAINING-SIGNAL.md), the figures to set beside eval's on the fixture's own held-out prompts.
         "tokenize": {"held_out_fraction": DEMO_HELD_OUT, "max_length": 1024},
-        "dflash": {"block_size": BLOCK_SIZE, "mask_token_id": _mask_token_id(target, folder), **DRAFTERS[target],
+        "dflash": {"block_size": BLOCK_SIZE, "mask_token_id": mask_token_id_of(target, folder), **DRAFTERS[target],
                    **ARCHITECTURES[drafter], "num_anchors": size.anchors},
         "store": {"url": store, "endpoint_url": endpoint_url},
         "train": {
@@ -193,15 +194,19 @@ def demo_config(
             "seed": 0,
         },
         # Qwen3's thinking-mode sampling settings: the demo measures tau greedy and at the temperature users serve.
-        "eval": {"num_prompts": size.eval_prompts, "max_new_tokens": size.eval_new_tokens, **DEMO_SAMPLING},
+        # On the real target a decode costs ~40 ms a token on 2 cores: no untrained drafter's decodes (tau 1.00 on
+        # the tiny targets) beside the trained one's, n-gram's and the target's own.
+        "eval": {"num_prompts": size.eval_prompts, "max_new_tokens": size.eval_new_tokens, **DEMO_SAMPLING,
+                 "untrained_baseline": target != "real"},
         "generate": {"engine": "hf", "max_new_tokens": size.generate_new_tokens,
                      "batch_size": 64 if target == "real" else 160, "thinking": "auto"},
     }
 
 
-def _prompt_files(target: DemoTarget, folder: Path) -> tuple[Path, Path]:
+def prompt_files(target: DemoTarget, folder: Path) -> tuple[Path, Path]:
     """(training-side prompts, held-out prompts) of the demo's target: the tiny targets' fixture completions and
-    held-out prompts, or the real target's shipped prompt set."""
+    held-out prompts (which the target never trained on either), or the real target's shipped prompt set. The held-out
+    prompts are absent from the completions."""
     if target == "real":
         return REAL_PROMPTS_DIR / "train.jsonl", REAL_PROMPTS_DIR / "held-out.jsonl"
     return folder / "completions.jsonl", folder / "prompts.jsonl"
@@ -277,7 +282,8 @@ def demo_lines(result: DemoResult) -> list[str]:
     lines = ["", "artifact\tstate", *(f"{root}\t{state}" for root, state in result.states.items()), ""]
     drafted = (f"tau dflash2 walk {tau.get('dflash', 0):.2f}   unary argmax {tau[UNARY_NAME]:.2f}" if UNARY_NAME in tau
                else f"tau dflash {tau.get('dflash', 0):.2f}")
-    lines.append(f"{drafted}   n-gram {tau.get('ngram', 0):.2f}   untrained {tau.get('untrained', 0):.2f}"
+    untrained = f"   untrained {tau['untrained']:.2f}" if "untrained" in tau else ""
+    lines.append(f"{drafted}   n-gram {tau.get('ngram', 0):.2f}{untrained}"
                  f"   (block size {report.block_size if report else '-'})")
     lines.append(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: "
                  f"{'yes' if result.lossless else 'NO'}")
@@ -314,9 +320,10 @@ def run_demo(
     engine: str = "none",
     drafter: DemoDrafter = "dflash",
 ) -> DemoResult:
-    """Run every stage once on the tiny target (`target="hybrid"`: the tiny hybrid one) and return what the destination
-    says about each artifact. `engine="vllm"`: the target's answers come from vLLM serving it, and the eval also serves
-    the export in vLLM and compares (`eval --engine`). `drafter="dflash2"`: a DFlash2 drafter."""
+    """Run every stage once on the tiny target (`target="hybrid"`: the tiny hybrid one; `"real"`: SmolLM2, at
+    `REAL_SIZE` whatever `profile` says) and return what the destination says about each artifact. `engine="vllm"`:
+    the target's answers come from vLLM serving it, and the eval also serves the export in vLLM and compares (`eval
+    --engine`). `drafter="dflash2"`: a DFlash2 drafter."""
     threads = torch.get_num_threads()
     # One thread on the tiny targets: their matmuls gain nothing from two, and two threads stall badly when anything
     # else shares the cores. The real target's do gain: it keeps torch's default.
@@ -403,13 +410,17 @@ def _run(
     if target == "real":
         size = REAL_SIZE
     target_dir = target_folder(target, reporter.say)
-    train_prompts, held_out = _prompt_files(target, target_dir)
+    train_prompts, held_out = prompt_files(target, target_dir)
     sections = demo_config(workdir, store, size, endpoint_url, target, drafter, target_dir)
     if engine != "none":
         sections["eval"]["engine"] = engine
         sections["eval"]["engine_python"] = str(Path(EvalConfig().engine_python).absolute())
     write_toml(workdir / "blockdraft.toml", sections)
     cfg = load_config(workdir / "blockdraft.toml")
+    if engine != "none":  # before generate and train: a drafter the engine cannot serve here is refused now
+        from blockdraft.stages.eval.engine_check import refuse_unservable
+
+        refuse_unservable(cfg.eval, cfg.dflash.architecture)
     result = DemoResult(workdir=workdir, store_url=store, engine=engine)
     timed = _Stopwatch(cfg, reporter, result)
     began = time.perf_counter()
@@ -432,7 +443,6 @@ def _run(
     timed("pull", lambda: pull(f"{store}/tokenized", node_data, cfg.store), node_data)
     trained = timed("train", lambda: train.run(cfg, reporter=reporter), lambda trained: trained.url)
     result.training_signal = trained.details.summary
-    # prompts absent from the completions (the tiny targets never trained on them either)
     exported = timed("export", lambda: export.run(cfg, run_dir, f"{store}/export", reporter), f"{store}/export")
     result.serving = exported.details.serving
     served = (
