@@ -13,10 +13,14 @@ lr, through `blockdraft train`; each drafter is then measured by `blockdraft eva
 - `ce_wall`: the DFlash baseline again, at DFlash2's wall time: its steps are the fixture's times the ratio of DFlash2's
   median step time to DFlash's, measured on this run's equal-step runs (so it runs after them).
 
-Fixtures: `tiny` (8-layer Qwen3, one-layer B = 8 drafter) and `hybrid` (Qwen3.5-style linear attention, a drafter of one
-sliding-window and one full-attention layer). Per fixture and objective it prints tau's mean and sd over the seeds and
+Fixtures: `tiny` (8-layer Qwen3, one-layer B = 8 drafter), `hybrid` (Qwen3.5-style linear attention, a drafter of one
+sliding-window and one full-attention layer) and `real` (SmolLM2-135M-Instruct from `make real-target`, a two-layer
+B = 8 drafter, trained on the target's answers to the shipped prompt set, which `blockdraft demo --target real`
+regenerates: `--real-completions`, and measured on its 43 held-out prompts).
+
+Per fixture and objective it prints tau's mean and sd over the seeds and
 the paired difference against `ce` (mean and sd of tau(objective, seed) - tau(ce, seed), and the mean as a share of ce's
-mean tau); an objective may become a default only where that share is >= 3% on both fixtures. Every run is checked
+mean tau); an objective may become a default only where that share is >= 3% on both tiny fixtures. Every run is checked
 lossless.
 
     .venv/bin/python -m bench.quality                 # full size: 5 seeds, both fixtures, 2 workers
@@ -25,10 +29,13 @@ lossless.
     .venv/bin/python -m bench.quality --fixtures tiny --objectives ce,distill --seeds 3 --out runs.jsonl
     .venv/bin/python -m bench.quality --dflash2       # DFlash2 against DFlash: equal steps and equal wall time,
                                                       # both rules
+    .venv/bin/python -m bench.quality --dflash2 --fixtures real --objectives ce,dflash2,ce_wall --seeds 3 \
+        --prompts 43 --temperature 0.6 --real-completions demo-work-real/store/completions   # after make demo-real
 
 With `--dflash2` it also prints the architecture table: per fixture the walk's tau (for DFlash the argmax's: it has no
 walk), the unary argmax's tau of the same DFlash2 drafter on the same prompts, acceptance per draft position, candidate
-recall over the last training steps, the median training step time and the drafter's parameter count.
+recall over the last training steps, the median training step time and the drafter's parameter count; with
+`--temperature T` also tau at T (top-p 0.95, top-k 20, the default engine rule) and n-gram's tau greedy and at T.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = {
     "ce": {},
@@ -62,30 +69,47 @@ FIXTURES: dict[str, tuple[dict[str, Any], int]] = {
     "tiny": ({"num_draft_layers": 1}, 240),
     "hybrid": ({"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32},
                120),
+    "real": ({"num_draft_layers": 2}, 150),
 }
 THRESHOLD = 0.03  # the gain over ce, as a share of ce's mean tau, that makes an objective a default candidate
 
 
 def fixture_dir(name: str) -> Path:
+    """The fixture's target folder (the real one as `make real-target` made it: `main` verifies it once)."""
     from blockdraft.fixtures.hybrid import TINY_HYBRID_TARGET_DIR
+    from blockdraft.fixtures.smollm2 import real_target_dir
     from blockdraft.fixtures.tiny import TINY_TARGET_DIR
 
-    return {"tiny": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGET_DIR}[name]
+    return {"tiny": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGET_DIR, "real": real_target_dir()}[name]
+
+
+def mask_token_id(fixture: str) -> int:
+    from blockdraft.pipeline import DemoTarget, mask_token_id_of
+
+    return mask_token_id_of(cast(DemoTarget, fixture), fixture_dir(fixture))
+
+
+def held_out_prompts(fixture: str) -> str:
+    """Prompts absent from the training rows, as the demo measures them."""
+    from blockdraft.pipeline import DemoTarget, prompt_files
+
+    return str(prompt_files(cast(DemoTarget, fixture), fixture_dir(fixture))[1])
 
 
 def base_settings(fixture: str, store: Path) -> dict[str, Any]:
     return {"target": {"path": str(fixture_dir(fixture))}, "store": {"url": str(store)},
-            "tokenize": {"held_out_fraction": 0.0}}
+            "tokenize": {"held_out_fraction": 0.0, "max_length": 1024}}
 
 
-def tokenize(fixture: str, work: Path) -> str:
-    """The fixture's own completions (the target's answers) tokenized once; every run trains on these rows."""
+def tokenize(fixture: str, work: Path, real_completions: str) -> str:
+    """The target's answers tokenized once (a tiny fixture's own completions, or the real target's regenerated ones at
+    `real_completions`); every run trains on these rows."""
     from blockdraft.config import load_config
     from blockdraft.stages import tokenize as tokenize_stage
 
     out = work / f"{fixture}-tokenized"
-    tokenize_stage.run(load_config(None, base_settings(fixture, work / "store")),
-                       str(fixture_dir(fixture) / "completions.jsonl"), str(out))
+    source = real_completions if fixture == "real" else str(fixture_dir(fixture) / "completions.jsonl")
+    tokenize_stage.run(load_config(None, base_settings(fixture, work / "store")), source, str(out))
     return str(out)
 
 
@@ -110,15 +134,15 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     fixture, objective, seed, work = job["fixture"], job["objective"], job["seed"], Path(job["work"])
     name = f"{fixture}-{objective}-s{seed}"
     drafter, _ = FIXTURES[fixture]
-    mask_token_id = json.loads((fixture_dir(fixture) / "fixture.json").read_text())["mask_token_id"]
+    sampling = {"temperature": job["temperature"], "top_p": 0.95, "top_k": 20} if job["temperature"] > 0 else {}
     settings = merged(
         base_settings(fixture, work / name / "store"),
         {
-            "dflash": {"block_size": 8, "mask_token_id": mask_token_id, "num_anchors": 32, **drafter},
+            "dflash": {"block_size": 8, "mask_token_id": mask_token_id(fixture), "num_anchors": 32, **drafter},
             "train": {"data": job["data"], "output": str(work / name / "run"), "log_dir": str(work / name / "logs"),
                       "max_steps": job["steps"], "batch_size": 4, "global_batch_size": 4, "lr": 3e-3,
                       "warmup_ratio": 0.05, "checkpoint_every": job["steps"], "seed": seed},
-            "eval": {"num_prompts": job["prompts"], "untrained_baseline": False},
+            "eval": {"num_prompts": job["prompts"], "untrained_baseline": False, **sampling},
         },
         OBJECTIVES[objective],
         {"train": {"distill_weight": job["distill_weight"]}} if objective == "distill" else {},
@@ -127,8 +151,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     trained = train_stage.run(cfg).details
     t1 = time.perf_counter()
-    prompts = str(fixture_dir(fixture) / "prompts.jsonl")
-    report = eval_stage.run(cfg, str(work / name / "run"), prompts=prompts,
+    report = eval_stage.run(cfg, str(work / name / "run"), prompts=held_out_prompts(fixture),
                             max_new_tokens=job["max_new_tokens"]).details
     drafted = report.drafters["dflash"]
     recent = trained.metrics[-RECENT:]
@@ -141,6 +164,9 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         "params": sum(p.numel() for p in trained.drafter.parameters()),
         "train_s": round(t1 - t0, 1), "eval_s": round(time.perf_counter() - t1, 1),
     }
+    if report.sampled is not None:
+        out.update(tau_sampled=report.sampled.drafters["dflash"].metrics.tau,
+                   tau_ngram_sampled=report.sampled.drafters["ngram"].metrics.tau)
     if "candidate_recall" in recent[-1]:
         out.update(candidate_recall=statistics.fmean(e["candidate_recall"] for e in recent),
                    walk_tau_estimate=trained.metrics[-1]["walk_tau_estimate"])
@@ -210,8 +236,9 @@ def arch_table(results: list[dict[str, Any]]) -> str:
     names = {"ce": "DFlash, equal steps", "ce_wall": "DFlash, equal wall time", "dflash2": "DFlash2 (inject)",
              "dflash2_skip": "DFlash2 (skip)"}
     lines = ["| fixture | drafter | steps | tau (walk) mean +- sd | vs DFlash equal steps | vs DFlash equal wall | tau "
-             "(argmax) | acceptance per position | candidate recall | ms/step | params |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(argmax) | tau at T mean +- sd | n-gram greedy / at T | acceptance per position | candidate recall | "
+             "ms/step | params |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for fixture in dict.fromkeys(r["fixture"] for r in results):
         runs = {(r["objective"], r["seed"]): r for r in results if r["fixture"] == fixture}
         for objective in (o for o in names if any(k[0] == o for k in runs)):
@@ -229,9 +256,15 @@ def arch_table(results: list[dict[str, Any]]) -> str:
                 else "-"
             )
             sd = statistics.stdev(taus) if len(taus) > 1 else 0.0
+            sampled, ngram = "-", f"{statistics.fmean(r['tau_ngram'] for r in rs):.3f}"
+            if all("tau_sampled" in r for r in rs):
+                at_t = [r["tau_sampled"] for r in rs]
+                sampled = f"{statistics.fmean(at_t):.3f} +- {statistics.stdev(at_t) if len(at_t) > 1 else 0.0:.3f}"
+                ngram += f" / {statistics.fmean(r['tau_ngram_sampled'] for r in rs):.3f}"
             lines.append(
                 f"| {fixture} | {names[objective]} | {rs[0]['steps']} | {statistics.fmean(taus):.3f} +- {sd:.3f} | "
-                f"{gain('ce')} | {gain('ce_wall')} | {argmax} | {' '.join(f'{a:.2f}' for a in acc)} | {recall} | "
+                f"{gain('ce')} | {gain('ce_wall')} | {argmax} | {sampled} | {ngram} | "
+                f"{' '.join(f'{a:.2f}' for a in acc)} | {recall} | "
                 f"{statistics.median(r['step_ms'] for r in rs):.1f} | {rs[0]['params']:,} |"
             )
     return "\n".join(lines)
@@ -251,10 +284,16 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts per eval")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--distill-weight", type=float, default=0.5)
+    parser.add_argument("--temperature", type=float, default=0.0, help="also measure tau at this temperature (top-p "
+                                                                       "0.95, top-k 20); 0: greedy only")
+    parser.add_argument("--real-completions", default="demo-work-real/store/completions",
+                        help="the real target's regenerated answers (a completions artifact), for --fixtures real")
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel, one torch thread each")
     parser.add_argument("--quick", action="store_true", help="1 seed, 12 steps, 2 prompts x 24 tokens: a check that it "
                                                              "runs")
     parser.add_argument("--out", help="also write every run's figures to this JSONL file")
+    parser.add_argument("--work", help="keep every run's data, checkpoints and logs in this new folder (default: a "
+                                       "temporary one, removed at the end)")
     args = parser.parse_args()
     fixtures, objectives = (
         args.fixtures.split(","),
@@ -268,9 +307,19 @@ def main() -> None:
         parser.error("ce_wall needs dflash2 (its steps follow DFlash2's step time)")
     seeds, prompts, new_tokens = (1, 2, 24) if args.quick else (args.seeds, args.prompts, args.max_new_tokens)
     started = time.perf_counter()
+    if "real" in fixtures:
+        from blockdraft.fixtures.smollm2 import stamp_problem
+
+        if (problem := stamp_problem(fixture_dir("real"))) is not None:
+            parser.error(f"the real target at {fixture_dir('real')} is not verified ({problem}): run `make "
+                         "real-target` first")
+    if args.work and Path(args.work).exists():
+        parser.error(f"--work {args.work} exists: give a new folder (an earlier bench's runs there would stop train)")
+    if args.work:
+        Path(args.work).mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="blockdraft-quality-") as tmp:
-        work = Path(tmp)
-        data = {fixture: tokenize(fixture, work) for fixture in fixtures}
+        work = Path(args.work or tmp).absolute()
+        data = {fixture: tokenize(fixture, work, args.real_completions) for fixture in fixtures}
         steps = {
             fixture: 12 if args.quick else args.steps or round(FIXTURES[fixture][1] * args.step_scale)
             for fixture in fixtures
@@ -278,7 +327,8 @@ def main() -> None:
 
         def job(fixture: str, objective: str, seed: int, n: int) -> dict[str, Any]:
             return {"fixture": fixture, "objective": objective, "seed": seed, "work": str(work), "data": data[fixture],
-                    "steps": n, "prompts": prompts, "max_new_tokens": new_tokens, "distill_weight": args.distill_weight}
+                    "steps": n, "prompts": prompts, "max_new_tokens": new_tokens, "distill_weight": args.distill_weight,
+                    "temperature": args.temperature}
 
         results: list[dict[str, Any]] = []
         with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
@@ -296,7 +346,14 @@ def main() -> None:
                 wall = [
                     job(f, "ce_wall", seed, wall_steps(results, f, steps[f])) for f in fixtures for seed in range(seeds)
                 ]
-                for result in pool.map(run_one, wall):
+                # Where DFlash2's steps take DFlash's time to the step, the equal-step runs are the equal-wall ones:
+                # the same settings, so they are not trained again.
+                same = [j for j in wall if j["steps"] == steps[j["fixture"]]]
+                for j in same:
+                    ce = next(r for r in results if (r["fixture"], r["objective"], r["seed"]) == (j["fixture"], "ce",
+                                                                                                   j["seed"]))
+                    results.append({**ce, "objective": "ce_wall"})
+                for result in pool.map(run_one, [j for j in wall if j not in same]):
                     results.append(result)
                     print(json.dumps(result), flush=True)
     if args.out:
