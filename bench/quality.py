@@ -51,16 +51,18 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, cast
 
+# DFlash names its architecture: `dflash.architecture` defaults to DFlash2.
+DFLASH = {"dflash": {"architecture": "dflash"}}
 OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = {
-    "ce": {},
-    "distill": {"train": {"distill_weight": 0.5}},
-    "dpace": {"dflash": {"loss_weighting": "dpace"}},
-    "hf_normal": {"train": {"init": "hf_normal"}},
+    "ce": DFLASH,
+    "distill": {**DFLASH, "train": {"distill_weight": 0.5}},
+    "dpace": {"dflash": {"architecture": "dflash", "loss_weighting": "dpace"}},
+    "hf_normal": {**DFLASH, "train": {"init": "hf_normal"}},
     "dflash2": {"dflash": {"architecture": "dflash2", "selector_rank": 64, "selector_top_k": 16,
                            "selector_missing_gold": "inject"}},
     "dflash2_skip": {"dflash": {"architecture": "dflash2", "selector_rank": 64, "selector_top_k": 16,
                                 "selector_missing_gold": "skip"}},
-    "ce_wall": {},
+    "ce_wall": DFLASH,
 }
 DFLASH2_OBJECTIVES = "ce,dflash2,dflash2_skip,ce_wall"
 RECENT = 20  # training steps whose recall is averaged
