@@ -92,7 +92,7 @@ class DemoSize:
 
 # On the real target every size is `REAL_SIZE`: the whole shipped prompt set, and the step count that fits the demo's
 # time on 2 cores (docs/REAL-TARGET.md).
-REAL_SIZE = DemoSize(conversations=257, train_steps=300, anchors=32, eval_prompts=43, eval_new_tokens=48,
+REAL_SIZE = DemoSize(conversations=257, train_steps=300, anchors=32, eval_prompts=43, eval_new_tokens=32,
                      generate_new_tokens=192)
 SIZES: dict[str, DemoSize] = {
     "ci": DemoSize(conversations=48, train_steps=60, anchors=32, eval_prompts=3, eval_new_tokens=48,
@@ -194,8 +194,8 @@ def demo_config(
             "seed": 0,
         },
         # Qwen3's thinking-mode sampling settings: the demo measures tau greedy and at the temperature users serve.
-        # On the real target a decode costs ~40 ms a token on 2 cores: no untrained drafter's decodes (tau 1.00 on
-        # the tiny targets) beside the trained one's, n-gram's and the target's own.
+        # On the real target a decode costs about 50 ms a token on 2 cores: no untrained drafter's decodes (tau 1.00
+        # on the tiny targets) beside the trained one's, n-gram's and the target's own.
         "eval": {"num_prompts": size.eval_prompts, "max_new_tokens": size.eval_new_tokens, **DEMO_SAMPLING,
                  "untrained_baseline": target != "real"},
         "generate": {"engine": "hf", "max_new_tokens": size.generate_new_tokens,
