@@ -129,3 +129,15 @@ def test_demo_refuses_an_unknown_target_or_drafter(tmp_path):
     out = CliRunner().invoke(app, ["demo", "--workdir", str(tmp_path / "work"), "--drafter", "medusa"])
     assert out.exit_code != 0 and "--drafter must be one of dflash, dflash2" in out.output
     assert not (tmp_path / "work").exists()
+
+
+def test_the_demo_says_when_its_drafter_does_not_beat_ngram_lookup(tmp_path):
+    from blockdraft.pipeline import DemoResult, demo_lines
+
+    serving = {"sglang_command": "sglang ...", "vllm_command": "vllm ..."}
+    weak = DemoResult(workdir=tmp_path, store_url="file://store", tau={"dflash": 1.20, "ngram": 1.26}, serving=serving)
+    strong = DemoResult(workdir=tmp_path, store_url="file://store", tau={"dflash": 3.75, "ngram": 1.30},
+                        serving=serving)
+    said = "the drafter does not beat n-gram lookup on these prompts (1.20 <= 1.26)"
+    assert any(line.startswith(said) for line in demo_lines(weak))
+    assert not any("does not beat n-gram" in line for line in demo_lines(strong))

@@ -285,6 +285,9 @@ def demo_lines(result: DemoResult) -> list[str]:
     untrained = f"   untrained {tau['untrained']:.2f}" if "untrained" in tau else ""
     lines.append(f"{drafted}   n-gram {tau.get('ngram', 0):.2f}{untrained}"
                  f"   (block size {report.block_size if report else '-'})")
+    if "dflash" in tau and "ngram" in tau and tau["dflash"] <= tau["ngram"]:
+        lines.append(f"the drafter does not beat n-gram lookup on these prompts ({tau['dflash']:.2f} <= "
+                     f"{tau['ngram']:.2f}): train it longer or on more of the target's answers before serving it")
     lines.append(f"speedup over target-only greedy: {result.speedup:.2f}x   lossless: "
                  f"{'yes' if result.lossless else 'NO'}")
     if report is not None:
