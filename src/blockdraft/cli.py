@@ -544,7 +544,7 @@ def demo(
                                              "(`make engine`).")] = "none",
     # The tiny demos' drafter stays DFlash, whatever dflash.architecture defaults to: their figures are DFlash's
     # (docs/PERFORMANCE.md), and their engine variant serves the export in vLLM's CPU build, which serves DFlash only.
-    # The real target's demo trains DFlash2, the shape its bench chose (docs/REAL-TARGET.md).
+    # The real target's demo trains DFlash2, the default of users' own configs.
     drafter: Annotated[str | None, typer.Option(help="dflash, or dflash2 (a convolution around every sublayer and a "
                                                      "candidate selector that walks each slot's top-K; the default "
                                                      "for your own configs). Default: dflash on the tiny targets, "

@@ -332,8 +332,9 @@ def run_demo(
     # else shares the cores. The real target's do gain: it keeps torch's default.
     torch.set_num_threads(threads if target == "real" else 1)
     try:
-        return _run(Path(workdir).absolute(), store_url, SIZES[profile], endpoint_url, reporter or Reporter(), target,
-                    engine, drafter)
+        size = REAL_SIZE if target == "real" else SIZES[profile]
+        return _run(Path(workdir).absolute(), store_url, size, endpoint_url, reporter or Reporter(), target, engine,
+                    drafter)
     finally:
         torch.set_num_threads(threads)
 
@@ -410,8 +411,6 @@ def _run(
     refuse_another_drafter(workdir, drafter)
     claim_workdir(workdir)
     store = (store_url or f"file://{workdir / 'store'}").rstrip("/")
-    if target == "real":
-        size = REAL_SIZE
     target_dir = target_folder(target, reporter.say)
     train_prompts, held_out = prompt_files(target, target_dir)
     sections = demo_config(workdir, store, size, endpoint_url, target, drafter, target_dir)
