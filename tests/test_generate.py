@@ -316,3 +316,66 @@ def test_generate_cli_refuses_other_settings_on_the_same_output(tmp_path):
         "(already complete, nothing generated)" in same.stderr
         and "prompts 2: reused 2, generated 0, failed 0" in same.stderr
     )
+
+
+def per_row_prompts(path: Path) -> list[dict]:
+    """Four prompts of the tiny target's: one on the config's settings, two with their own, one with a bad setting."""
+    rows = [json.loads(x) for x in (TINY / "prompts.jsonl").read_text().splitlines()[:4]]
+    rows[1].update(temperature=0.7, top_p=0.9, max_new_tokens=5, reasoning_effort="high")
+    rows[2].update(enable_thinking=False, temperature=0, max_new_tokens=7)
+    rows[3].update(top_p=1.5)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_per_row_settings_reach_the_request_and_the_completion(tmp_path):
+    rows = per_row_prompts(tmp_path / "p.jsonl")
+    with ChatServer(TemplateChat()) as server:
+        result = run(tmp_path / "p.jsonl", tmp_path / "o", openai_config(server.url, max_new_tokens=40,
+                                                                        thinking="on"))
+        sent = {e["request_id"]: e["sampling"] for e in server.events() if "arrived" in e}
+    assert result.details.generated == 3 and result.details.reasons == {"bad_setting": 1}
+    failure = json.loads((tmp_path / "o" / FAILURES_NAME).read_text())
+    assert (failure["id"], failure["reason"]) == (rows[3]["id"], "bad_setting") and "top_p is 1.5" in failure["detail"]
+    plain, own, greedy = (r["id"] for r in rows[:3])
+    # The config's settings where a row sets none; the row's own where it does, thinking included.
+    assert sent[plain] == {"max_tokens": 40, "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": True}}
+    assert sent[own] == {"max_tokens": 5, "temperature": 0.7, "top_p": 0.9,
+                         "chat_template_kwargs": {"enable_thinking": True, "reasoning_effort": "high"}}
+    assert sent[greedy] == {"max_tokens": 7, "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}}
+    done = {r["id"]: r for r in output_rows(tmp_path / "o")}
+    assert done[plain]["settings"] == {"temperature": 0.0, "max_new_tokens": 40}
+    assert done[own]["settings"] == {"temperature": 0.7, "max_new_tokens": 5, "top_p": 0.9, "reasoning_effort": "high"}
+    assert (done[greedy]["settings"], done[greedy]["thinking"]) == ({"temperature": 0.0, "max_new_tokens": 7}, "off")
+    # Counted in the artifact's summary, read back from the destination's manifest.
+    assert result.details.settings == {
+        "max_new_tokens=40": 1, "max_new_tokens=5": 1, "max_new_tokens=7": 1, "reasoning_effort=high": 1,
+        "temperature=0": 2, "temperature=0.7": 1, "top_p=0.9": 1,
+    }
+    # A rerun reads them from the manifest (the server is gone: nothing is asked of it).
+    again = run(tmp_path / "p.jsonl", tmp_path / "o", openai_config(server.url, max_new_tokens=40, thinking="on"))
+    assert again.already_done and again.details.settings == result.details.settings
+    assert "generated with: max_new_tokens=40 (1 rows), " in "\n".join(generate.summary_lines(again))
+
+
+@pytest.mark.slow
+def test_hf_engine_samples_each_row_with_its_own_settings_reproducibly(tmp_path):
+    """The hf engine: rows on their own temperature and length beside greedy ones in one batch; the greedy row is the
+    config's greedy answer, and sampled rows come out the same on a rerun into a new output (seeded)."""
+    base = json.loads((TINY / "prompts.jsonl").read_text().splitlines()[0])
+    rows = [{**base, "id": "greedy"}, {**base, "id": "hot-a", "temperature": 1.5, "max_new_tokens": 6},
+            {**base, "id": "hot-b", "temperature": 1.5, "max_new_tokens": 6}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "g.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    cfg = hf_config(max_new_tokens=12, batch_size=3)
+    for source, out in (("p", "o1"), ("p", "o2"), ("g", "g")):
+        assert run(tmp_path / f"{source}.jsonl", tmp_path / out, cfg).report.state is State.VERIFIED
+    first, second = ({r["id"]: r for r in output_rows(tmp_path / out)} for out in ("o1", "o2"))
+    alone = output_rows(tmp_path / "g")[0]
+    assert first["greedy"]["completion_token_ids"] == alone["completion_token_ids"]
+    assert first["greedy"]["settings"] == {"temperature": 0.0, "max_new_tokens": 12}
+    assert first["hot-a"]["settings"] == {"temperature": 1.5, "max_new_tokens": 6}
+    assert all(len(first[i]["completion_token_ids"]) <= 6 for i in ("hot-a", "hot-b"))
+    # Sampled: the two hot rows differ from each other (one draw each), and a rerun draws the same.
+    assert first["hot-a"]["completion_token_ids"] != first["hot-b"]["completion_token_ids"]
+    assert all(first[i]["completion_token_ids"] == second[i]["completion_token_ids"] for i in first)

@@ -6,15 +6,16 @@ time with `transformers` greedy generation.
 
     python tests/helpers/chat_server.py MODEL_DIR [--port 0] [--faults 503,hold,ok] [--request-log FILE] [--api-key KEY]
 
-Endpoints: `POST /v1/chat/completions` (messages, max_tokens, temperature, chat_template_kwargs; answers with
+Endpoints: `POST /v1/chat/completions` (messages, max_tokens, temperature, top_p, chat_template_kwargs; answers with
 `message.reasoning_content`, `prompt_token_ids` and `choices[0].token_ids` like vLLM with `return_token_ids`),
 `GET /v1/models`, `GET /health`. It prints `listening on http://127.0.0.1:PORT` once it accepts connections.
 
 Fault injection, for tests: `--faults 503,503,hold,ok` scripts the answers to the first chat requests in arrival order
 (a status is answered as an error; `hold` never answers, so the client's timeout fires for certain, and the connection
 is closed unanswered when the server stops; `ok` serves). Every chat request is recorded as two events (`events()`, and
-JSON lines in `request_log`): {"request_id" (the X-Request-Id header), "arrived": its scripted answer} on arrival and
-{"request_id", "status"} once answered (a held request is never answered).
+JSON lines in `request_log`): {"request_id" (the X-Request-Id header), "arrived": its scripted answer, "sampling": the
+body's max_tokens, temperature, top_p and chat_template_kwargs as sent} on arrival and {"request_id", "status"} once
+answered (a held request is never answered).
 
 `--api-key KEY` makes every request without `Authorization: Bearer KEY` answer 401 with a message that echoes the key it
 was sent, in full, as some servers do: the worst case for a client that must keep keys out of what it stores and prints.
@@ -89,19 +90,28 @@ class ChatModel:
 
     def complete(self, prompt: Prompt, max_tokens: int, temperature: float) -> Completion:
         with self._lock:
-            return generate_completions(self.model, self.tokenizer, [prompt], max_tokens, temperature)[0]
+            return generate_completions(self.model, self.tokenizer, [prompt], max_tokens, temperature,
+                                        prompt.settings.get("top_p"))[0]
+
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs")
 
 
 def parse_request(body: Any, request_id: str) -> tuple[Prompt, int, float]:
-    """(prompt, max_tokens, temperature) of a chat-completions body; ValueError when it is not one."""
+    """(prompt, max_tokens, temperature) of a chat-completions body, the prompt's settings holding its top_p and
+    reasoning effort; ValueError when it is not one."""
     if not isinstance(body, dict):
         raise ValueError("the body is not a JSON object")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError("'messages' must be a non-empty list of message objects")
-    thinking = (body.get("chat_template_kwargs") or {}).get("enable_thinking")
+    kwargs = body.get("chat_template_kwargs") or {}
+    thinking = kwargs.get("enable_thinking")
     max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 256)
-    prompt = Prompt(request_id, messages, thinking if isinstance(thinking, bool) else None)
+    settings = {"top_p": float(body["top_p"])} if body.get("top_p") is not None else {}
+    if kwargs.get("reasoning_effort") is not None:
+        settings["reasoning_effort"] = kwargs["reasoning_effort"]
+    prompt = Prompt(request_id, messages, thinking if isinstance(thinking, bool) else None, settings)
     return prompt, max_tokens, float(body.get("temperature") or 0.0)
 
 
@@ -200,7 +210,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         request_id = self.headers.get("X-Request-Id") or uuid.uuid4().hex
         fault = self.server.next_fault()
-        self.server.log_event({"request_id": request_id, "arrived": fault})
+        try:
+            body = json.loads(raw)
+            sampling = {key: body[key] for key in SAMPLING_KEYS if key in body} if isinstance(body, dict) else {}
+        except ValueError:
+            sampling = {}
+        self.server.log_event({"request_id": request_id, "arrived": fault, "sampling": sampling})
         if fault == "hold":
             self.server.faults.release.wait()
             self.close_connection = True  # unanswered: the client is long gone

@@ -4,18 +4,31 @@ the exact token ids when they are known. `render_prompt` is a prompt as the targ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+# What a prompt row may set for itself, over the [generate] section: sampling, the answer's length, and the chat
+# template's reasoning effort (passed to the template as `reasoning_effort`, the name templates that have it use).
+ROW_SETTINGS = ("temperature", "top_p", "max_new_tokens", "reasoning_effort")
 
 
 @dataclass
 class Prompt:
     """One prompt: normalised messages ending with a user (or tool) turn; `enable_thinking` None = the template's
-    default."""
+    default; `settings` the row's own values of `ROW_SETTINGS` (those it sets), which override the config's."""
 
     id: str
     messages: list[dict[str, Any]]
     enable_thinking: bool | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is rendered with beyond the messages: the thinking mode and the reasoning effort,
+        where set (the same keys an OpenAI-compatible server takes as `chat_template_kwargs`)."""
+        kwargs: dict[str, Any] = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        if "reasoning_effort" in self.settings:
+            kwargs["reasoning_effort"] = self.settings["reasoning_effort"]
+        return kwargs
 
 
 @dataclass
@@ -44,8 +57,8 @@ def split_reasoning(text: str) -> tuple[str, str]:
 
 
 def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
-    kwargs = {} if prompt.enable_thinking is None else {"enable_thinking": prompt.enable_thinking}
-    return tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True,
+                                         **prompt.template_kwargs())
 
 
-__all__ = ["Completion", "Prompt", "render_prompt", "split_reasoning"]
+__all__ = ["ROW_SETTINGS", "Completion", "Prompt", "render_prompt", "split_reasoning"]

@@ -9,9 +9,12 @@ from blockdraft.data.chat import Completion, Prompt, render_prompt, split_reason
 
 
 def generate_completions(
-    model: Any, tokenizer: Any, prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0
+    model: Any, tokenizer: Any, prompts: list[Prompt], max_new_tokens: int, temperature: float = 0.0,
+    top_p: float | None = None, seed: int = 0,
 ) -> list[Completion]:
-    """Complete `prompts` in one left-padded batch with `model.generate`; greedy unless `temperature` > 0.
+    """Complete `prompts` in one left-padded batch with `model.generate`; greedy unless `temperature` > 0, then sampled
+    at that temperature (and nucleus `top_p` where given; no top-k cut), torch's generator seeded with `seed` for the
+    call and restored after it.
 
     The end-of-turn token is the generation config's eos (the tokenizer's as a fallback).
     """
@@ -27,8 +30,13 @@ def generate_completions(
     for i, e in enumerate(encoded):
         ids[i, width - len(e) :] = torch.tensor(e)
         attn[i, width - len(e) :] = 1
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-    with torch.no_grad():
+    # every sampling knob given, so the model's own generation_config (its top_k, top_p) does not slip in
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_p": top_p or 1.0, "top_k": 0} if temperature > 0
+        else {"do_sample": False}
+    )
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(seed)
         out = model.generate(
             input_ids=ids.to(model.device), attention_mask=attn.to(model.device), max_new_tokens=max_new_tokens,
             eos_token_id=sorted(eos_ids), pad_token_id=pad, **sampling,

@@ -14,6 +14,7 @@ import random
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -39,9 +40,19 @@ class Failure:
     attempts: int
 
 
+def settings_used(prompt: Prompt, settings: GenerateConfig) -> dict[str, Any]:
+    """What `prompt` is generated with: its own settings (`Prompt.settings`) over the [generate] section's temperature
+    and max_new_tokens; top_p and reasoning_effort only where the row sets them (else the engine's default)."""
+    used: dict[str, Any] = {"temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens}
+    used.update(prompt.settings)
+    return used
+
+
 class HFEngine:
     """Local transformers generation for small targets: the [target] section's model (and tokenizer) in target.dtype
-    (unset: its config.json's), generate.batch_size prompts per `generate` call, greedy by default."""
+    (unset: its config.json's), generate.batch_size prompts per `generate` call, greedy by default. The prompts of a
+    batch that share their settings (`settings_used`) are generated together; sampling is seeded by the group's ids,
+    so a rerun of the same batch writes the same answers."""
 
     def __init__(self, target: TargetConfig, settings: GenerateConfig, device: str = "cpu") -> None:
         import torch
@@ -54,9 +65,8 @@ class HFEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(target.tokenizer or target.path)
         model = AutoModelForCausalLM.from_pretrained(target.path, dtype=getattr(torch, dtype))
         self.model = cast(torch.nn.Module, model).to(device).eval()
-        self.max_new_tokens = settings.max_new_tokens
+        self.settings = settings
         self.batch_size = settings.batch_size
-        self.temperature = settings.temperature
 
     def run(self, prompts: Iterable[Prompt]) -> Iterator[Completion | Failure]:
         batch: list[Prompt] = []
@@ -77,9 +87,14 @@ class HFEngine:
                 renderable.append(prompt)
             except Exception as exc:
                 yield Failure(prompt.id, "template_error", f"{type(exc).__name__}: {exc}"[:300], 1)
-        if renderable:
-            yield from generate_completions(self.model, self.tokenizer, renderable, self.max_new_tokens,
-                                            self.temperature)
+        groups: dict[tuple[Any, ...], list[Prompt]] = {}
+        for prompt in renderable:
+            used = settings_used(prompt, self.settings)
+            groups.setdefault((used["temperature"], used.get("top_p"), used["max_new_tokens"]), []).append(prompt)
+        for (temperature, top_p, max_new_tokens), group in groups.items():
+            seed = zlib.crc32("\n".join(p.id for p in group).encode())
+            yield from generate_completions(self.model, self.tokenizer, group, max_new_tokens, temperature, top_p,
+                                            seed)
 
 
 class RequestError(Exception):
@@ -133,12 +148,11 @@ class OpenAIEngine:
         self.base_url = settings.base_url
         self.shown_url = safe_url(self.base_url).rstrip("/")  # what messages name: no password, no token
         remember_url(self.base_url)
-        self.max_new_tokens = settings.max_new_tokens
+        self.settings = settings
         self.concurrency = settings.concurrency
         self.timeout_s = settings.timeout_s
         self.max_retries = settings.max_retries
         self.backoff_s = settings.retry_backoff_s
-        self.temperature = settings.temperature
         self.request_token_ids = settings.request_token_ids
         self._api_key = os.environ.get(settings.api_key_env) or None
         remember_secret(self._api_key)
@@ -195,12 +209,15 @@ class OpenAIEngine:
             raise RequestError("bad_response", "the server answered with invalid JSON", retryable=True) from None
 
     def request_body(self, prompt: Prompt) -> dict[str, Any]:
+        used = settings_used(prompt, self.settings)
         body: dict[str, Any] = {
-            "model": self.model, "messages": prompt.messages, "max_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
+            "model": self.model, "messages": prompt.messages, "max_tokens": used["max_new_tokens"],
+            "temperature": used["temperature"],
         }
-        if prompt.enable_thinking is not None:
-            body["chat_template_kwargs"] = {"enable_thinking": prompt.enable_thinking}
+        if "top_p" in used:
+            body["top_p"] = used["top_p"]
+        if kwargs := prompt.template_kwargs():
+            body["chat_template_kwargs"] = kwargs
         if self.request_token_ids:
             body["return_token_ids"] = True
         return body

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockdraft.config import StoreConfig, is_s3_url
-from blockdraft.data.chat import Prompt
+from blockdraft.data.chat import ROW_SETTINGS, Prompt
 from blockdraft.data.completions import (
     RowRejected,
     is_completions_file,
@@ -100,10 +100,11 @@ def read_prompts(store: Store, files: list[PromptFile], thinking: str) -> tuple[
 
 
 def _prompt_from_row(data: Any, source_id: str, thinking: str) -> Prompt:
-    """The row's prompt: messages without the final assistant turn.
+    """The row's prompt: messages without the final assistant turn, and the row's own settings (`row_settings`).
 
-    Thinking: `on`/`off` from the config; on `auto`, the row's own boolean `enable_thinking` if it has one, else on when
-    the dropped turn had reasoning and off when it had none, else (a bare prompt) the chat template's default.
+    Thinking: the row's own boolean `enable_thinking` if it has one (a row's setting overrides the config's); else
+    `on`/`off` from the config; on `auto`, on when the dropped turn had reasoning and off when it had none, else (a bare
+    prompt) the chat template's default.
     """
     if not isinstance(data, dict):
         raise RowRejected("bad_json", f"a row is a {type(data).__name__}, not an object")
@@ -119,12 +120,33 @@ def _prompt_from_row(data: Any, source_id: str, thinking: str) -> Prompt:
     roles = [m["role"] for m in messages]
     if "system" in roles[1:]:
         raise RowRejected("system_not_first", f"system message at position {roles.index('system', 1)}")
-    if thinking == "on":
-        enable: bool | None = True
+    own = data.get("enable_thinking")
+    if own is not None and not isinstance(own, bool):
+        raise RowRejected("bad_setting", f"enable_thinking is {own!r}; give true or false")
+    if own is not None:
+        enable: bool | None = own
+    elif thinking == "on":
+        enable = True
     elif thinking == "off":
         enable = False
-    elif isinstance(data.get("enable_thinking"), bool):
-        enable = data["enable_thinking"]
     else:
         enable = bool(dropped.get("reasoning_content")) if dropped is not None else None
-    return Prompt(source_id, messages, enable)
+    return Prompt(source_id, messages, enable, row_settings(data))
+
+
+def row_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """The `ROW_SETTINGS` a row sets for itself, checked; RowRejected("bad_setting") naming the first bad one. A key
+    given as null is unset (the config's value holds)."""
+    found = {key: data[key] for key in ROW_SETTINGS if data.get(key) is not None}
+    for key, value in found.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key == "temperature" and not (number and 0 <= value <= 100):
+            raise RowRejected("bad_setting", f"temperature is {value!r}; give a number >= 0 (0: greedy)")
+        if key == "top_p" and not (number and 0 < value <= 1):
+            raise RowRejected("bad_setting", f"top_p is {value!r}; give a number in (0, 1]")
+        if key == "max_new_tokens" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise RowRejected("bad_setting", f"max_new_tokens is {value!r}; give a whole number >= 1")
+        if key == "reasoning_effort" and not (isinstance(value, str) and value.strip()):
+            raise RowRejected("bad_setting", f"reasoning_effort is {value!r}; give the chat template's word for it "
+                                             "(e.g. low, medium, high)")
+    return {key: float(v) if key in ("temperature", "top_p") else v for key, v in found.items()}

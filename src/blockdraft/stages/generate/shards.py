@@ -28,15 +28,17 @@ _SHARD_KEY = re.compile(rf"^{SHARDS_DIR}/(part-(\d+))\.jsonl\.zst$")
 PIECE_CHECK_WORKERS = 8  # each piece check is a round trip per file (an S3 HEAD), so they run side by side
 
 
-def completion_row(prompt: Prompt, done: Completion) -> dict[str, Any]:
-    """One output line: the prompt's messages plus the generated assistant turn, its thinking mode and, when the engine
-    knows them, the exact token ids (what `tokenize` then uses as they are)."""
+def completion_row(prompt: Prompt, done: Completion, settings: dict[str, Any]) -> dict[str, Any]:
+    """One output line: the prompt's messages plus the generated assistant turn, its thinking mode, the settings it was
+    generated with (`settings_used`) and, when the engine knows them, the exact token ids (what `tokenize` then uses as
+    they are)."""
     thinking = {True: "on", False: "off", None: "default"}[prompt.enable_thinking]
     row: dict[str, Any] = {
         "id": prompt.id,
         "messages": prompt.messages + [{"role": "assistant", "content": done.content,
                                         "reasoning_content": done.reasoning_content}],
         "thinking": thinking,
+        "settings": settings,
         "finish_reason": done.finish_reason,
     }
     if done.prompt_token_ids and done.completion_token_ids:
@@ -46,9 +48,20 @@ def completion_row(prompt: Prompt, done: Completion) -> dict[str, Any]:
 
 
 def row_stats(row: dict[str, Any]) -> list[str]:
-    """What the manifest counts per row: its thinking mode, why it ended, whether it carries token ids."""
+    """What the manifest counts per row: its thinking mode, why it ended, whether it carries token ids, and each
+    setting it was generated with (`setting_counts` reads those back)."""
     stats = [f"thinking_{row.get('thinking', 'default')}", f"finish_{row.get('finish_reason', 'stop')}"]
+    stats += [f"{SETTING_PREFIX}{key}={value:g}" if isinstance(value, float) else f"{SETTING_PREFIX}{key}={value}"
+              for key, value in row.get("settings", {}).items()]
     return stats + (["with_token_ids"] if "completion_token_ids" in row else [])
+
+
+SETTING_PREFIX = "setting_"
+
+
+def setting_counts(stats: dict[str, int]) -> dict[str, int]:
+    """{"temperature=0.7": rows, ...}: how many rows were generated with each setting, from row stats' counts."""
+    return {key.removeprefix(SETTING_PREFIX): n for key, n in sorted(stats.items()) if key.startswith(SETTING_PREFIX)}
 
 
 def shard_name(index: int) -> str:

@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockdraft.config import BlockdraftConfig
+from blockdraft.config import BlockdraftConfig, GenerateConfig
 from blockdraft.data.chat import Prompt
 from blockdraft.data.formats import COMPLETIONS_KIND
 from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
-from blockdraft.stages.generate.engines import Failure, HFEngine, OpenAIEngine
+from blockdraft.stages.generate.engines import Failure, HFEngine, OpenAIEngine, settings_used
 from blockdraft.stages.generate.prompts import BadPrompt, list_prompt_files, read_prompts
-from blockdraft.stages.generate.shards import HeldShards, ShardWriter, completion_row, held_shards
+from blockdraft.stages.generate.shards import HeldShards, ShardWriter, completion_row, held_shards, setting_counts
 from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry, VerifyReport
 from blockdraft.store.checksum import crc64nvme_bytes
@@ -56,7 +56,8 @@ class GenerateSummary:
     """What a generate run left at the destination (the `details` of its StageResult).
 
     `reused`: completions already there before this run; `generated`/`failed`: this run's; `bad_prompts`: input rows
-    that are no prompt; `reasons`: counts per reason of both; `truncated`/`with_token_ids`: rows of the whole artifact.
+    that are no prompt; `reasons`: counts per reason of both; `truncated`/`with_token_ids`: rows of the whole artifact;
+    `settings`: its rows per setting they were generated with ({"temperature=0.7": rows, ...}).
     """
 
     prompts: int
@@ -67,6 +68,7 @@ class GenerateSummary:
     reasons: dict[str, int] = field(default_factory=dict)
     truncated: int = 0
     with_token_ids: int = 0
+    settings: dict[str, int] = field(default_factory=dict)
 
 
 def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | None = None, *,
@@ -112,7 +114,7 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     settings_entry = _put(out, SETTINGS_NAME, (json.dumps(settings, indent=2, sort_keys=True) + "\n").encode())
     with tempfile.TemporaryDirectory(prefix="blockdraft-generate-") as staging:
         writer = ShardWriter(out, piece_key, held.next_index, config.generate.rows_per_shard, Path(staging))
-        failed = _generate(engine, pending, writer, reporter) if engine is not None else []
+        failed = _generate(engine, pending, writer, reporter, config.generate) if engine is not None else []
     failures_entry = _put(out, FAILURES_NAME, _failure_lines(bad, failed))
 
     stats = held.stats + writer.stats
@@ -125,15 +127,16 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     files_out = held.entries + writer.entries + [settings_entry, failures_entry]
     report = out.commit(files_out, config=config.resolved(), lineage=lineage, counts=counts)
     summary = GenerateSummary(len(prompts), len(held.ids), len(writer.ids), len(failed), len(bad), counts["reasons"],
-                              stats["finish_length"], stats["with_token_ids"])
+                              stats["finish_length"], stats["with_token_ids"], setting_counts(stats))
     return StageResult(STAGE, output, report, False, time.perf_counter() - started, summary)
 
 
 def _generate(
-    engine: HFEngine | OpenAIEngine, pending: list[Prompt], writer: ShardWriter, reporter: Reporter
+    engine: HFEngine | OpenAIEngine, pending: list[Prompt], writer: ShardWriter, reporter: Reporter,
+    settings: GenerateConfig,
 ) -> list[Failure]:
-    """Complete `pending` into `writer`'s shards; returns the failed requests. Every finished row reaches the
-    destination, even when the run is interrupted."""
+    """Complete `pending` into `writer`'s shards, each row with the settings it was generated with; returns the failed
+    requests. Every finished row reaches the destination, even when the run is interrupted."""
     failed: list[Failure] = []
     by_id = {p.id: p for p in pending}
     reporter.progress(STAGE, 0, len(pending))
@@ -142,7 +145,8 @@ def _generate(
             if isinstance(result, Failure):
                 failed.append(result)
             else:
-                writer.add(completion_row(by_id[result.id], result))
+                prompt = by_id[result.id]
+                writer.add(completion_row(prompt, result, settings_used(prompt, settings)))
             reporter.progress(STAGE, n, len(pending))
     finally:
         writer.flush()
@@ -213,7 +217,7 @@ def _summary_of(report: VerifyReport) -> GenerateSummary:
     rows_by = counts.get("rows_by", {})
     return GenerateSummary(counts.get("prompts", 0), counts.get("rows", 0), 0, 0, counts.get("bad_prompts", 0),
                            dict(counts.get("reasons", {})), rows_by.get("finish_length", 0),
-                           rows_by.get("with_token_ids", 0))
+                           rows_by.get("with_token_ids", 0), setting_counts(rows_by))
 
 
 def summary_lines(result: StageResult) -> list[str]:
@@ -227,4 +231,7 @@ def summary_lines(result: StageResult) -> list[str]:
         f"{result.seconds:.1f} s",
     ]
     lines += [f"  {reason}: {count}" for reason, count in summary.reasons.items()]
+    if summary.settings:
+        lines.append("generated with: " + ", ".join(f"{setting} ({rows} rows)"
+                                                    for setting, rows in summary.settings.items()))
     return lines
