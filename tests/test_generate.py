@@ -321,7 +321,7 @@ def test_generate_cli_refuses_other_settings_on_the_same_output(tmp_path):
 def per_row_prompts(path: Path) -> list[dict]:
     """Four prompts of the tiny target's: one on the config's settings, two with their own, one with a bad setting."""
     rows = [json.loads(x) for x in (TINY / "prompts.jsonl").read_text().splitlines()[:4]]
-    rows[1].update(temperature=0.7, top_p=0.9, max_new_tokens=5, reasoning_effort="high")
+    rows[1].update(temperature=0.7, top_p=0.9, max_new_tokens=5, reasoning_effort="high", group="asked-twice")
     rows[2].update(enable_thinking=False, temperature=0, max_new_tokens=7)
     rows[3].update(top_p=1.5)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -346,6 +346,7 @@ def test_per_row_settings_reach_the_request_and_the_completion(tmp_path):
     done = {r["id"]: r for r in output_rows(tmp_path / "o")}
     assert done[plain]["settings"] == {"temperature": 0.0, "max_new_tokens": 40}
     assert done[own]["settings"] == {"temperature": 0.7, "max_new_tokens": 5, "top_p": 0.9, "reasoning_effort": "high"}
+    assert done[own]["group"] == "asked-twice" and "group" not in done[plain]  # tokenize holds a group out together
     assert (done[greedy]["settings"], done[greedy]["thinking"]) == ({"temperature": 0.0, "max_new_tokens": 7}, "off")
     # Counted in the artifact's summary, read back from the destination's manifest.
     assert result.details.settings == {

@@ -225,6 +225,20 @@ def test_held_out_split_is_by_conversation_and_recorded(tmp_path):
     assert manifest.counts["held_out_rows"] == len(out["held_out"]) == result.details.counts["held_out_rows"]
 
 
+def test_rows_sharing_a_group_land_on_one_side_of_the_split(tmp_path):
+    """Several answers to one prompt (ids of their own, one `group`) are held out together; by id alone they split."""
+    rows = [{**conversation(g), "id": f"c{g}-answer{k}", "group": f"prompt-{g}"} for g in range(12) for k in range(4)]
+    assert any(len({is_held_out(r["id"], 0.5) for r in rows if r["group"] == f"prompt-{g}"}) == 2 for g in range(12))
+    tokenize(str(write_jsonl(tmp_path / "in.jsonl", rows)), str(tmp_path / "out"), config(held_out_fraction=0.5))
+    out = rows_of(tmp_path / "out")
+    side = {r["source_id"]: split for split in ("train", "held_out") for r in out[split]}
+    assert len(side) == len(rows)
+    for g in range(12):
+        sides = {side[f"c{g}-answer{k}"] for k in range(4)}
+        assert sides == {"held_out" if is_held_out(f"prompt-{g}", 0.5) else "train"}
+    assert {"train", "held_out"} == set(side.values())
+
+
 def test_manifest_holds_template_hash_thinking_mode_counts_and_lineage(tmp_path):
     corpus = make_corpus(tmp_path / "in", files=2, per_file=8)
     result = tokenize(str(corpus), str(tmp_path / "out"), config(thinking="auto"))

@@ -15,12 +15,14 @@ ROW_SETTINGS = ("temperature", "top_p", "max_new_tokens", "reasoning_effort")
 @dataclass
 class Prompt:
     """One prompt: normalised messages ending with a user (or tool) turn; `enable_thinking` None = the template's
-    default; `settings` the row's own values of `ROW_SETTINGS` (those it sets), which override the config's."""
+    default; `settings` the row's own values of `ROW_SETTINGS` (those it sets), which override the config's; `group`
+    the row's group, kept in its completion (tokenize holds a group out together)."""
 
     id: str
     messages: list[dict[str, Any]]
     enable_thinking: bool | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    group: str | None = None
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template is rendered with beyond the messages: the thinking mode and the reasoning effort,

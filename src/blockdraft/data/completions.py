@@ -86,6 +86,13 @@ def source_id_of(record: RawRecord) -> str | None:
     return str(found) if found is not None else "sha256:" + hashlib.sha256(record.text.encode()).hexdigest()[:32]
 
 
+def group_of(record: RawRecord) -> str | None:
+    """The row's `group` (a non-empty string: rows that share it are held out together, e.g. several answers to one
+    prompt), or None."""
+    group = record.data.get("group") if isinstance(record.data, dict) else None
+    return group if isinstance(group, str) and group else None
+
+
 def _split_inline_reasoning(content: str) -> tuple[str, str]:
     """(reasoning, content) from content that may start with `<think>...</think>`."""
     has_open, has_close = "<think>" in content, "</think>" in content

@@ -131,7 +131,11 @@ def _prompt_from_row(data: Any, source_id: str, thinking: str) -> Prompt:
         enable = False
     else:
         enable = bool(dropped.get("reasoning_content")) if dropped is not None else None
-    return Prompt(source_id, messages, enable, row_settings(data))
+    group = data.get("group")
+    if group is not None and not (isinstance(group, str) and group):
+        raise RowRejected("bad_setting", f"group is {group!r}; give a non-empty string (rows sharing it are held out "
+                                         "together)")
+    return Prompt(source_id, messages, enable, row_settings(data), group)
 
 
 def row_settings(data: dict[str, Any]) -> dict[str, Any]:

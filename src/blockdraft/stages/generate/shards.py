@@ -41,6 +41,8 @@ def completion_row(prompt: Prompt, done: Completion, settings: dict[str, Any]) -
         "settings": settings,
         "finish_reason": done.finish_reason,
     }
+    if prompt.group is not None:
+        row["group"] = prompt.group
     if done.prompt_token_ids and done.completion_token_ids:
         row["prompt_token_ids"] = done.prompt_token_ids
         row["completion_token_ids"] = done.completion_token_ids

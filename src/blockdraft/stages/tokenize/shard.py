@@ -37,7 +37,7 @@ import pyarrow as pa
 from tokenizers import Tokenizer
 
 from blockdraft.config import StoreConfig
-from blockdraft.data.completions import RowRejected, check_special_tokens, normalise, source_id_of
+from blockdraft.data.completions import RowRejected, check_special_tokens, group_of, normalise, source_id_of
 from blockdraft.data.formats import HELD_OUT_SPLIT, TOKENIZED_KIND, TRAIN_SPLIT
 from blockdraft.data.inputs import STAT_PIN, check_unchanged, pin_is_trusted
 from blockdraft.data.ranges import RangeReader
@@ -136,7 +136,8 @@ class ShardRun:
 
 
 def is_held_out(source_id: str, fraction: float) -> bool:
-    """Deterministic split by conversation: the first 8 bytes of sha256(source_id) as a fraction of 2**64."""
+    """Deterministic split by conversation (or by group: `group_of`): the first 8 bytes of sha256(source_id) as a
+    fraction of 2**64."""
     h = int.from_bytes(hashlib.sha256(source_id.encode()).digest()[:8], "big")
     return h < fraction * 2**64
 
@@ -434,7 +435,8 @@ class _Batches:
                 counts.c["rejected_turns"] += 1
                 reject(record, source_id, result.turn, result.reason, result.detail)
                 continue
-            split = HELD_OUT_SPLIT if is_held_out(source_id, settings.held_out_fraction) else TRAIN_SPLIT
+            held = is_held_out(group_of(record) or source_id, settings.held_out_fraction)
+            split = HELD_OUT_SPLIT if held else TRAIN_SPLIT
             self.writers[split].add(result, source_id)
             counts.add_row(split, result)
             rows, tokens = rows + 1, tokens + int(result.input_ids.shape[0])

@@ -350,7 +350,8 @@ def _plan(
             "end_of_turn": opts.end_of_turn,
             "end_of_turn_id": eot_id,
             "task_size": cut.size,
-            "split_rule": "held_out iff int(sha256(source_id)[:8 bytes], big-endian) < held_out_fraction * 2**64",
+            "split_rule": "held_out iff int(sha256(group, else source_id)[:8 bytes], big-endian) < held_out_fraction * "
+                          "2**64",
         },
     }
     inputs = _InputPins(in_store, files, artifact_lineage)
