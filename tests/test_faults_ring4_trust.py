@@ -186,7 +186,7 @@ def holding(texts: dict[str, bytes], secrets_of: dict[str, str]) -> list[str]:
 
 def test_every_free_form_setting_is_pinned_as_a_fingerprint_that_still_keys_it():
     fields = free_form_fields()
-    assert {("eval", "engine_args", "list"), ("generate", "base_url", "str"), ("store", "endpoint_url", "str"),
+    assert {("eval", "engine_args", "list"), ("generate", "base_url", "list"), ("store", "endpoint_url", "str"),
             ("target", "path", "str"), ("train", "wandb", "dict")} <= set(fields)
     for section, name, kind in text_fields():
         if (section, name) in CONSTRAINED:

@@ -250,14 +250,15 @@ def test_credentials_inside_urls_reach_no_artifact_message_or_log(where, shape, 
     secret = fresh_key()
     write_prompts(tmp_path / "prompts.jsonl", 2)
     config = tmp_path / "c.toml"
-    config.write_text('[generate]\nmax_retries = 0\n')
+    config.write_text('[generate]\nmax_retries = 0\nservers_down_timeout_s = 1\n')
     env = {}
     if where == "s3":
         server = request.getfixturevalue("s3_env")
         bucket = server.new_bucket()
         output = f"s3://{bucket}/out"
         endpoint = server.endpoint.replace("http://", f"http://alice:{secret}@")
-        config.write_text(f'[generate]\nmax_retries = 0\n[store]\nendpoint_url = "{endpoint}"\n')
+        config.write_text(f'[generate]\nmax_retries = 0\nservers_down_timeout_s = 1\n[store]\nendpoint_url = '
+                          f'"{endpoint}"\n')
         config_text = config.read_text()
     else:
         output = str(tmp_path / "out")
@@ -281,7 +282,7 @@ def test_credentials_inside_urls_reach_no_artifact_message_or_log(where, shape, 
     assert verify_artifact(out).state is State.VERIFIED
     manifest = json.loads(out.read_bytes(MANIFEST_NAME))
     # Pinned with the credential's fingerprint in its place (`redact_settings`), scheme, host and path kept.
-    pinned = manifest["config"]["generate"]["base_url"]
+    [pinned] = manifest["config"]["generate"]["base_url"]
     assert pinned == redact_setting(base_url) and "[redacted:" in pinned and safe_url(pinned) == endpoint.url
     if where == "s3":
         pinned = manifest["config"]["store"]["endpoint_url"]

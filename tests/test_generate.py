@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import pytest
 import zstandard
 from helpers.chat_server import ChatServer, EndpointProcess, FaultPlan
 from helpers.generate_data import output_rows
+from helpers.reporters import ProgressLog
 from transformers import AutoTokenizer
 
 from blockdraft.config import load_config
@@ -112,27 +114,28 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
 
     killer = threading.Thread(target=kill_once_two_requests_are_held)
     killer.start()
-    run1 = run(tmp_path / "prompts.jsonl", out, openai_config(first.url, timeout_s=300.0))
+    # Its only server gone, the run ends once no server has answered for servers_down_timeout_s: the prompts not done
+    # are recorded as failed, with the line that says why, and the run says it once.
+    said = Reporter()
+    run1 = run(tmp_path / "prompts.jsonl", out, openai_config(first.url, timeout_s=300.0, servers_down_timeout_s=2.0),
+               said)
     killer.join()
-
-    assert run1.details.failed > 0 and run1.details.generated >= 4
-    assert (run1.details.generated, run1.details.failed) == (4, 8)
-    assert run1.details.generated + run1.details.failed == 12
-    assert set(run1.details.reasons) == {"connection"}
+    assert (run1.details.generated, run1.details.failed, run1.details.reasons) == (4, 8, {"servers_down": 8})
+    # committed with its failures counted: partial, and a rerun goes on
+    assert run1.report.state is State.VERIFIED and run1.report.manifest.counts["failed"] == 8
+    down = (r"no generate server answered for \d+ s \(http://127\.0\.0\.1:\d+/v1: (cannot reach|connection to) .*\); "
+            r"the 8")
+    assert len(said.warnings) == 1 and re.match(down, said.warnings[0])
     failures = [json.loads(x) for x in (out / FAILURES_NAME).read_text().splitlines()]
-    failed_ids = {f["id"] for f in failures}
-    assert len(failed_ids) == run1.details.failed and all(
-        f["kind"] == "failed_request" and f["attempts"] == 3 for f in failures
-    )
+    assert all(f["reason"] == "servers_down" and re.match(down, f["detail"]) for f in failures)
     done_ids = {r["id"] for r in output_rows(out)}
-    assert done_ids.isdisjoint(failed_ids) and done_ids | failed_ids == set(ids)
-    assert run1.report.state is State.VERIFIED and run1.report.manifest.counts["failed"] == run1.details.failed
+    assert len(done_ids) == 4 and done_ids.isdisjoint(f["id"] for f in failures)
 
     assert second.arrived() == []
     run2 = run(tmp_path / "prompts.jsonl", out, openai_config(second.url))
-    assert (run2.details.reused, run2.details.generated, run2.details.failed) == (len(done_ids), len(failed_ids), 0)
+    assert (run2.details.reused, run2.details.generated, run2.details.failed) == (4, 8, 0)
     served = second.arrived()
-    assert set(served) == failed_ids and len(served) == len(failed_ids)
+    assert set(served) == set(ids) - done_ids and len(served) == 8
 
     rows = output_rows(out)
     assert sorted(r["id"] for r in rows) == sorted(ids)  # every prompt exactly once
@@ -150,7 +153,7 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
     assert (out / FAILURES_NAME).read_text() == ""
 
     run3 = run(tmp_path / "prompts.jsonl", out, openai_config(second.url))
-    assert run3.already_done and run3.details.generated == 0 and len(second.arrived()) == len(failed_ids)
+    assert run3.already_done and run3.details.generated == 0 and len(second.arrived()) == 8
     assert generate.summary_lines(run3)[0] == f"verified: {out} (already complete, nothing generated)"
 
 
@@ -380,3 +383,43 @@ def test_hf_engine_samples_each_row_with_its_own_settings_reproducibly(tmp_path)
     # Sampled: the two hot rows differ from each other (one draw each), and a rerun draws the same.
     assert first["hot-a"]["completion_token_ids"] != first["hot-b"]["completion_token_ids"]
     assert all(first[i]["completion_token_ids"] == second[i]["completion_token_ids"] for i in first)
+
+
+@pytest.mark.fault
+def test_two_servers_one_killed_midway_every_prompt_done_exactly_once(tmp_path):
+    """Requests spread over two servers; one answers two, holds two, and is then shut down under them: its held and
+    later requests go to the other server, every prompt is generated exactly once, and the progress line shows each
+    server's share and the dead one resting."""
+    rows = [{**json.loads((TINY / "prompts.jsonl").read_text().splitlines()[i % 4]), "id": f"p{i:02d}"}
+            for i in range(20)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    doomed = ChatServer(TemplateChat(), faults=FaultPlan.parse("ok,ok,hold,hold")).__enter__()
+    with ChatServer(TemplateChat()) as steady:
+        def kill_once_two_are_held() -> None:
+            deadline = time.monotonic() + 60  # bounds a hang only
+            while len(doomed.arrived()) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            doomed.__exit__(None, None, None)  # the held requests are dropped unanswered, new ones refused
+
+        killer = threading.Thread(target=kill_once_two_are_held)
+        killer.start()
+        progress = ProgressLog()
+        result = run(tmp_path / "p.jsonl", tmp_path / "o", openai_config([doomed.url, steady.url], concurrency=2,
+                                                                        rows_per_shard=3), progress)
+        killer.join()
+        answered_by_steady = steady.answered()
+    assert result.report.state is State.VERIFIED
+    assert (result.details.generated, result.details.failed) == (20, 0)
+    done = [r["id"] for r in output_rows(tmp_path / "o")]
+    assert sorted(done) == [r["id"] for r in rows]  # none lost, none twice
+    assert len(doomed.answered()) == 2 and len(answered_by_steady) == 18
+    assert set(doomed.arrived()[2:4]) <= set(answered_by_steady)  # the held two were served by the other server
+    line = progress.calls[-1][3]["servers"]
+    host = doomed.url.removeprefix("http://").removesuffix("/v1")
+    assert f"{host} 2 done" in line and f"{steady.url.removeprefix('http://').removesuffix('/v1')} 18 done" in line
+    assert "(down)" in line.split(",")[0]
+
+
+def test_a_server_listed_twice_is_refused():
+    with pytest.raises(ConfigError, match="names http://127.0.0.1:8000/v1 twice; list each server once"):
+        openai_config(["http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1"])

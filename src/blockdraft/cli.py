@@ -501,8 +501,9 @@ def generate(
     output: Annotated[str, typer.Argument(help="Output completions artifact: a folder, file:// or s3:// URL.")],
     config: ConfigOpt = None,
     engine: Annotated[str | None, typer.Option(help="hf (local transformers) or openai (vLLM/SGLang server).")] = None,
-    base_url: Annotated[str | None,
-                        typer.Option(help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")] = None,
+    base_url: Annotated[list[str] | None,
+                        typer.Option(help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1; repeat for several "
+                                          "(requests are spread over them).")] = None,
     model: Annotated[str | None, typer.Option(help="Served model name (default: the server's first).")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Completion length limit in tokens.")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Requests in flight (openai engine).")] = None,

@@ -432,14 +432,16 @@ class EvalConfig(_Section):
 
 class GenerateConfig(_Section):
     """Regenerating completions with the target: `hf` runs it locally; `openai` calls vLLM/SGLang at `base_url`
-    (.../v1).
+    (.../v1), one server or several (a list: requests are spread over them, `concurrency` in flight on each).
 
     `model` None: the served model (openai) or target.path (hf). `thinking` auto follows the dropped final turn (on when
     it had reasoning), else the template's default. The API key is read from the environment variable `api_key_env`.
+    A server that fails or stalls rests (backoff) while the others take its prompts; when no server has answered for
+    `servers_down_timeout_s`, the run stops, keeping what is done.
     """
 
     engine: Literal["hf", "openai"] = "hf"
-    base_url: str | None = None
+    base_url: list[str] = Field(default_factory=list)
     model: str | None = None
     max_new_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
@@ -447,11 +449,24 @@ class GenerateConfig(_Section):
     timeout_s: float = Field(default=120.0, gt=0)
     max_retries: int = Field(default=4, ge=0)
     retry_backoff_s: float = Field(default=1.0, ge=0.0)
+    servers_down_timeout_s: float = Field(default=600.0, gt=0)
     request_token_ids: bool = True
     api_key_env: str = "OPENAI_API_KEY"
     batch_size: int = Field(default=8, ge=1)
     thinking: Literal["auto", "on", "off"] = "auto"
     rows_per_shard: int = Field(default=1000, ge=1)
+
+    @field_validator("base_url", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [] if value is None else [value] if isinstance(value, str) else value  # one server: `base_url = "..."`
+
+    @field_validator("base_url")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        if twice := next((url for i, url in enumerate(value) if url in value[:i]), None):
+            raise ValueError(f"names {safe_url(twice)} twice; list each server once")
+        return value
 
 
 class ExportConfig(_Section):

@@ -253,7 +253,7 @@ def _generate(cfg: BlockdraftConfig, prompts: str, output: str, reporter: Report
     argv = free_argv(engine_python(cfg.eval), cfg.eval.engine, cfg.target.path, "float32", None, None,
                      cfg.eval.engine_args)
     with serving(argv, workdir, "generate", cfg.eval) as server:
-        settings = cfg.generate.model_copy(update={"engine": "openai", "base_url": f"{server.url}/v1",
+        settings = cfg.generate.model_copy(update={"engine": "openai", "base_url": [f"{server.url}/v1"],
                                                    "model": SERVED_NAME})
         return generate.run(cfg.model_copy(update={"generate": settings}), prompts, output, reporter)
 

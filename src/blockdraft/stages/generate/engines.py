@@ -6,17 +6,20 @@ An engine turns `Prompt`s into `Completion`s or `Failure`s and yields each as it
 
 from __future__ import annotations
 
-import concurrent.futures
 import http.client
 import json
 import os
 import random
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zlib
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from queue import Empty, Queue
 from typing import Any, cast
 
 from blockdraft.config import GenerateConfig, TargetConfig
@@ -131,23 +134,45 @@ def parse_chat_response(prompt_id: str, data: Any) -> Completion:
     return Completion(prompt_id, content, reasoning, choice.get("finish_reason") or "stop", prompt_ids, completion_ids)
 
 
-class OpenAIEngine:
-    """Chat completions from the OpenAI-compatible server at generate.base_url, per the [generate] section.
+@dataclass
+class _Server:
+    """One OpenAI-compatible server of the fleet and how it is doing: prompts it completed, its run of failures, and
+    until when it rests (`out_until`, monotonic seconds) after a failure."""
 
-    At most `concurrency` requests in flight; each has a `timeout_s` deadline; 5xx/429/timeouts/connection errors are
-    retried up to `max_retries` times with exponential backoff (`retry_backoff_s` * 2^attempt, jittered, capped at 30
-    s); other 4xx answers are the prompt's fault and are not retried. The API key comes from the environment variable
-    `api_key_env` and is sent only in the Authorization header; every error text is redacted before it is kept, so the
-    key never reaches a failure record, a message or an artifact (docs/STORE.md, credentials).
+    url: str
+    shown: str  # what messages and the progress line name: host and port, no credentials
+    done: int = 0
+    streak: int = 0
+    out_until: float = 0.0
+    last_error: str = ""
+
+    def state(self, now: float, elapsed: float) -> str:
+        rate = f"{self.done / elapsed:.2f}/s" if elapsed > 0 else "-"
+        return f"{self.shown} {self.done} done {rate}" + (" (down)" if now < self.out_until else "")
+
+
+class OpenAIEngine:
+    """Chat completions from the OpenAI-compatible servers at generate.base_url, per the [generate] section.
+
+    Each server has `concurrency` requests in flight, each with a `timeout_s` deadline; every server takes the next
+    prompt from one queue, so a fast server does more. A request that fails with a retryable error (5xx, 429, timeout,
+    a connection that fails or drops) sends that server to rest (`retry_backoff_s` * 2^(failures in a row - 1),
+    jittered, capped at 30 s) and puts the prompt back at the head of the queue, for whichever server is up next. A
+    connection failure says nothing about the prompt, so it costs the prompt no attempt; any other retryable failure
+    does, and after `max_retries` retries the prompt is recorded failed, as is at once a prompt the server refuses
+    (other 4xx). When no server has answered anything for `servers_down_timeout_s` while prompts wait, the run ends
+    (`run`): what was done is kept, a rerun generates the rest. The API key comes from the environment
+    variable `api_key_env` and is sent only in the Authorization header; every error text is redacted before it is
+    kept, so the key never reaches a failure record, a message or an artifact (docs/STORE.md, credentials).
     """
 
     def __init__(self, settings: GenerateConfig, seed: int = 0) -> None:
         if not settings.base_url:
             raise ConfigError("generate.engine is 'openai' but generate.base_url is not set; set it to the server's "
-                              "/v1 URL")
-        self.base_url = settings.base_url
-        self.shown_url = safe_url(self.base_url).rstrip("/")  # what messages name: no password, no token
-        remember_url(self.base_url)
+                              "/v1 URL (or a list of them)")
+        for url in settings.base_url:
+            remember_url(url)
+        self.servers = [_Server(url, _host(url)) for url in settings.base_url]
         self.settings = settings
         self.concurrency = settings.concurrency
         self.timeout_s = settings.timeout_s
@@ -157,6 +182,7 @@ class OpenAIEngine:
         self._api_key = os.environ.get(settings.api_key_env) or None
         remember_secret(self._api_key)
         self._jitter = random.Random(seed)
+        self.down: str | None = None  # the line saying every server was down, once the run ended on it
         self.model = settings.model or self._served_model()
 
     def _headers(self, prompt_id: str | None = None) -> dict[str, str]:
@@ -168,25 +194,30 @@ class OpenAIEngine:
         return headers
 
     def _served_model(self) -> str:
-        try:
-            data = self._call("GET", "/models", None, None)
-            return str(data["data"][0]["id"])
-        except (RequestError, KeyError, IndexError, TypeError) as exc:
-            detail = exc.detail if isinstance(exc, RequestError) else "no model listed"
-            raise ConfigError(
-                f"cannot ask {self.shown_url}/models which model it serves ({detail}); start the server or set "
-                "generate.model"
-            ) from None
+        """The model the first server that answers lists; ConfigError naming each server's problem when none does."""
+        problems = []
+        for server in self.servers:
+            try:
+                data = self._call(server, "GET", "/models", None, None)
+                return str(data["data"][0]["id"])
+            except (RequestError, KeyError, IndexError, TypeError) as exc:
+                problems.append(f"{safe_url(server.url).rstrip('/')}: "
+                                + (exc.detail if isinstance(exc, RequestError) else "no model listed"))
+        raise ConfigError(f"cannot ask {'; '.join(problems)} which model it serves: start the server or set "
+                          "generate.model")
 
-    def _url(self, path: str) -> str:
+    @staticmethod
+    def _url(base_url: str, path: str) -> str:
         """`path` under the base URL as given, its query string (a gateway's token or API version) kept after the
         path."""
-        base, mark, query = self.base_url.partition("?")
+        base, mark, query = base_url.partition("?")
         return base.rstrip("/") + path + mark + query
 
-    def _call(self, method: str, path: str, body: dict | None, prompt_id: str | None) -> Any:
+    def _call(self, server: _Server, method: str, path: str, body: dict | None, prompt_id: str | None) -> Any:
+        shown = safe_url(server.url).rstrip("/")
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self._url(path), data=data, method=method, headers=self._headers(prompt_id))
+        request = urllib.request.Request(self._url(server.url, path), data=data, method=method,
+                                         headers=self._headers(prompt_id))
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 raw = response.read()
@@ -199,9 +230,9 @@ class OpenAIEngine:
         except urllib.error.URLError as exc:
             if isinstance(exc.reason, TimeoutError):
                 raise RequestError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True) from None
-            raise RequestError("connection", f"cannot reach {self.shown_url}: {exc.reason}", retryable=True) from None
+            raise RequestError("connection", f"cannot reach {shown}: {exc.reason}", retryable=True) from None
         except (ConnectionError, http.client.HTTPException) as exc:
-            raise RequestError("connection", f"connection to {self.shown_url} lost: {type(exc).__name__}",
+            raise RequestError("connection", f"connection to {shown} lost: {type(exc).__name__}",
                                retryable=True) from None
         try:
             return json.loads(raw)
@@ -222,38 +253,116 @@ class OpenAIEngine:
             body["return_token_ids"] = True
         return body
 
-    def complete(self, prompt: Prompt) -> Completion | Failure:
-        """One prompt, with retries; never raises for a server or network problem."""
-        body = self.request_body(prompt)
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return parse_chat_response(prompt.id, self._call("POST", "/chat/completions", body, prompt.id))
-            except RequestError as exc:
-                if not exc.retryable or attempt > self.max_retries:
-                    return Failure(prompt.id, exc.reason, exc.detail[:300], attempt)  # detail: redacted by RequestError
-            delay = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempt - 1)) * (0.75 + 0.5 * self._jitter.random())
-            time.sleep(delay)
+    def progress(self) -> str:
+        """Each server's completions, rate and whether it rests: what the progress line shows beside the count."""
+        now = time.monotonic()
+        return ", ".join(server.state(now, now - self._started) for server in self.servers)
 
     def run(self, prompts: Iterable[Prompt]) -> Iterator[Completion | Failure]:
-        """Results in completion order; at most `concurrency` requests in flight and 2x that many prompts held.
+        """Results in completion order, every prompt exactly once: a completion, or a failure. When no server has
+        answered for `servers_down_timeout_s`, every prompt not done yet is a failure (reason `servers_down`, detail
+        `down`, the one line that says so) and the run ends. When the caller stops early (Ctrl-C), queued prompts are
+        dropped and only the requests in flight are awaited."""
+        queue: deque[tuple[Prompt, int]] = deque((prompt, 0) for prompt in prompts)
+        results: Queue[Completion | Failure] = Queue()
+        cond = threading.Condition()
+        stop = threading.Event()
+        in_flight: dict[str, Prompt] = {}
+        open_prompts = [len(queue)]  # queued or in flight
+        self._started = time.monotonic()
+        answered = [self._started]  # when a server last answered anything
 
-        When the caller stops early (Ctrl-C), queued prompts are cancelled; only the requests in flight are awaited.
-        """
-        pool = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="generate")
+        def take(server: _Server) -> tuple[Prompt, int] | None:
+            with cond:
+                while not stop.is_set() and open_prompts[0] > 0:
+                    now = time.monotonic()
+                    if queue and now >= server.out_until:
+                        prompt, attempts = queue.popleft()
+                        in_flight[prompt.id] = prompt
+                        return prompt, attempts
+                    cond.wait(timeout=max(0.01, min(0.5, server.out_until - now)))
+                return None
+
+        def serve(server: _Server) -> None:
+            while (job := take(server)) is not None:
+                prompt, attempts = job
+                try:
+                    answer = self._call(server, "POST", "/chat/completions", self.request_body(prompt), prompt.id)
+                    done: Completion | Failure = parse_chat_response(prompt.id, answer)
+                    error = None
+                except RequestError as exc:
+                    error = exc
+                    done = Failure(prompt.id, exc.reason, exc.detail[:300], attempts + 1)  # detail: redacted
+                with cond:
+                    if stop.is_set():
+                        return  # the run ended without this prompt (its failure is already counted)
+                    del in_flight[prompt.id]
+                    if error is None or error.reason != "connection":
+                        answered[0] = time.monotonic()  # the server is up, whatever it said
+                    if error is None or not error.retryable:
+                        server.streak = 0
+                        server.done += error is None
+                    else:
+                        server.streak += 1
+                        server.last_error = error.detail
+                        rest = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (server.streak - 1))
+                        server.out_until = time.monotonic() + rest * (0.75 + 0.5 * self._jitter.random())
+                        # an unreachable server says nothing about the prompt: that costs it no attempt
+                        spent = attempts + (error.reason != "connection")
+                        if spent <= self.max_retries:
+                            queue.appendleft((prompt, spent))  # next, on whichever server is up first
+                            cond.notify_all()
+                            continue
+                    open_prompts[0] -= 1
+                    results.put(done)
+                    cond.notify_all()
+
+        total = len(queue)
+        threads = [threading.Thread(target=serve, args=(server,), name=f"generate-{i}-{k}", daemon=True)
+                   for i, server in enumerate(self.servers) for k in range(self.concurrency)]
+        for thread in threads:
+            thread.start()
+        down = False
         try:
-            pending: set[concurrent.futures.Future] = set()
-            for prompt in prompts:
-                pending.add(pool.submit(self.complete, prompt))
-                if len(pending) >= 2 * self.concurrency:
-                    done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-                    for future in done:
-                        yield future.result()
-            for future in concurrent.futures.as_completed(pending):
-                yield future.result()
+            yielded = 0
+            while yielded < total:
+                try:
+                    item = results.get(timeout=0.5)
+                except Empty:
+                    with cond:
+                        silent = time.monotonic() - answered[0]
+                        if silent > self.settings.servers_down_timeout_s and open_prompts[0] > 0:
+                            stop.set()
+                            left = [prompt for prompt, _ in queue] + list(in_flight.values())
+                            down = True
+                    if not down:
+                        continue
+                    self.down = self._down_line(silent, len(left))
+                    while not results.empty():  # finished before the stop: kept
+                        yield results.get()
+                    for prompt in left:
+                        yield Failure(prompt.id, "servers_down", self.down[:300], 0)
+                    return
+                yielded += 1
+                yield item
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            stop.set()
+            with cond:
+                cond.notify_all()
+            if not down:  # a down server's request may hang until its timeout: not waited for
+                for thread in threads:
+                    thread.join()
+
+    def _down_line(self, silent: float, left: int) -> str:
+        errors = "; ".join(f"{safe_url(s.url).rstrip('/')}: {s.last_error or 'no answer'}" for s in self.servers)
+        return (f"no generate server answered for {silent:.0f} s ({errors}); the {left} prompts not done are recorded "
+                "as failed (servers_down), every completion before them is kept: start the servers (or fix "
+                "generate.base_url) and rerun the same command to generate only those")
+
+def _host(url: str) -> str:
+    """host:port of a server URL, what the progress line names it by."""
+    parts = urllib.parse.urlsplit(url)
+    return parts.hostname + (f":{parts.port}" if parts.port else "") if parts.hostname else safe_url(url)
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:

@@ -115,6 +115,8 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     with tempfile.TemporaryDirectory(prefix="blockdraft-generate-") as staging:
         writer = ShardWriter(out, piece_key, held.next_index, config.generate.rows_per_shard, Path(staging))
         failed = _generate(engine, pending, writer, reporter, config.generate) if engine is not None else []
+    if isinstance(engine, OpenAIEngine) and engine.down is not None:
+        reporter.warn(engine.down)
     failures_entry = _put(out, FAILURES_NAME, _failure_lines(bad, failed))
 
     stats = held.stats + writer.stats
@@ -139,6 +141,8 @@ def _generate(
     requests. Every finished row reaches the destination, even when the run is interrupted."""
     failed: list[Failure] = []
     by_id = {p.id: p for p in pending}
+    # with several servers, the progress line shows what each has done, its rate, and which ones rest
+    servers = (lambda: {"servers": engine.progress()}) if isinstance(engine, OpenAIEngine) else dict
     reporter.progress(STAGE, 0, len(pending))
     try:
         for n, result in enumerate(engine.run(pending), 1):
@@ -147,7 +151,7 @@ def _generate(
             else:
                 prompt = by_id[result.id]
                 writer.add(completion_row(prompt, result, settings_used(prompt, settings)))
-            reporter.progress(STAGE, n, len(pending))
+            reporter.progress(STAGE, n, len(pending), **servers())
     finally:
         writer.flush()
     return failed
