@@ -423,3 +423,54 @@ def test_two_servers_one_killed_midway_every_prompt_done_exactly_once(tmp_path):
 def test_a_server_listed_twice_is_refused():
     with pytest.raises(ConfigError, match="names http://127.0.0.1:8000/v1 twice; list each server once"):
         openai_config(["http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1"])
+
+
+@pytest.mark.slow
+def test_every_turn_is_the_targets_greedy_answer_to_its_own_history(tmp_path):
+    """generate.turns = "all" on two-turn conversations (engine hf, batched): each assistant turn equals the target's
+    greedy continuation of the history it wrote itself, computed here one conversation and one turn at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    fixture = [json.loads(x) for x in (TINY / "completions.jsonl").read_text().splitlines()]
+    conversations = [c for c in fixture if sum(m["role"] == "assistant" for m in c["messages"]) == 2][:4]
+    single = [c for c in fixture if sum(m["role"] == "assistant" for m in c["messages"]) == 1][:1]
+    prompt_only = [{"id": "ends-with-user", "messages": conversations[0]["messages"][:3]}]
+    rows = conversations + single + prompt_only
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = hf_config(max_new_tokens=24, batch_size=3, turns="all", thinking="off")
+    result = run(tmp_path / "in.jsonl", tmp_path / "out", cfg)
+    assert result.report.state is State.VERIFIED and result.details.generated == len(rows)
+    done = {r["id"]: r for r in output_rows(tmp_path / "out")}
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    for row in rows:
+        history, expected = [], []
+        given = [m for m in row["messages"] if m["role"] != "assistant"]
+        # the given turns in order, an answer after each user turn (what the regenerated row holds)
+        for message in given:
+            history.append(message)
+            if message["role"] != "user":
+                continue
+            text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+            ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            new = out[0, ids.shape[1]:].tolist()
+            answer = tok.decode(new[: new.index(eos)] if eos in new else new, skip_special_tokens=True)
+            expected.append(answer.split("</think>")[-1].strip())
+            history.append({"role": "assistant", "content": expected[-1]})
+        got = done[row["id"]]
+        assert [m["content"] for m in got["messages"] if m["role"] == "assistant"] == expected, row["id"]
+        assert [m for m in got["messages"] if m["role"] != "assistant"] == given  # the given turns kept as they are
+        assistant_at = [i for i, m in enumerate(got["messages"]) if m["role"] == "assistant"]
+        assert got["regenerated_turns"] == assistant_at and "completion_token_ids" not in got
+    # tokenize supervises every regenerated turn: one training row per assistant turn
+    from blockdraft.stages import tokenize as tokenize_stage
+
+    tokenized = tokenize_stage.run(load_config(None, {"target": {"path": str(TINY)}, "tokenize": {"thinking": "off"}}),
+                                   str(tmp_path / "out"), str(tmp_path / "tok"))
+    turns = sum(len(r["regenerated_turns"]) for r in done.values())
+    assert tokenized.details.counts["rows_out"] == turns == 2 * len(conversations) + 1 + 2

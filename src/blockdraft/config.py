@@ -454,6 +454,9 @@ class GenerateConfig(_Section):
     api_key_env: str = "OPENAI_API_KEY"
     batch_size: int = Field(default=8, ge=1)
     thinking: Literal["auto", "on", "off"] = "auto"
+    # `last`: each row's final assistant turn is dropped and regenerated; `all`: every assistant turn is, in order, each
+    # on the history the target wrote (docs/GENERATE.md, "Every turn")
+    turns: Literal["last", "all"] = "last"
     rows_per_shard: int = Field(default=1000, ge=1)
 
     @field_validator("base_url", mode="before")

@@ -23,6 +23,9 @@ class Prompt:
     enable_thinking: bool | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     group: str | None = None
+    # generate.turns = "all": the indices in `messages` of the earlier assistant turns, regenerated in order before the
+    # final one (each on the history the target wrote); empty: only the final turn is generated
+    rewrite: list[int] = field(default_factory=list)
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template is rendered with beyond the messages: the thinking mode and the reasoning effort,

@@ -73,8 +73,10 @@ def list_prompt_files(input_url: str, store_config: StoreConfig) -> tuple[Store,
     return store, files, lineage
 
 
-def read_prompts(store: Store, files: list[PromptFile], thinking: str) -> tuple[list[Prompt], list[BadPrompt]]:
-    """Every prompt of the input files in order; rows that cannot be prompts (and repeated ids) as `BadPrompt`s."""
+def read_prompts(store: Store, files: list[PromptFile], thinking: str,
+                 turns: str = "last") -> tuple[list[Prompt], list[BadPrompt]]:
+    """Every prompt of the input files in order; rows that cannot be prompts (and repeated ids) as `BadPrompt`s. With
+    `turns` "all", each prompt also names its earlier assistant turns to regenerate (`Prompt.rewrite`)."""
     prompts: list[Prompt] = []
     bad: list[BadPrompt] = []
     seen: set[str] = set()
@@ -90,7 +92,7 @@ def read_prompts(store: Store, files: list[PromptFile], thinking: str) -> tuple[
                     bad.append(BadPrompt(source_id, source, "duplicate_id", "an earlier row has the same id"))
                     continue
                 try:
-                    prompt = _prompt_from_row(record.data, source_id, thinking)
+                    prompt = _prompt_from_row(record.data, source_id, thinking, turns)
                 except RowRejected as exc:
                     bad.append(BadPrompt(source_id, source, exc.reason, exc.detail))
                     continue
@@ -99,8 +101,9 @@ def read_prompts(store: Store, files: list[PromptFile], thinking: str) -> tuple[
     return prompts, bad
 
 
-def _prompt_from_row(data: Any, source_id: str, thinking: str) -> Prompt:
-    """The row's prompt: messages without the final assistant turn, and the row's own settings (`row_settings`).
+def _prompt_from_row(data: Any, source_id: str, thinking: str, turns: str = "last") -> Prompt:
+    """The row's prompt: messages without the final assistant turn, and the row's own settings (`row_settings`); with
+    `turns` "all", the indices of its other assistant turns too (`Prompt.rewrite`).
 
     Thinking: the row's own boolean `enable_thinking` if it has one (a row's setting overrides the config's); else
     `on`/`off` from the config; on `auto`, on when the dropped turn had reasoning and off when it had none, else (a bare
@@ -135,7 +138,8 @@ def _prompt_from_row(data: Any, source_id: str, thinking: str) -> Prompt:
     if group is not None and not (isinstance(group, str) and group):
         raise RowRejected("bad_setting", f"group is {group!r}; give a non-empty string (rows sharing it are held out "
                                          "together)")
-    return Prompt(source_id, messages, enable, row_settings(data), group)
+    rewrite = [i for i, m in enumerate(messages) if m["role"] == "assistant"] if turns == "all" else []
+    return Prompt(source_id, messages, enable, row_settings(data), group, rewrite)
 
 
 def row_settings(data: dict[str, Any]) -> dict[str, Any]:

@@ -35,8 +35,7 @@ def completion_row(prompt: Prompt, done: Completion, settings: dict[str, Any]) -
     thinking = {True: "on", False: "off", None: "default"}[prompt.enable_thinking]
     row: dict[str, Any] = {
         "id": prompt.id,
-        "messages": prompt.messages + [{"role": "assistant", "content": done.content,
-                                        "reasoning_content": done.reasoning_content}],
+        "messages": prompt.messages + [assistant_turn(done)],
         "thinking": thinking,
         "settings": settings,
         "finish_reason": done.finish_reason,
@@ -47,6 +46,11 @@ def completion_row(prompt: Prompt, done: Completion, settings: dict[str, Any]) -
         row["prompt_token_ids"] = done.prompt_token_ids
         row["completion_token_ids"] = done.completion_token_ids
     return row
+
+
+def assistant_turn(done: Completion) -> dict[str, Any]:
+    """The target's answer as an assistant message."""
+    return {"role": "assistant", "content": done.content, "reasoning_content": done.reasoning_content}
 
 
 def row_stats(row: dict[str, Any]) -> list[str]:

@@ -25,19 +25,27 @@ import json
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from blockdraft.config import BlockdraftConfig, GenerateConfig
-from blockdraft.data.chat import Prompt
+from blockdraft.data.chat import Completion, Prompt
 from blockdraft.data.formats import COMPLETIONS_KIND
 from blockdraft.errors import ConfigError
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.generate.engines import Failure, HFEngine, OpenAIEngine, settings_used
 from blockdraft.stages.generate.prompts import BadPrompt, list_prompt_files, read_prompts
-from blockdraft.stages.generate.shards import HeldShards, ShardWriter, completion_row, held_shards, setting_counts
+from blockdraft.stages.generate.shards import (
+    HeldShards,
+    ShardWriter,
+    assistant_turn,
+    completion_row,
+    held_shards,
+    setting_counts,
+)
 from blockdraft.store import open_store
 from blockdraft.store.artifact import FileEntry, VerifyReport
 from blockdraft.store.checksum import crc64nvme_bytes
@@ -48,7 +56,7 @@ KIND = COMPLETIONS_KIND
 SETTINGS_NAME = "generate.settings"  # JSON; names that tokenize never takes for completions
 FAILURES_NAME = "failures.ndjson"
 # Options that change what a completion is; the others (concurrency, timeouts, shard size, server URL) do not.
-SETTINGS_FIELDS = ("engine", "model", "max_new_tokens", "temperature", "thinking")
+SETTINGS_FIELDS = ("engine", "model", "max_new_tokens", "temperature", "thinking", "turns")
 
 
 @dataclass
@@ -94,7 +102,7 @@ def run(config: BlockdraftConfig, input: str, output: str, reporter: Reporter | 
     if report is not None:  # done, for these settings and this input
         return StageResult(STAGE, output, report, True, time.perf_counter() - started, _summary_of(report))
 
-    prompts, bad = read_prompts(in_store, files, config.generate.thinking)
+    prompts, bad = read_prompts(in_store, files, config.generate.thinking, config.generate.turns)
     engine = None
     if settings["model"] is None:
         # openai with no configured model: the served name is asked from the server when the engine starts, and is part
@@ -144,17 +152,68 @@ def _generate(
     # with several servers, the progress line shows what each has done, its rate, and which ones rest
     servers = (lambda: {"servers": engine.progress()}) if isinstance(engine, OpenAIEngine) else dict
     reporter.progress(STAGE, 0, len(pending))
+    results = (
+        every_turn(engine, pending, _chunk(engine, settings)) if settings.turns == "all"
+        else ((by_id[r.id], r) if not isinstance(r, Failure) else r for r in engine.run(pending))
+    )
     try:
-        for n, result in enumerate(engine.run(pending), 1):
+        for n, result in enumerate(results, 1):
             if isinstance(result, Failure):
                 failed.append(result)
             else:
-                prompt = by_id[result.id]
-                writer.add(completion_row(prompt, result, settings_used(prompt, settings)))
+                prompt, done = result
+                row = completion_row(prompt, done, settings_used(prompt, settings))
+                if settings.turns == "all":
+                    row["regenerated_turns"] = [*prompt.rewrite, len(prompt.messages)]
+                    # tokenize renders and supervises every turn of such a row; generator ids would train the last only
+                    row.pop("prompt_token_ids", None)
+                    row.pop("completion_token_ids", None)
+                writer.add(row)
             reporter.progress(STAGE, n, len(pending), **servers())
     finally:
         writer.flush()
     return failed
+
+
+def every_turn(
+    engine: HFEngine | OpenAIEngine, pending: list[Prompt], chunk: int
+) -> Iterator[tuple[Prompt, Completion] | Failure]:
+    """generate.turns = "all": each conversation's assistant turns regenerated in order, each on the history the
+    target wrote (the given user, system and tool turns, and its own earlier answers in place of the original ones).
+
+    Conversations go `chunk` at a time; within a chunk, round k asks the engine for every conversation's k-th turn at
+    once (a batch for `hf`, requests in flight for `openai`). Yields, per conversation, (the prompt with its regenerated
+    history, the final turn) or one Failure naming the turn that failed; a conversation is yielded only once every
+    turn is done, so an interrupted run redoes a half-done conversation whole."""
+    for start in range(0, len(pending), chunk):
+        live = {p.id: p for p in pending[start : start + chunk]}
+        history: dict[str, list[dict[str, Any]]] = {key: [] for key in live}
+        turn = dict.fromkeys(live, 0)  # turns regenerated so far
+        while live:
+            asks = []
+            for key, prompt in live.items():
+                # the given turns up to the next one to regenerate (or to the end: then the final turn is asked)
+                upto = prompt.rewrite[turn[key]] if turn[key] < len(prompt.rewrite) else len(prompt.messages)
+                history[key] += prompt.messages[len(history[key]) : upto]
+                asks.append(replace(prompt, messages=list(history[key]), rewrite=[]))
+            for result in engine.run(asks):
+                prompt = live[result.id]
+                if isinstance(result, Failure):
+                    del live[result.id]
+                    yield replace(result, detail=f"turn {turn[result.id] + 1}: {result.detail}"[:300])
+                elif turn[result.id] == len(prompt.rewrite):
+                    del live[result.id]
+                    yield replace(prompt, messages=history[result.id]), result
+                else:
+                    history[result.id].append(assistant_turn(result))
+                    turn[result.id] += 1
+
+
+def _chunk(engine: HFEngine | OpenAIEngine, settings: GenerateConfig) -> int:
+    """Conversations regenerated side by side (`every_turn`): enough to fill the engine's batches or requests in flight
+    several times over, few enough that an interrupted run loses little."""
+    slots = settings.batch_size if isinstance(engine, HFEngine) else len(engine.servers) * settings.concurrency
+    return max(64, 4 * slots)
 
 
 def _settings(cfg: BlockdraftConfig) -> dict[str, Any]:
