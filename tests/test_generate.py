@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from helpers import tokenize_data
 from helpers.chat_server import ChatServer, EndpointProcess, FaultPlan
 from helpers.generate_data import output_rows
+from helpers.paths import TOKENIZER_DIR
 from helpers.reporters import ProgressLog
 from transformers import AutoTokenizer
 
@@ -474,3 +476,62 @@ def test_every_turn_is_the_targets_greedy_answer_to_its_own_history(tmp_path):
                                    str(tmp_path / "out"), str(tmp_path / "tok"))
     turns = sum(len(r["regenerated_turns"]) for r in done.values())
     assert tokenized.details.counts["rows_out"] == turns == 2 * len(conversations) + 1 + 2
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+class ToolChat:
+    """A server of the Qwen3 chat template that calls `get_weather` for a user turn and answers in words after the
+    tool's result, as a tool parser returns it (OpenAI `tool_calls`, no token ids); the prompt is rendered with the
+    tools."""
+
+    name = "tool-chat"
+
+    def __init__(self) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+        self.rendered: list[str] = []
+
+    def complete(self, prompt: Prompt, max_tokens: int, temperature: float) -> Completion:
+        self.rendered.append(render_prompt(self.tokenizer, prompt))
+        if prompt.messages[-1]["role"] == "tool":
+            return Completion(prompt.id, "It is 18 C and sunny in Lyon.", "", "stop")
+        call = {"id": "call_0", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": json.dumps({"city": "Lyon"})}}
+        return Completion(prompt.id, "", "", "tool_calls", tool_calls=[call])
+
+
+def test_a_tool_calling_conversation_round_trips_generate_then_tokenize(tmp_path):
+    """Every turn regenerated through the server: the tools reach the request and the template, the target's tool call
+    comes back in OpenAI form, the tool's result is kept, and tokenize supervises the call as the target made it."""
+    row = {"id": "weather", "tools": [WEATHER_TOOL], "messages": [
+        {"role": "user", "content": "Is it warm in Lyon right now?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "old", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Nice\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "{\"temperature_c\": 18, \"sky\": \"sunny\"}"},
+        {"role": "assistant", "content": "Yes."}]}
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    chat = ToolChat()
+    with ChatServer(chat) as server:
+        result = run(tmp_path / "p.jsonl", tmp_path / "o", openai_config(server.url, turns="all", thinking="off"))
+        sent = [e["sampling"] for e in server.events() if "arrived" in e]
+    assert result.details.generated == 1 and result.details.failed == 0
+    assert [s["tools"] for s in sent] == [[WEATHER_TOOL]] * 2
+    assert all("<tools>" in text and "get_weather" in text for text in chat.rendered)  # the template saw them
+    [done] = output_rows(tmp_path / "o")
+    assert done["tools"] == [WEATHER_TOOL]
+    call, tool, answer = done["messages"][1:]
+    assert call["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": "{\"city\": \"Lyon\"}"}
+    assert tool == row["messages"][2] and answer["content"] == "It is 18 C and sunny in Lyon."
+
+    tokenized = tokenize_data.tokenize(str(tmp_path / "o"), str(tmp_path / "tok"), tokenize_data.config(thinking="off"))
+    assert tokenized.details.counts["rows_out"] == 2 and tokenized.details.counts["rejected"] == {}
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    supervised = [tok.decode([t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m])
+                  for r in tokenize_data.rows_of(tmp_path / "tok")["train"]]
+    assert any("<tool_call>" in s and "\"name\": \"get_weather\"" in s and "Lyon" in s for s in supervised), supervised
+    assert any("sunny in Lyon" in s for s in supervised)
+    assert not any("temperature_c" in s for s in supervised)  # the tool's result is context, never supervised

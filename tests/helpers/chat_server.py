@@ -14,8 +14,8 @@ Fault injection, for tests: `--faults 503,503,hold,ok` scripts the answers to th
 (a status is answered as an error; `hold` never answers, so the client's timeout fires for certain, and the connection
 is closed unanswered when the server stops; `ok` serves). Every chat request is recorded as two events (`events()`, and
 JSON lines in `request_log`): {"request_id" (the X-Request-Id header), "arrived": its scripted answer, "sampling": the
-body's max_tokens, temperature, top_p and chat_template_kwargs as sent} on arrival and {"request_id", "status"} once
-answered (a held request is never answered).
+body's max_tokens, temperature, top_p, chat_template_kwargs and tools as sent} on arrival and {"request_id", "status"}
+once answered (a held request is never answered). An answer's tool calls go back in `message.tool_calls`.
 
 `--api-key KEY` makes every request without `Authorization: Bearer KEY` answer 401 with a message that echoes the key it
 was sent, in full, as some servers do: the worst case for a client that must keep keys out of what it stores and prints.
@@ -94,7 +94,7 @@ class ChatModel:
                                         prompt.settings.get("top_p"))[0]
 
 
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "chat_template_kwargs", "tools")
 
 
 def parse_request(body: Any, request_id: str) -> tuple[Prompt, int, float]:
@@ -111,7 +111,8 @@ def parse_request(body: Any, request_id: str) -> tuple[Prompt, int, float]:
     settings = {"top_p": float(body["top_p"])} if body.get("top_p") is not None else {}
     if kwargs.get("reasoning_effort") is not None:
         settings["reasoning_effort"] = kwargs["reasoning_effort"]
-    prompt = Prompt(request_id, messages, thinking if isinstance(thinking, bool) else None, settings)
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+    prompt = Prompt(request_id, messages, thinking if isinstance(thinking, bool) else None, settings, tools=tools)
     return prompt, max_tokens, float(body.get("temperature") or 0.0)
 
 
@@ -126,7 +127,8 @@ def chat_response(model: str, request_id: str, done: Completion) -> dict[str, An
         "prompt_token_ids": prompt_ids,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": done.content, "reasoning_content": done.reasoning_content},
+            "message": {"role": "assistant", "content": done.content, "reasoning_content": done.reasoning_content,
+                        **({"tool_calls": done.tool_calls} if done.tool_calls else {})},
             "finish_reason": done.finish_reason,
             "token_ids": completion_ids,
         }],

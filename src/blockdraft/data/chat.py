@@ -26,6 +26,7 @@ class Prompt:
     # generate.turns = "all": the indices in `messages` of the earlier assistant turns, regenerated in order before the
     # final one (each on the history the target wrote); empty: only the final turn is generated
     rewrite: list[int] = field(default_factory=list)
+    tools: list[Any] | None = None  # the row's tool definitions (OpenAI form), which the chat template renders
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template is rendered with beyond the messages: the thinking mode and the reasoning effort,
@@ -39,7 +40,7 @@ class Prompt:
 @dataclass
 class Completion:
     """The target's answer. Token ids, when known, are the exact prompt and completion (end-of-turn token included when
-    it stopped)."""
+    it stopped); `tool_calls` the calls it made, in OpenAI form, as a server's tool parser returned them."""
 
     id: str
     content: str
@@ -47,6 +48,7 @@ class Completion:
     finish_reason: str
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
+    tool_calls: list[Any] | None = None
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
@@ -62,7 +64,8 @@ def split_reasoning(text: str) -> tuple[str, str]:
 
 
 def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
-    return tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True,
+    tools = {"tools": prompt.tools} if prompt.tools else {}
+    return tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True, **tools,
                                          **prompt.template_kwargs())
 
 

@@ -124,6 +124,9 @@ def parse_chat_response(prompt_id: str, data: Any) -> Completion:
     except (KeyError, IndexError, TypeError):
         raise RequestError("bad_response", "the response has no choices[0].message", retryable=True) from None
     content = message.get("content") or ""
+    tool_calls = message.get("tool_calls") or None
+    if tool_calls is not None and not (isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)):
+        raise RequestError("bad_response", "message.tool_calls is not a list of calls", retryable=True)
     reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
     if not reasoning and "</think>" in content:
         reasoning, content = split_reasoning(content)
@@ -131,7 +134,8 @@ def parse_chat_response(prompt_id: str, data: Any) -> Completion:
     completion_ids = choice.get("token_ids")
     if not (isinstance(prompt_ids, list) and isinstance(completion_ids, list)):
         prompt_ids = completion_ids = None
-    return Completion(prompt_id, content, reasoning, choice.get("finish_reason") or "stop", prompt_ids, completion_ids)
+    return Completion(prompt_id, content, reasoning, choice.get("finish_reason") or "stop", prompt_ids, completion_ids,
+                      tool_calls)
 
 
 @dataclass
@@ -247,6 +251,8 @@ class OpenAIEngine:
         }
         if "top_p" in used:
             body["top_p"] = used["top_p"]
+        if prompt.tools:
+            body["tools"] = prompt.tools
         if kwargs := prompt.template_kwargs():
             body["chat_template_kwargs"] = kwargs
         if self.request_token_ids:

@@ -139,7 +139,10 @@ def _prompt_from_row(data: Any, source_id: str, thinking: str, turns: str = "las
         raise RowRejected("bad_setting", f"group is {group!r}; give a non-empty string (rows sharing it are held out "
                                          "together)")
     rewrite = [i for i, m in enumerate(messages) if m["role"] == "assistant"] if turns == "all" else []
-    return Prompt(source_id, messages, enable, row_settings(data), group, rewrite)
+    tools = data.get("tools") or None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise RowRejected("bad_message", "'tools' is not a list of tool definitions (objects)")
+    return Prompt(source_id, messages, enable, row_settings(data), group, rewrite, tools)
 
 
 def row_settings(data: dict[str, Any]) -> dict[str, Any]:

@@ -42,6 +42,8 @@ def completion_row(prompt: Prompt, done: Completion, settings: dict[str, Any]) -
     }
     if prompt.group is not None:
         row["group"] = prompt.group
+    if prompt.tools:
+        row["tools"] = prompt.tools  # tokenize renders them, as the target saw them
     if done.prompt_token_ids and done.completion_token_ids:
         row["prompt_token_ids"] = done.prompt_token_ids
         row["completion_token_ids"] = done.completion_token_ids
@@ -49,8 +51,9 @@ def completion_row(prompt: Prompt, done: Completion, settings: dict[str, Any]) -
 
 
 def assistant_turn(done: Completion) -> dict[str, Any]:
-    """The target's answer as an assistant message."""
-    return {"role": "assistant", "content": done.content, "reasoning_content": done.reasoning_content}
+    """The target's answer as an assistant message (with its tool calls, in OpenAI form, when it made any)."""
+    turn = {"role": "assistant", "content": done.content, "reasoning_content": done.reasoning_content}
+    return turn | ({"tool_calls": done.tool_calls} if done.tool_calls else {})
 
 
 def row_stats(row: dict[str, Any]) -> list[str]:
