@@ -286,7 +286,8 @@ class OpenAIEngine:
                         prompt, attempts = queue.popleft()
                         in_flight[prompt.id] = prompt
                         return prompt, attempts
-                    cond.wait(timeout=max(0.01, min(0.5, server.out_until - now)))
+                    # resting: until the rest ends; up with nothing queued: until a prompt comes back or all is done
+                    cond.wait(timeout=min(0.5, server.out_until - now) if now < server.out_until else 0.5)
                 return None
 
         def serve(server: _Server) -> None:
