@@ -250,15 +250,15 @@ def test_credentials_inside_urls_reach_no_artifact_message_or_log(where, shape, 
     secret = fresh_key()
     write_prompts(tmp_path / "prompts.jsonl", 2)
     config = tmp_path / "c.toml"
-    config.write_text('[generate]\nmax_retries = 0\nservers_down_timeout_s = 1\n')
+    config.write_text('[generate]\nmax_retries = 0\nservers_down_timeout_s = 1\ntimeout_s = 5\n')
     env = {}
     if where == "s3":
         server = request.getfixturevalue("s3_env")
         bucket = server.new_bucket()
         output = f"s3://{bucket}/out"
         endpoint = server.endpoint.replace("http://", f"http://alice:{secret}@")
-        config.write_text(f'[generate]\nmax_retries = 0\nservers_down_timeout_s = 1\n[store]\nendpoint_url = '
-                          f'"{endpoint}"\n')
+        config.write_text(f'[generate]\nmax_retries = 0\nservers_down_timeout_s = 1\ntimeout_s = 5\n[store]\n'
+                          f'endpoint_url = "{endpoint}"\n')
         config_text = config.read_text()
     else:
         output = str(tmp_path / "out")

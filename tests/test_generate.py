@@ -116,10 +116,10 @@ def test_endpoint_killed_midway_then_rerun_generates_only_the_missing_prompts(tm
 
     killer = threading.Thread(target=kill_once_two_requests_are_held)
     killer.start()
-    # Its only server gone, the run ends once no server has answered for servers_down_timeout_s: the prompts not done
-    # are recorded as failed, with the line that says why, and the run says it once.
+    # Its only server gone, the run ends once no server has answered for servers_down_timeout_s (here timeout_s, the
+    # longer): the prompts not done are recorded as failed, with the line that says why, and the run says it once.
     said = Reporter()
-    run1 = run(tmp_path / "prompts.jsonl", out, openai_config(first.url, timeout_s=300.0, servers_down_timeout_s=2.0),
+    run1 = run(tmp_path / "prompts.jsonl", out, openai_config(first.url, timeout_s=10.0, servers_down_timeout_s=2.0),
                said)
     killer.join()
     assert (run1.details.generated, run1.details.failed, run1.details.reasons) == (4, 8, {"servers_down": 8})
@@ -355,13 +355,14 @@ def test_per_row_settings_reach_the_request_and_the_completion(tmp_path):
     assert (done[greedy]["settings"], done[greedy]["thinking"]) == ({"temperature": 0.0, "max_new_tokens": 7}, "off")
     # Counted in the artifact's summary, read back from the destination's manifest.
     assert result.details.settings == {
-        "max_new_tokens=40": 1, "max_new_tokens=5": 1, "max_new_tokens=7": 1, "reasoning_effort=high": 1,
+        "max_new_tokens=<=64": 1, "max_new_tokens=<=8": 2, "reasoning_effort=high": 1,
         "temperature=0": 2, "temperature=0.7": 1, "top_p=0.9": 1,
     }
     # A rerun reads them from the manifest (the server is gone: nothing is asked of it).
     again = run(tmp_path / "p.jsonl", tmp_path / "o", openai_config(server.url, max_new_tokens=40, thinking="on"))
     assert again.already_done and again.details.settings == result.details.settings
-    assert "generated with: max_new_tokens=40 (1 rows), " in "\n".join(generate.summary_lines(again))
+    assert "generated with: max_new_tokens=<=64 (1 rows), max_new_tokens=<=8 (2 rows), " in "\n".join(
+        generate.summary_lines(again))
 
 
 @pytest.mark.slow
@@ -535,3 +536,42 @@ def test_a_tool_calling_conversation_round_trips_generate_then_tokenize(tmp_path
     assert any("<tool_call>" in s and "\"name\": \"get_weather\"" in s and "Lyon" in s for s in supervised), supervised
     assert any("sunny in Lyon" in s for s in supervised)
     assert not any("temperature_c" in s for s in supervised)  # the tool's result is context, never supervised
+
+
+def test_turns_all_regenerates_only_turns_that_answer_something():
+    """An assistant turn that opens a conversation (a greeting) or follows another assistant turn answers nothing: it
+    is kept as given, and the turns that answer a user or tool turn are regenerated."""
+    from blockdraft.stages.generate.prompts import _prompt_from_row
+
+    row = {"messages": [{"role": "assistant", "content": "Hello! Ask me anything."},
+                        {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."},
+                        {"role": "assistant", "content": "Anything else?"}, {"role": "user", "content": "No."},
+                        {"role": "assistant", "content": "Bye."}]}
+    assert _prompt_from_row(row, "r", "off", "all").rewrite == [2]  # and the final turn, after "No."
+    assert _prompt_from_row(row, "r", "off", "last").rewrite == []
+
+
+def test_every_turn_ends_at_once_when_every_server_is_down(tmp_path):
+    """turns = all over more conversations than one chunk, no server reachable: the run ends after one silence window,
+    every conversation recorded failed (servers_down), not one window per chunk or round."""
+    rows = [{"id": f"c{i:03d}", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                                             {"role": "user", "content": "and?"}]} for i in range(150)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    said = Reporter()
+    result = run(tmp_path / "p.jsonl", tmp_path / "o", openai_config(
+        "http://127.0.0.1:9/v1", model="m", turns="all", timeout_s=1.0, servers_down_timeout_s=1.0), said)
+    assert (result.details.failed, result.details.reasons) == (150, {"servers_down": 150})
+    assert len(said.warnings) == 1 and said.warnings[0].startswith("no generate server answered for ")
+    # the first chunk (64 conversations) was asked and failed at its first turn; the rest were never sent
+    details = [json.loads(x)["detail"] for x in (tmp_path / "o" / FAILURES_NAME).read_text().splitlines()]
+    assert sum(d.startswith("turn 1: no generate server answered") for d in details) == 64
+    assert sum(d.startswith("no generate server answered") for d in details) == 150 - 64
+
+
+def test_a_fleet_that_serves_two_models_is_refused_before_any_request(tmp_path):
+    write_prompts(tmp_path / "p.jsonl", 2)
+    with ChatServer(TemplateChat()) as first, ChatServer(ToolChat()) as other:
+        with pytest.raises(ConfigError, match=r"http://127\.0\.0\.1:\d+/v1 serves tool-chat, not template-chat: every "
+                                              r"server of generate\.base_url must serve the target under one name"):
+            run(tmp_path / "p.jsonl", tmp_path / "o", openai_config([first.url, other.url]))
+        assert first.arrived() == other.arrived() == []

@@ -507,11 +507,13 @@ def generate(
     model: Annotated[str | None, typer.Option(help="Served model name (default: the server's first).")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Completion length limit in tokens.")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Requests in flight (openai engine).")] = None,
-    thinking: Annotated[str | None, typer.Option(help="auto (follow the dropped turn), on or off.")] = None,
+    thinking: Annotated[str | None, typer.Option(help="auto (follow the dropped turn), on or off; a row's own "
+                                                      "enable_thinking wins.")] = None,
     force: ForceOpt = False,
     sets: SetOpt = None,
 ) -> None:
-    """Regenerate each prompt's final assistant turn with the target; a rerun generates only what is missing."""
+    """Regenerate each prompt's final assistant turn (every turn with --set generate.turns=all) with the target; a
+    rerun generates only what is missing."""
     from blockdraft.stages import generate as generate_stage
 
     overrides = {"generate": {"engine": engine, "base_url": base_url, "model": model, "max_new_tokens": max_new_tokens,

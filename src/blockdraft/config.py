@@ -435,9 +435,10 @@ class GenerateConfig(_Section):
     (.../v1), one server or several (a list: requests are spread over them, `concurrency` in flight on each).
 
     `model` None: the served model (openai) or target.path (hf). `thinking` auto follows the dropped final turn (on when
-    it had reasoning), else the template's default. The API key is read from the environment variable `api_key_env`.
-    A server that fails or stalls rests (backoff) while the others take its prompts; when no server has answered for
-    `servers_down_timeout_s`, the run stops, keeping what is done.
+    it had reasoning), else the template's default; a row's own `enable_thinking` (and its other settings:
+    docs/GENERATE.md, "Per-row settings") overrides these. The API key is read from the environment variable
+    `api_key_env`. A server that fails or stalls rests (backoff) while the others take its prompts; when no server has
+    answered for `servers_down_timeout_s` (or `timeout_s`, the longer), the run stops, keeping what is done.
     """
 
     engine: Literal["hf", "openai"] = "hf"

@@ -87,10 +87,12 @@ def source_id_of(record: RawRecord) -> str | None:
 
 
 def group_of(record: RawRecord) -> str | None:
-    """The row's `group` (a non-empty string: rows that share it are held out together, e.g. several answers to one
-    prompt), or None."""
+    """The row's `group` as text (a string or a whole number: rows that share it are held out together, e.g. several
+    answers to one prompt), or None."""
     group = record.data.get("group") if isinstance(record.data, dict) else None
-    return group if isinstance(group, str) and group else None
+    if isinstance(group, bool) or not isinstance(group, (str, int)) or group == "":
+        return None
+    return str(group)
 
 
 def _split_inline_reasoning(content: str) -> tuple[str, str]:

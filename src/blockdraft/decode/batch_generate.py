@@ -35,8 +35,13 @@ def generate_completions(
         {"do_sample": True, "temperature": temperature, "top_p": top_p or 1.0, "top_k": 0} if temperature > 0
         else {"do_sample": False}
     )
-    with torch.no_grad(), torch.random.fork_rng():
-        torch.manual_seed(seed)
+    device = torch.device(model.device)
+    # sampling draws from torch's generator on the model's device: seeded for this call, restored after it
+    forked = torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [],
+                                   enabled=temperature > 0)
+    with torch.no_grad(), forked:
+        if temperature > 0:
+            torch.manual_seed(seed)
         out = model.generate(
             input_ids=ids.to(model.device), attention_mask=attn.to(model.device), max_new_tokens=max_new_tokens,
             eos_token_id=sorted(eos_ids), pad_token_id=pad, **sampling,

@@ -54,8 +54,9 @@ def settings_used(prompt: Prompt, settings: GenerateConfig) -> dict[str, Any]:
 class HFEngine:
     """Local transformers generation for small targets: the [target] section's model (and tokenizer) in target.dtype
     (unset: its config.json's), generate.batch_size prompts per `generate` call, greedy by default. The prompts of a
-    batch that share their settings (`settings_used`) are generated together; sampling is seeded by the group's ids,
-    so a rerun of the same batch writes the same answers."""
+    batch that share their settings (`settings_used`) are generated together; sampling (temperature and top_p only:
+    no top-k, whatever the model's generation config says) is seeded by the group's ids, so the same group sampled
+    again writes the same answers."""
 
     def __init__(self, target: TargetConfig, settings: GenerateConfig, device: str = "cpu") -> None:
         import torch
@@ -93,7 +94,8 @@ class HFEngine:
         groups: dict[tuple[Any, ...], list[Prompt]] = {}
         for prompt in renderable:
             used = settings_used(prompt, self.settings)
-            groups.setdefault((used["temperature"], used.get("top_p"), used["max_new_tokens"]), []).append(prompt)
+            top_p = used.get("top_p") if used["temperature"] > 0 else None  # greedy ignores it
+            groups.setdefault((used["temperature"], top_p, used["max_new_tokens"]), []).append(prompt)
         for (temperature, top_p, max_new_tokens), group in groups.items():
             seed = zlib.crc32("\n".join(p.id for p in group).encode())
             yield from generate_completions(self.model, self.tokenizer, group, max_new_tokens, temperature, top_p,
@@ -101,14 +103,21 @@ class HFEngine:
 
 
 class RequestError(Exception):
-    """A request that failed: `detail` is one line, redacted (a server may echo the key it was sent)."""
+    """A request that failed: `detail` is one line, redacted (a server may echo the key it was sent). `server_fault`:
+    the failure says nothing about the prompt (the server could not be reached, or refused the key or the model name),
+    so it costs the prompt no attempt."""
 
-    def __init__(self, reason: str, detail: str, retryable: bool) -> None:
+    def __init__(self, reason: str, detail: str, retryable: bool, server_fault: bool = False) -> None:
         detail = redact(detail)
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
         self.retryable = retryable
+        self.server_fault = server_fault
+
+
+# Answers that are the server's fault, not the prompt's: a key it refuses, a model name it does not serve.
+SERVER_FAULT_STATUSES = {401, 403, 404}
 
 
 def parse_chat_response(prompt_id: str, data: Any) -> Completion:
@@ -123,7 +132,11 @@ def parse_chat_response(prompt_id: str, data: Any) -> Completion:
         message = choice["message"]
     except (KeyError, IndexError, TypeError):
         raise RequestError("bad_response", "the response has no choices[0].message", retryable=True) from None
+    if not isinstance(message, dict) or not isinstance(choice, dict):
+        raise RequestError("bad_response", "choices[0].message is not an object", retryable=True)
     content = message.get("content") or ""
+    if not isinstance(content, str):
+        raise RequestError("bad_response", "message.content is not text", retryable=True)
     tool_calls = message.get("tool_calls") or None
     if tool_calls is not None and not (isinstance(tool_calls, list) and all(isinstance(c, dict) for c in tool_calls)):
         raise RequestError("bad_response", "message.tool_calls is not a list of calls", retryable=True)
@@ -144,7 +157,7 @@ class _Server:
     until when it rests (`out_until`, monotonic seconds) after a failure."""
 
     url: str
-    shown: str  # what messages and the progress line name: host and port, no credentials
+    shown: str  # what the progress line names it by: host and port, no credentials
     done: int = 0
     streak: int = 0
     out_until: float = 0.0
@@ -185,9 +198,13 @@ class OpenAIEngine:
         self.request_token_ids = settings.request_token_ids
         self._api_key = os.environ.get(settings.api_key_env) or None
         remember_secret(self._api_key)
+        if self._api_key is not None and (self._api_key != self._api_key.strip() or not self._api_key.isprintable()):
+            raise ConfigError(f"${settings.api_key_env} holds whitespace or a line break around or inside the key (a "
+                              "line ending copied with it?); set it to the key alone")
         self._jitter = random.Random(seed)
-        self.down: str | None = None  # the line saying every server was down, once the run ended on it
-        self.model = settings.model or self._served_model()
+        self._started = self._silent_since = time.monotonic()
+        self.down: str | None = None  # the line saying every server was down, once a run ended on it
+        self.model = self._fleet_model(settings.model)
 
     def _headers(self, prompt_id: str | None = None) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -197,18 +214,36 @@ class OpenAIEngine:
             headers["X-Request-Id"] = prompt_id  # vLLM uses it as the request id in its logs
         return headers
 
-    def _served_model(self) -> str:
-        """The model the first server that answers lists; ConfigError naming each server's problem when none does."""
-        problems = []
+    def _fleet_model(self, configured: str | None) -> str:
+        """The model the fleet serves: `configured`, else the first reachable server's first listed. Every server that
+        answers must list it (a fleet serves one model under one name) and take the key: else ConfigError naming that
+        server. A server that cannot be reached now is skipped (it may be starting); with no model configured and no
+        server reachable, ConfigError naming each server's problem."""
+        model, problems = configured, []
         for server in self.servers:
+            shown = safe_url(server.url).rstrip("/")
             try:
-                data = self._call(server, "GET", "/models", None, None)
-                return str(data["data"][0]["id"])
-            except (RequestError, KeyError, IndexError, TypeError) as exc:
-                problems.append(f"{safe_url(server.url).rstrip('/')}: "
-                                + (exc.detail if isinstance(exc, RequestError) else "no model listed"))
-        raise ConfigError(f"cannot ask {'; '.join(problems)} which model it serves: start the server or set "
-                          "generate.model")
+                listed = self._call(server, "GET", "/models", None, None)
+                names = [str(entry["id"]) for entry in listed["data"]]
+            except RequestError as exc:
+                if exc.reason in ("http_401", "http_403"):
+                    raise ConfigError(f"{shown} refuses the request ({exc.detail}); set ${self.settings.api_key_env} "
+                                      "to a key it takes") from None
+                problems.append(f"{shown}: {exc.detail}")
+                continue
+            except (KeyError, TypeError):
+                problems.append(f"{shown}: its /models lists no model")
+                continue
+            if model is None and names:
+                model = names[0]
+            elif model is not None and model not in names:
+                raise ConfigError(f"{shown} serves {', '.join(names) or 'no model'}, not {model}: every server of "
+                                  "generate.base_url must serve the target under one name; fix that server, or set "
+                                  "generate.model to the name they all serve")
+        if model is None:
+            raise ConfigError(f"cannot learn which model the servers serve ({'; '.join(problems)}); start them, or set "
+                              "generate.model")
+        return model
 
     @staticmethod
     def _url(base_url: str, path: str) -> str:
@@ -227,15 +262,16 @@ class OpenAIEngine:
                 raw = response.read()
         except urllib.error.HTTPError as exc:
             message = _error_message(exc)
+            fault = exc.code in SERVER_FAULT_STATUSES
             raise RequestError(f"http_{exc.code}", f"HTTP {exc.code}: {message}",
-                               exc.code in RETRYABLE_STATUSES) from None
-        except TimeoutError:
+                               exc.code in RETRYABLE_STATUSES or fault, server_fault=fault) from None
+        except TimeoutError:  # sent, and no answer in time
             raise RequestError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True) from None
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, TimeoutError):
-                raise RequestError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True) from None
-            raise RequestError("connection", f"cannot reach {shown}: {exc.reason}", retryable=True) from None
-        except (ConnectionError, http.client.HTTPException) as exc:
+        except urllib.error.URLError as exc:  # never connected: the prompt never reached the server
+            why = "timed out" if isinstance(exc.reason, TimeoutError) else exc.reason
+            raise RequestError("connection", f"cannot reach {shown}: {why}", retryable=True,
+                               server_fault=True) from None
+        except (ConnectionError, http.client.HTTPException) as exc:  # dropped after the prompt was sent
             raise RequestError("connection", f"connection to {shown} lost: {type(exc).__name__}",
                                retryable=True) from None
         try:
@@ -266,8 +302,10 @@ class OpenAIEngine:
 
     def run(self, prompts: Iterable[Prompt]) -> Iterator[Completion | Failure]:
         """Results in completion order, every prompt exactly once: a completion, or a failure. When no server has
-        answered for `servers_down_timeout_s`, every prompt not done yet is a failure (reason `servers_down`, detail
-        `down`, the one line that says so) and the run ends. When the caller stops early (Ctrl-C), queued prompts are
+        answered (a completion, or a refusal that is the prompt's fault) for `servers_down_timeout_s`, or `timeout_s`
+        if that is longer (a request may take that long), every prompt not done yet is a failure (reason
+        `servers_down`, detail `down`, the one line that says so) and the run ends; a run after one that ended so ends
+        the same way at once unless a server answers. When the caller stops early (Ctrl-C), queued prompts are
         dropped and only the requests in flight are awaited."""
         queue: deque[tuple[Prompt, int]] = deque((prompt, 0) for prompt in prompts)
         results: Queue[Completion | Failure] = Queue()
@@ -275,8 +313,9 @@ class OpenAIEngine:
         stop = threading.Event()
         in_flight: dict[str, Prompt] = {}
         open_prompts = [len(queue)]  # queued or in flight
-        self._started = time.monotonic()
-        answered = [self._started]  # when a server last answered anything
+        # when a server last answered; after a run that ended on every server down, that run's silence goes on
+        answered = [self._silent_since if self.down is not None else time.monotonic()]
+        window = max(self.settings.servers_down_timeout_s, self.timeout_s)
 
         def take(server: _Server) -> tuple[Prompt, int] | None:
             with cond:
@@ -300,23 +339,25 @@ class OpenAIEngine:
                 except RequestError as exc:
                     error = exc
                     done = Failure(prompt.id, exc.reason, exc.detail[:300], attempts + 1)  # detail: redacted
+                except Exception as exc:  # anything else fails this prompt alone, in one redacted line
+                    error = RequestError("internal", f"{type(exc).__name__}: {exc}", retryable=False)
+                    done = Failure(prompt.id, error.reason, error.detail[:300], attempts + 1)
                 with cond:
                     if stop.is_set():
-                        return  # the run ended without this prompt (its failure is already counted)
+                        return  # the run has ended: this prompt was yielded as a failure, or the caller stopped
                     del in_flight[prompt.id]
-                    if error is None or error.reason != "connection":
-                        answered[0] = time.monotonic()  # the server is up, whatever it said
+                    if error is None or not (error.retryable or error.server_fault or error.reason == "internal"):
+                        answered[0] = time.monotonic()  # a completion, or a refusal that is the prompt's fault
                     if error is None or not error.retryable:
                         server.streak = 0
                         server.done += error is None
                     else:
                         server.streak += 1
                         server.last_error = error.detail
-                        rest = min(MAX_BACKOFF_S, self.backoff_s * 2 ** (server.streak - 1))
+                        rest = min(MAX_BACKOFF_S, self.backoff_s * 2 ** min(server.streak - 1, 16))
                         server.out_until = time.monotonic() + rest * (0.75 + 0.5 * self._jitter.random())
-                        # an unreachable server says nothing about the prompt: that costs it no attempt
-                        spent = attempts + (error.reason != "connection")
-                        if spent <= self.max_retries:
+                        spent = attempts + (not error.server_fault)  # the server's fault costs the prompt nothing
+                        if spent <= self.max_retries or error.server_fault:
                             queue.appendleft((prompt, spent))  # next, on whichever server is up first
                             cond.notify_all()
                             continue
@@ -338,12 +379,13 @@ class OpenAIEngine:
                 except Empty:
                     with cond:
                         silent = time.monotonic() - answered[0]
-                        if silent > self.settings.servers_down_timeout_s and open_prompts[0] > 0:
+                        if silent > window and open_prompts[0] > 0:
                             stop.set()
                             left = [prompt for prompt, _ in queue] + list(in_flight.values())
                             down = True
                     if not down:
                         continue
+                    self._silent_since = answered[0]
                     self.down = self._down_line(silent, len(left))
                     while not results.empty():  # finished before the stop: kept
                         yield results.get()
@@ -351,12 +393,14 @@ class OpenAIEngine:
                         yield Failure(prompt.id, "servers_down", self.down[:300], 0)
                     return
                 yielded += 1
+                if not isinstance(item, Failure):
+                    self.down = None  # a server answers again
                 yield item
         finally:
             stop.set()
             with cond:
                 cond.notify_all()
-            if not down:  # a down server's request may hang until its timeout: not waited for
+            if not down:  # a request in flight to a down server may hang until its timeout: not waited for
                 for thread in threads:
                     thread.join()
 
@@ -366,10 +410,14 @@ class OpenAIEngine:
                 "as failed (servers_down), every completion before them is kept: start the servers (or fix "
                 "generate.base_url) and rerun the same command to generate only those")
 
+
 def _host(url: str) -> str:
-    """host:port of a server URL, what the progress line names it by."""
+    """host:port of a server URL (an IPv6 host in brackets), what the progress line names it by."""
     parts = urllib.parse.urlsplit(url)
-    return parts.hostname + (f":{parts.port}" if parts.port else "") if parts.hostname else safe_url(url)
+    if not parts.hostname:
+        return safe_url(url)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return host + (f":{parts.port}" if parts.port else "")
 
 
 def _error_message(exc: urllib.error.HTTPError) -> str:

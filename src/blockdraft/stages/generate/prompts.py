@@ -138,10 +138,14 @@ def _prompt_from_row(data: Any, source_id: str, thinking: str, turns: str = "las
     if group is not None and not (isinstance(group, str) and group):
         raise RowRejected("bad_setting", f"group is {group!r}; give a non-empty string (rows sharing it are held out "
                                          "together)")
-    rewrite = [i for i, m in enumerate(messages) if m["role"] == "assistant"] if turns == "all" else []
+    # an assistant turn answers the user or tool turn before it; one that answers nothing (a greeting that opens the
+    # conversation, a second turn in a row) is kept as given
+    rewrite = [i for i, m in enumerate(messages)
+               if turns == "all" and m["role"] == "assistant" and i and messages[i - 1]["role"] in ("user", "tool")]
     tools = data.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise RowRejected("bad_message", "'tools' is not a list of tool definitions (objects)")
+        raise RowRejected("bad_message", "'tools' is not a list of tool definitions; give a list of objects in "
+                                         "OpenAI form ({\"type\": \"function\", \"function\": {...}})")
     return Prompt(source_id, messages, enable, row_settings(data), group, rewrite, tools)
 
 
@@ -152,7 +156,7 @@ def row_settings(data: dict[str, Any]) -> dict[str, Any]:
     for key, value in found.items():
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if key == "temperature" and not (number and 0 <= value <= 100):
-            raise RowRejected("bad_setting", f"temperature is {value!r}; give a number >= 0 (0: greedy)")
+            raise RowRejected("bad_setting", f"temperature is {value!r}; give a number from 0 (greedy) to 100")
         if key == "top_p" and not (number and 0 < value <= 1):
             raise RowRejected("bad_setting", f"top_p is {value!r}; give a number in (0, 1]")
         if key == "max_new_tokens" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):

@@ -60,12 +60,21 @@ def row_stats(row: dict[str, Any]) -> list[str]:
     """What the manifest counts per row: its thinking mode, why it ended, whether it carries token ids, and each
     setting it was generated with (`setting_counts` reads those back)."""
     stats = [f"thinking_{row.get('thinking', 'default')}", f"finish_{row.get('finish_reason', 'stop')}"]
-    stats += [f"{SETTING_PREFIX}{key}={value:g}" if isinstance(value, float) else f"{SETTING_PREFIX}{key}={value}"
-              for key, value in row.get("settings", {}).items()]
+    stats += [f"{SETTING_PREFIX}{key}={_bucket(key, value)}" for key, value in row.get("settings", {}).items()]
     return stats + (["with_token_ids"] if "completion_token_ids" in row else [])
 
 
 SETTING_PREFIX = "setting_"
+
+
+def _bucket(key: str, value: Any) -> str:
+    """A setting's value as counted: sampling values to two decimals, lengths by the power of two they reach, so a
+    set whose rows each carry their own length or temperature counts a few dozen values, not one per row."""
+    if key == "max_new_tokens" and isinstance(value, int):
+        return f"<={1 << max(0, value - 1).bit_length()}"
+    if isinstance(value, float):
+        return f"{round(value, 2):g}"
+    return str(value)[:40]
 
 
 def setting_counts(stats: dict[str, int]) -> dict[str, int]:

@@ -66,7 +66,7 @@ from blockdraft.store.output import StageOutput
 from blockdraft.store.writable import disk_full_error
 
 # Part of the config digest: bump it when the rows' bytes change for the same options, so old shards are redone.
-SHARD_FORMAT = "blockdraft-tokenize-shard/4"
+SHARD_FORMAT = "blockdraft-tokenize-shard/5"
 # Conversations rendered and encoded together; small enough that a worker's memory stays flat.
 CONVERSATION_BATCH = 32
 # What clipping to max_length cut off, in every piece's stats: rows clipped, tokens dropped, supervised tokens dropped.
@@ -135,10 +135,10 @@ class ShardRun:
     pid: int = 0
 
 
-def is_held_out(source_id: str, fraction: float) -> bool:
-    """Deterministic split by conversation (or by group: `group_of`): the first 8 bytes of sha256(source_id) as a
-    fraction of 2**64."""
-    h = int.from_bytes(hashlib.sha256(source_id.encode()).digest()[:8], "big")
+def is_held_out(key: str, fraction: float) -> bool:
+    """Deterministic split by conversation: `key` is the row's group (`group_of`), else its source id; the first 8
+    bytes of sha256(key) as a fraction of 2**64."""
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
     return h < fraction * 2**64
 
 
