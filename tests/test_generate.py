@@ -423,6 +423,7 @@ def test_two_servers_one_killed_midway_every_prompt_done_exactly_once(tmp_path):
     assert "(down)" in line.split(",")[0]
 
 
+@pytest.mark.fault
 def test_a_server_listed_twice_is_refused():
     with pytest.raises(ConfigError, match="names http://127.0.0.1:8000/v1 twice; list each server once"):
         openai_config(["http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1"])
@@ -551,6 +552,7 @@ def test_turns_all_regenerates_only_turns_that_answer_something():
     assert _prompt_from_row(row, "r", "off", "last").rewrite == []
 
 
+@pytest.mark.fault
 def test_every_turn_ends_at_once_when_every_server_is_down(tmp_path):
     """turns = all over more conversations than one chunk, no server reachable: the run ends after one silence window,
     every conversation recorded failed (servers_down), not one window per chunk or round."""
@@ -568,6 +570,7 @@ def test_every_turn_ends_at_once_when_every_server_is_down(tmp_path):
     assert sum(d.startswith("no generate server answered") for d in details) == 150 - 64
 
 
+@pytest.mark.fault
 def test_a_fleet_that_serves_two_models_is_refused_before_any_request(tmp_path):
     write_prompts(tmp_path / "p.jsonl", 2)
     with ChatServer(TemplateChat()) as first, ChatServer(ToolChat()) as other:
