@@ -44,7 +44,7 @@ def write_prompts(path: Path, n: int) -> None:
 
 def timed_run(prompts: Path, out: Path, urls: list[str], args: argparse.Namespace) -> dict[str, float]:
     cfg = load_config(None, {"generate": {"engine": "openai", "base_url": urls, "max_new_tokens": args.max_new_tokens,
-                                          "concurrency": args.concurrency, "thinking": "off", "model": "tiny"}})
+                                          "concurrency": args.concurrency, "thinking": "off"}})
     start = time.perf_counter()
     result = generate.run(cfg, str(prompts), str(out), Reporter())
     seconds = time.perf_counter() - start

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections import Counter
 
 import pytest
 
@@ -22,7 +23,14 @@ from blockdraft.fixtures.smollm2 import (
     ensure_real_target,
     stamp_problem,
 )
-from blockdraft.pipeline import REAL_PROMPTS_DIR, REAL_SIZE, demo_config, prompt_files
+from blockdraft.pipeline import (
+    ANSWER_SAMPLING,
+    REAL_PROMPTS_DIR,
+    REAL_SIZE,
+    _regeneration_prompts,
+    demo_config,
+    prompt_files,
+)
 
 
 def _pip_sees_only(monkeypatch, **env: str) -> None:
@@ -167,4 +175,15 @@ def test_the_real_demo_config(tmp_path):
     # every category is in both parts
     assert {r["category"] for r in rows["held_out"]} == {r["category"] for r in rows["train"]} == {
         "everyday", "summary", "math", "code", "followup", "writing"}
+    # each training prompt asked REAL_SIZE.answers times: greedy first, then sampled, one group per prompt
+    assert sections["target"]["dtype"] == REAL_SIZE.dtype == "bfloat16"
+    asked = [json.loads(x) for x in _regeneration_prompts(tmp_path, REAL_SIZE.conversations, train,
+                                                          REAL_SIZE.answers).read_text().splitlines()]
+    assert len(asked) == REAL_SIZE.answers * 257 == len({r["id"] for r in asked})
+    assert [r["id"] for r in asked[:257]] == [r["id"] for r in rows["train"]]
+    assert all("temperature" not in r for r in asked[:257])
+    assert all(r["temperature"] == ANSWER_SAMPLING["temperature"] and r["top_p"] == ANSWER_SAMPLING["top_p"]
+               for r in asked[257:])
+    by_group = Counter(r["group"] for r in asked)
+    assert set(by_group) == {r["id"] for r in rows["train"]} and set(by_group.values()) == {REAL_SIZE.answers}
 

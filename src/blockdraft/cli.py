@@ -541,7 +541,7 @@ def demo(
                                               "smaller, <60 s); the real target has one size.")] = "full",
     target: Annotated[str, typer.Option(help="tiny (a Qwen3 target), hybrid (a Qwen3.5-style linear/full-attention "
                                              "target, with a sliding-window drafter layer) or real (SmolLM2-135M-"
-                                             "Instruct from the package registry, about half an hour on 2 cores).")]
+                                             "Instruct from the package registry, about 45 minutes on 2 cores).")]
     = "tiny",
     engine: Annotated[str, typer.Option(help="vllm: generate with vLLM and check the drafter in it too "
                                              "(`make engine`).")] = "none",
