@@ -104,7 +104,7 @@ class HFEngine:
 
 class RequestError(Exception):
     """A request that failed: `detail` is one line, redacted (a server may echo the key it was sent). `server_fault`:
-    the failure says nothing about the prompt (the server could not be reached, or refused the key or the model name),
+    the failure says nothing about the prompt (the server could not be reached, or does not serve the model name),
     so it costs the prompt no attempt."""
 
     def __init__(self, reason: str, detail: str, retryable: bool, server_fault: bool = False) -> None:
@@ -116,8 +116,9 @@ class RequestError(Exception):
         self.server_fault = server_fault
 
 
-# Answers that are the server's fault, not the prompt's: a key it refuses, a model name it does not serve.
-SERVER_FAULT_STATUSES = {401, 403, 404}
+# Answers that are the server's fault, not the prompt's: a model name (or route) it does not serve. A refused key (401,
+# 403) fails the prompt at once, as the server's other refusals do: a rerun with the right key retries it.
+SERVER_FAULT_STATUSES = {404}
 
 
 def parse_chat_response(prompt_id: str, data: Any) -> Completion:
@@ -216,9 +217,9 @@ class OpenAIEngine:
 
     def _fleet_model(self, configured: str | None) -> str:
         """The model the fleet serves: `configured`, else the first reachable server's first listed. Every server that
-        answers must list it (a fleet serves one model under one name) and take the key: else ConfigError naming that
-        server. A server that cannot be reached now is skipped (it may be starting); with no model configured and no
-        server reachable, ConfigError naming each server's problem."""
+        lists its models must list it (a fleet serves one model under one name): else ConfigError naming that server.
+        A server that cannot be asked now is skipped (it may be starting, or refuse the key: its requests say so); with
+        no model configured and no server that lists one, ConfigError naming each server's problem."""
         model, problems = configured, []
         for server in self.servers:
             shown = safe_url(server.url).rstrip("/")
@@ -226,9 +227,6 @@ class OpenAIEngine:
                 listed = self._call(server, "GET", "/models", None, None)
                 names = [str(entry["id"]) for entry in listed["data"]]
             except RequestError as exc:
-                if exc.reason in ("http_401", "http_403"):
-                    raise ConfigError(f"{shown} refuses the request ({exc.detail}); set ${self.settings.api_key_env} "
-                                      "to a key it takes") from None
                 problems.append(f"{shown}: {exc.detail}")
                 continue
             except (KeyError, TypeError):
@@ -241,8 +239,8 @@ class OpenAIEngine:
                                   "generate.base_url must serve the target under one name; fix that server, or set "
                                   "generate.model to the name they all serve")
         if model is None:
-            raise ConfigError(f"cannot learn which model the servers serve ({'; '.join(problems)}); start them, or set "
-                              "generate.model")
+            raise ConfigError(f"cannot ask any server which model it serves ({'; '.join(problems)}); start them, or "
+                              "set generate.model")
         return model
 
     @staticmethod
