@@ -127,18 +127,18 @@ class SeaweedS3:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed exited with {self.proc.returncode}; see {self.logs / 'stdout.txt'}")
-            if self._answers_403() and self._objects_readable():
+            if self._answers_403() and self._serves_stored_buckets():
                 return
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"weed S3 did not answer on {self.endpoint} within {timeout} s")
 
-    def _objects_readable(self) -> bool:
-        """Whether the first object of each bucket can be read. A restarted server answers S3 before its gateway has
-        learnt where the volumes already on disk are served, and until then reading an existing object fails with
-        InternalError ("volume 1 not found"). A server that has stored nothing yet has nothing to check."""
-        import boto3
-        from botocore.config import Config
+    def _serves_stored_buckets(self) -> bool:
+        """Whether each bucket's first object can be read and a new object written (then deleted). A restarted server
+        answers S3 before its gateway has learnt where the volumes already on disk are served: until then reading an
+        existing object fails with InternalError ("volume 1 not found"), and a write can hang past a client's read
+        timeout while the master waits for the volume server's first heartbeat. A server that has stored nothing yet
+        has nothing to check."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         if not any(self.data.glob("*.dat")):
@@ -146,11 +146,14 @@ class SeaweedS3:
         client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.admin.access_key,
                               aws_secret_access_key=self.admin.secret_key, region_name="us-east-1",
                               config=Config(connect_timeout=2, read_timeout=5, retries={"max_attempts": 1}))
+        probe = ".s3server-ready"  # one name, so a write that lands after its timeout is replaced and deleted next try
         try:
             for bucket in client.list_buckets()["Buckets"]:
                 first = client.list_objects_v2(Bucket=bucket["Name"], MaxKeys=1).get("Contents", [])
                 if first and first[0]["Size"] > 0:
                     client.get_object(Bucket=bucket["Name"], Key=first[0]["Key"], Range="bytes=0-0")["Body"].read()
+                client.put_object(Bucket=bucket["Name"], Key=probe, Body=b"ready")
+                client.delete_object(Bucket=bucket["Name"], Key=probe)
         except (BotoCoreError, ClientError):
             return False
         return True
