@@ -578,3 +578,27 @@ def test_a_fleet_that_serves_two_models_is_refused_before_any_request(tmp_path):
                                               r"server of generate\.base_url must serve the target under one name"):
             run(tmp_path / "p.jsonl", tmp_path / "o", openai_config([first.url, other.url]))
         assert first.arrived() == other.arrived() == []
+
+
+def test_a_group_is_one_rule_in_generate_and_tokenize():
+    """A string or a whole number groups rows (the same text either way); anything else is the row's `bad_group`, in
+    generate's prompt rows and tokenize's completion rows alike."""
+    from blockdraft.data.completions import RowRejected, group_of, normalise
+    from blockdraft.data.records import RawRecord
+    from blockdraft.stages.generate.prompts import _prompt_from_row
+
+    def row(group):
+        return {"id": "r", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                "group": group}
+
+    for good, text in (("prompt-7", "prompt-7"), (7, "7"), (None, None)):
+        assert _prompt_from_row(row(good), "r", "off").group == text
+        record = RawRecord(1, row(good), "")
+        assert normalise(record).source_id == "r" and group_of(record) == text
+    for bad in ("", True, 1.5, ["a"], {"g": 1}):
+        with pytest.raises(RowRejected) as generate_refused:
+            _prompt_from_row(row(bad), "r", "off")
+        with pytest.raises(RowRejected) as tokenize_refused:
+            normalise(RawRecord(1, row(bad), ""))
+        assert generate_refused.value.reason == tokenize_refused.value.reason == "bad_group"
+        assert repr(bad) in tokenize_refused.value.detail

@@ -86,13 +86,21 @@ def source_id_of(record: RawRecord) -> str | None:
     return str(found) if found is not None else "sha256:" + hashlib.sha256(record.text.encode()).hexdigest()[:32]
 
 
-def group_of(record: RawRecord) -> str | None:
-    """The row's `group` as text (a string or a whole number: rows that share it are held out together, e.g. several
-    answers to one prompt), or None."""
-    group = record.data.get("group") if isinstance(record.data, dict) else None
-    if isinstance(group, bool) or not isinstance(group, (str, int)) or group == "":
+def group_text(value: object) -> str | None:
+    """A row's `group` as text: a non-empty string or a whole number (rows that share it are held out together, e.g.
+    several answers to one prompt); None when the row has none. Any other value is RowRejected("bad_group"): the one
+    rule of generate's prompt rows and tokenize's completion rows."""
+    if value is None:
         return None
-    return str(group)
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        raise RowRejected("bad_group", f"group is {value!r}; give a non-empty string or a whole number (rows sharing "
+                                       "it are held out together)")
+    return str(value)
+
+
+def group_of(record: RawRecord) -> str | None:
+    """The `group` of a row (`group_text`), or None when it has none."""
+    return group_text(record.data.get("group")) if isinstance(record.data, dict) else None
 
 
 def _split_inline_reasoning(content: str) -> tuple[str, str]:
@@ -172,6 +180,7 @@ def normalise(record: RawRecord) -> Conversation:
         raise RowRejected("bad_json", f"a row is a {type(data).__name__}, not an object")
     source_id = source_id_of(record)
     assert source_id is not None
+    group_of(record)  # a bad group is refused here, where the row is quarantined, not when it is split
     ids = _token_ids(data)
     raw_messages = data.get("messages", data.get("conversations"))
     if raw_messages is None and ids is not None:

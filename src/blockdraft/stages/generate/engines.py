@@ -176,9 +176,10 @@ class OpenAIEngine:
     prompt from one queue, so a fast server does more. A request that fails with a retryable error (5xx, 429, timeout,
     a connection that fails or drops) sends that server to rest (`retry_backoff_s` * 2^(failures in a row - 1),
     jittered, capped at 30 s) and puts the prompt back at the head of the queue, for whichever server is up next. A
-    connection failure says nothing about the prompt, so it costs the prompt no attempt; any other retryable failure
-    does, and after `max_retries` retries the prompt is recorded failed, as is at once a prompt the server refuses
-    (other 4xx). When no server has answered anything for `servers_down_timeout_s` while prompts wait, the run ends
+    server that cannot be reached, or answers 404 (it does not serve that model name), says nothing about the prompt,
+    so that costs the prompt no attempt; any other retryable failure (a connection dropped after the request was sent,
+    a timeout, 5xx, 429) does, and after `max_retries` retries the prompt is recorded failed, as is at once a prompt the
+    server refuses (other 4xx, a refused key among them). When no server has answered anything for `servers_down_timeout_s` while prompts wait, the run ends
     (`run`): what was done is kept, a rerun generates the rest. The API key comes from the environment
     variable `api_key_env` and is sent only in the Authorization header; every error text is redacted before it is
     kept, so the key never reaches a failure record, a message or an artifact (docs/STORE.md, credentials).

@@ -15,6 +15,7 @@ from blockdraft.config import StoreConfig, is_s3_url
 from blockdraft.data.chat import ROW_SETTINGS, Prompt
 from blockdraft.data.completions import (
     RowRejected,
+    group_text,
     is_completions_file,
     normalise_message,
     resolve_completions,
@@ -134,10 +135,7 @@ def _prompt_from_row(data: Any, source_id: str, thinking: str, turns: str = "las
         enable = False
     else:
         enable = bool(dropped.get("reasoning_content")) if dropped is not None else None
-    group = data.get("group")
-    if group is not None and not (isinstance(group, str) and group):
-        raise RowRejected("bad_setting", f"group is {group!r}; give a non-empty string (rows sharing it are held out "
-                                         "together)")
+    group = group_text(data.get("group"))
     # an assistant turn answers the user or tool turn before it; one that answers nothing (a greeting that opens the
     # conversation, a second turn in a row) is kept as given
     rewrite = [i for i, m in enumerate(messages)
