@@ -23,7 +23,8 @@ from blockdraft.stages.train import run
 from blockdraft.store import open_store
 from blockdraft.store.artifact import State, verify_artifact
 
-SCALARS = ("loss", "tau_estimate", "lr", "grad_norm", "tokens_per_s", "step_time_s")
+SCALARS = ("loss", "tau_estimate", "lr", "grad_norm", "tokens_per_s", "step_time_s", "supervised_tokens_per_s",
+           "padding_share")
 
 
 @pytest.fixture(scope="module")

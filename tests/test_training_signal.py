@@ -139,14 +139,14 @@ def test_without_a_terminal_one_plain_line_every_interval_with_the_held_out_tau_
     reporter = ConsoleReporter(Console(file=out, width=200))  # a file: no terminal
     clock = [0.0]
     lines = ProgressLines(reporter, 30.0, start=0, total=100, clock=lambda: clock[0])
-    entry = {"step": 10, "loss": 1.5, "tokens_per_s": 1234.0}
+    entry = {"step": 10, "loss": 1.5, "tokens_per_s": 1234.0, "supervised_tokens_per_s": 456.0, "padding_share": 0.25}
     assert lines.step(entry, 2.5) is None  # not yet 30 s
     clock[0] = 30.0
-    assert lines.step(entry, 2.5) == "train step 10/100  loss 1.5000  held-out tau 2.50  1,234 tokens/s  ETA 4m30s"
+    said = "train step 10/100  loss 1.5000  held-out tau 2.50  1,234 tokens/s  456 supervised/s  padding 25%  ETA 4m30s"
+    assert lines.step(entry, 2.5) == said
     clock[0] = 45.0
     assert lines.step({**entry, "step": 15}, None) is None
-    assert out.getvalue().splitlines() == ["train step 10/100  loss 1.5000  held-out tau 2.50  1,234 tokens/s  ETA "
-                                           "4m30s"]
+    assert out.getvalue().splitlines() == [said]
     terminal = io.StringIO()
     ConsoleReporter(Console(file=terminal, force_terminal=True)).status_line("x")
     assert terminal.getvalue() == ""  # a terminal has the bar

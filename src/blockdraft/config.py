@@ -313,6 +313,9 @@ class TrainConfig(_Section):
     warmup_ratio: float = Field(default=0.04, ge=0.0, le=1.0)
     grad_clip: float = Field(default=1.0, gt=0)  # the max gradient norm; 0 would zero every update
     max_length: int = Field(default=3072, ge=2)
+    # Lay each micro-batch's batch_size rows back to back in sequences of up to max_length tokens instead of padding
+    # them to the longest, every conversation seen alone (docs/TRAINING.md, "Packing").
+    packing: bool = False
     checkpoint_every: int = Field(default=500, ge=1)
     seed: int = Field(default=0, ge=-(2**63), lt=2**64)  # what torch.manual_seed takes (64 bits)
     deterministic: bool = False
@@ -370,6 +373,14 @@ class TrainConfig(_Section):
     # next token is the label (target agreement); below min_target_agreement is one warning line. 0 rows: not measured.
     target_agreement_rows: int = Field(default=32, ge=0)
     min_target_agreement: float = Field(default=0.7, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _packing_has_rows_to_pack(self) -> TrainConfig:
+        if self.packing and self.batch_size == 1:
+            raise ValueError("train.packing lays each forward's train.batch_size rows back to back, and batch_size 1 "
+                             "gives it one row; raise train.batch_size (rows per forward, e.g. 8) or set "
+                             "train.packing = false")
+        return self
     log_every_s: float = Field(default=30.0, gt=0)  # one plain progress line this often when stderr is not a terminal
 
 

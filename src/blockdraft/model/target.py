@@ -95,24 +95,76 @@ class TargetModel:
         return next(self.model.parameters()).device
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids [b, S] -> concatenated outputs of decoder layers `layer_ids` [b, S, K*H]; the layers after the
-        deepest of them and the LM head do not run."""
+        deepest of them and the LM head do not run. With `position_ids` [b, S] the sequences are packed rows (positions
+        restart at 0 where a row starts) and each row is computed alone (`packed`; `attention_mask` then marks the
+        rows' tokens)."""
+        if position_ids is not None:
+            return self.packed(input_ids, position_ids, False, attention_mask)[0]
         return self._run(input_ids, attention_mask, final=False)[0]
 
     @torch.no_grad()
     def features_and_final(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`features`, and the final normed hidden states [b, S, H]: exactly what the LM head reads (captured at its
         input; the [b, S, V] logits are never computed), from which the loss makes the target's own next-token
         distribution (`train.distill_weight`). Every decoder layer runs."""
-        feats, final = self._run(input_ids, attention_mask, final=True)
+        if position_ids is not None:
+            feats, final = self.packed(input_ids, position_ids, True, attention_mask)
+        else:
+            feats, final = self._run(input_ids, attention_mask, final=True)
         assert final is not None
         return feats, final
 
+    @property
+    def packs_in_one_forward(self) -> bool:
+        """Whether packed sequences run in one forward (`packed`): only a full-attention target whose attention kernel
+        takes variable-length sequences (flash attention reads them from the position ids), which then computes no
+        more than each row alone. SDPA and eager attention compute every score of the packed sequence and mask the
+        other rows' (measured on the CPU: a packed forward gains less over a padded one than each row run alone), and a
+        hybrid target's linear-attention layers would carry their state from one row into the next."""
+        implementation = str(getattr(self.model.config, "_attn_implementation", "") or "")
+        return not self.shape.is_hybrid and implementation.startswith("flash_attention")
+
+    def packed(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, final: bool, real: torch.Tensor | None = None,
+        one_forward: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Features (and the final states) of packed sequences [p, T], every row seen alone; `position_ids` restart at 0
+        where a row (or the padding) begins, `real` [p, T] marks the rows' tokens (None: all). `one_forward` (None:
+        `packs_in_one_forward`): the sequences run at once with those position ids and no attention mask, from which
+        transformers builds a block-diagonal causal mask (eager, SDPA and flash paths alike); else each row runs on its
+        own, unpadded, and its states are laid in place (the padding's stay 0)."""
+        if self.packs_in_one_forward if one_forward is None else one_forward:
+            return self._run(input_ids, None, final, position_ids)
+        b, s = input_ids.shape
+        feats: torch.Tensor | None = None
+        finals: torch.Tensor | None = None
+        for i in range(b):
+            bounds = torch.nonzero(position_ids[i] == 0).flatten().tolist() + [s]
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                if real is not None and not bool(real[i, lo]):
+                    continue  # the padding after the last row
+                part, part_final = self._run(input_ids[i : i + 1, lo:hi], None, final)
+                if feats is None:
+                    feats = part.new_zeros(b, s, part.shape[-1])
+                feats[i, lo:hi] = part[0]
+                if part_final is not None:
+                    if finals is None:
+                        finals = part_final.new_zeros(b, s, part_final.shape[-1])
+                    finals[i, lo:hi] = part_final[0]
+        assert feats is not None, "a packed batch holds at least one row"
+        return feats, finals
+
     def _run(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, final: bool
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, final: bool,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward that captures the feature layers (and with `final` the LM head's input), stopping as early as it
         can."""
@@ -144,8 +196,8 @@ class TargetModel:
         if self.layers is not None:
             handles += [self.layers[i].register_forward_hook(capture(i)) for i in set(self.layer_ids)]
         try:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=not hooked_layers,
-                             use_cache=False)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             output_hidden_states=not hooked_layers, use_cache=False)
             if not hooked_layers:
                 captured.update({i: out.hidden_states[i + 1] for i in self.layer_ids})
         except _StopForward:

@@ -7,8 +7,10 @@ resumed at any step consumes exactly the rows and anchors an uninterrupted run w
 
 Training batch construction for DFlash (docs/DFLASH.md, "Training batch construction").
 
-One training row (input_ids, loss_mask of length S) becomes N blocks of B query slots, packed after the row's S
+One training row (input_ids, loss_mask of length S) becomes N blocks of B query slots, laid out after the row's S
 context entries. Shapes below: b = rows in the batch, S = longest row, N = blocks per row, B = block size, Q = N*B.
+With `train.packing` the target reads the batch's rows back to back in fewer, fuller sequences instead (`PackedRows`),
+each row seen alone, and its features are laid back out as rows for the drafter.
 """
 
 from __future__ import annotations
@@ -345,6 +347,63 @@ def block_attention_mask(
     return mask & sliding_window_mask(query_pos, key_pos, sliding_window)
 
 
+def pack_rows(lengths: Sequence[int], max_length: int) -> list[list[int]]:
+    """Indices into `lengths` grouped into sequences of at most `max_length` tokens: each row goes into the first
+    sequence it fits (first fit, in the given order, so the packing depends only on the rows and their order). Rows are
+    clipped to `max_length` when read (`TrainRows.row`), so every row fits an empty sequence."""
+    packs: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths):
+        if n > max_length:
+            raise ValueError(f"row {i} has {n} tokens, more than max_length {max_length}")
+        fit = next((j for j, free in enumerate(room) if free >= n), None)
+        if fit is None:
+            packs.append([i])
+            room.append(max_length - n)
+        else:
+            packs[fit].append(i)
+            room[fit] -= n
+    return packs
+
+
+@dataclass
+class PackedRows:
+    """A batch's rows laid back to back for the target's forward (`pack_rows`): input_ids [p, T] long (right-padded
+    with 0), positions [p, T] long (each token's position in its row: they restart at 0 where a row, or the padding,
+    begins, which is how the target tells the rows apart), real [p, T] bool (the rows' tokens) and `index` [b, S] long:
+    where each token of the batch's padded rows sits in the packed sequences flattened (a padded entry points at entry
+    0)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    real: torch.Tensor
+    index: torch.Tensor
+
+    @classmethod
+    def of(cls, seqs: Sequence[torch.Tensor], max_length: int) -> PackedRows:
+        packs = pack_rows([ids.numel() for ids in seqs], max_length)
+        t = max(sum(seqs[i].numel() for i in pack) for pack in packs)
+        input_ids = torch.zeros(len(packs), t, dtype=torch.long)
+        positions = torch.zeros(len(packs), t, dtype=torch.long)
+        real = torch.zeros(len(packs), t, dtype=torch.bool)
+        index = torch.zeros(len(seqs), max(ids.numel() for ids in seqs), dtype=torch.long)
+        for p, pack in enumerate(packs):
+            at = 0
+            for i in pack:
+                n = seqs[i].numel()
+                input_ids[p, at : at + n], real[p, at : at + n] = seqs[i], True
+                positions[p, at : at + n] = torch.arange(n)
+                index[i, :n] = p * t + at + torch.arange(n)
+                at += n
+            positions[p, at:] = torch.arange(t - at)
+        return cls(input_ids, positions, real, index)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Per-token states of the packed sequences [p, T, F] -> the same states as the batch's rows [b, S, F] (padded
+        entries hold some row's state: nothing reads them)."""
+        return packed.flatten(0, 1)[self.index.to(packed.device)]
+
+
 @dataclass
 class BlockBatch:
     """One packed training batch; every tensor is on the CPU until `to(device)`.
@@ -355,7 +414,8 @@ class BlockBatch:
     `attention_mask` [b, 1, Q, S+Q] bool is built on the batch's device when read (it is the one large tensor:
     about 92 MB per row at S = 3072, N = 512, B = 16, not worth a host-to-device copy). `attention` says what the
     drafter gets (`drafter_attention`): that dense mask, or with "flex" the anchors' layout, from which it builds
-    block-sparse masks, so the dense one is never made.
+    block-sparse masks, so the dense one is never made. `packed`: the rows as the target reads them with
+    `train.packing` (None: it reads `input_ids`), kept on the CPU.
     """
 
     input_ids: torch.Tensor
@@ -369,6 +429,7 @@ class BlockBatch:
     weights: torch.Tensor
     block_size: int
     attention: Literal["dense", "flex"] = "dense"
+    packed: PackedRows | None = None
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -388,6 +449,12 @@ class BlockBatch:
         """Real (unpadded) context tokens in the batch."""
         return int(self.attention_mask_context.sum())
 
+    @property
+    def num_positions(self) -> int:
+        """Entries the target's padded or packed forward computes, padding included (packed rows run one by one
+        compute `num_tokens`)."""
+        return (self.packed.input_ids if self.packed is not None else self.input_ids).numel()
+
     def to(self, device: torch.device | str) -> BlockBatch:
         moved = {f.name: value.to(device) for f in fields(self)
                  if isinstance(value := getattr(self, f.name), torch.Tensor)}
@@ -403,9 +470,11 @@ def build_block_batch(
     gamma: float,
     generators: Sequence[torch.Generator],
     attention: Literal["dense", "flex"] = "dense",
+    pack_to: int | None = None,
 ) -> BlockBatch:
-    """Pack `rows` ((input_ids, loss_mask) pairs) into one BlockBatch, one generator per row for its anchors;
-    `attention` is the drafter's attention path (`blockdraft.model.block_sparse.resolve_attention`).
+    """Lay `rows` ((input_ids, loss_mask) pairs) out as one BlockBatch, one generator per row for its anchors;
+    `attention` is the drafter's attention path (`blockdraft.model.block_sparse.resolve_attention`); `pack_to`: also
+    pack the rows into sequences of at most that many tokens for the target (`PackedRows`).
 
     N is min(num_anchors, the most eligible anchors of any row in the batch) (at least 1): rows with fewer get padded
     blocks of weight 0. Weight of slot k of block n:
@@ -456,6 +525,7 @@ def build_block_batch(
         weights=weights,
         block_size=block_size,
         attention=attention,
+        packed=PackedRows.of(seqs, pack_to) if pack_to is not None else None,
     )
 
 
@@ -468,7 +538,7 @@ def teacher_forced_tau(leading: Sequence[float], blocks: float) -> float:
 
 
 __all__ = [
-    "BlockBatch", "RowOrder", "TrainRows", "anchor_generator", "block_attention_mask", "build_block_batch",
-    "check_eval_data", "check_mask_in_rows", "eligible_anchors", "epoch_order", "load_train_rows", "sample_anchors",
-    "slot_decay", "steps_per_epoch", "teacher_forced_tau",
+    "BlockBatch", "PackedRows", "RowOrder", "TrainRows", "anchor_generator", "block_attention_mask",
+    "build_block_batch", "check_eval_data", "check_mask_in_rows", "eligible_anchors", "epoch_order", "load_train_rows",
+    "pack_rows", "sample_anchors", "slot_decay", "steps_per_epoch", "teacher_forced_tau",
 ]

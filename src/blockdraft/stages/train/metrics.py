@@ -60,10 +60,12 @@ class Figures:
 
     `loss`: the whole objective, sum(w * term) / the denominator; per slot 1..B-1 of the unary term: `slot_accuracy`
     (argmax = label) and `slot_loss` (mean CE); `tau_estimate` (`data.teacher_forced_tau`); `tokens`: the real context
-    tokens. Distilling: `distill_kl`, the KL(p_T || q_T) part alone, weighted and divided like the loss (0 where the
-    drafter's distribution is the target's; the loss mixes it with CE). DFlash2: `selector_loss` (its term before
-    selector_loss_alpha), `candidate_recall` (gold among the top-K), `selector_accuracy` (the walk's choice given the
-    gold predecessor is the gold), over all slots and per slot (`slot_...`), and `walk_tau_estimate` of those choices.
+    tokens; `supervised`: the supervised slots; `padding_share`: the share of the entries the target's forwards computed
+    that were padding (training steps only). Distilling: `distill_kl`, the KL(p_T || q_T) part alone, weighted and
+    divided like the loss (0 where the drafter's distribution is the target's; the loss mixes it with CE). DFlash2:
+    `selector_loss` (its term before selector_loss_alpha), `candidate_recall` (gold among the top-K),
+    `selector_accuracy` (the walk's choice given the gold predecessor is the gold), over all slots and per slot
+    (`slot_...`), and `walk_tau_estimate` of those choices.
     A figure the run does not compute is None, and left out of `entry`."""
 
     loss: float
@@ -71,6 +73,8 @@ class Figures:
     slot_loss: list[float]
     tau_estimate: float
     tokens: int
+    supervised: int
+    padding_share: float | None = None
     distill_kl: float | None = None
     selector_loss: float | None = None
     candidate_recall: float | None = None
@@ -93,7 +97,10 @@ class Figures:
             "slot_loss": (sums["slot_ce"] / slots).tolist(),
             "tau_estimate": teacher_forced_tau(sums["slot_leading"].tolist(), blocks),
             "tokens": int(sums["tokens"]),
+            "supervised": int(counted.sum()),
         }
+        if "positions" in sums:
+            named["padding_share"] = 1.0 - float(sums["tokens"]) / max(float(sums["positions"]), 1.0)
         if "weighted_kl" in sums:
             named["distill_kl"] = float(sums["weighted_kl"] / d)
         if "selector_weighted" in sums:
@@ -123,7 +130,7 @@ def add_sums(total: dict[str, torch.Tensor] | None, part: dict[str, torch.Tensor
 
 
 # The keys of a metrics entry (and of its `eval`) that count or place it rather than measure: no tracker curve.
-NOT_TRACKED = frozenset({"step", "epoch", "tokens", "rows", "seconds"})
+NOT_TRACKED = frozenset({"step", "epoch", "tokens", "supervised", "rows", "seconds"})
 
 
 def scalars_of(entry: Mapping[str, Any]) -> dict[str, float]:

@@ -52,13 +52,15 @@ class DraftForward(nn.Module):
 
 @dataclass
 class MicroBatch:
-    """One micro-batch on the drafter's device: the packed batch, its target features [b, S, K*H] (in the target's
-    dtype) and its real context tokens (counted on the host, so reading it never waits for a device)."""
+    """One micro-batch on the drafter's device: the batch, its target features [b, S, K*H] (in the target's dtype),
+    its real context tokens and the entries the target's forward computed, padding included (both counted on the host,
+    so reading them never waits for a device)."""
 
     batch: BlockBatch
     features: torch.Tensor
     tokens: int
     teacher: Teacher | None = None  # the target's final hidden states per slot, when train.distill_weight > 0
+    positions: int | None = None  # None: as many as `tokens` (no padding)
 
 
 def backward_micro(
@@ -123,7 +125,7 @@ def accumulate(
         with nullcontext() if last or no_sync is None else no_sync():
             out = backward_micro(model, drafter, head, m.batch, m.features, chunk_blocks, weight_sum, objective,
                                  m.teacher)
-        sums = add_sums(sums, sums_of(out, m.tokens))
+        sums = add_sums(sums, sums_of(out, m.tokens, m.positions))
     assert sums is not None, "a step has at least one micro-batch"
     grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip)
     if world_size > 1:
@@ -131,10 +133,12 @@ def accumulate(
     return sums, weight_sum, grad_norm
 
 
-def sums_of(out: LossOutput, tokens: int) -> dict[str, torch.Tensor]:
-    """One micro-batch's figures as named sums: the loss's (`LossOutput.sums`) and its real context tokens."""
+def sums_of(out: LossOutput, tokens: int, positions: int | None = None) -> dict[str, torch.Tensor]:
+    """One micro-batch's figures as named sums: the loss's (`LossOutput.sums`), its real context tokens and the entries
+    the target's forward computed (`positions`, padding included; None: `tokens`)."""
     sums = out.sums()
     sums["tokens"] = out.slots.total.new_tensor(float(tokens))
+    sums["positions"] = out.slots.total.new_tensor(float(tokens if positions is None else positions))
     return sums
 
 

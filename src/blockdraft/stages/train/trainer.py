@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from blockdraft.errors import DivergedError, TrainingInterrupted
 from blockdraft.model.finite import describe_nonfinite, nonfinite_weights
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train.checkpoint import read_checkpoint, resume_note
-from blockdraft.stages.train.data import TrainRows, anchor_generator, build_block_batch
+from blockdraft.stages.train.data import BlockBatch, TrainRows, anchor_generator, build_block_batch
 from blockdraft.stages.train.loss import Teacher
 from blockdraft.stages.train.metrics import Figures, MetricsLog, Trackers, claim_log_dir
 from blockdraft.stages.train.ranks import RankPlacement, check_ranks_in_sync, rng_state, set_rng_state
@@ -87,7 +87,8 @@ class ProgressLines:
         pace = (now - self._began) / max(1, done - self.start)
         held = f"{held_out_tau:.2f}" if held_out_tau is not None else "-"
         line = (f"train step {done}/{self.total}  loss {entry['loss']:.4f}  held-out tau {held}  "
-                f"{entry['tokens_per_s']:,.0f} tokens/s  ETA {format_duration(pace * (self.total - done))}")
+                f"{entry['tokens_per_s']:,.0f} tokens/s  {entry['supervised_tokens_per_s']:,.0f} supervised/s  "
+                f"padding {entry['padding_share']:.0%}  ETA {format_duration(pace * (self.total - done))}")
         self.reporter.status_line(line)
         return line
 
@@ -374,13 +375,49 @@ class Trainer:
         target's dtype. Runs in the prefetching thread: the token ids go straight to the target's device, and the
         target's forward and the copies to the drafter's device run on side streams (CUDA) whose event the step waits
         on."""
-        tc, place = self.tc, self.place
+        place = self.place
         epoch, in_epoch = divmod(step, self.setup.per_epoch)
         idx = self.setup.order.rows(epoch, in_epoch, place.rank)
         micro = []
+        for batch in self._batches(idx, epoch):
+            with self._streams.active(), self._target_turn:
+                # the target's forward and copies, off the drafter's stream (CUDA)
+                ids, mask = (
+                    batch.input_ids.to(place.target_device),
+                    batch.attention_mask_context.long().to(place.target_device),
+                )
+                positions = None
+                if batch.packed is not None:  # the rows back to back, each seen alone (`TargetModel.packed`)
+                    ids, mask = batch.packed.input_ids.to(place.target_device), batch.packed.real
+                    positions = batch.packed.positions.to(place.target_device)
+                final = None
+                if self.setup.objective.distills:
+                    # the whole target runs: its final hidden states give each slot's distribution
+                    features, final = self.setup.target.features_and_final(ids, mask, positions)
+                else:
+                    features = self.setup.target.features(ids, mask, positions)
+                if batch.packed is not None:  # laid back out as the drafter's rows, on the target's device
+                    features = batch.packed.unpack(features)
+                    final = None if final is None else batch.packed.unpack(final)
+                moved = batch.to(place.drafter_device)
+                teacher = None if final is None else Teacher.for_blocks(final.to(place.drafter_device),
+                                                                        moved.block_positions)
+                # what the target computed: packed rows run one by one compute no padding at all
+                computed = batch.num_positions
+                if batch.packed is not None and not self.setup.target.packs_in_one_forward:
+                    computed = batch.num_tokens
+                micro.append(MicroBatch(moved, features.to(place.drafter_device), batch.num_tokens, teacher,
+                                        computed))
+        return StepInputs(micro, self._streams.record())
+
+    def _batches(self, idx: list[int], epoch: int) -> Iterator[BlockBatch]:
+        """The micro-batches of rows `idx` (this rank's share of a step), `train.batch_size` rows each, a row's anchors
+        drawn by its own generator; with `train.packing` the target reads each micro-batch's rows packed into
+        sequences of at most `train.max_length` tokens."""
+        tc = self.tc
         for first in range(0, len(idx), tc.batch_size):
             rows = idx[first : first + tc.batch_size]
-            batch = build_block_batch(
+            yield build_block_batch(
                 [self.rows.row(i) for i in rows],
                 num_anchors=self.dflash.num_anchors,
                 block_size=self.setup.spec.block_size,
@@ -388,24 +425,8 @@ class Trainer:
                 gamma=self.setup.gamma,
                 generators=[anchor_generator(tc.seed, epoch, i) for i in rows],
                 attention=self.setup.attention,
+                pack_to=tc.max_length if tc.packing else None,
             )
-            with self._streams.active(), self._target_turn:
-                # the target's forward and copies, off the drafter's stream (CUDA)
-                ids, mask = (
-                    batch.input_ids.to(place.target_device),
-                    batch.attention_mask_context.long().to(place.target_device),
-                )
-                final = None
-                if self.setup.objective.distills:
-                    # the whole target runs: its final hidden states give each slot's distribution
-                    features, final = self.setup.target.features_and_final(ids, mask)
-                else:
-                    features = self.setup.target.features(ids, mask)
-                moved = batch.to(place.drafter_device)
-                teacher = None if final is None else Teacher.for_blocks(final.to(place.drafter_device),
-                                                                        moved.block_positions)
-                micro.append(MicroBatch(moved, features.to(place.drafter_device), batch.num_tokens, teacher))
-        return StepInputs(micro, self._streams.record())
 
     def _entry(self, pending: PendingStep, seconds: float) -> dict[str, Any]:
         """The metrics of a launched step: its `Figures` from the all-reduced sums, with its step, epoch, learning rate,
@@ -420,6 +441,7 @@ class Trainer:
             **figures,
             "step_time_s": seconds,
             "tokens_per_s": figures["tokens"] / seconds,
+            "supervised_tokens_per_s": figures["supervised"] / seconds,
         }
 
     def _training_state(self, done: int) -> dict[str, Any]:
