@@ -11,7 +11,10 @@ lr, through `blockdraft train`; each drafter is then measured by `blockdraft eva
 - `dflash2`: the DFlash2 drafter (`dflash.architecture = "dflash2"`, selector rank 64, top-K 16, alpha 1, a gold token
   outside the top-K injected into the selector's loss); `dflash2_skip`: the same, with no selector loss for such a slot;
 - `ce_wall`: the DFlash baseline again, at DFlash2's wall time: its steps are the fixture's times the ratio of DFlash2's
-  median step time to DFlash's, measured on this run's equal-step runs (so it runs after them).
+  median step time to DFlash's, measured on this run's equal-step runs (so it runs after them);
+- `packed`: the baseline with `train.packing` (the target computes each step's four rows without padding: one by one
+  on SDPA, in one packed forward on flash attention); `packed_wall`: the same at the baseline's wall time (its steps:
+  the fixture's times the ratio of ce's median step time to packed's).
 
 Fixtures: `tiny` (8-layer Qwen3, one-layer B = 8 drafter), `hybrid` (Qwen3.5-style linear attention, a drafter of one
 sliding-window and one full-attention layer) and `real` (SmolLM2-135M-Instruct from `make real-target`, a two-layer
@@ -29,6 +32,7 @@ lossless.
     .venv/bin/python -m bench.quality --fixtures tiny --objectives ce,distill --seeds 3 --out runs.jsonl
     .venv/bin/python -m bench.quality --dflash2       # DFlash2 against DFlash: equal steps and equal wall time,
                                                       # both rules
+    .venv/bin/python -m bench.quality --packing --fixtures tiny --seeds 3 --workers 1   # packed against padded rows
     .venv/bin/python -m bench.quality --dflash2 --fixtures real --objectives ce,dflash2,ce_wall --seeds 3 \
         --prompts 43 --temperature 0.6 --real-completions demo-work-real/store/completions   # after make demo-real
 
@@ -63,8 +67,13 @@ OBJECTIVES: dict[str, dict[str, dict[str, Any]]] = {
     "dflash2_skip": {"dflash": {"architecture": "dflash2", "selector_rank": 64, "selector_top_k": 16,
                                 "selector_missing_gold": "skip"}},
     "ce_wall": DFLASH,
+    "packed": {**DFLASH, "train": {"packing": True}},
+    "packed_wall": {**DFLASH, "train": {"packing": True}},
 }
 DFLASH2_OBJECTIVES = "ce,dflash2,dflash2_skip,ce_wall"
+PACKING_OBJECTIVES = "ce,packed,packed_wall"
+# Objectives trained after the others, at another's wall time: (its steps follow the step time of, relative to).
+WALL = {"ce_wall": ("dflash2", "ce"), "packed_wall": ("ce", "packed")}
 RECENT = 20  # training steps whose recall is averaged
 # (drafter settings, training steps at full size): both at B = 8 with 32 anchors per row and 4 rows per step.
 FIXTURES: dict[str, tuple[dict[str, Any], int]] = {
@@ -139,6 +148,7 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     sampling = {"temperature": job["temperature"], "top_p": 0.95, "top_k": 20} if job["temperature"] > 0 else {}
     settings = merged(
         base_settings(fixture, work / name / "store"),
+        {"target": {"dtype": job["target_dtype"]}} if job["target_dtype"] else {},
         {
             "dflash": {"block_size": 8, "mask_token_id": mask_token_id(fixture), "num_anchors": 32, **drafter},
             "train": {"data": job["data"], "output": str(work / name / "run"), "log_dir": str(work / name / "logs"),
@@ -159,6 +169,10 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     recent = trained.metrics[-RECENT:]
     out = {
         "fixture": fixture, "objective": objective, "seed": seed, "steps": job["steps"],
+        "padding_share": statistics.fmean(e["padding_share"] for e in trained.metrics),
+        "supervised_per_step": statistics.fmean(e["supervised"] for e in trained.metrics),
+        "supervised_per_s": statistics.median(e["supervised_tokens_per_s"] for e in trained.metrics[1:]
+                                              or trained.metrics),
         "tau": drafted.tau, "tau_ngram": report.drafters["ngram"].tau, "lossless": report.lossless.ok,
         "position_acceptance": drafted.position_acceptance,
         "final_loss": trained.metrics[-1]["loss"], "tau_estimate": trained.metrics[-1]["tau_estimate"],
@@ -212,13 +226,44 @@ def table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def wall_steps(results: list[dict[str, Any]], fixture: str, steps: int) -> int:
-    """DFlash's steps at DFlash2's wall time on `fixture`: `steps` times the ratio of the two median step times."""
+def wall_steps(results: list[dict[str, Any]], fixture: str, steps: int, objective: str = "ce_wall") -> int:
+    """The steps of a wall-time objective (`WALL`) on `fixture`: `steps` times the ratio of the median step time of the
+    objective whose wall time it takes to that of the one it repeats (ce_wall: DFlash at DFlash2's wall time)."""
+    paced, base = WALL[objective]
     med = {
         o: statistics.median(r["step_ms"] for r in results if r["fixture"] == fixture and r["objective"] == o)
-        for o in ("ce", "dflash2")
+        for o in (paced, base)
     }
-    return round(steps * med["dflash2"] / med["ce"])
+    return round(steps * med[paced] / med[base])
+
+
+def packing_table(results: list[dict[str, Any]]) -> str:
+    """Packed against padded rows per fixture: steps, mean padding share, supervised slots per step and per second
+    (median step), ms per step, tau greedy (and at T), each tau's paired gain over ce on the same seeds."""
+    names = {"ce": "padded", "packed": "packed, equal steps", "packed_wall": "packed, equal wall time"}
+    lines = ["| fixture | rows | steps | padding share | supervised per step | supervised per s | ms/step | "
+             "tau mean +- sd | vs padded | tau at T | vs padded at T |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for fixture in dict.fromkeys(r["fixture"] for r in results):
+        runs = {(r["objective"], r["seed"]): r for r in results if r["fixture"] == fixture}
+        for objective in (o for o in names if any(k[0] == o for k in runs)):
+            rs = [r for (o, _), r in sorted(runs.items()) if o == objective]
+            taus = [r["tau"] for r in rs]
+            sd = statistics.stdev(taus) if len(taus) > 1 else 0.0
+            at_t, gain_t = "-", "-"
+            if all("tau_sampled" in r for r in rs):
+                at_t = f"{statistics.fmean(r['tau_sampled'] for r in rs):.3f}"
+                diffs = [r["tau_sampled"] - runs["ce", r["seed"]]["tau_sampled"] for r in rs]
+                gain_t = "-" if objective == "ce" else f"{statistics.fmean(diffs):+.3f}"
+            lines.append(
+                f"| {fixture} | {names[objective]} | {rs[0]['steps']} | "
+                f"{statistics.fmean(r['padding_share'] for r in rs):.3f} | "
+                f"{statistics.fmean(r['supervised_per_step'] for r in rs):.0f} | "
+                f"{statistics.median(r['supervised_per_s'] for r in rs):,.0f} | "
+                f"{statistics.median(r['step_ms'] for r in rs):.1f} | {statistics.fmean(taus):.3f} +- {sd:.3f} | "
+                f"{paired_gain(runs, objective, 'ce')} | {at_t} | {gain_t} |"
+            )
+    return "\n".join(lines)
 
 
 def paired_gain(runs: dict[tuple[str, int], dict[str, Any]], objective: str, base: str) -> str:
@@ -278,6 +323,8 @@ def main() -> None:
     parser.add_argument("--objectives", default="ce,distill,dpace,hf_normal")
     parser.add_argument("--dflash2", action="store_true", help="DFlash2 against DFlash: --objectives "
                                                                f"{DFLASH2_OBJECTIVES}")
+    parser.add_argument("--packing", action="store_true", help="packed against padded rows: --objectives "
+                                                               f"{PACKING_OBJECTIVES}")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, help="training steps for every fixture (default: each fixture's, see "
                                                   "FIXTURES)")
@@ -291,6 +338,8 @@ def main() -> None:
     parser.add_argument("--real-completions", default="demo-work-real/store/completions",
                         help="the real target's regenerated answers (a completions artifact), for --fixtures real")
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel, one torch thread each")
+    parser.add_argument("--target-dtype", choices=["float32", "bfloat16"], help="target.dtype for every run (default: "
+                                                                               "the target config's)")
     parser.add_argument("--quick", action="store_true", help="1 seed, 12 steps, 2 prompts x 24 tokens: a check that it "
                                                              "runs")
     parser.add_argument("--out", help="also write every run's figures to this JSONL file")
@@ -299,14 +348,15 @@ def main() -> None:
     args = parser.parse_args()
     fixtures, objectives = (
         args.fixtures.split(","),
-        (DFLASH2_OBJECTIVES if args.dflash2 else args.objectives).split(","),
+        (DFLASH2_OBJECTIVES if args.dflash2 else PACKING_OBJECTIVES if args.packing else args.objectives).split(","),
     )
     unknown = [x for x in fixtures if x not in FIXTURES] + [x for x in objectives if x not in OBJECTIVES]
     if unknown or "ce" not in objectives:
         parser.error(f"unknown fixture or objective {unknown}" if unknown else "--objectives must include ce (the "
                                                                                "baseline)")
-    if "ce_wall" in objectives and "dflash2" not in objectives:
-        parser.error("ce_wall needs dflash2 (its steps follow DFlash2's step time)")
+    for wall, (paced, base) in WALL.items():
+        if wall in objectives and not {paced, base} <= set(objectives):
+            parser.error(f"{wall} needs {paced} and {base} (its steps follow their step times)")
     seeds, prompts, new_tokens = (1, 2, 24) if args.quick else (args.seeds, args.prompts, args.max_new_tokens)
     started = time.perf_counter()
     if "real" in fixtures:
@@ -330,7 +380,7 @@ def main() -> None:
         def job(fixture: str, objective: str, seed: int, n: int) -> dict[str, Any]:
             return {"fixture": fixture, "objective": objective, "seed": seed, "work": str(work), "data": data[fixture],
                     "steps": n, "prompts": prompts, "max_new_tokens": new_tokens, "distill_weight": args.distill_weight,
-                    "temperature": args.temperature}
+                    "temperature": args.temperature, "target_dtype": args.target_dtype}
 
         results: list[dict[str, Any]] = []
         with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
@@ -339,22 +389,22 @@ def main() -> None:
                 for f in fixtures
                 for seed in range(seeds)
                 for o in objectives
-                if o != "ce_wall"
+                if o not in WALL
             ]
             for result in pool.map(run_one, first):
                 results.append(result)
                 print(json.dumps(result), flush=True)
-            if "ce_wall" in objectives:  # DFlash again, at the wall time DFlash2's steps took
-                wall = [
-                    job(f, "ce_wall", seed, wall_steps(results, f, steps[f])) for f in fixtures for seed in range(seeds)
-                ]
-                # Where DFlash2's steps take DFlash's time to the step, the equal-step runs are the equal-wall ones:
-                # the same settings, so they are not trained again.
+            for objective in (o for o in objectives if o in WALL):  # again, at another objective's wall time
+                base = WALL[objective][1]
+                wall = [job(f, objective, seed, wall_steps(results, f, steps[f], objective)) for f in fixtures
+                        for seed in range(seeds)]
+                # Where both step times are equal, the equal-step runs are the equal-wall ones: the same settings, so
+                # they are not trained again.
                 same = [j for j in wall if j["steps"] == steps[j["fixture"]]]
                 for j in same:
-                    ce = next(r for r in results if (r["fixture"], r["objective"], r["seed"]) == (j["fixture"], "ce",
-                                                                                                   j["seed"]))
-                    results.append({**ce, "objective": "ce_wall"})
+                    again = next(r for r in results if (r["fixture"], r["objective"], r["seed"]) == (j["fixture"], base,
+                                                                                                      j["seed"]))
+                    results.append({**again, "objective": objective})
                 for result in pool.map(run_one, [j for j in wall if j not in same]):
                     results.append(result)
                     print(json.dumps(result), flush=True)
@@ -364,6 +414,8 @@ def main() -> None:
     print(table(summary))
     if "dflash2" in objectives:
         print(arch_table(results))
+    if "packed" in objectives:
+        print(packing_table(results))
     print(f"{len(results)} runs in {time.perf_counter() - started:.0f} s; all lossless: "
           f"{all(r['lossless'] for r in results)}")
     for r in summary:
