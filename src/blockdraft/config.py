@@ -373,6 +373,7 @@ class TrainConfig(_Section):
     # next token is the label (target agreement); below min_target_agreement is one warning line. 0 rows: not measured.
     target_agreement_rows: int = Field(default=32, ge=0)
     min_target_agreement: float = Field(default=0.7, ge=0.0, le=1.0)
+    log_every_s: float = Field(default=30.0, gt=0)  # one plain progress line this often when stderr is not a terminal
 
     @model_validator(mode="after")
     def _packing_has_rows_to_pack(self) -> TrainConfig:
@@ -381,7 +382,6 @@ class TrainConfig(_Section):
                              "gives it one row; raise train.batch_size (rows per forward, e.g. 8) or set "
                              "train.packing = false")
         return self
-    log_every_s: float = Field(default=30.0, gt=0)  # one plain progress line this often when stderr is not a terminal
 
 
 # The lowest sampling temperature eval decodes at: vLLM raises any temperature in (0, 0.01) to 0.01 (its _MAX_TEMP,

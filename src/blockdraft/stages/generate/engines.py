@@ -179,10 +179,11 @@ class OpenAIEngine:
     server that cannot be reached, or answers 404 (it does not serve that model name), says nothing about the prompt,
     so that costs the prompt no attempt; any other retryable failure (a connection dropped after the request was sent,
     a timeout, 5xx, 429) does, and after `max_retries` retries the prompt is recorded failed, as is at once a prompt the
-    server refuses (other 4xx, a refused key among them). When no server has answered anything for `servers_down_timeout_s` while prompts wait, the run ends
-    (`run`): what was done is kept, a rerun generates the rest. The API key comes from the environment
-    variable `api_key_env` and is sent only in the Authorization header; every error text is redacted before it is
-    kept, so the key never reaches a failure record, a message or an artifact (docs/STORE.md, credentials).
+    server refuses (other 4xx, a refused key among them). When no server has answered anything for
+    `servers_down_timeout_s` while prompts wait, the run ends (`run`): what was done is kept, a rerun generates the
+    rest. The API key comes from the environment variable `api_key_env` and is sent only in the Authorization header;
+    every error text is redacted before it is kept, so the key never reaches a failure record, a message or an
+    artifact (docs/STORE.md, credentials).
     """
 
     def __init__(self, settings: GenerateConfig, seed: int = 0) -> None:

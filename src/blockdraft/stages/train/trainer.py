@@ -382,14 +382,16 @@ class Trainer:
         for batch in self._batches(idx, epoch):
             with self._streams.active(), self._target_turn:
                 # the target's forward and copies, off the drafter's stream (CUDA)
-                ids, mask = (
-                    batch.input_ids.to(place.target_device),
-                    batch.attention_mask_context.long().to(place.target_device),
-                )
-                positions = None
-                if batch.packed is not None:  # the rows back to back, each seen alone (`TargetModel.packed`)
-                    ids, mask = batch.packed.input_ids.to(place.target_device), batch.packed.real
-                    positions = batch.packed.positions.to(place.target_device)
+                if batch.packed is None:
+                    ids, mask, positions = (
+                        batch.input_ids.to(place.target_device),
+                        batch.attention_mask_context.long().to(place.target_device),
+                        None,
+                    )
+                else:  # the rows back to back, each seen alone (`TargetModel.packed`; the mask stays on the host)
+                    packed = batch.packed
+                    ids, mask = packed.input_ids.to(place.target_device), packed.real
+                    positions = packed.positions.to(place.target_device)
                 final = None
                 if self.setup.objective.distills:
                     # the whole target runs: its final hidden states give each slot's distribution
