@@ -94,9 +94,9 @@ class DemoSize:
 
 
 # On the real target every size is `REAL_SIZE`: the whole shipped prompt set answered three times (a drafter learns
-# from the target's text, and 257 answers are too few to beat n-gram lookup), the target in bfloat16 (its forward, most
-# of a training step, runs about three times as fast on CPUs with bf16 matrix units), and the step count that fits the
-# demo's time on 2 cores (docs/REAL-TARGET.md).
+# from the target's text, and 257 answers are too few to beat n-gram lookup), the target in bfloat16 (its forward runs
+# about 2.5 times as fast as in float32 on CPUs with bf16 matrix units: docs/PERFORMANCE.md, "packing"), and the step
+# count that fits the demo's time on 2 cores (docs/REAL-TARGET.md).
 REAL_SIZE = DemoSize(conversations=257, train_steps=600, anchors=32, eval_prompts=43, eval_new_tokens=32,
                      generate_new_tokens=192, answers=3, dtype="bfloat16")
 SIZES: dict[str, DemoSize] = {
