@@ -8,6 +8,7 @@ target's forward or in the layout back to rows. Then the packing rule, the figur
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -40,9 +41,10 @@ TARGETS = {"dense-eager": (TINY_TARGET_DIR, "eager"), "dense-sdpa": (TINY_TARGET
 LENGTHS = [19, 27, 12, 33, 8]  # with max_length 60: [19, 27, 12] in one sequence, [33, 8] in another
 
 
-@pytest.fixture(scope="module", params=sorted(TARGETS))
-def parts(request):
-    folder, attention = TARGETS[request.param]
+@functools.cache
+def load_parts(name: str):
+    """(TargetModel, drafter, head) of fixture target `name` (`TARGETS`), a random two-layer B = 4 drafter."""
+    folder, attention = TARGETS[name]
     hf = load_target(str(folder), "cpu", torch.float32, attn_implementation=attention)
     vocab = hf.config.get_text_config().vocab_size
     spec = DrafterSpec.from_target_config(hf.config, DFlashConfig(block_size=4, gamma=4.0, num_draft_layers=2,
@@ -108,28 +110,52 @@ def _mismatch(parts, leak: str | None = None, one_forward: bool = False) -> floa
     return worst
 
 
-@pytest.mark.parametrize("one_forward", [False, True], ids=["row-by-row", "one-forward"])
-def test_packed_rows_give_each_row_the_features_and_loss_it_has_alone(parts, one_forward):
-    """Row by row is exact on every target; one forward over the packed sequences is exact on a full-attention target
-    (eager and SDPA) and not on a hybrid one, whose linear-attention state runs on from one row into the next: hybrids
-    go row by row (`TargetModel.packs_in_one_forward`)."""
-    worst = _mismatch(parts, one_forward=one_forward)
-    if one_forward and parts[0].shape.is_hybrid:
-        assert worst > 100 * ATOL and not parts[0].packs_in_one_forward
-    else:
-        assert worst < ATOL
+# (target, one forward): row by row on every target; one forward on the full-attention ones only (a hybrid's
+# linear-attention state runs on from one row into the next: `test_one_forward_is_not_exact_on_a_hybrid_target`).
+EXACT = [(name, False) for name in TARGETS] + [(name, True) for name in TARGETS if name != "hybrid"]
+EXACT_IDS = [f"{name}-{'one-forward' if one else 'row-by-row'}" for name, one in EXACT]
 
 
-@pytest.mark.parametrize("one_forward", [False, True], ids=["row-by-row", "one-forward"])
+@pytest.mark.parametrize(("name", "one_forward"), EXACT, ids=EXACT_IDS)
+def test_packed_rows_give_each_row_the_features_and_loss_it_has_alone(name, one_forward):
+    assert _mismatch(load_parts(name), one_forward=one_forward) < ATOL
+
+
 @pytest.mark.parametrize("leak", ["target", "layout"])
-def test_one_token_leaking_across_a_boundary_fails_the_check(parts, leak, one_forward):
-    assert _mismatch(parts, leak, one_forward) > 100 * ATOL
+@pytest.mark.parametrize(("name", "one_forward"), EXACT, ids=EXACT_IDS)
+def test_one_token_leaking_across_a_boundary_fails_the_check(name, one_forward, leak):
+    assert _mismatch(load_parts(name), leak, one_forward) > 100 * ATOL
 
 
-def test_sdpa_and_eager_targets_pack_row_by_row(parts):
-    """Only a flash-attention target (variable-length kernels) runs packed sequences in one forward; these compute every
-    score of a packed sequence, so they run each row alone."""
-    assert not parts[0].packs_in_one_forward
+def test_one_forward_is_not_exact_on_a_hybrid_target():
+    """Why hybrids go row by row (`TargetModel.packs_in_one_forward`): run as one, a packed row starts from the state
+    the row before it left in the linear-attention layers."""
+    parts = load_parts("hybrid")
+    assert _mismatch(parts, one_forward=True) > 100 * ATOL and not parts[0].packs_in_one_forward
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_sdpa_eager_and_hybrid_targets_pack_row_by_row(name):
+    """Only a full-attention target with a flash-attention kernel (which takes the rows from the position ids) runs
+    packed sequences in one forward; SDPA and eager would compute every score of a packed sequence."""
+    assert not load_parts(name)[0].packs_in_one_forward
+
+
+def test_one_forward_lays_the_packed_sequences_end_to_end_in_a_batch_of_one(monkeypatch):
+    """Flash attention reads rows from the position ids only in a batch of one: two packed sequences go as one."""
+    target = load_parts("dense-sdpa")[0]
+    seen = []
+    real_run = target._run
+
+    def run(ids, mask, final, positions=None):
+        seen.append((tuple(ids.shape), None if positions is None else tuple(positions.shape), mask))
+        return real_run(ids, mask, final, positions)
+
+    monkeypatch.setattr(target, "_run", run)
+    batch = _batch(load_parts("dense-sdpa")[1].spec, _rows(LENGTHS), pack_to=60)
+    packed = batch.packed
+    feats, _ = target.packed(packed.input_ids, packed.positions, False, packed.real, one_forward=True)
+    assert seen == [((1, 116), (1, 116), None)] and feats.shape[:2] == (2, 58)
 
 
 def test_first_fit_packs_in_order_within_max_length():

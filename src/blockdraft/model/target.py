@@ -138,16 +138,19 @@ class TargetModel:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Features (and the final states) of packed sequences [p, T], every row seen alone; `position_ids` restart at 0
         where a row (or the padding) begins, `real` [p, T] marks the rows' tokens (None: all). `one_forward` (None:
-        `packs_in_one_forward`): the sequences run at once with those position ids and no attention mask, from which
-        transformers builds a block-diagonal causal mask (eager, SDPA and flash paths alike); else each row runs on its
-        own, unpadded, and its states are laid in place (the padding's stay 0)."""
-        if self.packs_in_one_forward if one_forward is None else one_forward:
-            return self._run(input_ids, None, final, position_ids)
+        `packs_in_one_forward`): the sequences run as one, laid end to end in a batch of one (flash attention takes
+        rows from the position ids only then), with those position ids and no attention mask, from which transformers
+        builds a block-diagonal causal mask on the eager and SDPA paths; else each row runs on its own, unpadded, and
+        its states are laid in place (the padding's stay 0)."""
         b, s = input_ids.shape
+        if self.packs_in_one_forward if one_forward is None else one_forward:
+            feats, last = self._run(input_ids.reshape(1, b * s), None, final, position_ids.reshape(1, b * s))
+            return feats.reshape(b, s, -1), None if last is None else last.reshape(b, s, -1)
+        starts = (position_ids == 0).cpu()  # one copy to the host, not one per sequence
         feats: torch.Tensor | None = None
         finals: torch.Tensor | None = None
         for i in range(b):
-            bounds = torch.nonzero(position_ids[i] == 0).flatten().tolist() + [s]
+            bounds = torch.nonzero(starts[i]).flatten().tolist() + [s]
             for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
                 if real is not None and not bool(real[i, lo]):
                     continue  # the padding after the last row
