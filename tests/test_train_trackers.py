@@ -59,7 +59,7 @@ def expected_scalars(entries: list[dict]) -> dict[str, list[tuple[int, float]]]:
         tags |= {f"train/{listed}/{k + 1}": (lambda e, k=k, n=listed: e[n][k]) for k in range(slots)}
     scalars = {tag: [(e["step"], float(np.float32(value(e)))) for e in entries] for tag, value in tags.items()}
     held = [e for e in entries if "eval" in e]  # the held-out figures, at the steps that measured them
-    evals = {f"eval/{name}": (lambda h, n=name: h[n]) for name in ("loss", "tau_estimate")}
+    evals = {f"eval/{name}": (lambda h, n=name: h[n]) for name in ("loss", "tau_estimate", "padding_share")}
     for listed in ("slot_accuracy", "slot_loss"):  # the held-out figures are the training ones' (`metrics.Figures`)
         evals |= {f"eval/{listed}/{k + 1}": (lambda h, k=k, n=listed: h[n][k]) for k in range(slots)}
     scalars |= {

@@ -61,9 +61,9 @@ class Figures:
     `loss`: the whole objective, sum(w * term) / the denominator; per slot 1..B-1 of the unary term: `slot_accuracy`
     (argmax = label) and `slot_loss` (mean CE); `tau_estimate` (`data.teacher_forced_tau`); `tokens`: the real context
     tokens; `supervised`: the supervised slots; `padding_share`: the share of the entries the target's forwards computed
-    that were padding (training steps only). Distilling: `distill_kl`, the KL(p_T || q_T) part alone, weighted and
-    divided like the loss (0 where the drafter's distribution is the target's; the loss mixes it with CE). DFlash2:
-    `selector_loss` (its term before selector_loss_alpha), `candidate_recall` (gold among the top-K),
+    that were padding (the held-out sample's rows are always padded). Distilling: `distill_kl`, the KL(p_T || q_T) part
+    alone, weighted and divided like the loss (0 where the drafter's distribution is the target's; the loss mixes it
+    with CE). DFlash2: `selector_loss` (its term before selector_loss_alpha), `candidate_recall` (gold among the top-K),
     `selector_accuracy` (the walk's choice given the gold predecessor is the gold), over all slots and per slot
     (`slot_...`), and `walk_tau_estimate` of those choices.
     A figure the run does not compute is None, and left out of `entry`."""

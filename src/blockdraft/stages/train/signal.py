@@ -216,7 +216,8 @@ class HeldOut:
                                  walk_scores=(selector.scores
                                               if (selector := setup.drafter.candidate_selector) is not None else None))
             normaliser += float(norm)
-            part = {**out.sums(), "tokens": torch.tensor(float(batch.num_tokens))}
+            part = {**out.sums(), "tokens": torch.tensor(float(batch.num_tokens)),
+                    "positions": torch.tensor(float(batch.num_positions))}
             sums = add_sums(sums, {name: value.cpu().double() for name, value in part.items()})  # on the host, in fp64
         assert sums is not None, "a held-out sample has at least one row"
         figures = Figures.of_sums(sums, normaliser).entry()
