@@ -279,7 +279,8 @@ class StoreConfig(_Section):
 class PlacementConfig(_Section):
     """Devices: the frozen target on its own devices, one drafter replica per drafter device (one rank each)."""
 
-    target_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
+    # One entry per drafter device (or one for all): a device, or a list of devices the target is split over by layer.
+    target_devices: list[str | list[str]] = Field(default_factory=lambda: ["cpu"], min_length=1)
     drafter_devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
     # Several machines, each listing the same devices, meeting at node 0's HOST:PORT (docs/TRAINING.md, "More than one
     # node").
@@ -289,10 +290,18 @@ class PlacementConfig(_Section):
 
     @field_validator("target_devices", "drafter_devices")
     @classmethod
-    def _device_forms(cls, devices: list[str]) -> list[str]:
-        if problem := next(filter(None, map(device_problem, devices)), None):
+    def _device_forms(cls, devices: list[str | list[str]]) -> list[str | list[str]]:
+        if any(isinstance(entry, list) and not entry for entry in devices):
+            raise ValueError("has an empty device group; list at least one device in each")
+        flat = [d for entry in devices for d in ([entry] if isinstance(entry, str) else entry)]
+        if problem := next(filter(None, map(device_problem, flat)), None):
             raise ValueError(problem)
         return devices
+
+    @property
+    def target_groups(self) -> list[tuple[str, ...]]:
+        """`target_devices` with every entry as a group: a device alone is a group of one."""
+        return [(entry,) if isinstance(entry, str) else tuple(entry) for entry in self.target_devices]
 
 
 MAX_DEVICE_MEMORY_GB = 1e6  # a petabyte: more is a typo, and the plan's byte counts would leave float range

@@ -95,8 +95,8 @@ def sample_indices(num_rows: int, count: int, seed: int) -> list[int]:
 def tokenized_agreement(folder: Path, config: BlockdraftConfig) -> dict[str, Any]:
     """Target agreement of the train rows of the tokenized artifact in the local `folder` (`tokenize --check-target`,
     `train --plan`): train.target_agreement_rows rows drawn with train.seed and clipped to train.max_length, as train
-    measures it before its first step, the target on placement.target_devices[0]. With no train row to measure (none
-    with a supervised token) the share is None: no rows to measure, never a share of 0."""
+    measures it before its first step, the target on the first entry of placement.target_devices. With no train row to
+    measure (none with a supervised token) the share is None: no rows to measure, never a share of 0."""
     from datasets import Dataset
 
     from blockdraft.data.formats import TRAIN_SPLIT
@@ -109,7 +109,7 @@ def tokenized_agreement(folder: Path, config: BlockdraftConfig) -> dict[str, Any
         raise ConfigError(f"{folder} holds no '{TRAIN_SPLIT}' split to check against the target; pass a tokenized "
                           "artifact")
     ds = Dataset.load_from_disk(str(folder / TRAIN_SPLIT))
-    hf_model = load_target(config.target.path, config.placement.target_devices[0], config.target.dtype)
+    hf_model = load_target(config.target.path, config.placement.target_groups[0], config.target.dtype)
     rows = ((ds[i]["input_ids"][: tc.max_length], ds[i]["loss_mask"][: tc.max_length])
             for i in sample_indices(len(ds), max(tc.target_agreement_rows, 1), tc.seed))
     result = target_agreement(hf_model, rows, think_ids(load_tokenizer(config.target.tokenizer or config.target.path)))

@@ -6,6 +6,8 @@ Layer id i means the output of decoder layer i, which is `hidden_states[i + 1]` 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -256,28 +258,58 @@ def target_dtype(configured: str | None, hf_config: Any) -> str:
 
 def load_target(
     path: str,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | Sequence[torch.device | str] = "cpu",
     dtype: torch.dtype | str | None = None,
     attn_implementation: str | None = None,
     reporter: Reporter | None = None,
 ) -> PreTrainedModel:
-    """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device`, in `dtype` (None:
-    `target_dtype` of its config); warns through `reporter` when a hybrid target on CUDA lacks its fast kernels.
+    """An HF causal LM from a local folder or hub id, frozen, in eval mode, on `device` (or split by layer over a
+    sequence of devices, `split_target`: the inputs go to the first), in `dtype` (None: `target_dtype` of its config);
+    warns through `reporter` when a hybrid target on CUDA lacks its fast kernels.
 
-    The weights are read straight onto `device` in `dtype` (`device_map`): a 27B target never passes through host RAM
-    whole, as it would if loaded on the CPU and then moved, once per rank."""
+    The weights are read straight onto their devices in `dtype` (`device_map`): a 27B target never passes through host
+    RAM whole, as it would if loaded on the CPU and then moved, once per rank. A split is checked after loading: the
+    model's own `hf_device_map` must place every layer where the split says."""
     from transformers import AutoModelForCausalLM
+
+    from blockdraft.model.split import meta_target, split_target
 
     hf_config = load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
     if not isinstance(dtype, torch.dtype):
         dtype = getattr(torch, target_dtype(dtype, hf_config))
-    kwargs: dict[str, Any] = {"dtype": dtype, "device_map": torch.device(device)}
+    devices = [str(d) for d in device] if isinstance(device, Sequence) and not isinstance(device, str) else [device]
+    split = None
+    if len(devices) > 1:
+        split = split_target(meta_target(hf_config, dtype), TargetShape.from_config(hf_config).num_layers, devices)
+    kwargs: dict[str, Any] = {"dtype": dtype,
+                              "device_map": split.device_map() if split else torch.device(devices[0])}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    warning = missing_kernels_warning(hf_config, device)
-    if warning and reporter is not None:
-        reporter.warn(warning)
+    if reporter is not None:
+        for warning in filter(None, (missing_kernels_warning(hf_config, d) for d in dict.fromkeys(map(str, devices)))):
+            reporter.warn(warning)
+            break
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if split is not None and not hasattr(model, "hf_device_map"):
+        # transformers hooks the layers only where the map names two devices or more; a group that names one device
+        # several times (the CPU's) still runs through the same per-layer hooks, so the split is what runs.
+        from accelerate import dispatch_model
+
+        quiet = logging.getLogger("accelerate.big_modeling")  # it calls weights on the CPU offloaded: these are not
+        level, quiet.level = quiet.level, logging.ERROR
+        try:
+            dispatch_model(model, split.device_map(), main_device=devices[0], force_hooks=True)
+        finally:
+            quiet.setLevel(level)
+    if split is not None:
+        placed = {name: str(torch.device(d)) for name, d in getattr(model, "hf_device_map", {}).items()}
+        wanted = {name: str(torch.device(d)) for name, d in split.device_map().items()}
+        if placed != wanted:
+            moved = sorted(name for name in wanted.keys() | placed.keys() if placed.get(name) != wanted.get(name))
+            raise SpecError(f"the target loaded with another split than planned ({len(moved)} modules differ, first "
+                            f"{moved[0]}); report this with the target's config.json")
+        if reporter is not None:
+            reporter.say(split.describe())
     cast(nn.Module, model).eval().requires_grad_(False)
     return cast("PreTrainedModel", model)
 

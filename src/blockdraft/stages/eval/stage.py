@@ -99,7 +99,8 @@ def run(
     max_new_tokens = max_new_tokens or config.eval.max_new_tokens
     hf_config = load_target_config(config.target.path)
     check_rollback_supported(hf_config)  # before anything is fetched: an unsupported layer kind is refused in seconds
-    check_device("placement.target_devices", config.placement.target_devices[0])  # and a device this machine lacks
+    for device in config.placement.target_groups[0]:  # and a device this machine lacks
+        check_device("placement.target_devices", device)
     check_device("placement.drafter_devices", config.placement.drafter_devices[0])
     served = require_export(config.eval, export) if config.eval.engine != "none" else None
 
@@ -161,7 +162,7 @@ def _decode_and_measure(
 ) -> EvalReport:
     """Load the target and the drafter on their devices, refuse prompts outside the vocabulary, and `evaluate`."""
     assert cfg.target.path is not None  # `run` refuses a config without one
-    hf_model = load_target(cfg.target.path, device=cfg.placement.target_devices[0], dtype=cfg.target.dtype,
+    hf_model = load_target(cfg.target.path, device=cfg.placement.target_groups[0], dtype=cfg.target.dtype,
                            reporter=reporter)
     folder = ckpt.fetch_weights()
     drafters = {}

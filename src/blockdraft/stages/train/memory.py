@@ -19,8 +19,9 @@ from torch import nn
 from blockdraft.config import BlockdraftConfig, TrainConfig, accumulation_steps
 from blockdraft.model import DFlashDrafter, DrafterSpec
 from blockdraft.model.block_sparse import resolve_attention
+from blockdraft.model.split import TargetSplit, meta_target, split_target
 from blockdraft.model.target import load_target_config, target_dtype
-from blockdraft.stages.train.ranks import register_grad_allreduce, target_device_of
+from blockdraft.stages.train.ranks import register_grad_allreduce, target_group_of
 
 GB = 1e9
 # A CUDA context, cuBLAS/cuDNN workspaces and the caching allocator's first blocks: per process on each GPU it uses
@@ -70,18 +71,18 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """The plan as printed: facts, then per device its items in GB, total, capacity and verdict."""
-        out = [*self.facts, f"{'device':<8} {'item':<48} {'GB':>9}"]
+        out = [*self.facts, f"{'device':<8} {'item':<54} {'GB':>9}"]
         for plan in self.devices:
             for label, (each, count) in plan.items.items():
                 shown = f"{_times(count)}{each / GB:.2f}" if count > 1 else f"{each / GB:.2f}"
-                out.append(f"{plan.device:<8} {label:<48} {shown:>9}")
+                out.append(f"{plan.device:<8} {label:<54} {shown:>9}")
             cap = (
                 "capacity unknown (set train.device_memory_gb)"
                 if plan.capacity is None
                 else f"of {plan.capacity / GB:.2f}"
             )
             verdict = {None: "", True: "  fits", False: "  DOES NOT FIT"}[plan.fits]
-            out.append(f"{plan.device:<8} {'total':<48} {plan.total / GB:>9.2f}  {cap}{verdict}")
+            out.append(f"{plan.device:<8} {'total':<54} {plan.total / GB:>9.2f}  {cap}{verdict}")
         return out + self.warnings()
 
     def warnings(self) -> list[str]:
@@ -99,7 +100,7 @@ class MemoryPlan:
             if p.fits is False:
                 assert p.capacity is not None
                 fixes = (
-                    ["list one target device per drafter device (placement.target_devices)"]
+                    ["list one target device (or device group) per drafter device (placement.target_devices)"]
                     if p.target_replicas > 1
                     else []
                 )
@@ -119,12 +120,9 @@ _COUNTED: dict[tuple[str, torch.dtype], tuple[nn.Module, int, int]] = {}
 def count_target(hf_config: Any, dtype: torch.dtype) -> tuple[nn.Module, int, int]:
     """The target built on the meta device (no memory, no weights read) as the trainer loads it, its parameter count,
     and its bytes (parameters and buffers, each in the dtype the model keeps it in). Kept per config and dtype."""
-    from transformers import AutoModelForCausalLM
-
     key = (hf_config.to_json_string(), dtype)
     if key not in _COUNTED:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = meta_target(hf_config, dtype)
         params = sum(p.numel() for p in model.parameters())
         nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         _COUNTED[key] = (model, params, nbytes)
@@ -241,10 +239,12 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None,
     inner = int(getattr(text, "intermediate_size", None) or 4 * spec.hidden_size)
     b, s, q = tc.batch_size, tc.max_length, config.dflash.num_anchors * spec.block_size
     feat = b * s * spec.num_target_features * spec.hidden_size
-    target_forward = (
-        b * s * (2 * spec.num_target_features * spec.hidden_size + 4 * spec.hidden_size + 3 * inner) * t_bytes
-        + b * s * s * t_bytes
-    )
+
+    def target_forward(features: int) -> int:
+        """A forward's bytes on a device that keeps `features` hidden states per token: the captured layers (and
+        where the inputs enter, their concatenation), one decoder layer's working set and the causal mask."""
+        return b * s * (features * spec.hidden_size + 4 * spec.hidden_size + 3 * inner) * t_bytes + b * s * s * t_bytes
+
     world = int(os.environ.get("WORLD_SIZE", str(len(placement.drafter_devices) * placement.nnodes)))
     # A step's inputs hold the features of all its micro-batches, and `pipeline_depth` steps wait ahead of the drafter.
     micro = accumulation_steps(tc.global_batch_size, b, world) * (1 + tc.pipeline_depth)
@@ -254,12 +254,28 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None,
     def on(device: str) -> DevicePlan:
         return plans.setdefault(device, DevicePlan(device, sizer(device)))
 
+    splits: dict[tuple[str, ...], TargetSplit] = {}
     for rank, drafter_device in enumerate(placement.drafter_devices):
-        target_device = target_device_of(placement, rank)
-        target_plan = on(target_device)
-        target_plan.target_replicas += 1
-        target_plan.add(f"target weights ({t_name})", target_bytes)
-        target_plan.add("target forward (features, one layer, mask)", target_forward)
+        group = target_group_of(placement, rank)
+        target_device = group[0]
+        if len(group) == 1:
+            target_plan = on(target_device)
+            target_plan.target_replicas += 1
+            target_plan.add(f"target weights ({t_name})", target_bytes)
+            target_plan.add("target forward (features, one layer, mask)",
+                            target_forward(2 * spec.num_target_features))
+        else:
+            split = splits.get(group) or splits.setdefault(group, split_target(target, spec.num_target_layers, group))
+            for index, device in enumerate(group):
+                layers = split.layers_on(index)
+                part = f"layers {layers[0]}-{layers[-1]}" if layers else "no layers"
+                share = on(device)
+                share.target_replicas += 1
+                share.add(f"target weights ({t_name}, {part}" + (" + embedding)" if index == 0 else ")"),
+                          split.weight_bytes(index))
+                captured = sum(i in layers for i in spec.target_layer_ids)
+                share.add("target forward (features, one layer, mask)",
+                          target_forward(2 * spec.num_target_features if index == 0 else captured))
         drafter_plan = on(drafter_device)
         drafter_plan.drafter_ranks += 1
         autocast = drafter_device.startswith("cuda")  # the trainer's bf16 autocast; fp32 elsewhere
@@ -295,7 +311,7 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None,
         if spec.dflash2 is not None:
             for label, nbytes in selector_items(spec, b * q, rows, t_bytes):
                 drafter_plan.add(label, nbytes)
-        for device in {target_device, drafter_device}:
+        for device in {*group, drafter_device}:
             if device.startswith("cuda"):
                 on(device).add("CUDA runtime (per process)", CUDA_RUNTIME_BYTES)
     facts = [
@@ -306,6 +322,7 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None,
         f"{micro // (1 + tc.pipeline_depth)} micro-batch(es) per rank per step, {tc.pipeline_depth} step(s) ahead; "
         f"activation checkpointing {'on' if tc.activation_checkpointing else 'off'}",
     ]
+    facts += [split.describe() for split in splits.values()]
     if placement.nnodes > 1:
         facts.append(node_traffic(placement.nnodes, world, d_params, tc.grad_allreduce_dtype))
     return MemoryPlan(sorted(plans.values(), key=lambda p: _device_order(p.device)), facts, tc.activation_checkpointing)

@@ -46,7 +46,13 @@ class RankPlacement:
     world_size: int
     local_rank: int
     drafter_device: torch.device
-    target_device: torch.device
+    target_device: torch.device  # where the target's inputs go: the first of `target_group`
+    target_group: tuple[torch.device, ...] = ()  # the devices the target is split over (empty: `target_device` alone)
+
+    @property
+    def target_devices(self) -> tuple[torch.device, ...]:
+        """The devices this rank's target replica is loaded onto, the input's first."""
+        return self.target_group or (self.target_device,)
 
     @property
     def is_main(self) -> bool:
@@ -59,7 +65,7 @@ def check_placement_devices(placement: PlacementConfig) -> None:
     same lists on each): one it lacks is a ConfigError naming the field and what torch sees, not a torch traceback
     later."""
     for field, devices in (("drafter_devices", placement.drafter_devices),
-                           ("target_devices", placement.target_devices)):
+                           ("target_devices", [d for group in placement.target_groups for d in group])):
         for device in devices:
             check_device(f"placement.{field}", device)
 
@@ -83,21 +89,23 @@ def rank_placement(placement: PlacementConfig) -> RankPlacement:
             f"placement.drafter_devices lists {len(drafters)} device(s) but {local_world} process(es) run on this "
             f"machine; launch one process per drafter device (blockdraft train --nproc {len(drafters)})"
         )
-    target = target_device_of(placement, local_rank)
-    return RankPlacement(rank, world, local_rank, torch.device(drafters[local_rank]), torch.device(target))
+    group = tuple(torch.device(d) for d in target_group_of(placement, local_rank))
+    return RankPlacement(rank, world, local_rank, torch.device(drafters[local_rank]), group[0],
+                         group if len(group) > 1 else ())
 
 
-def target_device_of(placement: PlacementConfig, local_rank: int) -> str:
-    """The device of local rank `local_rank`'s target replica: target_devices[local rank] (one each) or the single
-    target device, which then holds one replica per rank (the memory plan counts them)."""
-    drafters, targets = placement.drafter_devices, placement.target_devices
-    if len(targets) == len(drafters):
-        return targets[local_rank]
-    if len(targets) == 1:
-        return targets[0]
+def target_group_of(placement: PlacementConfig, local_rank: int) -> tuple[str, ...]:
+    """The devices of local rank `local_rank`'s target replica: target_devices[local rank] (one entry each) or the
+    single entry, which then holds one replica per rank (the memory plan counts them); an entry that is a list splits
+    the replica over its devices by layer."""
+    drafters, groups = placement.drafter_devices, placement.target_groups
+    if len(groups) == len(drafters):
+        return groups[local_rank]
+    if len(groups) == 1:
+        return groups[0]
     raise ConfigError(
-        f"placement.target_devices lists {len(targets)} devices for {len(drafters)} drafter devices; "
-        "give one target device per drafter device, or a single one that every rank uses"
+        f"placement.target_devices lists {len(groups)} entries for {len(drafters)} drafter devices; "
+        "give one target device (or device group) per drafter device, or a single one that every rank uses"
     )
 
 
@@ -301,5 +309,5 @@ __all__ = [
     "PER_NODE", "RankPlacement", "allreduce_hook_for", "barrier", "bf16_allreduce_hook", "check_placement_devices",
     "check_ranks_in_sync", "check_same_config", "check_same_data", "config_leaves", "first_difference", "lost_rank",
     "parameter_fingerprint", "rank_placement", "rank_session", "register_grad_allreduce", "resolve_placement",
-    "rng_state", "set_rng_state", "target_device_of",
+    "rng_state", "set_rng_state", "target_group_of",
 ]

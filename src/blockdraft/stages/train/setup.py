@@ -241,7 +241,7 @@ def build_training(
     resolves further in their place (`checkpoint_config`); `start_over` (`train --force`) for its checkpoints."""
     attention = resolve_attention(tc.attention, place.drafter_device)  # fails before the target loads
     assert target.path is not None  # the stage checked it (load_target_config) before any data moved
-    hf_target = load_target(target.path, place.target_device, target.dtype, reporter=reporter)
+    hf_target = load_target(target.path, place.target_devices, target.dtype, reporter=reporter)
     spec = DrafterSpec.from_target_config(hf_target.config, dflash)
     init = load_init_drafter(tc.init_from, store) if tc.init_from else None
     if init is not None:  # train.init_from: its weights and shapes, checked against what this run derives
