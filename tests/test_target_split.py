@@ -81,6 +81,7 @@ def test_a_split_target_loads_as_planned_and_computes_the_whole_targets_features
     planned = split_target(meta_target(hf_config, torch.float32), TargetShape.from_config(hf_config).num_layers,
                            ["cpu", "cpu"])
     assert split_model.hf_device_map == planned.device_map()  # the model's own record of where each part went
+    assert all(p.device.type == "cpu" for p in split_model.parameters())  # held there, not offloaded to be streamed
     assert reporter.lines == [planned.describe()]
     layers = [i for i in (1, 2, 4) if i <= TargetShape.from_config(hf_config).num_layers - 2]
     ids = torch.randint(0, 440, (2, 19), generator=torch.Generator().manual_seed(0))

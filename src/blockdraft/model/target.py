@@ -275,13 +275,15 @@ def load_target(
     from blockdraft.model.split import meta_target, split_target
 
     hf_config = load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
-    if not isinstance(dtype, torch.dtype):
-        dtype = getattr(torch, target_dtype(dtype, hf_config))
-    devices = [str(d) for d in device] if isinstance(device, Sequence) and not isinstance(device, str) else [device]
+    torch_dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, target_dtype(dtype,
+                                                                                                         hf_config))
+    devices = [str(d) for d in device] if isinstance(device, Sequence) and not isinstance(device, str) else [
+        str(device)]
     split = None
     if len(devices) > 1:
-        split = split_target(meta_target(hf_config, dtype), TargetShape.from_config(hf_config).num_layers, devices)
-    kwargs: dict[str, Any] = {"dtype": dtype,
+        split = split_target(meta_target(hf_config, torch_dtype), TargetShape.from_config(hf_config).num_layers,
+                             devices)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype,
                               "device_map": split.device_map() if split else torch.device(devices[0])}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
@@ -298,7 +300,9 @@ def load_target(
         quiet = logging.getLogger("accelerate.big_modeling")  # it calls weights on the CPU offloaded: these are not
         level, quiet.level = quiet.level, logging.ERROR
         try:
-            dispatch_model(model, split.device_map(), main_device=devices[0], force_hooks=True)
+            mapping: dict[str, str | int | torch.device] = dict(split.device_map())
+            # main_device as the string "cpu": accelerate compares it with that string to tell the CPU from offloading
+            dispatch_model(model, mapping, main_device=cast(Any, devices[0]), force_hooks=True)
         finally:
             quiet.setLevel(level)
     if split is not None:
