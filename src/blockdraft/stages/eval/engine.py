@@ -254,11 +254,12 @@ def server_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def serving_together(argvs: dict[str, list[str]], workdir: Path, cfg: EvalConfig) -> Iterator[dict[str, Server]]:
+def serving_together(argvs: dict[str, list[str]], workdir: Path, cfg: EvalConfig,
+                     env: dict[str, str] | None = None) -> Iterator[dict[str, Server]]:
     """A healthy server per name for the duration of the block, all launched before any is waited for (a start is
     mostly one core's imports and loading, so on several cores they overlap); every one stopped, with every process it
-    started, however the block ends."""
-    env = server_env()
+    started, however the block ends. `env`: the servers' environment (default `server_env()`)."""
+    env = env if env is not None else server_env()
     with _terminate_as_interrupt(), contextlib.ExitStack() as running:
         servers: dict[str, Server] = {}
         for name, argv in argvs.items():
@@ -270,10 +271,11 @@ def serving_together(argvs: dict[str, list[str]], workdir: Path, cfg: EvalConfig
 
 
 @contextlib.contextmanager
-def serving(argv: list[str], workdir: Path, name: str, cfg: EvalConfig) -> Iterator[Server]:
+def serving(argv: list[str], workdir: Path, name: str, cfg: EvalConfig,
+            env: dict[str, str] | None = None) -> Iterator[Server]:
     """A healthy server for the duration of the block; stopped (with every process it started) however the block
-    ends."""
-    with serving_together({name: argv}, workdir, cfg) as servers:
+    ends. `env`: as `serving_together`'s."""
+    with serving_together({name: argv}, workdir, cfg, env) as servers:
         yield servers[name]
 
 
