@@ -3,19 +3,29 @@ equal the trainer's own forward, for every layer id the drafter reads; a layer i
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 import torch
 from helpers.engine import ENGINE_PYTHON, needs_engine
 
-from blockdraft.config import EvalConfig
+from blockdraft.config import EvalConfig, load_config
 from blockdraft.errors import EngineError
+from blockdraft.fixtures.hybrid import TINY_HYBRID_TARGET_DIR
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
-from blockdraft.model import TargetModel, load_target
+from blockdraft.model import TargetHead, TargetModel, load_target
+from blockdraft.model.target import load_target_head
+from blockdraft.reporter import Reporter
+from blockdraft.stages import tokenize, train
 from blockdraft.stages.eval.engine import free_port, serving
 from blockdraft.stages.train.engine_features import EngineFeatures, feature_server_argv, feature_server_env
 
 LAYER_IDS = [1, 3, 5]  # the tiny target has 8 layers: ids 0..6 are features
 TOLERANCE = 1e-4  # measured: at most 5.2e-6 of features up to 6.9 in magnitude (fp32, rows of 17 to 300 tokens)
+MASK = json.loads((TINY_TARGET_DIR / "fixture.json").read_text())["mask_token_id"]
+LOSS_TOLERANCE = 1e-4  # relative, per step (measured: 2.1e-7)
+WEIGHT_TOLERANCE = 1e-4  # the largest difference of a drafter weight after 20 steps (measured: 5.1e-6 of 1.0)
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +74,94 @@ def test_features_of_other_layers_are_refused_in_one_line(engine):
     other = EngineFeatures(served.server, [1, 3], 128, torch.float32)  # the engine serves three layers
     with pytest.raises(EngineError, match=r"have shape \(9, 3, 128\), not \(9, 2, 128\)"):
         other.row(list(range(9)))
+
+
+def _train_sections(tmp, name, **settings):
+    return {
+        "target": {"path": str(TINY_TARGET_DIR)},
+        "store": {"url": str(tmp / "store")},
+        "tokenize": {"held_out_fraction": 0.1},
+        "dflash": {"block_size": 8, "mask_token_id": MASK, "num_draft_layers": 1, "num_anchors": 16},
+        "train": {"data": str(tmp / "tokenized"), "output": str(tmp / f"run-{name}"),
+                  "log_dir": str(tmp / f"logs-{name}"), "max_steps": 20, "batch_size": 4, "global_batch_size": 4,
+                  "lr": 1e-3, "warmup_ratio": 0.05,
+                  "checkpoint_every": 20, "seed": 0, "deterministic": True, "eval_every": 10, "eval_rows": 8,
+                  "decode_eval_prompts": 0, "target_agreement_rows": 0,
+                  "engine_features_dir": str(tmp / f"features-{name}"), **settings},
+        "eval": {"engine_python": str(ENGINE_PYTHON)},
+    }
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine-train")
+    tokenize.run(load_config(None, _train_sections(tmp, "hf")), str(TINY_TARGET_DIR / "completions.jsonl"),
+                 str(tmp / "tokenized"))
+    return tmp
+
+
+@needs_engine
+@pytest.mark.engine
+@pytest.mark.slow
+def test_a_drafter_trained_on_engine_features_equals_one_trained_on_the_trainers_own(tokenized):
+    tmp = tokenized
+    ours = train.run(load_config(None, _train_sections(tmp, "hf"))).details
+    reporter = Reporter()
+    served = train.run(load_config(None, _train_sections(tmp, "vllm", target_engine="vllm")), reporter=reporter).details
+    assert any(line.startswith("starting vLLM to serve the target's features") for line in reporter.lines)
+    assert served.steps == ours.steps == 20
+    losses = [(a["loss"], b["loss"]) for a, b in zip(ours.metrics, served.metrics, strict=True)]
+    assert all(abs(a - b) <= LOSS_TOLERANCE * abs(a) for a, b in losses), losses
+    diff = max((p - q).abs().max().item() for p, q in zip(ours.drafter.state_dict().values(),
+                                                           served.drafter.state_dict().values(), strict=True))
+    assert diff <= WEIGHT_TOLERANCE
+    assert not any((tmp / "features-vllm").iterdir())  # every row's file read and deleted
+
+
+@needs_engine
+@pytest.mark.engine
+@pytest.mark.slow
+def test_an_engine_killed_mid_run_stops_training_in_one_line_and_a_rerun_resumes(tokenized):
+    tmp = tokenized
+    sections = _train_sections(tmp, "killed", target_engine="vllm", max_steps=12, checkpoint_every=6)
+    features = tmp / "features-killed"
+
+    class KillsTheEngine(Reporter):
+        """Kills the feature server (found by its feature folder on its command line) once step 8 is done."""
+
+        def progress(self, task, completed, total=None, **fields):
+            if task == "train" and completed == 8:
+                subprocess.run(["pkill", "-KILL", "-f", str(features)], check=False)
+
+    with pytest.raises(EngineError) as stopped:
+        train.run(load_config(None, sections), reporter=KillsTheEngine())
+    assert "\n" not in str(stopped.value) and "engine" in str(stopped.value)
+    resumed = train.run(load_config(None, sections), reporter=Reporter()).details
+    assert resumed.resumed_from == 6 and resumed.steps == 12 and resumed.steps_run == 6
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "tied"])
+def test_the_embedding_and_head_read_alone_equal_the_whole_targets(kind, tmp_path):
+    """With the target in an engine the trainer reads only these two tensors from its files: a composite checkpoint's
+    nested text model (the hybrid) and a head tied to the embedding (a Llama with tied embeddings) included."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if kind == "tied":
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     tie_word_embeddings=True)).save_pretrained(tmp_path)
+    path = str({"dense": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGET_DIR, "tied": tmp_path}[kind])
+    alone = load_target_head(path, torch.float32, "cpu")
+    whole = TargetHead.from_target(load_target(path, "cpu", torch.float32))
+    assert torch.equal(alone.embed_weight, whole.embed_weight)
+    assert torch.equal(alone.lm_head_weight, whole.lm_head_weight) and alone.lm_head_bias is None
+
+
+@pytest.mark.parametrize("setting", [{"packing": True, "batch_size": 4}, {"distill_weight": 0.5}])
+def test_what_needs_the_targets_own_forward_is_refused_with_the_engine(setting):
+    from blockdraft.errors import ConfigError
+
+    name = next(iter(setting))
+    with pytest.raises(ConfigError, match=f"train.{name} needs the target's forward in the trainer"):
+        load_config(None, {"train": {"target_engine": "vllm", **setting}})

@@ -383,6 +383,13 @@ class TrainConfig(_Section):
     target_agreement_rows: int = Field(default=32, ge=0)
     min_target_agreement: float = Field(default=0.7, ge=0.0, le=1.0)
     log_every_s: float = Field(default=30.0, gt=0)  # one plain progress line this often when stderr is not a terminal
+    # Where the target's features come from: "hf", its forward inside the trainer; "vllm", a vLLM engine that serves
+    # the target (started by train in eval.engine_python's environment) and writes each row's hidden states to
+    # engine_features_dir (docs/TRAINING.md, "A target larger than one device").
+    target_engine: Literal["hf", "vllm"] = "hf"
+    engine_args: list[str] = Field(default_factory=list)  # vLLM's own options, e.g. ["--tensor-parallel-size", "2"]
+    engine_features_dir: str | None = None  # None: a new folder in /dev/shm (Linux) or the temporary folder
+    engine_timeout_s: float = Field(default=300.0, gt=0)  # the longest wait for one row's features
 
     @model_validator(mode="after")
     def _packing_has_rows_to_pack(self) -> TrainConfig:
@@ -390,6 +397,11 @@ class TrainConfig(_Section):
             raise ValueError("train.packing lays each forward's train.batch_size rows back to back, and batch_size 1 "
                              "gives it one row; raise train.batch_size (rows per forward, e.g. 8) or set "
                              "train.packing = false")
+        if self.target_engine == "vllm" and (self.packing or self.distill_weight > 0):
+            setting = "train.packing" if self.packing else "train.distill_weight"
+            raise ValueError(f"{setting} needs the target's forward in the trainer, and train.target_engine = 'vllm' "
+                             f"reads features from the engine, one row at a time and without the final hidden "
+                             f"states; turn {setting} off or set train.target_engine = 'hf'")
         return self
 
 

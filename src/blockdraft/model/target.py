@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -316,6 +317,53 @@ def load_target(
             reporter.say(split.describe())
     cast(nn.Module, model).eval().requires_grad_(False)
     return cast("PreTrainedModel", model)
+
+
+def load_target_head(path: str, dtype: torch.dtype, device: torch.device | str) -> TargetHead:
+    """The target's embedding and LM head alone, read from its safetensors files onto `device` in `dtype`: what the
+    drafter side needs when the target itself runs elsewhere (an inference engine). Their tensors are found by the
+    names the model gives them (a tied head is the embedding), or as the one tensor whose name ends like it (a
+    composite checkpoint's text model); a folder without them is a SpecError."""
+    import json
+
+    from safetensors import safe_open
+
+    from blockdraft.model.split import meta_target
+
+    hf_config = load_target_config(path)
+    meta: Any = meta_target(hf_config, dtype)  # a PreTrainedModel
+    named = list(meta.named_parameters(remove_duplicate=False))
+    wanted = {}
+    for role, module in (("embedding", meta.get_input_embeddings()), ("LM head", meta.get_output_embeddings())):
+        weight = getattr(module, "weight", None)
+        wanted[role] = [name for name, p in named if p is weight]
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    files = (json.loads(index.read_text())["weight_map"] if index.is_file()
+             else {key: "model.safetensors" for key in _keys(folder / "model.safetensors")})
+    tensors = {}
+    for role, names in wanted.items():
+        key = next((name for name in names if name in files), None)
+        if key is None:  # a composite checkpoint nests the text model (model.language_model.embed_tokens.weight)
+            ends = {"." + name.split(".", 1)[-1] for name in names}
+            nested = [k for k in files if any(k.endswith(end) for end in ends)]
+            key = nested[0] if len(nested) == 1 else None
+        if key is None:
+            raise SpecError(f"the target's {role} ({' or '.join(names) or 'no weight'}) is not in the safetensors "
+                            f"files at {path}; set train.target_engine = 'hf'")
+        with safe_open(str(folder / files[key]), framework="pt") as f:
+            tensors[role] = f.get_tensor(key).to(dtype)
+    embed = nn.Embedding(*tensors["embedding"].shape, _weight=tensors["embedding"], _freeze=True)
+    head = nn.Linear(tensors["LM head"].shape[1], tensors["LM head"].shape[0], bias=False)
+    head.weight = nn.Parameter(tensors["LM head"], requires_grad=False)
+    return TargetHead(embed, head, device)
+
+
+def _keys(file: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return list(f.keys())
 
 
 def load_target_config(path: str | None):

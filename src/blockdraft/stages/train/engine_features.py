@@ -13,13 +13,17 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from blockdraft.config import EvalConfig, TargetConfig, TrainConfig
 from blockdraft.errors import EngineError
+from blockdraft.model.spec import TargetShape
+from blockdraft.model.target import load_target_config
+from blockdraft.reporter import Reporter
 from blockdraft.stages.eval.engine import SERVED_NAME, Server, server_argv, server_env
 
 CONNECTOR = "BlockdraftFeaturesConnector"
@@ -121,4 +125,65 @@ class EngineFeatures:
         return out.to(input_ids.device)
 
 
-__all__ = ["EngineFeatures", "connector_dir", "engine_layer_ids", "feature_server_argv", "feature_server_env"]
+class EngineTarget:
+    """What the trainer asks of its target (`TargetModel`'s `features`, `shape`, `layer_ids`), answered by a feature
+    server: the target's weights never load in the trainer. Its final hidden states (distillation) and packed rows are
+    refused by the config; `model` is None, so the checks that run the target themselves (target agreement, decoded
+    checkpoints) are skipped and said so."""
+
+    model = None
+    packs_in_one_forward = False
+
+    def __init__(self, features: EngineFeatures, shape: TargetShape) -> None:
+        self.engine, self.shape, self.layer_ids = features, shape, features.layer_ids
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        assert position_ids is None, "train.packing is refused with train.target_engine = 'vllm'"
+        return self.engine.features(input_ids, attention_mask)
+
+    def features_and_final(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("train.distill_weight is refused with train.target_engine = 'vllm'")
+
+
+def features_dir(configured: str | None) -> Path:
+    """A folder for the engine's feature files: `configured`, else a new one in /dev/shm (memory, on Linux) or the
+    temporary folder. Files are deleted as they are read, so it holds the rows in flight only."""
+    import tempfile
+
+    if configured:
+        Path(configured).mkdir(parents=True, exist_ok=True)
+        return Path(configured)
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="blockdraft-features-", dir=shm if shm.is_dir() else None))
+
+
+@contextlib.contextmanager
+def feature_server(tc: TrainConfig, target: TargetConfig, eval_cfg: EvalConfig, layer_ids: Sequence[int],
+                   hidden_size: int, dtype: str, workdir: Path, reporter: Reporter) -> Iterator[EngineFeatures]:
+    """The engine's features for the duration of the block: a server started here in eval.engine_python's environment
+    with train.engine_args, stopped however the block ends."""
+    from blockdraft.stages.eval.engine import engine_python, free_port, serving
+
+    torch_dtype = getattr(torch, dtype)
+    assert target.path is not None
+    folder = features_dir(tc.engine_features_dir)
+    python = engine_python(eval_cfg.model_copy(update={"engine": "vllm"}))  # eval.engine says what eval serves
+    # room for the longest row and the one token a prefill-only request makes, within the target's own positions
+    text = load_target_config(target.path).get_text_config()
+    limit = getattr(text, "max_position_embeddings", None)
+    max_len = min(tc.max_length + 1, int(limit)) if limit else tc.max_length + 1
+    argv = feature_server_argv(python, target.path, free_port(), dtype, max_len, layer_ids, folder, tc.engine_args)
+    reporter.say(f"starting vLLM to serve the target's features (layers {list(layer_ids)}) into {folder}")
+    with serving(argv, workdir, "features", eval_cfg, feature_server_env()) as server:
+        yield EngineFeatures(server, layer_ids, hidden_size, torch_dtype, tc.engine_timeout_s)
+
+
+__all__ = [
+    "EngineFeatures", "EngineTarget", "connector_dir", "engine_layer_ids", "feature_server", "feature_server_argv",
+    "feature_server_env", "features_dir",
+]

@@ -34,7 +34,7 @@ import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -44,10 +44,13 @@ from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, DrafterSpec, TargetHead, TargetModel, load_target
 from blockdraft.model.block_sparse import resolve_attention
 from blockdraft.model.formats import CONFIG_NAME, WEIGHTS_NAME, open_drafter_artifact, plain_drafter_folder
+from blockdraft.model.spec import TargetShape
+from blockdraft.model.target import load_target_config, load_target_head, target_dtype
 from blockdraft.model.weight_init import init_drafter
 from blockdraft.reporter import Reporter
 from blockdraft.stages.train.checkpoint import Checkpoints, RunIdentity, checkpoint_config, pinned_dflash
 from blockdraft.stages.train.data import RowOrder, TrainRows, steps_per_epoch
+from blockdraft.stages.train.engine_features import EngineFeatures, EngineTarget
 from blockdraft.stages.train.loss import Objective
 from blockdraft.stages.train.memory import apply_memory_options
 from blockdraft.stages.train.ranks import RankPlacement
@@ -218,7 +221,7 @@ class TrainingSetup:
     attention: Literal["dense", "flex"]
     spec: DrafterSpec
     gamma: float
-    target: TargetModel
+    target: TargetModel | EngineTarget
     head: TargetHead
     checkpoints: Checkpoints
     drafter: DFlashDrafter
@@ -234,21 +237,28 @@ class TrainingSetup:
 def build_training(
     tc: TrainConfig, dflash: DFlashConfig, target: TargetConfig, store: StoreConfig, place: RankPlacement,
     rows: TrainRows, out_store: Store, reporter: Reporter, *, recorded: dict[str, Any], start_over: bool = False,
+    engine: EngineFeatures | None = None,
 ) -> TrainingSetup:
     """Build one rank's run from the sections it reads: `tc` ([train], train.output set to where its checkpoints go,
     `out_store`), `dflash`, `target`, and `store` for train.init_from. `rows`: the verified training rows; `recorded`:
     the whole config resolved (`BlockdraftConfig.resolved`), which every checkpoint records with the sections this run
-    resolves further in their place (`checkpoint_config`); `start_over` (`train --force`) for its checkpoints."""
+    resolves further in their place (`checkpoint_config`); `start_over` (`train --force`) for its checkpoints;
+    `engine`: the target's features from a feature server (train.target_engine = "vllm"), whose weights then never
+    load here but for the embedding and LM head."""
     attention = resolve_attention(tc.attention, place.drafter_device)  # fails before the target loads
     assert target.path is not None  # the stage checked it (load_target_config) before any data moved
-    hf_target = load_target(target.path, place.target_devices, target.dtype, reporter=reporter)
-    spec = DrafterSpec.from_target_config(hf_target.config, dflash)
+    hf_target = None if engine is not None else load_target(target.path, place.target_devices, target.dtype,
+                                                            reporter=reporter)
+    hf_config = hf_target.config if hf_target is not None else load_target_config(target.path)
+    dtype = (str(hf_target.dtype).removeprefix("torch.") if hf_target is not None
+             else target_dtype(target.dtype, hf_config))
+    spec = DrafterSpec.from_target_config(hf_config, dflash)
     init = load_init_drafter(tc.init_from, store) if tc.init_from else None
     if init is not None:  # train.init_from: its weights and shapes, checked against what this run derives
-        spec = check_init_spec(init.spec, spec, dflash, hf_target.config, str(tc.init_from))
+        spec = check_init_spec(init.spec, spec, dflash, hf_config, str(tc.init_from))
     assert spec.gamma is not None  # from_target_config resolves dflash.gamma or its default
     pinned = pinned_dflash(dflash, spec)
-    ran_as = target.model_copy(update={"dtype": str(hf_target.dtype).removeprefix("torch.")})  # target.dtype resolved
+    ran_as = target.model_copy(update={"dtype": dtype})  # target.dtype resolved
     identity = RunIdentity.of(tc, pinned, target.path, rows.lineage.sha256)
     keep_every = tc.keep_checkpoint_every * tc.checkpoint_every if tc.keep_checkpoint_every else None
     checkpoints = Checkpoints(
@@ -262,7 +272,7 @@ def build_training(
     if init is not None:
         load_init_weights(drafter, init)
     else:
-        init_drafter(drafter, tc.init, hf_target.config)  # train.init: PyTorch's defaults or HF's normal(0, range)
+        init_drafter(drafter, tc.init, hf_config)  # train.init: PyTorch's defaults or HF's normal(0, range)
     drafter.to(place.drafter_device)
     model: nn.Module = DraftForward(drafter)
     if place.world_size > 1:
@@ -277,8 +287,10 @@ def build_training(
         attention=attention,
         spec=spec,
         gamma=spec.gamma,
-        target=TargetModel(hf_target, spec.target_layer_ids),
-        head=TargetHead.from_target(hf_target, place.drafter_device),
+        target=(TargetModel(hf_target, spec.target_layer_ids) if hf_target is not None
+                else EngineTarget(cast(EngineFeatures, engine), TargetShape.from_config(hf_config))),
+        head=(TargetHead.from_target(hf_target, place.drafter_device) if hf_target is not None
+              else load_target_head(target.path, getattr(torch, dtype), place.drafter_device)),
         checkpoints=checkpoints,
         drafter=drafter,
         objective=Objective.of(dflash, tc),  # the loss: weighting (D-PACE or gamma's decay) and distillation

@@ -17,10 +17,12 @@ from blockdraft.config import BlockdraftConfig
 from blockdraft.data.formats import TOKENIZED_KIND
 from blockdraft.errors import ConfigError
 from blockdraft.model import DFlashDrafter, TargetHead
-from blockdraft.model.target import load_target_config
+from blockdraft.model.spec import DrafterSpec
+from blockdraft.model.target import load_target_config, target_dtype
 from blockdraft.reporter import Reporter
 from blockdraft.stages import StageResult
 from blockdraft.stages.train.data import check_eval_data, check_mask_in_rows, load_train_rows
+from blockdraft.stages.train.engine_features import feature_server
 from blockdraft.stages.train.metrics import check_log_dir
 from blockdraft.stages.train.ranks import (
     RankPlacement,
@@ -135,9 +137,15 @@ def _prepare(config: BlockdraftConfig, place: RankPlacement, reporter: Reporter,
     check_mask_in_rows(config, target_config, data)  # before a row moves or the target's weights load
     rows = load_train_rows(data, config.store, tc.max_length, log_dir, place.local_rank == 0, lambda: barrier(place),
                            eval_data)
+    engine = None
+    if tc.target_engine == "vllm":  # the target's features from a vLLM server, running until training ends
+        spec = DrafterSpec.from_target_config(target_config, config.dflash)
+        engine = held.enter_context(feature_server(
+            tc, config.target, config.eval, spec.target_layer_ids, spec.hidden_size,
+            target_dtype(config.target.dtype, target_config), log_dir, reporter))
     # The one place training's sections are handed out; the whole config goes on only as what checkpoints record.
     setup = build_training(tc, config.dflash, config.target, config.store, place, rows, out_store, reporter,
-                           recorded=config.resolved(), start_over=force)
+                           recorded=config.resolved(), start_over=force, engine=engine)
     return Trainer(tc, config.dflash, config.target, config.eval, place, rows, setup, reporter, start_over=force)
 
 

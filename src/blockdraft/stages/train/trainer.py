@@ -166,7 +166,15 @@ class Trainer:
         self.held_out = (
             HeldOut.sample(rows.held_out, tc.eval_rows, tc.seed, tc.max_length, tc.batch_size) if main else None
         )
-        self.decode_prompts = prompts_before_supervision(rows.held_out, tc.decode_eval_prompts) if main else []
+        # a target served by an engine has no model here to decode with or to measure agreement on
+        in_process = setup.target.model is not None
+        self.decode_prompts = (prompts_before_supervision(rows.held_out, tc.decode_eval_prompts)
+                               if main and in_process else [])
+        self._measures_agreement = main and in_process and tc.target_agreement_rows > 0
+        if main and not in_process and (tc.decode_eval_prompts or tc.target_agreement_rows):
+            reporter.say("the target is served by vLLM (train.target_engine): no checkpoint decoded during training "
+                         "and no target agreement measured here; run `blockdraft eval` on a checkpoint and "
+                         "`blockdraft tokenize --check-target` where the target fits")
         self.signal = TrainingSignal(reporter.warn, len(rows), setup.per_epoch)
         self._held: dict[int, dict[str, Any]] = {}  # held-out figures measured after a step, logged with its entry
         self._lines: ProgressLines | None = None
@@ -184,7 +192,7 @@ class Trainer:
         start = self.resume()
         if start < self.setup.total_steps:  # what the steps left will be measured against
             self.reporter.say(describe_limit(self.tc, self.setup.per_epoch, len(self.rows)))
-            if self.place.is_main and self.tc.target_agreement_rows:
+            if self._measures_agreement:
                 self.signal.agreement = self._target_agreement()
             if self.place.is_main and self.held_out is None:
                 self.reporter.say("train.data has no held-out rows: no held-out figures and no checkpoint decoded "
