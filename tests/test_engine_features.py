@@ -9,6 +9,7 @@ import subprocess
 import pytest
 import torch
 from helpers.engine import ENGINE_PYTHON, needs_engine
+from helpers.moe import build_moe_target
 
 from blockdraft.config import EvalConfig, load_config
 from blockdraft.errors import EngineError
@@ -165,3 +166,17 @@ def test_what_needs_the_targets_own_forward_is_refused_with_the_engine(setting):
     name = next(iter(setting))
     with pytest.raises(ConfigError, match=f"train.{name} needs the target's forward in the trainer"):
         load_config(None, {"train": {"target_engine": "vllm", **setting}})
+
+
+@needs_engine
+@pytest.mark.engine
+@pytest.mark.slow
+def test_a_moe_target_served_by_vllm_trains_end_to_end(tmp_path):
+    moe = build_moe_target(tmp_path / "moe-target")
+    sections = _train_sections(tmp_path, "moe", target_engine="vllm", max_steps=6, checkpoint_every=6)
+    sections["target"]["path"] = str(moe)
+    cfg = load_config(None, sections)
+    tokenize.run(cfg, str(TINY_TARGET_DIR / "completions.jsonl"), str(tmp_path / "tokenized"))
+    result = train.run(cfg, reporter=Reporter())
+    assert result.details.steps == result.details.steps_run == 6  # the final checkpoint verified at the destination
+    assert not any((tmp_path / "features-moe").iterdir())

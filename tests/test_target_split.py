@@ -6,12 +6,12 @@ per-layer hooks run as across GPUs)."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.engine import write_config
+from helpers.moe import build_moe_target
 
 from blockdraft.config import load_config
 from blockdraft.errors import ConfigError
@@ -32,19 +32,7 @@ MASK = json.loads((TINY_TARGET_DIR / "fixture.json").read_text())["mask_token_id
 
 @pytest.fixture(scope="module")
 def moe_target(tmp_path_factory):
-    """A random 6-layer Qwen3-MoE target (4 experts, 2 a token) with the tiny target's vocabulary and tokenizer."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    folder = tmp_path_factory.mktemp("moe-target")
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=6, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_id=445,
-                            pad_token_id=443, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(TINY_TARGET_DIR / name, folder / name)
-    return folder
+    return build_moe_target(tmp_path_factory.mktemp("moe-target"))
 
 
 def _targets(moe_target):
