@@ -14,7 +14,9 @@
 #   7-8. DFlash2: a DFlash2 drafter trained briefly on the tiny dense target (`dflash.architecture = "dflash2"`), exported,
 #        and `blockdraft eval --engine vllm` on vLLM's V2 model runner (the one that serves DFlash2), then the same with
 #        `eval --engine sglang`.
-# Parts 5-8 have not run yet (not timed); each is skipped, saying why, when its engine's Python is missing.
+#   9.   the target's features from a vLLM feature server (train.target_engine = "vllm") against the trainer's own
+#        forward on the tiny target (bench/engine_features.py --device cuda).
+# Parts 5-9 have not run yet (not timed); each is skipped, saying why, when its engine's Python is missing.
 # Needs a Python with a CUDA build of torch and blockdraft installed (`pip install -e .`); PYTHON overrides the interpreter.
 # Part 5 needs vLLM in ENGINE_PYTHON (default .venv-engine/bin/python: `make engine` on this machine installs vllm==0.32.0);
 # part 6 needs SGLang in SGLANG_PYTHON (default .venv-sglang/bin/python), installed by whoever prepares the machine, e.g.
@@ -53,4 +55,10 @@ engine_part hybrid-vllm "$ENGINE_PYTHON"
 engine_part sglang "$SGLANG_PYTHON"
 engine_part dflash2-vllm "$ENGINE_PYTHON"
 engine_part dflash2-sglang "$SGLANG_PYTHON"
+# 9. the target's features from a vLLM feature server against the trainer's own forward on the GPU (train.target_engine)
+if [ -x "$ENGINE_PYTHON" ]; then
+  part engine-features 600 bench.engine_features --device cuda --engine-python "$ENGINE_PYTHON"
+else
+  echo "== engine-features: skipped, no engine Python at $ENGINE_PYTHON"
+fi
 echo "== done: $OUT"

@@ -75,7 +75,8 @@ PACKING_OBJECTIVES = "ce,packed,packed_wall"
 # Objectives trained after the others, at another's wall time: (its steps follow the step time of, relative to).
 WALL = {"ce_wall": ("dflash2", "ce"), "packed_wall": ("ce", "packed")}
 RECENT = 20  # training steps whose recall is averaged
-# (drafter settings, training steps at full size): both at B = 8 with 32 anchors per row and 4 rows per step.
+# (drafter settings, training steps at full size): both at B = 8 with 32 anchors per row (`--anchors`) and 4 rows per
+# step.
 FIXTURES: dict[str, tuple[dict[str, Any], int]] = {
     "tiny": ({"num_draft_layers": 1}, 240),
     "hybrid": ({"num_draft_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 32},
@@ -150,7 +151,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         base_settings(fixture, work / name / "store"),
         {"target": {"dtype": job["target_dtype"]}} if job["target_dtype"] else {},
         {
-            "dflash": {"block_size": 8, "mask_token_id": mask_token_id(fixture), "num_anchors": 32, **drafter},
+            "dflash": {"block_size": 8, "mask_token_id": mask_token_id(fixture), "num_anchors": job["anchors"],
+                       **drafter},
             "train": {"data": job["data"], "output": str(work / name / "run"), "log_dir": str(work / name / "logs"),
                       "max_steps": job["steps"], "batch_size": 4, "global_batch_size": 4, "lr": 3e-3,
                       "warmup_ratio": 0.05, "checkpoint_every": job["steps"], "seed": seed},
@@ -338,6 +340,8 @@ def main() -> None:
     parser.add_argument("--real-completions", default="demo-work-real/store/completions",
                         help="the real target's regenerated answers (a completions artifact), for --fixtures real")
     parser.add_argument("--workers", type=int, default=2, help="runs in parallel, one torch thread each")
+    parser.add_argument("--anchors", type=int, default=32,
+                        help="dflash.num_anchors for every run (fewer: a cheaper drafter step beside the target)")
     parser.add_argument("--target-dtype", choices=["float32", "bfloat16"], help="target.dtype for every run (default: "
                                                                                "the target config's)")
     parser.add_argument("--quick", action="store_true", help="1 seed, 12 steps, 2 prompts x 24 tokens: a check that it "
@@ -380,7 +384,8 @@ def main() -> None:
         def job(fixture: str, objective: str, seed: int, n: int) -> dict[str, Any]:
             return {"fixture": fixture, "objective": objective, "seed": seed, "work": str(work), "data": data[fixture],
                     "steps": n, "prompts": prompts, "max_new_tokens": new_tokens, "distill_weight": args.distill_weight,
-                    "temperature": args.temperature, "target_dtype": args.target_dtype}
+                    "temperature": args.temperature, "target_dtype": args.target_dtype,
+                    "anchors": args.anchors}
 
         results: list[dict[str, Any]] = []
         with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
