@@ -158,3 +158,14 @@ def test_qwen3_235b_fits_eight_80gb_gpus_only_split_over_seven():
     shared = plan([[f"cuda:{i}" for i in range(6)]], ["cuda:6", "cuda:7"])
     assert (problem := shared.problem()) is not None
     assert problem.startswith("memory plan: cuda:0 needs") and "device group" in problem
+
+
+def test_a_target_served_by_vllm_is_not_planned_on_the_trainers_devices():
+    fixture = Path(__file__).parent / "fixtures" / "qwen3-235b-a22b"
+    plan = memory_plan(load_config(None, {
+        "target": {"path": str(fixture)}, "dflash": {"mask_token_id": 151669},
+        "placement": {"target_devices": ["cuda:0"], "drafter_devices": ["cuda:7"]},
+        "train": {"device_memory_gb": 80, "target_engine": "vllm"}}))
+    assert [p.device for p in plan.devices] == ["cuda:7"] and plan.problem() is None
+    assert not any(label.startswith("target weights") for label in plan.devices[0].items)
+    assert any(line.startswith("target: served by vllm") for line in plan.facts)

@@ -258,7 +258,9 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None,
     for rank, drafter_device in enumerate(placement.drafter_devices):
         group = target_group_of(placement, rank)
         target_device = group[0]
-        if len(group) == 1:
+        if tc.target_engine != "hf":  # the engine holds the target, on its own devices: nothing of it here
+            group = ()
+        elif len(group) == 1:
             target_plan = on(target_device)
             target_plan.target_replicas += 1
             target_plan.add(f"target weights ({t_name})", target_bytes)
@@ -323,6 +325,9 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None,
         f"activation checkpointing {'on' if tc.activation_checkpointing else 'off'}",
     ]
     facts += [split.describe() for split in splits.values()]
+    if tc.target_engine != "hf":
+        facts.append(f"target: served by {tc.target_engine} (train.target_engine), which plans its own devices; "
+                     "only its embedding and LM head are held here, beside each drafter")
     if placement.nnodes > 1:
         facts.append(node_traffic(placement.nnodes, world, d_params, tc.grad_allreduce_dtype))
     return MemoryPlan(sorted(plans.values(), key=lambda p: _device_order(p.device)), facts, tc.activation_checkpointing)
