@@ -30,11 +30,11 @@ def main() -> None:
     from datasets import Dataset
 
     from blockdraft.config import EvalConfig
+    from blockdraft.engine_process import engine_python, free_port, serving
     from blockdraft.fixtures.tiny import TINY_TARGET_DIR
     from blockdraft.model import TargetModel, load_target
     from blockdraft.model.spec import TargetShape
     from blockdraft.model.target import load_target_config, target_dtype
-    from blockdraft.stages.eval.engine import engine_python, free_port, serving
     from blockdraft.stages.train.engine_features import EngineFeatures, feature_server_argv, feature_server_env
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -14,7 +14,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "blockdraft"
 LAYERS = {
     "cli": 4, "cli_options": 4, "pipeline": 4, "__main__": 4, "console": 4,
     "stages": 3, "fixtures": 3,
-    "model": 2, "decode": 2, "data": 2,
+    "model": 2, "decode": 2, "data": 2, "engine_process": 2,
+    "vllm_connector": 2,  # runs inside vLLM's process and imports nothing of blockdraft
     "store": 1,
     "config": 0, "overrides": 0, "added_tokens": 0, "errors": 0, "reporter": 0, "__init__": 0,
 }

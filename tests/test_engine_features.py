@@ -12,6 +12,7 @@ from helpers.engine import ENGINE_PYTHON, needs_engine
 from helpers.moe import build_moe_target
 
 from blockdraft.config import EvalConfig, load_config
+from blockdraft.engine_process import free_port, serving
 from blockdraft.errors import EngineError
 from blockdraft.fixtures.hybrid import TINY_HYBRID_TARGET_DIR
 from blockdraft.fixtures.tiny import TINY_TARGET_DIR
@@ -19,7 +20,6 @@ from blockdraft.model import TargetHead, TargetModel, load_target
 from blockdraft.model.target import load_target_head
 from blockdraft.reporter import Reporter
 from blockdraft.stages import tokenize, train
-from blockdraft.stages.eval.engine import free_port, serving
 from blockdraft.stages.train.engine_features import EngineFeatures, feature_server_argv, feature_server_env
 
 LAYER_IDS = [1, 3, 5]  # the tiny target has 8 layers: ids 0..6 are features

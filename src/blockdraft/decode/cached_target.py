@@ -17,7 +17,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from blockdraft.decode.linear_state import LinearStateRollback, check_rollback_supported, target_layer_types
 from blockdraft.errors import DecodeError
-from blockdraft.model.target import decoder_layers
+from blockdraft.model.split import decoder_layers
 
 
 def top2_margin(logits: torch.Tensor) -> torch.Tensor:

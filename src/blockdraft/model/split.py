@@ -33,6 +33,20 @@ def meta_target(hf_config: Any, dtype: torch.dtype) -> nn.Module:
     return _META[key]
 
 
+def decoder_layers(hf_model: nn.Module, num_layers: int) -> nn.ModuleList | None:
+    """The model's stack of decoder layers: the text decoder's `layers` where HF names it (multimodal targets also hold
+    vision blocks), else the first ModuleList with one entry per layer."""
+    get_decoder = getattr(hf_model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    for module in hf_model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return module
+    return None
+
+
 def _nbytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
@@ -77,8 +91,6 @@ class TargetSplit:
 def split_target(model: nn.Module, num_layers: int, devices: Sequence[str]) -> TargetSplit:
     """The split of `model` (real or on the meta device) over `devices`: layer i goes to the device whose equal share
     of the weights holds the middle of that layer, counting the first device's other modules before the layers."""
-    from blockdraft.model.target import decoder_layers
-
     layers = decoder_layers(model, num_layers)
     if layers is None:
         raise SpecError(f"cannot find the target's {num_layers} decoder layers to split them over {list(devices)}; "
@@ -110,4 +122,4 @@ def split_target(model: nn.Module, num_layers: int, devices: Sequence[str]) -> T
     return TargetSplit(tuple(devices), tuple(placed), layers_path, layer_bytes, rest, tuple(rest_paths))
 
 
-__all__ = ["TargetSplit", "meta_target", "split_target"]
+__all__ = ["TargetSplit", "decoder_layers", "meta_target", "split_target"]

@@ -18,6 +18,7 @@ from torch import nn
 from blockdraft.config import layer_ids_problem
 from blockdraft.errors import ConfigError, SpecError
 from blockdraft.model.spec import TargetShape
+from blockdraft.model.split import decoder_layers, meta_target, split_target
 from blockdraft.reporter import Reporter
 
 if TYPE_CHECKING:
@@ -59,20 +60,6 @@ class TargetHead(nn.Module):
 
 class _StopForward(Exception):
     """Raised by a hook once the deepest needed layer has run: the remaining layers and the LM head are skipped."""
-
-
-def decoder_layers(hf_model: nn.Module, num_layers: int) -> nn.ModuleList | None:
-    """The model's stack of decoder layers: the text decoder's `layers` where HF names it (multimodal targets also hold
-    vision blocks), else the first ModuleList with one entry per layer."""
-    get_decoder = getattr(hf_model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    layers = getattr(decoder, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
-        return layers
-    for module in hf_model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
-            return module
-    return None
 
 
 class TargetModel:
@@ -273,8 +260,6 @@ def load_target(
     model's own `hf_device_map` must place every layer where the split says."""
     from transformers import AutoModelForCausalLM
 
-    from blockdraft.model.split import meta_target, split_target
-
     hf_config = load_target_config(path)  # a wrong path fails here with one line, not a loader traceback
     torch_dtype: torch.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, target_dtype(dtype,
                                                                                                          hf_config))
@@ -327,8 +312,6 @@ def load_target_head(path: str, dtype: torch.dtype, device: torch.device | str) 
     import json
 
     from safetensors import safe_open
-
-    from blockdraft.model.split import meta_target
 
     hf_config = load_target_config(path)
     meta: Any = meta_target(hf_config, dtype)  # a PreTrainedModel

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from blockdraft.config import EvalConfig, TargetConfig, TrainConfig
+from blockdraft.engine_process import SERVED_NAME, Server, server_argv, server_env
 from blockdraft.errors import EngineError
 from blockdraft.model.spec import TargetShape
 from blockdraft.model.target import load_target_config
 from blockdraft.reporter import Reporter
-from blockdraft.stages.eval.engine import SERVED_NAME, Server, server_argv, server_env
 
 CONNECTOR = "BlockdraftFeaturesConnector"
 CONNECTOR_MODULE = "blockdraft_features"
@@ -167,7 +167,7 @@ def feature_server(tc: TrainConfig, target: TargetConfig, eval_cfg: EvalConfig, 
                    hidden_size: int, dtype: str, workdir: Path, reporter: Reporter) -> Iterator[EngineFeatures]:
     """The engine's features for the duration of the block: a server started here in eval.engine_python's environment
     with train.engine_args, stopped however the block ends."""
-    from blockdraft.stages.eval.engine import engine_python, free_port, serving
+    from blockdraft.engine_process import engine_python, free_port, serving
 
     torch_dtype = getattr(torch, dtype)
     assert target.path is not None
