@@ -122,6 +122,7 @@ def test_a_drafter_trained_on_engine_features_equals_one_trained_on_the_trainers
 @needs_engine
 @pytest.mark.engine
 @pytest.mark.slow
+@pytest.mark.fault
 def test_an_engine_killed_mid_run_stops_training_in_one_line_and_a_rerun_resumes(tokenized):
     tmp = tokenized
     sections = _train_sections(tmp, "killed", target_engine="vllm", max_steps=12, checkpoint_every=6)
