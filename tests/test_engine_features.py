@@ -142,22 +142,33 @@ def test_an_engine_killed_mid_run_stops_training_in_one_line_and_a_rerun_resumes
     assert resumed.resumed_from == 6 and resumed.steps == 12 and resumed.steps_run == 6
 
 
-@pytest.mark.parametrize("kind", ["dense", "hybrid", "tied"])
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "tied", "biased"])
 def test_the_embedding_and_head_read_alone_equal_the_whole_targets(kind, tmp_path):
-    """With the target in an engine the trainer reads only these two tensors from its files: a composite checkpoint's
-    nested text model (the hybrid) and a head tied to the embedding (a Llama with tied embeddings) included."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """With the target in an engine the trainer reads only these tensors from its files: a composite checkpoint's
+    nested text model (the hybrid), a head tied to the embedding (a Llama with tied embeddings) and a head with a bias
+    (Phi's) included."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PhiConfig, PhiForCausalLM
 
+    torch.manual_seed(0)
     if kind == "tied":
-        torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2,
                                      tie_word_embeddings=True)).save_pretrained(tmp_path)
-    path = str({"dense": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGET_DIR, "tied": tmp_path}[kind])
+    if kind == "biased":
+        model = PhiForCausalLM(PhiConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4))
+        torch.nn.init.normal_(model.lm_head.bias)  # not the zeros it starts at, so a bias left out shows
+        model.save_pretrained(tmp_path)
+    path = str({"dense": TINY_TARGET_DIR, "hybrid": TINY_HYBRID_TARGET_DIR}.get(kind, tmp_path))
     alone = load_target_head(path, torch.float32, "cpu")
     whole = TargetHead.from_target(load_target(path, "cpu", torch.float32))
     assert torch.equal(alone.embed_weight, whole.embed_weight)
-    assert torch.equal(alone.lm_head_weight, whole.lm_head_weight) and alone.lm_head_bias is None
+    assert torch.equal(alone.lm_head_weight, whole.lm_head_weight)
+    if kind == "biased":
+        assert whole.lm_head_bias is not None and alone.lm_head_bias is not None
+        assert torch.equal(alone.lm_head_bias, whole.lm_head_bias) and whole.lm_head_bias.abs().max() > 0
+    else:
+        assert alone.lm_head_bias is None
 
 
 @pytest.mark.parametrize("setting", [{"packing": True, "batch_size": 4}, {"distill_weight": 0.5}])
@@ -181,3 +192,14 @@ def test_a_moe_target_served_by_vllm_trains_end_to_end(tmp_path):
     result = train.run(cfg, reporter=Reporter())
     assert result.details.steps == result.details.steps_run == 6  # the final checkpoint verified at the destination
     assert not any((tmp_path / "features-moe").iterdir())
+
+
+def test_the_default_feature_folder_is_made_for_the_run_and_removed_after_it(tmp_path):
+    from blockdraft.stages.train.engine_features import features_dir
+
+    with features_dir(None) as made:
+        assert made.is_dir() and made.name.startswith("blockdraft-features-")
+    assert not made.exists()
+    with features_dir(str(tmp_path / "mine")) as given:  # a folder the config names is the user's: it stays
+        assert given == tmp_path / "mine"
+    assert given.is_dir()

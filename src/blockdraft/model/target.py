@@ -273,10 +273,9 @@ def load_target(
                               "device_map": split.device_map() if split else torch.device(devices[0])}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    if reporter is not None:
-        for warning in filter(None, (missing_kernels_warning(hf_config, d) for d in dict.fromkeys(map(str, devices)))):
-            reporter.warn(warning)
-            break
+    warning = next(filter(None, (missing_kernels_warning(hf_config, d) for d in dict.fromkeys(devices))), None)
+    if warning and reporter is not None:
+        reporter.warn(warning)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if split is not None and not hasattr(model, "hf_device_map"):
         # transformers hooks the layers only where the map names two devices or more; a group that names one device
@@ -305,7 +304,8 @@ def load_target(
 
 
 def load_target_head(path: str, dtype: torch.dtype, device: torch.device | str) -> TargetHead:
-    """The target's embedding and LM head alone, read from its safetensors files onto `device` in `dtype`: what the
+    """The target's embedding and LM head (and its bias, if any) alone, read from its safetensors files onto `device` in
+    `dtype`: what the
     drafter side needs when the target itself runs elsewhere (an inference engine). Their tensors are found by the
     names the model gives them (a tied head is the embedding), or as the one tensor whose name ends like it (a
     composite checkpoint's text model); a folder without them is a SpecError."""
@@ -316,10 +316,12 @@ def load_target_head(path: str, dtype: torch.dtype, device: torch.device | str) 
     hf_config = load_target_config(path)
     meta: Any = meta_target(hf_config, dtype)  # a PreTrainedModel
     named = list(meta.named_parameters(remove_duplicate=False))
-    wanted = {}
-    for role, module in (("embedding", meta.get_input_embeddings()), ("LM head", meta.get_output_embeddings())):
-        weight = getattr(module, "weight", None)
-        wanted[role] = [name for name, p in named if p is weight]
+    head_module = meta.get_output_embeddings()
+    parts = {"embedding": getattr(meta.get_input_embeddings(), "weight", None),
+             "LM head": getattr(head_module, "weight", None)}
+    if getattr(head_module, "bias", None) is not None:
+        parts["LM head bias"] = head_module.bias
+    wanted = {role: [name for name, p in named if p is tensor] for role, tensor in parts.items()}
     folder = Path(path)
     index = folder / "model.safetensors.index.json"
     files = (json.loads(index.read_text())["weight_map"] if index.is_file()
@@ -337,8 +339,10 @@ def load_target_head(path: str, dtype: torch.dtype, device: torch.device | str) 
         with safe_open(str(folder / files[key]), framework="pt") as f:
             tensors[role] = f.get_tensor(key).to(dtype)
     embed = nn.Embedding(*tensors["embedding"].shape, _weight=tensors["embedding"], _freeze=True)
-    head = nn.Linear(tensors["LM head"].shape[1], tensors["LM head"].shape[0], bias=False)
+    head = nn.Linear(tensors["LM head"].shape[1], tensors["LM head"].shape[0], bias="LM head bias" in tensors)
     head.weight = nn.Parameter(tensors["LM head"], requires_grad=False)
+    if "LM head bias" in tensors:
+        head.bias = nn.Parameter(tensors["LM head bias"], requires_grad=False)
     return TargetHead(embed, head, device)
 
 

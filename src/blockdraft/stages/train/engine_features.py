@@ -150,16 +150,20 @@ class EngineTarget:
         raise AssertionError("train.distill_weight is refused with train.target_engine = 'vllm'")
 
 
-def features_dir(configured: str | None) -> Path:
-    """A folder for the engine's feature files: `configured`, else a new one in /dev/shm (memory, on Linux) or the
-    temporary folder. Files are deleted as they are read, so it holds the rows in flight only."""
+@contextlib.contextmanager
+def features_dir(configured: str | None) -> Iterator[Path]:
+    """A folder for the engine's feature files for the duration of the block: `configured`, else a new one in /dev/shm
+    (memory, on Linux) or the temporary folder, removed at the end. Files are deleted as they are read, so it holds the
+    rows in flight only."""
     import tempfile
 
     if configured:
         Path(configured).mkdir(parents=True, exist_ok=True)
-        return Path(configured)
+        yield Path(configured)
+        return
     shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix="blockdraft-features-", dir=shm if shm.is_dir() else None))
+    with tempfile.TemporaryDirectory(prefix="blockdraft-features-", dir=shm if shm.is_dir() else None) as made:
+        yield Path(made)
 
 
 @contextlib.contextmanager
@@ -171,16 +175,17 @@ def feature_server(tc: TrainConfig, target: TargetConfig, eval_cfg: EvalConfig, 
 
     torch_dtype = getattr(torch, dtype)
     assert target.path is not None
-    folder = features_dir(tc.engine_features_dir)
     python = engine_python(eval_cfg.model_copy(update={"engine": "vllm"}))  # eval.engine says what eval serves
     # room for the longest row and the one token a prefill-only request makes, within the target's own positions
     text = load_target_config(target.path).get_text_config()
     limit = getattr(text, "max_position_embeddings", None)
     max_len = min(tc.max_length + 1, int(limit)) if limit else tc.max_length + 1
-    argv = feature_server_argv(python, target.path, free_port(), dtype, max_len, layer_ids, folder, tc.engine_args)
-    reporter.say(f"starting vLLM to serve the target's features (layers {list(layer_ids)}) into {folder}")
-    with serving(argv, workdir, "features", eval_cfg, feature_server_env()) as server:
-        yield EngineFeatures(server, layer_ids, hidden_size, torch_dtype, tc.engine_timeout_s)
+    with features_dir(tc.engine_features_dir) as folder:
+        argv = feature_server_argv(python, target.path, free_port(), dtype, max_len, layer_ids, folder,
+                                   tc.engine_args)
+        reporter.say(f"starting vLLM to serve the target's features (layers {list(layer_ids)}) into {folder}")
+        with serving(argv, workdir, "features", eval_cfg, feature_server_env()) as server:
+            yield EngineFeatures(server, layer_ids, hidden_size, torch_dtype, tc.engine_timeout_s)
 
 
 __all__ = [

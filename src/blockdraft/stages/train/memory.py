@@ -114,19 +114,14 @@ class MemoryPlan:
         return None
 
 
-_COUNTED: dict[tuple[str, torch.dtype], tuple[nn.Module, int, int]] = {}
-
-
 def count_target(hf_config: Any, dtype: torch.dtype) -> tuple[nn.Module, int, int]:
-    """The target built on the meta device (no memory, no weights read) as the trainer loads it, its parameter count,
-    and its bytes (parameters and buffers, each in the dtype the model keeps it in). Kept per config and dtype."""
-    key = (hf_config.to_json_string(), dtype)
-    if key not in _COUNTED:
-        model = meta_target(hf_config, dtype)
-        params = sum(p.numel() for p in model.parameters())
-        nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-        _COUNTED[key] = (model, params, nbytes)
-    return _COUNTED[key]
+    """The target built on the meta device (no memory, no weights read) as the trainer loads it (`meta_target`, which
+    keeps it per config and dtype), its parameter count, and its bytes (parameters and buffers, each in the dtype the
+    model keeps it in)."""
+    model = meta_target(hf_config, dtype)
+    params = sum(p.numel() for p in model.parameters())
+    nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return model, params, nbytes
 
 
 def count_drafter(spec: DrafterSpec) -> tuple[int, int]:
