@@ -12,7 +12,7 @@ from blockdraft.cli import PIPELINE_ORDER, app
 def test_help_lists_the_commands_in_the_order_a_job_runs_them():
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0
-    listed = [name for name in re.findall(r"^│ (\w+)\s", result.output, re.M) if name in PIPELINE_ORDER]
+    listed = [name for name in re.findall(r"^│ ([\w-]+)\s", result.output, re.M) if name in PIPELINE_ORDER]
     assert listed == list(PIPELINE_ORDER)
 
 

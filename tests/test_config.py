@@ -94,7 +94,9 @@ def test_missing_and_malformed_files(tmp_path):
 
 @pytest.mark.parametrize(("text", "item"),
                          [("[tokenize]\nmax_lenght = 5\n", "tokenize.max_lenght=5"),
-                          ("[trian]\nlr = 1\n", "trian.lr=1")])
+                          ("[trian]\nlr = 1\n", "trian.lr=1"),
+                          ("[train]\ntarget_engine = 'vllm'\n[target.engine]\nurll = 'http://h:1'\n",
+                           "target.engine.urll=http://h:1")])
 def test_a_mistyped_name_in_the_file_gets_the_same_suggestion_as_set(tmp_path, text, item):
     (tmp_path / "c.toml").write_text(text)
     with pytest.raises(ConfigError) as in_file:
@@ -104,3 +106,31 @@ def test_a_mistyped_name_in_the_file_gets_the_same_suggestion_as_set(tmp_path, t
     said = str(in_set.value).removeprefix(f"--set {item}: ")
     assert "did you mean" in said and (f"config {tmp_path / 'c.toml'}: {said}; fix that name in the file"
                                        == str(in_file.value))
+
+
+def test_the_engine_table_inside_target_is_set_by_file_and_by_dotted_set_items(tmp_path):
+    (tmp_path / "c.toml").write_text("[train]\ntarget_engine = 'vllm'\n[target.engine]\ntensor_parallel_size = 4\n")
+    cfg = load_config(tmp_path / "c.toml", sets=["target.engine.enable_expert_parallel=true",
+                                                 "target.engine.args=--max-num-seqs,8"])
+    assert cfg.target.engine.launch_args() == ["--tensor-parallel-size", "4", "--enable-expert-parallel",
+                                               "--max-num-seqs", "8"]
+    url = load_config(tmp_path / "c.toml", sets=["target.engine.url=http://10.0.0.5:8000"]).target.engine.url
+    assert url == "http://10.0.0.5:8000"
+
+
+@pytest.mark.parametrize(("sets", "said"), [
+    (["target.engine.tensor_parallel_size=2"],
+     "target.engine.tensor_parallel_size is set, and train.target_engine = 'hf' runs the target in the trainer, "
+     "without an engine; set train.target_engine = 'vllm' or drop [target.engine]"),
+    (["train.target_engine=vllm", "target.engine.url=10.0.0.5:8000"],
+     "target.engine.url must be the http(s) URL of a vLLM server, e.g. http://10.0.0.5:8000 (got '10.0.0.5:8000')"),
+    (["train.target_engine=vllm", "target.engine.tensor_parallel_size=0"],
+     "--set target.engine.tensor_parallel_size=0: must be >= 1 (it sets target.engine.tensor_parallel_size); pass a "
+     "valid value"),
+    (["target.engine=5"], "--set target.engine=5: target.engine is a table; set one of its keys: url, "),
+    (["train.lr.x=5"], "--set train.lr.x=5: train.lr is a setting, not a table; write it as --set train.lr=value"),
+])
+def test_a_bad_engine_setting_is_one_line_naming_it(sets, said):
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, sets=sets)
+    assert said in str(refused.value) and "\n" not in str(refused.value)

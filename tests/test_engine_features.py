@@ -4,7 +4,10 @@ equal the trainer's own forward, for every layer id the drafter reads; a layer i
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,16 +73,25 @@ def test_engine_features_equal_the_trainers_own_and_an_off_by_one_layer_does_not
 @needs_engine
 @pytest.mark.engine
 @pytest.mark.slow
-def test_features_of_other_layers_are_refused_in_one_line(engine):
-    served, _ = engine
-    other = EngineFeatures(served.server, [1, 3], 128, torch.float32)  # the engine serves three layers
-    with pytest.raises(EngineError, match=r"have shape \(9, 3, 128\), not \(9, 2, 128\)"):
+@pytest.mark.parametrize("layer_ids", [[1, 3], [0, 2, 4]])
+def test_features_of_other_layers_are_refused_in_one_line_by_what_the_file_says(engine, layer_ids):
+    """Fewer layers, or as many other ones (which the features' shape cannot tell apart): each file's metadata names
+    the layers the engine captures."""
+    served, folder = engine
+    other = EngineFeatures(served.server, layer_ids, 128, torch.float32)
+    with pytest.raises(EngineError) as refused:
         other.row(list(range(9)))
+    assert str(refused.value) == (
+        f"the engine captures vLLM layers [2, 4, 6] and the drafter reads the target's layers {layer_ids} (vLLM's "
+        f"{[i + 1 for i in layer_ids]}): its features would be of other layers; start it with `blockdraft "
+        "features-server` and this config")
+    assert not list(folder.iterdir())  # the refused file is deleted too
 
 
 def _train_sections(tmp, name, **settings):
+    engine = {"engine": {"features_dir": str(tmp / f"features-{name}")}} if settings.get("target_engine") else {}
     return {
-        "target": {"path": str(TINY_TARGET_DIR)},
+        "target": {"path": str(TINY_TARGET_DIR), **engine},
         "store": {"url": str(tmp / "store")},
         "tokenize": {"held_out_fraction": 0.1},
         "dflash": {"block_size": 8, "mask_token_id": MASK, "num_draft_layers": 1, "num_anchors": 16},
@@ -87,8 +99,7 @@ def _train_sections(tmp, name, **settings):
                   "log_dir": str(tmp / f"logs-{name}"), "max_steps": 20, "batch_size": 4, "global_batch_size": 4,
                   "lr": 1e-3, "warmup_ratio": 0.05,
                   "checkpoint_every": 20, "seed": 0, "deterministic": True, "eval_every": 10, "eval_rows": 8,
-                  "decode_eval_prompts": 0, "target_agreement_rows": 0,
-                  "engine_features_dir": str(tmp / f"features-{name}"), **settings},
+                  "decode_eval_prompts": 0, "target_agreement_rows": 0, **settings},
         "eval": {"engine_python": str(ENGINE_PYTHON)},
     }
 
@@ -140,6 +151,55 @@ def test_an_engine_killed_mid_run_stops_training_in_one_line_and_a_rerun_resumes
     assert "\n" not in str(stopped.value) and "engine" in str(stopped.value)
     resumed = train.run(load_config(None, sections), reporter=Reporter()).details
     assert resumed.resumed_from == 6 and resumed.steps == 12 and resumed.steps_run == 6
+
+
+@needs_engine
+@pytest.mark.engine
+@pytest.mark.slow
+def test_training_reads_an_engine_started_elsewhere_at_its_url_through_its_own_view_of_the_folder(tokenized):
+    """`blockdraft features-server` with the trainers' config serves the features; train, given target.engine.url
+    and target.engine.features_dir (here a link to the engine's folder, as a shared filesystem mounted elsewhere),
+    starts no engine and trains on them."""
+    from blockdraft.engine_process import Server
+
+    tmp = tokenized
+    written, seen = tmp / "url-engine-writes", tmp / "url-trainer-sees"
+    written.mkdir()
+    seen.symlink_to(written)
+    port = free_port()
+    sections = _train_sections(tmp, "url", target_engine="vllm", max_steps=4, checkpoint_every=4)
+    sections["target"]["engine"] = {"url": f"http://127.0.0.1:{port}", "features_dir": str(seen)}
+    config = tmp / "url.toml"
+    config.write_text(toml_of(sections))
+    cli = [str(Path(sys.executable).parent / "blockdraft"), "features-server", "--config", str(config), "--port",
+           str(port), "--features-dir", str(written)]
+    printed = subprocess.run([*cli, "--print"], capture_output=True, text=True, check=True).stdout
+    assert "--kv-transfer-config" in printed and '"eagle_aux_hidden_state_layer_ids": [' in printed
+    server = Server(cli, port, tmp / "engine-url.log", dict(os.environ))
+    try:
+        reporter = Reporter()
+        result = train.run(load_config(config), reporter=reporter).details
+    finally:
+        server.stop()
+    assert result.steps == result.steps_run == 4
+    assert any(line.startswith(f"reading the target's features (layers {list(result.drafter.spec.target_layer_ids)}) "
+                                f"from the engine at http://127.0.0.1:{port}") for line in reporter.lines)
+    assert not any(line.startswith("starting vLLM") for line in reporter.lines)
+    assert not any(written.iterdir())  # every row's file read through the link and deleted
+
+
+def toml_of(sections: dict) -> str:
+    """`sections` as a TOML file, a table inside a section (target.engine) as its own header."""
+    def value(v: object) -> str:
+        return json.dumps(v) if isinstance(v, (str, list)) else str(v).lower() if isinstance(v, bool) else repr(v)
+
+    out = []
+    for name, values in sections.items():
+        out.append(f"[{name}]")
+        out += [f"{k} = {value(v)}" for k, v in values.items() if not isinstance(v, dict)]
+        for table, inner in ((k, v) for k, v in values.items() if isinstance(v, dict)):
+            out += [f"[{name}.{table}]", *(f"{k} = {value(v)}" for k, v in inner.items())]
+    return "\n".join(out) + "\n"
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid", "tied", "biased"])
@@ -203,3 +263,41 @@ def test_the_default_feature_folder_is_made_for_the_run_and_removed_after_it(tmp
     with features_dir(str(tmp_path / "mine")) as given:  # a folder the config names is the user's: it stays
         assert given == tmp_path / "mine"
     assert given.is_dir()
+
+
+def test_the_connector_writes_the_format_the_reader_accepts():
+    """The connector runs in the engine's Python without blockdraft, so it names the format itself."""
+    from blockdraft.stages.train.engine_features import FEATURES_FORMAT, connector_dir
+
+    assert f'FORMAT = "{FEATURES_FORMAT}"' in (connector_dir() / "blockdraft_features.py").read_text()
+
+
+@pytest.mark.parametrize(("metadata", "said"), [
+    ({}, "the engine's feature file says format None, not 'blockdraft-features/1'"),
+    ({"prefix_caching": "true"}, "the engine serves with prefix caching on"),
+    ({"hidden_size": "256"}, "the engine serves a model of hidden size 256, and the target at target.path has 128"),
+])
+def test_a_feature_file_from_an_engine_started_otherwise_is_refused_by_its_metadata(metadata, said):
+    from blockdraft.engine_process import Endpoint
+    from blockdraft.stages.train.engine_features import FEATURES_FORMAT
+
+    served = EngineFeatures(Endpoint("http://127.0.0.1:9"), LAYER_IDS, 128, torch.float32)
+    good = {"format": FEATURES_FORMAT, "layer_ids": "[2, 4, 6]", "prefix_caching": "false", "hidden_size": "128"}
+    served.check_served(good)
+    with pytest.raises(EngineError, match="start it with `blockdraft features-server`") as refused:
+        served.check_served({**good, **metadata} if metadata else {})
+    assert str(refused.value).startswith(said)
+
+
+def test_an_engine_url_that_does_not_answer_stops_training_in_one_line_naming_it(tmp_path):
+    from blockdraft.stages.train.engine_features import feature_server
+
+    port = free_port()  # nothing listens there
+    cfg = load_config(None, {"target": {"path": str(TINY_TARGET_DIR),
+                                        "engine": {"url": f"http://127.0.0.1:{port}", "timeout_s": 1}},
+                             "train": {"target_engine": "vllm"}})
+    with pytest.raises(EngineError) as stopped:
+        with feature_server(cfg.train, cfg.target, cfg.eval, LAYER_IDS, 128, "float32", tmp_path, Reporter()):
+            pass
+    assert str(stopped.value).startswith(f"the engine at http://127.0.0.1:{port} did not answer /health within 1 s "
+                                         "(target.engine.timeout_s)")

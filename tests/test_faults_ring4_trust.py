@@ -34,7 +34,7 @@ import yaml
 from helpers.artifacts import commit_files
 from helpers.paths import GOLDEN2
 from helpers.tiny_run import make_tiny_run, tiny_config, write_config
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from transformers import AutoConfig
 from typer.testing import CliRunner
 
@@ -111,20 +111,27 @@ def free_form_fields() -> list[tuple[str, str, str]]:
 
 
 def text_fields() -> list[tuple[str, str, str]]:
+    """(section, field, kind) of every text setting; a field of a table inside a section is dotted (`engine.url`)."""
     found = []
-    for section, info in BlockdraftConfig.model_fields.items():
-        model = typing.cast(type, info.annotation)
+
+    def walk(section: str, model: type, prefix: str) -> None:
         for name, field in model.model_fields.items():
             annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):  # [target.engine]
+                walk(section, annotation, f"{prefix}{name}.")
+                continue
             if typing.get_origin(annotation) in (typing.Union, types.UnionType):
                 args = [a for a in typing.get_args(annotation) if a is not type(None)]
                 annotation = args[0] if len(args) == 1 else None
             if annotation is str:
-                found.append((section, name, "str"))
+                found.append((section, prefix + name, "str"))
             elif typing.get_origin(annotation) is list and typing.get_args(annotation) == (str,):
-                found.append((section, name, "list"))
+                found.append((section, prefix + name, "list"))
             elif typing.get_origin(annotation) is dict and typing.get_args(annotation)[1] is str:
-                found.append((section, name, "dict"))
+                found.append((section, prefix + name, "dict"))
+
+    for section, info in BlockdraftConfig.model_fields.items():
+        walk(section, typing.cast(type, info.annotation), "")
     return found
 
 
@@ -165,14 +172,23 @@ def planted_sections(where: Path) -> tuple[dict[str, dict], dict[str, str]]:
         if (section, name) == ("store", "url"):  # a store URL is a folder: the token rides in its name
             shape, secret = FORMS["hf token"]()
             value: object = f"file://{where}/store-{secret}"
-        elif (section, name) == ("store", "endpoint_url"):  # an S3 endpoint takes no query string
+        elif (section, name) in (("store", "endpoint_url"), ("target", "engine.url")):  # no query string; http(s)
             shape, secret = FORMS["url userinfo"]()
             value = shape(secret)
         else:
             value, secret = plant(kind, form, str(where))
-        sections.setdefault(section, {})[name] = value
+        put(sections.setdefault(section, {}), name, value)
         secrets_of[f"{section}.{name}"] = secret
+    sections.setdefault("train", {})["target_engine"] = "vllm"  # [target.engine]'s settings are used by it only
     return sections, secrets_of
+
+
+def put(table: dict, name: str, value: object) -> None:
+    """`table[name] = value`, a dotted name (`engine.url`) into the table of that name."""
+    *tables, last = name.split(".")
+    for part in tables:
+        table = table.setdefault(part, {})
+    table[last] = value
 
 
 def holding(texts: dict[str, bytes], secrets_of: dict[str, str]) -> list[str]:
@@ -187,7 +203,8 @@ def holding(texts: dict[str, bytes], secrets_of: dict[str, str]) -> list[str]:
 def test_every_free_form_setting_is_pinned_as_a_fingerprint_that_still_keys_it():
     fields = free_form_fields()
     assert {("eval", "engine_args", "list"), ("generate", "base_url", "list"), ("store", "endpoint_url", "str"),
-            ("target", "path", "str"), ("train", "wandb", "dict")} <= set(fields)
+            ("target", "path", "str"), ("target", "engine.url", "str"), ("target", "engine.args", "list"),
+            ("train", "wandb", "dict")} <= set(fields)
     for section, name, kind in text_fields():
         if (section, name) in CONSTRAINED:
             for form in FORMS:
@@ -208,7 +225,7 @@ def test_every_free_form_setting_is_pinned_as_a_fingerprint_that_still_keys_it()
         changed = json.loads(json.dumps(sections))
         value, _ = plant(kind, "url userinfo", "/tmp/x") if (section, name) != ("store", "url") else (
             f"file:///tmp/never-written/store-{FORMS['hf token']()[1]}", "")
-        changed[section][name] = value
+        put(changed[section], name, value)
         assert BlockdraftConfig.model_validate(changed).digest(section) != config.digest(section), (section, name)
         assert BlockdraftConfig.model_validate(sections).digest(section) == config.digest(section)
     # Settings without a credential are pinned as they are: no key of an existing output moves.

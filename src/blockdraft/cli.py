@@ -42,8 +42,8 @@ from blockdraft.store.transfer import push as push_artifact
 from blockdraft.store.writable import require_folder
 
 # `blockdraft --help` lists the commands in the order a job runs them, not alphabetically.
-PIPELINE_ORDER = ("preflight", "generate", "tokenize", "push", "pull", "train", "eval", "export", "verify", "status",
-                  "demo")
+PIPELINE_ORDER = ("preflight", "generate", "tokenize", "push", "pull", "features-server", "train", "eval", "export",
+                  "verify", "status", "demo")
 
 
 class PipelineOrder(TyperGroup):
@@ -491,6 +491,39 @@ def train(
         print(launched.result.url)
     if launched.exit_status:
         raise typer.Exit(launched.exit_status)
+
+
+@app.command("features-server")
+@user_errors
+def features_server(
+    config: ConfigOpt = None,
+    host: Annotated[str, typer.Option(help="Address to serve on (0.0.0.0: every interface, for trainers on other "
+                                           "machines).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to serve on.")] = 8000,
+    features_dir: Annotated[str | None, typer.Option("--features-dir", help="Folder the engine writes each row's "
+                                                     "features to (default: target.engine.features_dir); the "
+                                                     "trainers must see it.")] = None,
+    print_only: Annotated[bool, typer.Option("--print", help="Print the command and its PYTHONPATH instead of "
+                                                             "running it.")] = False,
+    sets: SetOpt = None,
+) -> None:
+    """Serve the target's features with vLLM, as [target.engine] says, for trainers whose target.engine.url points
+    here: the engine train would start itself, run on machines of its own."""
+    from blockdraft.stages.train.engine_features import features_server_command
+
+    cfg = load_config(config, {}, sets or ())
+    folder = features_dir or cfg.target.engine.features_dir
+    if folder is None:
+        raise ConfigError("features-server needs the folder the engine writes features to: pass --features-dir or "
+                          "set target.engine.features_dir (on a filesystem the trainers see)")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    argv, env = features_server_command(cfg, host, port, Path(folder).absolute())
+    if print_only:
+        print(f"PYTHONPATH={shlex.quote(env['PYTHONPATH'])} {shlex.join(argv)}")
+        return
+    console.print(f"serving the target's features on {host}:{port} into {folder}", highlight=False)
+    sys.stdout.flush()
+    os.execve(argv[0], argv, env)
 
 
 @app.command()

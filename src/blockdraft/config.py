@@ -38,6 +38,39 @@ class _Section(BaseModel):
         return redact_settings(self.model_dump(mode="json"))
 
 
+class TargetEngineConfig(_Section):
+    """`[target.engine]`: the vLLM engine that serves the target's features when train.target_engine = "vllm"
+    (docs/TRAINING.md, "The target served by vLLM"), with these parallel sizes (vLLM's own settings, as its command line
+    spells them) and `args` after them. Train starts it in eval.engine_python's environment, or, with `url`, reads
+    from one already serving, started with the same config by `blockdraft features-server` (on its own machines).
+    `features_dir`: the folder the engine writes each row's features to; with `url`, where this machine sees that
+    folder (the same machine, or a shared filesystem)."""
+
+    url: str | None = None  # an engine already serving, e.g. "http://10.0.0.5:8000"; None: train starts one
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    data_parallel_size: int = Field(default=1, ge=1)
+    enable_expert_parallel: bool = False
+    args: list[str] = Field(default_factory=list)  # more of vLLM's options, appended last
+    features_dir: str | None = None  # None: a new folder in /dev/shm (Linux) or the temporary folder
+    timeout_s: float = Field(default=300.0, gt=0)  # the longest wait for one row's features
+
+    def launch_args(self) -> list[str]:
+        """The parallel sizes and `args` as vLLM's command line takes them (sizes of 1 left to vLLM's default)."""
+        sizes = {"--tensor-parallel-size": self.tensor_parallel_size,
+                 "--pipeline-parallel-size": self.pipeline_parallel_size,
+                 "--data-parallel-size": self.data_parallel_size}
+        out = [part for flag, size in sizes.items() if size > 1 for part in (flag, str(size))]
+        return out + (["--enable-expert-parallel"] if self.enable_expert_parallel else []) + list(self.args)
+
+    @model_validator(mode="after")
+    def _url_is_http(self) -> TargetEngineConfig:
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"target.engine.url must be the http(s) URL of a vLLM server, e.g. http://10.0.0.5:8000 "
+                             f"(got {self.url!r})")
+        return self
+
+
 class TargetConfig(_Section):
     """The frozen target model; its tokenizer and chat template are the defaults for tokenize.
 
@@ -48,6 +81,7 @@ class TargetConfig(_Section):
     tokenizer: str | None = None
     chat_template: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    engine: TargetEngineConfig = Field(default_factory=TargetEngineConfig)
 
 
 def layer_ids_problem(ids: Sequence[int]) -> str | None:
@@ -384,12 +418,8 @@ class TrainConfig(_Section):
     min_target_agreement: float = Field(default=0.7, ge=0.0, le=1.0)
     log_every_s: float = Field(default=30.0, gt=0)  # one plain progress line this often when stderr is not a terminal
     # Where the target's features come from: "hf", its forward inside the trainer; "vllm", a vLLM engine that serves
-    # the target (started by train in eval.engine_python's environment) and writes each row's hidden states to
-    # engine_features_dir (docs/TRAINING.md, "A target larger than one device").
+    # the target as [target.engine] says (docs/TRAINING.md, "The target served by vLLM").
     target_engine: Literal["hf", "vllm"] = "hf"
-    engine_args: list[str] = Field(default_factory=list)  # vLLM's own options, e.g. ["--tensor-parallel-size", "2"]
-    engine_features_dir: str | None = None  # None: a new folder in /dev/shm (Linux) or the temporary folder
-    engine_timeout_s: float = Field(default=300.0, gt=0)  # the longest wait for one row's features
 
     @model_validator(mode="after")
     def _packing_has_rows_to_pack(self) -> TrainConfig:
@@ -527,6 +557,16 @@ class BlockdraftConfig(_Section):
     def _global_batch_splits(self) -> BlockdraftConfig:  # over every rank of every node
         ranks = len(self.placement.drafter_devices) * self.placement.nnodes
         accumulation_steps(self.train.global_batch_size, self.train.batch_size, ranks)
+        return self
+
+    @model_validator(mode="after")
+    def _engine_settings_are_used(self) -> BlockdraftConfig:
+        engine = self.target.engine
+        if self.train.target_engine == "hf" and engine != TargetEngineConfig():
+            changed = next(name for name in TargetEngineConfig.model_fields
+                           if getattr(engine, name) != getattr(TargetEngineConfig(), name))
+            raise ConfigError(f"target.engine.{changed} is set, and train.target_engine = 'hf' runs the target in the "
+                             "trainer, without an engine; set train.target_engine = 'vllm' or drop [target.engine]")
         return self
 
     def digest(self, *sections: str) -> str:

@@ -65,13 +65,13 @@ def _has_module(python: Path, module: str) -> bool:
 
 
 def server_argv(python: Path, engine: str, target: str, port: int, dtype: str, max_len: int | None,
-                spec: dict[str, Any] | None, extra: Sequence[str]) -> list[str]:
-    """The command line that serves `target` (with the drafter `spec`, vLLM's speculative config, or target-only), with
-    room for `max_len` tokens per sequence (None: what the target's config allows)."""
+                spec: dict[str, Any] | None, extra: Sequence[str], host: str = "127.0.0.1") -> list[str]:
+    """The command line that serves `target` (with the drafter `spec`, vLLM's speculative config, or target-only) on
+    `host`:`port`, with room for `max_len` tokens per sequence (None: what the target's config allows)."""
     if engine != "vllm":
         raise EngineError(f"eval.engine {engine!r} is not run by this version; use 'vllm'")
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name",
-            SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", "0"]
+            SERVED_NAME, "--host", host, "--port", str(port), "--dtype", dtype, "--seed", "0"]
     if max_len is not None:
         argv += ["--max-model-len", str(max_len)]
     if spec is not None:
@@ -120,29 +120,66 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-class Server:
-    """One engine server process group on 127.0.0.1:`port`, its output in `log`."""
+class Endpoint:
+    """An engine's OpenAI-compatible server at `url`, started elsewhere: its requests, and what an error line says of
+    it. `Server` is one this process started."""
 
-    def __init__(self, argv: list[str], port: int, log: Path, env: dict[str, str]) -> None:
-        self.argv, self.port, self.log = argv, port, log
-        self.url = f"http://127.0.0.1:{port}"
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    def exit_status(self) -> int | None:
+        """The server process's exit status once it has exited; None while it runs, or when it is not ours to see."""
+        return None
+
+    def log_tail(self) -> str:
+        return f"its log is the engine's own, where it was started ({redact(self.url)})"
+
+    def wait_healthy(self, timeout_s: float, setting: str = "eval.engine_start_timeout_s") -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineError(f"the engine exited with status {self.proc.returncode} while starting; "
-                                  f"{self.log_tail()}")
+            if (status := self.exit_status()) is not None:
+                raise EngineError(f"the engine exited with status {status} while starting; {self.log_tail()}")
             with contextlib.suppress(OSError, urllib.error.URLError):
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
                     if resp.status == 200:
                         return
             time.sleep(HEALTH_POLL_S)
-        raise EngineError(f"the engine did not answer /health within {timeout_s:.0f} s (eval.engine_start_timeout_s); "
-                          f"{self.log_tail()}")
+        raise EngineError(f"the engine at {redact(self.url)} did not answer /health within {timeout_s:.0f} s "
+                          f"({setting}); {self.log_tail()}")
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise EngineError(f"the engine answered {path} with HTTP {exc.code}: "
+                              f"{redact(exc.read().decode(errors='replace')[:500])}") from None
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"the engine did not answer {path} ({type(exc).__name__}: {redact(str(exc))}); "
+                              f"{self.log_tail()}") from None
+
+    def get_text(self, path: str) -> str:
+        try:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as resp:
+                return resp.read().decode()
+        except OSError as exc:
+            raise EngineError(f"the engine did not answer {path} ({type(exc).__name__}); {self.log_tail()}") from None
+
+
+class Server(Endpoint):
+    """One engine server process group on 127.0.0.1:`port`, started here, its output in `log`."""
+
+    def __init__(self, argv: list[str], port: int, log: Path, env: dict[str, str]) -> None:
+        super().__init__(f"http://127.0.0.1:{port}")
+        self.argv, self.port, self.log = argv, port, log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+
+    def exit_status(self) -> int | None:
+        return self.proc.poll()
 
     def log_tail(self) -> str:
         """The last lines of the server's output, redacted like every server text, as one line."""
@@ -167,26 +204,6 @@ class Server:
         """The group's other processes (the engine's workers) get SIGKILL once the server itself has exited."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-
-    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            raise EngineError(f"the engine answered {path} with HTTP {exc.code}: "
-                              f"{redact(exc.read().decode(errors='replace')[:500])}") from None
-        except (OSError, ValueError) as exc:
-            raise EngineError(f"the engine did not answer {path} ({type(exc).__name__}: {redact(str(exc))}); "
-                              f"{self.log_tail()}") from None
-
-    def get_text(self, path: str) -> str:
-        try:
-            with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as resp:
-                return resp.read().decode()
-        except OSError as exc:
-            raise EngineError(f"the engine did not answer {path} ({type(exc).__name__}); {self.log_tail()}") from None
 
 
 def server_env() -> dict[str, str]:
@@ -227,5 +244,5 @@ def serving(argv: list[str], workdir: Path, name: str, cfg: EvalConfig,
         yield servers[name]
 
 
-__all__ = ["SERVED_NAME", "Server", "cuda_here", "engine_python", "free_port", "server_argv", "server_env", "serving",
-           "serving_together"]
+__all__ = ["SERVED_NAME", "Endpoint", "Server", "cuda_here", "engine_python", "free_port", "server_argv", "server_env",
+           "serving", "serving_together"]

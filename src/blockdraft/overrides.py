@@ -62,35 +62,49 @@ def set_overrides(items: Iterable[str], model: type[BaseModel], overrides: Overr
     is not of that form or names a section or key the config does not have."""
     overrides = overrides or Overrides()
     for item in items:
-        section, key, text = _split(item, model)
-        annotation = model.model_fields[section].annotation
-        assert isinstance(annotation, type) and issubclass(annotation, BaseModel)  # every section is a model
-        overrides.add(section, key, parse_value(text, annotation.model_fields[key].annotation), f"--set {item}")
+        section, key, field, text = _split(item, model)
+        overrides.add(section, key, parse_value(text, field.annotation), f"--set {item}")
     return overrides
 
 
-def _split(item: str, model: type[BaseModel]) -> tuple[str, str, str]:
+def _split(item: str, model: type[BaseModel]) -> tuple[str, str, Any, str]:
+    """(section, key, the key's pydantic field, value text) of a `--set` item; a key inside a table of a section
+    (`target.engine.url`) is dotted: `engine.url`."""
     name, eq, text = item.partition("=")
-    section, dot, key = name.strip().partition(".")
-    if not eq or not dot:
+    parts = name.strip().split(".")
+    if not eq or len(parts) < 2:
         raise ConfigError(f"--set {item}: write it as section.key=value, e.g. --set train.max_steps=100")
-    if section not in model.model_fields:
-        raise ConfigError(f"--set {item}: {unknown_name([section], model)}")
-    fields = model.model_fields[section].annotation.model_fields  # type: ignore[union-attr]
-    if key not in fields:
-        raise ConfigError(f"--set {item}: {unknown_name([section, key], model)}")
-    return section, key, text.strip()
+    current: Any = model
+    for depth, part in enumerate(parts):
+        fields = current.model_fields
+        if part not in fields:
+            raise ConfigError(f"--set {item}: {unknown_name(parts[: depth + 1], model)}")
+        field = fields[part]
+        current = field.annotation
+        if depth < len(parts) - 1 and not _is_model(current):
+            raise ConfigError(f"--set {item}: {'.'.join(parts[: depth + 1])} is a setting, not a table; write it as "
+                              f"--set {'.'.join(parts[: depth + 1])}=value")
+    if _is_model(current):
+        raise ConfigError(f"--set {item}: {'.'.join(parts)} is a table; set one of its keys: "
+                          f"{', '.join(current.model_fields)}")
+    return parts[0], ".".join(parts[1:]), field, text.strip()
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def unknown_name(loc: Sequence[str], model: type[BaseModel]) -> str:
-    """What to say of a section (`[name]`) or key (`[section, name]`) that `model` does not have: the nearest name and
-    the names there are, worded the same for a `--set` item and for the config file."""
+    """What to say of a section (`[name]`) or key (`[section, name]`, `[section, table, name]`) that `model` does not
+    have: the nearest name and the names there are, worded the same for a `--set` item and for the config file."""
     if len(loc) == 1:
         return (f"the config has no section '{loc[0]}'{_nearest(loc[0], model.model_fields)}; sections: "
                 f"{', '.join(model.model_fields)}")
-    section, key = loc[0], loc[-1]
-    fields = model.model_fields[section].annotation.model_fields  # type: ignore[union-attr]
-    return f"[{section}] has no key '{key}'{_nearest(key, fields)}; keys: {', '.join(fields)}"
+    table: Any = model
+    for part in loc[:-1]:
+        table = table.model_fields[part].annotation
+    key, where = loc[-1], ".".join(loc[:-1])
+    return f"[{where}] has no key '{key}'{_nearest(key, table.model_fields)}; keys: {', '.join(table.model_fields)}"
 
 
 def _nearest(word: str, names: Iterable[str]) -> str:
@@ -155,12 +169,12 @@ def validation_line(label: str, err: ValidationError, overrides: Overrides,
     section or key of the file that `model` does not have gets the nearest name, as `--set` does."""
     first = err.errors()[0]
     loc: list[str] = [str(p) for p in first["loc"]]
-    if model is not None and first["type"] == "extra_forbidden" and 1 <= len(loc) <= 2:
+    if model is not None and first["type"] == "extra_forbidden" and loc:
         return f"config {label}: {unknown_name(loc, model)}; fix that name in the file"
     message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own validators' words
-    spelling = overrides.spelled.get((loc[0], loc[1])) if len(loc) >= 2 else None
+    spelling = overrides.spelled.get((loc[0], ".".join(loc[1:]))) if len(loc) >= 2 else None
     if spelling is not None:
-        section, key = loc[0], loc[1]
+        section, key = loc[0], ".".join(loc[1:])
         bound = _BOUNDS.get(first["type"])
         limit = first.get("ctx", {}).get(bound[1]) if bound else None
         problem = f"must be {bound[0]} {limit}" if bound and limit is not None else message
@@ -172,11 +186,16 @@ def validation_line(label: str, err: ValidationError, overrides: Overrides,
 def apply(data: dict, overrides: Overrides, label: str) -> dict:
     """`data` (the file's tables) with `overrides` laid over it."""
     for section, values in overrides.values.items():
-        table = data.setdefault(section, {})
-        if not isinstance(table, dict):  # `tokenize = 5`: an override has no table to go into
-            raise ConfigError(f"config {label}: '{section}' is a {type(table).__name__}, not a table; "
-                              f"write its fields under a [{section}] header")
-        table.update(values)
+        for key, value in values.items():  # a dotted key (`engine.url`) goes into the section's table of that name
+            *tables, name = [section, *key.split(".")]
+            table = data
+            for depth, part in enumerate(tables):
+                table = table.setdefault(part, {})
+                if not isinstance(table, dict):  # `tokenize = 5`: an override has no table to go into
+                    where = ".".join(tables[: depth + 1])
+                    raise ConfigError(f"config {label}: '{where}' is a {type(table).__name__}, not a table; "
+                                      f"write its fields under a [{where}] header")
+            table[name] = value
     return data
 
 

@@ -8,6 +8,10 @@ that connector's protocol (a file per request, `<storage>/<request id>.safetenso
 plain indexing, synchronously, when vLLM reports the request finished. The file appears under its final name only once
 written (`.part`, then a rename), so a reader may also wait for the name.
 
+Each file's safetensors metadata says what the engine serves (`file_metadata`): the format, the layer ids it
+captures (vLLM's, 0 the embeddings), whether prefix caching is on, and the served model's layer count and hidden size,
+so a reader refuses an engine started with other settings than it needs, even one it did not start.
+
 Runs inside vLLM's process only: it imports vLLM, torch and safetensors, never blockdraft (the engine's Python does not
 have it). blockdraft puts this folder on the engine's PYTHONPATH and names the class by `kv_connector_module_path`.
 """
@@ -15,6 +19,7 @@ have it). blockdraft puts this folder on the engine's PYTHONPATH and names the c
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 
@@ -27,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 log = logging.getLogger(__name__)
+FORMAT = "blockdraft-features/1"  # what the reader (blockdraft.stages.train.engine_features) accepts
 
 
 class BlockdraftFeaturesConnector(ExampleHiddenStatesConnector):
@@ -35,6 +41,7 @@ class BlockdraftFeaturesConnector(ExampleHiddenStatesConnector):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._saved: set[str] = set()  # requests whose file is written (or failed), not yet reported finished
+        self._metadata = file_metadata(self._vllm_config)
 
     def _rows(self, pending: PendingSave) -> torch.Tensor:
         """The request's rows of the hidden-state cache, in token order: [tokens, layers, hidden]."""
@@ -59,7 +66,7 @@ class BlockdraftFeaturesConnector(ExampleHiddenStatesConnector):
         try:
             tensors = {"hidden_states": self._rows(pending), "token_ids": pending.token_ids.clone()}
             os.makedirs(os.path.dirname(pending.filename) or ".", exist_ok=True)
-            save_file(tensors, pending.filename + ".part")
+            save_file(tensors, pending.filename + ".part", metadata=self._metadata)
             os.replace(pending.filename + ".part", pending.filename)
         except Exception:  # the request's cache blocks are freed either way; the reader finds no file and says so
             log.exception("hidden states of request %s not written to %s", pending.req_id, pending.filename)
@@ -85,3 +92,16 @@ class BlockdraftFeaturesConnector(ExampleHiddenStatesConnector):
             if lock is not None:
                 os.close(lock)
         return done or None, None
+
+
+def file_metadata(vllm_config) -> dict[str, str]:
+    """What every file says of the engine that wrote it (string values: safetensors metadata is text)."""
+    spec = vllm_config.speculative_config.draft_model_config.hf_config
+    text = vllm_config.model_config.hf_text_config
+    return {
+        "format": FORMAT,
+        "layer_ids": json.dumps(list(getattr(spec, "eagle_aux_hidden_state_layer_ids", []))),
+        "prefix_caching": json.dumps(bool(vllm_config.cache_config.enable_prefix_caching)),
+        "num_hidden_layers": str(getattr(text, "num_hidden_layers", "")),
+        "hidden_size": str(getattr(text, "hidden_size", "")),
+    }

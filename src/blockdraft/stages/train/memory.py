@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from blockdraft.config import BlockdraftConfig, TrainConfig, accumulation_steps
+from blockdraft.errors import redact
 from blockdraft.model import DFlashDrafter, DrafterSpec
 from blockdraft.model.block_sparse import resolve_attention
 from blockdraft.model.split import TargetSplit, meta_target, split_target
@@ -321,11 +322,24 @@ def memory_plan(config: BlockdraftConfig, hf_config: Any = None,
     ]
     facts += [split.describe() for split in splits.values()]
     if tc.target_engine != "hf":
-        facts.append(f"target: served by {tc.target_engine} (train.target_engine), which plans its own devices; "
-                     "only its embedding and LM head are held here, beside each drafter")
+        facts.append(f"target: served by {tc.target_engine} (train.target_engine), {engine_where(config, target_bytes)}"
+                     ", which plans its own devices; only its embedding and LM head are held here, beside each "
+                     "drafter")
     if placement.nnodes > 1:
         facts.append(node_traffic(placement.nnodes, world, d_params, tc.grad_allreduce_dtype))
     return MemoryPlan(sorted(plans.values(), key=lambda p: _device_order(p.device)), facts, tc.activation_checkpointing)
+
+
+def engine_where(config: BlockdraftConfig, target_bytes: int) -> str:
+    """Where the engine that serves the target runs, and the weights each of its devices holds, in the plan's words."""
+    engine = config.target.engine
+    if engine.url is not None:
+        return f"already serving at {redact(engine.url)} (target.engine.url)"
+    tp, pp, dp = engine.tensor_parallel_size, engine.pipeline_parallel_size, engine.data_parallel_size
+    return (f"started by each rank on {tp * pp * dp} device(s) (tensor x pipeline x data parallel {tp} x {pp} x {dp}"
+            f"{', experts spread over them' if engine.enable_expert_parallel else ''}), about "
+            f"{target_bytes / (tp * pp) / 1e9:.2f} GB of weights on each (its {target_bytes / 1e9:.2f} GB over "
+            "tensor x pipeline)")
 
 
 def node_traffic(nodes: int, world: int, params: int, dtype: str) -> str:
