@@ -409,3 +409,21 @@ def test_the_mask_id_defaults_to_the_known_reserved_id_of_qwen3_and_qwen35_else_
     with pytest.raises(ConfigError, match=r"151669 is the tokenizer's added token <\|mine\|>"):
         # what tokenize checks the default with
         check_mask_token(known_mask_token_id(local_text_config(str(FIXTURES / "qwen3-tokenizer"))), tokenizer_json)
+
+
+def test_a_moe_target_without_a_dense_mlp_width_gives_the_drafter_its_routed_experts_width():
+    """Qwen3.5-MoE configs name no intermediate_size: the drafter's MLP is num_experts_per_tok x moe_intermediate_size
+    wide, as Qwen3-MoE configs name theirs (Qwen3-235B-A22B: 8 x 1536 = its intermediate_size 12288)."""
+    from types import SimpleNamespace
+
+    from blockdraft.model.spec import mlp_width
+    from blockdraft.model.target import load_target_config
+
+    dflash = DFlashConfig(mask_token_id=248077)
+    moe = DrafterSpec.from_target_config(load_target_config(str(FIXTURES / "qwen3.5-122b-a10b")), dflash)
+    assert moe.intermediate_size == 8 * 1024
+    named = load_target_config(str(FIXTURES / "qwen3-235b-a22b"))
+    assert DrafterSpec.from_target_config(named, DFlashConfig(mask_token_id=151669)).intermediate_size == 12288
+    assert named.moe_intermediate_size * named.num_experts_per_tok == named.intermediate_size
+    with pytest.raises(SpecError, match="set dflash.intermediate_size"):  # a config naming neither
+        mlp_width(SimpleNamespace(hidden_size=64, moe_intermediate_size=None))

@@ -6,6 +6,7 @@ per-layer hooks run as across GPUs)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -160,12 +161,35 @@ def test_qwen3_235b_fits_eight_80gb_gpus_only_split_over_seven():
     assert problem.startswith("memory plan: cuda:0 needs") and "device group" in problem
 
 
+def test_qwen3_5_122b_fits_four_80gb_gpus_for_one_rank_and_not_three_for_two():
+    """Qwen3.5-122B-A10B (244 GB in bf16, a hybrid MoE whose config names no dense MLP width): split over four GPUs
+    with the drafter on a fifth it fits; two ranks of three-GPU splits put 81 GB of weights on each and are refused."""
+    fixture = Path(__file__).parent / "fixtures" / "qwen3.5-122b-a10b"
+
+    def plan(groups, drafters):
+        return memory_plan(load_config(None, {
+            "target": {"path": str(fixture)}, "dflash": {"mask_token_id": 248077},
+            "placement": {"target_devices": groups, "drafter_devices": drafters},
+            "train": {"device_memory_gb": 80}}))
+
+    four = plan([[f"cuda:{i}" for i in range(4)]], ["cuda:4"])
+    assert four.problem() is None and all(60e9 < p.total < 66e9 for p in four.devices[:4])
+    assert any("122,111,526,912 parameters in bfloat16 (244.22 GB)" in line for line in four.facts)
+    six = plan([[f"cuda:{i}" for i in range(3)], [f"cuda:{i}" for i in range(3, 6)]], ["cuda:6", "cuda:7"])
+    assert (problem := six.problem()) is not None and problem.startswith("memory plan: cuda:0 needs 84.45 GB")
+
+
 def test_a_target_served_by_vllm_is_not_planned_on_the_trainers_devices():
     fixture = Path(__file__).parent / "fixtures" / "qwen3-235b-a22b"
     plan = memory_plan(load_config(None, {
-        "target": {"path": str(fixture)}, "dflash": {"mask_token_id": 151669},
+        "dflash": {"mask_token_id": 151669},
         "placement": {"target_devices": ["cuda:0"], "drafter_devices": ["cuda:7"]},
+        "target": {"path": str(fixture), "engine": {"tensor_parallel_size": 8, "enable_expert_parallel": True}},
         "train": {"device_memory_gb": 80, "target_engine": "vllm"}}))
     assert [p.device for p in plan.devices] == ["cuda:7"] and plan.problem() is None
     assert not any(label.startswith("target weights") for label in plan.devices[0].items)
-    assert any(line.startswith("target: served by vllm") for line in plan.facts)
+    served = next(line for line in plan.facts if line.startswith("target: served by vllm"))
+    weights = re.search(r"about ([\d.]+) GB of weights on each \(its ([\d.]+) GB", served)
+    assert "on 8 device(s) (tensor x pipeline x data parallel 8 x 1 x 1, experts spread over them)" in served
+    assert weights is not None and abs(float(weights[1]) * 8 - float(weights[2])) < 0.05  # rounding
+    assert 400 < float(weights[2]) < 500  # Qwen3-235B-A22B in bfloat16

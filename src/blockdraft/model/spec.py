@@ -221,6 +221,20 @@ class DFlash2Spec:
         )
 
 
+def mlp_width(cfg: Any) -> int:
+    """The drafter's default MLP width: the target's `intermediate_size`, or for a mixture-of-experts target that names
+    none (Qwen3.5-MoE) the width a token's routed experts add up to, num_experts_per_tok x moe_intermediate_size (what
+    Qwen3-MoE configs name as their intermediate_size: 8 x 768 = 6144 for Qwen3-30B-A3B)."""
+    width = getattr(cfg, "intermediate_size", None)
+    if width:
+        return int(width)
+    per_expert, active = getattr(cfg, "moe_intermediate_size", None), getattr(cfg, "num_experts_per_tok", None)
+    if per_expert and active:
+        return int(per_expert) * int(active)
+    raise SpecError("the target's config names no intermediate_size (nor moe_intermediate_size and "
+                    "num_experts_per_tok) for the drafter's MLP width; set dflash.intermediate_size")
+
+
 @dataclass
 class DrafterSpec:
     """Shapes and DFlash parameters of one drafter. vocab_size = the target's embedding rows (config.vocab_size).
@@ -377,7 +391,7 @@ class DrafterSpec:
         gamma = dflash_cfg.gamma if dflash_cfg.gamma is not None else default_gamma(dflash_cfg.block_size)
         return cls(
             hidden_size=target.hidden_size,
-            intermediate_size=dflash_cfg.intermediate_size or cfg.intermediate_size,
+            intermediate_size=dflash_cfg.intermediate_size or mlp_width(cfg),
             num_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
