@@ -35,6 +35,10 @@ lossless.
     .venv/bin/python -m bench.quality --packing --fixtures tiny --seeds 3 --workers 1   # packed against padded rows
     .venv/bin/python -m bench.quality --dflash2 --fixtures real --objectives ce,dflash2,ce_wall --seeds 3 \
         --prompts 43 --temperature 0.6 --real-completions demo-work-real/store/completions   # after make demo-real
+    .venv/bin/python -m bench.quality --dflash2 --fixtures real --objectives ce,dflash2,ce_wall --seeds 3 --steps 200 \
+        --prompts 43 --max-new-tokens 16 --temperature 0.6 --target-dtype bfloat16 --eval-dtype float32 \
+        --real-completions demo-work-real/store/completions --results runs.jsonl   # the real-target table in
+                                                      # docs/PERFORMANCE.md (about 2 h 10 min); rerun to go on
 
 With `--dflash2` it also prints the architecture table: per fixture the walk's tau (for DFlash the argmax's: it has no
 walk), the unary argmax's tau of the same DFlash2 drafter on the same prompts, acceptance per draft position, candidate
@@ -165,6 +169,8 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     trained = train_stage.run(cfg).details
     t1 = time.perf_counter()
+    if job["eval_dtype"]:  # eval's target in its own dtype (a bfloat16 decode is slower than float32 on a CPU)
+        cfg = load_config(None, merged(settings, {"target": {"dtype": job["eval_dtype"]}}))
     report = eval_stage.run(cfg, str(work / name / "run"), prompts=held_out_prompts(fixture),
                             max_new_tokens=job["max_new_tokens"]).details
     drafted = report.drafters["dflash"]
@@ -322,11 +328,12 @@ def arch_table(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fixtures", default="tiny,hybrid")
-    parser.add_argument("--objectives", default="ce,distill,dpace,hf_normal")
+    parser.add_argument("--objectives", help="comma-separated (default: ce,distill,dpace,hf_normal, or the preset of "
+                                             "--dflash2 / --packing)")
     parser.add_argument("--dflash2", action="store_true", help="DFlash2 against DFlash: --objectives "
-                                                               f"{DFLASH2_OBJECTIVES}")
+                                                               f"{DFLASH2_OBJECTIVES} unless given")
     parser.add_argument("--packing", action="store_true", help="packed against padded rows: --objectives "
-                                                               f"{PACKING_OBJECTIVES}")
+                                                               f"{PACKING_OBJECTIVES} unless given")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, help="training steps for every fixture (default: each fixture's, see "
                                                   "FIXTURES)")
@@ -344,15 +351,21 @@ def main() -> None:
                         help="dflash.num_anchors for every run (fewer: a cheaper drafter step beside the target)")
     parser.add_argument("--target-dtype", choices=["float32", "bfloat16"], help="target.dtype for every run (default: "
                                                                                "the target config's)")
+    parser.add_argument("--eval-dtype", choices=["float32", "bfloat16"], help="target.dtype for every eval (default: "
+                                                                             "--target-dtype's)")
     parser.add_argument("--quick", action="store_true", help="1 seed, 12 steps, 2 prompts x 24 tokens: a check that it "
                                                              "runs")
     parser.add_argument("--out", help="also write every run's figures to this JSONL file")
+    parser.add_argument("--results", help="a JSONL file each run's figures are appended to as it ends; runs already "
+                                          "in it (same fixture, objective, seed and steps) are taken from it, not run "
+                                          "again, so a stopped bench goes on where it stopped")
     parser.add_argument("--work", help="keep every run's data, checkpoints and logs in this new folder (default: a "
                                        "temporary one, removed at the end)")
     args = parser.parse_args()
     fixtures, objectives = (
         args.fixtures.split(","),
-        (DFLASH2_OBJECTIVES if args.dflash2 else PACKING_OBJECTIVES if args.packing else args.objectives).split(","),
+        (args.objectives or (DFLASH2_OBJECTIVES if args.dflash2 else PACKING_OBJECTIVES if args.packing
+                             else "ce,distill,dpace,hf_normal")).split(","),
     )
     unknown = [x for x in fixtures if x not in FIXTURES] + [x for x in objectives if x not in OBJECTIVES]
     if unknown or "ce" not in objectives:
@@ -385,20 +398,35 @@ def main() -> None:
             return {"fixture": fixture, "objective": objective, "seed": seed, "work": str(work), "data": data[fixture],
                     "steps": n, "prompts": prompts, "max_new_tokens": new_tokens, "distill_weight": args.distill_weight,
                     "temperature": args.temperature, "target_dtype": args.target_dtype,
+                    "eval_dtype": args.eval_dtype,
                     "anchors": args.anchors}
 
         results: list[dict[str, Any]] = []
+        done = ([json.loads(line) for line in Path(args.results).read_text().splitlines() if line.strip()]
+                if args.results and Path(args.results).is_file() else [])
+
+        def key(run: dict[str, Any]) -> tuple[Any, ...]:
+            return run["fixture"], run["objective"], run["seed"], run["steps"]
+
+        def run_all(jobs: list[dict[str, Any]]) -> None:
+            """Each job's figures: from --results when it holds them, else run (and appended there)."""
+            found = {key(r): r for r in done}
+            results.extend(found[key(j)] for j in jobs if key(j) in found)
+            for result in pool.map(run_one, [j for j in jobs if key(j) not in found]):
+                results.append(result)
+                print(json.dumps(result), flush=True)
+                if args.results:
+                    with open(args.results, "a") as out:
+                        out.write(json.dumps(result) + "\n")
+
         with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
-            first = [
+            run_all([
                 job(f, o, seed, steps[f])
                 for f in fixtures
                 for seed in range(seeds)
                 for o in objectives
                 if o not in WALL
-            ]
-            for result in pool.map(run_one, first):
-                results.append(result)
-                print(json.dumps(result), flush=True)
+            ])
             for objective in (o for o in objectives if o in WALL):  # again, at another objective's wall time
                 base = WALL[objective][1]
                 wall = [job(f, objective, seed, wall_steps(results, f, steps[f], objective)) for f in fixtures
@@ -410,9 +438,7 @@ def main() -> None:
                     again = next(r for r in results if (r["fixture"], r["objective"], r["seed"]) == (j["fixture"], base,
                                                                                                       j["seed"]))
                     results.append({**again, "objective": objective})
-                for result in pool.map(run_one, [j for j in wall if j not in same]):
-                    results.append(result)
-                    print(json.dumps(result), flush=True)
+                run_all([j for j in wall if j not in same])
     if args.out:
         Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in results))
     summary = summarise(results)
