@@ -142,16 +142,19 @@ def test_a_moe_target_split_over_two_devices_trains_and_evaluates(tmp_path, moe_
     assert report.lossless.ok and report.num_prompts == 2
 
 
+def plan_on_80gb(fixture, mask, groups, drafters):
+    """The memory plan of the architecture-only target `fixture` (tests/fixtures) placed on GPUs of 80 GB."""
+    return memory_plan(load_config(None, {
+        "target": {"path": str(Path(__file__).parent / "fixtures" / fixture)}, "dflash": {"mask_token_id": mask},
+        "placement": {"target_devices": groups, "drafter_devices": drafters},
+        "train": {"device_memory_gb": 80}}))
+
+
 def test_qwen3_235b_fits_eight_80gb_gpus_only_split_over_seven():
     """The published Qwen3-235B-A22B (470 GB in bf16, its config.json alone) on eight GPUs of 80 GB: split over seven
     with the drafter on the eighth it fits; two ranks sharing a six-GPU split hold two replicas and are refused."""
-    fixture = Path(__file__).parent / "fixtures" / "qwen3-235b-a22b"
-
     def plan(groups, drafters):
-        return memory_plan(load_config(None, {
-            "target": {"path": str(fixture)}, "dflash": {"mask_token_id": 151669},
-            "placement": {"target_devices": groups, "drafter_devices": drafters},
-            "train": {"device_memory_gb": 80}}))
+        return plan_on_80gb("qwen3-235b-a22b", 151669, groups, drafters)
 
     seven = plan([[f"cuda:{i}" for i in range(7)]], ["cuda:7"])
     assert seven.problem() is None and len(seven.devices) == 8
@@ -164,13 +167,8 @@ def test_qwen3_235b_fits_eight_80gb_gpus_only_split_over_seven():
 def test_qwen3_5_122b_fits_four_80gb_gpus_for_one_rank_and_not_three_for_two():
     """Qwen3.5-122B-A10B (244 GB in bf16, a hybrid MoE whose config names no dense MLP width): split over four GPUs
     with the drafter on a fifth it fits; two ranks of three-GPU splits put 81 GB of weights on each and are refused."""
-    fixture = Path(__file__).parent / "fixtures" / "qwen3.5-122b-a10b"
-
     def plan(groups, drafters):
-        return memory_plan(load_config(None, {
-            "target": {"path": str(fixture)}, "dflash": {"mask_token_id": 248077},
-            "placement": {"target_devices": groups, "drafter_devices": drafters},
-            "train": {"device_memory_gb": 80}}))
+        return plan_on_80gb("qwen3.5-122b-a10b", 248077, groups, drafters)
 
     four = plan([[f"cuda:{i}" for i in range(4)]], ["cuda:4"])
     assert four.problem() is None and all(60e9 < p.total < 66e9 for p in four.devices[:4])
