@@ -301,3 +301,18 @@ def test_an_engine_url_that_does_not_answer_stops_training_in_one_line_naming_it
             pass
     assert str(stopped.value).startswith(f"the engine at http://127.0.0.1:{port} did not answer /health within 1 s "
                                          "(target.engine.timeout_s)")
+
+
+def test_evals_are_keyed_without_the_engine_settings_that_only_training_reads():
+    """A drafter's eval does not depend on how training read the target's features: another engine URL or size finds
+    the same eval folder; another target dtype does not."""
+    from blockdraft.stages.eval.stage import eval_settings_digest, target_settings
+
+    plain = load_config(None, {"target": {"path": str(TINY_TARGET_DIR)}})
+    served = load_config(None, {"target": {"path": str(TINY_TARGET_DIR),
+                                           "engine": {"url": "http://127.0.0.1:9", "timeout_s": 5}},
+                                "train": {"target_engine": "vllm"}})
+    assert eval_settings_digest(plain) == eval_settings_digest(served)
+    assert target_settings(plain.resolved()) == target_settings(served.resolved())
+    other = load_config(None, {"target": {"path": str(TINY_TARGET_DIR), "dtype": "bfloat16"}})
+    assert eval_settings_digest(other) != eval_settings_digest(plain)

@@ -98,9 +98,11 @@ def evaluated(tmp_path_factory) -> tuple[Path, Path, Path]:
 # ---- case 1: a credential in any free-form setting ----
 
 
-# Text settings whose validator admits only a fixed form (a device name, a Hub license id), which no credential takes:
+# Text settings whose validator admits only a fixed form (a device name, a Hub license id, an engine server's root URL),
+# which no credential takes:
 # `test_every_free_form_setting_...` checks that each refuses every planted form.
-CONSTRAINED = {("placement", "target_devices"), ("placement", "drafter_devices"), ("export", "license")}
+CONSTRAINED = {("placement", "target_devices"), ("placement", "drafter_devices"), ("export", "license"),
+               ("target", "engine.url")}
 
 
 def free_form_fields() -> list[tuple[str, str, str]]:
@@ -172,7 +174,7 @@ def planted_sections(where: Path) -> tuple[dict[str, dict], dict[str, str]]:
         if (section, name) == ("store", "url"):  # a store URL is a folder: the token rides in its name
             shape, secret = FORMS["hf token"]()
             value: object = f"file://{where}/store-{secret}"
-        elif (section, name) in (("store", "endpoint_url"), ("target", "engine.url")):  # no query string; http(s)
+        elif (section, name) == ("store", "endpoint_url"):  # an S3 endpoint takes no query string
             shape, secret = FORMS["url userinfo"]()
             value = shape(secret)
         else:
@@ -203,13 +205,14 @@ def holding(texts: dict[str, bytes], secrets_of: dict[str, str]) -> list[str]:
 def test_every_free_form_setting_is_pinned_as_a_fingerprint_that_still_keys_it():
     fields = free_form_fields()
     assert {("eval", "engine_args", "list"), ("generate", "base_url", "list"), ("store", "endpoint_url", "str"),
-            ("target", "path", "str"), ("target", "engine.url", "str"), ("target", "engine.args", "list"),
+            ("target", "path", "str"), ("target", "engine.args", "list"),
             ("train", "wandb", "dict")} <= set(fields)
     for section, name, kind in text_fields():
         if (section, name) in CONSTRAINED:
             for form in FORMS:
                 with pytest.raises(ValidationError):
-                    BlockdraftConfig.model_validate({section: {name: plant(kind, form, "/tmp/x")[0]}})
+                    put(planted := {}, name, plant(kind, form, "/tmp/x")[0])
+                    BlockdraftConfig.model_validate({section: planted})
     sections, secrets_of = planted_sections(Path("/tmp/never-written"))
     config = BlockdraftConfig.model_validate(sections)
     pinned = json.dumps(config.resolved())

@@ -64,10 +64,16 @@ class TargetEngineConfig(_Section):
         return out + (["--enable-expert-parallel"] if self.enable_expert_parallel else []) + list(self.args)
 
     @model_validator(mode="after")
-    def _url_is_http(self) -> TargetEngineConfig:
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
+    def _url_is_a_servers_root(self) -> TargetEngineConfig:
+        if self.url is None:
+            return self
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"target.engine.url must be the http(s) URL of a vLLM server, e.g. http://10.0.0.5:8000 "
                              f"(got {self.url!r})")
+        if parts.path.strip("/") or parts.query or parts.username or parts.password:
+            raise ValueError("target.engine.url must be the server's root, http(s)://host:port, with no path (/v1 is "
+                             "added per request), query or user:password (got another form)")
         return self
 
 

@@ -172,15 +172,31 @@ def validation_line(label: str, err: ValidationError, overrides: Overrides,
     if model is not None and first["type"] == "extra_forbidden" and loc:
         return f"config {label}: {unknown_name(loc, model)}; fix that name in the file"
     message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for our own validators' words
-    spelling = overrides.spelled.get((loc[0], ".".join(loc[1:]))) if len(loc) >= 2 else None
-    if spelling is not None:
-        section, key = loc[0], ".".join(loc[1:])
+    found = _spelled_at(overrides, loc)
+    if found is not None:
+        spelling, (section, key) = found
         bound = _BOUNDS.get(first["type"])
         limit = first.get("ctx", {}).get(bound[1]) if bound else None
         problem = f"must be {bound[0]} {limit}" if bound and limit is not None else message
         return f"{spelling}: {problem} (it sets {section}.{key}); pass a valid value"
-    where = ".".join(loc) or "(top level)"
-    return f"config {label}: field '{where}': {message}; fix that field in the file"
+    if not loc:  # a check across sections: its message names the settings
+        return f"config {label}: {message}"
+    return f"config {label}: field '{'.'.join(loc)}': {message}; fix that field in the file"
+
+
+def _spelled_at(overrides: Overrides, loc: Sequence[str]) -> tuple[str, tuple[str, str]] | None:
+    """(how it was spelled, (section, key)) of the override an error at `loc` is about: the setting at `loc` or the one
+    that holds it (an item of a list: `dflash.target_layer_ids.1`), else one inside the table at `loc` (a check of the
+    whole `[target.engine]`); None when the file set it."""
+    if len(loc) < 2:
+        return None
+    for end in range(len(loc), 1, -1):
+        key = (loc[0], ".".join(loc[1:end]))
+        if key in overrides.spelled:
+            return overrides.spelled[key], key
+    table = ".".join(loc[1:]) + "."
+    inside = [key for key in overrides.spelled if key[0] == loc[0] and key[1].startswith(table)]
+    return (overrides.spelled[inside[0]], inside[0]) if inside else None
 
 
 def apply(data: dict, overrides: Overrides, label: str) -> dict:

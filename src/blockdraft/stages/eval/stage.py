@@ -319,11 +319,24 @@ def _warm_up(hf_model: Any, proposer: DFlashProposer, prompt: list[int]) -> None
     run_speculative(hf_model, proposer, prompt, 2)
 
 
+def target_settings(resolved: dict[str, Any]) -> dict[str, Any]:
+    """The resolved target section as eval depends on it: [target.engine] is how training reads the target's features,
+    which no eval figure depends on, so it is left out of eval's keys."""
+    return {key: value for key, value in resolved["target"].items() if key != "engine"}
+
+
+def eval_settings_digest(cfg: BlockdraftConfig) -> str:
+    """sha256 of the eval and target settings (`target_settings`) that the default eval folder is named by."""
+    resolved = cfg.resolved()
+    data = {"eval": resolved["eval"], "target": target_settings(resolved)}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
 def _default_output(cfg: BlockdraftConfig, ckpt: Checkpoint, prompts: EvalPrompts, max_new_tokens: int) -> str:
     """STORE/eval/<16 hex>: one folder per checkpoint (by content), prompt sets and their ids, length and eval/target
     settings."""
     sets = [[s.name, s.ids] for s in prompts.sets]
-    key = json.dumps([ckpt.ref.sha256, sets, max_new_tokens, cfg.digest("eval", "target")]).encode()
+    key = json.dumps([ckpt.ref.sha256, sets, max_new_tokens, eval_settings_digest(cfg)]).encode()
     return f"{cfg.store.url.rstrip('/')}/eval/{hashlib.sha256(key).hexdigest()[:16]}"
 
 
@@ -342,7 +355,7 @@ def _output_key(
     resolved = cfg.resolved()
     settings = {
         "eval": {**resolved["eval"], "max_new_tokens": max_new_tokens},
-        "target": resolved["target"],
+        "target": target_settings(resolved),
         "placement": resolved["placement"],
         "thinking": resolved["tokenize"]["thinking"],
         "checkpoint": open_store(checkpoint, cfg.store).url,
